@@ -1,0 +1,1 @@
+"""The ``hadar`` command line: one entry point, one module per subcommand group."""

@@ -1,0 +1,1 @@
+"""Scheduler: pure policies and the simulator, plus the live round loop around them."""
