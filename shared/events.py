@@ -366,6 +366,9 @@ class RoundStarted(Event):
     assignments: int = 0
     waiting: tuple[Waiting, ...] = ()
     decision_ms: float = 0.0
+    # "topic:partition" -> records of it the scheduler had folded when it planned: replay
+    # folds exactly these (plus earlier rounds' placements) to re-derive the decision.
+    inputs: dict[str, int] = field(default_factory=dict)
 
     def _check(self) -> None:
         _require(self.round >= 0, "RoundStarted.round: must be >= 0")

@@ -1,0 +1,118 @@
+"""Pure glue between the live scheduler's state and the policies.
+
+``build_snapshot`` turns folded events into the policy's input; ``plan_to_events`` turns
+its plan into the RoundStarted and Assignment events agents act on. Both are
+deterministic functions of their arguments, which is what lets replay re-derive every
+recorded round.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+from services.scheduler.cluster import Cluster, Node
+from services.scheduler.policy import JobState, Plan, Snapshot, copy_rate
+from services.scheduler.state import SchedulerState
+from services.scheduler.throughput import ThroughputModel
+from shared.events import Assignment, Event, RoundStarted, Waiting
+
+RENDEZVOUS_BASE_PORT = 29500
+RENDEZVOUS_PORTS = 2000
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundTiming:
+    round: int
+    started_at: float
+    round_s: float
+    heartbeat_s: float
+
+    @property
+    def ends_at(self) -> float:
+        return self.started_at + self.round_s
+
+
+def cluster_from_state(state: SchedulerState, timing: RoundTiming) -> Cluster:
+    """Nodes that sent a heartbeat within 3 periods of the round start; GPUs by position."""
+    nodes = []
+    for record in state.live_nodes(timing.started_at, timing.heartbeat_s):
+        gpus = sorted(record.registered.gpus, key=lambda g: g.index)
+        nodes.append(Node(node_id=record.registered.node_id, gpus=tuple(g.type for g in gpus)))
+    return Cluster(name="live", nodes=tuple(nodes))
+
+
+def throughput_from_state(state: SchedulerState) -> ThroughputModel:
+    """Rates keyed by job id (each live job is its own "job type"); measured beat estimated."""
+    return ThroughputModel(rates={key: rate for key, (_, rate) in state.rates.items()})
+
+
+def build_snapshot(state: SchedulerState, timing: RoundTiming, previous: Plan | None, seed: int) -> Snapshot:
+    jobs = tuple(
+        JobState(
+            job_id=j.spec.job_id, job_type=j.spec.job_id, workers=j.spec.workers,
+            total_steps=j.spec.iterations, steps_done=float(j.steps_done), arrival_s=j.submitted_at,
+            priority=j.spec.priority, attained_gpu_s=j.attained_gpu_s,
+            time_by_type=dict(j.time_by_type), rounds_run=j.rounds_run,
+        )
+        for j in state.active_jobs()
+    )
+    return Snapshot(round=timing.round, now_s=timing.started_at, round_s=timing.round_s,
+                    cluster=cluster_from_state(state, timing), jobs=jobs,
+                    throughput=throughput_from_state(state), previous=previous, seed=seed)
+
+
+def rendezvous_port(job_id: str, copy: int) -> int:
+    return RENDEZVOUS_BASE_PORT + zlib.crc32(f"{job_id}/{copy}".encode()) % RENDEZVOUS_PORTS
+
+
+def plan_to_events(plan: Plan, snapshot: Snapshot, state: SchedulerState, timing: RoundTiming, *,
+                   policy: str, source: str, inputs: dict[str, int], decision_ms: float) -> list[Event]:
+    """RoundStarted first, then one Assignment per (node, job copy), in a stable order.
+
+    Each copy's step budget is the job's remaining steps split across its copies in
+    proportion to their expected rates (rounded up), so copies together do not overshoot
+    the job by more than one step each when the estimates hold.
+    """
+    jobs = {j.job_id: j for j in snapshot.jobs}
+    copies = plan.copies()
+    rates = {key: copy_rate(snapshot, jobs[key[0]], parts) for key, parts in copies.items()}
+    total_rate: dict[str, float] = {}
+    for (job_id, _), rate in rates.items():
+        total_rate[job_id] = total_rate.get(job_id, 0.0) + rate
+    ts = timing.started_at
+    events: list[Event] = [RoundStarted(
+        ts=ts, source=source, round=timing.round, policy=policy, started_at=timing.started_at,
+        ends_at=timing.ends_at, nodes=tuple(n.node_id for n in snapshot.cluster.nodes),
+        assignments=sum(len(p) for p in copies.values()),
+        waiting=tuple(Waiting(job_id=w.job_id, code=w.code.value, detail=w.detail[:200]) for w in plan.waiting),
+        decision_ms=decision_ms, inputs=dict(sorted(inputs.items())),
+    )]
+    for (job_id, copy) in sorted(copies):
+        parts = sorted(copies[(job_id, copy)], key=lambda p: p.node_id)
+        record = state.jobs[job_id]
+        remaining = max(0, record.spec.iterations - record.steps_done)
+        share = rates[(job_id, copy)] / total_rate[job_id] if total_rate[job_id] > 0 else 1.0 / len(
+            [k for k in copies if k[0] == job_id])
+        budget = min(remaining, math.ceil(remaining * share))
+        world = sum(len(p.gpus) for p in parts)
+        first_node = state.nodes[parts[0].node_id].registered
+        rendezvous = None
+        if len(parts) > 1:
+            host = first_node.address or parts[0].node_id
+            rendezvous = f"{host}:{rendezvous_port(job_id, copy)}"
+        rank = 0
+        for part in parts:
+            registered = state.nodes[part.node_id].registered
+            by_position = sorted(registered.gpus, key=lambda g: g.index)
+            gpus = tuple(by_position[i].index for i in part.gpus)
+            types = sorted({by_position[i].type for i in part.gpus})
+            ranks = tuple(range(rank, rank + len(gpus)))
+            rank += len(gpus)
+            events.append(Assignment(
+                ts=ts, source=source, round=timing.round, job=record.spec, copy=copy, node_id=part.node_id,
+                gpus=gpus, gpu_type="+".join(types), world_size=world, ranks=ranks, step_budget=budget,
+                deadline=timing.ends_at, start_from=record.model_key, rendezvous=rendezvous,
+            ))
+    return events

@@ -1,0 +1,183 @@
+"""The live scheduler's state: a pure fold over the events it has read.
+
+``SchedulerState.apply(event)`` is the only way state changes; applying the same event
+twice (same ``id``) is a no-op, so at-least-once delivery is safe, and a scheduler that
+restarts rebuilds exactly this state by reading its topics from the start. Nothing here
+reads a clock: times come from the events themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.events import (
+    Assignment, CopyFinished, Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted,
+    ModelConsolidated, NodeHeartbeat, NodeRegistered, Progress, RoundStarted, ThroughputEstimate,
+)
+
+
+@dataclass(kw_only=True)
+class JobRecord:
+    spec: JobSpec
+    submitted_at: float
+    cancelled: bool = False
+    completed_at: float | None = None
+    final_key: str | None = None
+    steps_done: int = 0                 # authoritative: the last consolidated model's total
+    model_key: str | None = None        # the last consolidated model (start point of the next round)
+    consolidated_round: int = -1
+    live_steps: dict[tuple[int, int], int] = field(default_factory=dict)  # (round, copy) -> steps this round
+    attained_gpu_s: float = 0.0
+    time_by_type: dict[str, float] = field(default_factory=dict)
+    rounds_run: int = 0
+    first_round: int | None = None
+    last_round: int | None = None
+
+    @property
+    def active(self) -> bool:
+        return not self.cancelled and self.completed_at is None
+
+    @property
+    def state(self) -> str:
+        if self.completed_at is not None:
+            return "completed"
+        if self.cancelled:
+            return "cancelled"
+        return "running" if self.last_round is not None else "waiting"
+
+    def progress_steps(self) -> int:
+        """Consolidated steps plus what copies reported since (for display only)."""
+        pending = sum(s for (r, _), s in self.live_steps.items() if r > self.consolidated_round)
+        return min(self.spec.iterations, self.steps_done + pending)
+
+
+@dataclass(kw_only=True)
+class NodeRecord:
+    registered: NodeRegistered
+    last_seen: float
+
+
+@dataclass(kw_only=True)
+class RoundRecord:
+    started: RoundStarted
+    assignments: list[Assignment] = field(default_factory=list)
+
+
+class SchedulerState:
+    def __init__(self) -> None:
+        self.jobs: dict[str, JobRecord] = {}
+        self.nodes: dict[str, NodeRecord] = {}
+        # (job_id, gpu_type, workers) -> (basis, steps/s); a measured value is never replaced by an estimate
+        self.rates: dict[tuple[str, str, int], tuple[str, float]] = {}
+        self.rounds: dict[int, RoundRecord] = {}
+        self.last_round: int = -1
+        self.events_applied = 0
+        self._seen: set[str] = set()
+
+    # ------------------------------------------------------------------ fold
+
+    def apply(self, event: Event) -> bool:
+        """Fold one event in; False when it was already applied (duplicate id)."""
+        if event.id in self._seen:
+            return False
+        self._seen.add(event.id)
+        self.events_applied += 1
+        handler = getattr(self, f"_on_{type(event).__name__}", None)
+        if handler is not None:
+            handler(event)
+        return True
+
+    def _on_JobSubmitted(self, e: JobSubmitted) -> None:
+        if e.job_id not in self.jobs:   # a resubmitted id keeps the first submission
+            self.jobs[e.job_id] = JobRecord(spec=e.job, submitted_at=e.submitted_at)
+
+    def _on_JobCancelled(self, e: JobCancelled) -> None:
+        job = self.jobs.get(e.job_id)
+        if job is not None and job.completed_at is None:
+            job.cancelled = True
+
+    def _on_NodeRegistered(self, e: NodeRegistered) -> None:
+        self.nodes[e.node_id] = NodeRecord(registered=e, last_seen=e.ts)
+
+    def _on_NodeHeartbeat(self, e: NodeHeartbeat) -> None:
+        node = self.nodes.get(e.node_id)
+        if node is not None:
+            node.last_seen = max(node.last_seen, e.ts)
+
+    def _on_ThroughputEstimate(self, e: ThroughputEstimate) -> None:
+        for gpu_type, rate in e.rates.items():
+            key = (e.job_id, gpu_type, e.workers)
+            current = self.rates.get(key)
+            if current is not None and current[0] == "measured" and e.basis == "estimate":
+                continue
+            self.rates[key] = (e.basis, rate)
+
+    def _on_RoundStarted(self, e: RoundStarted) -> None:
+        self.rounds.setdefault(e.round, RoundRecord(started=e))
+        self.last_round = max(self.last_round, e.round)
+
+    def _on_Assignment(self, e: Assignment) -> None:
+        record = self.rounds.get(e.round)
+        if record is not None:
+            record.assignments.append(e)
+            seconds = max(0.0, record.started.ends_at - record.started.started_at)
+        else:
+            seconds = 0.0
+        job = self.jobs.get(e.job_id)
+        if job is None:
+            return
+        job.attained_gpu_s += seconds * len(e.gpus)
+        job.time_by_type[e.gpu_type] = job.time_by_type.get(e.gpu_type, 0.0) + seconds
+        if job.last_round != e.round:
+            job.rounds_run += 1
+            job.last_round = e.round
+        if job.first_round is None:
+            job.first_round = e.round
+
+    def _on_Progress(self, e: Progress) -> None:
+        job = self.jobs.get(e.job_id)
+        if job is not None:
+            key = (e.round, e.copy)
+            job.live_steps[key] = max(job.live_steps.get(key, 0), e.steps_round)
+
+    def _on_CopyFinished(self, e: CopyFinished) -> None:
+        job = self.jobs.get(e.job_id)
+        if job is not None and e.status != "failed":
+            key = (e.round, e.copy)
+            job.live_steps[key] = max(job.live_steps.get(key, 0), e.steps_round)
+
+    def _on_ModelConsolidated(self, e: ModelConsolidated) -> None:
+        job = self.jobs.get(e.job_id)
+        if job is not None and e.round >= job.consolidated_round:
+            job.consolidated_round = e.round
+            job.steps_done = e.total_steps
+            job.model_key = e.key
+            job.live_steps = {k: v for k, v in job.live_steps.items() if k[0] > e.round}
+
+    def _on_JobCompleted(self, e: JobCompleted) -> None:
+        job = self.jobs.get(e.job_id)
+        if job is not None and job.completed_at is None:
+            job.completed_at = e.completed_at
+            job.final_key = e.final_key
+            job.steps_done = max(job.steps_done, e.total_steps)
+
+    # ------------------------------------------------------------------ queries
+
+    def active_jobs(self) -> list[JobRecord]:
+        """Active jobs in submission order (ties by id): the order snapshots list them."""
+        return sorted((j for j in self.jobs.values() if j.active), key=lambda j: (j.submitted_at, j.spec.job_id))
+
+    def live_nodes(self, at: float, heartbeat_s: float, missed: int = 3) -> list[NodeRecord]:
+        """Nodes heard from within ``missed`` heartbeat periods of ``at``, sorted by id."""
+        horizon = missed * heartbeat_s
+        return sorted((n for n in self.nodes.values() if at - n.last_seen <= horizon),
+                      key=lambda n: n.registered.node_id)
+
+    def awaiting_consolidation(self, round_: int) -> list[str]:
+        """Active jobs that ran in ``round_`` and whose model for it has not been announced."""
+        record = self.rounds.get(round_)
+        if record is None:
+            return []
+        ran = {a.job_id for a in record.assignments}
+        return sorted(j for j in ran if j in self.jobs and self.jobs[j].active
+                      and self.jobs[j].consolidated_round < round_)

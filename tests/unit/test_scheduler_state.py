@@ -1,0 +1,124 @@
+"""The live scheduler's fold, snapshot and round events, without a broker."""
+
+from __future__ import annotations
+
+from services.scheduler.policy import Placement, Plan, Wait, WaitCode
+from services.scheduler.rounds import RoundTiming, build_snapshot, plan_to_events
+from services.scheduler.state import SchedulerState
+from shared.events import (
+    Assignment, GpuInfo, JobCancelled, JobSpec, JobSubmitted, ModelConsolidated, NodeHeartbeat,
+    NodeRegistered, Progress, RoundStarted, ThroughputEstimate, CopyWeight,
+)
+
+T0 = 1_700_000_000.0
+
+
+def spec(job_id: str, workers: int = 1, iterations: int = 100) -> JobSpec:
+    return JobSpec(job_id=job_id, user="u", model="resnet", dataset="digits", batch_size=32,
+                   workers=workers, iterations=iterations)
+
+
+def node(node_id: str, *types: str, ts: float = T0) -> NodeRegistered:
+    return NodeRegistered(ts=ts, source="agent", node_id=node_id, address=f"{node_id}.lan",
+                          gpus=tuple(GpuInfo(index=i, type=t) for i, t in enumerate(types)))
+
+
+def test_duplicate_events_are_folded_once():
+    state = SchedulerState()
+    e = JobSubmitted(ts=T0, source="cli", job=spec("a"), submitted_at=T0)
+    assert state.apply(e) is True
+    assert state.apply(e) is False
+    assert list(state.jobs) == ["a"] and state.events_applied == 1
+
+
+def test_measured_throughput_is_never_replaced_by_an_estimate():
+    state = SchedulerState()
+    state.apply(ThroughputEstimate(ts=T0, source="p", job_id="a", basis="measured", workers=1, rates={"t4": 5.0}))
+    state.apply(ThroughputEstimate(ts=T0 + 1, source="p", job_id="a", basis="estimate", workers=1,
+                                   rates={"t4": 9.0, "v100": 20.0}))
+    assert state.rates[("a", "t4", 1)] == ("measured", 5.0)
+    assert state.rates[("a", "v100", 1)] == ("estimate", 20.0)
+
+
+def test_nodes_leave_after_three_missed_heartbeats():
+    state = SchedulerState()
+    state.apply(node("n1", "t4"))
+    state.apply(node("n2", "v100"))
+    state.apply(NodeHeartbeat(ts=T0 + 20, source="agent", node_id="n2"))
+    alive = [n.registered.node_id for n in state.live_nodes(T0 + 20, heartbeat_s=5)]
+    assert alive == ["n2"]   # n1 last seen 20 s ago > 3 x 5 s
+
+
+def test_consolidated_model_sets_progress_and_start_point():
+    state = SchedulerState()
+    state.apply(JobSubmitted(ts=T0, source="cli", job=spec("a"), submitted_at=T0))
+    state.apply(Progress(ts=T0 + 1, source="agent", job_id="a", round=0, copy=0, node_id="n1", gpu_type="t4",
+                         workers=1, steps_round=30, steps_total=30, samples_per_s=10, loss=1.0))
+    assert state.jobs["a"].progress_steps() == 30 and state.jobs["a"].steps_done == 0
+    state.apply(ModelConsolidated(ts=T0 + 2, source="tracker", job_id="a", round=0, key="models/a/0.safetensors",
+                                  total_steps=40, copies=(CopyWeight(copy=0, steps=40, weight=1.0),)))
+    job = state.jobs["a"]
+    assert job.steps_done == 40 and job.model_key == "models/a/0.safetensors" and job.progress_steps() == 40
+
+
+def test_cancelled_job_is_no_longer_active():
+    state = SchedulerState()
+    state.apply(JobSubmitted(ts=T0, source="cli", job=spec("a"), submitted_at=T0))
+    state.apply(JobCancelled(ts=T0 + 1, source="cli", job_id="a"))
+    assert state.active_jobs() == [] and state.jobs["a"].state == "cancelled"
+
+
+def _state_with_cluster() -> SchedulerState:
+    state = SchedulerState()
+    state.apply(node("n1", "v100", "v100"))
+    state.apply(node("n2", "t4"))
+    state.apply(JobSubmitted(ts=T0, source="cli", job=spec("a", workers=3, iterations=90), submitted_at=T0))
+    state.apply(JobSubmitted(ts=T0 + 1, source="cli", job=spec("b"), submitted_at=T0 + 1))
+    state.apply(ThroughputEstimate(ts=T0, source="p", job_id="a", basis="estimate", workers=3,
+                                   rates={"v100": 30.0, "t4": 9.0}))
+    return state
+
+
+def test_snapshot_reflects_state():
+    state = _state_with_cluster()
+    timing = RoundTiming(round=0, started_at=T0 + 5, round_s=10, heartbeat_s=5)
+    snap = build_snapshot(state, timing, None, seed=3)
+    assert [n.node_id for n in snap.cluster.nodes] == ["n1", "n2"]
+    assert snap.cluster.by_id["n1"].gpus == ("v100", "v100")
+    assert [j.job_id for j in snap.jobs] == ["a", "b"]
+    assert snap.throughput.rate("a", "v100", 3) == 30.0
+    assert snap.seed == 3 and snap.now_s == T0 + 5
+
+
+def test_plan_to_events_spanning_copy_gets_ranks_and_rendezvous():
+    state = _state_with_cluster()
+    timing = RoundTiming(round=4, started_at=T0 + 5, round_s=10, heartbeat_s=5)
+    snap = build_snapshot(state, timing, None, seed=0)
+    plan = Plan(placements=(Placement(job_id="a", copy=0, node_id="n1", gpus=(0, 1)),
+                            Placement(job_id="a", copy=0, node_id="n2", gpus=(0,))),
+                waiting=(Wait(job_id="b", code=WaitCode.CAPACITY, detail="no free GPU"),))
+    events = plan_to_events(plan, snap, state, timing, policy="hadar", source="scheduler",
+                            inputs={"hadar.jobs:0": 2}, decision_ms=1.5)
+    started, *assignments = events
+    assert isinstance(started, RoundStarted) and started.round == 4 and started.assignments == 2
+    assert [w.job_id for w in started.waiting] == ["b"] and started.inputs == {"hadar.jobs:0": 2}
+    assert all(isinstance(a, Assignment) for a in assignments)
+    a1, a2 = assignments
+    assert (a1.node_id, a1.ranks, a2.node_id, a2.ranks) == ("n1", (0, 1), "n2", (2,))
+    assert a1.world_size == a2.world_size == 3
+    assert a1.rendezvous == a2.rendezvous and a1.rendezvous.startswith("n1.lan:")
+    assert a1.step_budget == 90 and a1.deadline == T0 + 15
+
+
+def test_step_budget_is_split_across_copies_by_rate():
+    state = _state_with_cluster()
+    state.apply(ThroughputEstimate(ts=T0, source="p", job_id="b", basis="estimate", workers=1,
+                                   rates={"v100": 30.0, "t4": 10.0}))
+    timing = RoundTiming(round=0, started_at=T0 + 5, round_s=10, heartbeat_s=5)
+    snap = build_snapshot(state, timing, None, seed=0)
+    plan = Plan(placements=(Placement(job_id="b", copy=0, node_id="n1", gpus=(0,)),
+                            Placement(job_id="b", copy=1, node_id="n2", gpus=(0,))),
+                waiting=(Wait(job_id="a", code=WaitCode.CAPACITY),))
+    budgets = {e.copy: e.step_budget for e in plan_to_events(plan, snap, state, timing, policy="x", source="s",
+                                                             inputs={}, decision_ms=0) if isinstance(e, Assignment)}
+    assert budgets == {0: 75, 1: 25}
