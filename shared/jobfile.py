@@ -1,0 +1,96 @@
+"""Job specs from users: YAML/JSON files and flags, validated before anything is published.
+
+``parse_job(mapping)`` is the one path from user input to a ``JobSpec``: the CLI's
+``submit`` and the demo both use it, and every error is a ``JobFileError`` whose message
+names the offending field.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shared.events import Hyperparameters, InvalidEvent, JobSpec
+
+FIELDS = ("id", "user", "model", "dataset", "batch_size", "workers", "iterations", "priority",
+          "deadline_s", "optimizer", "lr", "seed")
+_INT_FIELDS = {"batch_size", "workers", "iterations", "seed"}
+_FLOAT_FIELDS = {"priority", "deadline_s", "lr"}
+
+
+class JobFileError(ValueError):
+    """Bad job input; the message starts with the field name."""
+
+
+def load_job_file(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise JobFileError(f"file: cannot read {p}: {exc.strerror}") from None
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise JobFileError(f"file: {p} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: "
+                           f"{str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise JobFileError(f"file: {p} must hold a mapping of job fields")
+    return data
+
+
+def _coerce(name: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if name in _INT_FIELDS:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise JobFileError(f"{name}: must be an integer, got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            raise JobFileError(f"{name}: must be an integer, got {value!r}") from None
+    if name in _FLOAT_FIELDS:
+        if isinstance(value, bool):
+            raise JobFileError(f"{name}: must be a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise JobFileError(f"{name}: must be a number, got {value!r}") from None
+    if not isinstance(value, str):
+        raise JobFileError(f"{name}: must be a string, got {value!r}")
+    return value
+
+
+def new_job_id(model: str) -> str:
+    return f"{model.lower()[:40]}-{secrets.token_hex(3)}"
+
+
+def parse_job(data: Mapping[str, Any], *, default_user: str = "anonymous") -> JobSpec:
+    unknown = sorted(set(data) - set(FIELDS))
+    if unknown:
+        raise JobFileError(f"{unknown[0]}: unknown field; valid fields: {', '.join(FIELDS)}")
+    values = {k: _coerce(k, v) for k, v in data.items() if v is not None}
+    for required in ("model", "dataset", "workers", "iterations"):
+        if required not in values:
+            raise JobFileError(f"{required}: required")
+    from shared.zoo import validate_names   # the zoo knows which models and datasets exist
+    try:
+        validate_names(values["model"], values["dataset"])
+    except ValueError as exc:
+        raise JobFileError(str(exc)) from None
+    try:
+        hyper = Hyperparameters(**{k: values[k] for k in ("optimizer", "lr", "seed") if k in values})
+        return JobSpec(
+            job_id=values.get("id") or new_job_id(values["model"]), user=values.get("user", default_user),
+            model=values["model"], dataset=values["dataset"], batch_size=values.get("batch_size", 32),
+            workers=values["workers"], iterations=values["iterations"], priority=values.get("priority", 1.0),
+            deadline_s=values.get("deadline_s"), hyper=hyper,
+        )
+    except InvalidEvent as exc:
+        # "JobSpec.workers: must be ..." -> "workers: must be ..."
+        raise JobFileError(exc.reason.split(".", 1)[-1] if exc.reason.startswith(("JobSpec.", "Hyperparameters."))
+                           else exc.reason) from None
