@@ -1,0 +1,107 @@
+"""``hadar sim``: run several policies on one trace and cluster, compare them side by side.
+
+Writes ``OUT/summary.json``, ``OUT/report.md``, ``OUT/utilization.png`` and
+``OUT/jct_cdf.png``, and prints the comparison table. Each policy gets a fresh instance
+and the identical trace, cluster, throughput model and options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from services.cli.main import UsageError
+
+PLOTS = ("utilization.png", "jct_cdf.png")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("sim", help="simulate scheduling policies on a job trace and compare them",
+                              description=__doc__)
+    p.add_argument("--cluster", required=True,
+                   help="built-in (gavel-108, aws-5, lab-5), a YAML file, or inline like v100:4,k80:2x4")
+    p.add_argument("--trace", required=True,
+                   help="CSV file, Gavel .trace file, or gen:jobs=N,rate=R,seed=S,multi_gpu=true|false")
+    p.add_argument("--policies", required=True, help="comma-separated policy names, e.g. yarn-cs,gavel,hadar")
+    p.add_argument("--round-s", type=float, default=360.0, help="round length in seconds (default 360)")
+    p.add_argument("--seed", type=int, default=0, help="policy seed, and generator seed unless gen: gives one")
+    p.add_argument("--cross-node", choices=("table", "off"), default="table",
+                   help="cross-node slowdown from the table (default) or none, as Gavel's simulator")
+    p.add_argument("--restart-s", type=float, default=0.0, help="seconds lost per re-placed copy (default 0)")
+    p.add_argument("--store-gbps", type=float, default=1.0,
+                   help="object-store GB/s for HadarE consolidation (default 1.0)")
+    p.add_argument("--max-rounds", type=int, default=100_000, help="stop after this many rounds per policy")
+    p.add_argument("--out", required=True, help="output directory")
+    p.set_defaults(func=run)
+
+
+def _policy_names(raw: str) -> list[str]:
+    from services.scheduler.policies import POLICY_NAMES
+
+    names = [n.strip() for n in raw.split(",") if n.strip()]
+    if not names:
+        raise UsageError("--policies: no policy named")
+    for name in names:
+        if name not in POLICY_NAMES:
+            raise UsageError(f"--policies: unknown policy {name!r}; valid: {', '.join(POLICY_NAMES)}")
+    if len(set(names)) != len(names):
+        raise UsageError("--policies: a policy is named twice")
+    return names
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.scheduler import report
+    from services.scheduler.clusters import ClusterSpecError, parse_cluster
+    from services.scheduler.metrics import compute_metrics
+    from services.scheduler.policies import make_policy
+    from services.scheduler.simulator import SimOptions, build_throughput, simulate
+    from services.scheduler.traces import TraceError, load_trace
+
+    names = _policy_names(args.policies)
+    try:
+        options = SimOptions(round_s=args.round_s, restart_s=args.restart_s, store_gbps=args.store_gbps,
+                             seed=args.seed, max_rounds=args.max_rounds)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        cluster = parse_cluster(args.cluster)
+    except ClusterSpecError as exc:
+        raise UsageError(f"--cluster: {exc}") from None
+    throughput = build_throughput(cross_node=args.cross_node == "table")
+    try:
+        jobs = load_trace(args.trace, throughput=throughput, default_seed=args.seed)
+    except TraceError as exc:
+        raise UsageError(f"--trace: {exc}") from None
+    policies = []
+    for name in names:
+        try:
+            policies.append(make_policy(name))
+        except ModuleNotFoundError as exc:
+            if not (exc.name or "").startswith("services.scheduler.policies"):
+                raise
+            raise UsageError(f"--policies: policy {name!r} is not available in this build") from None
+
+    results, metrics = [], {}
+    for name, policy in zip(names, policies):
+        started = time.perf_counter()
+        result = simulate(policy=policy, cluster=cluster, jobs=jobs, throughput=throughput, options=options)
+        metrics[name] = compute_metrics(result, throughput)
+        results.append(result)
+        print(f"{name}: {len(result.rounds)} rounds, {metrics[name].jobs_completed}/{len(jobs)} jobs completed, "
+              f"stopped: {result.stop_reason}, {time.perf_counter() - started:.1f} s", file=sys.stderr)
+
+    summary = report.build_summary(cluster=cluster, trace=args.trace, jobs=len(jobs), metrics=metrics)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as fh:
+        json.dump(summary, fh, indent=2)
+        fh.write("\n")
+    for filename, figure in zip(PLOTS, (report.plot_utilization(results), report.plot_jct_cdf(results))):
+        figure.savefig(os.path.join(args.out, filename), dpi=110)
+    stop_reasons = {name: r.stop_reason for name, r in zip(names, results)}
+    with open(os.path.join(args.out, "report.md"), "w", encoding="utf-8") as fh:
+        fh.write(report.render_markdown(summary, stop_reasons=stop_reasons, plots=PLOTS))
+    print(report.format_text_table(summary["policies"]))
+    return 0

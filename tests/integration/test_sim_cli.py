@@ -1,0 +1,108 @@
+"""``hadar sim`` end to end on a tiny trace: summary.json, report.md, PNG plots, errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from services.cli.main import main
+from services.scheduler.policies import _REGISTRY
+from services.scheduler.report import format_text_table, render_markdown
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "traces" / "small.csv"
+METRIC_KEYS = {"ttd_s", "cru", "gru", "jct_mean_s", "jct_median_s", "jct_p95_s", "queue_delay_mean_s", "ftf_mean",
+               "decision_ms_p50", "decision_ms_max", "jobs_total", "jobs_completed"}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def available_policies() -> list[str]:
+    return [name for name, (module, _) in _REGISTRY.items() if importlib.util.find_spec(module) is not None]
+
+
+def test_sim_writes_summary_report_and_plots(tmp_path, capsys) -> None:
+    policies = available_policies()
+    out = tmp_path / "out"
+    code = main(["sim", "--cluster", "v100:2x2,p100:2,k80:4", "--trace", str(EXAMPLE),
+                 "--policies", ",".join(policies), "--round-s", "120", "--seed", "3", "--out", str(out)])
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["cluster"] == {"name": "v100:2x2,p100:2,k80:4", "nodes": 8, "gpus": {"k80": 4, "p100": 2, "v100": 4}}
+    assert summary["trace"] == {"spec": str(EXAMPLE), "jobs": 8}
+    assert list(summary["policies"]) == policies
+    for name, m in summary["policies"].items():
+        assert set(m) == METRIC_KEYS, name
+        assert (m["jobs_total"], m["jobs_completed"]) == (8, 8), name
+        assert set(m["gru"]) == {"k80", "p100", "v100"}
+        assert 0 < m["cru"] <= 1 and m["ttd_s"] > 0 and m["jct_median_s"] <= m["jct_p95_s"]
+    report = (out / "report.md").read_text()
+    assert "| TTD (h) |" in report and all(f"`{p}`" in report for p in policies)
+    assert ("## Ratios vs gavel" in report) == ("gavel" in policies)
+    for png in ("utilization.png", "jct_cdf.png"):
+        data = (out / png).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 5000
+        assert f"]({png})" in report
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[0].split() == ["metric", *policies]
+    assert "jobs completed" in printed
+
+
+def test_same_input_gives_same_summary_apart_from_decision_times(tmp_path) -> None:
+    args = ["sim", "--cluster", "aws-5", "--trace", "gen:jobs=6,rate=30,multi_gpu=false",
+            "--policies", available_policies()[0], "--seed", "11"]
+    assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    assert main([*args, "--out", str(tmp_path / "b")]) == 0
+
+    def stable(path: Path) -> dict:
+        doc = json.loads((path / "summary.json").read_text())
+        for m in doc["policies"].values():
+            del m["decision_ms_p50"], m["decision_ms_max"]
+        return doc
+    assert stable(tmp_path / "a") == stable(tmp_path / "b")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--policies", "yarn-cs,fifo"], "unknown policy 'fifo'"),
+    (["--cluster", "moon-9"], "unknown cluster 'moon-9'"),
+    (["--cluster", "v100:2,b200:1"], "unknown GPU type 'b200'"),
+    (["--trace", "gen:jobs=0"], "field jobs"),
+    (["--round-s", "0"], "round_s must be positive"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args: list[str], fragment: str) -> None:
+    base = {"--cluster": "v100:2", "--trace": str(EXAMPLE), "--policies": "yarn-cs", "--out": str(tmp_path)}
+    for flag, value in zip(args[::2], args[1::2]):
+        base[flag] = value
+    argv = ["sim"] + [x for kv in base.items() for x in kv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hadar sim: error: ") and fragment in err and "\n" not in err
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_bad_trace_line_names_line_and_field(tmp_path, capsys) -> None:
+    trace = tmp_path / "bad.csv"
+    trace.write_text("job_id,arrival_time_s,job_type,scale_factor,total_steps\n"
+                     "a,0,A3C,1,100\nb,0,A3C,two,100\n")
+    assert main(["sim", "--cluster", "v100:2", "--trace", str(trace), "--policies", "yarn-cs",
+                 "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "line 3: field scale_factor" in err and "\n" not in err
+
+
+def test_report_ratios_against_gavel() -> None:
+    def metrics(ttd: float, cru: float, jct: float) -> dict:
+        return {"ttd_s": ttd, "cru": cru, "gru": {"v100": cru}, "jct_mean_s": jct, "jct_median_s": jct,
+                "jct_p95_s": jct, "queue_delay_mean_s": 0.0, "ftf_mean": 1.0, "decision_ms_p50": 1.0,
+                "decision_ms_max": 2.0, "jobs_total": 3, "jobs_completed": 3}
+    summary = {"cluster": {"name": "c", "nodes": 1, "gpus": {"v100": 1}}, "trace": {"spec": "t", "jobs": 3},
+               "policies": {"gavel": metrics(7200, 0.5, 3600), "hadar": metrics(3600, 0.75, 1800)}}
+    text = render_markdown(summary, stop_reasons={"gavel": "completed", "hadar": "completed"})
+    assert "| TTD speedup (gavel / policy) | 1.00x | 2.00x |" in text
+    assert "| CRU gain (policy / gavel) | 1.00x | 1.50x |" in text
+    assert "| JCT mean speedup (gavel / policy) | 1.00x | 2.00x |" in text
+    assert "| TTD (h) | 2.00 | 1.00 |" in text
+    del summary["policies"]["gavel"]
+    assert "Ratios" not in render_markdown(summary, stop_reasons={})
+    assert "TTD speedup" not in format_text_table(summary["policies"])
