@@ -44,7 +44,9 @@ class SchedulerService:
 
     def __init__(self, *, bus: Bus, policy: str = "hadare", round_s: float = 360.0, heartbeat_s: float = 5.0,
                  consolidation_wait_s: float = 60.0, seed: int = 0, clock: Clock | None = None,
-                 group: str = "hadar-scheduler", policy_options: dict[str, Any] | None = None) -> None:
+                 group: str = "hadar-scheduler", policy_options: dict[str, Any] | None = None,
+                 run_rounds: bool = True) -> None:
+        """``run_rounds=False``: rounds are planned only by calling ``plan_round`` (tests, tools)."""
         self.bus = bus
         self.policy_name = policy
         self.policy = make_policy(policy, **(policy_options or {}))
@@ -54,6 +56,7 @@ class SchedulerService:
         self.seed = seed
         self.clock = clock or SystemClock()
         self.group = group
+        self.run_rounds = run_rounds
         self.state = SchedulerState()
         self.previous: Plan | None = None
         self.next_round = 0
@@ -78,8 +81,9 @@ class SchedulerService:
     async def start(self) -> None:
         await self.bus.ensure_topics(ALL_TOPICS)
         await self._recover()
-        self._tasks = [asyncio.create_task(self._consume(), name="scheduler-consume"),
-                       asyncio.create_task(self._rounds(), name="scheduler-rounds")]
+        self._tasks = [asyncio.create_task(self._consume(), name="scheduler-consume")]
+        if self.run_rounds:
+            self._tasks.append(asyncio.create_task(self._rounds(), name="scheduler-rounds"))
 
     async def stop(self) -> None:
         self._stopping = True
