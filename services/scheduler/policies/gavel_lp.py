@@ -1,0 +1,149 @@
+"""Gavel's allocation LPs, solved with scipy's HiGHS (``linprog(method="highs")``).
+
+Notation: m jobs, n GPU types. ``rates[j, t]`` is job j's whole-job steps/s on ``sf[j]``
+GPUs of type t (0 where it cannot run there, including types with fewer than ``sf[j]``
+GPUs); ``gpus[t]`` the number of GPUs of type t. An allocation ``X[j, t]`` is the fraction
+of time job j should run on type t. Gavel's base constraints (``Policy.get_base_constraints``
+in ``scheduler/policies/policy.py``)::
+
+    X >= 0,   sum_t X[j, t] <= 1,   sum_j sf[j] * X[j, t] <= gpus[t]
+
+and here also ``X[j, t] = 0`` where ``rates[j, t] = 0`` (Gavel leaves those free; they add
+nothing to any objective but would make a job's priority on a type it cannot use > 0).
+
+``max_min_fairness`` mirrors ``MaxMinFairnessPolicyWithPerf.get_allocation``
+(``scheduler/policies/max_min_fairness.py``)::
+
+    maximize  min_j  rates[j] . X[j] * sf[j] / (w[j] * iso[j])
+
+where ``iso[j] = rates[j] . X_eq[j]`` is the job's throughput under an equal share of the
+cluster. Gavel obtains ``X_eq`` from ``MaxMinFairnessPolicy`` (the same LP with every rate
+set to 1), whose optimum gives each job ``min(sf[j], G / m)`` GPUs' worth of time, G the
+total GPUs. That LP has many optimal points; we take the one that spreads the share over
+types in proportion to their GPU counts, ``X_eq[j, t] = min(1, G / (m sf[j])) gpus[t] / G``,
+so normalisation does not depend on which vertex a solver returns. Deviation: Gavel's code
+also passes the priority weights to that equal-share LP, so a weight w acts as w^2; we
+follow the paper (unweighted equal share, weight applied once).
+
+A min-max LP only fixes the minimum: which optimal point the solver returns decides what
+non-bottleneck jobs get (Gavel's ECOS returns an interior point; HiGHS a vertex, which can
+leave GPUs unallocated). We therefore solve a second LP on the optimal face: keep every
+job's normalised throughput >= z* (1 - 1e-6) and maximise the sum of normalised throughputs.
+
+``min_total_duration`` mirrors ``MinTotalDurationPolicy.get_allocation``
+(``scheduler/policies/min_total_duration.py``): binary search on the makespan T in
+[100 s, 1e6 s] (stopping when max < 1.05 min, widening the range x10 while nothing is
+feasible) with the feasibility LP ``rates[j] . X[j] >= remaining[j] / T`` plus the base
+constraints and a zero objective; returns the allocation at the smallest feasible T found.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.optimize import linprog
+from scipy.sparse import coo_matrix, csr_matrix, hstack, vstack
+
+FACE_SLACK = 1e-6          # relative slack on z* when optimising on the max-min optimal face
+MIN_T, MAX_T, T_RATIO = 100.0, 1e6, 1.05   # Gavel's binary-search constants (seconds)
+MAX_T_LIMIT = 1e15         # give up widening past this makespan (seconds)
+
+
+class AllocationError(RuntimeError):
+    pass
+
+
+def _base_constraints(sf: np.ndarray, gpus: np.ndarray) -> tuple[csr_matrix, np.ndarray]:
+    """Rows for sum_t X[j,t] <= 1 and sum_j sf[j] X[j,t] <= gpus[t], X flattened row-major."""
+    m, n = len(sf), len(gpus)
+    jobs = np.repeat(np.arange(m), n)
+    types = np.tile(np.arange(n), m)
+    cols = np.arange(m * n)
+    per_job = coo_matrix((np.ones(m * n), (jobs, cols)), shape=(m, m * n))
+    per_type = coo_matrix((np.repeat(sf.astype(float), n), (types, cols)), shape=(n, m * n))
+    return vstack([per_job, per_type]).tocsr(), np.concatenate([np.ones(m), gpus.astype(float)])
+
+
+def _bounds(rates: np.ndarray) -> list[tuple[float, float]]:
+    return [(0.0, 1.0 if r > 0 else 0.0) for r in rates.ravel()]
+
+
+def _per_job_rows(coef: np.ndarray) -> csr_matrix:
+    """Row j holds coef[j, :] at job j's columns."""
+    m, n = coef.shape
+    return coo_matrix((coef.ravel(), (np.repeat(np.arange(m), n), np.arange(m * n))), shape=(m, m * n)).tocsr()
+
+
+def equal_share_throughputs(rates: np.ndarray, sf: np.ndarray, gpus: np.ndarray) -> np.ndarray:
+    """iso[j]: job j's throughput under an equal share of the cluster (see module docstring)."""
+    m = len(sf)
+    total = float(gpus.sum())
+    time_share = np.minimum(1.0, total / (m * sf.astype(float)))
+    x_eq = time_share[:, None] * (gpus[None, :] / total)
+    return (rates * x_eq).sum(axis=1)
+
+
+def max_min_fairness(rates: np.ndarray, sf: np.ndarray, weights: np.ndarray, gpus: np.ndarray) -> np.ndarray:
+    """X for Gavel's max_min_fairness_perf. Every job must have some positive rate."""
+    m, n = rates.shape
+    if m == 0:
+        return np.zeros((0, n))
+    iso = equal_share_throughputs(rates, sf, gpus)
+    if np.any(iso <= 0):
+        raise AllocationError("every job needs a positive rate on some type")
+    coef = rates * (sf / (weights * iso))[:, None]
+    base, base_rhs = _base_constraints(sf, gpus)
+    bounds = _bounds(rates)
+    # Stage 1: variables [X, z]; maximise z subject to z <= coef[j] . X[j].
+    fair = _per_job_rows(-coef)
+    a_ub = vstack([hstack([fair, csr_matrix(np.ones((m, 1)))]),
+                   hstack([base, csr_matrix((base.shape[0], 1))])]).tocsr()
+    b_ub = np.concatenate([np.zeros(m), base_rhs])
+    c = np.zeros(m * n + 1)
+    c[-1] = -1.0
+    res = linprog(c, A_ub=a_ub, b_ub=b_ub, bounds=bounds + [(0.0, None)], method="highs")
+    if res.status != 0:
+        raise AllocationError(f"max-min LP failed: {res.message}")
+    z_star = float(res.x[-1])
+    # Stage 2: on the optimal face, maximise the total normalised throughput.
+    a_ub2 = vstack([fair, base]).tocsr()
+    b_ub2 = np.concatenate([np.full(m, -z_star * (1 - FACE_SLACK)), base_rhs])
+    res2 = linprog(-coef.ravel(), A_ub=a_ub2, b_ub=b_ub2, bounds=bounds, method="highs")
+    x = res2.x if res2.status == 0 else res.x[:-1]
+    return np.clip(x.reshape(m, n), 0.0, 1.0)
+
+
+def _feasible_at(rates: np.ndarray, remaining: np.ndarray, makespan: float, base: csr_matrix,
+                 base_rhs: np.ndarray, bounds: list[tuple[float, float]]) -> np.ndarray | None:
+    m, n = rates.shape
+    a_ub = vstack([_per_job_rows(-rates), base]).tocsr()
+    b_ub = np.concatenate([-remaining / makespan, base_rhs])
+    res = linprog(np.zeros(m * n), A_ub=a_ub, b_ub=b_ub, bounds=bounds, method="highs")
+    return res.x.reshape(m, n) if res.status == 0 else None
+
+
+def min_total_duration(rates: np.ndarray, sf: np.ndarray, remaining: np.ndarray,
+                       gpus: np.ndarray) -> tuple[np.ndarray, float]:
+    """(X, T) for Gavel's min_total_duration_perf: the smallest T found that every job can meet."""
+    m, n = rates.shape
+    if m == 0:
+        return np.zeros((0, n)), 0.0
+    if np.any(rates.max(axis=1) <= 0):
+        raise AllocationError("every job needs a positive rate on some type")
+    base, base_rhs = _base_constraints(sf, gpus)
+    bounds = _bounds(rates)
+    lo, hi, ceiling = MIN_T, MAX_T, MAX_T
+    best: tuple[np.ndarray, float] | None = None
+    while best is None:
+        while T_RATIO * lo < hi:
+            mid = (lo + hi) / 2.0
+            x = _feasible_at(rates, remaining, mid, base, base_rhs, bounds)
+            if x is not None:
+                best, hi = (x, mid), mid
+            else:
+                lo = mid
+        if best is None:
+            if ceiling >= MAX_T_LIMIT:
+                raise AllocationError("no makespan up to 1e15 s is feasible")
+            lo, hi, ceiling = ceiling, ceiling * 10.0, ceiling * 10.0
+    x, makespan = best
+    return np.clip(x, 0.0, 1.0), makespan
