@@ -229,20 +229,30 @@ def test_gavel_rotates_equal_jobs_by_time_received() -> None:
 def test_gavel_new_job_waits_for_the_next_reset() -> None:
     cl = cluster(("v100",), ("v100",))
     policy = make_policy("gavel")  # min_reset_interval_s = 1920, as in Gavel
-    s = snap(cl, [job("A")])
-    s = advance(s, policy.plan(s), arrivals=[job("B", arrival=ROUND_S)])
+    t0 = 10 * ROUND_S  # not 0: Gavel treats a reset at t=0 as "never reset" (tested below)
+    s = snap(cl, [job("A", arrival=t0)], now=t0)
+    s = advance(s, policy.plan(s), arrivals=[job("B", arrival=t0 + ROUND_S)])
     plan = policy.plan(s)
     assert waits(plan) == {"B": WaitCode.PRIORITY} and "no allocation yet" in plan.waiting[0].detail
-    for _ in range(4):  # resets are allowed again 1920 s after the first (t=0): at t=2160
+    for _ in range(4):  # resets are allowed again 1920 s after the first: at t0 + 2160
         s = advance(s, plan)
         plan = policy.plan(s)
         assert "B" not in placed(plan)
     s = advance(s, plan)
     assert set(placed(policy.plan(s))) == {"A", "B"}
     eager = make_policy("gavel", min_reset_interval_s=0)
-    s = snap(cl, [job("A")])
-    s = advance(s, eager.plan(s), arrivals=[job("B", arrival=ROUND_S)])
+    s = snap(cl, [job("A", arrival=t0)], now=t0)
+    s = advance(s, eager.plan(s), arrivals=[job("B", arrival=t0 + ROUND_S)])
     assert set(placed(eager.plan(s))) == {"A", "B"}
+
+
+def test_gavel_reset_at_time_zero_counts_as_never_reset() -> None:
+    # Gavel's _update_priorities: `... or self._last_reset_time == 0`.
+    cl = cluster(("v100",), ("v100",))
+    policy = make_policy("gavel")
+    s = snap(cl, [job("A")])
+    s = advance(s, policy.plan(s), arrivals=[job("B", arrival=ROUND_S)])
+    assert set(placed(policy.plan(s))) == {"A", "B"}
 
 
 def test_gavel_makespan_finishes_both_jobs_by_the_same_makespan() -> None:

@@ -120,7 +120,9 @@ class _GavelRounds:
         lp_info = dict(prev.lp_info) if prev else {}
         cluster_key = tuple(counts.items())
         changed = prev is None or frozenset(rates) != lp_jobs or cluster_key != lp_cluster
-        may_reset = (prev is None or last_reset is None or not prev.running
+        # Gavel's _update_priorities treats a last reset at t=0 as "never reset" (0 doubles as
+        # the unset value), so after a reset at t=0 any change resets again; mirrored on purpose.
+        may_reset = (prev is None or last_reset is None or last_reset == 0.0 or not prev.running
                      or snapshot.now_s - last_reset >= self.min_reset_interval_s)
         if changed and may_reset:
             books.reset(allocation, snapshot.now_s - last_reset if last_reset is not None else 0.0)
