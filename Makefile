@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 # every test against them, and stops them whatever the outcome.
 test: $(STAMP)
 	@set -e; \
-	$(BIN)/hadar infra up --env-file $(INFRA_ENV); \
+	$(BIN)/hadar infra up --env-file $(INFRA_ENV) >/dev/null; \
 	trap '$(BIN)/hadar infra down' EXIT; \
 	set -a; . $(INFRA_ENV); set +a; \
 	$(BIN)/python -m pytest -p no:cacheprovider tests

@@ -1,0 +1,68 @@
+"""``hadar infra up|status|down``: the development Kafka and MinIO on 127.0.0.1.
+
+``up`` prints shell-ready ``HADAR_*=...`` lines on stdout (and writes them to
+``--env-file``); progress and timings go to stderr. ``status`` exits 0 only when both
+servers are up and answering. ``down`` stops both and removes their data; running it
+twice is fine. Failures print one line and exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from shared.infra import InfraError, InfraPaths, down, env_lines, status, up, write_env_file
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser(
+        "infra", help="start, check or stop the development Kafka and MinIO",
+        description="Development Kafka (KRaft, from Maven Central) and MinIO (built with go "
+                    "install), cached under $HADAR_CACHE (default ~/.cache/hadar); state and data "
+                    "under $HADAR_RUN_DIR (default $HADAR_CACHE/run).",
+    )
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    start = actions.add_parser("up", help="fetch/build if needed, start, print HADAR_* settings")
+    start.add_argument("--env-file", type=Path, help="also write the HADAR_* lines to this file")
+    start.set_defaults(func=_up)
+    actions.add_parser("status", help="say whether each server is up").set_defaults(func=_status)
+    actions.add_parser("down", help="stop both servers and remove their data").set_defaults(func=_down)
+
+
+def _up(args: argparse.Namespace) -> int:
+    try:
+        servers = up(InfraPaths.from_env(), report=_progress)
+        if args.env_file is not None:
+            write_env_file(args.env_file, servers)
+    except InfraError as exc:
+        return _fail(exc)
+    for line in env_lines(servers):
+        print(line)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    found = status(InfraPaths.from_env())
+    for entry in found:
+        print(entry.line())
+    return 0 if all(entry.state == "up" for entry in found) else 1
+
+
+def _down(args: argparse.Namespace) -> int:
+    try:
+        messages = down(InfraPaths.from_env())
+    except InfraError as exc:
+        return _fail(exc)
+    for message in messages:
+        print(message, file=sys.stderr)
+    return 0
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _fail(exc: InfraError) -> int:
+    print(f"hadar infra: error: {exc}", file=sys.stderr)
+    return 1

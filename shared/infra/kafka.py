@@ -1,0 +1,323 @@
+"""A single-node Apache Kafka (KRaft, combined broker+controller) for development and tests.
+
+Jars come from Maven Central through ``mvn`` and deploy/kafka/pom.xml, once, into the
+cache. The broker binds 127.0.0.1 only, on free ports, with settings for fast tests
+(no initial rebalance delay, one offsets partition, replication 1) and a small heap.
+It counts as ready when its port accepts and a Metadata request lists a broker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from shared.infra.common import (
+    Clock,
+    InfraError,
+    InfraPaths,
+    file_lock,
+    free_port,
+    is_running,
+    log_tail,
+    port_accepts,
+    read_json,
+    remove_tree,
+    spawn,
+    stop_group,
+    wait_for,
+    write_private,
+)
+
+__all__ = [
+    "KafkaServer", "DEFAULT_POM", "find_java", "fetch_kafka", "start_kafka", "kafka_properties",
+    "load_kafka", "kafka_healthy", "new_cluster_id",
+]
+
+NAME = "kafka"
+DEFAULT_POM = Path(__file__).resolve().parents[2] / "deploy" / "kafka" / "pom.xml"
+JVM_HEAP = ("-Xms256m", "-Xmx512m")
+READY_TIMEOUT_S = 120.0
+_POM_NS = "{http://maven.apache.org/POM/4.0.0}"
+
+LOG4J2_PROPERTIES = """\
+# Written by `hadar infra up`: everything to the console, which goes to kafka.log.
+status = warn
+appender.console.type = Console
+appender.console.name = STDOUT
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = INFO
+rootLogger.appenderRef.stdout.ref = STDOUT
+logger.controller.name = org.apache.kafka.controller
+logger.controller.level = WARN
+logger.raft.name = org.apache.kafka.raft
+logger.raft.level = WARN
+logger.statechange.name = state.change.logger
+logger.statechange.level = WARN
+"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class KafkaServer:
+    """A running (or recorded) development broker."""
+
+    pid: int
+    port: int
+    controller_port: int
+    run_dir: str
+    cluster_id: str
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> Path:
+        return Path(self.run_dir) / "kafka.log"
+
+    @property
+    def marker(self) -> str:
+        """A string only this server's command line contains (its config file path)."""
+        return str(Path(self.run_dir) / "server.properties")
+
+
+def kafka_properties(*, port: int, controller_port: int, data_dir: Path) -> str:
+    """The broker config: one combined KRaft node with a static quorum, tuned for tests."""
+    settings = {
+        "process.roles": "broker,controller",
+        "node.id": "1",
+        "controller.quorum.voters": f"1@127.0.0.1:{controller_port}",
+        "listeners": f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
+        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port}",
+        "controller.listener.names": "CONTROLLER",
+        "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+        "inter.broker.listener.name": "PLAINTEXT",
+        "log.dirs": str(data_dir),
+        "num.partitions": "1",
+        "offsets.topic.replication.factor": "1",
+        "offsets.topic.num.partitions": "1",
+        "transaction.state.log.replication.factor": "1",
+        "transaction.state.log.min.isr": "1",
+        "share.coordinator.state.topic.replication.factor": "1",
+        "share.coordinator.state.topic.min.isr": "1",
+        "group.initial.rebalance.delay.ms": "0",
+        "auto.create.topics.enable": "true",
+    }
+    lines = ["# Written by `hadar infra up` for development and tests."]
+    lines += [f"{name}={value}" for name, value in settings.items()]
+    return "\n".join(lines) + "\n"
+
+
+def new_cluster_id(random_bytes: Callable[[int], bytes] = secrets.token_bytes) -> str:
+    """A Kafka cluster id as ``StorageTool random-uuid`` makes one (without starting a JVM):
+    16 random bytes, URL-safe base64 without padding, never starting with '-'."""
+    while True:
+        text = base64.urlsafe_b64encode(random_bytes(16)).decode().rstrip("=")
+        if not text.startswith("-"):
+            return text
+
+
+def find_java(env: Mapping[str, str] = os.environ) -> str:
+    """Path of a ``java`` of version 17 or newer (``$JAVA_HOME`` first, then ``PATH``)."""
+    candidates = []
+    if env.get("JAVA_HOME"):
+        candidates.append(str(Path(env["JAVA_HOME"]) / "bin" / "java"))
+    on_path = shutil.which("java", path=env.get("PATH"))
+    if on_path:
+        candidates.append(on_path)
+    found: list[str] = []
+    for java in candidates:
+        version = _java_major(java)
+        if version is not None and version >= 17:
+            return java
+        if version is not None:
+            found.append(f"{version} at {java}")
+    raise InfraError("java 17+ not found" + (f" (found {', '.join(found)})" if found else ""))
+
+
+def fetch_kafka(paths: InfraPaths, *, pom: Path = DEFAULT_POM,
+                report: Callable[[str], None] = lambda _: None) -> Path:
+    """The directory of Kafka's runtime jars, fetched with ``mvn`` on first use (cached).
+
+    The cache entry is keyed by the pom's content, so editing the pom fetches again.
+    """
+    try:
+        pom_bytes = pom.read_bytes()
+    except OSError:
+        raise InfraError(f"{pom} not found: run from a Hadar checkout") from None
+    home = paths.cache / f"kafka-{_pom_kafka_version(pom_bytes)}-{hashlib.sha256(pom_bytes).hexdigest()[:10]}"
+    lib = home / "lib"
+    with file_lock(paths.cache / ".fetch-kafka.lock"):
+        if (home / ".complete").exists():
+            report(f"kafka: jars cached in {lib}")
+            return lib
+        mvn = shutil.which("mvn")
+        if mvn is None:
+            raise InfraError("mvn not found: needed once to fetch Kafka's jars from Maven Central")
+        started = time.monotonic()
+        staging = home / "lib.partial"
+        remove_tree(staging)
+        remove_tree(lib)
+        home.mkdir(parents=True, exist_ok=True)
+        paths.logs.mkdir(parents=True, exist_ok=True)
+        log = paths.logs / "kafka-fetch.log"
+        with open(log, "wb") as out:
+            result = subprocess.run(
+                [mvn, "-B", "-q", "-Dstyle.color=never", "-f", str(pom), "dependency:copy-dependencies",
+                 "-DincludeScope=runtime", f"-DoutputDirectory={staging}"],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, check=False,
+            )
+        if result.returncode != 0 or not any(staging.glob("kafka_2.13-*.jar")):
+            raise InfraError(f"mvn failed: {_mvn_error(log)} (log: {log})")
+        staging.rename(lib)
+        (home / ".complete").write_text("ok\n")
+        report(f"kafka: fetched jars with mvn in {time.monotonic() - started:.1f}s")
+        return lib
+
+
+def load_kafka(paths: InfraPaths) -> KafkaServer | None:
+    """The recorded broker of this run directory, whether or not it still runs."""
+    data = read_json(paths.state_file(NAME))
+    if data is None:
+        return None
+    try:
+        return KafkaServer(**data)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def kafka_healthy(server: KafkaServer, timeout: float = 5.0) -> bool:
+    """Whether the broker's port accepts and a Metadata request lists at least one broker."""
+    return port_accepts(server.port) and _metadata_lists_broker(server.bootstrap, timeout)
+
+
+def start_kafka(paths: InfraPaths, lib: Path, java: str, *, clock: Clock = time.monotonic,
+                attempts: int = 3) -> KafkaServer:
+    """Format fresh storage and start the broker; return once it is ready (state recorded).
+
+    Retries with new ports when one was taken between choosing it and binding it.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            return _start_once(paths, lib, java, clock=clock)
+        except InfraError as exc:
+            if attempt == attempts or "Address already in use" not in str(exc):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_once(paths: InfraPaths, lib: Path, java: str, *, clock: Clock) -> KafkaServer:
+    run_dir = paths.server_dir(NAME)
+    remove_tree(run_dir)
+    data_dir = run_dir / "data"
+    data_dir.mkdir(parents=True)
+    port, controller_port = free_port(), free_port()
+    while controller_port == port:
+        controller_port = free_port()
+    config = run_dir / "server.properties"
+    config.write_text(kafka_properties(port=port, controller_port=controller_port, data_dir=data_dir))
+    log4j = run_dir / "log4j2.properties"
+    log4j.write_text(LOG4J2_PROPERTIES)
+    jvm = [java, *JVM_HEAP, "-XX:+UseG1GC", "-Djava.awt.headless=true",
+           f"-Dlog4j2.configurationFile=file:{log4j}", f"-Dkafka.logs.dir={run_dir}",
+           "-cp", f"{lib}/*"]
+    cluster_id = new_cluster_id()
+    format_log = run_dir / "format.log"
+    try:
+        with open(format_log, "wb") as out:
+            formatted = subprocess.run(
+                [*jvm, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config)],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, check=False, timeout=180,
+            )
+    except subprocess.TimeoutExpired:
+        raise InfraError(f"kafka storage format timed out after 180s (log: {format_log})") from None
+    if formatted.returncode != 0:
+        raise InfraError(f"kafka storage format failed: {log_tail(format_log)} (log: {format_log})")
+    pid = spawn([*jvm, "kafka.Kafka", str(config)], log=run_dir / "kafka.log", cwd=run_dir)
+    server = KafkaServer(pid=pid, port=port, controller_port=controller_port,
+                         run_dir=str(run_dir), cluster_id=cluster_id)
+    write_private(paths.state_file(NAME), json.dumps(asdict(server), indent=2) + "\n")
+    try:
+        wait_for(lambda: _ready_or_bind_failure(server), what="kafka", timeout=READY_TIMEOUT_S,
+                 alive=lambda: is_running(pid, server.marker), log=server.log, clock=clock,
+                 interval=0.25)
+    except InfraError:
+        stop_group(pid, server.marker)
+        raise
+    return server
+
+
+def _ready_or_bind_failure(server: KafkaServer) -> bool:
+    # A broker whose port was taken after free_port() chose it may hang instead of exiting.
+    if "Address already in use" in server.log.read_text(errors="replace"):
+        raise InfraError(f"kafka: Address already in use (log: {server.log})")
+    return kafka_healthy(server, timeout=3.0)
+
+
+def _metadata_lists_broker(bootstrap: str, timeout: float) -> bool:
+    # aiokafka is async; run it on a private loop in a worker thread so this works whether
+    # or not the caller is inside an event loop.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        try:
+            return pool.submit(asyncio.run, _metadata_request(bootstrap, timeout)).result(timeout + 5)
+        except Exception:  # noqa: BLE001 -- any failure means "not ready yet"
+            return False
+
+
+async def _metadata_request(bootstrap: str, timeout: float) -> bool:
+    from aiokafka.client import AIOKafkaClient
+
+    quiet = logging.getLogger("aiokafka")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # a broker still starting refuses; that is expected here
+    client = AIOKafkaClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout * 1000))
+    try:
+        await asyncio.wait_for(client.bootstrap(), timeout)
+        return bool(client.cluster.brokers())
+    finally:
+        await client.close()
+        quiet.setLevel(level)
+
+
+def _java_major(java: str) -> int | None:
+    try:
+        result = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r'version "(\d+)(?:\.(\d+))?', result.stderr + result.stdout)
+    if not match:
+        return None
+    major = int(match.group(1))
+    return int(match.group(2) or 0) if major == 1 else major
+
+
+def _pom_kafka_version(pom_bytes: bytes) -> str:
+    try:
+        root = ET.fromstring(pom_bytes)
+    except ET.ParseError as exc:
+        raise InfraError(f"deploy/kafka/pom.xml is not valid XML: {exc}") from None
+    version = root.findtext(f"{_POM_NS}properties/{_POM_NS}kafka.version")
+    if not version:
+        raise InfraError("deploy/kafka/pom.xml has no <kafka.version> property")
+    return version.strip()
+
+
+def _mvn_error(log: Path) -> str:
+    text = re.sub(r"\x1b\[[0-9;]*m", "", log.read_text(errors="replace")) if log.exists() else ""
+    errors = [line.removeprefix("[ERROR]").strip() for line in text.splitlines() if line.startswith("[ERROR]")]
+    errors = [line for line in errors if line]
+    return errors[0] if errors else log_tail(log)

@@ -1,0 +1,110 @@
+"""Session fixtures for the real Kafka and S3 server, and the object stores.
+
+``kafka_bootstrap`` and ``s3_settings`` use ``HADAR_BOOTSTRAP`` / ``HADAR_S3_*`` when set
+(``make test`` sets them after ``hadar infra up``). Otherwise each starts its server once
+per session through :mod:`shared.infra`, in a private run directory, and stops it at the
+end. A server that cannot start fails the test when ``CI=true`` (never a skip there) and
+skips it elsewhere, with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import NoReturn
+
+import pytest
+from minio import Minio
+
+from shared.config import S3Settings, kafka_from_env, s3_from_env
+from shared.infra import InfraError, InfraPaths, ensure_kafka, ensure_minio, stop_server
+from shared.store import LocalStore, MinioStore, ObjectStore
+
+
+def unavailable(reason: str) -> NoReturn:
+    """Fail under CI (a real server is required there), skip elsewhere."""
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(reason, pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def infra_paths(tmp_path_factory: pytest.TempPathFactory) -> InfraPaths:
+    """Cache shared with ``hadar infra`` (binaries, jars); a run directory private to this session."""
+    return InfraPaths(cache=InfraPaths.from_env().cache, run=tmp_path_factory.mktemp("infra") / "run")
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(request: pytest.FixtureRequest) -> Iterator[str]:
+    """``host:port`` of a real Kafka broker for the whole session."""
+    settings = kafka_from_env()
+    if settings is not None:
+        yield settings.bootstrap
+        return
+    paths: InfraPaths = request.getfixturevalue("infra_paths")
+    try:
+        server, _ = ensure_kafka(paths)
+    except InfraError as exc:
+        unavailable(f"kafka could not start: {exc}")
+    try:
+        yield server.bootstrap
+    finally:
+        stop_server(paths, "kafka")
+
+
+@pytest.fixture(scope="session")
+def s3_settings(request: pytest.FixtureRequest) -> Iterator[S3Settings]:
+    """Settings of a real S3 server (MinIO) for the whole session."""
+    settings = s3_from_env()
+    if settings is not None:
+        yield settings
+        return
+    paths: InfraPaths = request.getfixturevalue("infra_paths")
+    try:
+        server, _ = ensure_minio(paths)
+    except InfraError as exc:
+        unavailable(f"minio could not start: {exc}")
+    try:
+        yield S3Settings(endpoint=server.endpoint, access_key=server.access_key,
+                         secret_key=server.secret_key)
+    finally:
+        stop_server(paths, "minio")
+
+
+@pytest.fixture
+async def local_store(tmp_path: Path) -> LocalStore:
+    """A started LocalStore in a fresh directory."""
+    store = LocalStore(tmp_path / "store")
+    await store.start()
+    return store
+
+
+@pytest.fixture(params=["local", pytest.param("minio", marks=pytest.mark.s3)])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[ObjectStore]:
+    """A started, empty store of each kind; a MinioStore gets its own bucket, removed afterwards."""
+    if request.param == "local":
+        local = LocalStore(tmp_path / "store")
+        await local.start()
+        yield local
+        return
+    settings = replace(request.getfixturevalue("s3_settings"), bucket=f"test-{uuid.uuid4().hex}")
+    remote = MinioStore(settings)
+    await remote.start()
+    try:
+        yield remote
+    finally:
+        await remote.stop()
+        await asyncio.to_thread(_remove_bucket, settings)
+
+
+def _remove_bucket(settings: S3Settings) -> None:
+    client = Minio(settings.host_port, access_key=settings.access_key,
+                   secret_key=settings.secret_key, secure=settings.secure)
+    for obj in client.list_objects(settings.bucket, recursive=True):
+        if obj.object_name is not None:
+            client.remove_object(settings.bucket, obj.object_name)
+    client.remove_bucket(settings.bucket)
