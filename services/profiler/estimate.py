@@ -1,0 +1,39 @@
+"""Catalog estimate of a job's steps/s on every GPU type, before it has run anywhere.
+
+Job figures come from the model zoo (:func:`shared.zoo.job_figures`: counted FLOPs and
+parameters of the job's model at its batch size and optimizer) or, for a job named after
+a Gavel table workload (``ResNet-50`` at batch 32 ...), from :func:`shared.workloads.figures_for`.
+Hardware figures and the roofline are :mod:`shared.gpus`. The rate on each type is the
+whole job's steps/s on ``spec.workers`` GPUs of that type on one node (0.0 where the job
+does not fit), which is what ThroughputEstimate carries.
+"""
+
+from __future__ import annotations
+
+import math
+
+from shared import gpus, workloads, zoo
+from shared.events import JobSpec
+
+__all__ = ["catalog_rates", "job_figures_for"]
+
+
+def job_figures_for(spec: JobSpec) -> workloads.JobFigures:
+    """The estimator's figures for ``spec``; ``ValueError`` if neither zoo nor table knows it."""
+    try:
+        return zoo.job_figures(spec.model, spec.batch_size, spec.dataset, spec.hyper.optimizer)
+    except ValueError as zoo_error:
+        try:
+            return workloads.figures_for(spec.job_type)
+        except ValueError:
+            raise ValueError(f"no figures for model {spec.model!r}: {zoo_error}"[:300]) from None
+
+
+def catalog_rates(spec: JobSpec) -> dict[str, float]:
+    """``{gpu_type: steps/s}`` for every real GPU type of the catalog. Blocking (counts FLOPs)."""
+    figures = job_figures_for(spec)
+    rates = {}
+    for gpu_type in gpus.GPU_TYPES:
+        rate = gpus.estimate_steps_per_second(gpus.gpu_spec(gpu_type), figures, spec.workers)
+        rates[gpu_type] = rate if math.isfinite(rate) and rate > 0 else 0.0
+    return rates

@@ -1,0 +1,156 @@
+"""The profiler service: catalog estimates for new jobs, smoothed measurements after.
+
+* On JobSubmitted: the job's steps/s on every catalog GPU type (``estimator``, by default
+  :func:`services.profiler.estimate.catalog_rates`, run off the event loop) published as
+  ThroughputEstimate with ``basis="estimate"`` and ``workers`` = the job's W. A job whose
+  model has no figures gets no estimate (logged, counted); the scheduler then relies on
+  its own table or on measurements.
+* On Progress: :class:`~services.profiler.state.ProfilerState` decides; a moved rate is
+  published with ``basis="measured"`` (the scheduler prefers measured values). Progress
+  from emulated agents is counted under ``emulated="true"`` in the metrics.
+* Restart: hadar.jobs and hadar.throughput are replayed first, so a job already
+  estimated is not estimated again and smoothing resumes from the last published rate.
+  A delivery is acked only after what it caused is published (at-least-once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter
+
+from services.profiler.estimate import catalog_rates
+from services.profiler.state import DEFAULT_ALPHA, DEFAULT_THRESHOLD, ProfilerState
+from shared.bus import Bus
+from shared.clock import Clock, SystemClock
+from shared.events import (
+    DEADLETTER_TOPIC, Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted, Progress,
+    ThroughputEstimate,
+)
+from shared.logging import get_logger
+
+__all__ = ["ProfilerConfig", "ProfilerService", "Estimator"]
+
+Estimator = Callable[[JobSpec], dict[str, float]]
+INPUT_TOPICS: tuple[str, ...] = ("hadar.jobs", "hadar.progress", "hadar.models")
+MAX_WORKERS = 64  # ThroughputEstimate.workers range
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfilerConfig:
+    group: str = "profiler"
+    alpha: float = DEFAULT_ALPHA
+    threshold: float = DEFAULT_THRESHOLD
+    source: str = "profiler"
+
+
+class ProfilerService:
+    name = "profiler"
+
+    def __init__(self, *, bus: Bus, config: ProfilerConfig | None = None, clock: Clock | None = None,
+                 registry: CollectorRegistry | None = None, estimator: Estimator = catalog_rates) -> None:
+        self.bus = bus
+        self.config = config or ProfilerConfig()
+        self.clock = clock or SystemClock()
+        self.registry = registry or CollectorRegistry()
+        self.estimator = estimator
+        self.state = ProfilerState(alpha=self.config.alpha, threshold=self.config.threshold)
+        self._log = get_logger(service=self.name)
+        self._consumer: asyncio.Task[None] | None = None
+        self._replayed = False
+        self._stopping = False
+        self._busy = False
+        r = self.registry
+        self._m_published = Counter("profiler_estimates_published_total", "ThroughputEstimates published",
+                                    ["basis", "emulated"], registry=r)
+        self._m_no_figures = Counter("profiler_estimate_failures_total", "Jobs the catalog could not estimate",
+                                     registry=r)
+        self._m_progress = Counter("profiler_progress_total", "Progress events folded", ["emulated"], registry=r)
+        self._m_in = Counter("profiler_events_in_total", "Events consumed", ["type"], registry=r)
+        self._m_out = Counter("profiler_events_out_total", "Events published", ["type"], registry=r)
+        self._m_dead = Counter("profiler_dead_letters_seen_total", "Dead letters seen", registry=r)
+
+    async def start(self) -> None:
+        await self.bus.ensure_topics((*INPUT_TOPICS, "hadar.throughput", DEADLETTER_TOPIC))
+        async for delivery in self.bus.read("hadar.throughput"):
+            if isinstance(delivery.event, ThroughputEstimate):
+                self.state.seed(delivery.event)
+        async for delivery in self.bus.read("hadar.jobs"):
+            if isinstance(delivery.event, JobSubmitted):
+                self.state.add_job(delivery.event.job)
+        self._replayed = True
+        self._consumer = asyncio.create_task(self._consume(), name="profiler-consume")
+
+    async def stop(self) -> None:
+        """Stop after the event in hand is handled and acked."""
+        self._stopping = True
+        if self._consumer is not None:
+            if not self._busy:  # idle, waiting for a record: nothing to finish
+                self._consumer.cancel()
+            await asyncio.gather(self._consumer, return_exceptions=True)
+
+    def health(self) -> dict[str, Any]:
+        running = self._consumer is not None and not self._consumer.done()
+        return {"ok": self._replayed and (running or self._stopping), "replayed": self._replayed}
+
+    async def _consume(self) -> None:
+        async with self.bus.subscribe((*INPUT_TOPICS, DEADLETTER_TOPIC), self.config.group) as sub:
+            async for delivery in sub:
+                self._busy = True
+                try:
+                    if delivery.topic == DEADLETTER_TOPIC:
+                        self._m_dead.inc()
+                    else:
+                        await self._handle(delivery.event)
+                    await delivery.ack()
+                finally:
+                    self._busy = False
+                if self._stopping:
+                    break
+
+    async def _handle(self, event: Event) -> None:
+        self._m_in.labels(type=event.TYPE).inc()
+        if isinstance(event, JobSubmitted):
+            if self.state.add_job(event.job):
+                await self._estimate(event.job)
+        elif isinstance(event, Progress):
+            await self._measure(event)
+        elif isinstance(event, (JobCompleted, JobCancelled)):
+            self.state.forget_job(event.job_id)
+
+    async def _estimate(self, spec: JobSpec) -> None:
+        log = self._log.bind(job=spec.job_id)
+        try:
+            rates = await asyncio.to_thread(self.estimator, spec)
+        except ValueError as exc:
+            self._m_no_figures.inc()
+            self.state.mark_estimated(spec.job_id)
+            log.warning("estimate.unavailable", reason=str(exc)[:300])
+            return
+        await self._publish(ThroughputEstimate(ts=self.clock.time(), source=self.config.source,
+                                               job_id=spec.job_id, basis="estimate", workers=spec.workers,
+                                               rates=rates), emulated=False)
+        self.state.mark_estimated(spec.job_id)
+        log.info("estimate.published", workers=spec.workers, gpu_types=len(rates))
+
+    async def _measure(self, progress: Progress) -> None:
+        self._m_progress.labels(emulated=str(progress.emulated).lower()).inc()
+        if progress.workers > MAX_WORKERS:
+            return
+        update = self.state.observe(progress)
+        if update is None:
+            return
+        await self._publish(ThroughputEstimate(ts=self.clock.time(), source=self.config.source,
+                                               job_id=update.job_id, basis="measured", workers=update.workers,
+                                               rates={update.gpu_type: update.rate}), emulated=update.emulated)
+        self._log.info("measured.published", job=update.job_id, round=progress.round,
+                       gpu_type=update.gpu_type, workers=update.workers, rate=round(update.rate, 4),
+                       emulated=update.emulated)
+
+    async def _publish(self, event: ThroughputEstimate, *, emulated: bool) -> None:
+        await self.bus.emit(event)
+        self._m_out.labels(type=event.TYPE).inc()
+        self._m_published.labels(basis=event.basis, emulated=str(emulated).lower()).inc()

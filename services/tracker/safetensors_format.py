@@ -1,0 +1,282 @@
+"""The safetensors file format, read one tensor (or part of one) at a time.
+
+Layout (https://huggingface.co/docs/safetensors): 8 bytes little-endian ``N``, then ``N``
+bytes of JSON header ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, ...,
+"__metadata__": {str: str}}``, then the data buffer; offsets are relative to the buffer.
+
+Guarantees:
+
+* :func:`read_header` reads only the 8-byte length and the header, never tensor data, and
+  raises :class:`InvalidSafetensors` (with a one-line ``reason``) for anything a strict
+  reader would refuse: a header longer than 100 MB or than the file, bad JSON, a wrong
+  field, an unknown dtype, offsets that disagree with shape x dtype size, that leave the
+  file or that overlap.
+* :func:`encode_header` produces a header the ``safetensors`` library loads, padded with
+  spaces to a multiple of 8 bytes so the data buffer stays aligned.
+* bf16 conversions are exact in the f32 -> bf16 direction up to round-to-nearest-even, as
+  PyTorch does it; NaN stays NaN.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+__all__ = [
+    "InvalidSafetensors", "TensorInfo", "Header", "RangeReader", "FileRangeReader",
+    "read_header", "encode_header", "FLOAT_DTYPES", "COPIED_DTYPES", "DTYPE_SIZES",
+    "bf16_to_f32", "f32_to_bf16", "MAX_HEADER_BYTES",
+]
+
+MAX_HEADER_BYTES = 100_000_000
+
+# Floating-point dtypes that are averaged, and the numpy dtype their raw bytes are viewed as
+# (bf16 has no numpy dtype: its bits are viewed as uint16 and converted by hand).
+FLOAT_DTYPES: dict[str, np.dtype] = {
+    "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "F32": np.dtype("<f4"), "F64": np.dtype("<f8"),
+}
+# Integer and boolean dtypes: step counters and the like, copied from one replica, never averaged.
+COPIED_DTYPES: dict[str, int] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8, "U64": 8,
+}
+DTYPE_SIZES: dict[str, int] = {**{k: v.itemsize for k, v in FLOAT_DTYPES.items()}, **COPIED_DTYPES}
+
+
+class InvalidSafetensors(ValueError):
+    """Bytes that are not a usable safetensors file; ``reason`` says why in one line."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorInfo:
+    """One tensor of a file; ``begin``/``end`` are absolute byte offsets in the file."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Header:
+    """A parsed header: tensors in file order (by offset), metadata, where data starts."""
+
+    tensors: tuple[TensorInfo, ...]
+    metadata: dict[str, str]
+    data_start: int
+
+    def signature(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+        """What two replicas must share to be averaged: names, dtypes and shapes."""
+        return tuple(sorted((t.name, t.dtype, t.shape) for t in self.tensors))
+
+    @property
+    def largest_tensor_bytes(self) -> int:
+        return max((t.nbytes for t in self.tensors), default=0)
+
+
+class RangeReader(Protocol):
+    """Random access to one file or object. Methods may block; call them off the event loop."""
+
+    name: str
+
+    def size(self) -> int: ...
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes at ``offset``; raise ``OSError`` if it cannot."""
+
+
+class FileRangeReader:
+    """A local file read with ``pread`` (no shared file position, no whole-file read).
+
+    It can also :meth:`map` a window of the file (read-only ``mmap``), which lets averaging
+    read the page cache directly instead of copying it into a buffer first.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.name = str(path)
+        self._fd: int | None = None
+
+    def _open(self) -> int:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        return self._fd
+
+    def size(self) -> int:
+        return os.fstat(self._open()).st_size
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        fd = self._open()
+        done, total = 0, len(out)
+        while done < total:
+            got = os.preadv(fd, [out[done:]], offset + done)
+            if got == 0:
+                raise OSError(f"{self.name}: file ends at byte {offset + done}, "
+                              f"needed {offset + total}")
+            done += got
+
+    def map(self, offset: int, length: int) -> memoryview:
+        """A read-only view of ``length`` bytes at ``offset``, backed by a private mapping.
+
+        The mapping lives as long as the view (or anything made from it) does. Raises
+        ``OSError`` if the file no longer extends that far (touching a mapping past the end
+        of a file would kill the process).
+        """
+        fd = self._open()
+        if length <= 0 or offset + length > os.fstat(fd).st_size:
+            raise OSError(f"{self.name}: cannot map {length} bytes at {offset}")
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        mapping = mmap.mmap(fd, offset + length - start, offset=start, access=mmap.ACCESS_READ)
+        return memoryview(mapping)[offset - start:]
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "FileRangeReader":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+def read_header(reader: RangeReader) -> Header:
+    """Parse and check the header of ``reader``'s file without reading any tensor data."""
+    try:
+        size = reader.size()
+    except OSError as exc:
+        raise InvalidSafetensors(f"cannot read: {exc}") from None
+    if size < 8:
+        raise InvalidSafetensors(f"file of {size} bytes is too short for a safetensors header")
+    prefix = bytearray(8)
+    _read(reader, 0, prefix)
+    (length,) = struct.unpack("<Q", prefix)
+    if length > MAX_HEADER_BYTES:
+        raise InvalidSafetensors(f"header length {length} exceeds the {MAX_HEADER_BYTES}-byte limit")
+    if 8 + length > size:
+        raise InvalidSafetensors(f"header length {length} exceeds the file size {size}")
+    raw = bytearray(length)
+    _read(reader, 8, raw)
+    try:
+        parsed = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidSafetensors(f"header is not JSON: {exc}"[:200]) from None
+    if not isinstance(parsed, dict):
+        raise InvalidSafetensors("header is not a JSON object")
+    data_start = 8 + length
+    return _parse_entries(parsed, data_start, size - data_start)
+
+
+def _read(reader: RangeReader, offset: int, buf: bytearray) -> None:
+    try:
+        reader.read_into(offset, memoryview(buf))
+    except OSError as exc:
+        raise InvalidSafetensors(f"cannot read: {exc}"[:200]) from None
+
+
+def _parse_entries(parsed: dict, data_start: int, data_len: int) -> Header:
+    metadata = parsed.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise InvalidSafetensors("__metadata__ must map strings to strings")
+    tensors = []
+    for name, entry in parsed.items():
+        tensors.append(_parse_tensor(name, entry, data_start, data_len))
+    tensors.sort(key=lambda t: (t.begin, t.end))
+    previous_end = data_start
+    for t in tensors:
+        if t.begin < previous_end:
+            raise InvalidSafetensors(f"tensor {t.name!r} overlaps the tensor before it")
+        previous_end = max(previous_end, t.end)
+    return Header(tensors=tuple(tensors), metadata=dict(metadata), data_start=data_start)
+
+
+def _parse_tensor(name: str, entry: object, data_start: int, data_len: int) -> TensorInfo:
+    if not name:
+        raise InvalidSafetensors("a tensor has an empty name")
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise InvalidSafetensors(f"tensor {name!r}: entry must have exactly dtype, shape, data_offsets")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype not in DTYPE_SIZES:
+        raise InvalidSafetensors(f"tensor {name!r}: unsupported dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise InvalidSafetensors(f"tensor {name!r}: shape must be a list of non-negative integers")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets)
+            or offsets[0] > offsets[1]):
+        raise InvalidSafetensors(f"tensor {name!r}: data_offsets must be [begin, end] with begin <= end")
+    begin, end = offsets
+    expected = math.prod(shape) * DTYPE_SIZES[dtype]
+    if end - begin != expected:
+        raise InvalidSafetensors(
+            f"tensor {name!r}: {end - begin} bytes for shape {shape} of {dtype} (needs {expected})")
+    if end > data_len:
+        raise InvalidSafetensors(f"tensor {name!r}: data ends at {end}, past the file's {data_len} data bytes")
+    return TensorInfo(name=name, dtype=dtype, shape=tuple(shape),
+                      begin=data_start + begin, end=data_start + end)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def encode_header(tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]
+                  ) -> tuple[bytes, list[int]]:
+    """The 8-byte length plus JSON header for ``(name, dtype, shape)`` laid out back to back.
+
+    Returns the header bytes and each tensor's byte offset within the data buffer.
+    """
+    entries: dict[str, object] = {}
+    if metadata:
+        entries["__metadata__"] = dict(metadata)
+    offsets, position = [], 0
+    for name, dtype, shape in tensors:
+        nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
+        entries[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [position, position + nbytes]}
+        offsets.append(position)
+        position += nbytes
+    text = json.dumps(entries, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, offsets
+
+
+def bf16_to_f32(bits: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Widen bf16 values (as uint16 bits) into ``out`` (float32): exact."""
+    wide = out.view(np.uint32)
+    np.left_shift(bits, 16, out=wide, dtype=np.uint32)
+    return out
+
+
+def f32_to_bf16(values: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Round float32 ``values`` to bf16 bits in ``out`` (uint16), nearest-even; NaN stays NaN."""
+    bits = values.view(np.uint32)
+    rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+    np.right_shift(rounded, 16, out=out, casting="unsafe")
+    nan = np.isnan(values)
+    if nan.any():
+        out[nan] = ((bits[nan] >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)
+    return out

@@ -1,0 +1,300 @@
+"""The tracker service end to end: placements and finished copies in, models and completions out.
+
+Runs on MemoryBus + LocalStore, and on real Kafka + MinIO (markers ``kafka``/``s3``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from minio import Minio
+from safetensors.numpy import load, save
+
+from services.tracker.consolidate import Replica, plan_consolidation, write_consolidated
+from services.tracker.safetensors_format import FileRangeReader
+from services.tracker.service import TrackerConfig, TrackerService, final_key, model_key
+from shared.bus import Bus, KafkaBus, MemoryBus
+from shared.clock import FakeClock
+from shared.config import S3Settings
+from shared.events import (
+    Assignment, CopyFinished, Event, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated, RoundStarted,
+)
+from shared.store import LocalStore, MinioStore, ObjectStore
+
+T0 = 1_700_000_000.0
+
+
+def spec(job_id: str, iterations: int = 300) -> JobSpec:
+    return JobSpec(job_id=job_id, user="alice", model="resnet-8", dataset="digits", batch_size=32,
+                   workers=1, iterations=iterations)
+
+
+def tensors(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal((16, 8)).astype(np.float32), "b": rng.standard_normal(8).astype(np.float32),
+            "steps": np.array([seed], dtype=np.int64)}
+
+
+async def place(bus: Bus, job: JobSpec, round_: int, copies: list[int], *, others: int = 0) -> None:
+    started = T0 + 360 * round_
+    await bus.emit(RoundStarted(ts=started, source="scheduler", round=round_, policy="hadare",
+                                started_at=started, ends_at=started + 360, assignments=len(copies) + others))
+    for copy in copies:
+        await bus.emit(Assignment(ts=started, source="scheduler", round=round_, job=job, copy=copy,
+                                  node_id=f"n{copy}", gpus=(0,), gpu_type="V100", world_size=1, ranks=(0,),
+                                  step_budget=100, deadline=started + 360))
+
+
+async def finish(bus: Bus, store: ObjectStore, job_id: str, round_: int, copy: int, steps: int,
+                 data: bytes | None = None) -> dict[str, np.ndarray]:
+    key = f"checkpoints/{job_id}/{round_}/{copy}.safetensors"
+    weights = tensors(seed=100 * round_ + copy)
+    await store.put(key, save(weights) if data is None else data)
+    await bus.emit(CopyFinished(ts=T0 + 360 * round_ + 350, source=f"agent/n{copy}", job_id=job_id,
+                                round=round_, copy=copy, node_id=f"n{copy}", status="ok", steps_round=steps,
+                                checkpoint=key))
+    return weights
+
+
+async def models_events(bus: Bus, job_id: str) -> list[Event]:
+    return [d.event for d in [x async for x in bus.read("hadar.models")]
+            if getattr(d.event, "job_id", None) == job_id]
+
+
+async def wait_for(bus: Bus, job_id: str, predicate: Callable[[list[Event]], bool],
+                   timeout_s: float = 20.0) -> list[Event]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        events = await models_events(bus, job_id)
+        if predicate(events):
+            return events
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out; hadar.models has {events}")
+        await asyncio.sleep(0.05)
+
+
+def consolidations(events: list[Event], round_: int | None = None) -> list[ModelConsolidated]:
+    return [e for e in events if isinstance(e, ModelConsolidated) and (round_ is None or e.round == round_)]
+
+
+def tracker(bus: Bus, store: ObjectStore, *, clock: FakeClock | None = None, timeout_s: float = 3600.0,
+            group: str | None = None) -> TrackerService:
+    config = TrackerConfig(group=group or f"tracker-{uuid.uuid4().hex[:8]}", tick_s=0.05,
+                           finish_timeout_s=timeout_s, chunk_bytes=256)
+    return TrackerService(bus=bus, store=store, config=config, clock=clock or FakeClock(T0))
+
+
+async def full_scenario(bus: Bus, store: ObjectStore) -> None:
+    """Two rounds, two copies then one; the job reaches its iterations in round 1."""
+    job_id = f"job-{uuid.uuid4().hex[:8]}"
+    job = spec(job_id)
+    await bus.emit(JobSubmitted(ts=T0 - 100, source="cli", job=job, submitted_at=T0 - 100))
+    service = tracker(bus, store, clock=FakeClock(T0 + 1000))
+    await service.start()
+    try:
+        await place(bus, job, 0, [0, 1])
+        w0 = await finish(bus, store, job_id, 0, 0, steps=100)
+        w1 = await finish(bus, store, job_id, 0, 1, steps=60)
+        events = await wait_for(bus, job_id, lambda es: bool(consolidations(es, 0)))
+        (first,) = consolidations(events, 0)
+        assert first.key == model_key(job_id, 0) and first.total_steps == 160
+        assert [(c.copy, c.steps) for c in first.copies] == [(0, 100), (1, 60)]
+        assert [c.weight for c in first.copies] == pytest.approx([100 / 160, 60 / 160])
+        model = load(await store.get(first.key))
+        expected = (100 * w0["w"].astype(np.float64) + 60 * w1["w"]) / 160
+        np.testing.assert_allclose(model["w"], expected, rtol=2e-6, atol=2e-7)
+        assert model["steps"] == w0["steps"]  # integer tensor: from the copy with most steps
+
+        await place(bus, job, 1, [0])
+        await finish(bus, store, job_id, 1, 0, steps=200)
+        events = await wait_for(bus, job_id, lambda es: any(isinstance(e, JobCompleted) for e in es))
+        (second,) = consolidations(events, 1)
+        assert second.total_steps == 360 and [c.weight for c in second.copies] == [1.0]
+        (done,) = [e for e in events if isinstance(e, JobCompleted)]
+        assert done.final_key == final_key(job_id) and done.total_steps == 360
+        assert done.jct_s == pytest.approx(done.completed_at - (T0 - 100))
+        assert await store.get(final_key(job_id)) == await store.get(second.key)
+        written = service.registry.get_sample_value("tracker_models_written_total")
+        assert written == 2
+    finally:
+        await service.stop()
+
+
+@pytest.fixture
+async def memory_bus() -> AsyncIterator[MemoryBus]:
+    bus = MemoryBus(clock=FakeClock(T0))
+    await bus.start()
+    yield bus
+    await bus.stop()
+
+
+async def test_memory_bus_local_store_consolidates_and_completes(memory_bus: MemoryBus,
+                                                                 local_store: LocalStore) -> None:
+    await full_scenario(memory_bus, local_store)
+
+
+async def test_bad_replica_is_rejected_and_the_rest_consolidated(memory_bus: MemoryBus,
+                                                                 local_store: LocalStore) -> None:
+    job = spec("j-bad")
+    service = tracker(memory_bus, local_store)
+    await service.start()
+    try:
+        await place(memory_bus, job, 0, [0, 1, 2])
+        await finish(memory_bus, local_store, "j-bad", 0, 0, steps=10)
+        await finish(memory_bus, local_store, "j-bad", 0, 1, steps=10, data=b"\x01\x02not safetensors")
+        await finish(memory_bus, local_store, "j-bad", 0, 2, steps=30)
+        events = await wait_for(memory_bus, "j-bad", lambda es: bool(consolidations(es)))
+        (event,) = consolidations(events)
+        assert [c.copy for c in event.copies] == [0, 2] and event.total_steps == 40
+        assert [r.copy for r in event.rejected] == [1] and "not valid safetensors" in event.rejected[0].reason
+        assert service.registry.get_sample_value("tracker_replicas_rejected_total") == 1
+    finally:
+        await service.stop()
+
+
+async def test_missing_copies_are_left_out_after_the_timeout(memory_bus: MemoryBus, local_store: LocalStore) -> None:
+    clock = FakeClock(T0 + 300)
+    job = spec("j-late")
+    service = tracker(memory_bus, local_store, clock=clock, timeout_s=60)
+    await service.start()
+    try:
+        await place(memory_bus, job, 0, [0, 1])
+        await finish(memory_bus, local_store, "j-late", 0, 0, steps=50)
+        await asyncio.sleep(0.3)
+        assert consolidations(await models_events(memory_bus, "j-late")) == []
+        clock.advance(130)  # past the deadline (T0 + 360) plus the 60 s timeout
+        events = await wait_for(memory_bus, "j-late", lambda es: bool(consolidations(es)))
+        (event,) = consolidations(events)
+        assert event.missing == (1,) and [c.copy for c in event.copies] == [0]
+    finally:
+        await service.stop()
+
+
+async def test_restart_and_duplicates_never_count_twice_or_publish_again(memory_bus: MemoryBus,
+                                                                          local_store: LocalStore) -> None:
+    job = spec("j-restart", iterations=10_000)
+    group = "tracker-restart"
+    first = tracker(memory_bus, local_store, group=group)
+    await first.start()
+    await place(memory_bus, job, 0, [0, 1])
+    await finish(memory_bus, local_store, "j-restart", 0, 0, steps=100)
+    await finish(memory_bus, local_store, "j-restart", 0, 1, steps=100)
+    await wait_for(memory_bus, "j-restart", lambda es: bool(consolidations(es, 0)))
+    model_bytes = await local_store.get(model_key("j-restart", 0))
+    await first.stop()
+
+    # The agent re-reports copy 0 (new event id), then a fresh tracker replays everything.
+    await finish(memory_bus, local_store, "j-restart", 0, 0, steps=100)
+    second = tracker(memory_bus, local_store, group=group)
+    await second.start()
+    try:
+        await place(memory_bus, job, 1, [0])
+        await finish(memory_bus, local_store, "j-restart", 1, 0, steps=50)
+        events = await wait_for(memory_bus, "j-restart", lambda es: bool(consolidations(es, 1)))
+        await asyncio.sleep(0.3)  # a few more ticks: nothing else may appear
+        events = await models_events(memory_bus, "j-restart")
+        assert len(consolidations(events, 0)) == 1 and len(consolidations(events, 1)) == 1
+        assert consolidations(events, 1)[0].total_steps == 250
+        assert await local_store.get(model_key("j-restart", 0)) == model_bytes
+    finally:
+        await second.stop()
+
+
+async def test_a_model_written_but_not_announced_is_announced_as_is(memory_bus: MemoryBus,
+                                                                   local_store: LocalStore,
+                                                                   tmp_path: Path) -> None:
+    job = spec("j-crash")
+    await place(memory_bus, job, 0, [0, 1])
+    await finish(memory_bus, local_store, "j-crash", 0, 0, steps=90)
+    await finish(memory_bus, local_store, "j-crash", 0, 1, steps=10)
+    # An earlier tracker wrote the round's model (uniform weights) and crashed before announcing it.
+    paths = []
+    for copy in (0, 1):
+        path = tmp_path / f"{copy}.safetensors"
+        path.write_bytes(await local_store.get(f"checkpoints/j-crash/0/{copy}.safetensors"))
+        paths.append(path)
+    replicas = [Replica(copy=i, steps=s, reader=FileRangeReader(p)) for i, (p, s) in enumerate(zip(paths, (90, 10)))]
+    buffer = io.BytesIO()
+    write_consolidated(plan_consolidation(replicas, mode="uniform"), buffer,
+                       metadata={"job": "j-crash", "round": "0", "total_steps": "100", "missing": "[]"})
+    await local_store.put(model_key("j-crash", 0), buffer.getvalue())
+
+    service = tracker(memory_bus, local_store)  # steps mode: a recomputation would weigh 0.9 / 0.1
+    await service.start()
+    try:
+        events = await wait_for(memory_bus, "j-crash", lambda es: bool(consolidations(es)))
+        (event,) = consolidations(events)
+        assert [c.weight for c in event.copies] == [0.5, 0.5] and event.total_steps == 100
+        assert await local_store.get(model_key("j-crash", 0)) == buffer.getvalue()
+    finally:
+        await service.stop()
+
+
+class FlakyStore:
+    """A LocalStore whose first ``put_file`` fails, as a store that is briefly down would."""
+
+    def __init__(self, inner: LocalStore) -> None:
+        self._inner = inner
+        self.failures = 0
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - delegate the rest of the port
+        return getattr(self._inner, name)
+
+    async def put_file(self, key: str, path: Path) -> None:
+        if self.failures == 0:
+            self.failures += 1
+            raise OSError("store unavailable")
+        await self._inner.put_file(key, path)
+
+
+async def test_a_failed_write_is_retried_and_announced_once(memory_bus: MemoryBus, local_store: LocalStore) -> None:
+    store = FlakyStore(local_store)
+    service = tracker(memory_bus, store)  # type: ignore[arg-type]
+    await service.start()
+    try:
+        await place(memory_bus, spec("j-flaky"), 0, [0])
+        await finish(memory_bus, local_store, "j-flaky", 0, 0, steps=10)
+        await wait_for(memory_bus, "j-flaky", lambda es: bool(consolidations(es)))
+        await asyncio.sleep(0.3)
+        assert len(consolidations(await models_events(memory_bus, "j-flaky"))) == 1
+        assert store.failures == 1
+        assert service.registry.get_sample_value("tracker_errors_total", {"stage": "consolidate"}) == 1
+        assert service.health()["ok"] and "store unavailable" in service.health()["last_error"]
+    finally:
+        await service.stop()
+
+
+# ---------------------------------------------------------------- real Kafka + MinIO
+
+
+def _remove_bucket(settings: S3Settings) -> None:
+    client = Minio(settings.host_port, access_key=settings.access_key, secret_key=settings.secret_key,
+                   secure=settings.secure)
+    for obj in client.list_objects(settings.bucket, recursive=True):
+        if obj.object_name is not None:
+            client.remove_object(settings.bucket, obj.object_name)
+    client.remove_bucket(settings.bucket)
+
+
+@pytest.mark.kafka
+@pytest.mark.s3
+async def test_kafka_and_minio_consolidate_and_complete(kafka_bootstrap: str, s3_settings: S3Settings) -> None:
+    bus = KafkaBus(kafka_bootstrap, source="tracker-test")
+    settings = replace(s3_settings, bucket=f"test-{uuid.uuid4().hex}")
+    store = MinioStore(settings)
+    await bus.start()
+    await store.start()
+    try:
+        await full_scenario(bus, store)
+    finally:
+        await store.stop()
+        await bus.stop()
+        await asyncio.to_thread(_remove_bucket, settings)

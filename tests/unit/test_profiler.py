@@ -1,0 +1,172 @@
+"""Profiler: EWMA of measured rates, the 5% publish threshold, catalog estimates, the service."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from services.profiler.estimate import catalog_rates
+from services.profiler.service import ProfilerConfig, ProfilerService
+from services.profiler.state import ProfilerState
+from shared import gpus
+from shared.bus import MemoryBus
+from shared.clock import FakeClock
+from shared.events import JobSpec, JobSubmitted, Progress, ThroughputEstimate
+
+T0 = 1_700_000_000.0
+SPEC = JobSpec(job_id="j1", user="u", model="resnet", dataset="digits", batch_size=32, workers=2,
+               iterations=1000)
+
+
+def progress(at: float, steps: int, *, round_: int = 0, copy: int = 0, samples_per_s: float = 0.0,
+             gpu: str = "v100", workers: int = 2, emulated: bool = False, job: str = "j1") -> Progress:
+    return Progress(ts=at, source="agent", job_id=job, round=round_, copy=copy, node_id="n1", gpu_type=gpu,
+                    workers=workers, steps_round=steps, steps_total=steps, samples_per_s=samples_per_s,
+                    loss=0.5, emulated=emulated)
+
+
+def test_rates_from_successive_progress_are_smoothed_by_ewma() -> None:
+    state = ProfilerState(alpha=0.5, threshold=0.0)
+    assert state.observe(progress(T0, 0)) is None  # no batch-size fallback without samples_per_s
+    first = state.observe(progress(T0 + 10, 100))   # 10 steps/s
+    assert first is not None and first.rate == pytest.approx(10.0)
+    assert (first.job_id, first.gpu_type, first.workers) == ("j1", "v100", 2)
+    second = state.observe(progress(T0 + 20, 300))  # 20 steps/s -> 0.5 * 20 + 0.5 * 10
+    assert second is not None and second.rate == pytest.approx(15.0)
+    assert state.rate("j1", "v100", 2) == pytest.approx(15.0)
+
+
+def test_published_only_when_the_rate_moves_more_than_five_percent() -> None:
+    state = ProfilerState(alpha=1.0)  # no smoothing: the EWMA is the last sample
+    state.observe(progress(T0, 0))
+    assert state.observe(progress(T0 + 10, 1000)).rate == pytest.approx(100.0)
+    assert state.observe(progress(T0 + 20, 2040)) is None        # 104: within 5% of 100
+    assert state.observe(progress(T0 + 30, 2990)) is None        # 95: within 5%
+    moved = state.observe(progress(T0 + 40, 4050))               # 106: more than 5%
+    assert moved is not None and moved.rate == pytest.approx(106.0)
+    assert state.observe(progress(T0 + 50, 5060)) is None        # 101 vs last published 106: 4.7%
+
+
+def test_first_report_of_a_copy_uses_samples_per_second_over_batch_size() -> None:
+    state = ProfilerState()
+    assert state.observe(progress(T0, 5, samples_per_s=640.0)) is None  # job unknown: no batch size
+    state.add_job(SPEC)
+    update = state.observe(progress(T0, 5, copy=1, samples_per_s=640.0))
+    assert update is not None and update.rate == pytest.approx(20.0)  # 640 samples/s / 32
+
+
+def test_repeats_older_reports_and_round_changes_give_no_bogus_samples() -> None:
+    state = ProfilerState(alpha=1.0, threshold=0.0)
+    state.observe(progress(T0, 0))
+    state.observe(progress(T0 + 10, 100))
+    assert state.observe(progress(T0 + 10, 100)) is None   # the same report again
+    assert state.observe(progress(T0 + 5, 40)) is None     # an older one
+    assert state.observe(progress(T0 + 400, 7, round_=1)) is None  # new round: a new baseline
+    update = state.observe(progress(T0 + 410, 57, round_=1))
+    assert update is not None and update.rate == pytest.approx(5.0)
+
+
+def test_keys_are_per_job_gpu_type_and_workers() -> None:
+    state = ProfilerState(alpha=1.0, threshold=0.0)
+    for copy, (gpu, workers, rate) in enumerate((("v100", 2, 10), ("k80", 2, 3), ("v100", 4, 18))):
+        state.observe(progress(T0, 0, gpu=gpu, workers=workers, copy=copy))
+        state.observe(progress(T0 + 10, rate * 10, gpu=gpu, workers=workers, copy=copy))
+    assert [state.rate("j1", g, w) for g, w in (("v100", 2), ("k80", 2), ("v100", 4))] == [10, 3, 18]
+
+
+def test_seeding_from_a_published_measurement_resumes_without_republishing() -> None:
+    state = ProfilerState(alpha=1.0)
+    state.seed(ThroughputEstimate(ts=T0, source="profiler", job_id="j1", basis="measured", workers=2,
+                                  rates={"v100": 50.0}))
+    state.observe(progress(T0, 0))
+    assert state.observe(progress(T0 + 10, 510)) is None  # 51 vs 50
+    state.seed(ThroughputEstimate(ts=T0, source="profiler", job_id="j2", basis="estimate", workers=1,
+                                  rates={"v100": 1.0}))
+    assert not state.add_job(JobSpec(job_id="j2", user="u", model="resnet", dataset="digits", batch_size=8,
+                                     workers=1, iterations=10))
+
+
+def test_catalog_estimate_covers_every_gpu_type_and_prefers_faster_hardware() -> None:
+    rates = catalog_rates(JobSpec(job_id="j", user="u", model="ResNet-50", dataset="imagenet",
+                                  batch_size=32, workers=1, iterations=10))
+    assert set(rates) == set(gpus.GPU_TYPES)
+    assert all(r >= 0 for r in rates.values())
+    assert rates["h100"] > rates["v100"] > rates["k80"] > 0
+
+
+def test_catalog_estimate_refuses_an_unknown_model() -> None:
+    with pytest.raises(ValueError, match="no figures"):
+        catalog_rates(JobSpec(job_id="j", user="u", model="nonsense-model", dataset="digits", batch_size=8,
+                              workers=1, iterations=10))
+
+
+async def _estimates(bus: MemoryBus, predicate, timeout_s: float = 10.0) -> list[ThroughputEstimate]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = [d.event async for d in bus.read("hadar.throughput")]
+        if predicate(found) or time.monotonic() > deadline:
+            return found
+        await asyncio.sleep(0.02)
+
+
+async def test_service_publishes_estimates_then_measurements_and_survives_a_restart() -> None:
+    bus = MemoryBus(clock=FakeClock(T0))
+    await bus.start()
+    calls: list[str] = []
+
+    def estimator(spec: JobSpec) -> dict[str, float]:
+        calls.append(spec.job_id)
+        return {"v100": 12.5, "k80": 2.0}
+
+    service = ProfilerService(bus=bus, config=ProfilerConfig(group="prof"), clock=FakeClock(T0),
+                              estimator=estimator)
+    await service.start()
+    try:
+        await bus.emit(JobSubmitted(ts=T0, source="cli", job=SPEC, submitted_at=T0))
+        await bus.emit(progress(T0 + 1, 0, emulated=True))
+        await bus.emit(progress(T0 + 11, 80, emulated=True))
+        found = await _estimates(bus, lambda es: len(es) >= 2)
+        assert [(e.basis, e.workers, e.rates) for e in found] == [
+            ("estimate", 2, {"v100": 12.5, "k80": 2.0}), ("measured", 2, {"v100": pytest.approx(8.0)})]
+        assert service.registry.get_sample_value("profiler_progress_total", {"emulated": "true"}) == 2
+        assert service.registry.get_sample_value(
+            "profiler_estimates_published_total", {"basis": "measured", "emulated": "true"}) == 1
+        assert service.health()["ok"]
+    finally:
+        await service.stop()
+
+    # A restarted profiler (new group: it re-reads the job) must not estimate the job again.
+    again = ProfilerService(bus=bus, config=ProfilerConfig(group="prof-2"), clock=FakeClock(T0),
+                            estimator=estimator)
+    await again.start()
+    try:
+        await bus.emit(progress(T0 + 21, 161))  # 8.1 steps/s: within 5% of the published 8.0
+        await asyncio.sleep(0.2)
+        assert len([d async for d in bus.read("hadar.throughput")]) == 2
+        assert calls == ["j1"]
+    finally:
+        await again.stop()
+        await bus.stop()
+
+
+async def test_service_counts_a_job_it_cannot_estimate() -> None:
+    bus = MemoryBus(clock=FakeClock(T0))
+    await bus.start()
+
+    def estimator(spec: JobSpec) -> dict[str, float]:
+        raise ValueError("no figures for model")
+
+    service = ProfilerService(bus=bus, config=ProfilerConfig(group="prof"), estimator=estimator)
+    await service.start()
+    try:
+        await bus.emit(JobSubmitted(ts=T0, source="cli", job=SPEC, submitted_at=T0))
+        deadline = time.monotonic() + 5
+        while service.registry.get_sample_value("profiler_estimate_failures_total") != 1:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        assert [d async for d in bus.read("hadar.throughput")] == []
+    finally:
+        await service.stop()
+        await bus.stop()

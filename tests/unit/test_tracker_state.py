@@ -1,0 +1,172 @@
+"""Tracker bookkeeping: when a round is due, what counts as steps, idempotence under replay."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.tracker.state import TrackerState
+from shared.events import (
+    Assignment, CopyFinished, CopyWeight, Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted,
+    ModelConsolidated, Progress, RoundStarted,
+)
+
+T0 = 1_000.0
+SPEC = JobSpec(job_id="j1", user="u", model="resnet-8", dataset="digits", batch_size=32, workers=1,
+               iterations=500)
+
+
+def submitted(spec: JobSpec = SPEC, at: float = T0) -> JobSubmitted:
+    return JobSubmitted(ts=at, source="cli", job=spec, submitted_at=at)
+
+
+def assignment(copy: int, round_: int = 0, node: str = "n1", spec: JobSpec = SPEC,
+               deadline: float = T0 + 360) -> Assignment:
+    return Assignment(ts=T0 + round_ * 360, source="scheduler", round=round_, job=spec, copy=copy,
+                      node_id=node, gpus=(0,), gpu_type="V100", world_size=1, ranks=(0,), step_budget=100,
+                      deadline=deadline + round_ * 360)
+
+
+def finished(copy: int, steps: int, round_: int = 0, status: str = "ok", job: str = "j1") -> CopyFinished:
+    return CopyFinished(ts=T0 + 350 + round_ * 360, source="agent", job_id=job, round=round_, copy=copy,
+                        node_id="n1", status=status, steps_round=steps,
+                        checkpoint=None if status == "failed" else f"checkpoints/{job}/{round_}/{copy}.safetensors",
+                        reason="oom" if status == "failed" else "")
+
+
+def progress(copy: int, steps: int, round_: int = 0) -> Progress:
+    return Progress(ts=T0 + steps, source="agent", job_id="j1", round=round_, copy=copy, node_id="n1",
+                    gpu_type="V100", workers=1, steps_round=steps, steps_total=steps, samples_per_s=10.0,
+                    loss=1.0)
+
+
+def consolidated(round_: int, copies: dict[int, int], total: int) -> ModelConsolidated:
+    return ModelConsolidated(ts=T0 + 400 + round_ * 360, source="tracker", job_id="j1", round=round_,
+                             key=f"models/j1/{round_}.safetensors", total_steps=total,
+                             copies=tuple(CopyWeight(copy=c, steps=s, weight=s / max(1, sum(copies.values())))
+                                          for c, s in copies.items()))
+
+
+def fold(events: list[Event]) -> TrackerState:
+    state = TrackerState()
+    for event in events:
+        state.apply(event)
+    return state
+
+
+def test_round_is_due_once_every_assigned_copy_finished() -> None:
+    state = fold([submitted(), assignment(0), assignment(1), assignment(2), finished(0, 100), finished(1, 80)])
+    assert state.due_rounds(T0 + 360, timeout_s=60) == []
+    state.apply(finished(2, 60))
+    (work,) = state.due_rounds(T0 + 360, timeout_s=60)
+    assert (work.job_id, work.round, work.missing, work.timed_out) == ("j1", 0, (), False)
+    assert [(c.copy, c.steps) for c in work.usable] == [(0, 100), (1, 80), (2, 60)]
+    assert work.prior_steps == 0
+
+
+def test_after_the_timeout_missing_copies_are_recorded_and_left_out() -> None:
+    state = fold([submitted(), assignment(0), assignment(1), assignment(2), finished(0, 100),
+                  finished(1, 5, status="failed")])
+    assert state.due_rounds(T0 + 360 + 59, timeout_s=60) == []
+    (work,) = state.due_rounds(T0 + 360 + 60, timeout_s=60)
+    assert work.timed_out and work.missing == (2,)
+    assert [c.copy for c in work.usable] == [0] and [c.copy for c in work.failed] == [1]
+
+
+def test_a_round_waits_for_all_of_its_assignments_when_roundstarted_says_how_many() -> None:
+    # Copy 1's Assignment is still unread on hadar.placements: the round must not look complete.
+    started = RoundStarted(ts=T0, source="scheduler", round=0, policy="hadare", started_at=T0,
+                           ends_at=T0 + 360, assignments=2)
+    state = fold([submitted(), started, assignment(0), finished(0, 100)])
+    assert state.due_rounds(T0 + 360, timeout_s=60) == []
+    state.apply(assignment(1))
+    assert state.due_rounds(T0 + 360, timeout_s=60) == []
+    state.apply(finished(1, 90))
+    assert [w.round for w in state.due_rounds(T0 + 360, timeout_s=60)] == [0]
+
+
+def test_duplicate_copyfinished_never_counts_twice() -> None:
+    state = fold([submitted(), assignment(0), finished(0, 100)])
+    assert not state.apply(finished(0, 100))
+    assert not state.apply(finished(0, 250))  # a second report for the same copy: the first wins
+    (work,) = state.due_rounds(T0, timeout_s=60)
+    assert [c.steps for c in work.usable] == [100]
+    assert state.live_steps("j1") == 100
+
+
+def test_steps_are_the_sum_over_copies_and_accumulate_over_consolidated_rounds() -> None:
+    state = fold([submitted(), assignment(0), assignment(1), progress(0, 40), progress(1, 30), progress(0, 20)])
+    assert state.live_steps("j1") == 70  # max per copy, summed over copies
+    state.apply(finished(0, 100))
+    state.apply(finished(1, 50))
+    state.apply(consolidated(0, {0: 100, 1: 50}, total=150))
+    assert state.consolidated_steps("j1") == 150 and state.live_steps("j1") == 150
+    state.apply(assignment(0, round_=1))
+    state.apply(finished(0, 70, round_=1))
+    (work,) = state.due_rounds(T0 + 720, timeout_s=60)
+    assert work.round == 1 and work.prior_steps == 150
+
+
+def test_consolidated_round_is_not_due_again_and_late_reports_are_ignored() -> None:
+    state = fold([submitted(), assignment(0), assignment(1), finished(0, 100)])
+    state.apply(consolidated(0, {0: 100}, total=100))  # consolidated at the timeout without copy 1
+    assert not state.apply(finished(1, 80))
+    assert state.due_rounds(T0 + 10_000, timeout_s=60) == []
+    assert state.consolidated_steps("j1") == 100
+
+
+def test_rounds_of_a_job_come_due_in_order() -> None:
+    state = fold([submitted(), assignment(0, round_=0), assignment(0, round_=1), finished(0, 10, round_=1)])
+    assert state.due_rounds(T0 + 400, timeout_s=60) == []  # round 0 still open and not timed out
+    (work,) = state.due_rounds(T0 + 420, timeout_s=60)
+    assert work.round == 0 and work.usable == () and work.missing == (0,)
+    state.abandon("j1", 0)
+    assert [w.round for w in state.due_rounds(T0 + 420, timeout_s=60)] == [1]
+
+
+def test_completion_is_due_when_steps_reach_iterations_and_happens_once() -> None:
+    state = fold([submitted(at=T0 - 50), assignment(0), finished(0, 300)])
+    state.apply(consolidated(0, {0: 300}, total=300))
+    assert state.due_completions() == []
+    state.apply(assignment(0, round_=1))
+    state.apply(finished(0, 250, round_=1))
+    state.apply(consolidated(1, {0: 250}, total=550))
+    (work,) = state.due_completions()
+    assert (work.model_key, work.total_steps, work.submitted_at) == ("models/j1/1.safetensors", 550, T0 - 50)
+    state.apply(JobCompleted(ts=T0 + 800, source="tracker", job_id="j1", final_key="models/j1/final.safetensors",
+                             total_steps=550, jct_s=850, completed_at=T0 + 800))
+    assert state.due_completions() == [] and state.is_completed("j1")
+    state.apply(assignment(0, round_=2))
+    state.apply(finished(0, 10, round_=2))
+    assert state.due_rounds(T0 + 10_000, timeout_s=0) == []
+
+
+def test_iterations_come_from_the_assignment_when_jobsubmitted_was_not_seen() -> None:
+    state = fold([assignment(0), finished(0, 600)])
+    assert state.iterations("j1") == 500
+    state.apply(consolidated(0, {0: 600}, total=600))
+    (work,) = state.due_completions()
+    assert work.submitted_at == T0  # first time the tracker heard of the job
+
+
+def test_cancelled_jobs_are_not_consolidated() -> None:
+    state = fold([submitted(), assignment(0), finished(0, 10),
+                  JobCancelled(ts=T0 + 1, source="cli", job_id="j1")])
+    assert state.due_rounds(T0 + 10_000, timeout_s=0) == []
+
+
+_HISTORY = [submitted(), assignment(0), assignment(1), progress(0, 30), finished(0, 100), finished(1, 60),
+            consolidated(0, {0: 100, 1: 60}, total=160), assignment(0, round_=1), progress(0, 20, round_=1),
+            finished(0, 90, round_=1)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.permutations(list(range(len(_HISTORY)))), st.lists(st.integers(0, len(_HISTORY) - 1), max_size=8))
+def test_replaying_events_in_any_order_with_duplicates_gives_the_same_decisions(order: list[int],
+                                                                              repeats: list[int]) -> None:
+    reference = fold(_HISTORY)
+    replayed = fold([_HISTORY[i] for i in order] + [_HISTORY[i] for i in repeats])
+    now = T0 + 760
+    assert replayed.due_rounds(now, 60) == reference.due_rounds(now, 60)
+    assert replayed.consolidated_steps("j1") == reference.consolidated_steps("j1") == 160
+    assert replayed.due_completions() == reference.due_completions()
