@@ -8,7 +8,6 @@ from collections.abc import Callable
 
 from services.cli.connect import make_bus
 from services.cli.main import UsageError
-from services.profiler.service import ProfilerConfig, ProfilerService
 from services.profiler.state import DEFAULT_ALPHA, DEFAULT_THRESHOLD
 from shared.logging import configure_logging
 from shared.service import run_service
@@ -32,6 +31,8 @@ def add_profiler_parser(services: argparse._SubParsersAction,
 
 
 def run_profiler(args: argparse.Namespace) -> int:
+    from services.profiler.service import ProfilerConfig, ProfilerService  # heavy (torch, numpy): only when run
+
     if not 0 < args.alpha <= 1:
         raise UsageError(f"--alpha: must be in (0, 1], got {args.alpha}")
     if args.threshold < 0:

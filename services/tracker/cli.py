@@ -8,7 +8,6 @@ from collections.abc import Callable
 
 from services.cli.connect import add_store_args, make_bus, make_store
 from services.cli.main import UsageError
-from services.tracker.service import TrackerConfig, TrackerService
 from shared.logging import configure_logging
 from shared.service import run_service
 
@@ -34,6 +33,8 @@ def add_tracker_parser(services: argparse._SubParsersAction,
 
 
 def run_tracker(args: argparse.Namespace) -> int:
+    from services.tracker.service import TrackerConfig, TrackerService  # heavy (torch, numpy): only when run
+
     try:
         config = TrackerConfig(group=args.group, mode="uniform" if args.uniform else "steps",
                                finish_timeout_s=args.finish_timeout_s, tick_s=args.tick_s,
