@@ -1,0 +1,218 @@
+"""The node agent service: registers its devices, heartbeats, and runs the copies assigned to it.
+
+Consumes ``hadar.placements`` (and ``hadar.jobs`` for cancellations) in consumer group
+``agent-<node_id>``, so every agent sees every assignment. Rules:
+
+* An :class:`Assignment` for this node starts a :class:`~services.agent.runner.CopyRun`
+  unless it is a duplicate (same job, round, copy seen since start), or stale: its round
+  is older than the newest round this agent knows of, or its deadline has passed.
+* Learning of a newer round r (a :class:`RoundStarted`, or an Assignment for this node)
+  preempts every older-round copy on this node that round r does not continue (its job
+  copy is not yet assigned here in round r); continued copies run to their own deadline.
+  A :class:`JobCancelled` preempts the job's copies.
+* An Assignment is acked once its copy's :class:`CopyFinished` is published (or it is
+  skipped), so an agent that restarts mid-round gets it again and its workers resume from
+  the copy's own checkpoint of that round; everything else is acked when handled.
+* ``stop()`` drains: stops taking work, preempts every copy, waits for their checkpoints
+  and results (workers are killed ``stop_timeout_s`` after SIGTERM), then commits.
+
+Only this process holds a bus connection; workers talk to the store themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from prometheus_client import CollectorRegistry
+
+from services.agent.discovery import NodeDevices
+from services.agent.metrics import AgentMetrics
+from services.agent.process import WorkerPool
+from services.agent.runner import CopyKey, CopyRun, RunContext
+from services.agent.spec import StoreTarget
+from shared.bus import Bus, Delivery, Subscription
+from shared.clock import Clock, SystemClock
+from shared.events import Assignment, Event, JobCancelled, NodeHeartbeat, NodeRegistered, RoundStarted
+
+__all__ = ["AgentConfig", "AgentDaemon"]
+
+TOPICS = ("hadar.placements", "hadar.jobs")
+SEEN_LIMIT = 4096
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    node_id: str
+    address: str = ""               # host other agents reach for DDP rendezvous ("" = node id)
+    heartbeat_s: float = 5.0
+    progress_s: float = 2.0
+    stop_timeout_s: float = 30.0    # SIGTERM -> SIGKILL for a preempted worker
+    deadline_grace_s: float = 30.0  # a worker still running this long after its deadline is preempted
+    threads: int = 1                # torch threads per worker
+    spare_workers: int = 1          # warm worker processes kept ready
+    python: str = sys.executable
+
+    @property
+    def group(self) -> str:
+        return f"agent-{self.node_id}"
+
+
+class AgentDaemon:
+    """The agent as a :class:`shared.service.Service`."""
+
+    name = "agent"
+
+    def __init__(self, config: AgentConfig, *, bus: Bus, store: StoreTarget, devices: NodeDevices,
+                 clock: Clock | None = None, registry: CollectorRegistry | None = None) -> None:
+        self.config = config
+        self.bus = bus
+        self.devices = devices
+        self.clock = clock or SystemClock()
+        self.registry = registry or CollectorRegistry()
+        self.metrics = AgentMetrics(self.registry, node_id=config.node_id, emulated=devices.emulated)
+        self.pool = WorkerPool(python=config.python, spares=config.spare_workers)
+        self.ctx = RunContext(node_id=config.node_id, devices=devices, store=store, pool=self.pool,
+                              clock=self.clock, publish=self._publish, metrics=self.metrics,
+                              progress_s=config.progress_s, threads=config.threads,
+                              stop_timeout_s=config.stop_timeout_s, deadline_grace_s=config.deadline_grace_s)
+        self.log = structlog.get_logger().bind(node=config.node_id)
+        self.runs: dict[CopyKey, CopyRun] = {}
+        self._run_tasks: dict[CopyKey, asyncio.Task[None]] = {}
+        self._seen: OrderedDict[CopyKey, None] = OrderedDict()
+        self._assigned: dict[int, set[tuple[str, int]]] = {}
+        self.latest_round = -1
+        self._sub: Subscription | None = None
+        self._consumer: asyncio.Task[None] | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._draining = False
+        self._seq = 0
+
+    @property
+    def source(self) -> str:
+        return f"agent/{self.config.node_id}"
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        await self.bus.ensure_topics()
+        self.pool.start()
+        await self._publish(NodeRegistered(ts=self.clock.time(), source=self.source, node_id=self.config.node_id,
+                                           gpus=self.devices.gpus, address=self.config.address,
+                                           emulated=self.devices.emulated))
+        self.log.info("agent.registered", devices=[g.type for g in self.devices.gpus], kind=self.devices.kind)
+        self._sub = self.bus.subscribe(TOPICS, self.config.group)
+        await self._sub.start()
+        self._consumer = asyncio.create_task(self._consume(self._sub))
+        self._heartbeat = asyncio.create_task(self._beat())
+
+    async def stop(self) -> None:
+        self._draining = True
+        for run in list(self.runs.values()):
+            run.preempt("agent stopping")
+        tasks = list(self._run_tasks.values())
+        if tasks:
+            await asyncio.wait(tasks)
+        for task in (self._consumer, self._heartbeat):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if self._sub is not None:
+            await self._sub.stop()
+        await self.pool.close()
+        self.log.info("agent.stopped")
+
+    def health(self) -> dict[str, Any]:
+        alive = all(t is not None and not t.done() for t in (self._consumer, self._heartbeat))
+        return {"ok": alive and not self._draining, "node": self.config.node_id, "kind": self.devices.kind,
+                "emulated": self.devices.emulated, "latest_round": self.latest_round,
+                "running": ["/".join(map(str, k)) for k in sorted(self.runs)]}
+
+    # ------------------------------------------------------------ loops
+
+    async def _publish(self, event: Event) -> None:
+        await self.bus.emit(event)
+        self.metrics.event(event.TYPE)
+
+    async def _beat(self) -> None:
+        while True:
+            await self.clock.sleep(self.config.heartbeat_s)
+            self._seq += 1
+            running = tuple(sorted({job for job, _, _ in self.runs}))
+            try:
+                await self._publish(NodeHeartbeat(ts=self.clock.time(), source=self.source,
+                                                  node_id=self.config.node_id, seq=self._seq, running=running,
+                                                  emulated=self.devices.emulated))
+            except Exception as exc:  # a bus outage must not end the heartbeat loop
+                self.log.warning("heartbeat.publish_failed", error=f"{type(exc).__name__}: {exc}"[:300])
+
+    async def _consume(self, sub: Subscription) -> None:
+        async for delivery in sub:
+            if self._draining:
+                continue   # left un-acked: whoever consumes next gets it again
+            try:
+                acked_later = await self._handle(delivery)
+            except Exception:
+                self.log.exception("agent.handler_error", topic=delivery.topic, offset=delivery.offset)
+                acked_later = False
+            if not acked_later:
+                await delivery.ack()
+
+    # ------------------------------------------------------------ handlers
+
+    async def _handle(self, delivery: Delivery) -> bool:
+        """Act on one event; True if its ack is deferred to the end of a copy run."""
+        event = delivery.event
+        if isinstance(event, RoundStarted):
+            self._newer_round(event.round)
+        elif isinstance(event, JobCancelled):
+            for key, run in list(self.runs.items()):
+                if key[0] == event.job_id:
+                    run.preempt(f"job cancelled: {event.reason}" if event.reason else "job cancelled")
+        elif isinstance(event, Assignment) and event.node_id == self.config.node_id:
+            return self._assignment(event, delivery)
+        return False
+
+    def _newer_round(self, round_: int) -> None:
+        if round_ <= self.latest_round:
+            return
+        self.latest_round = round_
+        continued = self._assigned.get(round_, set())
+        for (job, r, copy), run in list(self.runs.items()):
+            if r < round_ and (job, copy) not in continued:
+                run.preempt(f"round {round_} started without this copy")
+        for old in [r for r in self._assigned if r < round_ - 1]:
+            del self._assigned[old]
+
+    def _assignment(self, a: Assignment, delivery: Delivery) -> bool:
+        key: CopyKey = (a.job_id, a.round, a.copy)
+        log = self.log.bind(job=a.job_id, round=a.round, copy=a.copy)
+        if key in self._seen:
+            log.info("assignment.duplicate")
+            return False
+        if a.round < self.latest_round or a.deadline <= self.clock.time():
+            log.info("assignment.stale", latest_round=self.latest_round, deadline=a.deadline)
+            return False
+        self._seen[key] = None
+        if len(self._seen) > SEEN_LIMIT:
+            self._seen.popitem(last=False)
+        self._assigned.setdefault(a.round, set()).add((a.job_id, a.copy))
+        self._newer_round(a.round)
+        run = CopyRun(self.ctx, a)
+        self.runs[key] = run
+        self.metrics.copies_running(len(self.runs))
+        self._run_tasks[key] = asyncio.create_task(self._run(run, delivery))
+        return True
+
+    async def _run(self, run: CopyRun, delivery: Delivery) -> None:
+        try:
+            await run.run()
+        finally:
+            self.runs.pop(run.key, None)
+            self._run_tasks.pop(run.key, None)
+            self.metrics.copies_running(len(self.runs))
+            await delivery.ack()

@@ -1,0 +1,54 @@
+"""Prometheus metrics of one agent. Every series carries ``node`` and ``emulated`` labels."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+__all__ = ["AgentMetrics"]
+
+_BASE = ("node", "emulated")
+
+
+class AgentMetrics:
+    def __init__(self, registry: CollectorRegistry, *, node_id: str, emulated: bool) -> None:
+        self._labels = {"node": node_id, "emulated": "true" if emulated else "false"}
+        self._copies_running = Gauge("hadar_agent_copies_running", "Job copies with live workers on this node",
+                                     _BASE, registry=registry)
+        self._steps_per_s = Gauge("hadar_agent_steps_per_second",
+                                  "Training steps per second of the copies running here (latest reports)",
+                                  _BASE, registry=registry)
+        self._steps = Counter("hadar_agent_steps", "Training steps done by copies reported from this node",
+                              _BASE, registry=registry)
+        self._events = Counter("hadar_agent_events_published", "Events published by this agent, by type",
+                               (*_BASE, "type"), registry=registry)
+        self._failures = Counter("hadar_agent_worker_failures", "Job copies whose workers failed here",
+                                 _BASE, registry=registry)
+        self._finished = Counter("hadar_agent_copies_finished", "Job copies finished here, by status",
+                                 (*_BASE, "status"), registry=registry)
+        self._rates: dict[tuple[str, int, int], float] = {}
+        for series in (self._copies_running, self._steps_per_s, self._steps, self._failures):
+            series.labels(**self._labels)   # exported as 0 from the start, not only once it moves
+
+    def copies_running(self, n: int) -> None:
+        self._copies_running.labels(**self._labels).set(n)
+
+    def copy_rate(self, key: tuple[str, int, int], steps_per_s: float | None) -> None:
+        """Latest steps/s of one copy (None: it stopped)."""
+        if steps_per_s is None:
+            self._rates.pop(key, None)
+        else:
+            self._rates[key] = steps_per_s
+        self._steps_per_s.labels(**self._labels).set(sum(self._rates.values()))
+
+    def steps(self, n: int) -> None:
+        if n > 0:
+            self._steps.labels(**self._labels).inc(n)
+
+    def event(self, event_type: str) -> None:
+        self._events.labels(**self._labels, type=event_type).inc()
+
+    def failure(self) -> None:
+        self._failures.labels(**self._labels).inc()
+
+    def finished(self, status: str) -> None:
+        self._finished.labels(**self._labels, status=status).inc()

@@ -1,0 +1,252 @@
+"""One job copy's work on this node for one round: its worker processes and its events.
+
+A :class:`CopyRun` starts one worker per assigned GPU (one DDP rank each), relays rank
+0's progress as :class:`Progress` events, and ends with one :class:`CopyFinished`:
+
+* ``failed`` (from whichever node saw it) if any local worker failed, could not start,
+  or exited without reporting -- with the first reason;
+* otherwise ``ok``/``preempted`` with the checkpoint key, from the node that hosts rank 0
+  (other nodes of a copy spanning nodes stay silent: the copy has one checkpoint).
+
+Stopping: :meth:`CopyRun.preempt` sends SIGTERM (finish the step, checkpoint, exit) and
+SIGKILL ``stop_timeout_s`` later to any worker still alive. A watchdog preempts workers
+still running ``deadline_grace_s`` after the round deadline (a hung peer, a stuck
+store). :meth:`CopyRun.run` never raises: every failure becomes an event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from services.agent.discovery import NodeDevices
+from services.agent.metrics import AgentMetrics
+from services.agent.process import WorkerPool, WorkerProcess
+from services.agent.spec import StoreTarget, WorkerSpec, checkpoint_key
+from shared.clock import Clock
+from shared.events import Assignment, CopyFinished, Event, Progress
+
+__all__ = ["RunContext", "CopyRun", "CopyKey", "free_port"]
+
+CopyKey = tuple[str, int, int]   # (job, round, copy)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunContext:
+    """What every copy run on this node shares."""
+
+    node_id: str
+    devices: NodeDevices
+    store: StoreTarget
+    pool: WorkerPool
+    clock: Clock
+    publish: Callable[[Event], Awaitable[None]]
+    metrics: AgentMetrics
+    progress_s: float
+    threads: int
+    stop_timeout_s: float
+    deadline_grace_s: float
+
+    @property
+    def source(self) -> str:
+        return f"agent/{self.node_id}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class CopyRun:
+    def __init__(self, ctx: RunContext, assignment: Assignment) -> None:
+        self.ctx = ctx
+        self.a = assignment
+        self.key: CopyKey = (assignment.job_id, assignment.round, assignment.copy)
+        self.workers: list[WorkerProcess] = []
+        self.stop_reason = ""
+        self.steps_round = 0
+        self.first_failure = ""
+        self._started = 0
+        self.log = structlog.get_logger().bind(node=ctx.node_id, job=assignment.job_id,
+                                               round=assignment.round, copy=assignment.copy)
+        self._kill_timer: asyncio.TimerHandle | None = None
+        self._stopping = False
+
+    @property
+    def reports(self) -> bool:
+        """Whether this node hosts rank 0 (and so reports the copy's progress and result)."""
+        return 0 in self.a.ranks
+
+    def preempt(self, reason: str) -> None:
+        """SIGTERM every worker now, SIGKILL those still alive after ``stop_timeout_s``."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self.stop_reason = reason
+        self.log.info("copy.preempt", reason=reason)
+        for worker in self.workers:
+            worker.terminate()
+        loop = asyncio.get_running_loop()
+        self._kill_timer = loop.call_later(self.ctx.stop_timeout_s, self._kill_all)
+
+    def _kill_all(self) -> None:
+        for worker in self.workers:
+            if worker.alive:
+                self.log.warning("copy.kill", pid=worker.pid, after_s=self.ctx.stop_timeout_s)
+                worker.kill()
+
+    def _specs(self) -> list[WorkerSpec]:
+        a, devices = self.a, self.ctx.devices
+        by_index = devices.by_index()
+        unknown = [g for g in a.gpus if g not in by_index]
+        if unknown:
+            raise ValueError(f"assignment names GPU indices {unknown} this node does not have "
+                             f"(it has {sorted(by_index)})")
+        rendezvous = a.rendezvous
+        if rendezvous is None and a.world_size > 1:
+            rendezvous = f"127.0.0.1:{free_port()}"
+        specs = []
+        for gpu, rank in zip(a.gpus, a.ranks, strict=True):
+            env = {"CUDA_VISIBLE_DEVICES": devices.visible.get(gpu, "")}
+            specs.append(WorkerSpec(
+                job_id=a.job_id, round=a.round, copy=a.copy, node_id=self.ctx.node_id,
+                gpu_type=by_index[gpu].type, model=a.job.model, dataset=a.job.dataset,
+                batch_size=a.job.batch_size, optimizer=a.job.hyper.optimizer, lr=a.job.hyper.lr,
+                seed=a.job.hyper.seed, rank=rank, world_size=a.world_size, rendezvous=rendezvous,
+                device=devices.worker_device, step_budget=a.step_budget, deadline=a.deadline,
+                start_from=a.start_from, checkpoint=checkpoint_key(a.job_id, a.round, a.copy),
+                store=self.ctx.store, slowdown=devices.slowdown.get(gpu, 1.0), emulated=devices.emulated,
+                progress_s=self.ctx.progress_s, threads=self.ctx.threads, env=env))
+        return specs
+
+    async def run(self) -> None:
+        finals: list[dict[str, Any] | None] = []
+        failure = ""
+        watchdog: asyncio.Task[None] | None = None
+        try:
+            specs = self._specs()
+            for spec in specs:
+                worker = await self.ctx.pool.acquire()
+                self.workers.append(worker)
+                await worker.send(spec)
+                if self._stopping:
+                    worker.terminate()
+            self.log.info("copy.started", pids=[w.pid for w in self.workers], world_size=self.a.world_size,
+                          ranks=list(self.a.ranks))
+            watchdog = asyncio.create_task(self._watchdog())
+            finals = list(await asyncio.gather(*(self._follow(w, s) for w, s in zip(self.workers, specs))))
+        except asyncio.CancelledError:
+            for worker in self.workers:
+                worker.kill()
+            raise
+        except Exception as exc:  # could not start (bad assignment, spawn failure) or lost a worker pipe
+            failure = f"{type(exc).__name__}: {exc}"[:500]
+            for worker in self.workers:
+                worker.kill()
+            for worker in self.workers:
+                await worker.wait()
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+            if self._kill_timer is not None:
+                self._kill_timer.cancel()
+        self.ctx.metrics.copy_rate(self.key, None)
+        self.ctx.pool.refill()
+        await self._finish(finals, failure)
+
+    async def _watchdog(self) -> None:
+        late = self.a.deadline + self.ctx.deadline_grace_s - self.ctx.clock.time()
+        await asyncio.sleep(max(0.0, late))
+        self.preempt(f"still running {self.ctx.deadline_grace_s:.0f} s after the round deadline")
+
+    async def _follow(self, worker: WorkerProcess, spec: WorkerSpec) -> dict[str, Any] | None:
+        """Relay one worker's messages; return its final message with its exit code."""
+        final: dict[str, Any] | None = None
+        async for message in worker.messages():
+            kind = message["event"]
+            if kind == "started":
+                self._started += 1
+                self.log.info("worker.started", rank=spec.rank, pid=message.get("pid"),
+                              setup_s=message.get("setup_s"), spare_wait_s=message.get("spec_wait_s"),
+                              steps_total=message.get("steps_total"))
+                if self._started == len(self.a.gpus):
+                    self.ctx.pool.refill()
+            elif kind == "progress" and spec.rank == 0:
+                await self._progress(message)
+            elif kind in ("finished", "failed"):
+                final = message
+        code = await worker.wait()
+        if final is None:
+            how = f"signal {-code}" if code < 0 else f"code {code}"
+            final = {"event": "failed", "reason": f"worker rank {spec.rank} exited with {how} without reporting"
+                     + (f" (stopping: {self.stop_reason})" if self.stop_reason else "")}
+        if final["event"] == "failed" and not self.first_failure:
+            self.first_failure = str(final["reason"])
+            if not self._stopping and any(w.alive for w in self.workers):
+                self.preempt(f"rank {spec.rank} failed")  # its peers cannot finish without it
+        return {**final, "rank": spec.rank, "exit_code": code}
+
+    async def _progress(self, m: dict[str, Any]) -> None:
+        a = self.a
+        try:
+            steps_round, steps_total = int(m["steps_round"]), int(m["steps_total"])
+            samples_per_s, loss = float(m["samples_per_s"]), float(m["loss"])
+            event = Progress(ts=self.ctx.clock.time(), source=self.ctx.source, job_id=a.job_id, round=a.round,
+                             copy=a.copy, node_id=self.ctx.node_id, gpu_type=a.gpu_type, workers=a.world_size,
+                             steps_round=steps_round, steps_total=steps_total, samples_per_s=samples_per_s,
+                             loss=loss, emulated=self.ctx.devices.emulated)
+        except (KeyError, TypeError, ValueError) as exc:   # ValueError includes InvalidEvent
+            self.log.warning("progress.bad_report", error=f"{type(exc).__name__}: {exc}"[:300])
+            return
+        self.ctx.metrics.steps(max(0, steps_round - self.steps_round))
+        self.steps_round = steps_round
+        self.ctx.metrics.copy_rate(self.key, samples_per_s / (a.job.batch_size * a.world_size))
+        try:
+            await self.ctx.publish(event)
+        except Exception as exc:  # progress is best effort; the result is not
+            self.log.warning("progress.publish_failed", error=f"{type(exc).__name__}: {exc}"[:300])
+
+    async def _finish(self, finals: list[dict[str, Any] | None], failure: str) -> None:
+        failed = [f for f in finals if f is not None and f["event"] == "failed"]
+        if failure or failed:
+            reason = failure or self.first_failure or str(failed[0]["reason"])
+            self.ctx.metrics.failure()
+            await self._result("failed", self.steps_round, None, reason)
+            return
+        mine = next((f for f in finals if f is not None and f["rank"] == 0), None)
+        if not self.reports or mine is None:   # rank 0 lives on another node, which reports the copy
+            self.log.info("copy.finished_here", ranks=list(self.a.ranks))
+            return
+        steps = int(mine["steps_round"])
+        self.ctx.metrics.steps(max(0, steps - self.steps_round))
+        self.steps_round = steps
+        self.log.info("copy.finished", status=mine["status"], steps_round=steps,
+                      steps_total=mine["steps_total"], samples_per_s=round(mine["samples_per_s"], 1),
+                      metric=mine.get("metric"))
+        await self._result(str(mine["status"]), steps, mine["checkpoint"],
+                           self.stop_reason if mine["status"] == "preempted" else "")
+
+    async def _result(self, status: str, steps: int, checkpoint: str | None, reason: str) -> None:
+        a = self.a
+        if status == "failed":
+            self.log.error("copy.failed", reason=reason)
+        event = CopyFinished(ts=self.ctx.clock.time(), source=self.ctx.source, job_id=a.job_id, round=a.round,
+                             copy=a.copy, node_id=self.ctx.node_id, status=status, steps_round=steps,
+                             gpu_type=a.gpu_type, checkpoint=checkpoint, reason=reason[:500],
+                             emulated=self.ctx.devices.emulated)
+        self.ctx.metrics.finished(status)
+        for attempt in range(3):
+            try:
+                await self.ctx.publish(event)
+                return
+            except Exception as exc:
+                self.log.warning("result.publish_failed", attempt=attempt,
+                                 error=f"{type(exc).__name__}: {exc}"[:300])
+                await asyncio.sleep(0.5 * 2**attempt)
+        self.log.error("result.lost", status=status)

@@ -1,0 +1,132 @@
+"""What the daemon tells a worker subprocess, and what the worker tells it back.
+
+The daemon writes one :class:`WorkerSpec` as JSON to the worker's stdin (stdin, not argv:
+it carries the store's secret, and argv is visible to every user of the machine). The
+worker writes one JSON object per line to its stdout: ``started``, ``progress`` (about
+every ``progress_s``), then exactly one of ``finished`` or ``failed``. Nothing else is
+written there (the worker moves library output on fd 1 to stderr).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from shared.config import S3Settings
+from shared.store import LocalStore, MinioStore, ObjectStore
+
+__all__ = ["StoreTarget", "WorkerSpec", "checkpoint_key", "worker_line", "parse_worker_line"]
+
+
+def checkpoint_key(job_id: str, round_: int, copy: int) -> str:
+    """Where the copy's checkpoint of a round lives (DESIGN.md object keys)."""
+    return f"checkpoints/{job_id}/{round_}/{copy}.safetensors"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreTarget:
+    """Which store a worker opens: a local directory or an S3 endpoint."""
+
+    kind: Literal["local", "s3"]
+    root: str = ""
+    s3: S3Settings | None = None
+
+    @classmethod
+    def local(cls, root: Path | str) -> StoreTarget:
+        return cls(kind="local", root=str(root))
+
+    @classmethod
+    def remote(cls, settings: S3Settings) -> StoreTarget:
+        return cls(kind="s3", s3=settings)
+
+    def open(self) -> ObjectStore:
+        if self.kind == "local":
+            return LocalStore(Path(self.root))
+        assert self.s3 is not None
+        return MinioStore(self.s3)
+
+    def to_json(self) -> dict[str, Any]:
+        if self.kind == "local":
+            return {"kind": "local", "root": self.root}
+        assert self.s3 is not None
+        return {"kind": "s3", **dataclasses.asdict(self.s3)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StoreTarget:
+        if data.get("kind") == "local":
+            return cls.local(data["root"])
+        if data.get("kind") == "s3":
+            fields = {k: data[k] for k in ("endpoint", "access_key", "secret_key", "bucket")}
+            return cls.remote(S3Settings(**fields))
+        raise ValueError(f"store: unknown kind {data.get('kind')!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSpec:
+    """One worker's part of one job copy for one round (one DDP rank)."""
+
+    job_id: str
+    round: int
+    copy: int
+    node_id: str
+    gpu_type: str                     # this worker's device type (checkpoint metadata)
+    model: str
+    dataset: str
+    batch_size: int
+    optimizer: str
+    lr: float
+    seed: int
+    rank: int
+    world_size: int
+    rendezvous: str | None            # host:port of rank 0's store: train with DDP; None: plain loop
+    device: Literal["cpu", "cuda"]
+    step_budget: int                  # steps this round (the whole copy's; every rank does them)
+    deadline: float                   # unix seconds: stop training at this time
+    start_from: str | None            # store key of the model to start from; None: from seed
+    checkpoint: str                   # store key to write; only rank 0 writes it
+    store: StoreTarget
+    slowdown: float = 1.0             # emulation: each step takes this many times its real time
+    emulated: bool = False
+    progress_s: float = 2.0
+    threads: int = 1
+    env: dict[str, str] = dataclasses.field(default_factory=dict)   # set before any CUDA call
+
+    def __post_init__(self) -> None:
+        if self.world_size > 1 and not self.rendezvous:
+            raise ValueError("WorkerSpec.rendezvous: required when world_size > 1")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"WorkerSpec.rank: {self.rank} not in 0..{self.world_size - 1}")
+        if self.slowdown < 1.0:
+            raise ValueError(f"WorkerSpec.slowdown: must be >= 1, got {self.slowdown}")
+        if self.threads < 1 or self.progress_s <= 0:
+            raise ValueError("WorkerSpec.threads must be >= 1 and progress_s > 0")
+
+    def to_json(self) -> str:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["store"] = self.store.to_json()
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        data = json.loads(text)
+        data["store"] = StoreTarget.from_json(data["store"])
+        return cls(**data)
+
+
+def worker_line(kind: str, **fields: Any) -> str:
+    """One protocol line (without the newline)."""
+    return json.dumps({"event": kind, **fields}, allow_nan=False)
+
+
+def parse_worker_line(line: str | bytes) -> dict[str, Any] | None:
+    """A protocol message, or None for a line that is not one (ignored by the daemon)."""
+    try:
+        data = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(data, dict) or data.get("event") not in ("started", "progress", "finished", "failed"):
+        return None
+    return data

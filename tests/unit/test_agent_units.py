@@ -1,0 +1,147 @@
+"""Pure parts of the agent: batch order, training loop stops, emulation, worker protocol, discovery."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.agent.discovery import NodeDevices, cpu_devices, emulated_devices, gpu_type_of
+from services.agent.emulation import parse_emulation, slowdown
+from services.agent.spec import StoreTarget, WorkerSpec, parse_worker_line, worker_line
+from services.agent.training import BatchSampler, DivergedError, StopCode, TrainingLoop
+from shared.config import S3Settings
+from shared.gpus import CATALOG
+from shared.zoo import build_model, load_dataset, make_optimizer
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> object:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 50), batch=st.integers(1, 70), step=st.integers(0, 200))
+def test_batches_walk_a_permutation_per_epoch(n: int, batch: int, step: int) -> None:
+    sampler = BatchSampler(n, batch, (3, 1, 0), CPU)
+    got = sampler.indices(step)
+    assert got.shape == (batch,) and int(got.min()) >= 0 and int(got.max()) < n
+    # The stream is the concatenation of per-epoch permutations, whatever the step size.
+    epochs = [BatchSampler(n, 1, (3, 1, 0), CPU)._perm(e) for e in range((step + 1) * batch // n + 2)]
+    stream = torch.cat(epochs)
+    assert torch.equal(got, stream[step * batch:(step + 1) * batch])
+    assert sorted(epochs[0].tolist()) == list(range(n))
+
+
+def test_streams_differ_by_seed_copy_and_rank_and_repeat_exactly() -> None:
+    base = BatchSampler(1000, 32, (1, 0, 0), CPU).indices(5)
+    assert torch.equal(base, BatchSampler(1000, 32, (1, 0, 0), CPU).indices(5))
+    for other in ((2, 0, 0), (1, 1, 0), (1, 0, 1)):
+        assert not torch.equal(base, BatchSampler(1000, 32, other, CPU).indices(5))
+
+
+def _loop(model: str = "autoencoder", lr: float = 0.01, **kw: object) -> TrainingLoop:
+    data = load_dataset("synthetic-ratings")
+    net = build_model(model, data.info, seed=0)
+    return TrainingLoop(model=net, optimizer=make_optimizer("sgd", net.parameters(), lr), data=data,
+                        sampler=BatchSampler(len(data.train_x), 16, (0, 0, 0), CPU), device=CPU,
+                        **kw)  # type: ignore[arg-type]
+
+
+def test_loop_stops_at_budget_and_counts_from_the_start() -> None:
+    result = _loop().run(start_round_steps=4, start_total=50, budget=10, deadline=time.time() + 60)
+    assert (result.stop, result.steps_round, result.steps_total) == (StopCode.BUDGET, 10, 56)
+
+
+def test_loop_stops_at_deadline_and_when_preempted() -> None:
+    now = [100.0]
+    loop = _loop(clock=lambda: now[0])
+    seen: list[int] = []
+
+    def progress(steps_round: int, *_: float) -> None:
+        seen.append(steps_round)
+        now[0] = 200.0   # the round ends during the first report
+
+    loop.progress_s = 0.0
+    result = loop.run(start_round_steps=0, start_total=0, budget=10**9, deadline=150.0, on_progress=progress)
+    assert result.stop == StopCode.DEADLINE and result.steps_round == 1 and seen == [1]
+    preempted = _loop()
+    preempted.preempted = True
+    result = preempted.run(start_round_steps=0, start_total=7, budget=100, deadline=time.time() + 60)
+    assert (result.stop, result.steps_round, result.steps_total) == (StopCode.PREEMPTED, 0, 7)
+
+
+def test_emulated_slowdown_sleeps_in_proportion_to_step_time() -> None:
+    slept: list[float] = []
+    result = _loop(slowdown=4.0, sleep=slept.append).run(start_round_steps=0, start_total=0, budget=30,
+                                                          deadline=time.time() + 60)
+    # The sleeps (not taken here) are 3x the time the steps themselves took.
+    assert result.steps_round == 30 and slept and min(slept) >= 0.001
+    assert 2.4 * result.train_s <= sum(slept) <= 3.0 * result.train_s
+    unthrottled: list[float] = []
+    _loop(sleep=unthrottled.append).run(start_round_steps=0, start_total=0, budget=5, deadline=time.time() + 60)
+    assert unthrottled == []
+
+
+def test_diverging_loss_fails_the_copy() -> None:
+    loop = _loop(lr=1e6, progress_s=0.0)
+    with pytest.raises(DivergedError, match="diverged"):
+        loop.run(start_round_steps=0, start_total=0, budget=200, deadline=time.time() + 60,
+                 on_progress=lambda *_: None)
+
+
+def test_emulation_spec_and_speeds() -> None:
+    assert parse_emulation("v100:2, K80:1") == (("v100", 2), ("k80", 1))
+    for bad in ("v100", "v100:0", "v100:x", "gtx480:1", "cpu:1"):
+        with pytest.raises(ValueError):
+            parse_emulation(bad)
+    fastest = max(s.fp32_tflops for k, s in CATALOG.items() if k != "cpu")
+    assert slowdown("h100") == pytest.approx(fastest / CATALOG["h100"].fp32_tflops)
+    assert slowdown("k80") == pytest.approx(fastest / CATALOG["k80"].fp32_tflops)
+    assert slowdown("k80") > slowdown("t4") > slowdown("v100") >= 1.0
+    assert slowdown("h100", reference="v100") == 1.0   # never faster than the CPU itself
+    devices = emulated_devices((("v100", 2), ("k80", 1)))
+    assert [(g.index, g.type) for g in devices.gpus] == [(0, "v100"), (1, "v100"), (2, "k80")]
+    assert devices.emulated and devices.slowdown[2] == slowdown("k80") and devices.worker_device == "cpu"
+
+
+def test_devices_round_trip_as_json() -> None:
+    for devices in (cpu_devices(2), emulated_devices((("t4", 1),)),
+                    NodeDevices(kind="cuda", gpus=cpu_devices(1).gpus, visible={0: "3"})):
+        assert NodeDevices.from_json(devices.to_json()) == devices
+
+
+def test_gpu_names_map_to_catalog_types() -> None:
+    assert gpu_type_of("NVIDIA H200") == "h200"
+    assert gpu_type_of("Tesla V100-SXM2-16GB") == "v100"
+    assert gpu_type_of("NVIDIA Quantum Widget 9000 Ultra Extreme Edition") == "nvidia-quantum-widget-9000-ultra"
+
+
+def test_worker_spec_round_trips_without_leaking_the_secret_in_repr() -> None:
+    s3 = S3Settings(endpoint="http://127.0.0.1:9000", access_key="ak", secret_key="very-secret")
+    spec = WorkerSpec(job_id="j", round=1, copy=0, node_id="n", gpu_type="v100", model="resnet", dataset="digits",
+                      batch_size=8, optimizer="sgd", lr=0.1, seed=1, rank=1, world_size=2,
+                      rendezvous="127.0.0.1:1234", device="cpu", step_budget=5, deadline=1.0, start_from=None,
+                      checkpoint="checkpoints/j/1/0.safetensors", store=StoreTarget.remote(s3),
+                      env={"CUDA_VISIBLE_DEVICES": ""})
+    assert WorkerSpec.from_json(spec.to_json()) == spec
+    assert "very-secret" not in repr(spec)
+    with pytest.raises(ValueError, match="rendezvous"):
+        WorkerSpec.from_json(spec.to_json().replace('"127.0.0.1:1234"', "null"))
+
+
+def test_protocol_lines() -> None:
+    line = worker_line("progress", steps_round=3, loss=0.5)
+    assert parse_worker_line(line) == {"event": "progress", "steps_round": 3, "loss": 0.5}
+    for noise in ("", "hello", "[1]", '{"event": "other"}', b"\xff\xfe"):
+        assert parse_worker_line(noise) is None
+    with pytest.raises(ValueError):
+        worker_line("progress", loss=float("nan"))
