@@ -1,0 +1,267 @@
+"""KafkaBus: the bus contract on Apache Kafka, through aiokafka 0.14.
+
+Producer: idempotent (``enable_idempotence=True``, hence ``acks=all``), so a retried
+batch is never written twice and a partition keeps send order. Record timestamps are the
+bus clock's time at publish (CreateTime).
+
+Consumer groups: see :mod:`shared.bus.kafka_group`. Replay (:meth:`KafkaBus.read`) uses
+a group-less consumer assigned to every partition of the topic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaError, for_code
+
+from shared.bus.base import (
+    Bus, BusError, Delivery, Position, bus_error, check_position, check_started, check_topic,
+    replay_order, start_ms, topic_list,
+)
+from shared.bus.kafka_group import KafkaSubscription
+from shared.clock import Clock, SystemClock
+from shared.events import ALL_TOPICS, Event, InvalidEvent, decode, encode
+
+if TYPE_CHECKING:
+    from aiokafka.structs import ConsumerRecord
+
+    from shared.config import KafkaSettings
+
+__all__ = ["KafkaBus"]
+
+log = structlog.get_logger(__name__)
+TOPIC_ALREADY_EXISTS = 36
+UNKNOWN_TOPIC = 3
+
+
+class KafkaBus(Bus):
+    """The bus on a Kafka cluster at ``bootstrap`` (``host:port[,host:port]``).
+
+    ``partitions``/``replication_factor`` apply to topics this bus creates.
+    ``linger_ms`` lets the producer gather pipelined :meth:`send` calls into batches;
+    a lone :meth:`publish` waits at most that long before its batch goes out.
+    """
+
+    def __init__(self, bootstrap: str, *, partitions: int = 3, replication_factor: int = 1,
+                 clock: Clock | None = None, source: str = "bus", linger_ms: int = 2,
+                 commit_interval_s: float = 0.2, request_timeout_ms: int = 30_000) -> None:
+        if partitions < 1 or replication_factor < 1:
+            raise ValueError("partitions and replication_factor must be >= 1")
+        self.bootstrap = bootstrap
+        self.partitions = partitions
+        self.replication_factor = replication_factor
+        self.commit_interval_s = commit_interval_s
+        self.request_timeout_ms = request_timeout_ms
+        self.clock = clock or SystemClock()
+        self.source = source
+        self._linger_ms = linger_ms
+        self._producer: AIOKafkaProducer | None = None
+        self._admin: AIOKafkaAdminClient | None = None
+        self._known_topics: set[str] = set()
+        self._subscriptions: set[KafkaSubscription] = set()
+
+    @classmethod
+    def from_settings(cls, settings: KafkaSettings, **options: Any) -> KafkaBus:
+        return cls(settings.bootstrap, partitions=settings.partitions, **options)
+
+    async def start(self) -> None:
+        if self._producer is not None:
+            return
+        producer = AIOKafkaProducer(
+            bootstrap_servers=self.bootstrap, client_id=f"hadar-{self.source}",
+            enable_idempotence=True, acks="all", linger_ms=self._linger_ms,
+            max_batch_size=256 * 1024, request_timeout_ms=self.request_timeout_ms)
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap,
+                                    client_id=f"hadar-{self.source}-admin",
+                                    request_timeout_ms=self.request_timeout_ms)
+        try:
+            await producer.start()
+            await admin.start()
+        except (KafkaError, OSError, asyncio.TimeoutError) as exc:
+            await producer.stop()
+            await admin.close()
+            raise bus_error(f"cannot connect to kafka at {self.bootstrap}", exc) from exc
+        self._producer, self._admin = producer, admin
+
+    async def stop(self) -> None:
+        for sub in list(self._subscriptions):
+            await sub.stop()
+        producer, admin = self._producer, self._admin
+        self._producer = self._admin = None
+        if producer is not None:
+            await producer.stop()  # flushes records still in flight
+        if admin is not None:
+            await admin.close()
+
+    async def ensure_topics(self, topics: Iterable[str] = ALL_TOPICS) -> None:
+        check_started(self._admin is not None)
+        assert self._admin is not None
+        names = topic_list(topics)
+        request = [NewTopic(t, self.partitions, self.replication_factor) for t in names]
+        try:
+            response = await self._admin.create_topics(request)
+        except (KafkaError, OSError, asyncio.TimeoutError) as exc:
+            raise bus_error("create topics", exc) from exc
+        for topic, code, message in (e[:3] for e in response.topic_errors):
+            if code not in (0, TOPIC_ALREADY_EXISTS):
+                error = for_code(code)
+                raise BusError(f"create topic {topic}: {error.__name__}: {message}",
+                               retriable=bool(error.retriable))
+        self._known_topics.update(names)
+
+    async def _ensure_known(self, topics: Iterable[str]) -> None:
+        missing = [t for t in topics if t not in self._known_topics]
+        if missing:
+            await self.ensure_topics(missing)
+
+    async def publish(self, topic: str, key: str, event: Event) -> tuple[int, int]:
+        return await (await self.send(topic, key, event))
+
+    async def send(self, topic: str, key: str, event: Event) -> Awaitable[tuple[int, int]]:
+        return await self._send(topic, key.encode(), encode(event), None)
+
+    async def publish_raw(self, topic: str, key: str | None, value: bytes | None,
+                          *, partition: int | None = None) -> tuple[int, int]:
+        raw_key = key.encode() if key is not None else None
+        return await (await self._send(topic, raw_key, value, partition))
+
+    async def _send(self, topic: str, key: bytes | None, value: bytes | None,
+                    partition: int | None) -> Awaitable[tuple[int, int]]:
+        check_started(self._producer is not None)
+        assert self._producer is not None
+        if topic not in self._known_topics:
+            await self._ensure_known([check_topic(topic)])
+        try:
+            future = await self._producer.send(
+                topic, value=value, key=key, partition=partition,
+                timestamp_ms=int(self.clock.time() * 1000))
+        except (KafkaError, OSError, asyncio.TimeoutError) as exc:
+            raise bus_error(f"publish to {topic}", exc) from exc
+        return _durable(topic, future)
+
+    def subscribe(self, topics: str | Iterable[str], group: str) -> KafkaSubscription:
+        if not group:
+            raise BusError("subscribe needs a group id", retriable=False)
+        return KafkaSubscription(self, topic_list(topics), group)
+
+    async def read(self, topic: str, *, start: Position = None, end: Position = None
+                   ) -> AsyncIterator[Delivery]:
+        check_started(self._admin is not None)
+        assert self._admin is not None
+        check_position("start", start)
+        check_position("end", end)
+        try:
+            partitions = await _partitions(self._admin, check_topic(topic))
+        except (KafkaError, OSError, asyncio.TimeoutError) as exc:
+            raise bus_error(f"replay {topic}", exc) from exc
+        if not partitions:
+            return
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap, group_id=None, enable_auto_commit=False,
+            auto_offset_reset="earliest", client_id=f"hadar-{self.source}-replay",
+            request_timeout_ms=self.request_timeout_ms)
+        try:
+            await consumer.start()
+            bounds = await _replay_bounds(consumer, topic, partitions, start, end)
+            async for delivery in _merged(consumer, bounds):
+                yield delivery
+        except (KafkaError, OSError, asyncio.TimeoutError) as exc:
+            raise bus_error(f"replay {topic}", exc) from exc
+        finally:
+            await consumer.stop()
+
+
+async def _durable(topic: str, future: asyncio.Future[Any]) -> tuple[int, int]:
+    try:
+        meta = await future
+    except (KafkaError, OSError, asyncio.TimeoutError) as exc:
+        raise bus_error(f"publish to {topic}", exc) from exc
+    return meta.partition, meta.offset
+
+
+async def _partitions(admin: AIOKafkaAdminClient, topic: str) -> list[int]:
+    """Partition ids of ``topic``; empty when it does not exist (describing never creates)."""
+    (described,) = await admin.describe_topics([topic])
+    if described["error_code"] == UNKNOWN_TOPIC:
+        return []
+    if described["error_code"]:
+        error = for_code(described["error_code"])
+        raise BusError(f"describe {topic}: {error.__name__}", retriable=bool(error.retriable))
+    return sorted(p["partition"] for p in described["partitions"])
+
+
+async def _replay_bounds(consumer: AIOKafkaConsumer, topic: str, partitions: list[int],
+                         start: Position, end: Position) -> dict[TopicPartition, tuple[int, int]]:
+    """[first, stop) offsets per partition of ``topic``, fixed now."""
+    tps = [TopicPartition(topic, p) for p in partitions]
+    if not tps:
+        return {}
+    consumer.assign(tps)
+    first = await consumer.beginning_offsets(tps)
+    last = await consumer.end_offsets(tps)
+
+    async def resolve(position: Position, default: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
+        if position is None:
+            return dict(default)
+        if isinstance(position, float):
+            found = await consumer.offsets_for_times({tp: start_ms(position) for tp in tps})
+            return {tp: last[tp] if found.get(tp) is None else found[tp].offset for tp in tps}
+        return {tp: position for tp in tps}
+
+    lo, hi = await resolve(start, first), await resolve(end, last)
+    bounds = {}
+    for tp in tps:
+        a, b = max(lo[tp], first[tp]), min(hi[tp], last[tp])
+        if a < b:
+            bounds[tp] = (a, b)
+            consumer.seek(tp, a)
+    return bounds
+
+
+async def _merged(consumer: AIOKafkaConsumer, bounds: dict[TopicPartition, tuple[int, int]]
+                  ) -> AsyncIterator[Delivery]:
+    """K-way merge of the partitions by (timestamp, partition, offset), each kept in order."""
+    buffers: dict[TopicPartition, deque[Delivery]] = {tp: deque() for tp in bounds}
+    fetching = set(bounds)
+    consumer.pause(*[tp for tp in consumer.assignment() if tp not in bounds])
+    while buffers:
+        starving = [tp for tp in fetching if not buffers[tp]]
+        if starving:
+            batch = await consumer.getmany(*starving, timeout_ms=500)
+            for tp in starving:
+                stop = bounds[tp][1]
+                for rec in batch.get(tp, ()):
+                    if rec.offset >= stop:
+                        break
+                    delivery = _replay_delivery(rec)
+                    if delivery is not None:
+                        buffers[tp].append(delivery)
+                if await consumer.position(tp) >= stop:
+                    fetching.discard(tp)
+                    consumer.pause(tp)
+            continue
+        for tp in [tp for tp in buffers if not buffers[tp] and tp not in fetching]:
+            del buffers[tp]
+        if buffers:
+            tp = min(buffers, key=lambda q: replay_order(buffers[q][0]))
+            yield buffers[tp].popleft()
+
+
+def _replay_delivery(rec: ConsumerRecord) -> Delivery | None:
+    if rec.value is None:
+        return None
+    try:
+        event = decode(rec.value)
+    except InvalidEvent as exc:
+        log.warning("bus.read.skip", topic=rec.topic, partition=rec.partition, offset=rec.offset,
+                    reason=exc.reason)
+        return None
+    return Delivery(topic=rec.topic, partition=rec.partition, offset=rec.offset,
+                    key=rec.key.decode(errors="replace") if rec.key else "",
+                    timestamp_ms=rec.timestamp, event=event)
