@@ -1,0 +1,111 @@
+"""Decision time of one planning round for hadar, hadare and gavel at scale.
+
+Builds ``--jobs`` active jobs from Gavel's generator (multi-GPU traces: scale factor
+1/2/4/8 w.p. .70/.10/.15/.05, job type redrawn until it has a measurement at that scale;
+steps = duration x V100 rate at that scale, duration 60*10^U(1.5,3) s w.p. .8 else
+60*10^U(3,4) s) on ``--nodes`` nodes of 8 GPUs, each GPU's type drawn uniformly from
+k80/p100/v100, and times ``plan()`` on the round in which every job is planned (no
+previous plan). Runs on one core (BLAS threads pinned to 1 before numpy loads) and
+reports the process CPU time of each ``plan()`` call, which is its time on one core and,
+unlike wall time, does not grow when other processes share the machine (stderr also shows
+wall times). Last output line: one JSON object {"jobs", "nodes", "hadar_ms_p50",
+"hadare_ms_p50", "gavel_ms_p50"} (a policy that is missing or fails reports null; see
+stderr).
+
+    .venv/bin/python benchmarks/decision_time.py --jobs 2000 --nodes 1000
+"""
+
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from services.scheduler.cluster import Cluster, Node  # noqa: E402
+from services.scheduler.policies import make_policy  # noqa: E402
+from services.scheduler.policy import JobState, Snapshot, check_plan  # noqa: E402
+from services.scheduler.throughput import ThroughputModel  # noqa: E402
+
+GPU_TYPES = ("k80", "p100", "v100")
+SCALES = (1, 2, 4, 8)
+SCALE_P = (0.70, 0.10, 0.15, 0.05)
+
+
+def gavel_jobs(n: int, throughput: ThroughputModel, rng: np.random.Generator) -> tuple[JobState, ...]:
+    types = throughput.job_types
+    jobs = []
+    for i in range(n):
+        scale = int(rng.choice(SCALES, p=SCALE_P))
+        while True:
+            job_type = types[int(rng.integers(len(types)))]
+            if scale in throughput.scales(job_type, "v100"):
+                break
+        if rng.random() < 0.8:
+            duration = 60 * 10 ** rng.uniform(1.5, 3)
+        else:
+            duration = 60 * 10 ** rng.uniform(3, 4)
+        steps = max(1, int(duration * throughput.rate(job_type, "v100", scale)))
+        jobs.append(JobState(job_id=f"job{i:05d}", job_type=job_type, workers=scale, total_steps=steps,
+                             arrival_s=float(rng.uniform(0, 3600))))
+    return tuple(jobs)
+
+
+def mixed_cluster(n: int, rng: np.random.Generator, gpus_per_node: int = 8) -> Cluster:
+    nodes = tuple(Node(node_id=f"n{i:04d}", gpus=tuple(GPU_TYPES[k] for k in rng.integers(3, size=gpus_per_node)))
+                  for i in range(n))
+    return Cluster(name=f"mixed-{n}", nodes=nodes)
+
+
+def time_policy(name: str, snapshot: Snapshot, repeats: int) -> float | None:
+    try:
+        policy = make_policy(name)
+    except Exception as exc:  # the policy module may not exist yet
+        print(f"{name}: unavailable ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return None
+    samples, walls = [], []
+    for _ in range(repeats):
+        start, wall = time.process_time(), time.perf_counter()
+        plan = policy.plan(snapshot)
+        samples.append((time.process_time() - start) * 1e3)
+        walls.append((time.perf_counter() - wall) * 1e3)
+    check_plan(snapshot, plan)
+    placed = len({p.job_id for p in plan.placements})
+    print(f"{name}: cpu ms {[round(s, 1) for s in samples]}, wall ms {[round(s, 1) for s in walls]}; "
+          f"jobs placed {placed}/{len(snapshot.jobs)}, "
+          f"GPUs used {sum(len(p.gpus) for p in plan.placements)}/{snapshot.cluster.total_gpus}", file=sys.stderr)
+    return statistics.median(samples)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=2000)
+    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policies", default="hadar,hadare,gavel")
+    args = parser.parse_args(argv)
+    rng = np.random.default_rng(args.seed)
+    throughput = ThroughputModel.from_gavel_table()
+    cluster = mixed_cluster(args.nodes, rng)
+    jobs = gavel_jobs(args.jobs, throughput, rng)
+    snapshot = Snapshot(round=0, now_s=3600.0, round_s=360.0, cluster=cluster, jobs=jobs,
+                        throughput=throughput, seed=args.seed)
+    result: dict[str, float | int | None] = {"jobs": args.jobs, "nodes": args.nodes}
+    for name in ("hadar", "hadare", "gavel"):
+        p50 = time_policy(name, snapshot, args.repeats) if name in args.policies.split(",") else None
+        result[f"{name}_ms_p50"] = None if p50 is None else round(p50, 1)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,352 @@
+"""Hadar: online primal-dual, task-level scheduling of DL jobs on mixed GPUs (reconstructed).
+
+The paper (arXiv 2503.10918) is summarized, not available; this is the formulation built
+in the shape of the online primal-dual schedulers for ML clusters (OASiS, INFOCOM'18).
+
+Model. Row (h, r) = the C_h^r GPUs of type r on node h. Time is cut into rounds of
+``round_s``; the ledger covers H future rounds, slot 0 being the round planned now. Job j
+has gang size W_j, remaining steps R_j, arrival a_j, priority w_j, and isolated run time
+iso_j = total steps / (rate of its fastest option). A schedule s of j picks slots S and in
+each a placement of exactly W_j GPUs; types and nodes may mix, and the placement runs at
+``ThroughputModel.placement_rate`` (W x the slowest per-worker rate, x the cross-node factor
+if it spans nodes). g^s_hr(t) = GPUs of row (h, r) that s uses at slot t. Utility u_j(tau)
+is non-increasing in the completion tau (pluggable, ``hadar_prices.Utility``; default
+``InverseSlowdown``: w_j x min(1, iso_j / (now + tau round_s - a_j))).
+
+Primal:  max sum_j sum_s u_j(s) x_js   s.t.  sum_j sum_s g^s_hr(t) x_js <= C_hr  (all h,r,t);
+         sum_s x_js <= 1 (all j);  x in {0,1}.
+Dual:    min sum_j mu_j + sum_hrt C_hr k_hr(t)   s.t.  mu_j >= u_j(s) - sum_hrt g^s_hr(t) k_hr(t)
+         (all j, s);  mu, k >= 0.
+
+Online algorithm, per job as it is planned. Jobs planned in the same round go in order of
+their best value per GPU-round (``order="density"``, the default: the greedy order for a
+batch of simultaneous arrivals; ties by arrival, then job id) or by arrival
+(``order="arrival"``):
+  1. prices k_hr(t) = k(z_hr(t) / C_hr),  k(zeta) = (L / eta) (eta^2 U / L)^zeta  (hadar_prices);
+  2. dual subroutine (hadar_dp): s* = argmax_s u_j(s) - cost(s), cost(s) = sum g^s k;
+  3. mu_j = payoff(s*). Positive: commit s* to the ledger (z rises, so prices rise).
+     Otherwise the job waits: PAYOFF with its best payoff, or CAPACITY if no schedule
+     fits the horizon, or INFEASIBLE if no placement can ever run it.
+
+Rounds. The ledger is rebuilt each round from the commitments kept from the previous
+plan (slot 0 moves to the new round). A commitment is released and its job planned again
+when: the job's steps_done differs from what the schedule expected by more than
+DRIFT_TOLERANCE x its steps per round; its throughput estimates moved by more than
+RATE_TOLERANCE (relative); its schedule does not finish the job inside the horizon and
+has fewer than RENEW_PARTIAL x H rounds left (default 0.5: a long job keeps its
+reservation for half a horizon, then is re-planned so it extends as the horizon slides;
+1.0 re-plans partial schedules every round, which in our simulations gave better mean JCT
+but longer TTD);
+or a row it needs left the cluster (the ledger is rebuilt on the new node set). New and
+waiting jobs are planned every round. The plan is slot 0 of the ledger plus back-fill
+of the GPUs it leaves idle (``hadar_slot``), which is not committed.
+
+Constants (all named in code):
+  H = ``horizon`` (DEFAULT_HORIZON = 64 rounds); eta = PRICE_SCALE = 2.
+  U = max over jobs of u_j(earliest) / (W_j n_fast),   L = min over jobs of
+  u_j(H + n_slow) / (W_j n_slow) (n_fast, n_slow: rounds at the fastest and slowest
+  option), floored at VALUE_FLOOR; running min/max over every round seen.
+  k(0) = L / eta is below every job's value per GPU-round, k(1) = eta U above all of them.
+  DRIFT_TOLERANCE = 0.5 rounds of planned steps; RATE_TOLERANCE = 0.05; RENEW_PARTIAL = 0.5.
+
+Competitive bound (OASiS Thm. 2 style; not re-proved for this reconstruction). With
+alpha = max(1, ln(eta^2 U / L)), k'(zeta) = alpha k(zeta), so committing s* raises
+sum C k by about alpha cost(s*), and the dual grows by mu_j + alpha cost <= alpha u_j
+(since cost < u_j); prices only rise, so the final (mu, k) are dual-feasible, and weak
+duality gives OPT <= alpha ALG + D_0, hence OPT <= 2 alpha ALG if D_0 <= OPT / 2. It
+assumes: (a) every job's value per GPU-round lies in [L, U] and L, U are known up front
+(we use running extremes); (b) a job's GPUs on one row are small against C_hr (with
+W ~ C the marginal-price step is coarse and the bound is only indicative); (c) the
+subroutine is an exact best response (ours is exact over its schedule family: one option
+for all chosen rounds, cheapest GPUs per round; committing the same rows in every round
+when such rows exist, to avoid migrations, may cost more than that optimum, and we accept
+it while the payoff stays positive); (d) D_0 = (L / eta) H sum C_hr <= OPT / 2; (e) jobs
+are taken one at a time and never released or re-planned (our within-round order, drift
+re-planning and back-fill are outside the analysis).
+
+Complexity per job, H slots, R GPU types, K <= 2R options, rows = (node, type) pairs:
+O(K H W) to read per-slot costs from the ledger's tables, O(K H) for the DP when the costs
+are monotone in t (O(K H^2 log H) otherwise), O(rows) for the sticky GPU choice (windowed
+prefix sums; O(m rows) for the per-round fallback), and O(m k + P B) to commit m rounds on
+k rows (P touched (type, slot) pairs, B <= (C_max + 1)(C_max + 2) / 2 price buckets). Per
+round: that times the jobs planned, plus O(H rows + commitments) to rebuild the ledger.
+No LP solver.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from services.scheduler.policies.hadar_dp import Choice, best_choice, pick_gpus, round_costs
+from services.scheduler.policies.hadar_ledger import Commitment, Ledger, LedgerState, RowLayout, remap
+from services.scheduler.policies.hadar_prices import (PRICE_SCALE, DensityInput, InverseSlowdown, PriceCurve,
+                                                      Utility, density_bounds, value_densities)
+from services.scheduler.policies.hadar_profile import JobProfile, ProfileBook, signature_drifted
+from services.scheduler.policies.hadar_slot import RowCounts, assign_indices, backfill
+from services.scheduler.policy import JobState, Plan, Snapshot, Wait, WaitCode
+from services.scheduler.throughput import Part
+
+DEFAULT_HORIZON = 64
+DRIFT_TOLERANCE = 0.5
+RATE_TOLERANCE = 0.05
+RENEW_PARTIAL = 0.5
+ORDERS = ("arrival", "density")
+DEFAULT_ORDER = "density"
+
+
+class Hadar:
+    """The ``hadar`` policy. Options: horizon, price_scale, utility, backfill, tolerances."""
+
+    name = "hadar"
+
+    def __init__(self, *, horizon: int = DEFAULT_HORIZON, price_scale: float = PRICE_SCALE,
+                 utility: Utility | None = None, backfill: bool = True,
+                 drift_tolerance: float = DRIFT_TOLERANCE, rate_tolerance: float = RATE_TOLERANCE,
+                 order: str = DEFAULT_ORDER, renew_partial: float = RENEW_PARTIAL) -> None:
+        if horizon < 1:
+            raise ValueError("horizon must be >= 1 round")
+        if order not in ORDERS:
+            raise ValueError(f"order must be one of {', '.join(ORDERS)}")
+        self.order = order
+        self.renew_partial = float(renew_partial)
+        self.horizon = int(horizon)
+        self.price_scale = float(price_scale)
+        self.utility: Utility = utility if utility is not None else InverseSlowdown()
+        self.backfill = bool(backfill)
+        self.drift_tolerance = float(drift_tolerance)
+        self.rate_tolerance = float(rate_tolerance)
+
+    def plan(self, snapshot: Snapshot) -> Plan:
+        return _Round(self, snapshot).run()
+
+
+class _Round:
+    """One call of ``Hadar.plan``: all working state of that round."""
+
+    def __init__(self, cfg: Hadar, snap: Snapshot) -> None:
+        self.cfg, self.snap = cfg, snap
+        self.layout = RowLayout.of(snap.cluster)
+        self.jobs = sorted(snap.jobs, key=lambda j: (j.arrival_s, j.job_id))
+        book = ProfileBook(snap.throughput, types=self.layout.types, row_type=self.layout.row_type,
+                           row_cap=self.layout.row_cap)
+        self.profiles: dict[str, JobProfile] = {j.job_id: book.get(j.job_type, j.workers) for j in self.jobs}
+        self.iso = {j.job_id: (j.total_steps / self.profiles[j.job_id].best_rate
+                               if self.profiles[j.job_id].feasible else math.inf) for j in self.jobs}
+        prev = snap.previous.state if snap.previous is not None else None
+        self.prev = prev if isinstance(prev, LedgerState) else None
+        self.explain: dict[str, dict[str, Any]] = {}
+        self.waits: dict[str, Wait] = {}
+        self.ledger = Ledger(layout=self.layout, horizon=cfg.horizon, round_=snap.round, curve=self._curve(),
+                             max_workers=max((j.workers for j in self.jobs), default=1))
+        for job_id in self.ledger.load(self._carried()):
+            self.explain.setdefault(job_id, {})["replanned"] = "capacity"
+
+    # ------------------------------------------------------------------ set-up
+
+    def _curve(self) -> PriceCurve:
+        snap = self.snap
+        items = [DensityInput(job=j, iso_s=self.iso[j.job_id],
+                              fastest_steps=self.profiles[j.job_id].best_rate * snap.round_s,
+                              slowest_steps=self.profiles[j.job_id].worst_rate * snap.round_s)
+                 for j in self.jobs if self.profiles[j.job_id].feasible]
+        self.density = value_densities(items, self.cfg.utility, now_s=snap.now_s, round_s=snap.round_s,
+                                       horizon=self.cfg.horizon)
+        bounds = density_bounds(self.density)
+        lo, hi = bounds if bounds is not None else (1.0, 1.0)
+        if self.prev is not None:
+            lo, hi = ((min(lo, self.prev.value_lo), max(hi, self.prev.value_hi)) if bounds is not None
+                      else (self.prev.value_lo, self.prev.value_hi))
+        return PriceCurve(value_lo=lo, value_hi=hi, scale=self.cfg.price_scale)
+
+    def _carried(self) -> list[Commitment]:
+        """Previous commitments that stay, in planning order; the rest are re-planned."""
+        prev, snap, cfg = self.prev, self.snap, self.cfg
+        if prev is None or prev.horizon != cfg.horizon or prev.round_s != snap.round_s or prev.round > snap.round:
+            return []
+        kept = []
+        for job in self.jobs:
+            c = prev.commitments.get(job.job_id)
+            if c is None:
+                continue
+            reason = self._drift(job, c)
+            if reason is None:
+                moved = remap(c, prev.layout, self.layout, snap.round)
+                if moved is None:
+                    reason = "cluster changed"
+                else:
+                    kept.append(moved)
+                    continue
+            self.explain[job.job_id] = {"replanned": reason}
+        return kept
+
+    def _drift(self, job: JobState, c: Commitment) -> str | None:
+        r = self.snap.round
+        if not c.finishes and (c.rounds >= r).sum() < self.cfg.renew_partial * self.cfg.horizon:
+            return "partial schedule running out"
+        if not (c.rounds >= r).any():
+            return "schedule ended"
+        tolerance = self.cfg.drift_tolerance * max(float(c.steps.max()), 1.0)
+        if abs(job.steps_done - c.expected_done(r)) > tolerance:
+            return "progress drift"
+        if signature_drifted(c.signature, self.profiles[job.job_id].signature, self.cfg.rate_tolerance):
+            return "throughput drift"
+        return None
+
+    # ------------------------------------------------------------------ planning
+
+    def run(self) -> Plan:
+        by_density = sorted(self.jobs, key=self._density_key) if self.cfg.order == "density" else self.jobs
+        for job in [j for j in by_density if j.job_id not in self.ledger.commitments]:
+            self._plan_job(job)
+        slot0: list[tuple[str, RowCounts]] = []
+        placed_by: dict[str, str] = {}
+        for job in self.jobs:
+            c = self.ledger.commitments.get(job.job_id)
+            i = _slot_index(c, self.snap.round) if c is not None else None
+            if i is not None:
+                slot0.append((job.job_id, (c.rows, c.counts[i])))
+                placed_by[job.job_id] = "ledger"
+        if self.cfg.backfill:
+            idle = self.ledger.free(0).copy()
+            fill = [(j.job_id, self.profiles[j.job_id]) for j in by_density
+                    if j.job_id not in placed_by and j.remaining > 0 and self.profiles[j.job_id].feasible]
+            for job_id, (rc, label) in backfill(idle, fill, self.layout).items():
+                slot0.append((job_id, rc))
+                placed_by[job_id] = "backfill"
+                self.explain.setdefault(job_id, {})["backfill"] = label
+        previous = self.snap.previous.placements if self.snap.previous is not None else ()
+        placements = assign_indices(self.snap.cluster, self.layout, slot0, previous)
+        waiting = []
+        for job in self.jobs:
+            info = self.explain.setdefault(job.job_id, {})
+            info["source"] = placed_by.get(job.job_id, "waiting")
+            c = self.ledger.commitments.get(job.job_id)
+            if c is not None:
+                info.update(option=c.option, utility=c.utility, cost=c.cost, payoff=c.utility - c.cost,
+                            start_round=_next_round(c, self.snap.round), rounds=int(c.rounds.size),
+                            end_round=int(c.rounds[-1]), finishes=c.finishes)
+            if job.job_id in placed_by:
+                continue
+            wait = self.waits.get(job.job_id)
+            if wait is None:
+                start = _next_round(c, self.snap.round) if c is not None else -1
+                wait = Wait(job_id=job.job_id, code=WaitCode.CAPACITY,
+                            detail=f"schedule starts in round {start}; no idle GPUs fit it now")
+            waiting.append(wait)
+        return Plan(placements=tuple(placements), waiting=tuple(waiting),
+                    state=self.ledger.freeze(round_s=self.snap.round_s), explain=self.explain)
+
+    def _density_key(self, job: JobState) -> float:
+        """Planning order within a round: highest best value per GPU-round first (sorting is
+        stable, so arrival then job id break ties; jobs with no work or no option go last)."""
+        return -self.density.get(job.job_id, (-math.inf, 0.0))[0]
+
+    def _wait(self, job: JobState, code: WaitCode, detail: str, **info: Any) -> None:
+        self.waits[job.job_id] = Wait(job_id=job.job_id, code=code, detail=detail)
+        self.explain.setdefault(job.job_id, {}).update(info)
+
+    def _plan_job(self, job: JobState) -> None:
+        prof = self.profiles[job.job_id]
+        if not prof.feasible:
+            self._wait(job, WaitCode.INFEASIBLE,
+                       f"no placement of {job.workers} GPUs in this cluster runs {job.job_type}")
+            return
+        if job.remaining <= 0:
+            self._wait(job, WaitCode.INFEASIBLE, "no steps left to run")
+            return
+        snap = self.snap
+        utility_at = self._utility_at(job)
+        steps = np.array([o.rate for o in prof.options]) * snap.round_s
+        choice = best_choice(round_costs(self.ledger, prof), steps, job.remaining, utility_at)
+        if choice is None:
+            self._wait(job, WaitCode.CAPACITY, f"no free GPUs for it in the next {self.cfg.horizon} rounds")
+            return
+        if choice.payoff <= 0:
+            self._wait_payoff(job, prof, choice.payoff, choice.utility, choice.cost, prof.options[choice.option].label)
+            return
+        commitment = self._materialize(job, prof, choice, utility_at)
+        if commitment is None:
+            self._wait(job, WaitCode.CAPACITY, "no GPUs left for its chosen schedule")
+        elif commitment.utility - commitment.cost <= 0:
+            self._wait_payoff(job, prof, commitment.utility - commitment.cost, commitment.utility,
+                              commitment.cost, commitment.option)
+        else:
+            self.ledger.commit(commitment)
+
+    def _wait_payoff(self, job: JobState, prof: JobProfile, payoff: float, utility: float, cost: float,
+                     option: str) -> None:
+        self._wait(job, WaitCode.PAYOFF,
+                   f"best payoff {payoff:.6g} <= 0 (utility {utility:.6g}, cost {cost:.6g}, {option})",
+                   payoff=payoff, utility=utility, cost=cost, option=option)
+
+    def _utility_at(self, job: JobState):
+        snap, utility, iso = self.snap, self.cfg.utility, self.iso[job.job_id]
+
+        def at(tau: np.ndarray) -> np.ndarray:
+            return utility.values(job, iso, snap.now_s + np.asarray(tau, dtype=float) * snap.round_s)
+        return at
+
+    def _materialize(self, job: JobState, prof: JobProfile, choice: Choice, utility_at) -> Commitment | None:
+        """The chosen schedule on concrete rows: the same rows in every round if they exist
+        and keep the payoff positive, else the cheapest rows round by round."""
+        commitment = self._commitment(job, prof, choice, utility_at, sticky=True)
+        if commitment is not None and commitment.utility - commitment.cost > 0:
+            return commitment
+        return self._commitment(job, prof, choice, utility_at, sticky=False)
+
+    def _commitment(self, job: JobState, prof: JobProfile, choice: Choice, utility_at,
+                    *, sticky: bool) -> Commitment | None:
+        option = prof.options[choice.option]
+        got = pick_gpus(self.ledger, prof, choice.option, choice.slots, sticky=sticky)
+        if got is None:
+            return None
+        rows, counts, same_rows = got
+        snap = self.snap
+        if same_rows:
+            rate = snap.throughput.placement_rate(job.job_type, self._parts(rows, counts[0]))
+            per_round = np.full(choice.slots.size, rate * snap.round_s)
+        else:
+            rates: dict[bytes, float] = {}
+            per_round = np.empty(choice.slots.size)
+            for i in range(choice.slots.size):
+                key = counts[i].tobytes()
+                if key not in rates:
+                    rates[key] = snap.throughput.placement_rate(job.job_type, self._parts(rows, counts[i]))
+                per_round[i] = rates[key] * snap.round_s
+        done = np.cumsum(per_round)
+        slots = choice.slots
+        finishes = bool(done[-1] >= job.remaining - 1e-9)
+        if finishes:
+            keep = int(np.searchsorted(done, job.remaining - 1e-9)) + 1
+            slots, counts, per_round = slots[:keep], counts[:keep], per_round[:keep].copy()
+            per_round[-1] = job.remaining - (done[keep - 2] if keep >= 2 else 0.0)
+            if choice.finishes and keep == choice.slots.size:   # completes when the DP said
+                utility = choice.utility
+            else:
+                utility = float(utility_at(np.array([slots[-1] + 1.0]))[0])
+        else:
+            rest = math.ceil((job.remaining - done[-1]) / per_round[-1])
+            share = done[-1] / job.remaining
+            utility = float(utility_at(np.array([float(self.cfg.horizon + rest)]))[0]) * share
+        cost = float((self.ledger.price[np.ix_(slots, rows)] * counts).sum())
+        return Commitment(job_id=job.job_id, rounds=slots + snap.round, rows=rows, counts=counts,
+                          steps=per_round, base_done=job.steps_done, finishes=finishes, signature=prof.signature,
+                          option=option.label, utility=utility, cost=cost)
+
+    def _parts(self, rows: np.ndarray, counts: np.ndarray) -> list[Part]:
+        keys = self.layout.keys
+        return [Part(keys[r][0], keys[r][1], int(c)) for r, c in zip(rows.tolist(), counts.tolist()) if c > 0]
+
+
+def _slot_index(c: Commitment, round_: int) -> int | None:
+    """Index in ``c.rounds`` of ``round_``, or None if the schedule does not run then."""
+    i = int(np.searchsorted(c.rounds, round_))
+    return i if i < c.rounds.size and c.rounds[i] == round_ else None
+
+
+def _next_round(c: Commitment, round_: int) -> int:
+    later = c.rounds[c.rounds >= round_]
+    return int(later[0]) if later.size else -1

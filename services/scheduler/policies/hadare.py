@@ -1,0 +1,127 @@
+"""HadarE: Hadar plus forking jobs into copies that fill the GPUs Hadar leaves idle.
+
+The primary plan is Hadar's (``hadar.Hadar``: ledger, back-fill, copy 0 of each placed
+job, the ledger as policy state). Then the GPUs still idle this round are handed out as
+extra copies:
+
+* A copy of job j runs on ONE node, on k <= W_j GPUs of one type of that node, at
+  ``rate(job, type, k)``; copies train independently and their weights are averaged at the
+  round end, so k need not be the gang size. A job has at most n copies (n = number of
+  nodes) and at most one per node: no copy on a node its copy 0 (which may span nodes) or
+  another copy already uses. Every copy's steps count toward the job's total; the
+  simulator charges the consolidation time of rounds with more than one copy.
+* Rule: idle GPU groups (node, type) are visited in cluster order, types by name. For a
+  group with a idle GPUs, every eligible job j scores
+  ``min(1, e_j / rem_j)``, where e_j = rate(job, type, min(W_j, a)) x round_s is the steps a
+  copy there would make this round and rem_j the job's remaining steps minus what its
+  copies so far (copy 0 included) are expected to make this round: the job for which those
+  GPUs are fastest relative to the work it has left. The best score wins (ties: more
+  remaining work, then planning order); it takes the fewest GPUs of the group that reach
+  min(e_j, rem_j) steps, and the group is offered again while GPUs remain.
+* A job that had no copy 0 gets index 0 for its first copy (it is then simply placed).
+
+Polynomial: O(groups x copies-per-group x jobs), vectorized over jobs.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from services.scheduler.policies.hadar import Hadar
+from services.scheduler.policy import Placement, Plan, Snapshot, copy_rate
+
+EPS = 1e-9
+
+
+class HadarE:
+    """The ``hadare`` policy; options are Hadar's (``hadar.Hadar``)."""
+
+    name = "hadare"
+
+    def __init__(self, **options: Any) -> None:
+        self.primary = Hadar(**options)
+
+    def plan(self, snapshot: Snapshot) -> Plan:
+        return fork(snapshot, self.primary.plan(snapshot))
+
+
+def fork(snapshot: Snapshot, base: Plan) -> Plan:
+    """``base`` plus copies on the GPUs it leaves idle (rules in the module docstring)."""
+    jobs = sorted(snapshot.jobs, key=lambda j: (j.arrival_s, j.job_id))
+    if not jobs or not snapshot.cluster.nodes:
+        return base
+    index = {j.job_id: i for i, j in enumerate(jobs)}
+    cluster, tp, round_s = snapshot.cluster, snapshot.throughput, snapshot.round_s
+    types = cluster.types
+    job_types = sorted({j.job_type for j in jobs})
+    max_k = max(n.size for n in cluster.nodes)
+    # rate_tab[job type, gpu type, k] = whole-copy steps per round on k GPUs of that type
+    rate_tab = np.array([[[tp.rate(jt, t, k) * round_s for k in range(max_k + 1)] for t in types]
+                         for jt in job_types])
+    jt = np.array([job_types.index(j.job_type) for j in jobs])
+    workers = np.array([j.workers for j in jobs])
+    rem = np.array([j.remaining for j in jobs], dtype=float)
+    copies = np.zeros(len(jobs), dtype=np.int64)
+    next_copy = np.zeros(len(jobs), dtype=np.int64)
+    on_node: dict[str, set[int]] = defaultdict(set)
+    used: set[tuple[str, int]] = set()
+    for (job_id, copy), parts in base.copies().items():
+        i = index[job_id]
+        rem[i] -= copy_rate(snapshot, jobs[i], parts) * round_s
+        copies[i] += 1
+        next_copy[i] = max(next_copy[i], copy + 1)
+        for p in parts:
+            on_node[p.node_id].add(i)
+            used.update((p.node_id, g) for g in p.gpus)
+    limit = len(cluster.nodes)
+    extra: list[Placement] = []
+    forked: dict[str, int] = defaultdict(int)
+    tindex = {t: r for r, t in enumerate(types)}
+    for node in cluster.nodes:
+        for gpu_type in node.types:
+            idle = [g for g in node.indices_of(gpu_type) if (node.node_id, g) not in used]
+            r = tindex[gpu_type]
+            while idle:
+                i, k = _best_copy(rate_tab[:, r, :], jt, workers, rem, copies, on_node[node.node_id], limit, len(idle))
+                if i < 0:
+                    break
+                gpus, idle = idle[:k], idle[k:]
+                job_id = jobs[i].job_id
+                extra.append(Placement(job_id=job_id, copy=int(next_copy[i]), node_id=node.node_id,
+                                       gpus=tuple(gpus)))
+                rem[i] -= rate_tab[jt[i], r, k]
+                copies[i] += 1
+                next_copy[i] += 1
+                forked[job_id] += 1
+                on_node[node.node_id].add(i)
+    if not extra:
+        return base
+    explain = {job_id: dict(info) for job_id, info in base.explain.items()}
+    for job_id, n in forked.items():
+        explain.setdefault(job_id, {})["forked_copies"] = n
+    waiting = tuple(w for w in base.waiting if w.job_id not in forked)
+    return Plan(placements=base.placements + tuple(extra), waiting=waiting, state=base.state, explain=explain)
+
+
+def _best_copy(rates: np.ndarray, jt: np.ndarray, workers: np.ndarray, rem: np.ndarray, copies: np.ndarray,
+               on_node: set[int], limit: int, idle: int) -> tuple[int, int]:
+    """(job, GPUs) for the next copy on a group of ``idle`` GPUs, or (-1, 0) if none fits.
+
+    ``rates[job type, k]`` = steps per round of a copy on k GPUs of the group's type.
+    """
+    k = np.minimum(workers, idle)
+    steps = rates[jt, k]
+    valid = (rem > EPS) & (copies < limit) & (steps > EPS)
+    if on_node:
+        valid[list(on_node)] = False
+    if not valid.any():
+        return -1, 0
+    score = np.where(valid, np.minimum(1.0, steps / np.maximum(rem, EPS)), -1.0)
+    tied = np.flatnonzero(score == score.max())
+    i = int(tied[np.argmax(rem[tied])])
+    target = min(steps[i], rem[i])
+    enough = np.flatnonzero(rates[jt[i], 1: k[i] + 1] >= target - EPS)
+    return i, int(enough[0]) + 1 if enough.size else int(k[i])
