@@ -8,6 +8,7 @@ names the offending field.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
@@ -66,7 +67,8 @@ def _coerce(name: str, value: Any) -> Any:
 
 
 def new_job_id(model: str) -> str:
-    return f"{model.lower()[:40]}-{secrets.token_hex(3)}"
+    stem = re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-")[:40] or "job"
+    return f"{stem}-{secrets.token_hex(3)}"
 
 
 def parse_job(data: Mapping[str, Any], *, default_user: str = "anonymous") -> JobSpec:
@@ -77,14 +79,9 @@ def parse_job(data: Mapping[str, Any], *, default_user: str = "anonymous") -> Jo
     for required in ("model", "dataset", "workers", "iterations"):
         if required not in values:
             raise JobFileError(f"{required}: required")
-    from shared.zoo import validate_names   # the zoo knows which models and datasets exist
-    try:
-        validate_names(values["model"], values["dataset"])
-    except ValueError as exc:
-        raise JobFileError(str(exc)) from None
     try:
         hyper = Hyperparameters(**{k: values[k] for k in ("optimizer", "lr", "seed") if k in values})
-        return JobSpec(
+        spec = JobSpec(
             job_id=values.get("id") or new_job_id(values["model"]), user=values.get("user", default_user),
             model=values["model"], dataset=values["dataset"], batch_size=values.get("batch_size", 32),
             workers=values["workers"], iterations=values["iterations"], priority=values.get("priority", 1.0),
@@ -94,3 +91,9 @@ def parse_job(data: Mapping[str, Any], *, default_user: str = "anonymous") -> Jo
         # "JobSpec.workers: must be ..." -> "workers: must be ..."
         raise JobFileError(exc.reason.split(".", 1)[-1] if exc.reason.startswith(("JobSpec.", "Hyperparameters."))
                            else exc.reason) from None
+    from shared.zoo import validate_job   # imports torch: only once the cheap checks passed
+    try:
+        validate_job(spec)
+    except ValueError as exc:
+        raise JobFileError(str(exc)) from None
+    return spec

@@ -54,7 +54,7 @@ def s3_settings(args: argparse.Namespace) -> S3Settings:
 
 
 def make_bus(args: argparse.Namespace, *, source: str) -> Bus:
-    return KafkaBus(kafka_settings(args), source=source)
+    return KafkaBus.from_settings(kafka_settings(args), source=source)
 
 
 def make_store(args: argparse.Namespace) -> ObjectStore:

@@ -14,6 +14,12 @@ import sys
 
 # Modules of this package that add subcommands, in help order.
 COMMANDS: tuple[str, ...] = (
+    "jobs",          # submit, jobs, status, watch, cancel, model
+    "serve",
+    "demo",
+    "sim",
+    "replay",
+    "consolidate",
     "infra",
 )
 
@@ -44,4 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the importable module, not this __main__ copy, so UsageError is one class.
+    from services.cli import main as cli
+
+    sys.exit(cli.main())

@@ -173,6 +173,20 @@ class SchedulerState:
         return sorted((n for n in self.nodes.values() if at - n.last_seen <= horizon),
                       key=lambda n: n.registered.node_id)
 
+    def allocation_utilization(self) -> float | None:
+        """GPU-seconds assigned / GPU-seconds offered, over the recorded rounds.
+
+        Offered: every GPU of the round's live nodes for the round's length; assigned: every
+        GPU of every Assignment for the same length. None before the first round.
+        """
+        offered = assigned = 0.0
+        for record in self.rounds.values():
+            seconds = max(0.0, record.started.ends_at - record.started.started_at)
+            offered += seconds * sum(len(self.nodes[n].registered.gpus) for n in record.started.nodes
+                                     if n in self.nodes)
+            assigned += seconds * sum(len(a.gpus) for a in record.assignments)
+        return assigned / offered if offered > 0 else None
+
     def awaiting_consolidation(self, round_: int) -> list[str]:
         """Active jobs that ran in ``round_`` and whose model for it has not been announced."""
         record = self.rounds.get(round_)

@@ -1,0 +1,226 @@
+"""``hadar demo``: the whole system in one process, on a 5-node emulated lab cluster.
+
+Every service runs (scheduler with HadarE rounds of a few seconds, tracker, profiler and
+five agents emulating lab-5's GPUs on this CPU); a handful of small jobs from
+``examples/jobs`` are submitted through the same path as ``hadar submit``; they train for
+real and are weight-averaged every round. At the end it prints per-job results and a
+simulated comparison of the same jobs under hadar, hadare and gavel, and writes
+``summary.json`` and the final models under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import secrets
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from services.cli.connect import add_bus_args, kafka_settings, s3_settings
+from services.cli.jobs import jobs_table, submit
+from services.cli.main import UsageError
+from services.scheduler.state import SchedulerState
+from shared.jobfile import JobFileError, load_job_file, parse_job
+from shared.logging import configure_logging
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "jobs"
+LAB_5 = (("lab-titanrtx", "titanrtx"), ("lab-t4", "t4"), ("lab-t400", "t400"),
+         ("lab-rtx3090", "rtx3090"), ("lab-a2000", "a2000"))
+COMPARED = ("hadar", "hadare", "gavel")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="run the whole system in one process on an emulated 5-GPU lab cluster")
+    p.add_argument("--out", default="demo-out", help="output directory (summary.json, models, log)")
+    add_bus_args(p)
+    p.add_argument("--s3", dest="s3_endpoint", default=None,
+                   help="S3 endpoint URL (credentials from HADAR_S3_ACCESS_KEY / HADAR_S3_SECRET_KEY)")
+    p.add_argument("--policy", default="hadare")
+    p.add_argument("--round-s", type=float, default=15.0)
+    p.add_argument("--timeout-s", type=float, default=270.0, help="give up waiting for the jobs after this")
+    p.add_argument("--jobs", nargs="*", default=None, help="job files (default: examples/jobs/*.yaml)")
+    p.add_argument("--record", default=None, help="write the event log to this file (for hadar replay --file)")
+    p.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    files = [Path(f) for f in args.jobs] if args.jobs else sorted(EXAMPLES.glob("*.yaml"))
+    if not files:
+        raise UsageError("--jobs: no job files")
+    token = secrets.token_hex(2)
+    try:
+        specs = [parse_job({**load_job_file(f), "id": f"{load_job_file(f).get('id', f.stem)}-{token}"})
+                 for f in files]
+    except JobFileError as exc:
+        raise UsageError(str(exc)) from None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "demo.log", "w", encoding="utf-8") as log:
+        configure_logging("demo", level="INFO", stream=log)
+        summary = asyncio.run(run_demo(args, specs, out))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    print_results(summary)
+    print(f"\nwrote {out / 'summary.json'}; service logs in {out / 'demo.log'}")
+    return 0 if all(j["completed"] for j in summary["jobs"]) else 1
+
+
+def _make_ports(args: argparse.Namespace, out: Path):
+    from services.agent.spec import StoreTarget
+    from shared.bus import KafkaBus, MemoryBus
+    from shared.store import LocalStore, MinioStore
+
+    if args.bootstrap:
+        bus = KafkaBus.from_settings(kafka_settings(args), source="demo")
+    else:
+        bus = MemoryBus(source="demo")
+    if args.s3_endpoint:
+        settings = s3_settings(args)
+        return bus, MinioStore(settings), StoreTarget.remote(settings)
+    root = out / "store"
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    return bus, LocalStore(root), StoreTarget.local(root)
+
+
+async def run_demo(args: argparse.Namespace, specs, out: Path) -> dict:
+    from services.embedded import EmbeddedConfig, EmbeddedSystem
+    from shared.eventlog import dump_bus
+
+    bus, store, target = _make_ports(args, out)
+    config = EmbeddedConfig(nodes=LAB_5, policy=args.policy, round_s=args.round_s,
+                            scheduler_group=f"hadar-demo-scheduler-{secrets.token_hex(3)}")
+    system = EmbeddedSystem(config=config, bus=bus, store=store, store_target=target)
+    await bus.start()
+    started = time.monotonic()
+    try:
+        await system.start()
+        print(f"hadar demo: {len(LAB_5)} emulated agents ({', '.join(t for _, t in LAB_5)}), "
+              f"policy {args.policy}, rounds of {args.round_s:g} s")
+        for spec in specs:
+            await submit(bus, spec, source="demo")
+        state = system.scheduler.state
+        ids = [s.job_id for s in specs]
+        while time.monotonic() - started < args.timeout_s:
+            await asyncio.sleep(3.0)
+            print(f"\n[{time.monotonic() - started:5.0f} s] round {state.last_round}")
+            print(jobs_table(_only(state, ids), include_done=True))
+            if all(state.jobs.get(i) is not None and state.jobs[i].completed_at is not None for i in ids):
+                break
+        await system.stop()
+        if args.record:
+            n = await dump_bus(bus, args.record)
+            print(f"recorded {n} events to {args.record}")
+        wall = time.monotonic() - started
+        return await _summarise(specs, state, store, out, args, wall)
+    finally:
+        await bus.stop()
+
+
+def _only(state: SchedulerState, ids: list[str]) -> SchedulerState:
+    view = SchedulerState()
+    view.jobs = {i: state.jobs[i] for i in ids if i in state.jobs}
+    view.rounds, view.last_round = state.rounds, state.last_round
+    return view
+
+
+async def _summarise(specs, state: SchedulerState, store, out: Path, args, wall_s: float) -> dict:
+    models = out / "models"
+    models.mkdir(exist_ok=True)
+    jobs = []
+    for spec in specs:
+        record = state.jobs.get(spec.job_id)
+        entry = {"job": spec.job_id, "model": spec.model, "dataset": spec.dataset, "iterations": spec.iterations,
+                 "completed": bool(record and record.completed_at is not None)}
+        if record is not None:
+            entry["steps"] = record.steps_done
+            entry["rounds_run"] = record.rounds_run
+        if entry["completed"]:
+            entry["jct_s"] = round(record.completed_at - record.submitted_at, 2)
+            path = models / f"{spec.job_id}.safetensors"
+            await store.get_file(record.final_key, path)
+            entry["final_model"] = str(path)
+            entry["metric"] = _held_out_metric(spec, path)
+        jobs.append(entry)
+    return {"policy": args.policy, "round_s": args.round_s, "wall_s": round(wall_s, 1),
+            "rounds": state.last_round + 1, "live_utilization": state.allocation_utilization(),
+            "jobs": jobs, "simulated": _simulate_same_jobs(specs, state, args.round_s)}
+
+
+def _held_out_metric(spec, path: Path) -> dict:
+    from services.agent.checkpoint import read_checkpoint, restore
+    from shared.zoo import build_model, dataset_info, evaluate, load_dataset
+
+    tensors, _ = read_checkpoint(path)
+    model = build_model(spec.model, dataset_info(spec.dataset), seed=spec.hyper.seed)
+    restore(model, None, tensors)
+    metric = evaluate(model, load_dataset(spec.dataset))
+    return {"name": metric.name, "value": round(float(metric.value), 4)}
+
+
+def emulated_rates(state: SchedulerState, gpu_types: tuple[str, ...]) -> dict[tuple[str, str, int], float]:
+    """Rates the demo's emulated GPUs really have, for every type of the cluster.
+
+    An emulated GPU runs at the CPU's speed divided by its slowdown, so one measured rate of
+    a job on any type gives its rate on every type: ``measured x slowdown(measured type) /
+    slowdown(type)``. Jobs with no measurement keep the profiler's estimates.
+    """
+    from services.agent.emulation import slowdown
+
+    rates = {key: rate for key, (_, rate) in state.rates.items()}
+    for (job_id, measured_type, workers), (basis, rate) in sorted(state.rates.items()):
+        if basis != "measured" or measured_type not in gpu_types or rate <= 0:
+            continue
+        cpu_rate = rate * slowdown(measured_type)
+        for gpu_type in gpu_types:
+            rates[(job_id, gpu_type, workers)] = cpu_rate / slowdown(gpu_type)
+    return rates
+
+
+def _simulate_same_jobs(specs, state: SchedulerState, round_s: float) -> dict:
+    """The same jobs, all arriving at 0, on lab-5 in the simulator, at the emulated GPUs' speeds."""
+    from services.scheduler.clusters import lab_5
+    from services.scheduler.metrics import compute_metrics
+    from services.scheduler.policies import make_policy
+    from services.scheduler.simulator import SimOptions, simulate
+    from services.scheduler.throughput import ThroughputModel
+    from services.scheduler.traces import TraceJob
+    from shared.zoo import model_figures
+
+    cluster = lab_5()
+    throughput = ThroughputModel(rates=emulated_rates(state, cluster.types))
+    trace = [TraceJob(job_id=s.job_id, arrival_s=0.0, job_type=s.job_id, workers=s.workers,
+                      total_steps=s.iterations) for s in specs]
+    sizes = {s.job_id: model_figures(s.model, s.batch_size, s.dataset).param_bytes for s in specs}
+    results = {}
+    for name in COMPARED:
+        result = simulate(policy=make_policy(name), cluster=cluster, jobs=trace, throughput=throughput,
+                          options=SimOptions(round_s=round_s), model_bytes=sizes.__getitem__)
+        m = compute_metrics(result, throughput)
+        results[name] = {"ttd_s": m.ttd_s, "cru": m.cru, "jct_mean_s": m.jct_mean_s,
+                         "jobs_completed": m.jobs_completed, "jobs_total": m.jobs_total}
+    return results
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_results(summary: dict) -> None:
+    print(f"\nResults ({summary['policy']}, {summary['rounds']} rounds, {summary['wall_s']} s wall, "
+          f"GPU allocation {_fmt(summary['live_utilization'], '.0%')}):")
+    print(f"{'JOB':28} {'JCT s':>7} {'STEPS':>6}  {'METRIC':18} FINAL MODEL")
+    for j in summary["jobs"]:
+        metric = j.get("metric")
+        text = f"{metric['name']}={metric['value']:.4f}" if metric else "-"
+        print(f"{j['job']:28} {_fmt(j.get('jct_s'), '7.1f')} {j.get('steps', 0):>6}  {text:18} "
+              f"{j.get('final_model', 'not completed')}")
+    print("\nSame jobs in the simulator (lab-5 at the emulated GPUs' measured speeds, all arriving at t=0):")
+    print(f"{'POLICY':8} {'TTD s':>8} {'CRU':>6} {'mean JCT s':>11} {'done':>6}")
+    for name, m in summary["simulated"].items():
+        print(f"{name:8} {_fmt(m['ttd_s'], '8.1f')} {_fmt(m['cru'], '6.2f')} {_fmt(m['jct_mean_s'], '11.1f')} "
+              f"{m['jobs_completed']:>3}/{m['jobs_total']}")
+    sys.stdout.flush()

@@ -1,0 +1,90 @@
+"""Every Hadar service in one process: the embedded system ``hadar demo`` runs.
+
+The services are the same classes ``hadar serve`` runs, wired to one bus and one store:
+MemoryBus + LocalStore by default (runs anywhere), or KafkaBus + MinioStore when given.
+Agents emulate GPUs of the named types on this machine's CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.agent.daemon import AgentConfig, AgentDaemon
+from services.agent.discovery import emulated_devices
+from services.agent.spec import StoreTarget
+from services.profiler.service import ProfilerService
+from services.scheduler.service import SchedulerService
+from services.tracker.service import TrackerConfig, TrackerService
+from shared.bus import Bus
+from shared.events import ALL_TOPICS
+from shared.service import Service
+from shared.store import ObjectStore
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmbeddedConfig:
+    nodes: tuple[tuple[str, str], ...]          # (node_id, emulated GPU type), one GPU each
+    policy: str = "hadare"
+    round_s: float = 15.0
+    heartbeat_s: float = 1.0
+    progress_s: float = 1.0
+    consolidation_wait_s: float = 20.0
+    copy_finish_timeout_s: float = 15.0
+    seed: int = 0
+    threads_per_worker: int = 1
+    spare_workers: int = 1
+    scheduler_group: str = "hadar-scheduler"
+
+
+@dataclass
+class EmbeddedSystem:
+    """Owns the services; ``start`` brings them up in dependency order, ``stop`` drains them."""
+
+    config: EmbeddedConfig
+    bus: Bus
+    store: ObjectStore
+    store_target: StoreTarget
+    scheduler: SchedulerService = field(init=False)
+    tracker: TrackerService = field(init=False)
+    profiler: ProfilerService = field(init=False)
+    agents: list[AgentDaemon] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        c = self.config
+        self.scheduler = SchedulerService(bus=self.bus, policy=c.policy, round_s=c.round_s,
+                                          heartbeat_s=c.heartbeat_s, consolidation_wait_s=c.consolidation_wait_s,
+                                          seed=c.seed, group=c.scheduler_group)
+        self.tracker = TrackerService(bus=self.bus, store=self.store,
+                                      config=TrackerConfig(finish_timeout_s=c.copy_finish_timeout_s, tick_s=0.2))
+        self.profiler = ProfilerService(bus=self.bus)
+        self.agents = [
+            AgentDaemon(AgentConfig(node_id=node_id, heartbeat_s=c.heartbeat_s, progress_s=c.progress_s,
+                                    threads=c.threads_per_worker, spare_workers=c.spare_workers,
+                                    stop_timeout_s=10.0),
+                        bus=self.bus, store=self.store_target, devices=emulated_devices(((gpu_type, 1),)))
+            for node_id, gpu_type in c.nodes
+        ]
+
+    @property
+    def services(self) -> list[Service]:
+        return [self.profiler, self.tracker, *self.agents, self.scheduler]
+
+    async def start(self) -> None:
+        await self.bus.ensure_topics(ALL_TOPICS)
+        await self.store.start()
+        for service in self.services:
+            await service.start()
+
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        for service in reversed(self.services):
+            try:
+                await asyncio.wait_for(service.stop(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        await self.store.stop()
+
+
+def local_target(root: Path) -> StoreTarget:
+    return StoreTarget.local(root)

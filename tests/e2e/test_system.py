@@ -1,0 +1,218 @@
+"""The whole system end to end on real Kafka and MinIO, every service its own process.
+
+Three jobs are submitted with the CLI, three emulated agents of different GPU types
+train them, and the checks come from the event log and the store alone: every job
+completes, steps are conserved, every consolidated model is the steps-weighted average
+of its round's replicas, and ``hadar model`` downloads the final model. The same jobs
+under ``gavel`` leave GPUs idle that ``hadare`` fills with copies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from services.scheduler.state import SchedulerState
+from shared.bus import KafkaBus
+from shared.config import S3Settings
+from shared.events import ALL_TOPICS, DEADLETTER_TOPIC, JobCompleted, ModelConsolidated, RoundStarted
+from shared.infra import InfraError, InfraPaths, ensure_kafka, stop_server
+from shared.store import MinioStore
+
+pytestmark = [pytest.mark.kafka, pytest.mark.s3, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+HADAR = [sys.executable, "-m", "services.cli.main"]
+AGENTS = (("e2e-t4", "t4"), ("e2e-rtx3090", "rtx3090"), ("e2e-a2000", "a2000"))
+JOBS = (("resnet", "digits", 1500), ("resnet", "diabetes", 2500), ("autoencoder", "synthetic-ratings", 3500))
+RUN_TIMEOUT_S = 300
+
+
+@dataclass
+class Run:
+    policy: str
+    env: dict[str, str]
+    job_ids: list[str]
+    log: list
+    settings: S3Settings
+    workdir: Path
+
+
+def _env(bootstrap: str, s3: S3Settings, bucket: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(HADAR_BOOTSTRAP=bootstrap, HADAR_S3_ENDPOINT=s3.endpoint, HADAR_S3_ACCESS_KEY=s3.access_key,
+               HADAR_S3_SECRET_KEY=s3.secret_key, HADAR_S3_BUCKET=bucket, PYTHONPATH=str(ROOT))
+    return env
+
+
+def _hadar(args: list[str], env: dict[str, str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(HADAR + args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120, **kw)
+
+
+def _service(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    fh = open(log, "w")
+    return subprocess.Popen(HADAR + ["serve", *args, "--http-port", "0"], env=env,
+                            cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+async def _read_log(bootstrap: str) -> list:
+    bus = KafkaBus(bootstrap, source="e2e-test")
+    await bus.start()
+    try:
+        records = []
+        for topic in ALL_TOPICS:
+            async for d in bus.read(topic):
+                records.append((topic, d.event))
+        return records
+    finally:
+        await bus.stop()
+
+
+def _completed(records: list, job_ids: list[str]) -> set[str]:
+    return {e.job_id for _, e in records if isinstance(e, JobCompleted) and e.job_id in job_ids}
+
+
+def _run_system(policy: str, tmp: Path, paths: InfraPaths, s3: S3Settings) -> Run:
+    try:
+        kafka, _ = ensure_kafka(paths)
+    except InfraError as exc:
+        pytest.fail(f"kafka could not start: {exc}")
+    bucket = f"e2e-{policy}-{secrets.token_hex(3)}"
+    env = _env(kafka.bootstrap, s3, bucket)
+    tmp.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(2)
+    job_ids = []
+    procs: list[subprocess.Popen] = []
+    try:
+        # Bad input: one-line error naming the field, exit 2, nothing published.
+        bad = _hadar(["submit", "--model", "resnet", "--dataset", "digits", "--workers", "99",
+                      "--iterations", "10"], env)
+        assert bad.returncode == 2 and "workers" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+        for i, (model, dataset, iterations) in enumerate(JOBS):
+            job_id = f"e2e-{policy}-{i}-{token}"
+            done = _hadar(["submit", "--id", job_id, "--model", model, "--dataset", dataset, "--workers", "1",
+                           "--iterations", str(iterations), "--batch-size", "32", "--optimizer", "adam",
+                           "--lr", "0.003"], env)
+            assert done.returncode == 0, done.stderr
+            job_ids.append(job_id)
+        procs.append(_service(["scheduler", "--policy", policy, "--round-s", "6", "--heartbeat-s", "1",
+                               "--consolidation-wait-s", "30"], env, tmp / "scheduler.log"))
+        procs.append(_service(["tracker"], env, tmp / "tracker.log"))
+        procs.append(_service(["profiler"], env, tmp / "profiler.log"))
+        for node_id, gpu_type in AGENTS:
+            procs.append(_service(["agent", "--node-id", node_id, "--emulate", f"{gpu_type}:1", "--heartbeat-s", "1",
+                                   "--progress-s", "1", "--deadline-grace-s", "10", "--stop-timeout-s", "10"],
+                                  env, tmp / f"agent-{node_id}.log"))
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        records: list = []
+        while time.monotonic() < deadline:
+            time.sleep(3)
+            for p in procs:
+                assert p.poll() is None, f"a service exited early (code {p.returncode}); logs in {tmp}"
+            records = asyncio.run(_read_log(kafka.bootstrap))
+            if _completed(records, job_ids) == set(job_ids):
+                break
+        assert _completed(records, job_ids) == set(job_ids), f"jobs did not complete in time; logs in {tmp}"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+        records = asyncio.run(_read_log(kafka.bootstrap))
+        stop_server(paths, "kafka")
+    return Run(policy=policy, env=env, job_ids=job_ids, log=records,
+               settings=S3Settings(endpoint=s3.endpoint, access_key=s3.access_key, secret_key=s3.secret_key,
+                                   bucket=bucket), workdir=tmp)
+
+
+def _utilization(run: Run) -> float:
+    state = SchedulerState()
+    placements = []
+    for topic, event in run.log:
+        if topic == "hadar.placements":
+            placements.append(event)
+        elif topic != DEADLETTER_TOPIC:
+            state.apply(event)
+    placements.sort(key=lambda e: (e.round, not isinstance(e, RoundStarted)))
+    for event in placements:
+        state.apply(event)
+    value = state.allocation_utilization()
+    assert value is not None
+    return value
+
+
+async def _check_models(run: Run) -> None:
+    store = MinioStore(run.settings)
+    await store.start()
+    try:
+        consolidated = [e for _, e in run.log if isinstance(e, ModelConsolidated) and e.job_id in run.job_ids]
+        completed = {e.job_id: e for _, e in run.log if isinstance(e, JobCompleted)}
+        for job_id in run.job_ids:
+            rounds = sorted((e for e in consolidated if e.job_id == job_id), key=lambda e: e.round)
+            assert rounds, f"{job_id}: no consolidated model"
+            # Steps conserved: the job's total is the sum of its copies' steps over its rounds.
+            summed = sum(c.steps for e in rounds for c in e.copies)
+            assert rounds[-1].total_steps == summed == completed[job_id].total_steps
+            for event in rounds:
+                await _check_average(store, event, run.workdir / "check")
+        last = rounds[-1]
+        out = run.workdir / "final.safetensors"
+        got = _hadar(["model", run.job_ids[-1], "--out", str(out)], run.env)
+        assert got.returncode == 0, got.stderr
+        final = load_file(str(out))
+        model = load_file(str(await _fetch(store, last.key, run.workdir / "check" / "last.safetensors")))
+        assert final.keys() == model.keys() and all(np.array_equal(final[k], model[k]) for k in final)
+    finally:
+        await store.stop()
+
+
+async def _fetch(store: MinioStore, key: str, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    await store.get_file(key, path)
+    return path
+
+
+async def _check_average(store: MinioStore, event: ModelConsolidated, tmp: Path) -> None:
+    """Recompute the steps-weighted average from the stored replicas; compare with the model."""
+    model = load_file(str(await _fetch(store, event.key, tmp / "model.safetensors")))
+    replicas = []
+    for c in event.copies:
+        key = f"checkpoints/{event.job_id}/{event.round}/{c.copy}.safetensors"
+        replicas.append((c.steps, load_file(str(await _fetch(store, key, tmp / f"{c.copy}.safetensors")))))
+    total = sum(steps for steps, _ in replicas)
+    assert total > 0
+    most = max(replicas, key=lambda r: r[0])[1]
+    for name, value in model.items():
+        if np.issubdtype(value.dtype, np.integer):
+            assert np.array_equal(value, most[name]), f"{event.key}:{name} not taken from the max-steps copy"
+            continue
+        expected = sum(t[name].astype(np.float64) * (steps / total) for steps, t in replicas)
+        assert np.allclose(value.astype(np.float64), expected, rtol=1e-5, atol=1e-6), f"{event.key}:{name}"
+
+
+def test_hadare_end_to_end_and_gavel_leaves_gpus_idle(tmp_path, infra_paths, s3_settings):
+    hadare = _run_system("hadare", tmp_path / "hadare", InfraPaths(cache=infra_paths.cache, run=tmp_path / "k1"),
+                         s3_settings)
+    asyncio.run(_check_models(hadare))
+    forked = [e for _, e in hadare.log if isinstance(e, ModelConsolidated) and len(e.copies) > 1]
+    assert forked, "hadare never ran a job as more than one copy"
+
+    gavel = _run_system("gavel", tmp_path / "gavel", InfraPaths(cache=infra_paths.cache, run=tmp_path / "k2"),
+                        s3_settings)
+    asyncio.run(_check_models(gavel))
+    assert _utilization(gavel) < _utilization(hadare)
