@@ -74,30 +74,60 @@ def _hints(cls: type) -> dict[str, Any]:
     return hints
 
 
+_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1   # what msgpack can carry
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+_REQUIRED: dict[type, frozenset[str]] = {}
+
+
+def _required(cls: type) -> frozenset[str]:
+    required = _REQUIRED.get(cls)
+    if required is None:
+        required = _REQUIRED[cls] = frozenset(
+            f.name for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    return required
+
+
 def _convert(hint: Any, value: Any, path: str) -> Any:
     """Check ``value`` against ``hint``; return it in its canonical Python form."""
-    origin = typing.get_origin(hint)
     if hint is str:
         if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise InvalidEvent(f"{path}: not valid UTF-8 text") from None
             return value
-    elif hint is bool:
-        if isinstance(value, bool):
-            return value
-    elif hint is int:
+        raise InvalidEvent(f"{path}: expected str, got {type(value).__name__}")
+    if hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not _INT_MIN <= value <= _INT_MAX:
+                raise InvalidEvent(f"{path}: integer out of the 64-bit range")
             return value
-    elif hint is float:
+        raise InvalidEvent(f"{path}: expected int, got {type(value).__name__}")
+    if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if not math.isfinite(value):
                 raise InvalidEvent(f"{path}: must be a finite number, got {value!r}")
             return float(value)
+        raise InvalidEvent(f"{path}: expected float, got {type(value).__name__}")
+    origin = typing.get_origin(hint)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
     elif hint is bytes:
         if isinstance(value, (bytes, bytearray)):
             return bytes(value)
     elif origin is Literal:
-        if value in typing.get_args(hint) and isinstance(value, str):
+        if isinstance(value, str) and value in typing.get_args(hint):
             return value
-        raise InvalidEvent(f"{path}: must be one of {list(typing.get_args(hint))}, got {value!r}")
+        raise InvalidEvent(f"{path}: must be one of {list(typing.get_args(hint))}, got {_short_repr(value)}")
     elif origin in (types.UnionType, typing.Union):
         args = typing.get_args(hint)
         if value is None and type(None) in args:
@@ -160,10 +190,8 @@ class Record:
         names = _hints(cls)
         unknown = [k for k in data if k not in names]
         if unknown:
-            raise InvalidEvent(f"{path}: unknown field {unknown[0]!r}")
-        required = {f.name for f in dataclasses.fields(cls)
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-        missing = sorted(required - set(data))
+            raise InvalidEvent(f"{path}: unknown field {_short_repr(unknown[0])}")
+        missing = sorted(_required(cls) - set(data))
         if missing:
             raise InvalidEvent(f"{path}: missing field {missing[0]!r}")
         try:
@@ -580,9 +608,9 @@ def decode(data: bytes) -> Event:
     etype = msg["type"]
     cls = EVENT_TYPES.get(etype) if isinstance(etype, str) else None
     if cls is None:
-        raise InvalidEvent(f"envelope: unknown event type {etype!r}"[:200])
+        raise InvalidEvent(f"envelope: unknown event type {_short_repr(etype)}")
     if msg["v"] != cls.VERSION or isinstance(msg["v"], bool):
-        raise InvalidEvent(f"{etype}: unsupported schema version {msg['v']!r}"[:200])
+        raise InvalidEvent(f"{etype}: unsupported schema version {_short_repr(msg['v'])}")
     body = msg["body"]
     if not isinstance(body, dict):
         raise InvalidEvent(f"{etype}: body must be a map")

@@ -313,3 +313,24 @@ def test_invalid_events_cannot_be_constructed(make: Any, reason: str) -> None:
     with pytest.raises(InvalidEvent) as err:
         make()
     assert err.value.reason.startswith(reason)
+
+
+def test_values_msgpack_cannot_carry_are_rejected_when_the_event_is_built():
+    from shared.events import InvalidEvent, JobCancelled, Progress
+
+    with pytest.raises(InvalidEvent, match="64-bit"):
+        Progress(ts=1.0, source="a", job_id="j", round=2**70, copy=0, node_id="n", gpu_type="t4", workers=1,
+                 steps_round=0, steps_total=0, samples_per_s=0.0, loss=0.0)
+    with pytest.raises(InvalidEvent, match="UTF-8"):
+        JobCancelled(ts=1.0, source="a", job_id="j", reason="bad \ud800 surrogate")
+
+
+def test_reasons_stay_short_whatever_the_input():
+    import msgpack
+
+    from shared.events import InvalidEvent, decode
+
+    huge = "x" * 100_000
+    with pytest.raises(InvalidEvent) as info:
+        decode(msgpack.packb({"type": huge, "v": 1, "id": "a", "ts": 1.0, "source": "s", "body": {}}))
+    assert len(info.value.reason) < 200
