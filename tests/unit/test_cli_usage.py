@@ -1,0 +1,36 @@
+"""CLI misuse: a one-line error naming the field, exit code 2, nothing published."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.cli.main import main
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["submit", "--model", "resnet", "--dataset", "digits", "--workers", "99", "--iterations", "5"], "workers"),
+    (["submit", "--model", "resnet", "--dataset", "digits", "--workers", "1", "--iterations", "x"], "iterations"),
+    (["submit", "--model", "nosuch", "--dataset", "digits", "--workers", "1", "--iterations", "5"], "model"),
+    (["submit", "--model", "resnet", "--dataset", "imagenet", "--workers", "1", "--iterations", "5"], "dataset"),
+    (["submit", "--id", "Bad/../id", "--model", "resnet", "--dataset", "digits", "--workers", "1",
+      "--iterations", "5"], "job_id"),
+    (["submit", "--dataset", "digits", "--workers", "1", "--iterations", "5"], "model"),
+])
+def test_bad_submissions_exit_2_naming_the_field(argv, field, capsys, monkeypatch):
+    monkeypatch.delenv("HADAR_BOOTSTRAP", raising=False)   # validation happens before any connection
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and field in err
+
+
+def test_job_file_errors_name_the_field(tmp_path, capsys):
+    bad = tmp_path / "job.yaml"
+    bad.write_text("model: resnet\ndataset: digits\nworkers: 2\niterations: 10\ngpus: 4\n")
+    assert main(["submit", str(bad)]) == 2
+    assert "gpus: unknown field" in capsys.readouterr().err
+
+
+def test_commands_needing_a_broker_say_so(capsys, monkeypatch):
+    monkeypatch.delenv("HADAR_BOOTSTRAP", raising=False)
+    assert main(["jobs"]) == 2
+    assert "HADAR_BOOTSTRAP" in capsys.readouterr().err
