@@ -1,0 +1,89 @@
+"""Reproduce the Hadar/HadarE paper's ratios against Gavel in the simulator.
+
+For each cluster, runs ``gavel``, ``hadar`` and ``hadare`` on the same traces (several
+seeds of Gavel's generator) and reports the ratios the paper reports: TTD and mean JCT as
+gavel / policy, CRU as policy / gavel, each as the mean over seeds with its range.
+
+Trace shaped like the paper's evaluation: a batch of jobs submitted together (rate 0)
+drawn from Gavel's job distribution (its job types, durations 60*10^U(1.5,3) s w.p. 0.8
+else 60*10^U(3,4) s); single-GPU jobs on the 5-node clusters, whose nodes have one GPU
+each, and Gavel's multi-GPU mix on gavel-108. Last line: one JSON object.
+
+    python benchmarks/paper_ratios.py [--seeds 5] [--jobs 20] [--gavel108-jobs 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from services.scheduler.clusters import parse_cluster
+from services.scheduler.metrics import compute_metrics
+from services.scheduler.policies import make_policy
+from services.scheduler.simulator import SimOptions, build_throughput, simulate
+from services.scheduler.traces import load_trace
+
+POLICIES = ("gavel", "hadar", "hadare")
+PAPER = {  # ratios against Gavel reported by the paper (aws-5 / lab-5)
+    "aws-5": {"hadar_ttd": 1.17, "hadare_cru": 1.56, "hadare_ttd": 1.79, "hadare_jct": 2.23},
+    "lab-5": {"hadar_ttd": 1.16, "hadare_cru": 1.62, "hadare_ttd": 2.12, "hadare_jct": 2.76},
+}
+
+
+def run_cluster(cluster_name: str, traces: list[str], round_s: float) -> dict:
+    cluster = parse_cluster(cluster_name)
+    throughput = build_throughput(cross_node=True)
+    ratios: dict[str, list[float]] = {k: [] for k in ("hadar_ttd", "hadar_cru", "hadar_jct",
+                                                      "hadare_ttd", "hadare_cru", "hadare_jct")}
+    completed: dict[str, int] = {p: 0 for p in POLICIES}
+    total = 0
+    for spec in traces:
+        jobs = load_trace(spec, throughput=throughput)
+        total += len(jobs)
+        metrics = {}
+        for name in POLICIES:
+            result = simulate(policy=make_policy(name), cluster=cluster, jobs=jobs, throughput=throughput,
+                              options=SimOptions(round_s=round_s))
+            metrics[name] = compute_metrics(result, throughput)
+            completed[name] += metrics[name].jobs_completed
+        g = metrics["gavel"]
+        for name in ("hadar", "hadare"):
+            m = metrics[name]
+            ratios[f"{name}_ttd"].append(g.ttd_s / m.ttd_s)
+            ratios[f"{name}_cru"].append(m.cru / g.cru)
+            ratios[f"{name}_jct"].append(g.jct_mean_s / m.jct_mean_s)
+    return {"traces": traces, "jobs": total, "completed": completed,
+            "ratios": {k: {"mean": round(statistics.fmean(v), 3), "min": round(min(v), 3), "max": round(max(v), 3)}
+                       for k, v in ratios.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--jobs", type=int, default=20, help="jobs per trace on the 5-node clusters")
+    parser.add_argument("--gavel108-jobs", type=int, default=100)
+    parser.add_argument("--round-s", type=float, default=360.0)
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    out = {}
+    for name in ("aws-5", "lab-5"):
+        traces = [f"gen:jobs={args.jobs},rate=0,seed={s},multi_gpu=false" for s in range(1, args.seeds + 1)]
+        out[name] = run_cluster(name, traces, args.round_s)
+    if args.gavel108_jobs:
+        traces = [f"gen:jobs={args.gavel108_jobs},rate=0,seed={s},multi_gpu=true" for s in range(1, 3)]
+        out["gavel-108"] = run_cluster("gavel-108", traces, args.round_s)
+    print(f"{'cluster':10} {'ratio':11} {'ours mean':>9} {'(min-max)':>15} {'paper':>6}")
+    for cluster, res in out.items():
+        for key, r in res["ratios"].items():
+            paper = PAPER.get(cluster, {}).get(key)
+            spread = f"({r['min']:.2f}-{r['max']:.2f})"
+            paper_text = "" if paper is None else f"{paper:.2f}"
+            print(f"{cluster:10} {key:11} {r['mean']:9.2f} {spread:>15} {paper_text:>6}")
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(out, separators=(",", ":")))
+
+
+if __name__ == "__main__":
+    main()
