@@ -36,6 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--consolidation-wait-s", type=float, default=60.0,
                    help="how long a round waits for the previous round's models")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--record", default=None, metavar="FILE",
+                   help="on shutdown, write every topic's events to FILE (for hadar replay --file)")
     p.set_defaults(func=run_scheduler)
 
     from services.agent.cli import add_agent_parser
@@ -64,6 +66,10 @@ def run_scheduler(args: argparse.Namespace) -> int:
         try:
             await run_service(service, http_host=args.http_host, http_port=args.http_port,
                               drain_timeout_s=args.drain_timeout_s)
+            if args.record:
+                from shared.eventlog import dump_bus
+
+                await dump_bus(bus, args.record)
         finally:
             await bus.stop()
 
