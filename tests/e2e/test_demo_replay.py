@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,8 @@ HADAR = [sys.executable, "-m", "services.cli.main"]
 
 
 def hadar(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([*HADAR, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HADAR_")}   # file-only: no broker
+    return subprocess.run([*HADAR, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
