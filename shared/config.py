@@ -91,8 +91,8 @@ def s3_from_env(env: Mapping[str, str] = os.environ) -> S3Settings | None:
     endpoint = env.get("HADAR_S3_ENDPOINT", "").strip()
     if not endpoint:
         return None
-    access_key = _secret(env, "HADAR_S3_ACCESS_KEY")
-    secret_key = _secret(env, "HADAR_S3_SECRET_KEY")
+    access_key = _secret(env, "HADAR_S3_ACCESS_KEY", "HADAR_S3_ACCESS_KEY_FILE")
+    secret_key = _secret(env, "HADAR_S3_SECRET_KEY", "HADAR_S3_SECRET_KEY_FILE")
     missing = [name for name, value in (("HADAR_S3_ACCESS_KEY", access_key),
                                         ("HADAR_S3_SECRET_KEY", secret_key)) if not value]
     if missing:
@@ -106,17 +106,17 @@ def s3_from_env(env: Mapping[str, str] = os.environ) -> S3Settings | None:
     )
 
 
-def _secret(env: Mapping[str, str], name: str) -> str:
-    """``env[name]``, or else the content of the file ``env[name + "_FILE"]`` (docker secrets)."""
+def _secret(env: Mapping[str, str], name: str, file_name: str) -> str:
+    """``env[name]``, or else the content of the file ``env[file_name]`` (docker secrets)."""
     if env.get(name):
         return env[name]
-    path = env.get(f"{name}_FILE", "")
+    path = env.get(file_name, "")
     if not path:
         return ""
     try:
         return Path(path).read_text().strip()
     except OSError as exc:
-        raise ConfigError(f"{name}_FILE={path!r} cannot be read: {exc.strerror}") from None
+        raise ConfigError(f"{file_name}={path!r} cannot be read: {exc.strerror}") from None
 
 
 def _is_host_port(text: str) -> bool:

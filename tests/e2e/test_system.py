@@ -35,8 +35,8 @@ pytestmark = [pytest.mark.kafka, pytest.mark.s3, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 HADAR = [sys.executable, "-m", "services.cli.main"]
 AGENTS = (("e2e-t4", "t4"), ("e2e-rtx3090", "rtx3090"), ("e2e-a2000", "a2000"))
-JOBS = (("resnet", "digits", 1500), ("resnet", "diabetes", 2500), ("autoencoder", "synthetic-ratings", 3500))
-RUN_TIMEOUT_S = 300
+JOBS = (("resnet", "digits", 400), ("resnet", "diabetes", 800), ("autoencoder", "synthetic-ratings", 1200))
+RUN_TIMEOUT_S = 420
 
 
 @dataclass
@@ -106,7 +106,7 @@ def _run_system(policy: str, tmp: Path, paths: InfraPaths, s3: S3Settings) -> Ru
                            "--lr", "0.003"], env)
             assert done.returncode == 0, done.stderr
             job_ids.append(job_id)
-        procs.append(_service(["scheduler", "--policy", policy, "--round-s", "6", "--heartbeat-s", "1",
+        procs.append(_service(["scheduler", "--policy", policy, "--round-s", "15", "--heartbeat-s", "1",
                                "--consolidation-wait-s", "30"], env, tmp / "scheduler.log"))
         procs.append(_service(["tracker"], env, tmp / "tracker.log"))
         procs.append(_service(["profiler"], env, tmp / "profiler.log"))
