@@ -1,0 +1,231 @@
+"""Model quality of a forked job (HadarE) vs. one copy, at the same total training steps.
+
+Two jobs of the model zoo -- ``resnet`` on ``digits`` (classification, held-out accuracy)
+and ``resnet`` on ``diabetes`` (regression, held-out MSE of the standardised target) --
+each trained twice with the same batch size, optimizer, learning rate and job seed:
+
+* single -- 1 copy, ``--steps / --rounds`` steps per round for ``--rounds`` rounds;
+* forked -- ``--copies`` copies per round, each ``--steps / (copies * rounds)`` steps, so
+  both arms do the same total number of steps.
+
+Everything runs through the project's own code, in this process, on a LocalStore in a
+temp directory: every copy of every round is one :class:`services.agent.worker.Worker`
+run from a :class:`WorkerSpec` (the agent daemon's subprocess body, called directly to
+spare a torch import per copy), starting from the previous round's consolidated model
+(``start_from``), training its step budget and writing
+``checkpoints/{job}/{round}/{copy}.safetensors``. After each round the copies are averaged
+as the tracker does it (:func:`plan_consolidation` with ``steps`` weights, streamed from
+the store by :class:`StoreRangeReader`, :func:`write_consolidated`), to
+``models/{job}/{round}.safetensors`` with metadata ``job``, ``round``, ``total_steps``
+(previous total plus the copies' steps). The final round's model is scored with
+:func:`shared.zoo.evaluate` on the dataset's held-out split.
+
+Data order: the worker's batch of a step depends on (job seed, copy, rank, total step),
+so the forked copies walk different permutations of the training set. The checkpoint
+carries the optimizer state and one replica consolidates to itself exactly, so the
+single arm is the same as one uninterrupted run of ``--steps`` steps.
+
+Repeated for job seeds 0..``--seeds``-1 (model initialisation and data order); mean and
+sample standard deviation per arm are printed. Usage::
+
+    python benchmarks/model_quality.py [--steps 1200] [--rounds 6] [--copies 4] [--seeds 3]
+
+Last output line: one JSON object ``{"classification": {"single_acc": a, "forked_acc": b,
+...}, "regression": {"single_mse": c, "forked_mse": d, ...}, ...}`` (means over seeds;
+``*_std`` keys and the run's settings ride along).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from services.agent.checkpoint import read_checkpoint, restore  # noqa: E402
+from services.agent.spec import StoreTarget, WorkerSpec, checkpoint_key, parse_worker_line  # noqa: E402
+from services.agent.worker import Worker  # noqa: E402
+from services.tracker.consolidate import Replica, plan_consolidation, write_consolidated  # noqa: E402
+from services.tracker.store_reader import StoreRangeReader  # noqa: E402
+from shared.store import LocalStore  # noqa: E402
+from shared.zoo import build_model, evaluate, load_dataset  # noqa: E402
+
+DEADLINE_S = 24 * 3600.0   # rounds end by step budget, never by the clock
+
+
+@dataclass(frozen=True, kw_only=True)
+class Task:
+    key: str        # "classification" / "regression": the JSON section
+    metric: str     # "acc" / "mse": the JSON key suffix
+    model: str
+    dataset: str
+
+
+TASKS = (
+    Task(key="classification", metric="acc", model="resnet", dataset="digits"),
+    Task(key="regression", metric="mse", model="resnet", dataset="diabetes"),
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Training:
+    """What both arms share: hyperparameters and the step accounting."""
+
+    batch_size: int
+    optimizer: str
+    lr: float
+    steps: int        # total steps of every arm
+    rounds: int
+    threads: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Arm:
+    name: str
+    copies: int
+
+    def steps_per_copy_round(self, training: Training) -> int:
+        return training.steps // (self.copies * training.rounds)
+
+
+def model_key(job_id: str, round_: int) -> str:
+    return f"models/{job_id}/{round_}.safetensors"
+
+
+def run_copy(spec: WorkerSpec) -> int:
+    """Train one copy for one round through the worker; return the steps it did."""
+    out = io.StringIO()
+    Worker(spec, out).run()
+    lines = [parse_worker_line(line) for line in out.getvalue().splitlines()]
+    final = next((m for m in reversed(lines) if m and m["event"] in ("finished", "failed")), None)
+    if final is None or final["event"] != "finished" or final["status"] != "ok":
+        raise RuntimeError(f"copy {spec.job_id}/{spec.round}/{spec.copy} did not finish: {final}")
+    return int(final["steps_round"])
+
+
+async def consolidate_round(store: LocalStore, job_id: str, round_: int, steps: list[int],
+                            prior_steps: int, scratch: Path) -> int:
+    """Average the round's checkpoints as the tracker does; return the model's total steps."""
+    loop = asyncio.get_running_loop()
+    replicas = []
+    for copy, copy_steps in enumerate(steps):
+        key = checkpoint_key(job_id, round_, copy)
+        size = await store.size(key)
+        replicas.append(Replica(copy=copy, steps=copy_steps, reader=StoreRangeReader(store, key, size, loop)))
+    path = scratch / f"{job_id}-{round_}.safetensors"
+
+    def plan_and_write() -> int:   # off the loop: the readers wait on it
+        plan = plan_consolidation(replicas, mode="steps")
+        if plan.rejected:
+            raise RuntimeError(f"consolidation of {job_id}/{round_} rejected {plan.rejected}")
+        total = prior_steps + plan.round_steps
+        metadata = {"job": job_id, "round": str(round_), "total_steps": str(total), "missing": "[]"}
+        with open(path, "wb") as out:
+            write_consolidated(plan, out, metadata=metadata)
+        return total
+
+    total = await asyncio.to_thread(plan_and_write)
+    await store.put_file(model_key(job_id, round_), path)
+    path.unlink()
+    return total
+
+
+def train_job(root: Path, task: Task, arm: Arm, seed: int, training: Training, scratch: Path) -> str:
+    """Train ``arm`` of ``task`` round by round; return the final model's store key."""
+    job_id = f"{task.key}-{arm.name}-s{seed}"
+    store = LocalStore(root)
+    budget = arm.steps_per_copy_round(training)
+    total = 0
+    for round_ in range(training.rounds):
+        start_from = model_key(job_id, round_ - 1) if round_ else None
+        steps = []
+        for copy in range(arm.copies):
+            spec = WorkerSpec(
+                job_id=job_id, round=round_, copy=copy, node_id="bench", gpu_type="cpu", model=task.model,
+                dataset=task.dataset, batch_size=training.batch_size, optimizer=training.optimizer,
+                lr=training.lr, seed=seed, rank=0, world_size=1, rendezvous=None, device="cpu",
+                step_budget=budget, deadline=time.time() + DEADLINE_S, start_from=start_from,
+                checkpoint=checkpoint_key(job_id, round_, copy), store=StoreTarget.local(root),
+                threads=training.threads)
+            steps.append(run_copy(spec))
+        total = asyncio.run(consolidate_round(store, job_id, round_, steps, total, scratch))
+    if total != budget * arm.copies * training.rounds:
+        raise RuntimeError(f"{job_id}: consolidated {total} steps, expected {budget * arm.copies * training.rounds}")
+    return model_key(job_id, training.rounds - 1)
+
+
+def score(root: Path, key: str, task: Task, seed: int, scratch: Path) -> float:
+    """Held-out metric of the stored model (weights only; its optimizer state is ignored)."""
+    data = load_dataset(task.dataset)
+    model = build_model(task.model, data.info, seed=seed)
+    path = scratch / "final.safetensors"
+    asyncio.run(LocalStore(root).get_file(key, path))
+    tensors, _ = read_checkpoint(path)
+    path.unlink()
+    restore(model, None, tensors)
+    return evaluate(model, data, torch.device("cpu")).value
+
+
+def summary(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def run(training: Training, copies: int, seeds: int) -> dict[str, object]:
+    arms = (Arm(name="single", copies=1), Arm(name="forked", copies=copies))
+    result: dict[str, object] = {}
+    with tempfile.TemporaryDirectory(prefix="hadar-quality-") as tmp:
+        root, scratch = Path(tmp) / "store", Path(tmp) / "scratch"
+        scratch.mkdir()
+        for task in TASKS:
+            section: dict[str, float] = {}
+            for arm in arms:
+                values = []
+                for seed in range(seeds):
+                    started = time.perf_counter()
+                    key = train_job(root, task, arm, seed, training, scratch)
+                    values.append(score(root, key, task, seed, scratch))
+                    print(f"{task.key:14s} {arm.name:6s} seed {seed}: {task.metric} {values[-1]:.4f} "
+                          f"({time.perf_counter() - started:.1f} s)", flush=True)
+                mean, std = summary(values)
+                section[f"{arm.name}_{task.metric}"] = round(mean, 4)
+                section[f"{arm.name}_{task.metric}_std"] = round(std, 4)
+                print(f"{task.key:14s} {arm.name:6s} mean {mean:.4f} std {std:.4f} over {seeds} seeds", flush=True)
+            result[task.key] = section
+    result["settings"] = {"steps": training.steps, "rounds": training.rounds, "copies": copies, "seeds": seeds,
+                          "batch_size": training.batch_size, "optimizer": training.optimizer, "lr": training.lr}
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=1200, help="total steps of each arm")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--copies", type=int, default=4, help="copies of the forked arm")
+    parser.add_argument("--seeds", type=int, default=3, help="job seeds 0..N-1, one run per seed and arm")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "adamw"))
+    parser.add_argument("--lr", type=float, default=0.05, help="default: the job spec's default lr")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per copy")
+    args = parser.parse_args(argv)
+    if args.copies < 1 or args.rounds < 1 or args.seeds < 1:
+        parser.error("--copies, --rounds and --seeds must be >= 1")
+    if args.steps % (args.copies * args.rounds):
+        parser.error(f"--steps must be a multiple of copies x rounds = {args.copies * args.rounds}")
+    training = Training(batch_size=args.batch_size, optimizer=args.optimizer, lr=args.lr, steps=args.steps,
+                        rounds=args.rounds, threads=args.threads)
+    print(json.dumps(run(training, args.copies, args.seeds)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
