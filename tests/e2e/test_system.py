@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.kafka, pytest.mark.s3, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 HADAR = [sys.executable, "-m", "services.cli.main"]
 AGENTS = (("e2e-t4", "t4"), ("e2e-rtx3090", "rtx3090"), ("e2e-a2000", "a2000"))
-JOBS = (("resnet", "digits", 400), ("resnet", "diabetes", 800), ("autoencoder", "synthetic-ratings", 1200))
+JOBS = (("resnet", "digits", 400), ("resnet", "diabetes", 800), ("autoencoder", "synthetic-ratings", 6000))
 RUN_TIMEOUT_S = 420
 
 
