@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from services.agent.daemon import AgentConfig, AgentDaemon
 from services.agent.discovery import emulated_devices
@@ -84,7 +83,3 @@ class EmbeddedSystem:
             except asyncio.TimeoutError:
                 pass
         await self.store.stop()
-
-
-def local_target(root: Path) -> StoreTarget:
-    return StoreTarget.local(root)

@@ -7,6 +7,7 @@ import asyncio
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.agent.discovery import NodeDevices, cpu_devices, discover_in_subprocess, emulated_devices
 from services.agent.emulation import parse_emulation, reference_tflops
@@ -16,6 +17,9 @@ from services.cli.main import UsageError
 from shared.events import NODE_ID_RE
 from shared.logging import configure_logging
 from shared.service import run_service
+
+if TYPE_CHECKING:
+    from services.agent.daemon import AgentConfig
 
 __all__ = ["add_agent_parser", "run_agent", "DEFAULT_HTTP_PORT"]
 

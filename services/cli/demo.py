@@ -51,9 +51,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not files:
         raise UsageError("--jobs: no job files")
     token = secrets.token_hex(2)
+    specs = []
     try:
-        specs = [parse_job({**load_job_file(f), "id": f"{load_job_file(f).get('id', f.stem)}-{token}"})
-                 for f in files]
+        for f in files:   # a run-unique id suffix: a persistent Kafka may hold earlier demos
+            data = load_job_file(f)
+            specs.append(parse_job({**data, "id": f"{data.get('id', f.stem)}-{token}"}))
     except JobFileError as exc:
         raise UsageError(str(exc)) from None
     out = Path(args.out)
