@@ -26,6 +26,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 from pathlib import Path
 
 __all__ = [
@@ -199,6 +200,21 @@ def read_json(path: Path) -> dict[str, object] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+T = TypeVar("T")
+
+
+def load_recorded(path: Path, record: Callable[..., T]) -> T | None:
+    """The server recorded in the state file ``path``, whether or not it still runs;
+    ``None`` if there is none or it was written by an incompatible version."""
+    data = read_json(path)
+    if data is None:
+        return None
+    try:
+        return record(**data)
+    except TypeError:
+        return None
 
 
 def remove_tree(path: Path) -> None:

@@ -32,9 +32,9 @@ from shared.infra.common import (
     file_lock,
     free_port,
     is_running,
+    load_recorded,
     log_tail,
     port_accepts,
-    read_json,
     remove_tree,
     spawn,
     stop_group,
@@ -191,13 +191,7 @@ def fetch_kafka(paths: InfraPaths, *, pom: Path = DEFAULT_POM,
 
 def load_kafka(paths: InfraPaths) -> KafkaServer | None:
     """The recorded broker of this run directory, whether or not it still runs."""
-    data = read_json(paths.state_file(NAME))
-    if data is None:
-        return None
-    try:
-        return KafkaServer(**data)  # type: ignore[arg-type]
-    except TypeError:
-        return None
+    return load_recorded(paths.state_file(NAME), KafkaServer)
 
 
 def kafka_healthy(server: KafkaServer, timeout: float = 5.0) -> bool:

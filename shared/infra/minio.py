@@ -27,7 +27,7 @@ from shared.infra.common import (
     file_lock,
     free_port,
     is_running,
-    read_json,
+    load_recorded,
     remove_tree,
     spawn,
     stop_group,
@@ -116,13 +116,7 @@ def build_minio(paths: InfraPaths, *, env: Mapping[str, str] = os.environ,
 
 def load_minio(paths: InfraPaths) -> MinioServer | None:
     """The recorded MinIO of this run directory, whether or not it still runs."""
-    data = read_json(paths.state_file(NAME))
-    if data is None:
-        return None
-    try:
-        return MinioServer(**data)  # type: ignore[arg-type]
-    except TypeError:
-        return None
+    return load_recorded(paths.state_file(NAME), MinioServer)
 
 
 def minio_healthy(server: MinioServer, timeout: float = 2.0) -> bool:
