@@ -163,27 +163,9 @@ def _held_out_metric(spec, path: Path) -> dict:
     return {"name": metric.name, "value": round(float(metric.value), 4)}
 
 
-def emulated_rates(state: SchedulerState, gpu_types: tuple[str, ...]) -> dict[tuple[str, str, int], float]:
-    """Rates the demo's emulated GPUs really have, for every type of the cluster.
-
-    An emulated GPU runs at the CPU's speed divided by its slowdown, so one measured rate of
-    a job on any type gives its rate on every type: ``measured x slowdown(measured type) /
-    slowdown(type)``. Jobs with no measurement keep the profiler's estimates.
-    """
-    from services.agent.emulation import slowdown
-
-    rates = {key: rate for key, (_, rate) in state.rates.items()}
-    for (job_id, measured_type, workers), (basis, rate) in sorted(state.rates.items()):
-        if basis != "measured" or measured_type not in gpu_types or rate <= 0:
-            continue
-        cpu_rate = rate * slowdown(measured_type)
-        for gpu_type in gpu_types:
-            rates[(job_id, gpu_type, workers)] = cpu_rate / slowdown(gpu_type)
-    return rates
-
-
 def _simulate_same_jobs(specs, state: SchedulerState, round_s: float) -> dict:
-    """The same jobs, all arriving at 0, on lab-5 in the simulator, at the emulated GPUs' speeds."""
+    """The same jobs, all arriving at 0, on lab-5 in the simulator, at the rates the profiler
+    published (measured, and for emulated GPUs extrapolated from the measurements)."""
     from services.scheduler.clusters import lab_5
     from services.scheduler.metrics import compute_metrics
     from services.scheduler.policies import make_policy
@@ -193,7 +175,7 @@ def _simulate_same_jobs(specs, state: SchedulerState, round_s: float) -> dict:
     from shared.zoo import model_figures
 
     cluster = lab_5()
-    throughput = ThroughputModel(rates=emulated_rates(state, cluster.types))
+    throughput = ThroughputModel(rates={key: rate for key, (_, rate) in state.rates.items()})
     trace = [TraceJob(job_id=s.job_id, arrival_s=0.0, job_type=s.job_id, workers=s.workers,
                       total_steps=s.iterations) for s in specs]
     sizes = {s.job_id: model_figures(s.model, s.batch_size, s.dataset).param_bytes for s in specs}
@@ -220,7 +202,7 @@ def print_results(summary: dict) -> None:
         text = f"{metric['name']}={metric['value']:.4f}" if metric else "-"
         print(f"{j['job']:28} {_fmt(j.get('jct_s'), '7.1f')} {j.get('steps', 0):>6}  {text:18} "
               f"{j.get('final_model', 'not completed')}")
-    print("\nSame jobs in the simulator (lab-5 at the emulated GPUs' measured speeds, all arriving at t=0):")
+    print("\nSame jobs in the simulator (lab-5 at the profiler's rates, all arriving at t=0):")
     print(f"{'POLICY':8} {'TTD s':>8} {'CRU':>6} {'mean JCT s':>11} {'done':>6}")
     for name, m in summary["simulated"].items():
         print(f"{name:8} {_fmt(m['ttd_s'], '8.1f')} {_fmt(m['cru'], '6.2f')} {_fmt(m['jct_mean_s'], '11.1f')} "

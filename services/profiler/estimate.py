@@ -37,3 +37,18 @@ def catalog_rates(spec: JobSpec) -> dict[str, float]:
         rate = gpus.estimate_steps_per_second(gpus.gpu_spec(gpu_type), figures, spec.workers)
         rates[gpu_type] = rate if math.isfinite(rate) and rate > 0 else 0.0
     return rates
+
+
+def emulated_rates(gpu_type: str, rate: float) -> dict[str, float]:
+    """Every catalog type's rate implied by ``rate`` measured on an *emulated* ``gpu_type``.
+
+    An emulated GPU is this machine's CPU throttled by ``slowdown(type)`` (see
+    :mod:`services.agent.emulation`), so one measurement fixes the job's speed on every
+    emulated type: ``rate x slowdown(gpu_type) / slowdown(t)``. The catalog estimate
+    describes real GPUs and says nothing about a throttled CPU, so on an emulated cluster
+    this is the better estimate for the types not measured yet.
+    """
+    from services.agent.emulation import slowdown
+
+    cpu_rate = rate * slowdown(gpu_type)
+    return {t: cpu_rate / slowdown(t) for t in gpus.GPU_TYPES if t != gpu_type}

@@ -7,7 +7,10 @@
   its own table or on measurements.
 * On Progress: :class:`~services.profiler.state.ProfilerState` decides; a moved rate is
   published with ``basis="measured"`` (the scheduler prefers measured values). Progress
-  from emulated agents is counted under ``emulated="true"`` in the metrics.
+  from emulated agents is counted under ``emulated="true"`` in the metrics, and a rate
+  measured on an emulated GPU also re-estimates every other type by the emulation's
+  slowdowns (:func:`~services.profiler.estimate.emulated_rates`): on an emulated cluster
+  the catalog's real-GPU estimate would send work to the wrong nodes.
 * Restart: hadar.jobs and hadar.throughput are replayed first, so a job already
   estimated is not estimated again and smoothing resumes from the last published rate.
   A delivery is acked only after what it caused is published (at-least-once).
@@ -22,7 +25,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
-from services.profiler.estimate import catalog_rates
+from services.profiler.estimate import catalog_rates, emulated_rates
 from services.profiler.state import DEFAULT_ALPHA, DEFAULT_THRESHOLD, ProfilerState
 from shared.bus import Bus
 from shared.clock import Clock, SystemClock
@@ -30,6 +33,7 @@ from shared.events import (
     DEADLETTER_TOPIC, Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted, Progress,
     ThroughputEstimate,
 )
+from shared.gpus import GPU_TYPES
 from shared.logging import get_logger
 
 __all__ = ["ProfilerConfig", "ProfilerService", "Estimator"]
@@ -149,6 +153,10 @@ class ProfilerService:
         self._log.info("measured.published", job=update.job_id, round=progress.round,
                        gpu_type=update.gpu_type, workers=update.workers, rate=round(update.rate, 4),
                        emulated=update.emulated)
+        if update.emulated and update.gpu_type in GPU_TYPES:
+            await self._publish(ThroughputEstimate(
+                ts=self.clock.time(), source=self.config.source, job_id=update.job_id, basis="estimate",
+                workers=update.workers, rates=emulated_rates(update.gpu_type, update.rate)), emulated=True)
 
     async def _publish(self, event: ThroughputEstimate, *, emulated: bool) -> None:
         await self.bus.emit(event)

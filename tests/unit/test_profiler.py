@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from services.profiler.estimate import catalog_rates
+from services.profiler.estimate import catalog_rates, emulated_rates
 from services.profiler.service import ProfilerConfig, ProfilerService
 from services.profiler.state import ProfilerState
 from shared import gpus
@@ -127,9 +127,13 @@ async def test_service_publishes_estimates_then_measurements_and_survives_a_rest
         await bus.emit(JobSubmitted(ts=T0, source="cli", job=SPEC, submitted_at=T0))
         await bus.emit(progress(T0 + 1, 0, emulated=True))
         await bus.emit(progress(T0 + 11, 80, emulated=True))
-        found = await _estimates(bus, lambda es: len(es) >= 2)
-        assert [(e.basis, e.workers, e.rates) for e in found] == [
+        found = await _estimates(bus, lambda es: len(es) >= 3)
+        assert [(e.basis, e.workers, e.rates) for e in found[:2]] == [
             ("estimate", 2, {"v100": 12.5, "k80": 2.0}), ("measured", 2, {"v100": pytest.approx(8.0)})]
+        # Measured on an emulated V100: every other type re-estimated by the emulation's slowdowns.
+        derived = found[2]
+        assert derived.basis == "estimate" and "v100" not in derived.rates
+        assert derived.rates["k80"] == pytest.approx(emulated_rates("v100", 8.0)["k80"])
         assert service.registry.get_sample_value("profiler_progress_total", {"emulated": "true"}) == 2
         assert service.registry.get_sample_value(
             "profiler_estimates_published_total", {"basis": "measured", "emulated": "true"}) == 1
@@ -144,7 +148,7 @@ async def test_service_publishes_estimates_then_measurements_and_survives_a_rest
     try:
         await bus.emit(progress(T0 + 21, 161))  # 8.1 steps/s: within 5% of the published 8.0
         await asyncio.sleep(0.2)
-        assert len([d async for d in bus.read("hadar.throughput")]) == 2
+        assert len([d async for d in bus.read("hadar.throughput")]) == 3
         assert calls == ["j1"]
     finally:
         await again.stop()
@@ -170,3 +174,13 @@ async def test_service_counts_a_job_it_cannot_estimate() -> None:
     finally:
         await service.stop()
         await bus.stop()
+
+
+def test_a_rate_measured_on_an_emulated_gpu_re_estimates_every_other_type():
+    from services.agent.emulation import slowdown
+    from services.profiler.estimate import emulated_rates
+
+    rates = emulated_rates("t4", 10.0)
+    assert "t4" not in rates and {"k80", "rtx3090", "h200"} <= set(rates)
+    assert rates["rtx3090"] == pytest.approx(10.0 * slowdown("t4") / slowdown("rtx3090"))
+    assert rates["rtx3090"] > 10.0 > rates["k80"]     # faster and slower emulated types
