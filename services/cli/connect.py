@@ -10,10 +10,10 @@ import argparse
 import os
 
 from services.cli.main import UsageError
-from services.scheduler.state import SchedulerState
+from services.scheduler.state import SchedulerState, fold_log
 from shared.bus import Bus, KafkaBus
 from shared.config import ConfigError, KafkaSettings, S3Settings, s3_from_env
-from shared.events import ALL_TOPICS, DEADLETTER_TOPIC, RoundStarted
+from shared.events import ALL_TOPICS
 from shared.store import MinioStore, ObjectStore
 
 
@@ -63,18 +63,8 @@ def make_store(args: argparse.Namespace) -> ObjectStore:
 
 async def fold_all(bus: Bus) -> SchedulerState:
     """The cluster as the event log tells it: every topic folded, as the scheduler does."""
-    state = SchedulerState()
-    placements = []
+    items = []
     for topic in ALL_TOPICS:
-        if topic == DEADLETTER_TOPIC:
-            continue
         async for delivery in bus.read(topic):
-            if topic == "hadar.placements":
-                placements.append(delivery.event)
-            else:
-                state.apply(delivery.event)
-    # RoundStarted and Assignment use different keys, hence partitions: put each round first.
-    placements.sort(key=lambda e: (e.round, not isinstance(e, RoundStarted)))
-    for event in placements:
-        state.apply(event)
-    return state
+            items.append((topic, delivery.event))
+    return fold_log(items)

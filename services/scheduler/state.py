@@ -8,6 +8,7 @@ reads a clock: times come from the events themselves.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from shared.events import (
@@ -195,3 +196,22 @@ class SchedulerState:
         ran = {a.job_id for a in record.assignments}
         return sorted(j for j in ran if j in self.jobs and self.jobs[j].active
                       and self.jobs[j].consolidated_round < round_)
+
+
+def fold_log(items: Iterable[tuple[str, Event]]) -> SchedulerState:
+    """A state from ``(topic, event)`` pairs read topic by topic (as the CLI and tests read).
+
+    Each round's RoundStarted is folded before its Assignments: they are keyed differently,
+    so they sit in different partitions and a topic-by-topic read does not order them.
+    """
+    state = SchedulerState()
+    placements = []
+    for topic, event in items:
+        if topic == "hadar.placements":
+            placements.append(event)
+        elif topic != "hadar.deadletter":
+            state.apply(event)
+    placements.sort(key=lambda e: (e.round, not isinstance(e, RoundStarted)))
+    for event in placements:
+        state.apply(event)
+    return state

@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from services.scheduler.state import SchedulerState
+from services.scheduler.state import fold_log
 from shared.bus import KafkaBus
 from shared.config import S3Settings
-from shared.events import ALL_TOPICS, DEADLETTER_TOPIC, JobCompleted, ModelConsolidated, RoundStarted
+from shared.events import ALL_TOPICS, JobCompleted, ModelConsolidated
 from shared.infra import InfraError, InfraPaths, ensure_kafka, stop_server
 from shared.store import MinioStore
 
@@ -143,17 +143,7 @@ def _run_system(policy: str, tmp: Path, paths: InfraPaths, s3: S3Settings) -> Ru
 
 
 def _utilization(run: Run) -> float:
-    state = SchedulerState()
-    placements = []
-    for topic, event in run.log:
-        if topic == "hadar.placements":
-            placements.append(event)
-        elif topic != DEADLETTER_TOPIC:
-            state.apply(event)
-    placements.sort(key=lambda e: (e.round, not isinstance(e, RoundStarted)))
-    for event in placements:
-        state.apply(event)
-    value = state.allocation_utilization()
+    value = fold_log(run.log).allocation_utilization()
     assert value is not None
     return value
 
