@@ -12,6 +12,8 @@ import argparse
 import importlib
 import sys
 
+from shared.errors import UsageError
+
 # Modules of this package that add subcommands, in help order.
 COMMANDS: tuple[str, ...] = (
     "jobs",          # submit, jobs, status, watch, cancel, model
@@ -22,10 +24,6 @@ COMMANDS: tuple[str, ...] = (
     "consolidate",
     "infra",
 )
-
-
-class UsageError(Exception):
-    """Bad input from the user: printed as one line, exit code 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
