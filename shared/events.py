@@ -34,6 +34,7 @@ from shared.records import (
     JOB_ID_RE, NODE_ID_RE, CopyWeight, GpuInfo, Hyperparameters, InvalidEvent, JobSpec, Record, Rejection,
     Waiting, check_job_id, check_node_id, new_event_id, require, short_repr, to_wire,
 )
+from shared.topics import ALL_TOPICS, DEADLETTER, TOPIC_OF_TYPE
 
 __all__ = [
     "InvalidEvent", "Record", "Event", "Hyperparameters", "JobSpec", "GpuInfo", "Waiting",
@@ -292,18 +293,11 @@ EVENT_TYPES: dict[str, type[Event]] = {
     )
 }
 
-# Topic of each event type (DESIGN.md "Services and events").
-TOPICS: dict[str, str] = {
-    "JobSubmitted": "hadar.jobs", "JobCancelled": "hadar.jobs",
-    "NodeRegistered": "hadar.nodes", "NodeHeartbeat": "hadar.nodes",
-    "ThroughputEstimate": "hadar.throughput",
-    "Progress": "hadar.progress", "CopyFinished": "hadar.progress",
-    "RoundStarted": "hadar.placements", "Assignment": "hadar.placements",
-    "ModelConsolidated": "hadar.models", "JobCompleted": "hadar.models",
-    "DeadLetter": "hadar.deadletter",
-}
-ALL_TOPICS: tuple[str, ...] = tuple(sorted(set(TOPICS.values())))
-DEADLETTER_TOPIC = "hadar.deadletter"
+# Topic names live in shared.topics; re-exported here for callers that hold an event.
+TOPICS: dict[str, str] = TOPIC_OF_TYPE
+DEADLETTER_TOPIC = DEADLETTER
+if set(TOPICS) != set(EVENT_TYPES):  # a new event type must be given a topic
+    raise ImportError(f"event types without a topic: {sorted(set(EVENT_TYPES) ^ set(TOPICS))}")
 
 
 def topic_for(event: Event) -> str:
