@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.agent.daemon import AgentConfig, AgentDaemon
 from services.agent.discovery import emulated_devices
 from services.agent.spec import StoreTarget
 from services.profiler.service import ProfilerService
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.service import SchedulerService
 from services.tracker.service import TrackerConfig, TrackerService
 from shared.bus import Bus
@@ -26,6 +28,7 @@ from shared.store import ObjectStore
 class EmbeddedConfig:
     nodes: tuple[tuple[str, str], ...]          # (node_id, emulated GPU type), one GPU each
     policy: str = "hadare"
+    policy_options: dict[str, Any] = field(default_factory=dict)
     round_s: float = 15.0
     heartbeat_s: float = 1.0
     progress_s: float = 1.0
@@ -52,9 +55,9 @@ class EmbeddedSystem:
 
     def __post_init__(self) -> None:
         c = self.config
-        self.scheduler = SchedulerService(bus=self.bus, policy=c.policy, round_s=c.round_s,
-                                          heartbeat_s=c.heartbeat_s, consolidation_wait_s=c.consolidation_wait_s,
-                                          seed=c.seed, group=c.scheduler_group)
+        self.scheduler = SchedulerService(bus=self.bus, config=SchedulerConfig(
+            policy=c.policy, policy_options=c.policy_options, round_s=c.round_s, heartbeat_s=c.heartbeat_s,
+            consolidation_wait_s=c.consolidation_wait_s, seed=c.seed, group=c.scheduler_group))
         self.tracker = TrackerService(bus=self.bus, store=self.store,
                                       config=TrackerConfig(finish_timeout_s=c.copy_finish_timeout_s, tick_s=0.2))
         self.profiler = ProfilerService(bus=self.bus)

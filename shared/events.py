@@ -136,6 +136,13 @@ class ThroughputEstimate(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class RoundStarted(Event):
+    """A round's decision, self-described: with ``inputs`` (what was folded), ``nodes`` (the
+    cluster it planned on) and the settings (policy, its options as canonical JSON, seed,
+    round length, heartbeat period), the round can be re-derived from the log alone.
+
+    ``round_s``/``heartbeat_s`` of 0 and empty ``policy_options`` are what logs written
+    before rounds recorded their settings decode to."""
+
     TYPE: ClassVar[str] = "RoundStarted"
     round: int
     policy: str
@@ -148,10 +155,18 @@ class RoundStarted(Event):
     # "topic:partition" -> records of it the scheduler had folded when it planned: replay
     # folds exactly these (plus earlier rounds' placements) to re-derive the decision.
     inputs: dict[str, int] = field(default_factory=dict)
+    policy_options: str = "{}"
+    seed: int = 0
+    round_s: float = 0.0
+    heartbeat_s: float = 0.0
 
     def _check(self) -> None:
         require(self.round >= 0, "RoundStarted.round: must be >= 0")
         require(self.ends_at >= self.started_at, "RoundStarted.ends_at: must be >= started_at")
+        require(len(self.policy_options) <= 4096, "RoundStarted.policy_options: at most 4096 characters")
+        require(self.policy_options.startswith("{"), "RoundStarted.policy_options: must be a JSON object")
+        require(self.seed >= 0 and self.round_s >= 0 and self.heartbeat_s >= 0,
+                "RoundStarted.seed/round_s/heartbeat_s: must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)

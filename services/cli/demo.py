@@ -21,7 +21,8 @@ from pathlib import Path
 
 from services.cli.connect import add_bus_args, kafka_settings, s3_settings
 from services.cli.jobs import jobs_table, submit
-from services.cli.main import UsageError
+from services.scheduler.cli import add_policy_args, policy_options
+from shared.errors import UsageError
 from services.scheduler.state import SchedulerState
 from shared.jobfile import JobFileError, load_job_file, parse_job
 from shared.logging import configure_logging
@@ -38,7 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_bus_args(p)
     p.add_argument("--s3", dest="s3_endpoint", default=None,
                    help="S3 endpoint URL (credentials from HADAR_S3_ACCESS_KEY / HADAR_S3_SECRET_KEY)")
-    p.add_argument("--policy", default="hadare")
+    add_policy_args(p)
+    p.add_argument("--seed", type=int, default=0, help="seed passed to the policy")
     p.add_argument("--round-s", type=float, default=15.0)
     p.add_argument("--timeout-s", type=float, default=270.0, help="give up waiting for the jobs after this")
     p.add_argument("--jobs", nargs="*", default=None, help="job files (default: examples/jobs/*.yaml)")
@@ -93,7 +95,8 @@ async def run_demo(args: argparse.Namespace, specs, out: Path) -> dict:
     from shared.eventlog import dump_bus
 
     bus, store, target = _make_ports(args, out)
-    config = EmbeddedConfig(nodes=LAB_5, policy=args.policy, round_s=args.round_s,
+    config = EmbeddedConfig(nodes=LAB_5, policy=args.policy, policy_options=policy_options(args),
+                            round_s=args.round_s, seed=args.seed,
                             scheduler_group=f"hadar-demo-scheduler-{secrets.token_hex(3)}")
     system = EmbeddedSystem(config=config, bus=bus, store=store, store_target=target)
     await bus.start()

@@ -14,9 +14,10 @@ from collections.abc import Iterable
 from datetime import datetime, timezone
 
 from services.cli.connect import add_bus_args, make_bus
-from services.cli.main import UsageError
-from services.scheduler.policies import UnknownPolicy, make_policy
+from services.scheduler.cli import policy_options
+from services.scheduler.policies import PolicyChoice, UnknownPolicy
 from services.scheduler.rerun import LoggedEvent, rerun
+from shared.errors import UsageError
 from shared.eventlog import EventLogError, LogRecord, read_log
 from shared.events import (
     ALL_TOPICS, Assignment, CopyFinished, DeadLetter, JobCancelled, JobCompleted, JobSubmitted,
@@ -34,9 +35,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rerun", action="store_true", help="re-derive every round; exit 1 if any plan differs")
     p.add_argument("--explain", metavar="JOB", help="show how the policy saw JOB in --round")
     p.add_argument("--round", type=int, help="round for --explain")
-    p.add_argument("--policy", help="policy for --rerun/--explain (default: the one recorded)")
-    p.add_argument("--seed", type=int, default=0, help="seed the scheduler ran with")
-    p.add_argument("--heartbeat-s", type=float, default=5.0, help="heartbeat period the scheduler ran with")
+    p.add_argument("--policy", default=None,
+                   help="what-if: re-derive with this policy instead of the one each round recorded")
+    p.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="what-if: an option for --policy (repeatable)")
     p.add_argument("--show-progress", action="store_true", help="include every Progress event")
     p.set_defaults(func=cmd_replay)
 
@@ -157,12 +159,16 @@ def timeline(records: Iterable[LogRecord], *, job: str | None, show_progress: bo
     return lines
 
 
-def _policy_for(args: argparse.Namespace, records: list[LogRecord]):
-    name = args.policy or next((r.event.policy for r in records if isinstance(r.event, RoundStarted)), None)
-    if name is None:
+def _override(args: argparse.Namespace, records: list[LogRecord]) -> PolicyChoice | None:
+    """None: every round is re-derived with the policy, options and seed it recorded."""
+    if not any(isinstance(r.event, RoundStarted) for r in records):
         raise UsageError("the log holds no RoundStarted: nothing to re-run")
+    if args.policy is None:
+        if args.policy_option:
+            raise UsageError("--policy-option needs --policy (the recorded options are used otherwise)")
+        return None
     try:
-        return make_policy(name)
+        return PolicyChoice(name=args.policy, options=policy_options(args))
     except UnknownPolicy as exc:
         raise UsageError(str(exc)) from None
 
@@ -179,15 +185,18 @@ def cmd_replay(args: argparse.Namespace) -> int:
     start, end = parse_position(args.start, "--from"), parse_position(args.end, "--to")
     records = load_records(args)
     if args.rerun or args.explain:
-        policy = _policy_for(args, records)
+        override = _override(args, records)
         differing = 0
-        for check in rerun(_logged(records), policy, seed=args.seed, heartbeat_s=args.heartbeat_s):
+        for check in rerun(_logged(records), override=override):
             if args.explain:
                 if check.round == args.round:
                     print(json.dumps(explain(check, args.explain), indent=2, default=str))
                     return 0
                 continue
-            if not check.matches:
+            if check.error is not None:
+                differing += 1
+                print(f"round {check.round}: CANNOT RE-DERIVE ({check.error})")
+            elif not check.matches:
                 differing += 1
                 print(f"round {check.round}: DIFFERS\n  recorded:   {list(check.recorded)}\n"
                       f"  re-derived: {list(check.rederived)}")
@@ -205,6 +214,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def explain(check, job_id: str) -> dict:
     """The job's options in that round as the policy saw them, and what it decided."""
+    if check.error is not None or check.snapshot is None or check.plan is None:
+        raise UsageError(f"--round: round {check.round} cannot be re-derived: {check.error}")
     job = next((j for j in check.snapshot.jobs if j.job_id == job_id), None)
     if job is None:
         return {"round": check.round, "job": job_id, "active": False,
@@ -213,7 +224,9 @@ def explain(check, job_id: str) -> dict:
                   for p in check.plan.placements if p.job_id == job_id]
     waiting = next(({"code": w.code.value, "detail": w.detail} for w in check.plan.waiting if w.job_id == job_id), None)
     return {
-        "round": check.round, "job": job_id, "policy_view": dict(check.plan.explain.get(job_id, {})),
+        "round": check.round, "job": job_id, "policy": check.settings.choice.describe() if check.settings else None,
+        "seed": check.snapshot.seed, "nodes": [n.node_id for n in check.snapshot.cluster.nodes],
+        "policy_view": dict(check.plan.explain.get(job_id, {})),
         "steps_done": job.steps_done, "total_steps": job.total_steps, "workers": job.workers,
         "attained_gpu_s": job.attained_gpu_s, "placements": placements, "waiting": waiting,
         "decision": "ran" if placements else "waited",

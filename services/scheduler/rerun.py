@@ -1,12 +1,18 @@
 """Re-derive recorded rounds from the event log (pure).
 
 Every RoundStarted records, in ``inputs``, how many records of each input topic-partition
-the scheduler had folded when it planned. Re-deriving round r therefore means: fold
-exactly those records plus the placements of rounds before r, rebuild the snapshot with
-the round's recorded start time, and call the same policy with the previous re-derived
-plan. The live scheduler does this once at start-up to recover its policy's state (e.g.
-Hadar's ledger); ``hadar replay --rerun`` does it to check that every recorded decision
-is reproduced.
+the scheduler had folded when it planned, the ``nodes`` it planned on, and the settings
+it decided with (policy, options, seed, round length). Re-deriving round r therefore
+means: fold exactly those records plus the placements of rounds before r, rebuild the
+snapshot on the recorded nodes with the round's recorded start time, and call the policy
+the round names -- built with the recorded options -- with the previous re-derived plan.
+The live scheduler does this once at start-up to recover its policy's carried state
+(e.g. Hadar's ledger); ``hadar replay --rerun`` does it to check that every recorded
+decision is reproduced, with no flags to retype.
+
+A plan is carried from one round to the next only between rounds decided by the same
+policy configuration: a round after a change of policy or options starts afresh, as the
+live scheduler did when it was restarted with the new settings.
 """
 
 from __future__ import annotations
@@ -16,12 +22,15 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from services.scheduler.config import DecisionSettings
+from services.scheduler.policies import PolicyChoice, UnknownPolicy
 from services.scheduler.policy import Plan, Policy, Snapshot
 from services.scheduler.rounds import RoundTiming, build_snapshot, plan_to_events
 from services.scheduler.state import SchedulerState
 from shared.events import Assignment, Event, RoundStarted
+from shared.topics import PLACEMENTS
 
-PLACEMENTS = "hadar.placements"
+__all__ = ["LoggedEvent", "RoundCheck", "assignment_decision", "rerun"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,15 +43,21 @@ class LoggedEvent:
 
 @dataclass(frozen=True, kw_only=True)
 class RoundCheck:
+    """One recorded round against its re-derivation. ``error``: why it could not be
+    re-derived (e.g. the log names a policy this version does not have); then ``plan`` and
+    ``snapshot`` are None."""
+
     round: int
+    settings: DecisionSettings | None
     recorded: tuple
     rederived: tuple
-    snapshot: Snapshot
-    plan: Plan
+    snapshot: Snapshot | None
+    plan: Plan | None
+    error: str | None = None
 
     @property
     def matches(self) -> bool:
-        return self.recorded == self.rederived
+        return self.error is None and self.recorded == self.rederived
 
 
 def assignment_decision(assignments: Iterable[Assignment]) -> tuple:
@@ -50,9 +65,13 @@ def assignment_decision(assignments: Iterable[Assignment]) -> tuple:
     return tuple(sorted((a.job_id, a.copy, a.node_id, tuple(a.gpus)) for a in assignments))
 
 
-def rerun(log: Iterable[LoggedEvent], policy: Policy, *, seed: int = 0, heartbeat_s: float = 5.0,
-          state: SchedulerState | None = None) -> Iterator[RoundCheck]:
-    """Yield one RoundCheck per recorded round, in round order; ``state`` ends fully folded."""
+def rerun(log: Iterable[LoggedEvent], *, state: SchedulerState | None = None,
+          override: PolicyChoice | None = None) -> Iterator[RoundCheck]:
+    """Yield one RoundCheck per recorded round, in round order; ``state`` ends fully folded.
+
+    ``override``: decide every round with this policy instead of the recorded one (a
+    what-if; rounds then differ wherever the two policies would have).
+    """
     state = state if state is not None else SchedulerState()
     inputs: dict[str, list[LoggedEvent]] = defaultdict(list)
     started: dict[int, RoundStarted] = {}
@@ -68,7 +87,9 @@ def rerun(log: Iterable[LoggedEvent], policy: Policy, *, seed: int = 0, heartbea
     for records in inputs.values():
         records.sort(key=lambda r: r.offset)
     folded = {tp: 0 for tp in inputs}   # index into inputs[tp] of the next record to fold
+    policies: dict[tuple[str, str], Policy] = {}
     previous: Plan | None = None
+    previous_key: tuple[str, str] | None = None
     for r in sorted(started):
         rs = started[r]
         for tp, records in inputs.items():
@@ -78,18 +99,29 @@ def rerun(log: Iterable[LoggedEvent], policy: Policy, *, seed: int = 0, heartbea
                 state.apply(records[i].event)
                 i += 1
             folded[tp] = i
-        timing = RoundTiming(round=r, started_at=rs.started_at, round_s=rs.ends_at - rs.started_at,
-                             heartbeat_s=heartbeat_s)
-        snapshot = build_snapshot(state, timing, previous, seed)
-        t0 = time.perf_counter()
-        plan = policy.plan(snapshot)
-        ms = (time.perf_counter() - t0) * 1e3
-        events = plan_to_events(plan, snapshot, state, timing, policy=rs.policy, source="replay",
-                                inputs=rs.inputs, decision_ms=ms)
-        rederived = assignment_decision(e for e in events if isinstance(e, Assignment))
-        yield RoundCheck(round=r, recorded=assignment_decision(assigned[r]), rederived=rederived,
-                         snapshot=snapshot, plan=plan)
-        previous = plan
+        recorded = assignment_decision(assigned[r])
+        try:
+            settings = DecisionSettings.of_round(rs)
+            choice = override or settings.choice
+            policy = policies.get(choice.key) or policies.setdefault(choice.key, choice.build())
+        except UnknownPolicy as exc:
+            yield RoundCheck(round=r, settings=None, recorded=recorded, rederived=(), snapshot=None, plan=None,
+                             error=str(exc))
+            previous, previous_key = None, None
+        else:
+            timing = RoundTiming(round=r, started_at=rs.started_at, round_s=settings.round_s,
+                                 heartbeat_s=settings.heartbeat_s)
+            carried = previous if previous_key == choice.key else None
+            snapshot = build_snapshot(state, timing, carried, settings.seed, nodes=rs.nodes)
+            t0 = time.perf_counter()
+            plan = policy.plan(snapshot)
+            ms = (time.perf_counter() - t0) * 1e3
+            events = plan_to_events(plan, snapshot, state, timing, choice=choice, seed=settings.seed,
+                                    source="replay", inputs=rs.inputs, decision_ms=ms)
+            rederived = assignment_decision(e for e in events if isinstance(e, Assignment))
+            yield RoundCheck(round=r, settings=settings, recorded=recorded, rederived=rederived,
+                             snapshot=snapshot, plan=plan)
+            previous, previous_key = plan, choice.key
         state.apply(rs)
         for a in assigned[r]:
             state.apply(a)

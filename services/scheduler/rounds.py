@@ -13,6 +13,7 @@ import zlib
 from dataclasses import dataclass
 
 from services.scheduler.cluster import Cluster, Node
+from services.scheduler.policies import PolicyChoice
 from services.scheduler.policy import JobState, Plan, Snapshot, copy_rate
 from services.scheduler.state import SchedulerState
 from services.scheduler.throughput import ThroughputModel
@@ -34,13 +35,23 @@ class RoundTiming:
         return self.started_at + self.round_s
 
 
-def cluster_from_state(state: SchedulerState, timing: RoundTiming) -> Cluster:
-    """Nodes that sent a heartbeat within 3 periods of the round start; GPUs by position."""
-    nodes = []
-    for record in state.live_nodes(timing.started_at, timing.heartbeat_s):
+def cluster_from_state(state: SchedulerState, timing: RoundTiming,
+                       nodes: tuple[str, ...] | None = None) -> Cluster:
+    """The round's cluster; GPUs by position.
+
+    Live (``nodes`` None): nodes that sent a heartbeat within 3 periods of the round start.
+    Re-deriving a recorded round: exactly the ``nodes`` it recorded, so the result does not
+    depend on the heartbeat period or on how heartbeats interleaved with other topics.
+    """
+    if nodes is None:
+        records = state.live_nodes(timing.started_at, timing.heartbeat_s)
+    else:
+        records = [state.nodes[n] for n in nodes if n in state.nodes]
+    members = []
+    for record in records:
         gpus = sorted(record.registered.gpus, key=lambda g: g.index)
-        nodes.append(Node(node_id=record.registered.node_id, gpus=tuple(g.type for g in gpus)))
-    return Cluster(name="live", nodes=tuple(nodes))
+        members.append(Node(node_id=record.registered.node_id, gpus=tuple(g.type for g in gpus)))
+    return Cluster(name="live", nodes=tuple(members))
 
 
 def throughput_from_state(state: SchedulerState) -> ThroughputModel:
@@ -48,7 +59,9 @@ def throughput_from_state(state: SchedulerState) -> ThroughputModel:
     return ThroughputModel(rates={key: rate for key, (_, rate) in state.rates.items()})
 
 
-def build_snapshot(state: SchedulerState, timing: RoundTiming, previous: Plan | None, seed: int) -> Snapshot:
+def build_snapshot(state: SchedulerState, timing: RoundTiming, previous: Plan | None, seed: int,
+                   nodes: tuple[str, ...] | None = None) -> Snapshot:
+    """The policy's input for the round ``timing`` describes (``nodes``: see cluster_from_state)."""
     jobs = tuple(
         JobState(
             job_id=j.spec.job_id, job_type=j.spec.job_id, workers=j.spec.workers,
@@ -59,7 +72,7 @@ def build_snapshot(state: SchedulerState, timing: RoundTiming, previous: Plan | 
         for j in state.active_jobs()
     )
     return Snapshot(round=timing.round, now_s=timing.started_at, round_s=timing.round_s,
-                    cluster=cluster_from_state(state, timing), jobs=jobs,
+                    cluster=cluster_from_state(state, timing, nodes), jobs=jobs,
                     throughput=throughput_from_state(state), previous=previous, seed=seed)
 
 
@@ -68,7 +81,8 @@ def rendezvous_port(job_id: str, copy: int) -> int:
 
 
 def plan_to_events(plan: Plan, snapshot: Snapshot, state: SchedulerState, timing: RoundTiming, *,
-                   policy: str, source: str, inputs: dict[str, int], decision_ms: float) -> list[Event]:
+                   choice: PolicyChoice, seed: int, source: str, inputs: dict[str, int],
+                   decision_ms: float) -> list[Event]:
     """RoundStarted first, then one Assignment per (node, job copy), in a stable order.
 
     Each copy's step budget is the job's remaining steps split across its copies in
@@ -83,7 +97,8 @@ def plan_to_events(plan: Plan, snapshot: Snapshot, state: SchedulerState, timing
         total_rate[job_id] = total_rate.get(job_id, 0.0) + rate
     ts = timing.started_at
     events: list[Event] = [RoundStarted(
-        ts=ts, source=source, round=timing.round, policy=policy, started_at=timing.started_at,
+        ts=ts, source=source, round=timing.round, policy=choice.name, policy_options=choice.options_json,
+        seed=seed, round_s=timing.round_s, heartbeat_s=timing.heartbeat_s, started_at=timing.started_at,
         ends_at=timing.ends_at, nodes=tuple(n.node_id for n in snapshot.cluster.nodes),
         assignments=sum(len(p) for p in copies.values()),
         waiting=tuple(Waiting(job_id=w.job_id, code=w.code.value, detail=w.detail[:200]) for w in plan.waiting),

@@ -6,11 +6,15 @@ Assignment per (node, job copy).
 
 Guarantees:
 
-* Decisions are a deterministic function of the events read: RoundStarted records how
-  many records of each input partition were folded, and ``rerun`` reproduces the plan.
+* Decisions are a deterministic function of the events read and of the settings in
+  ``SchedulerConfig``: RoundStarted records how many records of each input partition were
+  folded, the nodes planned on, and the policy, options, seed and timing decided with, so
+  ``rerun`` reproduces the plan from the log alone.
 * Nothing is lost on restart: at start the scheduler reads its topics from the beginning,
-  re-derives every recorded round (recovering the policy's carried state, e.g. Hadar's
-  ledger) and continues with the next round number.
+  re-derives every recorded round with the settings each recorded (recovering the policy's
+  carried state, e.g. Hadar's ledger) and continues with the next round number. Started
+  with another policy or options than the last round recorded, it logs the change and
+  plans the next round afresh.
 * A round starts no earlier than the previous one's end, and (up to
   ``consolidation_wait_s``) only after the tracker announced the models of the jobs that ran
   in it, so copies of the next round start from the averaged model.
@@ -26,36 +30,31 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from services.scheduler.policies import make_policy
+from services.scheduler.config import DecisionSettings, SchedulerConfig
 from services.scheduler.policy import Plan
-from services.scheduler.rerun import PLACEMENTS, LoggedEvent, rerun
+from services.scheduler.rerun import LoggedEvent, rerun
 from services.scheduler.rounds import RoundTiming, build_snapshot, plan_to_events
 from services.scheduler.state import SchedulerState
 from shared.bus import Bus
 from shared.clock import Clock, SystemClock
-from shared.events import ALL_TOPICS, Assignment, DEADLETTER_TOPIC
+from shared.events import Assignment
 from shared.logging import get_logger
+from shared.topics import ALL_TOPICS, DEADLETTER, JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
 
-INPUT_TOPICS = ("hadar.jobs", "hadar.nodes", "hadar.throughput", "hadar.progress", "hadar.models")
+INPUT_TOPICS = (JOBS, NODES, THROUGHPUT, PROGRESS, MODELS)
 
 
 class SchedulerService:
     name = "scheduler"
 
-    def __init__(self, *, bus: Bus, policy: str = "hadare", round_s: float = 360.0, heartbeat_s: float = 5.0,
-                 consolidation_wait_s: float = 60.0, seed: int = 0, clock: Clock | None = None,
-                 group: str = "hadar-scheduler", policy_options: dict[str, Any] | None = None,
+    def __init__(self, *, bus: Bus, config: SchedulerConfig | None = None, clock: Clock | None = None,
                  run_rounds: bool = True) -> None:
         """``run_rounds=False``: rounds are planned only by calling ``plan_round`` (tests, tools)."""
         self.bus = bus
-        self.policy_name = policy
-        self.policy = make_policy(policy, **(policy_options or {}))
-        self.round_s = round_s
-        self.heartbeat_s = heartbeat_s
-        self.consolidation_wait_s = consolidation_wait_s
-        self.seed = seed
+        self.config = config or SchedulerConfig()
+        self.settings: DecisionSettings = self.config.decision_settings
+        self.policy = self.settings.choice.build()
         self.clock = clock or SystemClock()
-        self.group = group
         self.run_rounds = run_rounds
         self.state = SchedulerState()
         self.previous: Plan | None = None
@@ -64,7 +63,7 @@ class SchedulerService:
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
-        self._log = get_logger(service=self.name, policy=policy)
+        self._log = get_logger(service=self.name, policy=self.config.policy)
         self.registry = CollectorRegistry()
         self._m_rounds = Counter("hadar_scheduler_rounds", "Rounds planned", registry=self.registry)
         self._m_decision = Histogram("hadar_scheduler_decision_seconds", "Time in policy.plan()",
@@ -108,27 +107,33 @@ class SchedulerService:
                 if topic != PLACEMENTS:
                     tp = f"{d.topic}:{d.partition}"
                     self._folded[tp] = max(self._folded.get(tp, 0), d.offset + 1)
-        checks = list(rerun(log, self.policy, seed=self.seed, heartbeat_s=self.heartbeat_s, state=self.state))
+        checks = list(rerun(log, state=self.state))
         if checks:
-            self.previous = checks[-1].plan
-            self.next_round = checks[-1].round + 1
+            last = checks[-1]
+            self.next_round = last.round + 1
             differing = [c.round for c in checks if not c.matches]
             self._log.info("scheduler.recovered", rounds=len(checks), next_round=self.next_round,
                            differing_rounds=differing[:10])
-        async for _ in self.bus.read(DEADLETTER_TOPIC):
+            if last.settings is not None and last.settings.choice.key == self.settings.choice.key:
+                self.previous = last.plan
+            else:
+                recorded = last.settings.choice.describe() if last.settings is not None else last.error
+                self._log.warning("scheduler.policy_changed", recorded=recorded,
+                                  configured=self.settings.choice.describe(), next_round=self.next_round)
+        async for _ in self.bus.read(DEADLETTER):
             self._m_dead.inc()
 
     # ------------------------------------------------------------------ consuming
 
     async def _consume(self) -> None:
-        async with self.bus.subscribe(list(INPUT_TOPICS) + [DEADLETTER_TOPIC], self.group) as sub:
+        async with self.bus.subscribe(list(INPUT_TOPICS) + [DEADLETTER], self.config.group) as sub:
             async for delivery in sub:
-                if delivery.topic == DEADLETTER_TOPIC:
+                if delivery.topic == DEADLETTER:
                     self._m_dead.inc()
                 elif self.state.apply(delivery.event):
                     self._m_in.labels(type=delivery.event.TYPE).inc()
                 tp = f"{delivery.topic}:{delivery.partition}"
-                if delivery.topic != DEADLETTER_TOPIC:
+                if delivery.topic != DEADLETTER:
                     self._folded[tp] = max(self._folded.get(tp, 0), delivery.offset + 1)
                 await delivery.ack()
                 self._changed.set()
@@ -154,7 +159,7 @@ class SchedulerService:
             await self.clock.sleep(next_start - self.clock.time())
             previous_round = self.next_round - 1
             if not await self._wait_for(lambda: not self.state.awaiting_consolidation(previous_round),
-                                        self.consolidation_wait_s):
+                                        self.config.consolidation_wait_s):
                 self._log.warning("round.consolidation_timeout", round=previous_round,
                                   jobs=self.state.awaiting_consolidation(previous_round))
             if not self.state.active_jobs():
@@ -162,19 +167,20 @@ class SchedulerService:
                 next_start = self.clock.time()
                 continue
             await self.plan_round()
-            next_start = self.clock.time() + self.round_s
+            next_start = self.clock.time() + self.settings.round_s
 
     async def plan_round(self) -> None:
         """Plan and publish round ``next_round`` now."""
-        timing = RoundTiming(round=self.next_round, started_at=self.clock.time(), round_s=self.round_s,
-                             heartbeat_s=self.heartbeat_s)
+        settings = self.settings
+        timing = RoundTiming(round=self.next_round, started_at=self.clock.time(), round_s=settings.round_s,
+                             heartbeat_s=settings.heartbeat_s)
         inputs = dict(self._folded)
-        snapshot = build_snapshot(self.state, timing, self.previous, self.seed)
+        snapshot = build_snapshot(self.state, timing, self.previous, settings.seed)
         t0 = time.perf_counter()
         plan = self.policy.plan(snapshot)
         seconds = time.perf_counter() - t0
-        events = plan_to_events(plan, snapshot, self.state, timing, policy=self.policy_name,
-                                source=self.name, inputs=inputs, decision_ms=seconds * 1e3)
+        events = plan_to_events(plan, snapshot, self.state, timing, choice=settings.choice, seed=settings.seed,
+                                source=self.config.source, inputs=inputs, decision_ms=seconds * 1e3)
         for event in events:
             await self.bus.emit(event)
             self.state.apply(event)

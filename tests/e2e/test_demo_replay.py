@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from shared.eventlog import read_log, write_log
-from shared.events import Assignment
+from shared.events import Assignment, RoundStarted
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +28,9 @@ def hadar(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 def recorded(tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("demo")
     log = out / "events.log"
+    # Non-default policy options and seed: replay must take them from the log, not from flags.
     run = hadar("demo", "--out", str(out), "--round-s", "8", "--timeout-s", "200", "--record", str(log),
+                "--policy-option", "horizon=32", "--policy-option", "order=arrival", "--seed", "5",
                 "--jobs", "examples/jobs/resnet-diabetes.yaml", "examples/jobs/autoencoder-ratings.yaml",
                 timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -47,6 +49,9 @@ def test_demo_trains_real_models_and_summarises(recorded):
 
 def test_replay_reruns_every_round_identically(recorded):
     log, _ = recorded
+    started = [r.event for r in read_log(log) if isinstance(r.event, RoundStarted)]
+    assert started and all((s.policy, s.policy_options, s.seed) == ("hadare", '{"horizon":32,"order":"arrival"}', 5)
+                           for s in started)
     run = hadar("replay", "--file", str(log), "--rerun")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "0 round(s) differ" in run.stdout and "DIFFERS" not in run.stdout

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.policies import PolicyChoice
+from services.scheduler.rerun import LoggedEvent, rerun
 from services.scheduler.service import SchedulerService
 from shared.bus import MemoryBus
 from shared.clock import FakeClock
@@ -11,6 +14,9 @@ from shared.events import (
     Assignment, CopyWeight, GpuInfo, JobCancelled, JobSpec, JobSubmitted, ModelConsolidated,
     NodeRegistered, RoundStarted, ThroughputEstimate,
 )
+
+
+YARN = SchedulerConfig(policy="yarn-cs", round_s=10, heartbeat_s=1000, consolidation_wait_s=0)
 
 
 async def _seed(bus: MemoryBus, clock: FakeClock) -> None:
@@ -43,8 +49,7 @@ async def test_rounds_recovery_and_cancellation():
     await bus.start()
     clock = FakeClock()
     await _seed(bus, clock)
-    service = SchedulerService(bus=bus, policy="yarn-cs", round_s=10, heartbeat_s=1000, clock=clock,
-                               consolidation_wait_s=0, run_rounds=False)
+    service = SchedulerService(bus=bus, config=YARN, clock=clock, run_rounds=False)
     await service.start()
     await _settle(lambda: len(service.state.jobs) == 3 and len(service.state.nodes) == 2
                   and len(service.state.rates) == 6)
@@ -69,12 +74,70 @@ async def test_rounds_recovery_and_cancellation():
     assert a1.start_from == "models/a/0.safetensors" and a1.step_budget == 50
 
     # A restarted scheduler re-derives both rounds identically and continues at round 2.
-    again = SchedulerService(bus=bus, policy="yarn-cs", round_s=10, heartbeat_s=1000, clock=clock,
-                             consolidation_wait_s=0, run_rounds=False)
+    again = SchedulerService(bus=bus, config=YARN, clock=clock, run_rounds=False)
     await again.start()
     assert again.next_round == 2
     assert again.state.jobs["a"].steps_done == 50
     await again.stop()
     starts = [e for e in await _placements(bus) if isinstance(e, RoundStarted)]
     assert [s.round for s in starts] == [0, 1]
+    await bus.stop()
+
+
+async def _log(bus: MemoryBus) -> list[LoggedEvent]:
+    items = []
+    for topic in ("hadar.jobs", "hadar.nodes", "hadar.throughput", "hadar.progress", "hadar.models",
+                  "hadar.placements"):
+        items += [LoggedEvent(topic=d.topic, partition=d.partition, offset=d.offset, event=d.event)
+                  async for d in bus.read(topic)]
+    return items
+
+
+async def test_rounds_describe_themselves_and_rerun_without_flags():
+    """A round decided with non-default options and seed re-derives from the log alone; the
+    same log re-run with the policy's defaults differs (so the options really mattered)."""
+    bus = MemoryBus()
+    await bus.start()
+    clock = FakeClock()
+    now = clock.time()
+    for node_id in ("n1", "n2"):
+        await bus.emit(NodeRegistered(ts=now, source="agent", node_id=node_id, gpus=(GpuInfo(index=0, type="t4"),)))
+    for i, (job_id, workers) in enumerate((("a", 1), ("wide", 2), ("b", 1))):   # FIFO: wide blocks b
+        spec = JobSpec(job_id=job_id, user="u", model="resnet", dataset="digits", batch_size=32,
+                       workers=workers, iterations=100)
+        await bus.emit(JobSubmitted(ts=now + i, source="cli", job=spec, submitted_at=now + i))
+        await bus.emit(ThroughputEstimate(ts=now, source="profiler", job_id=job_id, basis="estimate",
+                                          workers=workers, rates={"t4": 4.0}))
+    strict = SchedulerConfig(policy="yarn-cs", policy_options={"skip_blocked_head": False}, seed=11,
+                             round_s=10, heartbeat_s=1000, consolidation_wait_s=0)
+    service = SchedulerService(bus=bus, config=strict, clock=clock, run_rounds=False)
+    await service.start()
+    await _settle(lambda: len(service.state.jobs) == 3 and len(service.state.nodes) == 2)
+    for _ in range(2):
+        await service.plan_round()
+        clock.advance(10)
+    await service.stop()
+
+    placements = await _placements(bus)
+    started = [e for e in placements if isinstance(e, RoundStarted)]
+    assert [(s.policy, s.policy_options, s.seed, s.round_s, s.heartbeat_s) for s in started] == \
+        [("yarn-cs", '{"skip_blocked_head":false}', 11, 10.0, 1000.0)] * 2
+    assert {e.job_id for e in placements if isinstance(e, Assignment)} == {"a"}   # b waits behind wide
+
+    checks = list(rerun(await _log(bus)))
+    assert [c.round for c in checks] == [0, 1] and all(c.matches for c in checks)
+    assert all(c.snapshot.seed == 11 for c in checks)
+    what_if = list(rerun(await _log(bus), override=PolicyChoice(name="yarn-cs")))
+    assert not what_if[0].matches and ("b", 0, "n2", (0,)) in what_if[0].rederived
+
+    # Restarted with other options: recovery still re-derives the recorded rounds with their
+    # own settings, and the next round is planned afresh with the new ones.
+    relaxed = SchedulerService(bus=bus, config=YARN, clock=clock, run_rounds=False)
+    await relaxed.start()
+    assert relaxed.next_round == 2 and relaxed.previous is None
+    await relaxed.plan_round()
+    await relaxed.stop()
+    last = [e for e in await _placements(bus) if isinstance(e, RoundStarted)][-1]
+    assert (last.round, last.policy_options, last.seed) == (2, "{}", 0)
+    assert all(c.matches for c in rerun(await _log(bus)))
     await bus.stop()

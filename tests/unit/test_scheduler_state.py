@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from services.scheduler.policies import PolicyChoice
 from services.scheduler.policy import Placement, Plan, Wait, WaitCode
 from services.scheduler.rounds import RoundTiming, build_snapshot, plan_to_events
 from services.scheduler.state import SchedulerState
@@ -79,6 +80,17 @@ def _state_with_cluster() -> SchedulerState:
     return state
 
 
+YARN = PolicyChoice(name="yarn-cs")
+
+
+def test_snapshot_on_recorded_nodes_ignores_heartbeats():
+    state = _state_with_cluster()
+    timing = RoundTiming(round=0, started_at=T0 + 10_000, round_s=10, heartbeat_s=5)   # every node silent
+    assert build_snapshot(state, timing, None, seed=0).cluster.nodes == ()
+    recorded = build_snapshot(state, timing, None, seed=0, nodes=("n2", "gone"))
+    assert [n.node_id for n in recorded.cluster.nodes] == ["n2"]
+
+
 def test_snapshot_reflects_state():
     state = _state_with_cluster()
     timing = RoundTiming(round=0, started_at=T0 + 5, round_s=10, heartbeat_s=5)
@@ -97,10 +109,13 @@ def test_plan_to_events_spanning_copy_gets_ranks_and_rendezvous():
     plan = Plan(placements=(Placement(job_id="a", copy=0, node_id="n1", gpus=(0, 1)),
                             Placement(job_id="a", copy=0, node_id="n2", gpus=(0,))),
                 waiting=(Wait(job_id="b", code=WaitCode.CAPACITY, detail="no free GPU"),))
-    events = plan_to_events(plan, snap, state, timing, policy="hadar", source="scheduler",
+    choice = PolicyChoice(name="hadar", options={"horizon": 16})
+    events = plan_to_events(plan, snap, state, timing, choice=choice, seed=7, source="scheduler",
                             inputs={"hadar.jobs:0": 2}, decision_ms=1.5)
     started, *assignments = events
     assert isinstance(started, RoundStarted) and started.round == 4 and started.assignments == 2
+    assert (started.policy, started.policy_options, started.seed) == ("hadar", '{"horizon":16}', 7)
+    assert (started.round_s, started.heartbeat_s) == (10, 5)
     assert [w.job_id for w in started.waiting] == ["b"] and started.inputs == {"hadar.jobs:0": 2}
     assert all(isinstance(a, Assignment) for a in assignments)
     a1, a2 = assignments
@@ -119,6 +134,6 @@ def test_step_budget_is_split_across_copies_by_rate():
     plan = Plan(placements=(Placement(job_id="b", copy=0, node_id="n1", gpus=(0,)),
                             Placement(job_id="b", copy=1, node_id="n2", gpus=(0,))),
                 waiting=(Wait(job_id="a", code=WaitCode.CAPACITY),))
-    budgets = {e.copy: e.step_budget for e in plan_to_events(plan, snap, state, timing, policy="x", source="s",
-                                                             inputs={}, decision_ms=0) if isinstance(e, Assignment)}
+    budgets = {e.copy: e.step_budget for e in plan_to_events(plan, snap, state, timing, choice=YARN, seed=0,
+                                                             source="s", inputs={}, decision_ms=0) if isinstance(e, Assignment)}
     assert budgets == {0: 75, 1: 25}

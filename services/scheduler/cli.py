@@ -1,0 +1,84 @@
+"""``hadar serve scheduler``: flags and runner (wired by services/cli/serve.py)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Callable
+
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.policies import POLICY_NAMES, UnknownPolicy, parse_policy_option
+from shared.config import ConfigError
+from services.cli.connect import make_bus  # TODO(merge): shared.connect
+from shared.errors import UsageError
+from shared.logging import configure_logging
+from shared.service import run_service
+
+__all__ = ["add_scheduler_parser", "run_scheduler", "add_policy_args", "policy_options"]
+
+DEFAULT_HTTP_PORT = 8081
+
+
+def add_policy_args(parser: argparse.ArgumentParser, *, default: str | None = "hadare") -> None:
+    parser.add_argument("--policy", default=default, help=f"one of: {', '.join(POLICY_NAMES)}")
+    parser.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an option of the policy's constructor (VALUE as JSON if it parses, else a "
+                             "string), e.g. horizon=32; repeatable; recorded in every RoundStarted")
+
+
+def policy_options(args: argparse.Namespace) -> dict:
+    try:
+        return dict(parse_policy_option(text) for text in args.policy_option)
+    except UnknownPolicy as exc:
+        raise UsageError(f"--policy-option: {exc}") from None
+
+
+def add_scheduler_parser(services: argparse._SubParsersAction,
+                         add_common: Callable[..., None]) -> argparse.ArgumentParser:
+    parser = services.add_parser("scheduler", help="plan rounds and publish placements")
+    add_common(parser, http_port=DEFAULT_HTTP_PORT)
+    add_policy_args(parser)
+    parser.add_argument("--round-s", type=float, default=360.0, help="round length in seconds")
+    parser.add_argument("--heartbeat-s", type=float, default=5.0,
+                        help="agents' heartbeat period (a node missing 3 leaves the cluster)")
+    parser.add_argument("--consolidation-wait-s", type=float, default=60.0,
+                        help="how long a round waits for the previous round's models")
+    parser.add_argument("--seed", type=int, default=0, help="seed passed to the policy (recorded per round)")
+    parser.add_argument("--group", default="hadar-scheduler", help="consumer group id")
+    parser.add_argument("--record", default=None, metavar="FILE",
+                        help="on shutdown, write every topic's events to FILE (for hadar replay --file)")
+    parser.set_defaults(func=run_scheduler)
+    return parser
+
+
+def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    try:
+        return SchedulerConfig(policy=args.policy, policy_options=policy_options(args), round_s=args.round_s,
+                               heartbeat_s=args.heartbeat_s, consolidation_wait_s=args.consolidation_wait_s,
+                               seed=args.seed, group=args.group)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def run_scheduler(args: argparse.Namespace) -> int:
+    from services.scheduler.service import SchedulerService
+
+    config = scheduler_config(args)
+    bus = make_bus(args, source=config.source)
+    configure_logging("scheduler", level=args.log_level)
+
+    async def run() -> None:
+        await bus.start()
+        try:
+            service = SchedulerService(bus=bus, config=config)
+            await run_service(service, http_host=args.http_host, http_port=args.http_port,
+                              drain_timeout_s=args.drain_timeout_s)
+            if args.record:
+                from shared.eventlog import dump_bus
+
+                await dump_bus(bus, args.record)
+        finally:
+            await bus.stop()
+
+    asyncio.run(run())
+    return 0

@@ -1,0 +1,82 @@
+"""The scheduler's settings, and the part of them every recorded round carries.
+
+:class:`SchedulerConfig` is what ``hadar serve scheduler`` and the embedded demo build
+(from flags, the environment or a file); it validates itself, so every way of starting a
+scheduler rejects the same bad values with the same message.
+
+:class:`DecisionSettings` is the subset a round's decision depends on -- the policy and its
+options, the seed, the round length and the heartbeat period that decided which nodes
+were live. The live scheduler writes it into every RoundStarted, and replay and start-up
+recovery read it back from there, so a recorded round is re-derived with exactly the
+settings it was decided with.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.scheduler.policies import PolicyChoice, UnknownPolicy
+from shared.config import ConfigError
+from shared.events import RoundStarted
+
+__all__ = ["SchedulerConfig", "DecisionSettings"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecisionSettings:
+    """Everything besides the folded events that a round's plan depends on."""
+
+    choice: PolicyChoice
+    seed: int
+    round_s: float
+    heartbeat_s: float
+
+    @classmethod
+    def of_round(cls, started: RoundStarted) -> DecisionSettings:
+        """The settings ``started`` recorded. Logs written before rounds recorded their
+        settings carry defaults: no options, seed 0, the round's own length."""
+        round_s = started.round_s or (started.ends_at - started.started_at)
+        return cls(choice=PolicyChoice.recorded(started.policy, started.policy_options), seed=started.seed,
+                   round_s=round_s, heartbeat_s=started.heartbeat_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """``consolidation_wait_s``: how long a round waits for the previous round's models.
+    ``group``: consumer group id. ``source``: the events' ``source``."""
+
+    policy: str = "hadare"
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    round_s: float = 360.0
+    heartbeat_s: float = 5.0
+    consolidation_wait_s: float = 60.0
+    seed: int = 0
+    group: str = "hadar-scheduler"
+    source: str = "scheduler"
+
+    def __post_init__(self) -> None:
+        for name in ("round_s", "heartbeat_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name}: must be a finite number > 0, got {value}")
+        if not (math.isfinite(self.consolidation_wait_s) and self.consolidation_wait_s >= 0):
+            raise ConfigError(f"consolidation_wait_s: must be a finite number >= 0, got {self.consolidation_wait_s}")
+        if not 0 <= self.seed < 2**63:
+            raise ConfigError(f"seed: must be in 0..2**63-1, got {self.seed}")
+        if not self.group or not self.source:
+            raise ConfigError("group and source: must not be empty")
+        try:
+            PolicyChoice(name=self.policy, options=self.policy_options)
+        except UnknownPolicy as exc:
+            raise ConfigError(f"policy: {exc}") from None
+
+    @property
+    def choice(self) -> PolicyChoice:
+        return PolicyChoice(name=self.policy, options=self.policy_options)
+
+    @property
+    def decision_settings(self) -> DecisionSettings:
+        return DecisionSettings(choice=self.choice, seed=self.seed, round_s=self.round_s,
+                                heartbeat_s=self.heartbeat_s)
