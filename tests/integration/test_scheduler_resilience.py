@@ -1,0 +1,138 @@
+"""The scheduler's round loop survives failing policies and publishes, plans off the event
+loop, and a forged far-ahead RoundStarted does not move its round counter (issue 12)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.policy import Plan, Snapshot
+from services.scheduler.rerun import LoggedEvent, rerun
+from services.scheduler.service import SchedulerService
+from shared.bus import BusError, MemoryBus
+from shared.clock import FakeClock
+from shared.events import (
+    Assignment, Event, GpuInfo, JobSpec, JobSubmitted, NodeRegistered, RoundStarted, ThroughputEstimate,
+)
+from shared.topics import ALL_TOPICS, PLACEMENTS
+
+FAST = SchedulerConfig(policy="yarn-cs", round_s=0.2, heartbeat_s=1000, consolidation_wait_s=0)
+
+
+async def _seed(bus: MemoryBus, now: float, jobs: tuple[str, ...] = ("a", "b")) -> None:
+    for node_id in ("n1", "n2"):
+        await bus.emit(NodeRegistered(ts=now, source="agent", node_id=node_id, gpus=(GpuInfo(index=0, type="t4"),)))
+    for job_id in jobs:
+        spec = JobSpec(job_id=job_id, user="u", model="resnet", dataset="digits", batch_size=32, workers=1,
+                       iterations=10**6)
+        await bus.emit(JobSubmitted(ts=now, source="cli", job=spec, submitted_at=now))
+        await bus.emit(ThroughputEstimate(ts=now, source="profiler", job_id=job_id, basis="estimate", workers=1,
+                                          rates={"t4": 4.0}))
+
+
+async def _placements(bus: MemoryBus) -> list[Event]:
+    return [d.event async for d in bus.read(PLACEMENTS)]
+
+
+async def _until(predicate, timeout_s: float = 20.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+class FlakyPolicy:
+    """Wraps a policy: raises on the first ``failures`` calls, records the calling thread."""
+
+    def __init__(self, inner, failures: int) -> None:
+        self.inner, self.failures, self.name = inner, failures, inner.name
+        self.threads: list[int] = []
+
+    def plan(self, snapshot: Snapshot) -> Plan:
+        self.threads.append(threading.get_ident())
+        if self.failures > 0:
+            self.failures -= 1
+            raise ZeroDivisionError("policy bug")
+        return self.inner.plan(snapshot)
+
+
+class FlakyBus(MemoryBus):
+    """Fails the first ``failures`` publishes of Assignments with a retriable BusError."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    async def publish(self, topic: str, key: str, event: Event) -> tuple[int, int]:
+        if isinstance(event, Assignment) and self.failures > 0:
+            self.failures -= 1
+            raise BusError("publish: broker away", retriable=True)
+        return await super().publish(topic, key, event)
+
+
+async def test_a_failing_policy_does_not_kill_the_round_loop_and_runs_off_the_event_loop():
+    bus = MemoryBus()
+    await bus.start()
+    await _seed(bus, time.time())
+    service = SchedulerService(bus=bus, config=FAST)
+    flaky = FlakyPolicy(service.policy, failures=2)
+    service.policy = flaky
+    await service.start()
+    try:
+        await _until(lambda: service.next_round >= 2)
+        assert service.health()["ok"], service.health()
+        failures = service.registry.get_sample_value("hadar_scheduler_round_failures_total", {"stage": "plan"})
+        assert failures == 2
+        assert threading.get_ident() not in flaky.threads     # plan() ran in a worker thread
+    finally:
+        await service.stop()
+        await bus.stop()
+
+
+async def test_a_publish_failure_is_retried_and_the_round_is_published_whole_once():
+    bus = FlakyBus(failures=3)
+    await bus.start()
+    await _seed(bus, time.time())
+    service = SchedulerService(bus=bus, config=FAST)
+    await service.start()
+    try:
+        await _until(lambda: service.next_round >= 1)
+    finally:
+        await service.stop()
+    events = await _placements(bus)
+    round0 = [e for e in events if e.round == 0]
+    assert sum(isinstance(e, RoundStarted) for e in round0) == 1
+    assert sorted(e.job_id for e in round0 if isinstance(e, Assignment)) == ["a", "b"]
+    assert len({e.id for e in events}) == len(events)
+    await bus.stop()
+
+
+async def test_a_forged_far_ahead_round_does_not_move_the_round_counter():
+    bus = MemoryBus()
+    await bus.start()
+    clock = FakeClock()
+    await _seed(bus, clock.time())
+    config = SchedulerConfig(policy="yarn-cs", round_s=10, heartbeat_s=1000, consolidation_wait_s=0)
+    service = SchedulerService(bus=bus, config=config, clock=clock, run_rounds=False)
+    await service.start()
+    await _until(lambda: len(service.state.jobs) == 2 and len(service.state.rates) == 2)
+    for _ in range(2):
+        await service.plan_round()
+        clock.advance(10)
+    await service.stop()
+    await bus.emit(RoundStarted(ts=clock.time(), source="scheduler", round=10**6, policy="yarn-cs",
+                                started_at=clock.time(), ends_at=clock.time() + 10))
+
+    again = SchedulerService(bus=bus, config=config, clock=clock, run_rounds=False)
+    await again.start()
+    assert again.next_round == 2
+    await again.stop()
+    log = [LoggedEvent(topic=d.topic, partition=d.partition, offset=d.offset, event=d.event)
+           for topic in ALL_TOPICS async for d in bus.read(topic)]
+    checks = list(rerun(log))
+    assert [c.round for c in checks if c.matches] == [0, 1]
+    forged = [c for c in checks if c.round == 10**6]
+    assert len(forged) == 1 and "out of sequence" in (forged[0].error or "")
+    await bus.stop()
