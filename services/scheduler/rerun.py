@@ -10,6 +10,10 @@ The live scheduler does this once at start-up to recover its policy's carried st
 (e.g. Hadar's ledger); ``hadar replay --rerun`` does it to check that every recorded
 decision is reproduced, with no flags to retype.
 
+Rounds are numbered without gaps, so only the rounds that continue the sequence from the
+first one in the log are re-derived and folded; a RoundStarted that jumps ahead is
+reported (``in_sequence=False``) and otherwise ignored, with its Assignments.
+
 A plan is carried from one round to the next only between rounds decided by the same
 policy configuration: a round after a change of policy or options starts afresh, as the
 live scheduler did when it was restarted with the new settings.
@@ -45,7 +49,9 @@ class LoggedEvent:
 class RoundCheck:
     """One recorded round against its re-derivation. ``error``: why it could not be
     re-derived (e.g. the log names a policy this version does not have); then ``plan`` and
-    ``snapshot`` are None."""
+    ``snapshot`` are None. ``in_sequence`` False: the round does not follow the previous
+    one (the scheduler numbers rounds without gaps), so it was neither re-derived nor
+    folded -- a forged or misplaced RoundStarted must not move anyone's round counter."""
 
     round: int
     settings: DecisionSettings | None
@@ -54,6 +60,7 @@ class RoundCheck:
     snapshot: Snapshot | None
     plan: Plan | None
     error: str | None = None
+    in_sequence: bool = True
 
     @property
     def matches(self) -> bool:
@@ -90,8 +97,15 @@ def rerun(log: Iterable[LoggedEvent], *, state: SchedulerState | None = None,
     policies: dict[tuple[str, str], Policy] = {}
     previous: Plan | None = None
     previous_key: tuple[str, str] | None = None
+    expected: int | None = None
     for r in sorted(started):
         rs = started[r]
+        if expected is not None and r != expected:
+            yield RoundCheck(round=r, settings=None, recorded=assignment_decision(assigned[r]), rederived=(),
+                             snapshot=None, plan=None, in_sequence=False,
+                             error=f"out of sequence: round {expected} was expected next; ignored")
+            continue
+        expected = r + 1
         for tp, records in inputs.items():
             limit = rs.inputs.get(tp, 0)
             i = folded[tp]

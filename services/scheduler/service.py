@@ -35,13 +35,28 @@ from services.scheduler.policy import Plan
 from services.scheduler.rerun import LoggedEvent, rerun
 from services.scheduler.rounds import RoundTiming, build_snapshot, plan_to_events
 from services.scheduler.state import SchedulerState
-from shared.bus import Bus
+from shared.bus import Bus, BusError
 from shared.clock import Clock, SystemClock
-from shared.events import Assignment
+from shared.errors import HadarError
+from shared.events import Assignment, Event
 from shared.logging import get_logger
 from shared.topics import ALL_TOPICS, DEADLETTER, JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
 
 INPUT_TOPICS = (JOBS, NODES, THROUGHPUT, PROGRESS, MODELS)
+RETRY_BASE_S = 0.05
+MAX_RETRY_S = 5.0
+
+
+class RoundFailed(HadarError):
+    """A round could not be planned (``stage="plan"``) or published (``"publish"``); the
+    round loop logs it, counts it and tries again after a back-off."""
+
+    retriable = True
+
+    def __init__(self, message: str, *, stage: str, round: int) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.round = round
 
 
 class SchedulerService:
@@ -63,6 +78,8 @@ class SchedulerService:
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
+        self._fold_lock = asyncio.Lock()   # held while the state is folded or planned from
+        self._last_error: str | None = None
         self._log = get_logger(service=self.name, policy=self.config.policy)
         self.registry = CollectorRegistry()
         self._m_rounds = Counter("hadar_scheduler_rounds", "Rounds planned", registry=self.registry)
@@ -73,6 +90,10 @@ class SchedulerService:
                              registry=self.registry)
         self._m_in = Counter("hadar_events_in", "Events folded", ["type"], registry=self.registry)
         self._m_out = Counter("hadar_events_out", "Events published", ["type"], registry=self.registry)
+        self._m_failures = Counter("hadar_scheduler_round_failures", "Round attempts that failed, by stage",
+                                   ["stage"], registry=self.registry)
+        self._m_publish_retries = Counter("hadar_scheduler_publish_retries", "Publishes retried after a bus error",
+                                          registry=self.registry)
         self._m_dead = Gauge("hadar_dead_letters", "Records in the dead-letter topic", registry=self.registry)
 
     # ------------------------------------------------------------------ lifecycle
@@ -95,7 +116,8 @@ class SchedulerService:
     def health(self) -> dict[str, Any]:
         failed = [t.get_name() for t in self._tasks if t.done() and not t.cancelled()]
         return {"ok": not failed and bool(self._tasks), "round": self.next_round - 1,
-                "active_jobs": len(self.state.active_jobs()), "nodes": len(self.state.nodes), "failed": failed}
+                "active_jobs": len(self.state.active_jobs()), "nodes": len(self.state.nodes), "failed": failed,
+                "last_round_error": self._last_error}
 
     # ------------------------------------------------------------------ recovery
 
@@ -108,6 +130,10 @@ class SchedulerService:
                     tp = f"{d.topic}:{d.partition}"
                     self._folded[tp] = max(self._folded.get(tp, 0), d.offset + 1)
         checks = list(rerun(log, state=self.state))
+        ignored = [c.round for c in checks if not c.in_sequence]
+        if ignored:
+            self._log.warning("scheduler.rounds_out_of_sequence", rounds=ignored[:10], count=len(ignored))
+        checks = [c for c in checks if c.in_sequence]
         if checks:
             last = checks[-1]
             self.next_round = last.round + 1
@@ -123,6 +149,21 @@ class SchedulerService:
         async for _ in self.bus.read(DEADLETTER):
             self._m_dead.inc()
 
+    async def _publish(self, event: Event, *, deadline: float, round_: int) -> None:
+        delay = RETRY_BASE_S
+        while True:
+            try:
+                await self.bus.emit(event)
+                return
+            except BusError as exc:
+                if not exc.retriable or self._stopping or self.clock.time() + delay > deadline:
+                    raise RoundFailed(f"publish {event.TYPE}: {exc}", stage="publish", round=round_) from exc
+                self._m_publish_retries.inc()
+                self._log.warning("round.publish_retry", round=round_, event_type=event.TYPE, error=str(exc)[:200],
+                                  retry_in_s=delay)
+                await self.clock.sleep(delay)
+                delay = min(2 * delay, MAX_RETRY_S)
+
     # ------------------------------------------------------------------ consuming
 
     async def _consume(self) -> None:
@@ -130,8 +171,11 @@ class SchedulerService:
             async for delivery in sub:
                 if delivery.topic == DEADLETTER:
                     self._m_dead.inc()
-                elif self.state.apply(delivery.event):
-                    self._m_in.labels(type=delivery.event.TYPE).inc()
+                else:
+                    async with self._fold_lock:
+                        applied = self.state.apply(delivery.event)
+                    if applied:
+                        self._m_in.labels(type=delivery.event.TYPE).inc()
                 tp = f"{delivery.topic}:{delivery.partition}"
                 if delivery.topic != DEADLETTER:
                     self._folded[tp] = max(self._folded.get(tp, 0), delivery.offset + 1)
@@ -155,6 +199,7 @@ class SchedulerService:
 
     async def _rounds(self) -> None:
         next_start = self.clock.time()
+        failures = 0
         while not self._stopping:
             await self.clock.sleep(next_start - self.clock.time())
             previous_round = self.next_round - 1
@@ -166,27 +211,60 @@ class SchedulerService:
                 await self._wait_for(lambda: bool(self.state.active_jobs()), 1.0)
                 next_start = self.clock.time()
                 continue
-            await self.plan_round()
+            try:
+                await self.plan_round()
+            except Exception as exc:   # the loop never dies: log, count, back off, try again
+                failures += 1
+                stage = exc.stage if isinstance(exc, RoundFailed) else "internal"
+                delay = min(self.settings.round_s, RETRY_BASE_S * 2 ** min(failures - 1, 10))
+                self._m_failures.labels(stage=stage).inc()
+                self._last_error = f"{type(exc).__name__}: {exc}"[:300]
+                self._log.error("round.failed", round=self.next_round, stage=stage, error=self._last_error,
+                                retry_in_s=delay, consecutive=failures, exc_info=stage == "internal")
+                next_start = self.clock.time() + delay
+                continue
+            failures = 0
+            self._last_error = None
             next_start = self.clock.time() + self.settings.round_s
 
     async def plan_round(self) -> None:
-        """Plan and publish round ``next_round`` now."""
+        """Plan and publish round ``next_round`` now; raise :class:`RoundFailed` if it cannot.
+
+        The policy runs in a worker thread, so the event loop keeps serving ``/healthz`` and
+        the bus; folding waits meanwhile, so the state cannot change under the plan. Each
+        event is published with retries until acked or the round's end: ids make a repeat
+        harmless. Once RoundStarted is out the round number is spent, even if a later
+        Assignment could not be published (the rest of that round is lost, not re-planned
+        under the same number).
+        """
         settings = self.settings
-        timing = RoundTiming(round=self.next_round, started_at=self.clock.time(), round_s=settings.round_s,
-                             heartbeat_s=settings.heartbeat_s)
-        inputs = dict(self._folded)
-        snapshot = build_snapshot(self.state, timing, self.previous, settings.seed)
-        t0 = time.perf_counter()
-        plan = self.policy.plan(snapshot)
-        seconds = time.perf_counter() - t0
-        events = plan_to_events(plan, snapshot, self.state, timing, choice=settings.choice, seed=settings.seed,
-                                source=self.config.source, inputs=inputs, decision_ms=seconds * 1e3)
-        for event in events:
-            await self.bus.emit(event)
-            self.state.apply(event)
-            self._m_out.labels(type=event.TYPE).inc()
-        self.previous = plan
-        self.next_round += 1
+        async with self._fold_lock:
+            timing = RoundTiming(round=self.next_round, started_at=self.clock.time(), round_s=settings.round_s,
+                                 heartbeat_s=settings.heartbeat_s)
+            inputs = dict(self._folded)
+            snapshot = build_snapshot(self.state, timing, self.previous, settings.seed)
+            t0 = time.perf_counter()
+            try:
+                plan = await asyncio.to_thread(self.policy.plan, snapshot)
+            except Exception as exc:
+                raise RoundFailed(f"policy {settings.choice.describe()}: {type(exc).__name__}: {exc}",
+                                  stage="plan", round=timing.round) from exc
+            seconds = time.perf_counter() - t0
+            events = plan_to_events(plan, snapshot, self.state, timing, choice=settings.choice,
+                                    seed=settings.seed, source=self.config.source, inputs=inputs,
+                                    decision_ms=seconds * 1e3)
+        published = 0
+        try:
+            for event in events:
+                await self._publish(event, deadline=timing.ends_at, round_=timing.round)
+                async with self._fold_lock:
+                    self.state.apply(event)
+                self._m_out.labels(type=event.TYPE).inc()
+                published += 1
+        finally:
+            if published:
+                self.previous = plan
+                self.next_round += 1
         self._m_rounds.inc()
         self._m_decision.observe(seconds)
         self._m_queue.set(len(plan.waiting))
