@@ -12,7 +12,7 @@ from shared.errors import HadarError
 from shared.events import (
     EVENT_TYPES, Event, JobCancelled, JobSpec, JobSubmitted, ModelConsolidated, Progress,
 )
-from shared.topics import ALL_TOPICS, JOBS, PROGRESS, event_types_on
+from shared.topics import ALL_TOPICS, JOBS, PLACEMENTS, PROGRESS, event_types_on
 
 T0 = 1_000.0
 SPEC = JobSpec(job_id="j1", user="u", model="resnet-8", dataset="digits", batch_size=32, workers=1,
@@ -115,3 +115,14 @@ def test_a_table_over_every_topic_must_decide_about_every_event_type() -> None:
         HandlerTable({cls: noop for cls in EVENT_TYPES.values() if cls is not ModelConsolidated},
                      topics=ALL_TOPICS)
     assert_covers(HandlerTable({cls: noop for cls in EVENT_TYPES.values()}, topics=ALL_TOPICS), ALL_TOPICS)
+
+
+# ---------------------------------------------------------------- every consumer has one
+
+
+def test_scheduler_state_folds_exactly_the_services_input_topics_and_its_placements() -> None:
+    from services.scheduler.service import INPUT_TOPICS
+    from services.scheduler.state import SchedulerState
+
+    assert_covers(SchedulerState.HANDLERS, (*INPUT_TOPICS, PLACEMENTS))
+    assert SchedulerState.HANDLERS.ignored == frozenset()
