@@ -126,3 +126,11 @@ def test_scheduler_state_folds_exactly_the_services_input_topics_and_its_placeme
 
     assert_covers(SchedulerState.HANDLERS, (*INPUT_TOPICS, PLACEMENTS))
     assert SchedulerState.HANDLERS.ignored == frozenset()
+
+
+def test_tracker_state_folds_exactly_the_services_input_topics() -> None:
+    from services.tracker.service import INPUT_TOPICS
+    from services.tracker.state import TrackerState
+
+    assert_covers(TrackerState.HANDLERS, INPUT_TOPICS)
+    assert TrackerState.HANDLERS.ignored == frozenset()
