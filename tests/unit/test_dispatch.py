@@ -10,7 +10,8 @@ import pytest
 from shared.dispatch import HandlerTable, HandlerTableError
 from shared.errors import HadarError
 from shared.events import (
-    EVENT_TYPES, Event, JobCancelled, JobSpec, JobSubmitted, ModelConsolidated, Progress,
+    EVENT_TYPES, CopyFinished, Event, JobCancelled, JobSpec, JobSubmitted, ModelConsolidated,
+    Progress,
 )
 from shared.topics import ALL_TOPICS, JOBS, PLACEMENTS, PROGRESS, event_types_on
 
@@ -134,3 +135,10 @@ def test_tracker_state_folds_exactly_the_services_input_topics() -> None:
 
     assert_covers(TrackerState.HANDLERS, INPUT_TOPICS)
     assert TrackerState.HANDLERS.ignored == frozenset()
+
+
+def test_profiler_handles_its_input_topics_and_ignores_copy_results_and_models() -> None:
+    from services.profiler.service import INPUT_TOPICS, ProfilerService
+
+    assert_covers(ProfilerService.HANDLERS, INPUT_TOPICS)
+    assert ProfilerService.HANDLERS.ignored == {CopyFinished, ModelConsolidated}
