@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from shared.bus import Delivery, MemoryBus
 from shared.dispatch import HandlerTable, HandlerTableError
 from shared.errors import HadarError
 from shared.events import (
-    EVENT_TYPES, CopyFinished, Event, JobCancelled, JobSpec, JobSubmitted, ModelConsolidated,
-    Progress,
+    EVENT_TYPES, Assignment, CopyFinished, Event, JobCancelled, JobSpec, JobSubmitted,
+    ModelConsolidated, Progress, RoundStarted,
 )
 from shared.topics import ALL_TOPICS, JOBS, PLACEMENTS, PROGRESS, event_types_on
 
@@ -142,3 +145,32 @@ def test_profiler_handles_its_input_topics_and_ignores_copy_results_and_models()
 
     assert_covers(ProfilerService.HANDLERS, INPUT_TOPICS)
     assert ProfilerService.HANDLERS.ignored == {CopyFinished, ModelConsolidated}
+
+
+def test_agent_handles_its_topics_and_ignores_submissions() -> None:
+    from services.agent.daemon import TOPICS, AgentDaemon
+
+    assert_covers(AgentDaemon.HANDLERS, TOPICS)
+    assert AgentDaemon.HANDLERS.ignored == {JobSubmitted}
+
+
+async def test_agent_defers_the_ack_only_of_its_own_assignments(tmp_path: Path) -> None:
+    from services.agent.daemon import AgentConfig, AgentDaemon
+    from services.agent.discovery import cpu_devices
+    from services.agent.spec import StoreTarget
+
+    agent = AgentDaemon(AgentConfig(node_id="n1"), bus=MemoryBus(), store=StoreTarget.local(tmp_path),
+                        devices=cpu_devices())
+
+    def delivery(event: Event) -> Delivery:
+        return Delivery(topic="t", partition=0, offset=0, key="", timestamp_ms=0, event=event)
+
+    other_node = Assignment(ts=T0, source="scheduler", round=3, job=SPEC, copy=0, node_id="n2", gpus=(0,),
+                            gpu_type="cpu", world_size=1, ranks=(0,), step_budget=10, deadline=T0 + 360)
+    started = RoundStarted(ts=T0, source="scheduler", round=2, policy="hadare", started_at=T0, ends_at=T0 + 360)
+    assert await agent._handle(delivery(SUBMITTED)) is False
+    assert await agent._handle(delivery(other_node)) is False
+    assert await agent._handle(delivery(replace(other_node, node_id="n1"))) is False  # deadline passed
+    assert await agent._handle(delivery(CANCELLED)) is False
+    assert await agent._handle(delivery(started)) is False
+    assert agent.latest_round == 2 and not agent.runs
