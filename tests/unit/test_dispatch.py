@@ -174,3 +174,10 @@ async def test_agent_defers_the_ack_only_of_its_own_assignments(tmp_path: Path) 
     assert await agent._handle(delivery(CANCELLED)) is False
     assert await agent._handle(delivery(started)) is False
     assert agent.latest_round == 2 and not agent.runs
+
+
+def test_rerun_reads_every_placement_type() -> None:
+    from services.scheduler.rerun import PLACEMENTS as RERUN_PLACEMENTS
+    from services.scheduler.rerun import _RecordedRounds
+
+    assert_covers(_RecordedRounds.HANDLERS, (RERUN_PLACEMENTS,))
