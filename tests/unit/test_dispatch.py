@@ -14,7 +14,7 @@ from shared.dispatch import HandlerTable, HandlerTableError
 from shared.errors import HadarError
 from shared.events import (
     EVENT_TYPES, Assignment, CopyFinished, Event, JobCancelled, JobSpec, JobSubmitted,
-    ModelConsolidated, Progress, RoundStarted,
+    ModelConsolidated, NodeHeartbeat, Progress, RoundStarted,
 )
 from shared.topics import ALL_TOPICS, JOBS, PLACEMENTS, PROGRESS, event_types_on
 
@@ -181,3 +181,15 @@ def test_rerun_reads_every_placement_type() -> None:
     from services.scheduler.rerun import _RecordedRounds
 
     assert_covers(_RecordedRounds.HANDLERS, (RERUN_PLACEMENTS,))
+
+
+def test_replay_describes_every_topic_and_leaves_out_heartbeats_and_unasked_progress() -> None:
+    from services.cli.replay import _FORMATTERS, describe
+
+    assert_covers(_FORMATTERS, ALL_TOPICS)
+    assert _FORMATTERS.ignored == {NodeHeartbeat}
+    assert describe(NodeHeartbeat(ts=T0, source="agent", node_id="n1"), show_progress=True) is None
+    assert describe(PROGRESS_EVENT, show_progress=False) is None
+    assert describe(PROGRESS_EVENT, show_progress=True) == (
+        "  progress j1 r0 c0 on n1: 5 steps this round (5 total), 10 samples/s, loss 1.0000")
+    assert describe(CANCELLED, show_progress=False) == "cancelled j1: "
