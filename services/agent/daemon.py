@@ -24,8 +24,9 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import structlog
 from prometheus_client import CollectorRegistry
@@ -37,7 +38,10 @@ from services.agent.runner import CopyKey, CopyRun, RunContext
 from services.agent.spec import StoreTarget
 from shared.bus import Bus, Delivery, Subscription
 from shared.clock import Clock, SystemClock
-from shared.events import Assignment, Event, JobCancelled, NodeHeartbeat, NodeRegistered, RoundStarted
+from shared.dispatch import HandlerTable
+from shared.events import (
+    Assignment, Event, JobCancelled, JobSubmitted, NodeHeartbeat, NodeRegistered, RoundStarted,
+)
 
 __all__ = ["AgentConfig", "AgentDaemon"]
 
@@ -166,16 +170,25 @@ class AgentDaemon:
 
     async def _handle(self, delivery: Delivery) -> bool:
         """Act on one event; True if its ack is deferred to the end of a copy run."""
-        event = delivery.event
-        if isinstance(event, RoundStarted):
-            self._newer_round(event.round)
-        elif isinstance(event, JobCancelled):
-            for key, run in list(self.runs.items()):
-                if key[0] == event.job_id:
-                    run.preempt(f"job cancelled: {event.reason}" if event.reason else "job cancelled")
-        elif isinstance(event, Assignment) and event.node_id == self.config.node_id:
-            return self._assignment(event, delivery)
+        handler = self.HANDLERS.handler_for(delivery.event)
+        return handler(self, delivery.event, delivery) if handler is not None else False
+
+    def _on_round_started(self, event: RoundStarted, delivery: Delivery) -> bool:
+        self._newer_round(event.round)
         return False
+
+    def _on_job_cancelled(self, event: JobCancelled, delivery: Delivery) -> bool:
+        for key, run in list(self.runs.items()):
+            if key[0] == event.job_id:
+                run.preempt(f"job cancelled: {event.reason}" if event.reason else "job cancelled")
+        return False
+
+    def _on_assignment(self, event: Assignment, delivery: Delivery) -> bool:
+        return event.node_id == self.config.node_id and self._assignment(event, delivery)
+
+    HANDLERS: ClassVar[HandlerTable[Callable[[AgentDaemon, Any, Delivery], bool]]] = HandlerTable({
+        RoundStarted: _on_round_started, JobCancelled: _on_job_cancelled, Assignment: _on_assignment,
+    }, topics=TOPICS, ignore=(JobSubmitted,))
 
     def _newer_round(self, round_: int) -> None:
         if round_ <= self.latest_round:

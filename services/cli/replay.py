@@ -10,18 +10,20 @@ import argparse
 import asyncio
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
+from typing import Any
 
 from services.cli.connect import add_bus_args, make_bus
 from services.scheduler.cli import policy_options
 from services.scheduler.policies import PolicyChoice, UnknownPolicy
 from services.scheduler.rerun import LoggedEvent, rerun
+from shared.dispatch import HandlerTable
 from shared.errors import UsageError
 from shared.eventlog import EventLogError, LogRecord, read_log
 from shared.events import (
-    ALL_TOPICS, Assignment, CopyFinished, DeadLetter, JobCancelled, JobCompleted, JobSubmitted,
-    ModelConsolidated, NodeRegistered, Progress, RoundStarted, ThroughputEstimate,
+    ALL_TOPICS, Assignment, CopyFinished, DeadLetter, Event, JobCancelled, JobCompleted, JobSubmitted,
+    ModelConsolidated, NodeHeartbeat, NodeRegistered, Progress, RoundStarted, ThroughputEstimate,
 )
 
 
@@ -100,49 +102,84 @@ def _when(ts: float) -> str:
     return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%H:%M:%S.%f")[:-3]
 
 
-def describe(event, *, show_progress: bool) -> str | None:
-    """One timeline line for an event (None: not shown)."""
-    match event:
-        case RoundStarted():
-            waiting = ", ".join(f"{w.job_id} ({w.code})" for w in event.waiting) or "none"
-            return (f"round {event.round} started [{event.policy}] on {len(event.nodes)} nodes: "
-                    f"{event.assignments} assignments, decided in {event.decision_ms:.1f} ms; waiting: {waiting}")
-        case Assignment():
-            start = event.start_from or f"seed {event.job.hyper.seed}"
-            span = f", rendezvous {event.rendezvous}" if event.rendezvous else ""
-            return (f"  place {event.job_id} copy {event.copy} on {event.node_id} GPUs {list(event.gpus)} "
-                    f"({event.gpu_type}), budget {event.step_budget} steps, from {start}{span}")
-        case Progress() if show_progress:
-            return (f"  progress {event.job_id} r{event.round} c{event.copy} on {event.node_id}: "
-                    f"{event.steps_round} steps this round ({event.steps_total} total), "
-                    f"{event.samples_per_s:.0f} samples/s, loss {event.loss:.4f}")
-        case CopyFinished():
-            why = f" ({event.reason})" if event.reason else ""
-            return (f"  copy {event.job_id} r{event.round} c{event.copy} on {event.node_id} {event.status}: "
-                    f"{event.steps_round} steps{why}")
-        case ModelConsolidated():
-            used = ", ".join(f"c{c.copy}:{c.steps}" for c in event.copies)
-            rej = f"; rejected {[r.copy for r in event.rejected]}" if event.rejected else ""
-            miss = f"; missing {list(event.missing)}" if event.missing else ""
-            return (f"  model {event.job_id} r{event.round}: {event.total_steps} steps total from [{used}]{rej}{miss}"
-                    f" -> {event.key}")
-        case JobCompleted():
-            return f"completed {event.job_id}: {event.total_steps} steps, JCT {event.jct_s:.1f} s -> {event.final_key}"
-        case JobSubmitted():
-            j = event.job
-            return (f"submitted {j.job_id}: {j.model}/{j.dataset} batch {j.batch_size}, W={j.workers}, "
-                    f"{j.iterations} iterations, priority {j.priority}")
-        case JobCancelled():
-            return f"cancelled {event.job_id}: {event.reason}"
-        case NodeRegistered():
-            gpus = ",".join(g.type for g in event.gpus)
-            return f"node {event.node_id} registered: {gpus}{' (emulated)' if event.emulated else ''}"
-        case ThroughputEstimate():
-            rates = ", ".join(f"{t}={r:.2f}" for t, r in sorted(event.rates.items()))
-            return f"throughput {event.job_id} ({event.basis}, W={event.workers}): {rates} steps/s"
-        case DeadLetter():
-            return f"DEAD LETTER from {event.topic}[{event.partition}]@{event.offset}: {event.reason}"
-    return None
+def _round_started(e: RoundStarted) -> str:
+    waiting = ", ".join(f"{w.job_id} ({w.code})" for w in e.waiting) or "none"
+    options = "" if e.policy_options == "{}" else f" {e.policy_options}"
+    seed = f" seed {e.seed}" if e.seed else ""
+    return (f"round {e.round} started [{e.policy}{options}{seed}] on {len(e.nodes)} nodes: "
+            f"{e.assignments} assignments, decided in {e.decision_ms:.1f} ms; waiting: {waiting}")
+
+
+def _assignment(e: Assignment) -> str:
+    start = e.start_from or f"seed {e.job.hyper.seed}"
+    span = f", rendezvous {e.rendezvous}" if e.rendezvous else ""
+    return (f"  place {e.job_id} copy {e.copy} on {e.node_id} GPUs {list(e.gpus)} "
+            f"({e.gpu_type}), budget {e.step_budget} steps, from {start}{span}")
+
+
+def _progress(e: Progress) -> str:
+    return (f"  progress {e.job_id} r{e.round} c{e.copy} on {e.node_id}: "
+            f"{e.steps_round} steps this round ({e.steps_total} total), "
+            f"{e.samples_per_s:.0f} samples/s, loss {e.loss:.4f}")
+
+
+def _copy_finished(e: CopyFinished) -> str:
+    why = f" ({e.reason})" if e.reason else ""
+    return (f"  copy {e.job_id} r{e.round} c{e.copy} on {e.node_id} {e.status}: "
+            f"{e.steps_round} steps{why}")
+
+
+def _model_consolidated(e: ModelConsolidated) -> str:
+    used = ", ".join(f"c{c.copy}:{c.steps}" for c in e.copies)
+    rej = f"; rejected {[r.copy for r in e.rejected]}" if e.rejected else ""
+    miss = f"; missing {list(e.missing)}" if e.missing else ""
+    return f"  model {e.job_id} r{e.round}: {e.total_steps} steps total from [{used}]{rej}{miss} -> {e.key}"
+
+
+def _job_completed(e: JobCompleted) -> str:
+    return f"completed {e.job_id}: {e.total_steps} steps, JCT {e.jct_s:.1f} s -> {e.final_key}"
+
+
+def _job_submitted(e: JobSubmitted) -> str:
+    j = e.job
+    return (f"submitted {j.job_id}: {j.model}/{j.dataset} batch {j.batch_size}, W={j.workers}, "
+            f"{j.iterations} iterations, priority {j.priority}")
+
+
+def _job_cancelled(e: JobCancelled) -> str:
+    return f"cancelled {e.job_id}: {e.reason}"
+
+
+def _node_registered(e: NodeRegistered) -> str:
+    gpus = ",".join(g.type for g in e.gpus)
+    return f"node {e.node_id} registered: {gpus}{' (emulated)' if e.emulated else ''}"
+
+
+def _throughput(e: ThroughputEstimate) -> str:
+    rates = ", ".join(f"{t}={r:.2f}" for t, r in sorted(e.rates.items()))
+    return f"throughput {e.job_id} ({e.basis}, W={e.workers}): {rates} steps/s"
+
+
+def _dead_letter(e: DeadLetter) -> str:
+    return f"DEAD LETTER from {e.topic}[{e.partition}]@{e.offset}: {e.reason}"
+
+
+# The timeline reads every topic; heartbeats would drown it.
+_FORMATTERS: HandlerTable[Callable[[Any], str]] = HandlerTable({
+    RoundStarted: _round_started, Assignment: _assignment, Progress: _progress,
+    CopyFinished: _copy_finished, ModelConsolidated: _model_consolidated, JobCompleted: _job_completed,
+    JobSubmitted: _job_submitted, JobCancelled: _job_cancelled, NodeRegistered: _node_registered,
+    ThroughputEstimate: _throughput, DeadLetter: _dead_letter,
+}, topics=ALL_TOPICS, ignore=(NodeHeartbeat,))
+_VERBOSE: frozenset[type[Event]] = frozenset({Progress})  # shown only with --show-progress
+
+
+def describe(event: Event, *, show_progress: bool) -> str | None:
+    """One timeline line for an event (None: not shown: a heartbeat, or Progress unless ``show_progress``)."""
+    formatter = _FORMATTERS.handler_for(event)
+    if formatter is None or (type(event) in _VERBOSE and not show_progress):
+        return None
+    return formatter(event)
 
 
 def timeline(records: Iterable[LogRecord], *, job: str | None, show_progress: bool) -> list[str]:

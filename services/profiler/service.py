@@ -19,9 +19,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -29,9 +29,10 @@ from services.profiler.estimate import catalog_rates, emulated_rates
 from services.profiler.state import DEFAULT_ALPHA, DEFAULT_THRESHOLD, ProfilerState
 from shared.bus import Bus
 from shared.clock import Clock, SystemClock
+from shared.dispatch import HandlerTable
 from shared.events import (
-    DEADLETTER_TOPIC, Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted, Progress,
-    ThroughputEstimate,
+    DEADLETTER_TOPIC, CopyFinished, Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted,
+    ModelConsolidated, Progress, ThroughputEstimate,
 )
 from shared.gpus import GPU_TYPES
 from shared.logging import get_logger
@@ -117,13 +118,16 @@ class ProfilerService:
 
     async def _handle(self, event: Event) -> None:
         self._m_in.labels(type=event.TYPE).inc()
-        if isinstance(event, JobSubmitted):
-            if self.state.add_job(event.job):
-                await self._estimate(event.job)
-        elif isinstance(event, Progress):
-            await self._measure(event)
-        elif isinstance(event, (JobCompleted, JobCancelled)):
-            self.state.forget_job(event.job_id)
+        handler = self.HANDLERS.handler_for(event)
+        if handler is not None:
+            await handler(self, event)
+
+    async def _on_submitted(self, event: JobSubmitted) -> None:
+        if self.state.add_job(event.job):
+            await self._estimate(event.job)
+
+    async def _on_finished(self, event: JobCompleted | JobCancelled) -> None:
+        self.state.forget_job(event.job_id)
 
     async def _estimate(self, spec: JobSpec) -> None:
         log = self._log.bind(job=spec.job_id)
@@ -162,3 +166,8 @@ class ProfilerService:
         await self.bus.emit(event)
         self._m_out.labels(type=event.TYPE).inc()
         self._m_published.labels(basis=event.basis, emulated=str(emulated).lower()).inc()
+
+    HANDLERS: ClassVar[HandlerTable[Callable[[ProfilerService, Any], Awaitable[None]]]] = HandlerTable({
+        JobSubmitted: _on_submitted, Progress: _measure,
+        JobCompleted: _on_finished, JobCancelled: _on_finished,
+    }, topics=INPUT_TOPICS, ignore=(CopyFinished, ModelConsolidated))

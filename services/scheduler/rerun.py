@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from services.scheduler.config import DecisionSettings
 from services.scheduler.policies import PolicyChoice, UnknownPolicy
 from services.scheduler.policy import Plan, Policy, Snapshot
 from services.scheduler.rounds import RoundTiming, build_snapshot, plan_to_events
 from services.scheduler.state import SchedulerState
+from shared.dispatch import HandlerTable
 from shared.events import Assignment, Event, RoundStarted
 from shared.topics import PLACEMENTS
 
@@ -67,6 +69,28 @@ class RoundCheck:
         return self.error is None and self.recorded == self.rederived
 
 
+@dataclass(kw_only=True)
+class _RecordedRounds:
+    """What the placements topic recorded: each round's first RoundStarted, and its Assignments."""
+
+    started: dict[int, RoundStarted] = field(default_factory=dict)
+    assigned: defaultdict[int, list[Assignment]] = field(default_factory=lambda: defaultdict(list))
+
+    def add(self, event: Event) -> None:
+        handler = self.HANDLERS.handler_for(event)
+        if handler is not None:
+            handler(self, event)
+
+    def _on_round_started(self, event: RoundStarted) -> None:
+        self.started.setdefault(event.round, event)
+
+    def _on_assignment(self, event: Assignment) -> None:
+        self.assigned[event.round].append(event)
+
+    HANDLERS: ClassVar[HandlerTable[Callable[[_RecordedRounds, Any], None]]] = HandlerTable(
+        {RoundStarted: _on_round_started, Assignment: _on_assignment}, topics=(PLACEMENTS,))
+
+
 def assignment_decision(assignments: Iterable[Assignment]) -> tuple:
     """What a round decided, as comparable data: sorted (job, copy, node, gpus)."""
     return tuple(sorted((a.job_id, a.copy, a.node_id, tuple(a.gpus)) for a in assignments))
@@ -81,14 +105,11 @@ def rerun(log: Iterable[LoggedEvent], *, state: SchedulerState | None = None,
     """
     state = state if state is not None else SchedulerState()
     inputs: dict[str, list[LoggedEvent]] = defaultdict(list)
-    started: dict[int, RoundStarted] = {}
-    assigned: dict[int, list[Assignment]] = defaultdict(list)
+    recorded = _RecordedRounds()
+    started, assigned = recorded.started, recorded.assigned
     for item in log:
         if item.topic == PLACEMENTS:
-            if isinstance(item.event, RoundStarted):
-                started.setdefault(item.event.round, item.event)
-            elif isinstance(item.event, Assignment):
-                assigned[item.event.round].append(item.event)
+            recorded.add(item.event)
         else:
             inputs[f"{item.topic}:{item.partition}"].append(item)
     for records in inputs.values():

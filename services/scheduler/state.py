@@ -8,13 +8,20 @@ reads a clock: times come from the events themselves.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
+from shared.dispatch import HandlerTable
 from shared.events import (
     Assignment, CopyFinished, Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted,
     ModelConsolidated, NodeHeartbeat, NodeRegistered, Progress, RoundStarted, ThroughputEstimate,
 )
+from shared.topics import JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
+
+# What ``apply`` folds: the scheduler service's INPUT_TOPICS plus its own placements, which
+# it reads back on restart (tests check this matches the service).
+FOLDED_TOPICS: tuple[str, ...] = (JOBS, NODES, THROUGHPUT, PROGRESS, MODELS, PLACEMENTS)
 
 
 @dataclass(kw_only=True)
@@ -78,14 +85,18 @@ class SchedulerState:
     # ------------------------------------------------------------------ fold
 
     def apply(self, event: Event) -> bool:
-        """Fold one event in; False when it was already applied (duplicate id)."""
+        """Fold one event in; False when it was already applied (duplicate id).
+
+        Dispatch is by ``HANDLERS``; an event of a type that cannot arrive on
+        ``FOLDED_TOPICS`` (e.g. a DeadLetter in a whole-log replay) is counted but changes nothing.
+        """
         if event.id in self._seen:
             return False
         self._seen.add(event.id)
         self.events_applied += 1
-        handler = getattr(self, f"_on_{type(event).__name__}", None)
+        handler = self.HANDLERS.handler_for(event)
         if handler is not None:
-            handler(event)
+            handler(self, event)
         return True
 
     def _on_JobSubmitted(self, e: JobSubmitted) -> None:
@@ -161,6 +172,15 @@ class SchedulerState:
             job.completed_at = e.completed_at
             job.final_key = e.final_key
             job.steps_done = max(job.steps_done, e.total_steps)
+
+    HANDLERS: ClassVar[HandlerTable[Callable[[SchedulerState, Any], None]]] = HandlerTable({
+        JobSubmitted: _on_JobSubmitted, JobCancelled: _on_JobCancelled,
+        NodeRegistered: _on_NodeRegistered, NodeHeartbeat: _on_NodeHeartbeat,
+        ThroughputEstimate: _on_ThroughputEstimate,
+        RoundStarted: _on_RoundStarted, Assignment: _on_Assignment,
+        Progress: _on_Progress, CopyFinished: _on_CopyFinished,
+        ModelConsolidated: _on_ModelConsolidated, JobCompleted: _on_JobCompleted,
+    }, topics=FOLDED_TOPICS)
 
     # ------------------------------------------------------------------ queries
 

@@ -27,14 +27,21 @@ Guarantees:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
+from shared.dispatch import HandlerTable
 from shared.events import (
     Assignment, CopyFinished, Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted,
     ModelConsolidated, Progress, RoundStarted,
 )
+from shared.topics import JOBS, MODELS, PLACEMENTS, PROGRESS
 
-__all__ = ["FinishedCopy", "RoundWork", "CompletionWork", "TrackerState"]
+__all__ = ["FinishedCopy", "RoundWork", "CompletionWork", "TrackerState", "FOLDED_TOPICS"]
+
+# What ``apply`` folds: the tracker service's INPUT_TOPICS (tests check they match).
+FOLDED_TOPICS: tuple[str, ...] = (MODELS, JOBS, PLACEMENTS, PROGRESS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,9 +128,9 @@ class TrackerState:
     # ------------------------------------------------------------------ events
 
     def apply(self, event: Event) -> bool:
-        """Fold one event in; True if it changed the state."""
-        handler = getattr(self, f"_on_{event.TYPE}", None)
-        return bool(handler(event)) if handler is not None else False
+        """Fold one event in; True if it changed the state (dispatch by ``HANDLERS``)."""
+        handler = self.HANDLERS.handler_for(event)
+        return handler(self, event) if handler is not None else False
 
     def _job(self, job_id: str, ts: float) -> _Job:
         job = self._jobs.setdefault(job_id, _Job())
@@ -196,6 +203,13 @@ class TrackerState:
             return False
         job.completed = e
         return True
+
+    HANDLERS: ClassVar[HandlerTable[Callable[[TrackerState, Any], bool]]] = HandlerTable({
+        JobSubmitted: _on_JobSubmitted, JobCancelled: _on_JobCancelled,
+        RoundStarted: _on_RoundStarted, Assignment: _on_Assignment,
+        Progress: _on_Progress, CopyFinished: _on_CopyFinished,
+        ModelConsolidated: _on_ModelConsolidated, JobCompleted: _on_JobCompleted,
+    }, topics=FOLDED_TOPICS)
 
     # ------------------------------------------------------------------ decisions
 
