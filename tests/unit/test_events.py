@@ -8,6 +8,7 @@ that tie fields together get those fields drawn jointly.
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from typing import Any, Literal
@@ -52,6 +53,11 @@ FIELDS: dict[tuple[str, str], st.SearchStrategy[Any]] = {
     ("*", "round"): non_negative,
     ("*", "copy"): non_negative,
     ("*", "steps_round"): non_negative,
+    ("RoundStarted", "policy_options"): st.dictionaries(text(1, 8), st.integers() | text(0, 8), max_size=3).map(
+        lambda d: json.dumps(d, sort_keys=True, separators=(",", ":"))),
+    ("RoundStarted", "seed"): non_negative,
+    ("RoundStarted", "round_s"): floats(0),
+    ("RoundStarted", "heartbeat_s"): floats(0),
     ("Hyperparameters", "lr"): floats(0, 10, exclude_lo=True),
     ("Hyperparameters", "seed"): st.integers(0, 2**32 - 1),
     ("JobSpec", "user"): text(1, 64),
