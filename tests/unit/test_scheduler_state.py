@@ -137,3 +137,61 @@ def test_step_budget_is_split_across_copies_by_rate():
     budgets = {e.copy: e.step_budget for e in plan_to_events(plan, snap, state, timing, choice=YARN, seed=0,
                                                              source="s", inputs={}, decision_ms=0) if isinstance(e, Assignment)}
     assert budgets == {0: 75, 1: 25}
+
+
+# ---------------------------------------------------------------- bounded state (issue 12)
+
+
+def _round(state: SchedulerState, r: int, *, nodes=("n1", "n2"), jobs=("a",)) -> None:
+    ts = T0 + 10 * r
+    state.apply(RoundStarted(ts=ts, source="s", round=r, policy="x", started_at=ts, ends_at=ts + 10, nodes=nodes))
+    for job_id in jobs:
+        state.apply(Assignment(ts=ts, source="s", round=r, job=state.jobs[job_id].spec, copy=0, node_id="n1",
+                               gpus=(0,), gpu_type="v100", world_size=1, ranks=(0,), step_budget=10,
+                               deadline=ts + 10))
+
+
+def test_dedupe_remembers_a_bounded_window_of_ids():
+    state = SchedulerState(seen_window=100)
+    state.apply(node("n1", "t4"))
+    for i in range(1_000):
+        state.apply(NodeHeartbeat(ts=T0 + i, source="agent", node_id="n1", seq=i))
+    assert state.remembered_ids <= 100 and state.events_applied == 1_001
+
+
+def test_old_rounds_are_pruned_and_utilization_still_counts_them():
+    full, pruned = SchedulerState(rounds_kept=1_000), SchedulerState(rounds_kept=4)
+    for state in (full, pruned):
+        state.apply(node("n1", "v100", "v100"))
+        state.apply(node("n2", "t4"))
+        state.apply(JobSubmitted(ts=T0, source="cli", job=spec("a"), submitted_at=T0))
+        for r in range(50):
+            _round(state, r)
+    assert len(pruned.rounds) <= 5 and len(full.rounds) == 50
+    assert pruned.allocation_utilization() == full.allocation_utilization() == 1 / 3
+    assert pruned.jobs["a"].rounds_run == full.jobs["a"].rounds_run == 50
+    assert pruned.jobs["a"].attained_gpu_s == full.jobs["a"].attained_gpu_s
+
+
+def test_a_redelivered_assignment_is_not_counted_twice_even_past_the_id_window():
+    state = SchedulerState(seen_window=2, rounds_kept=3)
+    state.apply(node("n1", "v100"))
+    state.apply(JobSubmitted(ts=T0, source="cli", job=spec("a"), submitted_at=T0))
+    _round(state, 0)
+    first = state.rounds[0].assignments[0]
+    for i in range(5):
+        state.apply(NodeHeartbeat(ts=T0 + i, source="agent", node_id="n1", seq=i))   # push it out of the window
+    for r in range(1, 10):
+        _round(state, r)
+    before = (state.jobs["a"].attained_gpu_s, state.jobs["a"].rounds_run, state.jobs["a"].last_round)
+    state.apply(first)
+    assert (state.jobs["a"].attained_gpu_s, state.jobs["a"].rounds_run, state.jobs["a"].last_round) == before
+
+
+def test_finished_jobs_drop_their_rates_and_live_progress():
+    state = _state_with_cluster()
+    state.apply(Progress(ts=T0 + 1, source="agent", job_id="a", round=0, copy=0, node_id="n1", gpu_type="t4",
+                         workers=3, steps_round=30, steps_total=30, samples_per_s=10, loss=1.0))
+    state.apply(JobCancelled(ts=T0 + 2, source="cli", job_id="a"))
+    assert not any(key[0] == "a" for key in state.rates) and state.jobs["a"].live_steps == {}
+    assert state.jobs["a"].state == "cancelled"
