@@ -8,6 +8,7 @@ reads a clock: times come from the events themselves.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -71,8 +72,19 @@ class RoundRecord:
     assignments: list[Assignment] = field(default_factory=list)
 
 
+SEEN_WINDOW = 65_536   # event ids remembered for dedupe (~8 MB): far more than one commit interval
+ROUNDS_KEPT = 64       # rounds kept in memory; older ones live on in the log only
+
+
 class SchedulerState:
-    def __init__(self) -> None:
+    """Memory stays bounded however long the log: dedupe remembers the last
+    ``seen_window`` event ids, only the last ``rounds_kept`` rounds are kept (older ones
+    are folded into running utilization totals), and a finished job keeps its record but
+    drops its rates and unconsolidated progress. Folds that a redelivery could double
+    (Assignments) are also idempotent by content, so a duplicate older than the id window
+    changes nothing either."""
+
+    def __init__(self, *, seen_window: int = SEEN_WINDOW, rounds_kept: int = ROUNDS_KEPT) -> None:
         self.jobs: dict[str, JobRecord] = {}
         self.nodes: dict[str, NodeRecord] = {}
         # (job_id, gpu_type, workers) -> (basis, steps/s); a measured value is never replaced by an estimate
@@ -80,7 +92,15 @@ class SchedulerState:
         self.rounds: dict[int, RoundRecord] = {}
         self.last_round: int = -1
         self.events_applied = 0
+        self._seen_window = seen_window
+        self._rounds_kept = rounds_kept
         self._seen: set[str] = set()
+        self._seen_order: deque[str] = deque()
+        self._pruned_gpu_s = (0.0, 0.0)   # (offered, assigned) GPU-seconds of rounds no longer kept
+
+    @property
+    def remembered_ids(self) -> int:
+        return len(self._seen)
 
     # ------------------------------------------------------------------ fold
 
@@ -93,6 +113,9 @@ class SchedulerState:
         if event.id in self._seen:
             return False
         self._seen.add(event.id)
+        self._seen_order.append(event.id)
+        if len(self._seen_order) > self._seen_window:
+            self._seen.discard(self._seen_order.popleft())
         self.events_applied += 1
         handler = self.HANDLERS.handler_for(event)
         if handler is not None:
@@ -107,6 +130,12 @@ class SchedulerState:
         job = self.jobs.get(e.job_id)
         if job is not None and job.completed_at is None:
             job.cancelled = True
+            self._finished(job)
+
+    def _finished(self, job: JobRecord) -> None:
+        job.live_steps = {}
+        for key in [k for k in self.rates if k[0] == job.spec.job_id]:
+            del self.rates[key]
 
     def _on_NodeRegistered(self, e: NodeRegistered) -> None:
         self.nodes[e.node_id] = NodeRecord(registered=e, last_seen=e.ts)
@@ -125,16 +154,22 @@ class SchedulerState:
             self.rates[key] = (e.basis, rate)
 
     def _on_RoundStarted(self, e: RoundStarted) -> None:
+        if e.round <= self.last_round - self._rounds_kept:
+            return   # older than every round kept: already counted, or too late to matter
         self.rounds.setdefault(e.round, RoundRecord(started=e))
         self.last_round = max(self.last_round, e.round)
+        for old in [r for r in self.rounds if r <= self.last_round - self._rounds_kept]:
+            offered, assigned = self._round_gpu_s(self.rounds.pop(old))
+            self._pruned_gpu_s = (self._pruned_gpu_s[0] + offered, self._pruned_gpu_s[1] + assigned)
 
     def _on_Assignment(self, e: Assignment) -> None:
         record = self.rounds.get(e.round)
-        if record is not None:
-            record.assignments.append(e)
-            seconds = max(0.0, record.started.ends_at - record.started.started_at)
-        else:
-            seconds = 0.0
+        if record is None:
+            return   # its round is not kept (pruned, or never seen): nothing current depends on it
+        if any((a.job_id, a.copy, a.node_id) == (e.job_id, e.copy, e.node_id) for a in record.assignments):
+            return   # a redelivery under another id, or one older than the id window
+        record.assignments.append(e)
+        seconds = max(0.0, record.started.ends_at - record.started.started_at)
         job = self.jobs.get(e.job_id)
         if job is None:
             return
@@ -172,6 +207,7 @@ class SchedulerState:
             job.completed_at = e.completed_at
             job.final_key = e.final_key
             job.steps_done = max(job.steps_done, e.total_steps)
+            self._finished(job)
 
     HANDLERS: ClassVar[HandlerTable[Callable[[SchedulerState, Any], None]]] = HandlerTable({
         JobSubmitted: _on_JobSubmitted, JobCancelled: _on_JobCancelled,
@@ -195,18 +231,21 @@ class SchedulerState:
                       key=lambda n: n.registered.node_id)
 
     def allocation_utilization(self) -> float | None:
-        """GPU-seconds assigned / GPU-seconds offered, over the recorded rounds.
+        """GPU-seconds assigned / GPU-seconds offered, over every round folded.
 
         Offered: every GPU of the round's live nodes for the round's length; assigned: every
         GPU of every Assignment for the same length. None before the first round.
         """
-        offered = assigned = 0.0
+        offered, assigned = self._pruned_gpu_s
         for record in self.rounds.values():
-            seconds = max(0.0, record.started.ends_at - record.started.started_at)
-            offered += seconds * sum(len(self.nodes[n].registered.gpus) for n in record.started.nodes
-                                     if n in self.nodes)
-            assigned += seconds * sum(len(a.gpus) for a in record.assignments)
+            o, a = self._round_gpu_s(record)
+            offered, assigned = offered + o, assigned + a
         return assigned / offered if offered > 0 else None
+
+    def _round_gpu_s(self, record: RoundRecord) -> tuple[float, float]:
+        seconds = max(0.0, record.started.ends_at - record.started.started_at)
+        offered = seconds * sum(len(self.nodes[n].registered.gpus) for n in record.started.nodes if n in self.nodes)
+        return offered, seconds * sum(len(a.gpus) for a in record.assignments)
 
     def awaiting_consolidation(self, round_: int) -> list[str]:
         """Active jobs that ran in ``round_`` and whose model for it has not been announced."""
