@@ -70,6 +70,7 @@ class NodeRecord:
 class RoundRecord:
     started: RoundStarted
     assignments: list[Assignment] = field(default_factory=list)
+    placed: set[tuple[str, int, str]] = field(default_factory=set)   # (job, copy, node) of ``assignments``
 
 
 SEEN_WINDOW = 65_536   # event ids remembered for dedupe (~8 MB): far more than one commit interval
@@ -166,8 +167,10 @@ class SchedulerState:
         record = self.rounds.get(e.round)
         if record is None:
             return   # its round is not kept (pruned, or never seen): nothing current depends on it
-        if any((a.job_id, a.copy, a.node_id) == (e.job_id, e.copy, e.node_id) for a in record.assignments):
+        key = (e.job_id, e.copy, e.node_id)
+        if key in record.placed:
             return   # a redelivery under another id, or one older than the id window
+        record.placed.add(key)
         record.assignments.append(e)
         seconds = max(0.0, record.started.ends_at - record.started.started_at)
         job = self.jobs.get(e.job_id)
