@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from services.profiler.estimate import catalog_rates, emulated_rates
 from services.profiler.state import DEFAULT_ALPHA, DEFAULT_THRESHOLD, ProfilerState
-from shared.bus import Bus
+from shared.bus import Bus, BusError, Delivery
 from shared.clock import Clock, SystemClock
 from shared.dispatch import HandlerTable
 from shared.events import (
@@ -36,6 +36,7 @@ from shared.events import (
 )
 from shared.gpus import GPU_TYPES
 from shared.logging import get_logger
+from shared.rejection import dead_letter_delivery
 
 __all__ = ["ProfilerConfig", "ProfilerService", "Estimator"]
 
@@ -76,6 +77,8 @@ class ProfilerService:
         self._m_progress = Counter("profiler_progress_total", "Progress events folded", ["emulated"], registry=r)
         self._m_in = Counter("profiler_events_in_total", "Events consumed", ["type"], registry=r)
         self._m_out = Counter("profiler_events_out_total", "Events published", ["type"], registry=r)
+        self._m_rejected = Counter("profiler_events_rejected_total", "Events dead-lettered by the profiler",
+                                   registry=r)
         self._m_dead = Counter("profiler_dead_letters_seen_total", "Dead letters seen", registry=r)
 
     async def start(self) -> None:
@@ -109,12 +112,29 @@ class ProfilerService:
                     if delivery.topic == DEADLETTER_TOPIC:
                         self._m_dead.inc()
                     else:
-                        await self._handle(delivery.event)
+                        await self._handle_safely(delivery)
                     await delivery.ack()
                 finally:
                     self._busy = False
                 if self._stopping:
                     break
+
+    async def _handle_safely(self, delivery: Delivery) -> None:
+        """Handle one event; a failure dead-letters it (with the reason) instead of ending the loop.
+
+        A bus error while publishing what the event caused is not the event's fault: it is
+        raised, the delivery stays un-acked and comes again."""
+        try:
+            await self._handle(delivery.event)
+        except BusError:
+            raise
+        except Exception as exc:
+            reason = f"profiler: {type(exc).__name__}: {exc}"
+            self._m_rejected.inc()
+            self._log.error("event.rejected", topic=delivery.topic, offset=delivery.offset,
+                            event_type=delivery.event.TYPE, job=getattr(delivery.event, "job_id", None),
+                            reason=reason[:300])
+            await dead_letter_delivery(self.bus, delivery, reason, ts=self.clock.time(), source=self.config.source)
 
     async def _handle(self, event: Event) -> None:
         self._m_in.labels(type=event.TYPE).inc()

@@ -8,6 +8,9 @@ Pure: Progress events in, "publish this rate" decisions out; no I/O, no clock.
   is known and the rate is positive (a copy's steps are whole-job steps of its
   ``workers`` GPUs, as in ThroughputEstimate). An event that is not newer than the last
   one seen for its copy (a repeat, or out of order) gives no sample.
+* A sample is kept only if it is finite and at most ``MAX_RATE``, from reports at least
+  ``MIN_INTERVAL_S`` apart: timestamps a denormal apart or a forged ``samples_per_s``
+  must not turn into an infinite or absurd rate that the scheduler would plan with.
 * Each key ``(job, gpu_type, workers)`` keeps an EWMA: ``v <- alpha * x + (1 - alpha) * v``,
   starting at the first sample.
 * A rate is to be published when the key has none published yet, or the EWMA differs from
@@ -16,14 +19,18 @@ Pure: Progress events in, "publish this rate" decisions out; no I/O, no clock.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from shared.events import JobSpec, Progress, ThroughputEstimate
 
-__all__ = ["MeasuredUpdate", "ProfilerState", "RateKey", "DEFAULT_ALPHA", "DEFAULT_THRESHOLD"]
+__all__ = ["MeasuredUpdate", "ProfilerState", "RateKey", "DEFAULT_ALPHA", "DEFAULT_THRESHOLD",
+           "MAX_RATE", "MIN_INTERVAL_S"]
 
 DEFAULT_ALPHA = 0.3
 DEFAULT_THRESHOLD = 0.05
+MAX_RATE = 1e6          # steps/s: three orders above the fastest job the zoo can build on an H100
+MIN_INTERVAL_S = 1e-3   # reports closer than this give no sample
 
 RateKey = tuple[str, str, int]  # (job_id, gpu_type, workers)
 
@@ -112,12 +119,17 @@ class ProfilerState:
         self._last[copy_key] = _Last(ts=p.ts, steps=p.steps_round)
         for stale in [k for k in self._last if k[0] == p.job_id and k[1] < p.round]:
             del self._last[stale]
+        sample = None
         if last is not None and p.steps_round >= last.steps:
-            return (p.steps_round - last.steps) / (p.ts - last.ts)
-        spec = self._specs.get(p.job_id)
-        if last is None and spec is not None and p.samples_per_s > 0:
-            return p.samples_per_s / spec.batch_size
-        return None
+            if p.ts - last.ts >= MIN_INTERVAL_S:
+                sample = (p.steps_round - last.steps) / (p.ts - last.ts)
+        else:
+            spec = self._specs.get(p.job_id)
+            if last is None and spec is not None and p.samples_per_s > 0:
+                sample = p.samples_per_s / spec.batch_size
+        if sample is None or not (math.isfinite(sample) and sample <= MAX_RATE):
+            return None
+        return sample
 
     def rate(self, job_id: str, gpu_type: str, workers: int) -> float | None:
         """The current smoothed rate of a key, if measured."""

@@ -5,6 +5,7 @@ ending the consumer."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 
@@ -62,14 +63,14 @@ async def test_a_handler_error_dead_letters_the_event_and_the_consumer_goes_on()
     service = ProfilerService(bus=bus, config=ProfilerConfig(group="prof"), clock=FakeClock(T0), estimator=estimator)
     await service.start()
     try:
-        bad = JobSubmitted(ts=T0, source="cli", job=JobSpec(**{**SPEC.__dict__, "job_id": "bad"}), submitted_at=T0)
+        bad = JobSubmitted(ts=T0, source="cli", job=dataclasses.replace(SPEC, job_id="bad"), submitted_at=T0)
         await bus.emit(bad)
         await bus.emit(progress(0.0, 0))
         await bus.emit(progress(5e-324, 100))
         await bus.emit(JobSubmitted(ts=T0, source="cli", job=SPEC, submitted_at=T0))
 
         async def estimated() -> bool:
-            return any(d.event.job_id == "j1" async for d in bus.read(THROUGHPUT))
+            return any([d.event.job_id == "j1" async for d in bus.read(THROUGHPUT)])
         await _until(estimated)
         assert service.health()["ok"]
         letters = [d.event async for d in bus.read(DEADLETTER)]
