@@ -38,10 +38,11 @@ from services.agent.spec import StoreTarget
 from shared.bus import Bus, Delivery, Subscription
 from shared.clock import Clock, SystemClock
 from shared.events import Assignment, Event, JobCancelled, NodeHeartbeat, NodeRegistered, RoundStarted
+from shared.topics import JOBS, PLACEMENTS
 
 __all__ = ["AgentConfig", "AgentDaemon"]
 
-TOPICS = ("hadar.placements", "hadar.jobs")
+TOPICS = (PLACEMENTS, JOBS)
 SEEN_LIMIT = 4096
 
 

@@ -18,6 +18,7 @@ from shared.clock import SystemClock
 from shared.events import JobCancelled, JobSpec, JobSubmitted, RoundStarted
 from shared.jobfile import FIELDS, JobFileError, load_job_file, parse_job
 from shared.store import ObjectNotFound
+from shared.topics import JOBS, MODELS, PLACEMENTS, PROGRESS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -199,7 +200,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
         clock = SystemClock()
         samples: list[tuple[float, int]] = []
         try:
-            async with bus.subscribe(["hadar.jobs", "hadar.placements", "hadar.progress", "hadar.models"],
+            async with bus.subscribe([JOBS, PLACEMENTS, PROGRESS, MODELS],
                                      f"hadar-watch-{uuid.uuid4().hex[:12]}") as sub:
                 async for delivery in sub:
                     state.apply(delivery.event)

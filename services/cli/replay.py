@@ -19,9 +19,10 @@ from services.scheduler.policies import UnknownPolicy, make_policy
 from services.scheduler.rerun import LoggedEvent, rerun
 from shared.eventlog import EventLogError, LogRecord, read_log
 from shared.events import (
-    ALL_TOPICS, Assignment, CopyFinished, DeadLetter, JobCancelled, JobCompleted, JobSubmitted,
-    ModelConsolidated, NodeRegistered, Progress, RoundStarted, ThroughputEstimate,
+    Assignment, CopyFinished, DeadLetter, JobCancelled, JobCompleted, JobSubmitted, ModelConsolidated,
+    NodeRegistered, Progress, RoundStarted, ThroughputEstimate,
 )
+from shared.topics import ALL_TOPICS
 
 
 def register(sub: argparse._SubParsersAction) -> None:

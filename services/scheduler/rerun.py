@@ -20,8 +20,7 @@ from services.scheduler.policy import Plan, Policy, Snapshot
 from services.scheduler.rounds import RoundTiming, build_snapshot, plan_to_events
 from services.scheduler.state import SchedulerState
 from shared.events import Assignment, Event, RoundStarted
-
-PLACEMENTS = "hadar.placements"
+from shared.topics import PLACEMENTS
 
 
 @dataclass(frozen=True, kw_only=True)

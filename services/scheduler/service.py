@@ -28,15 +28,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.scheduler.policies import make_policy
 from services.scheduler.policy import Plan
-from services.scheduler.rerun import PLACEMENTS, LoggedEvent, rerun
+from services.scheduler.rerun import LoggedEvent, rerun
 from services.scheduler.rounds import RoundTiming, build_snapshot, plan_to_events
 from services.scheduler.state import SchedulerState
 from shared.bus import Bus
 from shared.clock import Clock, SystemClock
-from shared.events import ALL_TOPICS, Assignment, DEADLETTER_TOPIC
+from shared.events import Assignment
 from shared.logging import get_logger
+from shared.topics import ALL_TOPICS, DEADLETTER, JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
 
-INPUT_TOPICS = ("hadar.jobs", "hadar.nodes", "hadar.throughput", "hadar.progress", "hadar.models")
+INPUT_TOPICS = (JOBS, NODES, THROUGHPUT, PROGRESS, MODELS)
 
 
 class SchedulerService:
@@ -115,20 +116,20 @@ class SchedulerService:
             differing = [c.round for c in checks if not c.matches]
             self._log.info("scheduler.recovered", rounds=len(checks), next_round=self.next_round,
                            differing_rounds=differing[:10])
-        async for _ in self.bus.read(DEADLETTER_TOPIC):
+        async for _ in self.bus.read(DEADLETTER):
             self._m_dead.inc()
 
     # ------------------------------------------------------------------ consuming
 
     async def _consume(self) -> None:
-        async with self.bus.subscribe(list(INPUT_TOPICS) + [DEADLETTER_TOPIC], self.group) as sub:
+        async with self.bus.subscribe(list(INPUT_TOPICS) + [DEADLETTER], self.group) as sub:
             async for delivery in sub:
-                if delivery.topic == DEADLETTER_TOPIC:
+                if delivery.topic == DEADLETTER:
                     self._m_dead.inc()
                 elif self.state.apply(delivery.event):
                     self._m_in.labels(type=delivery.event.TYPE).inc()
                 tp = f"{delivery.topic}:{delivery.partition}"
-                if delivery.topic != DEADLETTER_TOPIC:
+                if delivery.topic != DEADLETTER:
                     self._folded[tp] = max(self._folded.get(tp, 0), delivery.offset + 1)
                 await delivery.ack()
                 self._changed.set()

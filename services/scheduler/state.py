@@ -15,6 +15,7 @@ from shared.events import (
     Assignment, CopyFinished, Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted,
     ModelConsolidated, NodeHeartbeat, NodeRegistered, Progress, RoundStarted, ThroughputEstimate,
 )
+from shared.topics import DEADLETTER, PLACEMENTS
 
 
 @dataclass(kw_only=True)
@@ -207,9 +208,9 @@ def fold_log(items: Iterable[tuple[str, Event]]) -> SchedulerState:
     state = SchedulerState()
     placements = []
     for topic, event in items:
-        if topic == "hadar.placements":
+        if topic == PLACEMENTS:
             placements.append(event)
-        elif topic != "hadar.deadletter":
+        elif topic != DEADLETTER:
             state.apply(event)
     placements.sort(key=lambda e: (e.round, not isinstance(e, RoundStarted)))
     for event in placements:

@@ -42,16 +42,15 @@ from services.tracker.state import CompletionWork, RoundWork, TrackerState
 from services.tracker.store_reader import StoreRangeReader
 from shared.bus import Bus
 from shared.clock import Clock, SystemClock
-from shared.events import (
-    DEADLETTER_TOPIC, CopyWeight, Event, JobCompleted, ModelConsolidated, Rejection,
-)
+from shared.events import CopyWeight, Event, JobCompleted, ModelConsolidated, Rejection
 from shared.logging import get_logger
 from shared.store import InvalidKey, ObjectNotFound, ObjectStore
+from shared.topics import DEADLETTER, JOBS, MODELS, PLACEMENTS, PROGRESS
 
 __all__ = ["TrackerConfig", "TrackerService", "INPUT_TOPICS", "model_key", "final_key"]
 
 # hadar.models first: rounds already decided then ignore late progress of those rounds.
-INPUT_TOPICS: tuple[str, ...] = ("hadar.models", "hadar.jobs", "hadar.placements", "hadar.progress")
+INPUT_TOPICS: tuple[str, ...] = (MODELS, JOBS, PLACEMENTS, PROGRESS)
 MAX_RETRY_S = 60.0
 
 
@@ -124,7 +123,7 @@ class TrackerService:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        await self.bus.ensure_topics((*INPUT_TOPICS, DEADLETTER_TOPIC))
+        await self.bus.ensure_topics((*INPUT_TOPICS, DEADLETTER))
         for topic in INPUT_TOPICS:
             async for delivery in self.bus.read(topic):
                 self.state.apply(delivery.event)
@@ -152,9 +151,9 @@ class TrackerService:
     # ------------------------------------------------------------------ consuming
 
     async def _consume(self) -> None:
-        async with self.bus.subscribe((*INPUT_TOPICS, DEADLETTER_TOPIC), self.config.group) as sub:
+        async with self.bus.subscribe((*INPUT_TOPICS, DEADLETTER), self.config.group) as sub:
             async for delivery in sub:
-                if delivery.topic == DEADLETTER_TOPIC:
+                if delivery.topic == DEADLETTER:
                     self._m_dead.inc()
                 else:
                     self._m_in.labels(type=delivery.event.TYPE).inc()

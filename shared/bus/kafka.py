@@ -26,7 +26,8 @@ from shared.bus.base import (
 )
 from shared.bus.kafka_group import KafkaSubscription
 from shared.clock import Clock, SystemClock
-from shared.events import ALL_TOPICS, Event, InvalidEvent, decode, encode
+from shared.events import Event, InvalidEvent, decode, encode
+from shared.topics import ALL_TOPICS
 
 if TYPE_CHECKING:
     from aiokafka.structs import ConsumerRecord

@@ -26,9 +26,10 @@ from safetensors.numpy import load_file
 from services.scheduler.state import fold_log
 from shared.bus import KafkaBus
 from shared.config import S3Settings
-from shared.events import ALL_TOPICS, JobCompleted, ModelConsolidated
+from shared.events import JobCompleted, ModelConsolidated
 from shared.infra import InfraError, InfraPaths, ensure_kafka, stop_server
 from shared.store import MinioStore
+from shared.topics import ALL_TOPICS
 
 pytestmark = [pytest.mark.kafka, pytest.mark.s3, pytest.mark.slow]
 

@@ -31,6 +31,7 @@ from shared.events import (
     Progress, RoundStarted,
 )
 from shared.store import LocalStore, MinioStore
+from shared.topics import NODES, PROGRESS
 from shared.zoo import build_model, evaluate, load_dataset, loss_function, make_optimizer
 
 @pytest.fixture(autouse=True)
@@ -63,7 +64,7 @@ class Watcher:
 
     def __init__(self, bus: Bus) -> None:
         self.events: list[Event] = []
-        self._sub = bus.subscribe(["hadar.progress", "hadar.nodes"], f"watch-{uuid.uuid4().hex[:8]}")
+        self._sub = bus.subscribe([PROGRESS, NODES], f"watch-{uuid.uuid4().hex[:8]}")
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:

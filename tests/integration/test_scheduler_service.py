@@ -11,6 +11,7 @@ from shared.events import (
     Assignment, CopyWeight, GpuInfo, JobCancelled, JobSpec, JobSubmitted, ModelConsolidated,
     NodeRegistered, RoundStarted, ThroughputEstimate,
 )
+from shared.topics import PLACEMENTS
 
 
 async def _seed(bus: MemoryBus, clock: FakeClock) -> None:
@@ -27,7 +28,7 @@ async def _seed(bus: MemoryBus, clock: FakeClock) -> None:
 
 
 async def _placements(bus: MemoryBus) -> list:
-    return [d.event async for d in bus.read("hadar.placements")]
+    return [d.event async for d in bus.read(PLACEMENTS)]
 
 
 async def _settle(predicate) -> None:

@@ -28,6 +28,7 @@ from shared.events import (
     Assignment, CopyFinished, Event, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated, RoundStarted,
 )
 from shared.store import LocalStore, MinioStore, ObjectStore
+from shared.topics import MODELS
 
 T0 = 1_700_000_000.0
 
@@ -65,7 +66,7 @@ async def finish(bus: Bus, store: ObjectStore, job_id: str, round_: int, copy: i
 
 
 async def models_events(bus: Bus, job_id: str) -> list[Event]:
-    return [d.event for d in [x async for x in bus.read("hadar.models")]
+    return [d.event for d in [x async for x in bus.read(MODELS)]
             if getattr(d.event, "job_id", None) == job_id]
 
 

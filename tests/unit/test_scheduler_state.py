@@ -9,6 +9,7 @@ from shared.events import (
     Assignment, GpuInfo, JobCancelled, JobSpec, JobSubmitted, ModelConsolidated, NodeHeartbeat,
     NodeRegistered, Progress, RoundStarted, ThroughputEstimate, CopyWeight,
 )
+from shared.topics import JOBS
 
 T0 = 1_700_000_000.0
 
@@ -98,10 +99,10 @@ def test_plan_to_events_spanning_copy_gets_ranks_and_rendezvous():
                             Placement(job_id="a", copy=0, node_id="n2", gpus=(0,))),
                 waiting=(Wait(job_id="b", code=WaitCode.CAPACITY, detail="no free GPU"),))
     events = plan_to_events(plan, snap, state, timing, policy="hadar", source="scheduler",
-                            inputs={"hadar.jobs:0": 2}, decision_ms=1.5)
+                            inputs={f"{JOBS}:0": 2}, decision_ms=1.5)
     started, *assignments = events
     assert isinstance(started, RoundStarted) and started.round == 4 and started.assignments == 2
-    assert [w.job_id for w in started.waiting] == ["b"] and started.inputs == {"hadar.jobs:0": 2}
+    assert [w.job_id for w in started.waiting] == ["b"] and started.inputs == {f"{JOBS}:0": 2}
     assert all(isinstance(a, Assignment) for a in assignments)
     a1, a2 = assignments
     assert (a1.node_id, a1.ranks, a2.node_id, a2.ranks) == ("n1", (0, 1), "n2", (2,))
