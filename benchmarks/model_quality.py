@@ -53,10 +53,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from services.agent.checkpoint import read_checkpoint, restore  # noqa: E402
-from services.agent.spec import StoreTarget, WorkerSpec, checkpoint_key, parse_worker_line  # noqa: E402
+from services.agent.spec import StoreTarget, WorkerSpec, parse_worker_line  # noqa: E402
 from services.agent.worker import Worker  # noqa: E402
 from services.tracker.consolidate import Replica, plan_consolidation, write_consolidated  # noqa: E402
 from services.tracker.store_reader import StoreRangeReader  # noqa: E402
+from shared.layout import checkpoint_key, model_key  # noqa: E402
 from shared.store import LocalStore  # noqa: E402
 from shared.zoo import build_model, evaluate, load_dataset  # noqa: E402
 
@@ -96,10 +97,6 @@ class Arm:
 
     def steps_per_copy_round(self, training: Training) -> int:
         return training.steps // (self.copies * training.rounds)
-
-
-def model_key(job_id: str, round_: int) -> str:
-    return f"models/{job_id}/{round_}.safetensors"
 
 
 def run_copy(spec: WorkerSpec) -> int:

@@ -43,23 +43,16 @@ from services.tracker.store_reader import StoreRangeReader
 from shared.bus import Bus
 from shared.clock import Clock, SystemClock
 from shared.events import CopyWeight, Event, JobCompleted, ModelConsolidated, Rejection
+from shared.layout import final_key, model_key
 from shared.logging import get_logger
 from shared.store import InvalidKey, ObjectNotFound, ObjectStore
 from shared.topics import DEADLETTER, JOBS, MODELS, PLACEMENTS, PROGRESS
 
-__all__ = ["TrackerConfig", "TrackerService", "INPUT_TOPICS", "model_key", "final_key"]
+__all__ = ["TrackerConfig", "TrackerService", "INPUT_TOPICS"]
 
 # hadar.models first: rounds already decided then ignore late progress of those rounds.
 INPUT_TOPICS: tuple[str, ...] = (MODELS, JOBS, PLACEMENTS, PROGRESS)
 MAX_RETRY_S = 60.0
-
-
-def model_key(job_id: str, round_: int) -> str:
-    return f"models/{job_id}/{round_}.safetensors"
-
-
-def final_key(job_id: str) -> str:
-    return f"models/{job_id}/final.safetensors"
 
 
 @dataclass(frozen=True, kw_only=True)
