@@ -225,8 +225,8 @@ async def test_a_model_written_but_not_announced_is_announced_as_is(memory_bus: 
         paths.append(path)
     replicas = [Replica(copy=i, steps=s, reader=FileRangeReader(p)) for i, (p, s) in enumerate(zip(paths, (90, 10)))]
     buffer = io.BytesIO()
-    write_consolidated(plan_consolidation(replicas, mode="uniform"), buffer,
-                       metadata={"job": "j-crash", "round": "0", "total_steps": "100", "missing": "[]"})
+    plan = plan_consolidation(replicas, mode="uniform")
+    write_consolidated(plan, buffer, metadata=plan.model_metadata(job="j-crash", round_=0, prior_steps=0).to_metadata())
     await local_store.put(model_key("j-crash", 0), buffer.getvalue())
 
     service = tracker(memory_bus, local_store)  # steps mode: a recomputation would weigh 0.9 / 0.1
