@@ -28,4 +28,4 @@ def test_every_event_type_has_exactly_its_topic() -> None:
 
 def test_event_types_on_rejects_unknown_topics() -> None:
     with pytest.raises(ValueError, match="not a Hadar topic"):
-        topics.event_types_on(["hadar.jobs", "jobs"])
+        topics.event_types_on([topics.JOBS, "jobs"])
