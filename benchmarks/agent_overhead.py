@@ -43,6 +43,7 @@ from services.agent.process import child_env  # noqa: E402
 from services.agent.spec import StoreTarget  # noqa: E402
 from shared.bus import MemoryBus  # noqa: E402
 from shared.events import Assignment, CopyFinished, Hyperparameters, JobSpec, Progress  # noqa: E402
+from shared.topics import PROGRESS  # noqa: E402
 from shared.zoo import validate_job  # noqa: E402
 
 Sample = tuple[float, int]   # (unix time, total steps)
@@ -112,7 +113,7 @@ async def measure(args: argparse.Namespace, devices: NodeDevices) -> tuple[list[
         agent = AgentDaemon(AgentConfig(node_id="bench", progress_s=args.report_s, threads=1), bus=bus,
                             store=StoreTarget.local(root), devices=devices)
         await agent.start()
-        sub = bus.subscribe("hadar.progress", "bench")
+        sub = bus.subscribe(PROGRESS, "bench")
         await sub.start()
 
         async def collect_agent() -> None:

@@ -16,9 +16,9 @@ spare a torch import per copy), starting from the previous round's consolidated 
 ``checkpoints/{job}/{round}/{copy}.safetensors``. After each round the copies are averaged
 as the tracker does it (:func:`plan_consolidation` with ``steps`` weights, streamed from
 the store by :class:`StoreRangeReader`, :func:`write_consolidated`), to
-``models/{job}/{round}.safetensors`` with metadata ``job``, ``round``, ``total_steps``
-(previous total plus the copies' steps). The final round's model is scored with
-:func:`shared.zoo.evaluate` on the dataset's held-out split.
+``models/{job}/{round}.safetensors`` with the tracker's metadata (:mod:`shared.model_meta`;
+``total_steps`` is the previous total plus the copies' steps). The final round's model is
+scored with :func:`shared.zoo.evaluate` on the dataset's held-out split.
 
 Data order: the worker's batch of a step depends on (job seed, copy, rank, total step),
 so the forked copies walk different permutations of the training set. The checkpoint
@@ -53,10 +53,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from services.agent.checkpoint import read_checkpoint, restore  # noqa: E402
-from services.agent.spec import StoreTarget, WorkerSpec, checkpoint_key, parse_worker_line  # noqa: E402
+from services.agent.spec import StoreTarget, WorkerSpec, parse_worker_line  # noqa: E402
 from services.agent.worker import Worker  # noqa: E402
 from services.tracker.consolidate import Replica, plan_consolidation, write_consolidated  # noqa: E402
 from services.tracker.store_reader import StoreRangeReader  # noqa: E402
+from shared.layout import checkpoint_key, model_key  # noqa: E402
 from shared.store import LocalStore  # noqa: E402
 from shared.zoo import build_model, evaluate, load_dataset  # noqa: E402
 
@@ -98,10 +99,6 @@ class Arm:
         return training.steps // (self.copies * training.rounds)
 
 
-def model_key(job_id: str, round_: int) -> str:
-    return f"models/{job_id}/{round_}.safetensors"
-
-
 def run_copy(spec: WorkerSpec) -> int:
     """Train one copy for one round through the worker; return the steps it did."""
     out = io.StringIO()
@@ -128,11 +125,10 @@ async def consolidate_round(store: LocalStore, job_id: str, round_: int, steps: 
         plan = plan_consolidation(replicas, mode="steps")
         if plan.rejected:
             raise RuntimeError(f"consolidation of {job_id}/{round_} rejected {plan.rejected}")
-        total = prior_steps + plan.round_steps
-        metadata = {"job": job_id, "round": str(round_), "total_steps": str(total), "missing": "[]"}
+        meta = plan.model_metadata(job=job_id, round_=round_, prior_steps=prior_steps)
         with open(path, "wb") as out:
-            write_consolidated(plan, out, metadata=metadata)
-        return total
+            write_consolidated(plan, out, metadata=meta.to_metadata())
+        return meta.total_steps
 
     total = await asyncio.to_thread(plan_and_write)
     await store.put_file(model_key(job_id, round_), path)

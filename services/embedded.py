@@ -19,9 +19,9 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.service import SchedulerService
 from services.tracker.service import TrackerConfig, TrackerService
 from shared.bus import Bus
-from shared.events import ALL_TOPICS
 from shared.service import Service
 from shared.store import ObjectStore
+from shared.topics import ALL_TOPICS
 
 
 @dataclass(frozen=True, kw_only=True)

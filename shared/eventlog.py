@@ -15,7 +15,8 @@ from pathlib import Path
 import msgpack
 
 from shared.bus import Bus
-from shared.events import ALL_TOPICS, Event, InvalidEvent, decode, encode
+from shared.events import Event, InvalidEvent, decode, encode
+from shared.topics import ALL_TOPICS
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -34,14 +34,14 @@ from shared.records import (
     JOB_ID_RE, NODE_ID_RE, CopyWeight, GpuInfo, Hyperparameters, InvalidEvent, JobSpec, Record, Rejection,
     Waiting, check_job_id, check_node_id, new_event_id, require, short_repr, to_wire,
 )
-from shared.topics import ALL_TOPICS, DEADLETTER, TOPIC_OF_TYPE
+from shared.topics import TOPIC_OF_TYPE
 
 __all__ = [
     "InvalidEvent", "Record", "Event", "Hyperparameters", "JobSpec", "GpuInfo", "Waiting",
     "CopyWeight", "Rejection", "JobSubmitted", "JobCancelled", "NodeRegistered",
     "NodeHeartbeat", "ThroughputEstimate", "RoundStarted", "Assignment", "Progress",
     "CopyFinished", "ModelConsolidated", "JobCompleted", "DeadLetter", "EVENT_TYPES",
-    "TOPICS", "topic_for", "key_for", "encode", "decode", "JOB_ID_RE", "NODE_ID_RE",
+    "topic_for", "key_for", "encode", "decode", "JOB_ID_RE", "NODE_ID_RE",
 ]
 
 
@@ -308,15 +308,13 @@ EVENT_TYPES: dict[str, type[Event]] = {
     )
 }
 
-# Topic names live in shared.topics; re-exported here for callers that hold an event.
-TOPICS: dict[str, str] = TOPIC_OF_TYPE
-DEADLETTER_TOPIC = DEADLETTER
-if set(TOPICS) != set(EVENT_TYPES):  # a new event type must be given a topic
-    raise ImportError(f"event types without a topic: {sorted(set(EVENT_TYPES) ^ set(TOPICS))}")
+if set(TOPIC_OF_TYPE) != set(EVENT_TYPES):  # a new event type must be given a topic (shared.topics)
+    raise ImportError(f"event types without a topic: {sorted(set(EVENT_TYPES) ^ set(TOPIC_OF_TYPE))}")
 
 
 def topic_for(event: Event) -> str:
-    return TOPICS[event.TYPE]
+    """The one topic ``event`` travels on (:data:`shared.topics.TOPIC_OF_TYPE`)."""
+    return TOPIC_OF_TYPE[event.TYPE]
 
 
 def key_for(event: Event) -> str:

@@ -11,9 +11,9 @@ Layout of a checkpoint file:
   known, ``metric_name``/``metric_value`` (held-out metric of these weights).
 
 A consolidated model written by the tracker (``models/{job}/{round}.safetensors``, with
-metadata ``job``, ``round``, ``total_steps``, ``copies``, ``weights``) is a valid starting
-point too: only ``total_steps`` is required to start from a file, and the optimizer part
-is optional (without it the optimizer starts fresh).
+the metadata of :class:`shared.model_meta.ModelMetadata`) is a valid starting point too:
+only ``total_steps`` is required to start from a file, and the optimizer part is optional
+(without it the optimizer starts fresh).
 
 Any file that does not fit the model -- unreadable, a missing or extra tensor, a wrong
 shape, a bad ``total_steps`` -- raises :class:`CheckpointError`.

@@ -42,10 +42,11 @@ from shared.dispatch import HandlerTable
 from shared.events import (
     Assignment, Event, JobCancelled, JobSubmitted, NodeHeartbeat, NodeRegistered, RoundStarted,
 )
+from shared.topics import JOBS, PLACEMENTS
 
 __all__ = ["AgentConfig", "AgentDaemon"]
 
-TOPICS = ("hadar.placements", "hadar.jobs")
+TOPICS = (PLACEMENTS, JOBS)
 SEEN_LIMIT = 4096
 
 

@@ -27,9 +27,10 @@ import structlog
 from services.agent.discovery import NodeDevices
 from services.agent.metrics import AgentMetrics
 from services.agent.process import WorkerPool, WorkerProcess
-from services.agent.spec import StoreTarget, WorkerSpec, checkpoint_key
+from services.agent.spec import StoreTarget, WorkerSpec
 from shared.clock import Clock
 from shared.events import Assignment, CopyFinished, Event, Progress
+from shared.layout import checkpoint_key
 
 __all__ = ["RunContext", "CopyRun", "CopyKey", "free_port"]
 

@@ -18,12 +18,7 @@ from typing import Any, Literal
 from shared.config import S3Settings
 from shared.store import LocalStore, MinioStore, ObjectStore
 
-__all__ = ["StoreTarget", "WorkerSpec", "checkpoint_key", "worker_line", "parse_worker_line"]
-
-
-def checkpoint_key(job_id: str, round_: int, copy: int) -> str:
-    """Where the copy's checkpoint of a round lives (DESIGN.md object keys)."""
-    return f"checkpoints/{job_id}/{round_}/{copy}.safetensors"
+__all__ = ["StoreTarget", "WorkerSpec", "worker_line", "parse_worker_line"]
 
 
 @dataclass(frozen=True, kw_only=True)

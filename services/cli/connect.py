@@ -13,8 +13,8 @@ from services.cli.main import UsageError
 from services.scheduler.state import SchedulerState, fold_log
 from shared.bus import Bus, KafkaBus
 from shared.config import ConfigError, KafkaSettings, S3Settings, s3_from_env
-from shared.events import ALL_TOPICS
 from shared.store import MinioStore, ObjectStore
+from shared.topics import ALL_TOPICS
 
 
 def add_bus_args(parser: argparse.ArgumentParser) -> None:

@@ -17,7 +17,9 @@ from shared.bus import Bus
 from shared.clock import SystemClock
 from shared.events import JobCancelled, JobSpec, JobSubmitted, RoundStarted
 from shared.jobfile import FIELDS, JobFileError, load_job_file, parse_job
+from shared.layout import final_key
 from shared.store import ObjectNotFound
+from shared.topics import JOBS, MODELS, PLACEMENTS, PROGRESS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -199,7 +201,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
         clock = SystemClock()
         samples: list[tuple[float, int]] = []
         try:
-            async with bus.subscribe(["hadar.jobs", "hadar.placements", "hadar.progress", "hadar.models"],
+            async with bus.subscribe([JOBS, PLACEMENTS, PROGRESS, MODELS],
                                      f"hadar-watch-{uuid.uuid4().hex[:12]}") as sub:
                 async for delivery in sub:
                     state.apply(delivery.event)
@@ -224,11 +226,16 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 def cmd_model(args: argparse.Namespace) -> int:
+    try:
+        key = final_key(args.job)
+    except ValueError as exc:
+        raise UsageError(f"job: {exc}") from None
+
     async def run() -> int:
         store = make_store(args)
         await store.start()
         try:
-            await store.get_file(f"models/{args.job}/final.safetensors", Path(args.out))
+            await store.get_file(key, Path(args.out))
         except ObjectNotFound:
             raise UsageError(f"job: no final model for {args.job!r} (not completed yet, or unknown job)") from None
         finally:

@@ -22,9 +22,10 @@ from shared.dispatch import HandlerTable
 from shared.errors import UsageError
 from shared.eventlog import EventLogError, LogRecord, read_log
 from shared.events import (
-    ALL_TOPICS, Assignment, CopyFinished, DeadLetter, Event, JobCancelled, JobCompleted, JobSubmitted,
+    Assignment, CopyFinished, DeadLetter, Event, JobCancelled, JobCompleted, JobSubmitted,
     ModelConsolidated, NodeHeartbeat, NodeRegistered, Progress, RoundStarted, ThroughputEstimate,
 )
+from shared.topics import ALL_TOPICS
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -31,17 +31,18 @@ from shared.bus import Bus, BusError, Delivery
 from shared.clock import Clock, SystemClock
 from shared.dispatch import HandlerTable
 from shared.events import (
-    DEADLETTER_TOPIC, CopyFinished, Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted,
-    ModelConsolidated, Progress, ThroughputEstimate,
+    CopyFinished, Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated, Progress,
+    ThroughputEstimate,
 )
 from shared.gpus import GPU_TYPES
 from shared.logging import get_logger
 from shared.rejection import dead_letter_delivery
+from shared.topics import DEADLETTER, JOBS, MODELS, PROGRESS, THROUGHPUT
 
 __all__ = ["ProfilerConfig", "ProfilerService", "Estimator"]
 
 Estimator = Callable[[JobSpec], dict[str, float]]
-INPUT_TOPICS: tuple[str, ...] = ("hadar.jobs", "hadar.progress", "hadar.models")
+INPUT_TOPICS: tuple[str, ...] = (JOBS, PROGRESS, MODELS)
 MAX_WORKERS = 64  # ThroughputEstimate.workers range
 
 
@@ -82,11 +83,11 @@ class ProfilerService:
         self._m_dead = Counter("profiler_dead_letters_seen_total", "Dead letters seen", registry=r)
 
     async def start(self) -> None:
-        await self.bus.ensure_topics((*INPUT_TOPICS, "hadar.throughput", DEADLETTER_TOPIC))
-        async for delivery in self.bus.read("hadar.throughput"):
+        await self.bus.ensure_topics((*INPUT_TOPICS, THROUGHPUT, DEADLETTER))
+        async for delivery in self.bus.read(THROUGHPUT):
             if isinstance(delivery.event, ThroughputEstimate):
                 self.state.seed(delivery.event)
-        async for delivery in self.bus.read("hadar.jobs"):
+        async for delivery in self.bus.read(JOBS):
             if isinstance(delivery.event, JobSubmitted):
                 self.state.add_job(delivery.event.job)
         self._replayed = True
@@ -105,11 +106,11 @@ class ProfilerService:
         return {"ok": self._replayed and (running or self._stopping), "replayed": self._replayed}
 
     async def _consume(self) -> None:
-        async with self.bus.subscribe((*INPUT_TOPICS, DEADLETTER_TOPIC), self.config.group) as sub:
+        async with self.bus.subscribe((*INPUT_TOPICS, DEADLETTER), self.config.group) as sub:
             async for delivery in sub:
                 self._busy = True
                 try:
-                    if delivery.topic == DEADLETTER_TOPIC:
+                    if delivery.topic == DEADLETTER:
                         self._m_dead.inc()
                     else:
                         await self._handle_safely(delivery)

@@ -18,7 +18,7 @@ from shared.events import (
     Assignment, CopyFinished, Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted,
     ModelConsolidated, NodeHeartbeat, NodeRegistered, Progress, RoundStarted, ThroughputEstimate,
 )
-from shared.topics import JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
+from shared.topics import DEADLETTER, JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
 
 # What ``apply`` folds: the scheduler service's INPUT_TOPICS plus its own placements, which
 # it reads back on restart (tests check this matches the service).
@@ -269,9 +269,9 @@ def fold_log(items: Iterable[tuple[str, Event]]) -> SchedulerState:
     state = SchedulerState()
     placements = []
     for topic, event in items:
-        if topic == "hadar.placements":
+        if topic == PLACEMENTS:
             placements.append(event)
-        elif topic != "hadar.deadletter":
+        elif topic != DEADLETTER:
             state.apply(event)
     placements.sort(key=lambda e: (e.round, not isinstance(e, RoundStarted)))
     for event in placements:

@@ -31,14 +31,13 @@ Given replicas (one safetensors file per copy, each with the steps it trained th
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Literal
+from typing import BinaryIO
 
 import numpy as np
 from scipy.linalg.blas import daxpy, saxpy
@@ -52,6 +51,8 @@ from services.tracker.safetensors_format import (
     FLOAT_DTYPES, FileRangeReader, Header, InvalidSafetensors, RangeReader, TensorInfo,
     bf16_to_f32, encode_header, f32_to_bf16, read_header,
 )
+from shared.model_meta import Mode, ModelMetadata, consolidation_entries
+from shared.records import CopyWeight, Rejection
 
 __all__ = [
     "Mode", "Replica", "AcceptedReplica", "Rejected", "ConsolidationPlan", "WriteStats",
@@ -59,7 +60,6 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES", "DEFAULT_WINDOW_BYTES",
 ]
 
-Mode = Literal["steps", "uniform"]
 DEFAULT_CHUNK_BYTES = 256 << 10   # the accumulator chunk stays in the CPU's L2 cache
 DEFAULT_WINDOW_BYTES = 4 << 20    # mapped at once per replica (local files)
 _MAX_REASON = 240
@@ -109,16 +109,24 @@ class ConsolidationPlan:
         """The copy integer tensors are taken from: most steps, then lowest copy id."""
         return min(self.accepted, key=lambda r: (-r.steps, r.copy))
 
+    def copy_weights(self) -> tuple[CopyWeight, ...]:
+        return tuple(CopyWeight(copy=r.copy, steps=r.steps, weight=r.weight) for r in self.accepted)
+
+    def rejections(self) -> tuple[Rejection, ...]:
+        return tuple(Rejection(copy=r.copy, reason=r.reason) for r in self.rejected)
+
     def metadata(self) -> dict[str, str]:
-        """The ``__metadata__`` entries describing this consolidation (str -> str)."""
-        return {
-            "mode": self.mode,
-            "round_steps": str(self.round_steps),
-            "copies": json.dumps([{"copy": r.copy, "steps": r.steps, "weight": r.weight}
-                                  for r in self.accepted], separators=(",", ":")),
-            "rejected": json.dumps([{"copy": r.copy, "reason": r.reason} for r in self.rejected],
-                                   separators=(",", ":")),
-        }
+        """The ``__metadata__`` entries every output of this plan carries (str -> str; see
+        :func:`shared.model_meta.consolidation_entries`)."""
+        return consolidation_entries(mode=self.mode, copies=self.copy_weights(), rejected=self.rejections())
+
+    def model_metadata(self, *, job: str, round_: int, prior_steps: int, missing: Sequence[int] = ()
+                       ) -> ModelMetadata:
+        """What this plan's output says about itself as round ``round_`` of ``job``, whose
+        starting model had ``prior_steps``; ``missing``: copies that never reported."""
+        return ModelMetadata(job=job, round=round_, total_steps=prior_steps + self.round_steps, mode=self.mode,
+                             copies=self.copy_weights(), rejected=self.rejections(), missing=tuple(missing),
+                             format=self.format_metadata.get("format"))
 
 
 @dataclass(frozen=True, kw_only=True)

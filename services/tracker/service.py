@@ -23,7 +23,6 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import tempfile
 import time
@@ -42,25 +41,18 @@ from services.tracker.state import CompletionWork, RoundWork, TrackerState
 from services.tracker.store_reader import StoreRangeReader
 from shared.bus import Bus
 from shared.clock import Clock, SystemClock
-from shared.events import (
-    DEADLETTER_TOPIC, CopyWeight, Event, JobCompleted, ModelConsolidated, Rejection,
-)
+from shared.events import Event, JobCompleted, ModelConsolidated
+from shared.layout import final_key, model_key
 from shared.logging import get_logger
+from shared.model_meta import InvalidModelMetadata, ModelMetadata
 from shared.store import InvalidKey, ObjectNotFound, ObjectStore
+from shared.topics import DEADLETTER, JOBS, MODELS, PLACEMENTS, PROGRESS
 
-__all__ = ["TrackerConfig", "TrackerService", "INPUT_TOPICS", "model_key", "final_key"]
+__all__ = ["TrackerConfig", "TrackerService", "INPUT_TOPICS"]
 
 # hadar.models first: rounds already decided then ignore late progress of those rounds.
-INPUT_TOPICS: tuple[str, ...] = ("hadar.models", "hadar.jobs", "hadar.placements", "hadar.progress")
+INPUT_TOPICS: tuple[str, ...] = (MODELS, JOBS, PLACEMENTS, PROGRESS)
 MAX_RETRY_S = 60.0
-
-
-def model_key(job_id: str, round_: int) -> str:
-    return f"models/{job_id}/{round_}.safetensors"
-
-
-def final_key(job_id: str) -> str:
-    return f"models/{job_id}/final.safetensors"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,7 +116,7 @@ class TrackerService:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        await self.bus.ensure_topics((*INPUT_TOPICS, DEADLETTER_TOPIC))
+        await self.bus.ensure_topics((*INPUT_TOPICS, DEADLETTER))
         for topic in INPUT_TOPICS:
             async for delivery in self.bus.read(topic):
                 self.state.apply(delivery.event)
@@ -152,9 +144,9 @@ class TrackerService:
     # ------------------------------------------------------------------ consuming
 
     async def _consume(self) -> None:
-        async with self.bus.subscribe((*INPUT_TOPICS, DEADLETTER_TOPIC), self.config.group) as sub:
+        async with self.bus.subscribe((*INPUT_TOPICS, DEADLETTER), self.config.group) as sub:
             async for delivery in sub:
-                if delivery.topic == DEADLETTER_TOPIC:
+                if delivery.topic == DEADLETTER:
                     self._m_dead.inc()
                 else:
                     self._m_in.labels(type=delivery.event.TYPE).inc()
@@ -255,7 +247,7 @@ class TrackerService:
         tmp_dir = Path(tempfile.mkdtemp(prefix="hadar-tracker-", dir=self.config.temp_dir))
         try:
             try:
-                plan, stats, path = await asyncio.to_thread(self._write, work, replicas, rejected, tmp_dir)
+                plan, meta, stats, path = await asyncio.to_thread(self._write, work, replicas, rejected, tmp_dir)
             except NoUsableReplica as exc:
                 self._m_rejected.inc(len(exc.rejected) - len(work.failed))
                 log.warning("round.no_usable_replica", reason=str(exc)[:500], missing=list(work.missing))
@@ -268,23 +260,17 @@ class TrackerService:
         self._m_models.inc()
         self._m_bytes.inc(stats.bytes_read)
         self._m_rejected.inc(len(plan.rejected) - len(work.failed))
-        return ModelConsolidated(
-            ts=self.clock.time(), source=self.config.source, job_id=work.job_id, round=work.round,
-            key=key, total_steps=work.prior_steps + plan.round_steps,
-            copies=tuple(CopyWeight(copy=r.copy, steps=r.steps, weight=r.weight) for r in plan.accepted),
-            rejected=tuple(Rejection(copy=r.copy, reason=r.reason) for r in plan.rejected),
-            missing=work.missing, seconds=seconds)
+        return _announcement(meta, key, self.clock.time(), self.config.source, seconds=seconds)
 
     def _write(self, work: RoundWork, replicas: list[Replica], rejected: list[Rejected],
-               tmp_dir: Path) -> tuple[ConsolidationPlan, WriteStats, Path]:
+               tmp_dir: Path) -> tuple[ConsolidationPlan, ModelMetadata, WriteStats, Path]:
         plan = plan_consolidation(replicas, mode=self.config.mode, rejected=rejected)
-        metadata = {"job": work.job_id, "round": str(work.round),
-                    "total_steps": str(work.prior_steps + plan.round_steps),
-                    "missing": json.dumps(list(work.missing))}
+        meta = plan.model_metadata(job=work.job_id, round_=work.round, prior_steps=work.prior_steps,
+                                   missing=work.missing)
         path = tmp_dir / "model.safetensors"
         with open(path, "wb") as out:
-            stats = write_consolidated(plan, out, metadata=metadata, chunk_bytes=self.config.chunk_bytes)
-        return plan, stats, path
+            stats = write_consolidated(plan, out, metadata=meta.to_metadata(), chunk_bytes=self.config.chunk_bytes)
+        return plan, meta, stats, path
 
     async def _announcement_of_existing(self, work: RoundWork, key: str, log: Any) -> ModelConsolidated | None:
         """The ModelConsolidated of a model an earlier run wrote but did not announce."""
@@ -292,12 +278,16 @@ class TrackerService:
         reader = StoreRangeReader(self.store, key, size, asyncio.get_running_loop())
         try:
             header = await asyncio.to_thread(read_header, reader)
-            event = _event_from_metadata(header.metadata, work, key, self.clock.time(), self.config.source)
-        except (InvalidSafetensors, ValueError, KeyError, TypeError) as exc:
+            meta = ModelMetadata.from_metadata(header.metadata)
+        except (InvalidSafetensors, InvalidModelMetadata) as exc:
             log.warning("round.existing_model_unusable", key=key, error=str(exc)[:300])
             return None  # not ours or unreadable, and never announced: recompute over it
+        if (meta.job, meta.round) != (work.job_id, work.round):
+            log.warning("round.existing_model_unusable", key=key,
+                        error=f"metadata names job {meta.job!r} round {meta.round}")
+            return None
         log.info("round.existing_model_announced", key=key)
-        return event
+        return _announcement(meta, key, self.clock.time(), self.config.source)
 
     # ------------------------------------------------------------------ completion
 
@@ -320,15 +310,9 @@ class TrackerService:
                        jct_s=round(event.jct_s, 3))
 
 
-def _event_from_metadata(meta: dict[str, str], work: RoundWork, key: str, ts: float,
-                         source: str) -> ModelConsolidated:
-    if meta.get("job") != work.job_id or meta.get("round") != str(work.round):
-        raise ValueError(f"metadata names job {meta.get('job')!r} round {meta.get('round')!r}")
-    copies = tuple(CopyWeight(copy=int(c["copy"]), steps=int(c["steps"]), weight=float(c["weight"]))
-                   for c in json.loads(meta["copies"]))
-    rejected = tuple(Rejection(copy=int(r["copy"]), reason=str(r["reason"]))
-                     for r in json.loads(meta.get("rejected", "[]")))
-    missing = tuple(int(m) for m in json.loads(meta.get("missing", "[]")))
-    return ModelConsolidated(ts=ts, source=source, job_id=work.job_id, round=work.round, key=key,
-                             total_steps=int(meta["total_steps"]), copies=copies, rejected=rejected,
-                             missing=missing)
+def _announcement(meta: ModelMetadata, key: str, ts: float, source: str, *, seconds: float = 0.0
+                  ) -> ModelConsolidated:
+    """The ModelConsolidated of the model at ``key``: what it says about itself, nothing more."""
+    return ModelConsolidated(ts=ts, source=source, job_id=meta.job, round=meta.round, key=key,
+                             total_steps=meta.total_steps, copies=meta.copies, rejected=meta.rejected,
+                             missing=meta.missing, seconds=seconds)

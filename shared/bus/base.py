@@ -37,13 +37,13 @@ from dataclasses import dataclass, field
 from types import TracebackType
 
 from shared.events import (
-    ALL_TOPICS,
     DEADLETTER_RAW_LIMIT,
     DeadLetter,
     Event,
     key_for,
     topic_for,
 )
+from shared.topics import ALL_TOPICS
 
 __all__ = [
     "BusError", "bus_error", "TOMBSTONE_REASON", "Delivery", "Bus", "Subscription", "AckTracker",

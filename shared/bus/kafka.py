@@ -26,7 +26,8 @@ from shared.bus.base import (
 )
 from shared.bus.kafka_group import KafkaSubscription
 from shared.clock import Clock, SystemClock
-from shared.events import ALL_TOPICS, Event, InvalidEvent, decode, encode
+from shared.events import Event, InvalidEvent, decode, encode
+from shared.topics import ALL_TOPICS
 
 if TYPE_CHECKING:
     from aiokafka.structs import ConsumerRecord
@@ -46,6 +47,12 @@ class KafkaBus(Bus):
     ``partitions``/``replication_factor`` apply to topics this bus creates.
     ``linger_ms`` lets the producer gather pipelined :meth:`send` calls into batches;
     a lone :meth:`publish` waits at most that long before its batch goes out.
+
+    Its consumer-group members (:class:`~shared.bus.kafka_group.KafkaSubscription`) use
+    only :attr:`is_started`, :meth:`ensure_known`, :meth:`client_options`,
+    :meth:`register`/:meth:`unregister`, :meth:`emit` and the attributes ``clock``,
+    ``source`` and ``commit_interval_s``. That interface is for this package, not for
+    services, which use the :class:`~shared.bus.base.Bus` contract.
     """
 
     def __init__(self, bootstrap: str, *, partitions: int = 3, replication_factor: int = 1,
@@ -77,9 +84,7 @@ class KafkaBus(Bus):
             bootstrap_servers=self.bootstrap, client_id=f"hadar-{self.source}",
             enable_idempotence=True, acks="all", linger_ms=self._linger_ms,
             max_batch_size=256 * 1024, request_timeout_ms=self.request_timeout_ms)
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap,
-                                    client_id=f"hadar-{self.source}-admin",
-                                    request_timeout_ms=self.request_timeout_ms)
+        admin = AIOKafkaAdminClient(**self.client_options("admin"))
         try:
             await producer.start()
             await admin.start()
@@ -115,11 +120,6 @@ class KafkaBus(Bus):
                                retriable=bool(error.retriable))
         self._known_topics.update(names)
 
-    async def _ensure_known(self, topics: Iterable[str]) -> None:
-        missing = [t for t in topics if t not in self._known_topics]
-        if missing:
-            await self.ensure_topics(missing)
-
     async def publish(self, topic: str, key: str, event: Event) -> tuple[int, int]:
         return await (await self.send(topic, key, event))
 
@@ -136,7 +136,7 @@ class KafkaBus(Bus):
         check_started(self._producer is not None)
         assert self._producer is not None
         if topic not in self._known_topics:
-            await self._ensure_known([check_topic(topic)])
+            await self.ensure_known([check_topic(topic)])
         try:
             future = await self._producer.send(
                 topic, value=value, key=key, partition=partition,
@@ -163,9 +163,8 @@ class KafkaBus(Bus):
         if not partitions:
             return
         consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.bootstrap, group_id=None, enable_auto_commit=False,
-            auto_offset_reset="earliest", client_id=f"hadar-{self.source}-replay",
-            request_timeout_ms=self.request_timeout_ms)
+            **self.client_options("replay"), group_id=None, enable_auto_commit=False,
+            auto_offset_reset="earliest")
         try:
             await consumer.start()
             bounds = await _replay_bounds(consumer, topic, partitions, start, end)
@@ -175,6 +174,32 @@ class KafkaBus(Bus):
             raise bus_error(f"replay {topic}", exc) from exc
         finally:
             await consumer.stop()
+
+    # ------------------------------------------------------------------ for consumer-group members
+
+    @property
+    def is_started(self) -> bool:
+        """True from a successful :meth:`start` until :meth:`stop`."""
+        return self._producer is not None
+
+    async def ensure_known(self, topics: Iterable[str]) -> None:
+        """:meth:`ensure_topics` for those of ``topics`` this bus has not ensured yet."""
+        missing = [t for t in topics if t not in self._known_topics]
+        if missing:
+            await self.ensure_topics(missing)
+
+    def client_options(self, role: str) -> dict[str, Any]:
+        """Connection options for an aiokafka client of this bus; ``role`` ends its client id."""
+        return {"bootstrap_servers": self.bootstrap, "client_id": f"hadar-{self.source}-{role}",
+                "request_timeout_ms": self.request_timeout_ms}
+
+    def register(self, sub: KafkaSubscription) -> None:
+        """Track a started member, so that :meth:`stop` stops it."""
+        self._subscriptions.add(sub)
+
+    def unregister(self, sub: KafkaSubscription) -> None:
+        """Forget a member that is stopping (no-op if it was never registered)."""
+        self._subscriptions.discard(sub)
 
 
 async def _durable(topic: str, future: asyncio.Future[Any]) -> tuple[int, int]:

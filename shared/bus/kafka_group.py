@@ -79,12 +79,11 @@ class KafkaSubscription(Subscription):
             raise BusError("subscription already stopped", retriable=False)
         if self._consumer is not None:
             return
-        check_started(self.bus._producer is not None)
-        await self.bus._ensure_known(self.topics)
+        check_started(self.bus.is_started)
+        await self.bus.ensure_known(self.topics)
         consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.bus.bootstrap, group_id=self.group,
-            client_id=f"hadar-{self.bus.source}-{self.group}", enable_auto_commit=False,
-            auto_offset_reset="earliest", request_timeout_ms=self.bus.request_timeout_ms)
+            **self.bus.client_options(self.group), group_id=self.group, enable_auto_commit=False,
+            auto_offset_reset="earliest")
         consumer.subscribe(list(self.topics), listener=_Rebalance(self))
         self._consumer = consumer
         try:
@@ -93,13 +92,13 @@ class KafkaSubscription(Subscription):
             self._consumer = None
             await consumer.stop()
             raise bus_error(f"join group {self.group}", exc) from exc
-        self.bus._subscriptions.add(self)
+        self.bus.register(self)
         self._committer = asyncio.create_task(self._commit_loop())
 
     async def stop(self) -> None:
         if self._closing is None:
             self._stopped = True
-            self.bus._subscriptions.discard(self)
+            self.bus.unregister(self)
             self._closing = asyncio.ensure_future(self._shutdown())
         # Shielded: a caller cancelled mid-stop must not leave the member in the group.
         await asyncio.shield(self._closing)

@@ -26,7 +26,8 @@ from shared.bus.base import (
     check_position, check_started, check_topic, dead_letter, start_ms, topic_list, yield_now,
 )
 from shared.clock import Clock, SystemClock
-from shared.events import ALL_TOPICS, Event, InvalidEvent, decode, encode, key_for, topic_for
+from shared.events import Event, InvalidEvent, decode, encode, key_for, topic_for
+from shared.topics import ALL_TOPICS
 
 __all__ = ["MemoryBus"]
 

@@ -19,9 +19,8 @@ from hypothesis import strategies as st
 
 from shared.bus import AckTracker, Bus, BusError, Delivery, KafkaBus, MemoryBus, Subscription
 from shared.clock import FakeClock
-from shared.events import (
-    DEADLETTER_TOPIC, CopyFinished, DeadLetter, JobCancelled, Progress, encode,
-)
+from shared.events import CopyFinished, DeadLetter, JobCancelled, Progress, encode
+from shared.topics import DEADLETTER, JOBS
 
 WAIT_S = 30.0  # generous: a Kafka group join plus fetches on a loaded 2-core machine
 
@@ -99,7 +98,7 @@ async def test_round_trip_reports_where_each_record_landed(bus_kind, clock) -> N
         for d in got:
             assert d.topic == topic and d.key == d.event.job_id
             assert d.timestamp_ms == int(clock.time() * 1000)
-        jobs = [d for d in await read_all(bus, "hadar.jobs") if d.event.id == cancel.id]
+        jobs = [d for d in await read_all(bus, JOBS) if d.event.id == cancel.id]
         assert [(d.key, d.event, (d.partition, d.offset)) for d in jobs] == [("job-x", cancel, where)]
 
 
@@ -273,7 +272,7 @@ async def test_undecodable_records_are_dead_lettered_and_skipped(bus_kind, clock
 
         async with asyncio.timeout(WAIT_S):
             while True:  # dead letters are durable before the consumer moves on
-                letters = [d.event for d in await read_all(bus, DEADLETTER_TOPIC)
+                letters = [d.event for d in await read_all(bus, DEADLETTER)
                            if isinstance(d.event, DeadLetter) and d.event.topic == topic]
                 if len(letters) >= 4:
                     break

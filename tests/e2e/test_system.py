@@ -26,9 +26,11 @@ from safetensors.numpy import load_file
 from services.scheduler.state import fold_log
 from shared.bus import KafkaBus
 from shared.config import S3Settings
-from shared.events import ALL_TOPICS, JobCompleted, ModelConsolidated
+from shared.events import JobCompleted, ModelConsolidated
 from shared.infra import InfraError, InfraPaths, ensure_kafka, stop_server
+from shared.layout import checkpoint_key
 from shared.store import MinioStore
+from shared.topics import ALL_TOPICS
 
 pytestmark = [pytest.mark.kafka, pytest.mark.s3, pytest.mark.slow]
 
@@ -184,7 +186,7 @@ async def _check_average(store: MinioStore, event: ModelConsolidated, tmp: Path)
     model = load_file(str(await _fetch(store, event.key, tmp / "model.safetensors")))
     replicas = []
     for c in event.copies:
-        key = f"checkpoints/{event.job_id}/{event.round}/{c.copy}.safetensors"
+        key = checkpoint_key(event.job_id, event.round, c.copy)
         replicas.append((c.steps, load_file(str(await _fetch(store, key, tmp / f"{c.copy}.safetensors")))))
     total = sum(steps for steps, _ in replicas)
     assert total > 0

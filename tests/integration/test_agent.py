@@ -22,7 +22,7 @@ import torch
 from services.agent.checkpoint import CheckpointMeta, read_checkpoint
 from services.agent.daemon import AgentConfig, AgentDaemon
 from services.agent.discovery import NodeDevices, cpu_devices, emulated_devices
-from services.agent.spec import StoreTarget, checkpoint_key
+from services.agent.spec import StoreTarget
 from services.agent.training import BatchSampler
 from shared.bus import Bus, KafkaBus, MemoryBus
 from shared.config import S3Settings
@@ -30,7 +30,9 @@ from shared.events import (
     Assignment, CopyFinished, Event, Hyperparameters, JobCancelled, JobSpec, NodeHeartbeat, NodeRegistered,
     Progress, RoundStarted,
 )
+from shared.layout import checkpoint_key, model_key
 from shared.store import LocalStore, MinioStore
+from shared.topics import NODES, PROGRESS
 from shared.zoo import build_model, evaluate, load_dataset, loss_function, make_optimizer
 
 @pytest.fixture(autouse=True)
@@ -63,7 +65,7 @@ class Watcher:
 
     def __init__(self, bus: Bus) -> None:
         self.events: list[Event] = []
-        self._sub = bus.subscribe(["hadar.progress", "hadar.nodes"], f"watch-{uuid.uuid4().hex[:8]}")
+        self._sub = bus.subscribe([PROGRESS, NODES], f"watch-{uuid.uuid4().hex[:8]}")
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -208,10 +210,10 @@ async def test_preempted_copy_resumes_exactly_from_its_checkpoint(memory_bus: Bu
 async def test_failing_worker_is_reported_and_agent_keeps_running(memory_bus: Bus, tmp_path: Path) -> None:
     store = LocalStore(tmp_path)
     await store.start()
-    await store.put("models/bad1/0.safetensors", b"\x00not a safetensors file at all")
+    await store.put(model_key("bad1", 0), b"\x00not a safetensors file at all")
     agent, watch = await start_agent(memory_bus, StoreTarget.local(tmp_path))
     try:
-        await memory_bus.emit(assign(job("bad1"), 1, budget=10, start_from="models/bad1/0.safetensors"))
+        await memory_bus.emit(assign(job("bad1"), 1, budget=10, start_from=model_key("bad1", 0)))
         await memory_bus.emit(assign(job("bad2", model="vgg"), 1, budget=10))
         await memory_bus.emit(assign(job("kill1"), 1, budget=100_000, gpus=(1,)))
         failed = await watch.finished("bad1", 1)

@@ -14,6 +14,7 @@ from shared.events import (
     Assignment, CopyWeight, GpuInfo, JobCancelled, JobSpec, JobSubmitted, ModelConsolidated,
     NodeRegistered, RoundStarted, ThroughputEstimate,
 )
+from shared.topics import PLACEMENTS
 
 
 YARN = SchedulerConfig(policy="yarn-cs", round_s=10, heartbeat_s=1000, consolidation_wait_s=0)
@@ -33,7 +34,7 @@ async def _seed(bus: MemoryBus, clock: FakeClock) -> None:
 
 
 async def _placements(bus: MemoryBus) -> list:
-    return [d.event async for d in bus.read("hadar.placements")]
+    return [d.event async for d in bus.read(PLACEMENTS)]
 
 
 async def _settle(predicate) -> None:

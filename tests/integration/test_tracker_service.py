@@ -20,14 +20,16 @@ from safetensors.numpy import load, save
 
 from services.tracker.consolidate import Replica, plan_consolidation, write_consolidated
 from services.tracker.safetensors_format import FileRangeReader
-from services.tracker.service import TrackerConfig, TrackerService, final_key, model_key
+from services.tracker.service import TrackerConfig, TrackerService
 from shared.bus import Bus, KafkaBus, MemoryBus
 from shared.clock import FakeClock
 from shared.config import S3Settings
 from shared.events import (
     Assignment, CopyFinished, Event, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated, RoundStarted,
 )
+from shared.layout import checkpoint_key, final_key, model_key
 from shared.store import LocalStore, MinioStore, ObjectStore
+from shared.topics import MODELS
 
 T0 = 1_700_000_000.0
 
@@ -55,7 +57,7 @@ async def place(bus: Bus, job: JobSpec, round_: int, copies: list[int], *, other
 
 async def finish(bus: Bus, store: ObjectStore, job_id: str, round_: int, copy: int, steps: int,
                  data: bytes | None = None) -> dict[str, np.ndarray]:
-    key = f"checkpoints/{job_id}/{round_}/{copy}.safetensors"
+    key = checkpoint_key(job_id, round_, copy)
     weights = tensors(seed=100 * round_ + copy)
     await store.put(key, save(weights) if data is None else data)
     await bus.emit(CopyFinished(ts=T0 + 360 * round_ + 350, source=f"agent/n{copy}", job_id=job_id,
@@ -65,7 +67,7 @@ async def finish(bus: Bus, store: ObjectStore, job_id: str, round_: int, copy: i
 
 
 async def models_events(bus: Bus, job_id: str) -> list[Event]:
-    return [d.event for d in [x async for x in bus.read("hadar.models")]
+    return [d.event for d in [x async for x in bus.read(MODELS)]
             if getattr(d.event, "job_id", None) == job_id]
 
 
@@ -219,12 +221,12 @@ async def test_a_model_written_but_not_announced_is_announced_as_is(memory_bus: 
     paths = []
     for copy in (0, 1):
         path = tmp_path / f"{copy}.safetensors"
-        path.write_bytes(await local_store.get(f"checkpoints/j-crash/0/{copy}.safetensors"))
+        path.write_bytes(await local_store.get(checkpoint_key("j-crash", 0, copy)))
         paths.append(path)
     replicas = [Replica(copy=i, steps=s, reader=FileRangeReader(p)) for i, (p, s) in enumerate(zip(paths, (90, 10)))]
     buffer = io.BytesIO()
-    write_consolidated(plan_consolidation(replicas, mode="uniform"), buffer,
-                       metadata={"job": "j-crash", "round": "0", "total_steps": "100", "missing": "[]"})
+    plan = plan_consolidation(replicas, mode="uniform")
+    write_consolidated(plan, buffer, metadata=plan.model_metadata(job="j-crash", round_=0, prior_steps=0).to_metadata())
     await local_store.put(model_key("j-crash", 0), buffer.getvalue())
 
     service = tracker(memory_bus, local_store)  # steps mode: a recomputation would weigh 0.9 / 0.1

@@ -14,6 +14,8 @@ from services.agent.checkpoint import (
     OPTIM_PREFIX, CheckpointError, CheckpointMeta, read_checkpoint, read_total_steps, restore,
     save_checkpoint, state_tensors,
 )
+from shared.events import CopyWeight
+from shared.model_meta import ModelMetadata
 from shared.zoo import build_model, dataset_info, load_dataset, loss_function, make_optimizer
 
 META = CheckpointMeta(job="j1", round=3, copy=1, steps=5, total_steps=105, gpu_type="v100", model="resnet",
@@ -95,7 +97,9 @@ def test_weights_only_file_starts_a_fresh_optimizer(tmp_path: Path) -> None:
     net, _ = trained("sgd")
     path = tmp_path / "m.safetensors"
     save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(path),
-              metadata={"job": "j1", "round": "2", "total_steps": "40", "copies": "0,1", "weights": "0.5,0.5"})
+              metadata=ModelMetadata(job="j1", round=2, total_steps=40, mode="steps",
+                                     copies=(CopyWeight(copy=0, steps=10, weight=0.5),
+                                             CopyWeight(copy=1, steps=10, weight=0.5))).to_metadata())
     tensors, meta = read_checkpoint(path)
     fresh, fresh_opt = trained("sgd", steps=0, seed=5)
     assert restore(fresh, fresh_opt, tensors) is False

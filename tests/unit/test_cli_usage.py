@@ -34,3 +34,9 @@ def test_commands_needing_a_broker_say_so(capsys, monkeypatch):
     monkeypatch.delenv("HADAR_BOOTSTRAP", raising=False)
     assert main(["jobs"]) == 2
     assert "HADAR_BOOTSTRAP" in capsys.readouterr().err
+
+
+def test_model_of_a_malformed_job_id_is_a_usage_error(tmp_path, capsys):
+    assert main(["model", "../other", "--out", str(tmp_path / "m.safetensors")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not a job id" in err

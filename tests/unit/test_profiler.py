@@ -14,6 +14,7 @@ from shared import gpus
 from shared.bus import MemoryBus
 from shared.clock import FakeClock
 from shared.events import JobSpec, JobSubmitted, Progress, ThroughputEstimate
+from shared.topics import THROUGHPUT
 
 T0 = 1_700_000_000.0
 SPEC = JobSpec(job_id="j1", user="u", model="resnet", dataset="digits", batch_size=32, workers=2,
@@ -105,7 +106,7 @@ def test_catalog_estimate_refuses_an_unknown_model() -> None:
 async def _estimates(bus: MemoryBus, predicate, timeout_s: float = 10.0) -> list[ThroughputEstimate]:
     deadline = time.monotonic() + timeout_s
     while True:
-        found = [d.event async for d in bus.read("hadar.throughput")]
+        found = [d.event async for d in bus.read(THROUGHPUT)]
         if predicate(found) or time.monotonic() > deadline:
             return found
         await asyncio.sleep(0.02)
@@ -148,7 +149,7 @@ async def test_service_publishes_estimates_then_measurements_and_survives_a_rest
     try:
         await bus.emit(progress(T0 + 21, 161))  # 8.1 steps/s: within 5% of the published 8.0
         await asyncio.sleep(0.2)
-        assert len([d async for d in bus.read("hadar.throughput")]) == 3
+        assert len([d async for d in bus.read(THROUGHPUT)]) == 3
         assert calls == ["j1"]
     finally:
         await again.stop()
@@ -170,7 +171,7 @@ async def test_service_counts_a_job_it_cannot_estimate() -> None:
         while service.registry.get_sample_value("profiler_estimate_failures_total") != 1:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.02)
-        assert [d async for d in bus.read("hadar.throughput")] == []
+        assert [d async for d in bus.read(THROUGHPUT)] == []
     finally:
         await service.stop()
         await bus.stop()

@@ -10,6 +10,7 @@ from shared.events import (
     Assignment, GpuInfo, JobCancelled, JobSpec, JobSubmitted, ModelConsolidated, NodeHeartbeat,
     NodeRegistered, Progress, RoundStarted, ThroughputEstimate, CopyWeight,
 )
+from shared.topics import JOBS
 
 T0 = 1_700_000_000.0
 
@@ -111,12 +112,12 @@ def test_plan_to_events_spanning_copy_gets_ranks_and_rendezvous():
                 waiting=(Wait(job_id="b", code=WaitCode.CAPACITY, detail="no free GPU"),))
     choice = PolicyChoice(name="hadar", options={"horizon": 16})
     events = plan_to_events(plan, snap, state, timing, choice=choice, seed=7, source="scheduler",
-                            inputs={"hadar.jobs:0": 2}, decision_ms=1.5)
+                            inputs={f"{JOBS}:0": 2}, decision_ms=1.5)
     started, *assignments = events
     assert isinstance(started, RoundStarted) and started.round == 4 and started.assignments == 2
     assert (started.policy, started.policy_options, started.seed) == ("hadar", '{"horizon":16}', 7)
     assert (started.round_s, started.heartbeat_s) == (10, 5)
-    assert [w.job_id for w in started.waiting] == ["b"] and started.inputs == {"hadar.jobs:0": 2}
+    assert [w.job_id for w in started.waiting] == ["b"] and started.inputs == {f"{JOBS}:0": 2}
     assert all(isinstance(a, Assignment) for a in assignments)
     a1, a2 = assignments
     assert (a1.node_id, a1.ranks, a2.node_id, a2.ranks) == ("n1", (0, 1), "n2", (2,))

@@ -10,6 +10,7 @@ from shared.events import (
     Assignment, CopyFinished, CopyWeight, Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted,
     ModelConsolidated, Progress, RoundStarted,
 )
+from shared.layout import checkpoint_key, final_key, model_key
 
 T0 = 1_000.0
 SPEC = JobSpec(job_id="j1", user="u", model="resnet-8", dataset="digits", batch_size=32, workers=1,
@@ -30,7 +31,7 @@ def assignment(copy: int, round_: int = 0, node: str = "n1", spec: JobSpec = SPE
 def finished(copy: int, steps: int, round_: int = 0, status: str = "ok", job: str = "j1") -> CopyFinished:
     return CopyFinished(ts=T0 + 350 + round_ * 360, source="agent", job_id=job, round=round_, copy=copy,
                         node_id="n1", status=status, steps_round=steps,
-                        checkpoint=None if status == "failed" else f"checkpoints/{job}/{round_}/{copy}.safetensors",
+                        checkpoint=None if status == "failed" else checkpoint_key(job, round_, copy),
                         reason="oom" if status == "failed" else "")
 
 
@@ -42,7 +43,7 @@ def progress(copy: int, steps: int, round_: int = 0) -> Progress:
 
 def consolidated(round_: int, copies: dict[int, int], total: int) -> ModelConsolidated:
     return ModelConsolidated(ts=T0 + 400 + round_ * 360, source="tracker", job_id="j1", round=round_,
-                             key=f"models/j1/{round_}.safetensors", total_steps=total,
+                             key=model_key("j1", round_), total_steps=total,
                              copies=tuple(CopyWeight(copy=c, steps=s, weight=s / max(1, sum(copies.values())))
                                           for c, s in copies.items()))
 
@@ -132,8 +133,8 @@ def test_completion_is_due_when_steps_reach_iterations_and_happens_once() -> Non
     state.apply(finished(0, 250, round_=1))
     state.apply(consolidated(1, {0: 250}, total=550))
     (work,) = state.due_completions()
-    assert (work.model_key, work.total_steps, work.submitted_at) == ("models/j1/1.safetensors", 550, T0 - 50)
-    state.apply(JobCompleted(ts=T0 + 800, source="tracker", job_id="j1", final_key="models/j1/final.safetensors",
+    assert (work.model_key, work.total_steps, work.submitted_at) == (model_key("j1", 1), 550, T0 - 50)
+    state.apply(JobCompleted(ts=T0 + 800, source="tracker", job_id="j1", final_key=final_key("j1"),
                              total_steps=550, jct_s=850, completed_at=T0 + 800))
     assert state.due_completions() == [] and state.is_completed("j1")
     state.apply(assignment(0, round_=2))

@@ -1,0 +1,50 @@
+"""KafkaBus's interface for its consumer-group members, checked without a broker."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+
+from shared.bus import BusError, KafkaBus, kafka_group
+from shared.topics import JOBS
+
+
+def test_members_use_only_the_documented_interface() -> None:
+    private = re.findall(r"\bbus\._\w+", inspect.getsource(kafka_group))
+    assert private == []
+
+
+def test_client_options_name_the_client_after_the_bus_and_its_role() -> None:
+    bus = KafkaBus("broker:9092", source="tracker", request_timeout_ms=1234)
+    assert bus.client_options("tracker-group") == {
+        "bootstrap_servers": "broker:9092", "client_id": "hadar-tracker-tracker-group", "request_timeout_ms": 1234}
+
+
+async def test_a_member_of_a_bus_not_started_refuses_to_start() -> None:
+    bus = KafkaBus("127.0.0.1:1")
+    assert not bus.is_started
+    sub = bus.subscribe([JOBS], "g")
+    with pytest.raises(BusError, match="not started") as caught:
+        await sub.start()
+    assert not caught.value.retriable
+
+
+class _Member:
+    def __init__(self) -> None:
+        self.stops = 0
+
+    async def stop(self) -> None:
+        self.stops += 1
+
+
+async def test_stop_stops_the_registered_members_only() -> None:
+    bus = KafkaBus("127.0.0.1:1")   # never started: stop() needs no broker
+    kept, left = _Member(), _Member()
+    bus.register(kept)  # type: ignore[arg-type]
+    bus.register(left)  # type: ignore[arg-type]
+    bus.unregister(left)  # type: ignore[arg-type]
+    bus.unregister(left)  # type: ignore[arg-type]  # a member that stops twice
+    await bus.stop()
+    assert (kept.stops, left.stops) == (1, 0)

@@ -1,0 +1,137 @@
+"""The object-store layout: keys build and parse back, and nothing else parses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shared.layout import (
+    CheckpointKey, ModelKey, checkpoint_key, checkpoint_prefix, final_key, model_key, model_prefix,
+    parse_checkpoint_key, parse_final_key, parse_model_key,
+)
+from shared.store import validate_key
+
+job_ids = st.from_regex(r"[a-z0-9][a-z0-9._-]{0,62}", fullmatch=True)
+numbers = st.integers(min_value=0, max_value=2**63)
+
+
+def test_the_layout_is_pinned() -> None:
+    # Literal on purpose: stored objects outlive the code that wrote them.
+    assert checkpoint_key("j1", 3, 0) == "checkpoints/j1/3/0.safetensors"
+    assert model_key("j1", 3) == "models/j1/3.safetensors"
+    assert final_key("j1") == "models/j1/final.safetensors"
+    assert checkpoint_prefix("j1") == "checkpoints/j1/"
+    assert model_prefix("j1") == "models/j1/"
+
+
+@given(job_ids, numbers, numbers)
+def test_checkpoint_key_round_trips(job_id: str, round_: int, copy: int) -> None:
+    key = checkpoint_key(job_id, round_, copy)
+    assert validate_key(key) == key
+    assert key.startswith(checkpoint_prefix(job_id))
+    assert parse_checkpoint_key(key) == CheckpointKey(job_id=job_id, round=round_, copy=copy)
+    assert parse_model_key(key) is None and parse_final_key(key) is None
+
+
+@given(job_ids, numbers)
+def test_model_key_round_trips(job_id: str, round_: int) -> None:
+    key = model_key(job_id, round_)
+    assert validate_key(key) == key
+    assert key.startswith(model_prefix(job_id))
+    assert parse_model_key(key) == ModelKey(job_id=job_id, round=round_)
+    assert parse_checkpoint_key(key) is None and parse_final_key(key) is None
+
+
+@given(job_ids)
+def test_final_key_round_trips(job_id: str) -> None:
+    key = final_key(job_id)
+    assert validate_key(key) == key
+    assert key.startswith(model_prefix(job_id))
+    assert parse_final_key(key) == job_id
+    assert parse_model_key(key) is None and parse_checkpoint_key(key) is None
+
+
+@given(job_ids, job_ids)
+def test_prefixes_never_cover_another_job(a: str, b: str) -> None:
+    if a != b:
+        assert not checkpoint_key(b, 0, 0).startswith(checkpoint_prefix(a))
+        assert not final_key(b).startswith(model_prefix(a))
+
+
+@pytest.mark.parametrize("key", [
+    "checkpoints/../0/0.safetensors",           # a '..' job segment
+    "checkpoints/j1/../0.safetensors",
+    "checkpoints/j1/0/../0.safetensors",        # extra segments
+    "checkpoints/j1/0/0/0.safetensors",
+    "checkpoints/j1/0.safetensors",             # missing segment
+    "x/checkpoints/j1/0/0.safetensors",
+    "checkpoints/j1/0/0.safetensors/",
+    "/checkpoints/j1/0/0.safetensors",
+    "checkpoints/j1/r0/0.safetensors",          # non-integer round / copy
+    "checkpoints/j1/1.5/0.safetensors",
+    "checkpoints/j1/-1/0.safetensors",
+    "checkpoints/j1/+1/0.safetensors",
+    "checkpoints/j1/01/0.safetensors",          # not canonical: would not build back to itself
+    "checkpoints/j1/1_0/0.safetensors",
+    "checkpoints/j1/ 1/0.safetensors",
+    "checkpoints/j1/0/x.safetensors",
+    "checkpoints/j1/0/.safetensors",
+    "checkpoints/j1/0/0.safetensor",            # wrong suffix
+    "checkpoints/j1/0/0",
+    "checkpoints/J1/0/0.safetensors",           # not a job id
+    "checkpoints/.j1/0/0.safetensors",
+    "checkpoints/j1\n/0/0.safetensors",
+    "checkpoints//0/0.safetensors",
+    "checkpoints/j1/٣/0.safetensors",           # a non-ASCII digit that int() would accept
+    "",
+])
+def test_bad_checkpoint_keys_do_not_parse(key: str) -> None:
+    assert parse_checkpoint_key(key) is None
+
+
+@pytest.mark.parametrize("key", [
+    "models/../0.safetensors",
+    "models/j1/../0.safetensors",
+    "models/j1/0/0.safetensors",
+    "models/j1.safetensors",
+    "models/j1/r0.safetensors",
+    "models/j1/-1.safetensors",
+    "models/j1/00.safetensors",
+    "models/j1/final.safetensors",              # the final model is not a round model
+    "models/j1/0.safetensors.tmp",
+    "models/j1/0",
+    "checkpoints/j1/0.safetensors",
+    "models/Job/0.safetensors",
+])
+def test_bad_model_keys_do_not_parse(key: str) -> None:
+    assert parse_model_key(key) is None
+
+
+@pytest.mark.parametrize("key", [
+    "models/../final.safetensors", "models/j1/x/final.safetensors", "models/j1/final",
+    "models/j1/0.safetensors", "models/j1/FINAL.safetensors", "checkpoints/j1/final.safetensors",
+])
+def test_bad_final_keys_do_not_parse(key: str) -> None:
+    assert parse_final_key(key) is None
+
+
+@pytest.mark.parametrize("build", [
+    lambda: checkpoint_key("..", 0, 0),
+    lambda: checkpoint_key("a/b", 0, 0),
+    lambda: checkpoint_key("J1", 0, 0),
+    lambda: checkpoint_key("j1\n", 0, 0),
+    lambda: checkpoint_key("j1", -1, 0),
+    lambda: checkpoint_key("j1", 0, -1),
+    lambda: checkpoint_key("j1", True, 0),
+    lambda: model_key("j1", 1.0),   # type: ignore[arg-type]
+    lambda: model_key("", 0),
+    lambda: final_key("../x"),
+    lambda: checkpoint_prefix("a/"),
+    lambda: model_prefix("."),
+])
+def test_builders_refuse_parts_outside_the_layout(build: Callable[[], str]) -> None:
+    with pytest.raises(ValueError):
+        build()

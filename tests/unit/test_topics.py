@@ -1,0 +1,31 @@
+"""The topic names are a wire contract: producers outside this repository write to them."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared import topics
+from shared.events import EVENT_TYPES
+
+
+def test_topic_names_are_pinned() -> None:
+    # Literal on purpose: renaming a topic strands every outside producer and consumer.
+    assert (topics.JOBS, topics.NODES, topics.THROUGHPUT, topics.PROGRESS, topics.PLACEMENTS,
+            topics.MODELS, topics.DEADLETTER) == (
+        "hadar.jobs", "hadar.nodes", "hadar.throughput", "hadar.progress", "hadar.placements",
+        "hadar.models", "hadar.deadletter")
+    assert topics.ALL_TOPICS == tuple(sorted((
+        "hadar.jobs", "hadar.nodes", "hadar.throughput", "hadar.progress", "hadar.placements",
+        "hadar.models", "hadar.deadletter")))
+
+
+def test_every_event_type_has_exactly_its_topic() -> None:
+    assert set(topics.TOPIC_OF_TYPE) == set(EVENT_TYPES)
+    assert set(topics.TOPIC_OF_TYPE.values()) == set(topics.ALL_TOPICS)
+    assert topics.event_types_on([topics.MODELS]) == {"ModelConsolidated", "JobCompleted"}
+    assert topics.event_types_on(topics.ALL_TOPICS) == set(EVENT_TYPES)
+
+
+def test_event_types_on_rejects_unknown_topics() -> None:
+    with pytest.raises(ValueError, match="not a Hadar topic"):
+        topics.event_types_on([topics.JOBS, "jobs"])
