@@ -13,7 +13,7 @@ from services.agent.discovery import NodeDevices, cpu_devices, discover_in_subpr
 from services.agent.emulation import parse_emulation, reference_tflops
 from services.agent.spec import StoreTarget
 from services.cli.connect import add_store_args, make_bus, s3_settings
-from services.cli.main import UsageError
+from shared.errors import UsageError
 from shared.events import NODE_ID_RE
 from shared.logging import configure_logging
 from shared.service import run_service

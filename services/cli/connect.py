@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import os
 
-from services.cli.main import UsageError
 from services.scheduler.state import SchedulerState, fold_log
 from shared.bus import Bus, KafkaBus
 from shared.config import ConfigError, KafkaSettings, S3Settings, s3_from_env
+from shared.errors import UsageError
 from shared.events import ALL_TOPICS
 from shared.store import MinioStore, ObjectStore
 

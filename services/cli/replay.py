@@ -14,9 +14,9 @@ from collections.abc import Iterable
 from datetime import datetime, timezone
 
 from services.cli.connect import add_bus_args, make_bus
-from services.cli.main import UsageError
 from services.scheduler.policies import UnknownPolicy, make_policy
 from services.scheduler.rerun import LoggedEvent, rerun
+from shared.errors import UsageError
 from shared.eventlog import EventLogError, LogRecord, read_log
 from shared.events import (
     ALL_TOPICS, Assignment, CopyFinished, DeadLetter, JobCancelled, JobCompleted, JobSubmitted,

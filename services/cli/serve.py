@@ -10,8 +10,8 @@ import argparse
 import asyncio
 
 from services.cli.connect import add_bus_args, make_bus
-from services.cli.main import UsageError
 from services.scheduler.policies import POLICY_NAMES, UnknownPolicy
+from shared.errors import UsageError
 from shared.logging import configure_logging
 from shared.service import run_service
 

@@ -7,8 +7,8 @@ import asyncio
 from collections.abc import Callable
 
 from services.cli.connect import make_bus
-from services.cli.main import UsageError
 from services.profiler.state import DEFAULT_ALPHA, DEFAULT_THRESHOLD
+from shared.errors import UsageError
 from shared.logging import configure_logging
 from shared.service import run_service
 

@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import Callable
 
 from services.cli.connect import add_store_args, make_bus, make_store
-from services.cli.main import UsageError
+from shared.errors import UsageError
 from shared.logging import configure_logging
 from shared.service import run_service
 
