@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from services.agent.discovery import NodeDevices, cpu_devices, discover_in_subprocess, emulated_devices
 from services.agent.emulation import parse_emulation, reference_tflops
 from services.agent.spec import StoreTarget
-from services.cli.connect import add_store_args, make_bus, s3_settings
+from shared.connect import add_store_args, make_bus, s3_settings
 from shared.errors import UsageError
 from shared.events import NODE_ID_RE
 from shared.logging import configure_logging

@@ -13,9 +13,9 @@ import os
 from collections.abc import Iterable
 from datetime import datetime, timezone
 
-from services.cli.connect import add_bus_args, make_bus
 from services.scheduler.policies import UnknownPolicy, make_policy
 from services.scheduler.rerun import LoggedEvent, rerun
+from shared.connect import add_bus_args, make_bus
 from shared.errors import UsageError
 from shared.eventlog import EventLogError, LogRecord, read_log
 from shared.events import (

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from services.cli.connect import add_bus_args, make_bus
 from services.scheduler.policies import POLICY_NAMES, UnknownPolicy
+from shared.connect import add_bus_args, make_bus
 from shared.errors import UsageError
 from shared.logging import configure_logging
 from shared.service import run_service

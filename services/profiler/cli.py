@@ -6,8 +6,8 @@ import argparse
 import asyncio
 from collections.abc import Callable
 
-from services.cli.connect import make_bus
 from services.profiler.state import DEFAULT_ALPHA, DEFAULT_THRESHOLD
+from shared.connect import make_bus
 from shared.errors import UsageError
 from shared.logging import configure_logging
 from shared.service import run_service

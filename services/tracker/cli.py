@@ -6,7 +6,7 @@ import argparse
 import asyncio
 from collections.abc import Callable
 
-from services.cli.connect import add_store_args, make_bus, make_store
+from shared.connect import add_store_args, make_bus, make_store
 from shared.errors import UsageError
 from shared.logging import configure_logging
 from shared.service import run_service
