@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.agent.discovery import NodeDevices, cpu_devices, discover_in_subprocess, emulated_devices
-from services.agent.emulation import parse_emulation, reference_tflops
+from services.agent.emulation import parse_emulation
 from services.agent.spec import StoreTarget
 from shared.connect import add_store_args, make_bus, s3_settings
 from shared.errors import UsageError
 from shared.events import NODE_ID_RE
+from shared.gpus import emulation_reference
 from shared.logging import configure_logging
 from shared.service import run_service
 
@@ -83,7 +84,7 @@ def _emulation(args: argparse.Namespace) -> NodeDevices | None:
         return None
     try:
         spec = parse_emulation(args.emulate)
-        reference_tflops(args.emulate_reference)
+        emulation_reference(args.emulate_reference)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return emulated_devices(spec, args.emulate_reference)

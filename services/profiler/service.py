@@ -9,8 +9,9 @@
   published with ``basis="measured"`` (the scheduler prefers measured values). Progress
   from emulated agents is counted under ``emulated="true"`` in the metrics, and a rate
   measured on an emulated GPU also re-estimates every other type by the emulation's
-  slowdowns (:func:`~services.profiler.estimate.emulated_rates`): on an emulated cluster
-  the catalog's real-GPU estimate would send work to the wrong nodes.
+  slowdowns relative to the reference the Progress names, as the agent throttled by
+  (:func:`~services.profiler.estimate.emulated_rates`): on an emulated cluster the
+  catalog's real-GPU estimate would send work to the wrong nodes.
 * Restart: hadar.jobs and hadar.throughput are replayed first, so a job already
   estimated is not estimated again and smoothing resumes from the last published rate.
   A delivery is acked only after what it caused is published (at-least-once).
@@ -154,9 +155,14 @@ class ProfilerService:
                        gpu_type=update.gpu_type, workers=update.workers, rate=round(update.rate, 4),
                        emulated=update.emulated)
         if update.emulated and update.gpu_type in GPU_TYPES:
+            try:
+                rates = emulated_rates(update.gpu_type, update.rate, update.emulation_reference)
+            except ValueError as exc:   # a reference this catalog does not know: no scale to re-estimate by
+                self._log.warning("emulated.unknown_reference", job=update.job_id, reason=str(exc)[:300])
+                return
             await self._publish(ThroughputEstimate(
                 ts=self.clock.time(), source=self.config.source, job_id=update.job_id, basis="estimate",
-                workers=update.workers, rates=emulated_rates(update.gpu_type, update.rate)), emulated=True)
+                workers=update.workers, rates=rates), emulated=True)
 
     async def _publish(self, event: ThroughputEstimate, *, emulated: bool) -> None:
         await self.bus.emit(event)
