@@ -40,12 +40,12 @@ def parse_emulation(text: str) -> tuple[tuple[str, int], ...]:
         gpu_type, sep, count = part.strip().partition(":")
         gpu_type = gpu_type.strip().lower()
         if not sep or not count.strip().isdigit() or int(count) < 1:
-            raise ValueError(f"--emulate: {part.strip()!r} is not TYPE:N with N >= 1")
+            raise ValueError(f"{part.strip()!r} is not TYPE:N with N >= 1")
         if gpu_type not in GPU_TYPES:
-            raise ValueError(f"--emulate: unknown GPU type {gpu_type!r}; valid: {', '.join(GPU_TYPES)}")
+            raise ValueError(f"unknown GPU type {gpu_type!r}; valid: {', '.join(GPU_TYPES)}")
         items.append((gpu_type, int(count)))
     if sum(n for _, n in items) > MAX_EMULATED:
-        raise ValueError(f"--emulate: at most {MAX_EMULATED} devices")
+        raise ValueError(f"at most {MAX_EMULATED} devices")
     return tuple(items)
 
 

@@ -36,6 +36,7 @@ from shared.events import (
 )
 from shared.gpus import GPU_TYPES
 from shared.logging import get_logger
+from shared.settings import FieldError
 
 __all__ = ["ProfilerConfig", "ProfilerService", "Estimator"]
 
@@ -46,10 +47,24 @@ MAX_WORKERS = 64  # ThroughputEstimate.workers range
 
 @dataclass(frozen=True, kw_only=True)
 class ProfilerConfig:
+    """The profiler's settings; ``hadar serve profiler`` loads them with
+    :func:`shared.settings.load_config` (flags, ``HADAR_PROFILER_*``, ``--config`` file).
+
+    ``alpha``: EWMA weight of a new measurement, in (0, 1]. ``threshold``: a measured rate
+    is published when it moves by more than this fraction, >= 0. An invalid value raises
+    :class:`~shared.settings.FieldError` naming the field.
+    """
+
     group: str = "profiler"
     alpha: float = DEFAULT_ALPHA
     threshold: float = DEFAULT_THRESHOLD
     source: str = "profiler"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.alpha <= 1:
+            raise FieldError("alpha", f"must be in (0, 1], got {self.alpha}")
+        if not self.threshold >= 0:
+            raise FieldError("threshold", f"must be >= 0, got {self.threshold}")
 
 
 class ProfilerService:
