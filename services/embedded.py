@@ -2,7 +2,9 @@
 
 The services are the same classes ``hadar serve`` runs, wired to one bus and one store:
 MemoryBus + LocalStore by default (runs anywhere), or KafkaBus + MinioStore when given.
-Agents emulate GPUs of the named types on this machine's CPU.
+Agents emulate GPUs of the named types on this machine's CPU. The agents, tracker and
+profiler get the same self-validating Configs their ``hadar serve`` commands build, so a
+bad value fails here as it does there.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 from services.agent.daemon import AgentConfig, AgentDaemon
 from services.agent.discovery import emulated_devices
 from services.agent.spec import StoreTarget
-from services.profiler.service import ProfilerService
+from services.profiler.service import ProfilerConfig, ProfilerService
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.service import SchedulerService
 from services.tracker.service import TrackerConfig, TrackerService
@@ -60,14 +62,14 @@ class EmbeddedSystem:
             consolidation_wait_s=c.consolidation_wait_s, seed=c.seed, group=c.scheduler_group))
         self.tracker = TrackerService(bus=self.bus, store=self.store,
                                       config=TrackerConfig(finish_timeout_s=c.copy_finish_timeout_s, tick_s=0.2))
-        self.profiler = ProfilerService(bus=self.bus)
-        self.agents = [
-            AgentDaemon(AgentConfig(node_id=node_id, heartbeat_s=c.heartbeat_s, progress_s=c.progress_s,
-                                    threads=c.threads_per_worker, spare_workers=c.spare_workers,
-                                    stop_timeout_s=10.0),
-                        bus=self.bus, store=self.store_target, devices=emulated_devices(((gpu_type, 1),)))
-            for node_id, gpu_type in c.nodes
-        ]
+        self.profiler = ProfilerService(bus=self.bus, config=ProfilerConfig())
+        agents = [AgentConfig(node_id=node_id, heartbeat_s=c.heartbeat_s, progress_s=c.progress_s,
+                              threads=c.threads_per_worker, spare_workers=c.spare_workers, stop_timeout_s=10.0,
+                              emulate=f"{gpu_type}:1")
+                  for node_id, gpu_type in c.nodes]
+        self.agents = [AgentDaemon(a, bus=self.bus, store=self.store_target,
+                                   devices=emulated_devices(a.emulation, a.emulate_reference))
+                       for a in agents]
 
     @property
     def services(self) -> list[Service]:

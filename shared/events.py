@@ -223,6 +223,7 @@ class Progress(Event):
     samples_per_s: float
     loss: float
     emulated: bool = False
+    emulation_reference: str = ""   # emulated: the type slowdowns are relative to ("" = catalog default)
 
     def _check(self) -> None:
         check_job_id(self.job_id, self.TYPE)

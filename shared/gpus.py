@@ -17,7 +17,9 @@ Guarantees:
   (TFLOPS, memory size, memory/PCIe/NVLink bandwidth) and returns 0.0 exactly when
   the job does not fit in the GPU's memory;
 * :func:`normalize_gpu_name` maps a ``torch.cuda.get_device_name()`` string to a
-  catalog key, or ``None`` for a GPU the catalog does not describe.
+  catalog key, or ``None`` for a GPU the catalog does not describe;
+* :func:`emulation_slowdown` is >= 1 and non-increasing in the type's FP32 TFLOPS, for
+  any reference type.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ if TYPE_CHECKING:  # JobFigures lives with the job figures; only its fields are 
 
 __all__ = [
     "GpuSpec", "CATALOG", "GPU_TYPES", "gpu_spec", "normalize_gpu_name", "StepEstimate",
+    "emulation_reference", "emulation_slowdown",
     "estimate_step", "estimate_steps_per_second", "memory_needed_bytes",
     "TRAIN_FLOPS_FACTOR", "FP32_EFFICIENCY", "TENSOR_EFFICIENCY", "MEMORY_EFFICIENCY",
     "PCIE_EFFICIENCY", "LINK_EFFICIENCY", "HOST_SECONDS_PER_OP", "ALLREDUCE_HOP_LATENCY_S",
@@ -193,6 +196,30 @@ def normalize_gpu_name(device_name: str) -> str | None:
         if pattern.search(lowered):
             return key
     return None
+
+
+# ----------------------------------------------------------------------------- emulation
+
+def emulation_reference(reference: str | None = None) -> str:
+    """The type an emulated GPU runs at full CPU speed: ``reference``, or when it is None or
+    empty the fastest real GPU type by FP32 TFLOPS; ``ValueError`` naming the valid types."""
+    if not reference:
+        return max(GPU_TYPES, key=lambda t: CATALOG[t].fp32_tflops)
+    if reference not in GPU_TYPES:
+        raise ValueError(f"emulation reference: unknown GPU type {reference!r}; valid: {', '.join(GPU_TYPES)}")
+    return reference
+
+
+def emulation_slowdown(gpu_type: str, reference: str | None = None) -> float:
+    """How many times longer than the CPU's own step an emulated ``gpu_type`` step takes.
+
+    ``max(1, fp32_tflops(reference) / fp32_tflops(gpu_type))`` with the reference of
+    :func:`emulation_reference`: every type slower than the reference is throttled in
+    proportion, none runs faster than the CPU itself. The agent throttles its workers by
+    it and the profiler re-estimates emulated types by it, so both must use the same
+    reference.
+    """
+    return max(1.0, CATALOG[emulation_reference(reference)].fp32_tflops / CATALOG[gpu_type].fp32_tflops)
 
 
 # ----------------------------------------------------------------------------- estimator

@@ -1,4 +1,11 @@
-"""``hadar serve agent``: flags and runner (wired by services/cli/serve.py)."""
+"""``hadar serve agent``: flags and runner (wired by services/cli/serve.py).
+
+Settings are an :class:`~services.agent.daemon.AgentConfig` loaded by
+:func:`shared.settings.load_config`: flags over the environment (``HADAR_NODE_ID``,
+``HADAR_NODE_ADDRESS``, ``HADAR_AGENT_*``) over the ``--config`` TOML file over the
+defaults. A bad value exits 2 with one line naming it. Where the object store is
+(``--store-dir`` or S3) is a connection setting, as Kafka's is.
+"""
 
 from __future__ import annotations
 
@@ -10,20 +17,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.agent.discovery import NodeDevices, cpu_devices, discover_in_subprocess, emulated_devices
-from services.agent.emulation import parse_emulation, reference_tflops
 from services.agent.spec import StoreTarget
-from services.cli.connect import add_store_args, make_bus, s3_settings
-from services.cli.main import UsageError
-from shared.events import NODE_ID_RE
+from shared.config import ConfigError
+from shared.connect import add_store_args, make_bus, s3_settings
+from shared.errors import UsageError
 from shared.logging import configure_logging
 from shared.service import run_service
+from shared.settings import add_config_arg, load_config
 
 if TYPE_CHECKING:
     from services.agent.daemon import AgentConfig
 
-__all__ = ["add_agent_parser", "run_agent", "DEFAULT_HTTP_PORT"]
+__all__ = ["add_agent_parser", "run_agent", "agent_config", "DEFAULT_HTTP_PORT", "ENV_PREFIX"]
 
 DEFAULT_HTTP_PORT = 8082
+ENV_PREFIX = "HADAR_AGENT_"
+# Flags whose field has the same name; AgentConfig holds their defaults.
+_FIELDS = ("node_id", "address", "emulate", "emulate_reference", "cpu_devices", "heartbeat_s", "progress_s",
+           "stop_timeout_s", "deadline_grace_s", "threads", "spare_workers")
 
 
 def add_agent_parser(services: argparse._SubParsersAction,
@@ -33,43 +44,41 @@ def add_agent_parser(services: argparse._SubParsersAction,
     add_store_args(parser)
     parser.add_argument("--store-dir", default=None,
                         help="use a local directory as the object store instead of S3 (single machine)")
-    node_id = os.environ.get("HADAR_NODE_ID") or None
-    parser.add_argument("--node-id", default=node_id, required=node_id is None,
+    add_config_arg(parser)
+    # None means "not given", so that the environment and the file can set it.
+    parser.add_argument("--node-id", default=None,
                         help="this node's id (letters, digits, '.', '_', '-'; default: $HADAR_NODE_ID)")
-    parser.add_argument("--address", default=os.environ.get("HADAR_NODE_ADDRESS", ""),
+    parser.add_argument("--address", default=None,
                         help="host other agents reach this one at for DDP rendezvous "
                              "(default: $HADAR_NODE_ADDRESS, else the node id)")
     parser.add_argument("--emulate", default=None, metavar="TYPE:N[,TYPE:N...]",
                         help="stand in for GPUs of these catalog types on the CPU, throttled to their speed")
     parser.add_argument("--emulate-reference", default=None, metavar="TYPE",
                         help="type that runs at full CPU speed when emulating (default: fastest in the catalog)")
-    parser.add_argument("--cpu-devices", type=int, default=1,
+    parser.add_argument("--cpu-devices", type=int, default=None,
                         help="devices a machine without CUDA offers (type cpu; default 1)")
-    parser.add_argument("--heartbeat-s", type=float, default=5.0, help="heartbeat period")
-    parser.add_argument("--progress-s", type=float, default=2.0, help="progress report period of a worker")
-    parser.add_argument("--stop-timeout-s", type=float, default=30.0,
-                        help="a preempted worker is killed this long after SIGTERM")
-    parser.add_argument("--deadline-grace-s", type=float, default=30.0,
-                        help="a worker still running this long after its round deadline is preempted")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    parser.add_argument("--spare-workers", type=int, default=1, help="warm worker processes kept ready")
+    parser.add_argument("--heartbeat-s", type=float, default=None, help="heartbeat period (default: 5)")
+    parser.add_argument("--progress-s", type=float, default=None,
+                        help="progress report period of a worker (default: 2)")
+    parser.add_argument("--stop-timeout-s", type=float, default=None,
+                        help="a preempted worker is killed this long after SIGTERM (default: 30)")
+    parser.add_argument("--deadline-grace-s", type=float, default=None,
+                        help="a worker still running this long after its round deadline is preempted (default: 30)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: 1)")
+    parser.add_argument("--spare-workers", type=int, default=None, help="warm worker processes kept ready (default: 1)")
     parser.set_defaults(func=run_agent)
     return parser
 
 
-def _config(args: argparse.Namespace) -> AgentConfig:
+def agent_config(args: argparse.Namespace) -> AgentConfig:
+    """The AgentConfig of these flags, the environment and ``--config``; UsageError if invalid."""
     from services.agent.daemon import AgentConfig
 
-    if not NODE_ID_RE.match(args.node_id):
-        raise UsageError(f"--node-id: {args.node_id!r} must be 1-63 letters, digits, '.', '_', '-'")
-    if min(args.heartbeat_s, args.progress_s, args.stop_timeout_s) <= 0 or args.deadline_grace_s < 0:
-        raise UsageError("--heartbeat-s, --progress-s and --stop-timeout-s must be > 0, --deadline-grace-s >= 0")
-    if args.threads < 1 or args.spare_workers < 0 or args.cpu_devices < 1:
-        raise UsageError("--threads and --cpu-devices must be >= 1, --spare-workers >= 0")
-    return AgentConfig(node_id=args.node_id, address=args.address, heartbeat_s=args.heartbeat_s,
-                       progress_s=args.progress_s, stop_timeout_s=args.stop_timeout_s,
-                       deadline_grace_s=args.deadline_grace_s, threads=args.threads,
-                       spare_workers=args.spare_workers)
+    flags = {name: getattr(args, name) for name in _FIELDS}
+    try:
+        return load_config(AgentConfig, flags=flags, env=os.environ, env_prefix=ENV_PREFIX, file=args.config)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _store(args: argparse.Namespace) -> StoreTarget:
@@ -78,36 +87,25 @@ def _store(args: argparse.Namespace) -> StoreTarget:
     return StoreTarget.remote(s3_settings(args))
 
 
-def _emulation(args: argparse.Namespace) -> NodeDevices | None:
-    if not args.emulate:
-        return None
-    try:
-        spec = parse_emulation(args.emulate)
-        reference_tflops(args.emulate_reference)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    return emulated_devices(spec, args.emulate_reference)
-
-
-async def _discover(args: argparse.Namespace) -> NodeDevices:
+async def _discover(config: AgentConfig) -> NodeDevices:
     devices = await discover_in_subprocess()
-    if devices.kind == "cpu" and args.cpu_devices > 1:
-        return cpu_devices(args.cpu_devices)
+    if devices.kind == "cpu" and config.cpu_devices > 1:
+        return cpu_devices(config.cpu_devices)
     return devices
 
 
 def run_agent(args: argparse.Namespace) -> int:
     from services.agent.daemon import AgentDaemon  # heavy: only when run
 
-    config = _config(args)
+    config = agent_config(args)
     store = _store(args)
-    emulated = _emulation(args)
+    emulated = emulated_devices(config.emulation, config.emulate_reference) if config.emulate else None
     bus = make_bus(args, source=f"agent/{config.node_id}")
     configure_logging("agent", level=args.log_level)
     drain_s = max(args.drain_timeout_s, config.stop_timeout_s + 15.0)
 
     async def run() -> None:
-        devices = emulated or await _discover(args)
+        devices = emulated or await _discover(config)
         if store.kind == "local":
             os.makedirs(store.root, exist_ok=True)
         await bus.start()
@@ -119,4 +117,3 @@ def run_agent(args: argparse.Namespace) -> int:
 
     asyncio.run(run())
     return 0
-

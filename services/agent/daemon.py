@@ -25,13 +25,14 @@ import asyncio
 import sys
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import structlog
 from prometheus_client import CollectorRegistry
 
 from services.agent.discovery import NodeDevices
+from services.agent.emulation import parse_emulation
 from services.agent.metrics import AgentMetrics
 from services.agent.process import WorkerPool
 from services.agent.runner import CopyKey, CopyRun, RunContext
@@ -40,8 +41,10 @@ from shared.bus import Bus, Delivery, Subscription
 from shared.clock import Clock, SystemClock
 from shared.dispatch import HandlerTable
 from shared.events import (
-    Assignment, Event, JobCancelled, JobSubmitted, NodeHeartbeat, NodeRegistered, RoundStarted,
+    NODE_ID_RE, Assignment, Event, JobCancelled, JobSubmitted, NodeHeartbeat, NodeRegistered, RoundStarted,
 )
+from shared.gpus import GPU_TYPES
+from shared.settings import FieldError
 from shared.topics import JOBS, PLACEMENTS
 
 __all__ = ["AgentConfig", "AgentDaemon"]
@@ -52,8 +55,17 @@ SEEN_LIMIT = 4096
 
 @dataclass(frozen=True, kw_only=True)
 class AgentConfig:
-    node_id: str
-    address: str = ""               # host other agents reach for DDP rendezvous ("" = node id)
+    """The agent's settings; ``hadar serve agent`` loads them with
+    :func:`shared.settings.load_config` from flags, the environment (``HADAR_NODE_ID``,
+    ``HADAR_NODE_ADDRESS``, else ``HADAR_AGENT_<FIELD>``) and a ``--config`` file.
+
+    ``emulate``, ``emulate_reference`` and ``cpu_devices`` choose the devices the CLI
+    hands the daemon (see :meth:`emulation`); the daemon itself uses the rest. An invalid
+    value raises :class:`~shared.settings.FieldError` naming the field.
+    """
+
+    node_id: str = field(metadata={"env": "HADAR_NODE_ID"})
+    address: str = field(default="", metadata={"env": "HADAR_NODE_ADDRESS"})  # DDP rendezvous host ("" = node id)
     heartbeat_s: float = 5.0
     progress_s: float = 2.0
     stop_timeout_s: float = 30.0    # SIGTERM -> SIGKILL for a preempted worker
@@ -61,10 +73,38 @@ class AgentConfig:
     threads: int = 1                # torch threads per worker
     spare_workers: int = 1          # warm worker processes kept ready
     python: str = sys.executable
+    emulate: str | None = None      # TYPE:N[,TYPE:N...]: emulated GPUs on the CPU (None or "": discover)
+    emulate_reference: str | None = None   # the type emulated at full CPU speed (None: fastest in the catalog)
+    cpu_devices: int = 1            # devices a machine without CUDA offers
+
+    def __post_init__(self) -> None:
+        if not NODE_ID_RE.match(self.node_id):
+            raise FieldError("node_id", f"{self.node_id!r} must be 1-63 letters, digits, '.', '_', '-'")
+        for name in ("heartbeat_s", "progress_s", "stop_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise FieldError(name, f"must be > 0, got {getattr(self, name)}")
+        if not self.deadline_grace_s >= 0:
+            raise FieldError("deadline_grace_s", f"must be >= 0, got {self.deadline_grace_s}")
+        for name, least in (("threads", 1), ("spare_workers", 0), ("cpu_devices", 1)):
+            if getattr(self, name) < least:
+                raise FieldError(name, f"must be >= {least}, got {getattr(self, name)}")
+        if self.emulate:
+            try:
+                parse_emulation(self.emulate)
+            except ValueError as exc:
+                raise FieldError("emulate", str(exc)) from None
+        if self.emulate_reference is not None and self.emulate_reference not in GPU_TYPES:
+            raise FieldError("emulate_reference", f"unknown GPU type {self.emulate_reference!r}; "
+                                                  f"valid: {', '.join(GPU_TYPES)}")
 
     @property
     def group(self) -> str:
         return f"agent-{self.node_id}"
+
+    @property
+    def emulation(self) -> tuple[tuple[str, int], ...]:
+        """The parsed ``emulate`` (empty: discover the devices)."""
+        return parse_emulation(self.emulate) if self.emulate else ()
 
 
 class AgentDaemon:

@@ -40,6 +40,7 @@ class NodeDevices:
     gpus: tuple[GpuInfo, ...]
     slowdown: Mapping[int, float] = field(default_factory=dict)   # emulated: index -> factor
     visible: Mapping[int, str] = field(default_factory=dict)      # cuda: index -> CUDA_VISIBLE_DEVICES
+    reference: str = ""   # emulated: the type slowdowns are relative to ("" = the catalog's default)
 
     @property
     def emulated(self) -> bool:
@@ -55,7 +56,8 @@ class NodeDevices:
     def to_json(self) -> str:
         return json.dumps({"kind": self.kind, "gpus": [[g.index, g.type, g.memory_gb] for g in self.gpus],
                            "slowdown": {str(k): v for k, v in self.slowdown.items()},
-                           "visible": {str(k): v for k, v in self.visible.items()}})
+                           "visible": {str(k): v for k, v in self.visible.items()},
+                           "reference": self.reference})
 
     @classmethod
     def from_json(cls, text: str) -> NodeDevices:
@@ -63,7 +65,8 @@ class NodeDevices:
         return cls(kind=data["kind"],
                    gpus=tuple(GpuInfo(index=i, type=t, memory_gb=m) for i, t, m in data["gpus"]),
                    slowdown={int(k): float(v) for k, v in data["slowdown"].items()},
-                   visible={int(k): str(v) for k, v in data["visible"].items()})
+                   visible={int(k): str(v) for k, v in data["visible"].items()},
+                   reference=str(data.get("reference", "")))
 
 
 def _memory_gb() -> float:
@@ -80,9 +83,10 @@ def cpu_devices(count: int = 1) -> NodeDevices:
 
 
 def emulated_devices(spec: tuple[tuple[str, int], ...], reference: str | None = None) -> NodeDevices:
+    """Devices emulating ``spec``, throttled relative to ``reference`` (None: the catalog's default)."""
     devices = emulated_gpus(spec, reference)
     return NodeDevices(kind="emulated", gpus=tuple(d.info for d in devices),
-                       slowdown={d.info.index: d.slowdown for d in devices})
+                       slowdown={d.info.index: d.slowdown for d in devices}, reference=reference or "")
 
 
 def gpu_type_of(device_name: str) -> str:

@@ -2,15 +2,17 @@
 
 ``--emulate v100:2,k80:2`` gives a node four devices, indices 0..3 in the order named.
 Each emulated device runs its worker on the CPU and throttles every step so that its step
-rate relative to the other types follows the GPU catalog's FP32 TFLOPS:
+rate relative to the other types follows the GPU catalog's FP32 TFLOPS, by
+:func:`shared.gpus.emulation_slowdown`:
 
     slowdown(type) = reference_tflops / fp32_tflops(type)      (>= 1)
 
-where the reference defaults to the fastest type in the catalog, so that every type is
-throttled (a CPU cannot run faster than itself) and nodes that emulate different types
-agree on the same scale without coordinating. A worker for type T sleeps after each step
-for (slowdown(T) - 1) times the step's own duration. Everything an emulating agent
-produces (events, metrics) says ``emulated``.
+where the reference (``--emulate-reference``) defaults to the fastest type in the catalog,
+so that every type is throttled (a CPU cannot run faster than itself) and nodes that
+emulate different types agree on the same scale without coordinating. A worker for type
+T sleeps after each step for (slowdown(T) - 1) times the step's own duration. Everything
+an emulating agent produces (events, metrics) says ``emulated``, and its Progress events
+name a non-default reference, so that the profiler scales by the same slowdowns.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.events import GpuInfo
-from shared.gpus import CATALOG, GPU_TYPES
+from shared.gpus import CATALOG, GPU_TYPES, emulation_slowdown
 
-__all__ = ["EmulatedGpu", "parse_emulation", "reference_tflops", "slowdown", "emulated_gpus"]
+__all__ = ["EmulatedGpu", "parse_emulation", "emulated_gpus"]
 
 MAX_EMULATED = 64
 
@@ -38,27 +40,13 @@ def parse_emulation(text: str) -> tuple[tuple[str, int], ...]:
         gpu_type, sep, count = part.strip().partition(":")
         gpu_type = gpu_type.strip().lower()
         if not sep or not count.strip().isdigit() or int(count) < 1:
-            raise ValueError(f"--emulate: {part.strip()!r} is not TYPE:N with N >= 1")
+            raise ValueError(f"{part.strip()!r} is not TYPE:N with N >= 1")
         if gpu_type not in GPU_TYPES:
-            raise ValueError(f"--emulate: unknown GPU type {gpu_type!r}; valid: {', '.join(GPU_TYPES)}")
+            raise ValueError(f"unknown GPU type {gpu_type!r}; valid: {', '.join(GPU_TYPES)}")
         items.append((gpu_type, int(count)))
     if sum(n for _, n in items) > MAX_EMULATED:
-        raise ValueError(f"--emulate: at most {MAX_EMULATED} devices")
+        raise ValueError(f"at most {MAX_EMULATED} devices")
     return tuple(items)
-
-
-def reference_tflops(reference: str | None = None) -> float:
-    """FP32 TFLOPS of the reference type (default: the fastest GPU type in the catalog)."""
-    if reference is None:
-        return max(CATALOG[t].fp32_tflops for t in GPU_TYPES)
-    if reference not in GPU_TYPES:
-        raise ValueError(f"emulation reference: unknown GPU type {reference!r}; valid: {', '.join(GPU_TYPES)}")
-    return CATALOG[reference].fp32_tflops
-
-
-def slowdown(gpu_type: str, reference: str | None = None) -> float:
-    """How many times longer than the CPU's own step an emulated ``gpu_type`` step takes."""
-    return max(1.0, reference_tflops(reference) / CATALOG[gpu_type].fp32_tflops)
 
 
 def emulated_gpus(spec: tuple[tuple[str, int], ...], reference: str | None = None) -> tuple[EmulatedGpu, ...]:
@@ -67,5 +55,5 @@ def emulated_gpus(spec: tuple[tuple[str, int], ...], reference: str | None = Non
     for gpu_type, count in spec:
         for _ in range(count):
             info = GpuInfo(index=len(devices), type=gpu_type, memory_gb=CATALOG[gpu_type].memory_gb)
-            devices.append(EmulatedGpu(info=info, slowdown=slowdown(gpu_type, reference)))
+            devices.append(EmulatedGpu(info=info, slowdown=emulation_slowdown(gpu_type, reference)))
     return tuple(devices)

@@ -201,7 +201,8 @@ class CopyRun:
             event = Progress(ts=self.ctx.clock.time(), source=self.ctx.source, job_id=a.job_id, round=a.round,
                              copy=a.copy, node_id=self.ctx.node_id, gpu_type=a.gpu_type, workers=a.world_size,
                              steps_round=steps_round, steps_total=steps_total, samples_per_s=samples_per_s,
-                             loss=loss, emulated=self.ctx.devices.emulated)
+                             loss=loss, emulated=self.ctx.devices.emulated,
+                             emulation_reference=self.ctx.devices.reference)
         except (KeyError, TypeError, ValueError) as exc:   # ValueError includes InvalidEvent
             self.log.warning("progress.bad_report", error=f"{type(exc).__name__}: {exc}"[:300])
             return

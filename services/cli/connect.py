@@ -1,64 +1,15 @@
-"""Connection flags shared by the subcommands, and the client-side view of the cluster.
+"""The client-side view of the cluster: every topic folded as the scheduler folds it.
 
-Settings come from flags or the environment (``HADAR_BOOTSTRAP``, ``HADAR_S3_ENDPOINT``,
-``HADAR_S3_ACCESS_KEY``, ``HADAR_S3_SECRET_KEY``); secret values are never printed.
+The connection flags and settings the subcommands use live in :mod:`shared.connect`.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-
-from services.cli.main import UsageError
 from services.scheduler.state import SchedulerState, fold_log
-from shared.bus import Bus, KafkaBus
-from shared.config import ConfigError, KafkaSettings, S3Settings, s3_from_env
-from shared.store import MinioStore, ObjectStore
+from shared.bus import Bus
 from shared.topics import ALL_TOPICS
 
-
-def add_bus_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bootstrap", default=None,
-                        help="Kafka bootstrap host:port (default: $HADAR_BOOTSTRAP)")
-
-
-def add_store_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--s3-endpoint", default=None, help="S3 endpoint URL (default: $HADAR_S3_ENDPOINT)")
-    parser.add_argument("--s3-bucket", default=None, help="bucket (default: $HADAR_S3_BUCKET or 'hadar')")
-
-
-def kafka_settings(args: argparse.Namespace) -> KafkaSettings:
-    bootstrap = getattr(args, "bootstrap", None) or os.environ.get("HADAR_BOOTSTRAP", "")
-    if not bootstrap:
-        raise UsageError("no Kafka broker: pass --bootstrap HOST:PORT or set HADAR_BOOTSTRAP")
-    try:
-        return KafkaSettings(bootstrap=bootstrap)
-    except ConfigError as exc:
-        raise UsageError(str(exc)) from None
-
-
-def s3_settings(args: argparse.Namespace) -> S3Settings:
-    env = dict(os.environ)
-    if getattr(args, "s3_endpoint", None):
-        env["HADAR_S3_ENDPOINT"] = args.s3_endpoint
-    if getattr(args, "s3_bucket", None):
-        env["HADAR_S3_BUCKET"] = args.s3_bucket
-    try:
-        settings = s3_from_env(env)
-    except ConfigError as exc:
-        raise UsageError(str(exc)) from None
-    if settings is None:
-        raise UsageError("no object store: pass --s3-endpoint URL or set HADAR_S3_ENDPOINT "
-                         "(credentials from HADAR_S3_ACCESS_KEY / HADAR_S3_SECRET_KEY)")
-    return settings
-
-
-def make_bus(args: argparse.Namespace, *, source: str) -> Bus:
-    return KafkaBus.from_settings(kafka_settings(args), source=source)
-
-
-def make_store(args: argparse.Namespace) -> ObjectStore:
-    return MinioStore(s3_settings(args))
+__all__ = ["fold_all"]
 
 
 async def fold_all(bus: Bus) -> SchedulerState:

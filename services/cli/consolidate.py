@@ -14,8 +14,8 @@ import json
 import sys
 from pathlib import Path
 
-from services.cli.main import UsageError
 from services.tracker.consolidate import NoUsableReplica, consolidate_local
+from shared.errors import UsageError
 
 __all__ = ["register", "parse_input"]
 

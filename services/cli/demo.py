@@ -19,11 +19,11 @@ import sys
 import time
 from pathlib import Path
 
-from services.cli.connect import add_bus_args, kafka_settings, s3_settings
 from services.cli.jobs import jobs_table, submit
 from services.scheduler.cli import add_policy_args, policy_options
-from shared.errors import UsageError
 from services.scheduler.state import SchedulerState
+from shared.connect import add_bus_args, kafka_settings, s3_settings
+from shared.errors import UsageError
 from shared.jobfile import JobFileError, load_job_file, parse_job
 from shared.logging import configure_logging
 

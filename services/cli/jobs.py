@@ -10,11 +10,12 @@ import sys
 import uuid
 from pathlib import Path
 
-from services.cli.connect import add_bus_args, add_store_args, fold_all, make_bus, make_store
-from services.cli.main import UsageError
+from services.cli.connect import fold_all
 from services.scheduler.state import JobRecord, SchedulerState
 from shared.bus import Bus
 from shared.clock import SystemClock
+from shared.connect import add_bus_args, add_store_args, make_bus, make_store
+from shared.errors import UsageError
 from shared.events import JobCancelled, JobSpec, JobSubmitted, RoundStarted
 from shared.jobfile import FIELDS, JobFileError, load_job_file, parse_job
 from shared.layout import final_key

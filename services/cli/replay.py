@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from typing import Any
 
-from services.cli.connect import add_bus_args, make_bus
 from services.scheduler.cli import policy_options
 from services.scheduler.policies import PolicyChoice, UnknownPolicy
 from services.scheduler.rerun import LoggedEvent, rerun
+from shared.connect import add_bus_args, make_bus
 from shared.dispatch import HandlerTable
 from shared.errors import UsageError
 from shared.eventlog import EventLogError, LogRecord, read_log

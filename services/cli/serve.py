@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.cli.connect import add_bus_args
+from shared.connect import add_bus_args
 
 
 def add_common(parser: argparse.ArgumentParser, *, http_port: int) -> None:

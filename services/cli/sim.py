@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from services.cli.main import UsageError
+from shared.errors import UsageError
 
 PLOTS = ("utilization.png", "jct_cdf.png")
 

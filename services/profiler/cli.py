@@ -1,43 +1,66 @@
-"""``hadar serve profiler``: flags and runner (wired by services/cli/serve.py)."""
+"""``hadar serve profiler``: flags and runner (wired by services/cli/serve.py).
+
+Settings are a :class:`~services.profiler.service.ProfilerConfig` loaded by
+:func:`shared.settings.load_config`: flags over ``HADAR_PROFILER_*`` variables over the
+``--config`` TOML file over the defaults. A bad value exits 2 with one line naming it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from services.cli.connect import make_bus
-from services.cli.main import UsageError
 from services.profiler.state import DEFAULT_ALPHA, DEFAULT_THRESHOLD
+from shared.config import ConfigError
+from shared.connect import make_bus
+from shared.errors import UsageError
 from shared.logging import configure_logging
 from shared.service import run_service
+from shared.settings import add_config_arg, load_config
 
-__all__ = ["add_profiler_parser", "run_profiler"]
+if TYPE_CHECKING:
+    from services.profiler.service import ProfilerConfig
+
+__all__ = ["add_profiler_parser", "run_profiler", "profiler_config", "ENV_PREFIX"]
 
 DEFAULT_HTTP_PORT = 8084
+ENV_PREFIX = "HADAR_PROFILER_"
 
 
 def add_profiler_parser(services: argparse._SubParsersAction,
                         add_common: Callable[..., None]) -> argparse.ArgumentParser:
     parser = services.add_parser("profiler", help="estimate and measure jobs' throughput per GPU type")
     add_common(parser, http_port=DEFAULT_HTTP_PORT)
-    parser.add_argument("--group", default="profiler", help="consumer group id")
-    parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
-                        help="EWMA weight of a new measurement, in (0, 1]")
-    parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
-                        help="publish a measured rate when it moves by more than this fraction")
+    add_config_arg(parser)
+    # Defaults are ProfilerConfig's: None here means "not given", so env and file can set them.
+    parser.add_argument("--group", default=None, help="consumer group id (default: profiler)")
+    parser.add_argument("--alpha", type=float, default=None,
+                        help=f"EWMA weight of a new measurement, in (0, 1] (default: {DEFAULT_ALPHA})")
+    parser.add_argument("--threshold", type=float, default=None,
+                        help="publish a measured rate when it moves by more than this fraction "
+                             f"(default: {DEFAULT_THRESHOLD})")
     parser.set_defaults(func=run_profiler)
     return parser
 
 
-def run_profiler(args: argparse.Namespace) -> int:
-    from services.profiler.service import ProfilerConfig, ProfilerService  # heavy (torch, numpy): only when run
+def profiler_config(args: argparse.Namespace) -> ProfilerConfig:
+    """The ProfilerConfig of these flags, the environment and ``--config``; UsageError if invalid."""
+    from services.profiler.service import ProfilerConfig  # heavy (torch, numpy): only when run
 
-    if not 0 < args.alpha <= 1:
-        raise UsageError(f"--alpha: must be in (0, 1], got {args.alpha}")
-    if args.threshold < 0:
-        raise UsageError(f"--threshold: must be >= 0, got {args.threshold}")
-    config = ProfilerConfig(group=args.group, alpha=args.alpha, threshold=args.threshold)
+    flags = {"group": args.group, "alpha": args.alpha, "threshold": args.threshold}
+    try:
+        return load_config(ProfilerConfig, flags=flags, env=os.environ, env_prefix=ENV_PREFIX, file=args.config)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def run_profiler(args: argparse.Namespace) -> int:
+    from services.profiler.service import ProfilerService  # heavy (torch, numpy): only when run
+
+    config = profiler_config(args)
     bus = make_bus(args, source="profiler")
     configure_logging("profiler", level=args.log_level)
 

@@ -15,7 +15,7 @@ import math
 from shared import gpus, workloads, zoo
 from shared.events import JobSpec
 
-__all__ = ["catalog_rates", "job_figures_for"]
+__all__ = ["catalog_rates", "emulated_rates", "job_figures_for"]
 
 
 def job_figures_for(spec: JobSpec) -> workloads.JobFigures:
@@ -39,16 +39,16 @@ def catalog_rates(spec: JobSpec) -> dict[str, float]:
     return rates
 
 
-def emulated_rates(gpu_type: str, rate: float) -> dict[str, float]:
+def emulated_rates(gpu_type: str, rate: float, reference: str = "") -> dict[str, float]:
     """Every catalog type's rate implied by ``rate`` measured on an *emulated* ``gpu_type``.
 
-    An emulated GPU is this machine's CPU throttled by ``slowdown(type)`` (see
-    :mod:`services.agent.emulation`), so one measurement fixes the job's speed on every
-    emulated type: ``rate x slowdown(gpu_type) / slowdown(t)``. The catalog estimate
-    describes real GPUs and says nothing about a throttled CPU, so on an emulated cluster
-    this is the better estimate for the types not measured yet.
+    An emulated GPU is the agent's CPU throttled by
+    :func:`shared.gpus.emulation_slowdown` relative to the agent's emulation
+    ``reference`` (as its Progress names it; "" = the catalog's default), so one
+    measurement fixes the job's speed on every emulated type:
+    ``rate x slowdown(gpu_type) / slowdown(t)``. The catalog estimate describes real GPUs
+    and says nothing about a throttled CPU, so on an emulated cluster this is the better
+    estimate for the types not measured yet. ``ValueError`` for an unknown reference.
     """
-    from services.agent.emulation import slowdown
-
-    cpu_rate = rate * slowdown(gpu_type)
-    return {t: cpu_rate / slowdown(t) for t in gpus.GPU_TYPES if t != gpu_type}
+    cpu_rate = rate * gpus.emulation_slowdown(gpu_type, reference)
+    return {t: cpu_rate / gpus.emulation_slowdown(t, reference) for t in gpus.GPU_TYPES if t != gpu_type}

@@ -9,8 +9,9 @@
   published with ``basis="measured"`` (the scheduler prefers measured values). Progress
   from emulated agents is counted under ``emulated="true"`` in the metrics, and a rate
   measured on an emulated GPU also re-estimates every other type by the emulation's
-  slowdowns (:func:`~services.profiler.estimate.emulated_rates`): on an emulated cluster
-  the catalog's real-GPU estimate would send work to the wrong nodes.
+  slowdowns relative to the reference the Progress names, as the agent throttled by
+  (:func:`~services.profiler.estimate.emulated_rates`): on an emulated cluster the
+  catalog's real-GPU estimate would send work to the wrong nodes.
 * Restart: hadar.jobs and hadar.throughput are replayed first, so a job already
   estimated is not estimated again and smoothing resumes from the last published rate.
   A delivery is acked only after what it caused is published (at-least-once).
@@ -37,6 +38,7 @@ from shared.events import (
 from shared.gpus import GPU_TYPES
 from shared.logging import get_logger
 from shared.rejection import dead_letter_delivery
+from shared.settings import FieldError
 from shared.topics import DEADLETTER, JOBS, MODELS, PROGRESS, THROUGHPUT
 
 __all__ = ["ProfilerConfig", "ProfilerService", "Estimator"]
@@ -48,10 +50,24 @@ MAX_WORKERS = 64  # ThroughputEstimate.workers range
 
 @dataclass(frozen=True, kw_only=True)
 class ProfilerConfig:
+    """The profiler's settings; ``hadar serve profiler`` loads them with
+    :func:`shared.settings.load_config` (flags, ``HADAR_PROFILER_*``, ``--config`` file).
+
+    ``alpha``: EWMA weight of a new measurement, in (0, 1]. ``threshold``: a measured rate
+    is published when it moves by more than this fraction, >= 0. An invalid value raises
+    :class:`~shared.settings.FieldError` naming the field.
+    """
+
     group: str = "profiler"
     alpha: float = DEFAULT_ALPHA
     threshold: float = DEFAULT_THRESHOLD
     source: str = "profiler"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.alpha <= 1:
+            raise FieldError("alpha", f"must be in (0, 1], got {self.alpha}")
+        if not self.threshold >= 0:
+            raise FieldError("threshold", f"must be >= 0, got {self.threshold}")
 
 
 class ProfilerService:
@@ -179,9 +195,14 @@ class ProfilerService:
                        gpu_type=update.gpu_type, workers=update.workers, rate=round(update.rate, 4),
                        emulated=update.emulated)
         if update.emulated and update.gpu_type in GPU_TYPES:
+            try:
+                rates = emulated_rates(update.gpu_type, update.rate, update.emulation_reference)
+            except ValueError as exc:   # a reference this catalog does not know: no scale to re-estimate by
+                self._log.warning("emulated.unknown_reference", job=update.job_id, reason=str(exc)[:300])
+                return
             await self._publish(ThroughputEstimate(
                 ts=self.clock.time(), source=self.config.source, job_id=update.job_id, basis="estimate",
-                workers=update.workers, rates=emulated_rates(update.gpu_type, update.rate)), emulated=True)
+                workers=update.workers, rates=rates), emulated=True)
 
     async def _publish(self, event: ThroughputEstimate, *, emulated: bool) -> None:
         await self.bus.emit(event)

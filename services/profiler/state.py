@@ -44,6 +44,7 @@ class MeasuredUpdate:
     workers: int
     rate: float
     emulated: bool
+    emulation_reference: str = ""   # of the Progress that moved the rate ("" = catalog default)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,7 +110,8 @@ class ProfilerState:
             return None
         self._published[key] = value
         return MeasuredUpdate(job_id=progress.job_id, gpu_type=progress.gpu_type,
-                              workers=progress.workers, rate=value, emulated=progress.emulated)
+                              workers=progress.workers, rate=value, emulated=progress.emulated,
+                              emulation_reference=progress.emulation_reference)
 
     def _sample(self, p: Progress) -> float | None:
         copy_key = (p.job_id, p.round, p.copy, p.node_id)

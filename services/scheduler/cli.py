@@ -9,7 +9,7 @@ from collections.abc import Callable
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.policies import POLICY_NAMES, UnknownPolicy, parse_policy_option
 from shared.config import ConfigError
-from services.cli.connect import make_bus  # TODO(merge): shared.connect
+from shared.connect import make_bus
 from shared.errors import UsageError
 from shared.logging import configure_logging
 from shared.service import run_service

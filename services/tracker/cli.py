@@ -1,19 +1,32 @@
-"""``hadar serve tracker``: flags and runner (wired by services/cli/serve.py)."""
+"""``hadar serve tracker``: flags and runner (wired by services/cli/serve.py).
+
+Settings are a :class:`~services.tracker.service.TrackerConfig` loaded by
+:func:`shared.settings.load_config`: flags over ``HADAR_TRACKER_*`` variables over the
+``--config`` TOML file over the defaults. A bad value exits 2 with one line naming it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from services.cli.connect import add_store_args, make_bus, make_store
-from services.cli.main import UsageError
+from shared.config import ConfigError
+from shared.connect import add_store_args, make_bus, make_store
+from shared.errors import UsageError
 from shared.logging import configure_logging
 from shared.service import run_service
+from shared.settings import add_config_arg, load_config
 
-__all__ = ["add_tracker_parser", "run_tracker"]
+if TYPE_CHECKING:
+    from services.tracker.service import TrackerConfig
+
+__all__ = ["add_tracker_parser", "run_tracker", "tracker_config", "ENV_PREFIX"]
 
 DEFAULT_HTTP_PORT = 8083
+ENV_PREFIX = "HADAR_TRACKER_"
 
 
 def add_tracker_parser(services: argparse._SubParsersAction,
@@ -21,26 +34,35 @@ def add_tracker_parser(services: argparse._SubParsersAction,
     parser = services.add_parser("tracker", help="aggregate progress, consolidate copies, complete jobs")
     add_common(parser, http_port=DEFAULT_HTTP_PORT)
     add_store_args(parser)
-    parser.add_argument("--group", default="tracker", help="consumer group id")
-    parser.add_argument("--uniform", action="store_true",
+    add_config_arg(parser)
+    # Defaults are TrackerConfig's: None here means "not given", so env and file can set them.
+    parser.add_argument("--group", default=None, help="consumer group id (default: tracker)")
+    parser.add_argument("--uniform", dest="mode", action="store_const", const="uniform", default=None,
                         help="average copies uniformly instead of by the steps each did")
-    parser.add_argument("--finish-timeout-s", type=float, default=120.0,
-                        help="how long after a round's deadline to wait for missing copies")
-    parser.add_argument("--tick-s", type=float, default=1.0, help="how often due rounds are checked")
+    parser.add_argument("--finish-timeout-s", type=float, default=None,
+                        help="how long after a round's deadline to wait for missing copies (default: 120)")
+    parser.add_argument("--tick-s", type=float, default=None, help="how often due rounds are checked (default: 1)")
     parser.add_argument("--temp-dir", default=None, help="where consolidated models are staged")
     parser.set_defaults(func=run_tracker)
     return parser
 
 
-def run_tracker(args: argparse.Namespace) -> int:
-    from services.tracker.service import TrackerConfig, TrackerService  # heavy (torch, numpy): only when run
+def tracker_config(args: argparse.Namespace) -> TrackerConfig:
+    """The TrackerConfig of these flags, the environment and ``--config``; UsageError if invalid."""
+    from services.tracker.service import TrackerConfig  # heavy (torch, numpy): only when run
 
+    flags = {"group": args.group, "mode": args.mode, "finish_timeout_s": args.finish_timeout_s,
+             "tick_s": args.tick_s, "temp_dir": args.temp_dir}
     try:
-        config = TrackerConfig(group=args.group, mode="uniform" if args.uniform else "steps",
-                               finish_timeout_s=args.finish_timeout_s, tick_s=args.tick_s,
-                               temp_dir=args.temp_dir)
-    except ValueError as exc:
+        return load_config(TrackerConfig, flags=flags, env=os.environ, env_prefix=ENV_PREFIX, file=args.config)
+    except ConfigError as exc:
         raise UsageError(str(exc)) from None
+
+
+def run_tracker(args: argparse.Namespace) -> int:
+    from services.tracker.service import TrackerService  # heavy (torch, numpy): only when run
+
+    config = tracker_config(args)
     bus = make_bus(args, source="tracker")
     store = make_store(args)
     configure_logging("tracker", level=args.log_level)

@@ -45,6 +45,7 @@ from shared.events import Event, JobCompleted, ModelConsolidated
 from shared.layout import final_key, model_key
 from shared.logging import get_logger
 from shared.model_meta import InvalidModelMetadata, ModelMetadata
+from shared.settings import FieldError
 from shared.store import InvalidKey, ObjectNotFound, ObjectStore
 from shared.topics import DEADLETTER, JOBS, MODELS, PLACEMENTS, PROGRESS
 
@@ -57,8 +58,15 @@ MAX_RETRY_S = 60.0
 
 @dataclass(frozen=True, kw_only=True)
 class TrackerConfig:
-    """``finish_timeout_s``: how long after a round's deadline missing copies are waited for.
-    ``chunk_bytes``: accumulator chunk, also the size of each ranged read from the store."""
+    """The tracker's settings; ``hadar serve tracker`` loads them with
+    :func:`shared.settings.load_config` (flags, ``HADAR_TRACKER_*``, ``--config`` file).
+
+    ``mode``: weigh copies by the steps each did, or uniformly. ``finish_timeout_s``: how
+    long after a round's deadline missing copies are waited for. ``tick_s``: how often due
+    rounds are checked. ``chunk_bytes``: accumulator chunk, also the size of each ranged
+    read from the store. ``temp_dir``: where consolidated models are staged (None: the
+    system's). An invalid value raises :class:`~shared.settings.FieldError` naming the field.
+    """
 
     group: str = "tracker"
     mode: Mode = "steps"
@@ -70,9 +78,13 @@ class TrackerConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in ("steps", "uniform"):
-            raise ValueError(f"mode must be 'steps' or 'uniform', got {self.mode!r}")
-        if self.finish_timeout_s < 0 or self.tick_s <= 0 or self.chunk_bytes < 8:
-            raise ValueError("finish_timeout_s >= 0, tick_s > 0 and chunk_bytes >= 8 are required")
+            raise FieldError("mode", f"must be 'steps' or 'uniform', got {self.mode!r}")
+        if not self.finish_timeout_s >= 0:
+            raise FieldError("finish_timeout_s", f"must be >= 0, got {self.finish_timeout_s}")
+        if not self.tick_s > 0:
+            raise FieldError("tick_s", f"must be > 0, got {self.tick_s}")
+        if self.chunk_bytes < 8:
+            raise FieldError("chunk_bytes", f"must be >= 8, got {self.chunk_bytes}")
 
 
 class TrackerService:

@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.agent.discovery import NodeDevices, cpu_devices, emulated_devices, gpu_type_of
-from services.agent.emulation import parse_emulation, slowdown
+from services.agent.emulation import parse_emulation
 from services.agent.spec import StoreTarget, WorkerSpec, parse_worker_line, worker_line
 from services.agent.training import BatchSampler, DivergedError, StopCode, TrainingLoop
 from shared.config import S3Settings
-from shared.gpus import CATALOG
+from shared.gpus import CATALOG, emulation_slowdown
 from shared.zoo import build_model, load_dataset, make_optimizer
 
 CPU = torch.device("cpu")
@@ -104,13 +104,13 @@ def test_emulation_spec_and_speeds() -> None:
         with pytest.raises(ValueError):
             parse_emulation(bad)
     fastest = max(s.fp32_tflops for k, s in CATALOG.items() if k != "cpu")
-    assert slowdown("h100") == pytest.approx(fastest / CATALOG["h100"].fp32_tflops)
-    assert slowdown("k80") == pytest.approx(fastest / CATALOG["k80"].fp32_tflops)
-    assert slowdown("k80") > slowdown("t4") > slowdown("v100") >= 1.0
-    assert slowdown("h100", reference="v100") == 1.0   # never faster than the CPU itself
+    assert emulation_slowdown("h100") == pytest.approx(fastest / CATALOG["h100"].fp32_tflops)
+    assert emulation_slowdown("k80") == pytest.approx(fastest / CATALOG["k80"].fp32_tflops)
+    assert emulation_slowdown("k80") > emulation_slowdown("t4") > emulation_slowdown("v100") >= 1.0
+    assert emulation_slowdown("h100", reference="v100") == 1.0   # never faster than the CPU itself
     devices = emulated_devices((("v100", 2), ("k80", 1)))
     assert [(g.index, g.type) for g in devices.gpus] == [(0, "v100"), (1, "v100"), (2, "k80")]
-    assert devices.emulated and devices.slowdown[2] == slowdown("k80") and devices.worker_device == "cpu"
+    assert devices.emulated and devices.slowdown[2] == emulation_slowdown("k80") and devices.worker_device == "cpu"
 
 
 def test_devices_round_trip_as_json() -> None:

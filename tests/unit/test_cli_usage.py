@@ -40,3 +40,27 @@ def test_model_of_a_malformed_job_id_is_a_usage_error(tmp_path, capsys):
     assert main(["model", "../other", "--out", str(tmp_path / "m.safetensors")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "not a job id" in err
+@pytest.mark.parametrize("argv, source", [
+    (["serve", "tracker", "--finish-timeout-s", "-1"], "--finish-timeout-s"),
+    (["serve", "tracker", "--tick-s", "0"], "--tick-s"),
+    (["serve", "profiler", "--alpha", "2"], "--alpha"),
+    (["serve", "profiler", "--threshold", "-0.5"], "--threshold"),
+    (["serve", "agent", "--node-id", "no/slash"], "--node-id"),
+    (["serve", "agent", "--node-id", "n1", "--heartbeat-s", "0"], "--heartbeat-s"),
+    (["serve", "agent", "--node-id", "n1", "--emulate", "v100:0"], "--emulate"),
+    (["serve", "agent"], "node_id: required"),
+])
+def test_bad_service_settings_exit_2_naming_the_source(argv, source, capsys, monkeypatch):
+    for name in ("HADAR_BOOTSTRAP", "HADAR_NODE_ID"):
+        monkeypatch.delenv(name, raising=False)   # validation happens before any connection
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and source in err
+
+
+def test_a_bad_service_variable_exits_2_naming_it(capsys, monkeypatch):
+    monkeypatch.delenv("HADAR_BOOTSTRAP", raising=False)
+    monkeypatch.setenv("HADAR_TRACKER_FINISH_TIMEOUT_S", "soon")
+    assert main(["serve", "tracker"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "HADAR_TRACKER_FINISH_TIMEOUT_S: expected a finite number" in err

@@ -178,10 +178,8 @@ async def test_service_counts_a_job_it_cannot_estimate() -> None:
 
 
 def test_a_rate_measured_on_an_emulated_gpu_re_estimates_every_other_type():
-    from services.agent.emulation import slowdown
-    from services.profiler.estimate import emulated_rates
-
     rates = emulated_rates("t4", 10.0)
     assert "t4" not in rates and {"k80", "rtx3090", "h200"} <= set(rates)
+    slowdown = gpus.emulation_slowdown
     assert rates["rtx3090"] == pytest.approx(10.0 * slowdown("t4") / slowdown("rtx3090"))
     assert rates["rtx3090"] > 10.0 > rates["k80"]     # faster and slower emulated types
