@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from collections.abc import Callable
 
 from services.scheduler.config import SchedulerConfig
@@ -13,14 +14,18 @@ from shared.connect import make_bus
 from shared.errors import UsageError
 from shared.logging import configure_logging
 from shared.service import run_service
+from shared.settings import add_config_arg, load_config
 
-__all__ = ["add_scheduler_parser", "run_scheduler", "add_policy_args", "policy_options"]
+__all__ = ["add_scheduler_parser", "run_scheduler", "scheduler_config", "add_policy_args", "policy_options",
+           "ENV_PREFIX"]
 
 DEFAULT_HTTP_PORT = 8081
+ENV_PREFIX = "HADAR_SCHEDULER_"
 
 
 def add_policy_args(parser: argparse.ArgumentParser, *, default: str | None = "hadare") -> None:
-    parser.add_argument("--policy", default=default, help=f"one of: {', '.join(POLICY_NAMES)}")
+    parser.add_argument("--policy", default=default,
+                        help=f"one of: {', '.join(POLICY_NAMES)} (default: {default or 'hadare'})")
     parser.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
                         help="an option of the policy's constructor (VALUE as JSON if it parses, else a "
                              "string), e.g. horizon=32; repeatable; recorded in every RoundStarted")
@@ -37,14 +42,16 @@ def add_scheduler_parser(services: argparse._SubParsersAction,
                          add_common: Callable[..., None]) -> argparse.ArgumentParser:
     parser = services.add_parser("scheduler", help="plan rounds and publish placements")
     add_common(parser, http_port=DEFAULT_HTTP_PORT)
-    add_policy_args(parser)
-    parser.add_argument("--round-s", type=float, default=360.0, help="round length in seconds")
-    parser.add_argument("--heartbeat-s", type=float, default=5.0,
-                        help="agents' heartbeat period (a node missing 3 leaves the cluster)")
-    parser.add_argument("--consolidation-wait-s", type=float, default=60.0,
-                        help="how long a round waits for the previous round's models")
-    parser.add_argument("--seed", type=int, default=0, help="seed passed to the policy (recorded per round)")
-    parser.add_argument("--group", default="hadar-scheduler", help="consumer group id")
+    add_config_arg(parser)
+    # Defaults are SchedulerConfig's: None here means "not given", so env and file can set them.
+    add_policy_args(parser, default=None)
+    parser.add_argument("--round-s", type=float, default=None, help="round length in seconds (default: 360)")
+    parser.add_argument("--heartbeat-s", type=float, default=None,
+                        help="agents' heartbeat period; a node missing 3 leaves the cluster (default: 5)")
+    parser.add_argument("--consolidation-wait-s", type=float, default=None,
+                        help="how long a round waits for the previous round's models (default: 60)")
+    parser.add_argument("--seed", type=int, default=None, help="seed passed to the policy, recorded per round")
+    parser.add_argument("--group", default=None, help="consumer group id (default: hadar-scheduler)")
     parser.add_argument("--record", default=None, metavar="FILE",
                         help="on shutdown, write every topic's events to FILE (for hadar replay --file)")
     parser.set_defaults(func=run_scheduler)
@@ -52,10 +59,13 @@ def add_scheduler_parser(services: argparse._SubParsersAction,
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    """The SchedulerConfig of these flags, ``HADAR_SCHEDULER_*`` and ``--config``; UsageError if invalid."""
+    options = policy_options(args) or None
+    flags = {"policy": args.policy, "policy_options": options, "round_s": args.round_s,
+             "heartbeat_s": args.heartbeat_s, "consolidation_wait_s": args.consolidation_wait_s,
+             "seed": args.seed, "group": args.group}
     try:
-        return SchedulerConfig(policy=args.policy, policy_options=policy_options(args), round_s=args.round_s,
-                               heartbeat_s=args.heartbeat_s, consolidation_wait_s=args.consolidation_wait_s,
-                               seed=args.seed, group=args.group)
+        return load_config(SchedulerConfig, flags=flags, env=os.environ, env_prefix=ENV_PREFIX, file=args.config)
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
 

@@ -17,9 +17,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.scheduler.policies import PolicyChoice, UnknownPolicy
-from shared.config import ConfigError
+from services.scheduler.policies import POLICY_NAMES, PolicyChoice, UnknownPolicy
 from shared.events import RoundStarted
+from shared.settings import FieldError
 
 __all__ = ["SchedulerConfig", "DecisionSettings"]
 
@@ -44,8 +44,13 @@ class DecisionSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    """``consolidation_wait_s``: how long a round waits for the previous round's models.
-    ``group``: consumer group id. ``source``: the events' ``source``."""
+    """The scheduler's settings; ``hadar serve scheduler`` loads them with
+    :func:`shared.settings.load_config` (flags, ``HADAR_SCHEDULER_*``, ``--config`` file).
+
+    ``policy_options``: keyword options of the policy's constructor (JSON values).
+    ``consolidation_wait_s``: how long a round waits for the previous round's models.
+    ``group``: consumer group id. ``source``: the events' ``source``. An invalid value
+    raises :class:`~shared.settings.FieldError` naming the field."""
 
     policy: str = "hadare"
     policy_options: dict[str, Any] = field(default_factory=dict)
@@ -60,17 +65,19 @@ class SchedulerConfig:
         for name in ("round_s", "heartbeat_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
-                raise ConfigError(f"{name}: must be a finite number > 0, got {value}")
+                raise FieldError(name, f"must be a finite number > 0, got {value}")
         if not (math.isfinite(self.consolidation_wait_s) and self.consolidation_wait_s >= 0):
-            raise ConfigError(f"consolidation_wait_s: must be a finite number >= 0, got {self.consolidation_wait_s}")
+            raise FieldError("consolidation_wait_s", f"must be a finite number >= 0, got {self.consolidation_wait_s}")
         if not 0 <= self.seed < 2**63:
-            raise ConfigError(f"seed: must be in 0..2**63-1, got {self.seed}")
-        if not self.group or not self.source:
-            raise ConfigError("group and source: must not be empty")
+            raise FieldError("seed", f"must be in 0..2**63-1, got {self.seed}")
+        for name in ("group", "source"):
+            if not getattr(self, name):
+                raise FieldError(name, "must not be empty")
         try:
             PolicyChoice(name=self.policy, options=self.policy_options)
         except UnknownPolicy as exc:
-            raise ConfigError(f"policy: {exc}") from None
+            field_name = "policy" if self.policy not in POLICY_NAMES else "policy_options"
+            raise FieldError(field_name, str(exc)) from None
 
     @property
     def choice(self) -> PolicyChoice:

@@ -52,3 +52,32 @@ def test_a_round_recorded_before_settings_were_recorded_still_decodes():
     old = decode(msgpack.packb(wire))
     settings = DecisionSettings.of_round(old)
     assert settings.choice.key == ("gavel", "{}") and settings.seed == 0 and settings.round_s == 15.0
+
+
+def test_serve_scheduler_builds_its_config_from_flags_env_and_file(tmp_path, monkeypatch):
+    from services.cli.main import build_parser
+    from services.scheduler.cli import scheduler_config
+
+    config_file = tmp_path / "scheduler.toml"
+    config_file.write_text('policy = "hadar"\nround_s = 30\n[policy_options]\nhorizon = 16\n')
+    monkeypatch.setenv("HADAR_SCHEDULER_SEED", "9")
+    monkeypatch.setenv("HADAR_SCHEDULER_ROUND_S", "45")
+    args = build_parser().parse_args(["serve", "scheduler", "--config", str(config_file),
+                                      "--policy-option", "order=arrival"])
+    config = scheduler_config(args)
+    assert (config.policy, config.round_s, config.seed) == ("hadar", 45.0, 9)
+    assert dict(config.policy_options) == {"order": "arrival"}   # flags replace the file's table whole
+
+
+@pytest.mark.parametrize("argv, source", [
+    (["--round-s", "0"], "--round-s"), (["--policy", "fifo"], "--policy"),
+    (["--policy", "hadar", "--policy-option", "horizon=0"], "--policy-options"),
+    (["--policy-option", "nonsense"], "--policy-option"),
+])
+def test_serve_scheduler_misuse_exits_2_naming_the_source(argv, source, capsys, monkeypatch):
+    from services.cli.main import main
+
+    monkeypatch.delenv("HADAR_BOOTSTRAP", raising=False)
+    assert main(["serve", "scheduler", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and source in err, err
