@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from services.scheduler.cluster import Cluster
 from services.scheduler.throughput import Part, ThroughputModel
+from shared.errors import HadarError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,8 +124,8 @@ def copy_rate(snapshot: Snapshot, job: JobState, placements: list[Placement]) ->
     return snapshot.throughput.placement_rate(job.job_type, parts_of(snapshot, placements))
 
 
-class InvalidPlan(AssertionError):
-    pass
+class InvalidPlan(HadarError):
+    """A plan that breaks an invariant of :func:`check_plan`: a bug in the policy."""
 
 
 def check_plan(snapshot: Snapshot, plan: Plan) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.scheduler.throughput import ThroughputModel
+from shared.errors import UsageError
 
 CSV_REQUIRED = ("job_id", "arrival_time_s", "job_type", "scale_factor", "total_steps")
 CSV_OPTIONAL = ("priority",)
@@ -36,7 +37,7 @@ GAVEL_COLUMNS = ("job_type", "command", "working_directory", "num_steps_arg", "n
 REFERENCE_GPU = "v100"  # total steps of generated jobs = duration x throughput on this type
 
 
-class TraceError(ValueError):
+class TraceError(UsageError):
     """A trace that cannot be read; the message is one line naming where and which field."""
 
 

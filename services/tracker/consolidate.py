@@ -52,6 +52,7 @@ from services.tracker.safetensors_format import (
     FLOAT_DTYPES, FileRangeReader, Header, InvalidSafetensors, RangeReader, TensorInfo,
     bf16_to_f32, encode_header, f32_to_bf16, read_header,
 )
+from shared.errors import HadarError
 
 __all__ = [
     "Mode", "Replica", "AcceptedReplica", "Rejected", "ConsolidationPlan", "WriteStats",
@@ -128,7 +129,7 @@ class WriteStats:
     tensors: int
 
 
-class NoUsableReplica(Exception):
+class NoUsableReplica(HadarError):
     """No replica could be averaged; ``rejected`` says why for each."""
 
     def __init__(self, rejected: Sequence[Rejected]) -> None:

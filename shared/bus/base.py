@@ -36,6 +36,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from shared.errors import HadarError
 from shared.events import (
     ALL_TOPICS,
     DEADLETTER_RAW_LIMIT,
@@ -60,12 +61,15 @@ _TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 TOMBSTONE_REASON = "tombstone: record has no value"
 
 
-class BusError(Exception):
-    """Any failure of the bus. ``retriable``: the same call may succeed if tried again later."""
+class BusError(HadarError):
+    """Any failure of the bus. ``retriable``: the same call may succeed if tried again later.
+
+    Every raise decides ``retriable`` (it is a required argument); :func:`bus_error` is
+    the rule for failures reported by a client library.
+    """
 
     def __init__(self, message: str, *, retriable: bool) -> None:
-        super().__init__(message)
-        self.retriable = retriable
+        super().__init__(message, retriable=retriable)
 
 
 def bus_error(what: str, exc: BaseException) -> BusError:

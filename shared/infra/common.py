@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from typing import TypeVar
 from pathlib import Path
 
+from shared.errors import HadarError
+
 __all__ = [
     "InfraError", "InfraPaths", "Clock", "free_port", "spawn", "is_running", "stop_group",
     "wait_for", "port_accepts", "file_lock", "write_private", "read_json", "log_tail",
@@ -41,7 +43,7 @@ Clock = Callable[[], float]
 _CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
 
 
-class InfraError(RuntimeError):
+class InfraError(HadarError):
     """A development server could not be fetched, built, started or stopped. One line."""
 
 

@@ -25,9 +25,10 @@ import numpy as np
 
 from services.scheduler.cluster import Cluster
 from services.scheduler.policies.hadar_prices import PriceCurve
+from shared.errors import HadarError
 
 
-class LedgerError(RuntimeError):
+class LedgerError(HadarError):
     """A commitment would exceed a row's capacity or release more than was committed."""
 
 
