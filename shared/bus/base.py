@@ -72,11 +72,24 @@ class BusError(HadarError):
         super().__init__(message, retriable=retriable)
 
 
+# aiokafka's own timeout (a batch or a metadata wait expired: the broker is away or slow)
+# is not flagged ``retriable`` by aiokafka, and is no asyncio.TimeoutError. Matched by
+# name so this module does not depend on the Kafka client.
+_CLIENT_TIMEOUTS = frozenset({"KafkaTimeoutError"})
+
+
 def bus_error(what: str, exc: BaseException) -> BusError:
-    """A BusError for a client exception; retriable if the client says so (``.retriable``,
-    as aiokafka's errors do) or it is a timeout or a refused/broken connection."""
-    retriable = isinstance(exc, (asyncio.TimeoutError, ConnectionError)) or bool(
-        getattr(exc, "retriable", False))
+    """A BusError for a client exception, retriable when the broker may come back.
+
+    Retriable: the client flags the error ``retriable`` (aiokafka's broker errors do:
+    no leader, coordinator moving, node not ready); a timeout; an OS-level network error
+    (refused, reset, unreachable, name resolution). Not retriable: everything else the
+    broker or client refuses for good (authorisation, a record too large, a closed
+    producer, an illegal state).
+    """
+    retriable = (bool(getattr(exc, "retriable", False))
+                 or isinstance(exc, (OSError, asyncio.TimeoutError))
+                 or type(exc).__name__ in _CLIENT_TIMEOUTS)
     return BusError(f"{what}: {type(exc).__name__}: {exc}", retriable=retriable)
 
 

@@ -44,7 +44,12 @@ _CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
 
 
 class InfraError(HadarError):
-    """A development server could not be fetched, built, started or stopped. One line."""
+    """A development server could not be fetched, built, started or stopped. One line.
+
+    ``retriable`` only where trying again may succeed by itself: a server that was not
+    ready in time, a port taken between choosing and binding it, a step that timed out.
+    A missing tool, a failed build or a server that exits are not.
+    """
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,7 +162,8 @@ def wait_for(ready: Callable[[], bool], *, what: str, timeout: float, alive: Cal
         if not alive():
             raise InfraError(f"{what} exited while starting: {log_tail(log)} (log: {log})")
         if clock() >= deadline:
-            raise InfraError(f"{what} not ready after {timeout:.0f}s: {log_tail(log)} (log: {log})")
+            raise InfraError(f"{what} not ready after {timeout:.0f}s: {log_tail(log)} (log: {log})",
+                             retriable=True)
         sleep(interval)
 
 

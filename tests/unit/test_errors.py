@@ -3,11 +3,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from aiokafka.errors import (
+    KafkaConnectionError,
+    KafkaTimeoutError,
+    ProducerClosed,
+    TopicAuthorizationFailedError,
+)
 
 from shared.errors import HadarError, UsageError
 
@@ -68,3 +75,31 @@ def test_no_class_is_retriable_by_default(hadar_exceptions) -> None:
     retriable = sorted(name for name, cls in hadar_exceptions.items()
                        if issubclass(cls, HadarError) and cls.retriable)
     assert retriable == []   # BusError and InfraError decide per raise, never by class
+
+
+def test_retriable_can_be_set_per_raise() -> None:
+    from shared.infra import InfraError
+
+    assert not HadarError("x").retriable and HadarError("x", retriable=True).retriable
+    assert InfraError("minio not ready after 30s", retriable=True).retriable
+    assert not InfraError("go not found").retriable
+    assert str(HadarError("one line")) == "one line"
+
+
+@pytest.mark.parametrize("exc, retriable", [
+    (asyncio.TimeoutError(), True),
+    (ConnectionRefusedError(111, "refused"), True),
+    (OSError("Multiple exceptions: [Errno 111] Connect call failed"), True),
+    (KafkaConnectionError("broker down"), True),
+    (KafkaTimeoutError("batch expired"), True),
+    (TopicAuthorizationFailedError(), False),
+    (ProducerClosed(), False),
+    (RuntimeError("a bug"), False),
+])
+def test_bus_errors_are_retriable_only_when_the_broker_may_come_back(exc, retriable) -> None:
+    from shared.bus.base import BusError, bus_error
+
+    err = bus_error("publish to hadar.jobs", exc)
+    assert isinstance(err, BusError) and isinstance(err, HadarError)
+    assert err.retriable is retriable
+    assert str(err).startswith(f"publish to hadar.jobs: {type(exc).__name__}")
