@@ -48,7 +48,7 @@ import numpy as np
 from services.scheduler.policies.gang import (
     GangRequest, assign_gangs, infeasible_detail, previous_gangs, usable_types)
 from services.scheduler.policies.gavel_lp import max_min_fairness, min_total_duration
-from services.scheduler.policy import JobState, Plan, Snapshot, Wait, WaitCode
+from services.scheduler.policy import JobState, Plan, PolicyState, Snapshot, Wait, WaitCode, previous_state
 
 GAVEL_TYPE_ORDER = ("v100", "p100", "k80")
 DEFAULT_MIN_RESET_INTERVAL_S = 1920.0
@@ -62,7 +62,7 @@ class Running:
 
 
 @dataclass(frozen=True, kw_only=True)
-class GavelState:
+class GavelState(PolicyState):
     policy: str
     now_s: float
     last_reset_s: float | None
@@ -103,8 +103,9 @@ class _GavelRounds:
         return listed + others
 
     def plan(self, snapshot: Snapshot) -> Plan:
-        prev_state = snapshot.previous.state if snapshot.previous is not None else None
-        prev = prev_state if isinstance(prev_state, GavelState) and prev_state.policy == self.name else None
+        prev = previous_state(snapshot, GavelState)
+        if prev is not None and prev.policy != self.name:   # the other Gavel variant's books
+            prev = None
         counts = snapshot.cluster.gpus_by_type
         types = list(counts)
         usable = {j.job_id: usable_types(snapshot, j) for j in snapshot.jobs}

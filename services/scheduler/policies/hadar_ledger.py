@@ -25,6 +25,7 @@ import numpy as np
 
 from services.scheduler.cluster import Cluster
 from services.scheduler.policies.hadar_prices import PriceCurve
+from services.scheduler.policy import PolicyState
 from shared.errors import HadarError
 
 
@@ -82,7 +83,7 @@ class Commitment:
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
-class LedgerState:
+class LedgerState(PolicyState):
     """Hadar's policy state, carried in ``Plan.state`` from one round to the next."""
 
     round: int

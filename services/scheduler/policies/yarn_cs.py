@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 
 from services.scheduler.policies.gang import (
     GangRequest, assign_gangs, free_counts, gang_type, infeasible_detail, previous_gangs, usable_types)
-from services.scheduler.policy import Plan, Snapshot, Wait, WaitCode
+from services.scheduler.policy import Plan, PolicyState, Snapshot, Wait, WaitCode, previous_state
 
 
 @dataclass(frozen=True, kw_only=True)
-class YarnState:
+class YarnState(PolicyState):
     started_s: Mapping[str, float] = field(default_factory=dict)  # job -> when it started, for running jobs
 
 
@@ -42,8 +42,8 @@ class YarnCS:
         self.skip_blocked_head = skip_blocked_head
 
     def plan(self, snapshot: Snapshot) -> Plan:
-        prev_state = snapshot.previous.state if snapshot.previous is not None else None
-        started_s = dict(prev_state.started_s) if isinstance(prev_state, YarnState) else {}
+        prev = previous_state(snapshot, YarnState)
+        started_s = dict(prev.started_s) if prev is not None else {}
         prev_gangs = previous_gangs(snapshot.previous)
         jobs = sorted(snapshot.jobs, key=lambda j: (j.arrival_s, j.job_id))
         free = free_counts(snapshot.cluster)
