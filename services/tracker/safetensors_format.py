@@ -95,10 +95,6 @@ class Header:
         """What two replicas must share to be averaged: names, dtypes and shapes."""
         return tuple(sorted((t.name, t.dtype, t.shape) for t in self.tensors))
 
-    @property
-    def largest_tensor_bytes(self) -> int:
-        return max((t.nbytes for t in self.tensors), default=0)
-
 
 class RangeReader(Protocol):
     """Random access to one file or object. Methods may block; call them off the event loop."""
