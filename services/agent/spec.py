@@ -22,7 +22,7 @@ __all__ = ["StoreTarget", "WorkerSpec", "checkpoint_key", "worker_line", "parse_
 
 
 def checkpoint_key(job_id: str, round_: int, copy: int) -> str:
-    """Where the copy's checkpoint of a round lives (DESIGN.md object keys)."""
+    """Where the copy's checkpoint of a round lives (docs/architecture.md "Object store")."""
     return f"checkpoints/{job_id}/{round_}/{copy}.safetensors"
 
 

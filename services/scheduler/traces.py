@@ -220,7 +220,7 @@ def _draw_duration_s(rng: np.random.Generator) -> float:
 
 def generate_jobs(*, jobs: int, rate_per_hour: float, multi_gpu: bool, rng: np.random.Generator,
                   throughput: ThroughputModel) -> tuple[TraceJob, ...]:
-    """Gavel's job distribution (DESIGN.md "Simulator and metrics").
+    """Gavel's job distribution (docs/architecture.md "Simulator and metrics").
 
     Per job, in this draw order: scale factor (1 unless ``multi_gpu``; else 1/2/4/8 w.p.
     0.70/0.10/0.15/0.05); job type uniformly from the table's types that have a V100 entry,
