@@ -23,12 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from shared.errors import UsageError
+
 __all__ = ["KafkaSettings", "S3Settings", "ConfigError", "kafka_from_env", "s3_from_env"]
 
 DEFAULT_BUCKET = "hadar"
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """A setting that is present but unusable; the message names the variable."""
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import msgpack
 
 from shared.bus import Bus
+from shared.errors import HadarError
 from shared.events import Event, InvalidEvent, decode, encode
 from shared.topics import ALL_TOPICS
 
@@ -28,8 +29,8 @@ class LogRecord:
     event: Event
 
 
-class EventLogError(ValueError):
-    pass
+class EventLogError(HadarError):
+    """A file that cannot be read as an event log; the message names the file and record."""
 
 
 def write_log(path: str | Path, records: Iterable[LogRecord]) -> int:
@@ -63,8 +64,6 @@ def read_log(path: str | Path) -> Iterator[LogRecord]:
                 except (KeyError, TypeError, InvalidEvent) as exc:
                     raise EventLogError(f"{path}: record {i} is not a logged event: {exc}") from None
         except (msgpack.exceptions.ExtraData, msgpack.exceptions.FormatError, ValueError) as exc:
-            if isinstance(exc, EventLogError):
-                raise
             raise EventLogError(f"{path}: not an event log ({exc})") from None
 
 

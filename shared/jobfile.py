@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from shared.errors import UsageError
 from shared.events import Hyperparameters, InvalidEvent, JobSpec
 
 FIELDS = ("id", "user", "model", "dataset", "batch_size", "workers", "iterations", "priority",
@@ -24,7 +25,7 @@ _INT_FIELDS = {"batch_size", "workers", "iterations", "seed"}
 _FLOAT_FIELDS = {"priority", "deadline_s", "lr"}
 
 
-class JobFileError(ValueError):
+class JobFileError(UsageError):
     """Bad job input; the message starts with the field name."""
 
 

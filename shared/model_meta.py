@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from shared.errors import HadarError
 from shared.records import JOB_ID_RE, CopyWeight, InvalidEvent, Rejection
 
 __all__ = ["InvalidModelMetadata", "ModelMetadata", "Mode", "consolidation_entries"]
@@ -40,7 +41,7 @@ _COUNT_RE = re.compile(r"0|[1-9][0-9]*")
 _COMPACT = (",", ":")
 
 
-class InvalidModelMetadata(ValueError):
+class InvalidModelMetadata(HadarError, ValueError):
     """Metadata that is not a consolidated model's; the message names the entry and why."""
 
 

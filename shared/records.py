@@ -19,6 +19,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from shared.errors import HadarError
+
 __all__ = [
     "InvalidEvent", "Record", "Hyperparameters", "JobSpec", "GpuInfo", "Waiting", "CopyWeight",
     "Rejection", "JOB_ID_RE", "NODE_ID_RE", "new_event_id", "to_wire", "require", "check_job_id",
@@ -30,8 +32,12 @@ NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
 
-class InvalidEvent(ValueError):
-    """Bytes or fields that do not make a valid event. ``reason`` says why."""
+class InvalidEvent(HadarError, ValueError):
+    """Bytes or fields that do not make a valid event. ``reason`` says why.
+
+    Also a ``ValueError``, as ``shared.events`` documents: code that validates a value and
+    catches ``ValueError`` treats a bad event field like any other bad value.
+    """
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)

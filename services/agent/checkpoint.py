@@ -29,6 +29,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from shared.errors import HadarError
+
 __all__ = ["CheckpointError", "CheckpointMeta", "OPTIM_PREFIX", "FORMAT", "state_tensors",
            "save_checkpoint", "read_checkpoint", "restore", "read_total_steps"]
 
@@ -36,7 +38,7 @@ FORMAT = "hadar-checkpoint-1"
 OPTIM_PREFIX = "optim."
 
 
-class CheckpointError(ValueError):
+class CheckpointError(HadarError):
     """A checkpoint that cannot be read or does not fit the model it is loaded into."""
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from shared.errors import HadarError
 from shared.zoo import Dataset, loss_function
 
 __all__ = ["DivergedError", "StopCode", "BatchSampler", "LoopResult", "TrainingLoop", "ProgressFn"]
@@ -34,7 +35,7 @@ __all__ = ["DivergedError", "StopCode", "BatchSampler", "LoopResult", "TrainingL
 ProgressFn = Callable[[int, int, float, float], None]   # steps_round, steps_total, samples/s, loss
 
 
-class DivergedError(RuntimeError):
+class DivergedError(HadarError):
     """The training loss is no longer a finite number: the weights are lost."""
 
 

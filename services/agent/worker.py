@@ -38,6 +38,7 @@ from services.agent.checkpoint import (
 )
 from services.agent.spec import StoreTarget, WorkerSpec, worker_line
 from services.agent.training import BatchSampler, LoopResult, StopCode, TrainingLoop
+from shared.config import ConfigError
 from shared.store import ObjectStore
 from shared.zoo import Metric, build_model, evaluate, load_dataset, make_optimizer
 
@@ -247,7 +248,7 @@ def main() -> int:
         if torch.cuda.is_initialized():   # too late for CUDA_VISIBLE_DEVICES to take effect
             raise ValueError("CUDA was initialised before the spec's environment could be applied")
         os.environ.update(spec.env)
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, ConfigError) as exc:  # ConfigError: bad S3 settings
         out.write(worker_line("failed", reason=f"bad worker spec: {exc}"[:500]) + "\n")
         out.flush()
         return 1

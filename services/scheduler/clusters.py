@@ -31,13 +31,14 @@ from typing import Any
 import yaml
 
 from services.scheduler.cluster import Cluster, Node
+from shared.errors import UsageError
 from shared.gpus import GPU_TYPES  # the lower-case catalog keys a cluster may name
 
 
 _INLINE_ENTRY = re.compile(r"^(?P<type>[a-z0-9]+):(?:(?P<nodes>\d+)x(?P<size>\d+)|(?P<count>\d+))$")
 
 
-class ClusterSpecError(ValueError):
+class ClusterSpecError(UsageError):
     """A cluster name, inline spec or YAML file that cannot be used (one-line message)."""
 
 

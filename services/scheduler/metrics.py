@@ -1,4 +1,4 @@
-"""Per-policy metrics from a ``SimResult`` (DESIGN.md "Simulator and metrics").
+"""Per-policy metrics from a ``SimResult`` (docs/architecture.md "Simulator and metrics").
 
 * TTD: first arrival to last completion. If some job did not complete, to the end of the
   last simulated round instead (the run stopped there; TTD is then a lower bound).

@@ -2,9 +2,10 @@
 
 A policy is pure: given the same snapshot it returns the same plan. It does no I/O,
 reads no clock (time comes in ``Snapshot.now_s``), and draws randomness only from
-``Snapshot.seed``. State a policy carries from round to round (Hadar's ledger) travels
-in ``Plan.state`` and comes back as ``snapshot.previous.state``, so the simulator, the
-live scheduler and replay all drive the same function the same way.
+``Snapshot.seed``. State a policy carries from round to round (Hadar's ledger) is a
+:class:`PolicyState` that travels in ``Plan.state`` and comes back as
+``snapshot.previous.state``, so the simulator, the live scheduler and replay all drive the
+same function the same way.
 
 A plan places job *copies*: copy 0 is the job itself; HadarE adds copies 1, 2, ...
 that train independently and are weight-averaged at the round end. One copy may span
@@ -18,10 +19,11 @@ import enum
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from services.scheduler.cluster import Cluster
 from services.scheduler.throughput import Part, ThroughputModel
+from shared.errors import HadarError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,11 +72,32 @@ class Wait:
     detail: str = ""
 
 
+@dataclass(frozen=True, eq=False)
+class PolicyState:
+    """Base of the state a policy carries from one round to the next (``Plan.state``).
+
+    Each policy that keeps books across rounds declares its own frozen dataclass on this
+    base (Hadar's ``LedgerState``, ``GavelState``, ``TiresiasState``, ``YarnState``). The
+    driver hands it back untouched as ``snapshot.previous.state``: never copied, compared
+    or serialised; a restarted scheduler or a replay gets it back by re-running the rounds.
+    A policy reads it only through :func:`previous_state`, which gives None for anything
+    that is not its own type (the first round, or a plan another policy made), and then
+    starts from empty books.
+
+    The base has no fields and ``eq=False``: a subclass that compares by identity (Hadar's
+    ledger, which holds arrays) must not inherit a field-less ``__eq__`` under which any
+    two instances are equal.
+    """
+
+
+S = TypeVar("S", bound=PolicyState)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     placements: tuple[Placement, ...] = ()
     waiting: tuple[Wait, ...] = ()
-    state: Any = None                                           # policy-private, carried to the next round
+    state: PolicyState | None = None                            # policy-private, carried to the next round
     explain: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # per job: what the policy saw
 
     def copies(self) -> dict[tuple[str, int], list[Placement]]:
@@ -108,6 +131,12 @@ class Policy(Protocol):
     def plan(self, snapshot: Snapshot) -> Plan: ...
 
 
+def previous_state(snapshot: Snapshot, kind: type[S]) -> S | None:
+    """The state the previous plan carried, if it is a ``kind``; else None."""
+    state = snapshot.previous.state if snapshot.previous is not None else None
+    return state if isinstance(state, kind) else None
+
+
 def parts_of(snapshot: Snapshot, placements: list[Placement]) -> list[Part]:
     """The throughput model's view of one copy's placements."""
     by_id = snapshot.cluster.by_id
@@ -123,8 +152,8 @@ def copy_rate(snapshot: Snapshot, job: JobState, placements: list[Placement]) ->
     return snapshot.throughput.placement_rate(job.job_type, parts_of(snapshot, placements))
 
 
-class InvalidPlan(AssertionError):
-    pass
+class InvalidPlan(HadarError):
+    """A plan that breaks an invariant of :func:`check_plan`: a bug in the policy."""
 
 
 def check_plan(snapshot: Snapshot, plan: Plan) -> None:

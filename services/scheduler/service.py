@@ -54,12 +54,11 @@ def _timed_plan(policy: Policy, snapshot: Snapshot) -> tuple[Plan, float]:
 
 class RoundFailed(HadarError):
     """A round could not be planned (``stage="plan"``) or published (``"publish"``); the
-    round loop logs it, counts it and tries again after a back-off."""
-
-    retriable = True
+    round loop logs it, counts it and tries again after a back-off (a plan failure may pass
+    once the inputs change; a publish failure once the bus is back)."""
 
     def __init__(self, message: str, *, stage: str, round: int) -> None:
-        super().__init__(message)
+        super().__init__(message, retriable=stage == "publish")
         self.stage = stage
         self.round = round
 

@@ -1,6 +1,6 @@
 """Throughput model: steps/s of a job on a placement of GPUs.
 
-Rules (DESIGN.md "The idea in one page"):
+Rules (how the policies use them: docs/architecture.md "Policies"):
 
 * ``rate(job_type, gpu_type, n)`` is the whole job's steps/s on ``n`` GPUs of one type on
   one node ("consolidated"). Taken from the table when it has the exact entry (a 0 there

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.scheduler.throughput import ThroughputModel
+from shared.errors import UsageError
 
 CSV_REQUIRED = ("job_id", "arrival_time_s", "job_type", "scale_factor", "total_steps")
 CSV_OPTIONAL = ("priority",)
@@ -36,7 +37,7 @@ GAVEL_COLUMNS = ("job_type", "command", "working_directory", "num_steps_arg", "n
 REFERENCE_GPU = "v100"  # total steps of generated jobs = duration x throughput on this type
 
 
-class TraceError(ValueError):
+class TraceError(UsageError):
     """A trace that cannot be read; the message is one line naming where and which field."""
 
 
@@ -219,7 +220,7 @@ def _draw_duration_s(rng: np.random.Generator) -> float:
 
 def generate_jobs(*, jobs: int, rate_per_hour: float, multi_gpu: bool, rng: np.random.Generator,
                   throughput: ThroughputModel) -> tuple[TraceJob, ...]:
-    """Gavel's job distribution (DESIGN.md "Simulator and metrics").
+    """Gavel's job distribution (docs/architecture.md "Simulator and metrics").
 
     Per job, in this draw order: scale factor (1 unless ``multi_gpu``; else 1/2/4/8 w.p.
     0.70/0.10/0.15/0.05); job type uniformly from the table's types that have a V100 entry,

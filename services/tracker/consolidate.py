@@ -51,6 +51,7 @@ from services.tracker.safetensors_format import (
     FLOAT_DTYPES, FileRangeReader, Header, InvalidSafetensors, RangeReader, TensorInfo,
     bf16_to_f32, encode_header, f32_to_bf16, read_header,
 )
+from shared.errors import HadarError
 from shared.model_meta import Mode, ModelMetadata, consolidation_entries
 from shared.records import CopyWeight, Rejection
 
@@ -136,7 +137,7 @@ class WriteStats:
     tensors: int
 
 
-class NoUsableReplica(Exception):
+class NoUsableReplica(HadarError):
     """No replica could be averaged; ``rejected`` says why for each."""
 
     def __init__(self, rejected: Sequence[Rejected]) -> None:

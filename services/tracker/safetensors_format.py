@@ -30,6 +30,8 @@ from typing import Protocol
 
 import numpy as np
 
+from shared.errors import HadarError
+
 __all__ = [
     "InvalidSafetensors", "TensorInfo", "Header", "RangeReader", "FileRangeReader",
     "read_header", "encode_header", "FLOAT_DTYPES", "COPIED_DTYPES", "DTYPE_SIZES",
@@ -50,7 +52,7 @@ COPIED_DTYPES: dict[str, int] = {
 DTYPE_SIZES: dict[str, int] = {**{k: v.itemsize for k, v in FLOAT_DTYPES.items()}, **COPIED_DTYPES}
 
 
-class InvalidSafetensors(ValueError):
+class InvalidSafetensors(HadarError):
     """Bytes that are not a usable safetensors file; ``reason`` says why in one line."""
 
     def __init__(self, reason: str) -> None:
@@ -92,10 +94,6 @@ class Header:
     def signature(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
         """What two replicas must share to be averaged: names, dtypes and shapes."""
         return tuple(sorted((t.name, t.dtype, t.shape) for t in self.tensors))
-
-    @property
-    def largest_tensor_bytes(self) -> int:
-        return max((t.nbytes for t in self.tensors), default=0)
 
 
 class RangeReader(Protocol):

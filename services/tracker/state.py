@@ -288,10 +288,6 @@ class TrackerState:
                 live += max(rnd.progress.get(copy, 0), finished.steps if finished else 0)
         return job.consolidated_steps + live
 
-    def is_consolidated(self, job_id: str, round_: int) -> bool:
-        job = self._jobs.get(job_id)
-        return job is not None and round_ in job.rounds and job.rounds[round_].outcome == "consolidated"
-
     def is_completed(self, job_id: str) -> bool:
         job = self._jobs.get(job_id)
         return job is not None and job.completed is not None

@@ -36,6 +36,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from shared.errors import HadarError
 from shared.events import (
     DEADLETTER_RAW_LIMIT,
     DeadLetter,
@@ -60,19 +61,35 @@ _TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 TOMBSTONE_REASON = "tombstone: record has no value"
 
 
-class BusError(Exception):
-    """Any failure of the bus. ``retriable``: the same call may succeed if tried again later."""
+class BusError(HadarError):
+    """Any failure of the bus. ``retriable``: the same call may succeed if tried again later.
+
+    Every raise decides ``retriable`` (it is a required argument); :func:`bus_error` is
+    the rule for failures reported by a client library.
+    """
 
     def __init__(self, message: str, *, retriable: bool) -> None:
-        super().__init__(message)
-        self.retriable = retriable
+        super().__init__(message, retriable=retriable)
+
+
+# aiokafka's own timeout (a batch or a metadata wait expired: the broker is away or slow)
+# is not flagged ``retriable`` by aiokafka, and is no asyncio.TimeoutError. Matched by
+# name so this module does not depend on the Kafka client.
+_CLIENT_TIMEOUTS = frozenset({"KafkaTimeoutError"})
 
 
 def bus_error(what: str, exc: BaseException) -> BusError:
-    """A BusError for a client exception; retriable if the client says so (``.retriable``,
-    as aiokafka's errors do) or it is a timeout or a refused/broken connection."""
-    retriable = isinstance(exc, (asyncio.TimeoutError, ConnectionError)) or bool(
-        getattr(exc, "retriable", False))
+    """A BusError for a client exception, retriable when the broker may come back.
+
+    Retriable: the client flags the error ``retriable`` (aiokafka's broker errors do:
+    no leader, coordinator moving, node not ready); a timeout; an OS-level network error
+    (refused, reset, unreachable, name resolution). Not retriable: everything else the
+    broker or client refuses for good (authorisation, a record too large, a closed
+    producer, an illegal state).
+    """
+    retriable = (bool(getattr(exc, "retriable", False))
+                 or isinstance(exc, (OSError, asyncio.TimeoutError))
+                 or type(exc).__name__ in _CLIENT_TIMEOUTS)
     return BusError(f"{what}: {type(exc).__name__}: {exc}", retriable=retriable)
 
 

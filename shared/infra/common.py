@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from typing import TypeVar
 from pathlib import Path
 
+from shared.errors import HadarError
+
 __all__ = [
     "InfraError", "InfraPaths", "Clock", "free_port", "spawn", "is_running", "stop_group",
     "wait_for", "port_accepts", "file_lock", "write_private", "read_json", "log_tail",
@@ -41,8 +43,13 @@ Clock = Callable[[], float]
 _CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
 
 
-class InfraError(RuntimeError):
-    """A development server could not be fetched, built, started or stopped. One line."""
+class InfraError(HadarError):
+    """A development server could not be fetched, built, started or stopped. One line.
+
+    ``retriable`` only where trying again may succeed by itself: a server that was not
+    ready in time, a port taken between choosing and binding it, a step that timed out.
+    A missing tool, a failed build or a server that exits are not.
+    """
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,7 +162,8 @@ def wait_for(ready: Callable[[], bool], *, what: str, timeout: float, alive: Cal
         if not alive():
             raise InfraError(f"{what} exited while starting: {log_tail(log)} (log: {log})")
         if clock() >= deadline:
-            raise InfraError(f"{what} not ready after {timeout:.0f}s: {log_tail(log)} (log: {log})")
+            raise InfraError(f"{what} not ready after {timeout:.0f}s: {log_tail(log)} (log: {log})",
+                             retriable=True)
         sleep(interval)
 
 

@@ -238,7 +238,8 @@ def _start_once(paths: InfraPaths, lib: Path, java: str, *, clock: Clock) -> Kaf
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, check=False, timeout=180,
             )
     except subprocess.TimeoutExpired:
-        raise InfraError(f"kafka storage format timed out after 180s (log: {format_log})") from None
+        raise InfraError(f"kafka storage format timed out after 180s (log: {format_log})",
+                         retriable=True) from None
     if formatted.returncode != 0:
         raise InfraError(f"kafka storage format failed: {log_tail(format_log)} (log: {format_log})")
     pid = spawn([*jvm, "kafka.Kafka", str(config)], log=run_dir / "kafka.log", cwd=run_dir)
@@ -258,7 +259,7 @@ def _start_once(paths: InfraPaths, lib: Path, java: str, *, clock: Clock) -> Kaf
 def _ready_or_bind_failure(server: KafkaServer) -> bool:
     # A broker whose port was taken after free_port() chose it may hang instead of exiting.
     if "Address already in use" in server.log.read_text(errors="replace"):
-        raise InfraError(f"kafka: Address already in use (log: {server.log})")
+        raise InfraError(f"kafka: Address already in use (log: {server.log})", retriable=True)
     return kafka_healthy(server, timeout=3.0)
 
 

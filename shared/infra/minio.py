@@ -106,7 +106,8 @@ def build_minio(paths: InfraPaths, *, env: Mapping[str, str] = os.environ,
                     stderr=subprocess.STDOUT, timeout=BUILD_TIMEOUT_S, check=False,
                 )
         except subprocess.TimeoutExpired:
-            raise InfraError(f"go install failed: timed out after {BUILD_TIMEOUT_S:.0f}s (log: {log})") from None
+            raise InfraError(f"go install failed: timed out after {BUILD_TIMEOUT_S:.0f}s (log: {log})",
+                             retriable=True) from None
         if result.returncode != 0 or not binary.is_file():
             raise InfraError(f"go install failed: {_go_error(log)} (log: {log})")
         stamp.write_text(wanted + "\n")

@@ -17,6 +17,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from shared.errors import HadarError
+
 __all__ = ["ObjectStore", "ObjectNotFound", "InvalidKey", "validate_key", "validate_prefix",
            "prefix_can_match", "validate_range"]
 
@@ -25,8 +27,12 @@ MAX_SEGMENT_BYTES = 255
 DEFAULT_CHUNK = 1 << 20
 
 
-class ObjectNotFound(KeyError):
-    """No object is stored under the key. ``key`` names it."""
+class ObjectNotFound(HadarError, KeyError):
+    """No object is stored under the key. ``key`` names it.
+
+    Also a ``KeyError``, as for a missing key of a mapping; the contract tests hold every
+    store to that.
+    """
 
     def __init__(self, key: str) -> None:
         super().__init__(key)
@@ -36,7 +42,7 @@ class ObjectNotFound(KeyError):
         return f"no object {self.key!r}"
 
 
-class InvalidKey(ValueError):
+class InvalidKey(HadarError):
     """A key that breaks the key rules (see the module docstring). The message says which."""
 
 

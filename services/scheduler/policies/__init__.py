@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import Any
 
 from services.scheduler.policy import Policy
+from shared.errors import UsageError
 
 # name -> (module, class)
 _REGISTRY: dict[str, tuple[str, str]] = {
@@ -29,8 +30,8 @@ _REGISTRY: dict[str, tuple[str, str]] = {
 POLICY_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 
 
-class UnknownPolicy(ValueError):
-    pass
+class UnknownPolicy(UsageError):
+    """A policy name that is not registered; the message lists the valid ones."""
 
 
 def make_policy(name: str, **options: Any) -> Policy:

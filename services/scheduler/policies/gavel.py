@@ -48,7 +48,7 @@ import numpy as np
 from services.scheduler.policies.gang import (
     GangRequest, assign_gangs, infeasible_detail, previous_gangs, usable_types)
 from services.scheduler.policies.gavel_lp import max_min_fairness, min_total_duration
-from services.scheduler.policy import JobState, Plan, Snapshot, Wait, WaitCode
+from services.scheduler.policy import JobState, Plan, PolicyState, Snapshot, Wait, WaitCode, previous_state
 
 GAVEL_TYPE_ORDER = ("v100", "p100", "k80")
 DEFAULT_MIN_RESET_INTERVAL_S = 1920.0
@@ -62,7 +62,7 @@ class Running:
 
 
 @dataclass(frozen=True, kw_only=True)
-class GavelState:
+class GavelState(PolicyState):
     policy: str
     now_s: float
     last_reset_s: float | None
@@ -103,8 +103,30 @@ class _GavelRounds:
         return listed + others
 
     def plan(self, snapshot: Snapshot) -> Plan:
-        prev_state = snapshot.previous.state if snapshot.previous is not None else None
-        prev = prev_state if isinstance(prev_state, GavelState) and prev_state.policy == self.name else None
+        """One Gavel round: the LP's time fractions, realised by priority (module docstring).
+
+        Input: the snapshot and, from ``snapshot.previous``, copy-0 placements and a
+        ``GavelState`` written by this same variant (time received per job and type,
+        deficits, the allocation and when it was computed). Any other state means empty
+        books, as for a first round.
+
+        Output: copy 0 of each chosen job on exactly W GPUs of one type; every other
+        active job waits, INFEASIBLE when no type can run it, else PRIORITY; the updated
+        ``GavelState``; per job the allocation, priorities, deficits and LP figures in
+        ``explain``.
+
+        Guarantees: no type is given more GPUs than it has; a job that stays on its type
+        keeps last round's GPUs; no waiting job that has an allocation fits on the GPUs a
+        usable type has left (work-conserving). The allocation changes only at a reset,
+        never between. Deterministic: ties go by arrival, then job id.
+
+        Cost: with m jobs and n types, a reset round solves the allocation LP(s) over
+        m x n variables (``allocate``); every round then sorts the jobs once per type,
+        O(n m log m), and places the gangs.
+        """
+        prev = previous_state(snapshot, GavelState)
+        if prev is not None and prev.policy != self.name:   # the other Gavel variant's books
+            prev = None
         counts = snapshot.cluster.gpus_by_type
         types = list(counts)
         usable = {j.job_id: usable_types(snapshot, j) for j in snapshot.jobs}

@@ -44,13 +44,15 @@ import numpy as np
 from scipy.optimize import linprog
 from scipy.sparse import coo_matrix, csr_matrix, hstack, vstack
 
+from shared.errors import HadarError
+
 FACE_SLACK = 1e-6          # relative slack on z* when optimising on the max-min optimal face
 MIN_T, MAX_T, T_RATIO = 100.0, 1e6, 1.05   # Gavel's binary-search constants (seconds)
 MAX_T_LIMIT = 1e15         # give up widening past this makespan (seconds)
 
 
-class AllocationError(RuntimeError):
-    pass
+class AllocationError(HadarError):
+    """The allocation LP has no solution for these jobs (a bug or an impossible input)."""
 
 
 def _base_constraints(sf: np.ndarray, gpus: np.ndarray) -> tuple[csr_matrix, np.ndarray]:

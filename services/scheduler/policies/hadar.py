@@ -86,7 +86,7 @@ from services.scheduler.policies.hadar_prices import (PRICE_SCALE, DensityInput,
                                                       Utility, density_bounds, value_densities)
 from services.scheduler.policies.hadar_profile import JobProfile, ProfileBook, signature_drifted
 from services.scheduler.policies.hadar_slot import RowCounts, assign_indices, backfill
-from services.scheduler.policy import JobState, Plan, Snapshot, Wait, WaitCode
+from services.scheduler.policy import JobState, Plan, Snapshot, Wait, WaitCode, previous_state
 from services.scheduler.throughput import Part
 
 DEFAULT_HORIZON = 64
@@ -135,8 +135,7 @@ class _Round:
         self.profiles: dict[str, JobProfile] = {j.job_id: book.get(j.job_type, j.workers) for j in self.jobs}
         self.iso = {j.job_id: (j.total_steps / self.profiles[j.job_id].best_rate
                                if self.profiles[j.job_id].feasible else math.inf) for j in self.jobs}
-        prev = snap.previous.state if snap.previous is not None else None
-        self.prev = prev if isinstance(prev, LedgerState) else None
+        self.prev = previous_state(snap, LedgerState)
         self.explain: dict[str, dict[str, Any]] = {}
         self.waits: dict[str, Wait] = {}
         self.ledger = Ledger(layout=self.layout, horizon=cfg.horizon, round_=snap.round, curve=self._curve(),

@@ -25,9 +25,11 @@ import numpy as np
 
 from services.scheduler.cluster import Cluster
 from services.scheduler.policies.hadar_prices import PriceCurve
+from services.scheduler.policy import PolicyState
+from shared.errors import HadarError
 
 
-class LedgerError(RuntimeError):
+class LedgerError(HadarError):
     """A commitment would exceed a row's capacity or release more than was committed."""
 
 
@@ -81,7 +83,7 @@ class Commitment:
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
-class LedgerState:
+class LedgerState(PolicyState):
     """Hadar's policy state, carried in ``Plan.state`` from one round to the next."""
 
     round: int

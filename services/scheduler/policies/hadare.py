@@ -49,7 +49,25 @@ class HadarE:
 
 
 def fork(snapshot: Snapshot, base: Plan) -> Plan:
-    """``base`` plus copies on the GPUs it leaves idle (rules in the module docstring)."""
+    """``base`` plus copies on the GPUs it leaves idle (rules in the module docstring).
+
+    Input: the snapshot and the primary policy's plan for it (Hadar's).
+
+    Output: every placement of ``base`` unchanged and in order, then the extra copies; a
+    job that got one leaves ``waiting`` and has ``forked_copies`` in ``explain``;
+    ``state`` is ``base.state`` untouched. ``base`` itself when nothing is forked.
+
+    Guarantees: an extra copy uses only GPUs ``base`` left idle, on one node, of one
+    type, at most W of them. A job never has two copies on one node (counting every node
+    its copies span) nor more copies than the cluster has nodes, and gets none once the
+    copies it has are expected to finish its remaining steps this round. Copy numbers
+    continue after the job's highest in ``base``. Hence the result passes ``check_plan``
+    whenever ``base`` does. Deterministic.
+
+    Cost: O(J T K) to tabulate rates (J job types, T GPU types, K GPUs on the largest
+    node), then one scoring pass over the m jobs per copy placed: O(c m) for c copies,
+    c at most the number of idle GPUs.
+    """
     jobs = sorted(snapshot.jobs, key=lambda j: (j.arrival_s, j.job_id))
     if not jobs or not snapshot.cluster.nodes:
         return base

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from services.scheduler.policies.gang import (
     GangRequest, assign_gangs, free_counts, gang_type, infeasible_detail, previous_gangs, usable_types)
-from services.scheduler.policy import JobState, Plan, Snapshot, Wait, WaitCode
+from services.scheduler.policy import JobState, Plan, PolicyState, Snapshot, Wait, WaitCode, previous_state
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,7 +48,7 @@ class _JobLedger:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TiresiasState:
+class TiresiasState(PolicyState):
     now_s: float
     ledgers: Mapping[str, _JobLedger] = field(default_factory=dict)
     placed: frozenset[str] = frozenset()
@@ -90,8 +90,7 @@ class Tiresias:
         return ledger
 
     def plan(self, snapshot: Snapshot) -> Plan:
-        prev_state = snapshot.previous.state if snapshot.previous is not None else None
-        prev = prev_state if isinstance(prev_state, TiresiasState) else None
+        prev = previous_state(snapshot, TiresiasState)
         elapsed = max(0.0, snapshot.now_s - prev.now_s) if prev is not None else 0.0
         prev_gangs = previous_gangs(snapshot.previous) if prev is not None else {}
 

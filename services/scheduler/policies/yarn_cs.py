@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 
 from services.scheduler.policies.gang import (
     GangRequest, assign_gangs, free_counts, gang_type, infeasible_detail, previous_gangs, usable_types)
-from services.scheduler.policy import Plan, Snapshot, Wait, WaitCode
+from services.scheduler.policy import Plan, PolicyState, Snapshot, Wait, WaitCode, previous_state
 
 
 @dataclass(frozen=True, kw_only=True)
-class YarnState:
+class YarnState(PolicyState):
     started_s: Mapping[str, float] = field(default_factory=dict)  # job -> when it started, for running jobs
 
 
@@ -42,8 +42,26 @@ class YarnCS:
         self.skip_blocked_head = skip_blocked_head
 
     def plan(self, snapshot: Snapshot) -> Plan:
-        prev_state = snapshot.previous.state if snapshot.previous is not None else None
-        started_s = dict(prev_state.started_s) if isinstance(prev_state, YarnState) else {}
+        """One YARN-CS round (rules in the module docstring).
+
+        Input: the snapshot and, from ``snapshot.previous``, copy-0 placements and the
+        ``YarnState`` start times. Without a ``YarnState`` no job counts as running, and
+        every job queues afresh in FIFO order.
+
+        Output: copy 0 of each running or newly started job on exactly W GPUs of one
+        type; every other active job waits (INFEASIBLE, NON_PREEMPTIVE or PRIORITY, the
+        detail naming the free GPUs per usable type); a ``YarnState`` with the start time
+        of each placed job only; queue position and state per job in ``explain``.
+
+        Guarantees: non-preemptive, a started job keeps exactly its GPUs while it is
+        active and all its nodes remain; no type is over-committed; jobs start in FIFO
+        order of (arrival, job id), later ones passing a blocked head only when
+        ``skip_blocked_head``. Speeds are never compared (heterogeneity-unaware).
+
+        Cost: O(m log m + m n) for m jobs and n GPU types, plus gang placement.
+        """
+        prev = previous_state(snapshot, YarnState)
+        started_s = dict(prev.started_s) if prev is not None else {}
         prev_gangs = previous_gangs(snapshot.previous)
         jobs = sorted(snapshot.jobs, key=lambda j: (j.arrival_s, j.job_id))
         free = free_counts(snapshot.cluster)
