@@ -32,7 +32,7 @@ from shared.events import (
 )
 from shared.layout import checkpoint_key, model_key
 from shared.store import LocalStore, MinioStore
-from shared.topics import NODES, PROGRESS
+from shared.topics import NODES, PLACEMENTS, PROGRESS
 from shared.zoo import build_model, evaluate, load_dataset, loss_function, make_optimizer
 
 @pytest.fixture(autouse=True)
@@ -283,10 +283,15 @@ async def test_trains_on_kafka_and_minio(kafka_bootstrap: str, s3_settings: S3Se
     bus = KafkaBus(kafka_bootstrap, source="test")
     await bus.start()
     node = f"n-{uuid.uuid4().hex[:8]}"
+    # The broker is shared with other tests and earlier runs: a fresh job id, and a round after
+    # every round already on hadar.placements (an agent treats older rounds as stale).
+    job_id = f"kafka-{uuid.uuid4().hex[:8]}"
+    round_ = 1 + max([d.event.round async for d in bus.read(PLACEMENTS) if isinstance(d.event, RoundStarted)],
+                     default=-1)
     agent, watch = await start_agent(bus, StoreTarget.remote(settings), node=node)
     try:
-        await bus.emit(assign(job("kafka1"), 0, budget=60, node=node))
-        done = await watch.finished("kafka1")
+        await bus.emit(assign(job(job_id), round_, budget=60, node=node))
+        done = await watch.finished(job_id, round_)
         assert (done.status, done.steps_round, done.node_id) == ("ok", 60, node), done.reason
     finally:
         await agent.stop()
