@@ -2,13 +2,10 @@
 
 Given replicas (one safetensors file per copy, each with the steps it trained this round):
 
-* Every replica's header is parsed (no tensor data read). A replica that does not parse,
-  or whose tensor names, shapes or dtypes differ from the others', is *rejected* with a
-  one-line reason; the reference layout is the one shared by the most replicas (ties: the
-  larger total steps, then the lowest copy id). The rest are averaged.
-* Weights: ``steps`` mode (default) weighs copy ``i`` by ``steps_i / sum(steps)``;
-  ``uniform`` by ``1 / n``. If every accepted copy did 0 steps, ``steps`` mode falls back
-  to uniform. A copy of weight 0 is not read.
+* Planning -- which replicas, which weights, how steps are bounded -- is
+  :mod:`services.tracker.plan` (re-exported here): malformed, mismatched or implausible
+  replicas are rejected there with a reason, and the rest weighted by steps or uniformly.
+  A copy of weight 0 is not read.
 * Floating tensors (F16, BF16, F32, F64) are averaged element-wise, accumulating in float32
   (float64 for F64 tensors), and rounded back to their stored dtype (bf16 by
   round-to-nearest-even on the raw bits). Optimizer state stored in the replica (Adam
@@ -19,26 +16,34 @@ Given replicas (one safetensors file per copy, each with the steps it trained th
   averaged: they are copied from the accepted replica with the most steps (ties: lowest
   copy id). A counter stored as a float (PyTorch keeps Adam's ``step`` as a float32
   tensor) is a floating tensor and gets the weighted mean of the copies' counts.
+* Non-finite values (NaN, +-inf) in a floating tensor of a replica of positive weight
+  reject that replica, and the output is exactly what averaging the others alone gives.
+  Detection is streaming, not a pre-pass: each chunk's accumulator is checked once after
+  every replica has been added to it (NaN and inf survive any positive-weight sum, so a
+  bad input always shows there); only then are that chunk's inputs checked one by one to
+  name the culprit(s), which are rejected, and the output is rewritten from its start
+  without them. Memory stays as below, clean rounds read every byte once (the check
+  costs one pass over a cache-resident chunk), and a round with ``k`` bad replicas is
+  written at most ``k + 1`` times.
 * Memory: tensors are processed in chunks of at most ``chunk_bytes`` of accumulator, one
   replica at a time, so extra memory is a few chunks (never more than about 3x the largest
   tensor) however large the model or however many replicas. Local files are read through
   read-only mappings of ``window_bytes`` per replica (page cache, not allocations), other
   readers chunk by chunk. The output is written header first, then tensor by tensor, to
-  a caller-supplied binary file.
+  a caller-supplied seekable binary file.
 * Deterministic: the same replicas, steps and mode give byte-identical output. One replica
   gives that replica's tensors back exactly.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Literal
+from typing import BinaryIO
 
 import numpy as np
 from scipy.linalg.blas import daxpy, saxpy
@@ -48,176 +53,49 @@ try:  # optional: caps BLAS threads during averaging (see _single_threaded_blas)
 except ImportError:  # pragma: no cover - depends on the installation
     threadpool_limits = None
 
+from services.tracker.plan import (
+    MAX_REPLICA_STEPS, MAX_TOTAL_STEPS, AcceptedReplica, ConsolidationPlan, Mode, NoUsableReplica, Rejected,
+    Replica, plan_consolidation, short_reason,
+)
 from services.tracker.safetensors_format import (
-    FLOAT_DTYPES, FileRangeReader, Header, InvalidSafetensors, RangeReader, TensorInfo,
-    bf16_to_f32, encode_header, f32_to_bf16, read_header,
+    FLOAT_DTYPES, FileRangeReader, TensorInfo, bf16_to_f32, encode_header, f32_to_bf16,
 )
 
 __all__ = [
     "Mode", "Replica", "AcceptedReplica", "Rejected", "ConsolidationPlan", "WriteStats",
     "NoUsableReplica", "plan_consolidation", "write_consolidated", "consolidate_local",
-    "DEFAULT_CHUNK_BYTES", "DEFAULT_WINDOW_BYTES",
+    "DEFAULT_CHUNK_BYTES", "DEFAULT_WINDOW_BYTES", "MAX_REPLICA_STEPS", "MAX_TOTAL_STEPS",
 ]
 
-Mode = Literal["steps", "uniform"]
 DEFAULT_CHUNK_BYTES = 256 << 10   # the accumulator chunk stays in the CPU's L2 cache
 DEFAULT_WINDOW_BYTES = 4 << 20    # mapped at once per replica (local files)
-_MAX_REASON = 240
-
-
-@dataclass(frozen=True, kw_only=True)
-class Replica:
-    """One copy's trained weights: ``steps`` it did this round, and where to read them."""
-
-    copy: int
-    steps: int
-    reader: RangeReader
-
-
-@dataclass(frozen=True, kw_only=True)
-class AcceptedReplica:
-    copy: int
-    steps: int
-    weight: float
-    reader: RangeReader
-    tensors: Mapping[str, TensorInfo]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Rejected:
-    copy: int
-    reason: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class ConsolidationPlan:
-    """What will be averaged, with which weights, into which layout (reference file order)."""
-
-    mode: Mode
-    accepted: tuple[AcceptedReplica, ...]
-    rejected: tuple[Rejected, ...]
-    layout: tuple[TensorInfo, ...]
-    format_metadata: Mapping[str, str]
-
-    @property
-    def round_steps(self) -> int:
-        """Steps whose result is in the averaged model: the accepted copies' steps."""
-        return sum(r.steps for r in self.accepted)
-
-    @property
-    def integer_source(self) -> AcceptedReplica:
-        """The copy integer tensors are taken from: most steps, then lowest copy id."""
-        return min(self.accepted, key=lambda r: (-r.steps, r.copy))
-
-    def metadata(self) -> dict[str, str]:
-        """The ``__metadata__`` entries describing this consolidation (str -> str)."""
-        return {
-            "mode": self.mode,
-            "round_steps": str(self.round_steps),
-            "copies": json.dumps([{"copy": r.copy, "steps": r.steps, "weight": r.weight}
-                                  for r in self.accepted], separators=(",", ":")),
-            "rejected": json.dumps([{"copy": r.copy, "reason": r.reason} for r in self.rejected],
-                                   separators=(",", ":")),
-        }
 
 
 @dataclass(frozen=True, kw_only=True)
 class WriteStats:
+    """``plan``: the plan actually written -- the one given, less any replica found to hold
+    non-finite values. ``bytes_read`` counts every read, including passes that were redone."""
+
     bytes_read: int
     bytes_written: int
     tensors: int
+    plan: ConsolidationPlan
 
 
-class NoUsableReplica(Exception):
-    """No replica could be averaged; ``rejected`` says why for each."""
+class _NonFinite(Exception):
+    """Replicas found holding NaN or inf; the write is redone without them."""
 
-    def __init__(self, rejected: Sequence[Rejected]) -> None:
-        reasons = "; ".join(f"copy {r.copy}: {r.reason}" for r in rejected) or "no replicas given"
-        super().__init__(f"no usable replica ({reasons})"[:1000])
-        self.rejected = tuple(rejected)
-
-
-def plan_consolidation(replicas: Sequence[Replica], *, mode: Mode = "steps",
-                       rejected: Sequence[Rejected] = ()) -> ConsolidationPlan:
-    """Parse every replica's header, reject the odd ones out, fix the weights.
-
-    ``rejected`` lists copies the caller already excluded (kept in the plan's record).
-    Raises :class:`NoUsableReplica` when nothing is left to average.
-    """
-    if mode not in ("steps", "uniform"):
-        raise ValueError(f"unknown consolidation mode {mode!r}")
-    copies = [r.copy for r in replicas]
-    if len(set(copies)) != len(copies):
-        raise ValueError(f"duplicate copy ids in {copies}")
-    if any(r.steps < 0 for r in replicas):
-        raise ValueError("steps must be >= 0")
-    out_rejected = list(rejected)
-    parsed: list[tuple[Replica, Header]] = []
-    for replica in replicas:
-        try:
-            parsed.append((replica, read_header(replica.reader)))
-        except InvalidSafetensors as exc:
-            out_rejected.append(Rejected(copy=replica.copy, reason=_short(f"not valid safetensors: {exc.reason}")))
-    if not parsed:
-        raise NoUsableReplica(sorted(out_rejected, key=lambda r: r.copy))
-    reference = _reference_header(parsed)
-    ref_signature = reference.signature()
-    kept: list[tuple[Replica, Header]] = []
-    for replica, header in parsed:
-        if header.signature() == ref_signature:
-            kept.append((replica, header))
-        else:
-            out_rejected.append(Rejected(copy=replica.copy, reason=_short(_mismatch(reference, header))))
-    weights = _weights([r.steps for r, _ in kept], mode)
-    accepted = tuple(
-        AcceptedReplica(copy=r.copy, steps=r.steps, weight=w, reader=r.reader,
-                        tensors={t.name: t for t in h.tensors})
-        for (r, h), w in zip(kept, weights))
-    fmt = {k: v for k, v in reference.metadata.items() if k == "format"}
-    return ConsolidationPlan(mode=mode, accepted=accepted, layout=reference.tensors,
-                             rejected=tuple(sorted(out_rejected, key=lambda r: r.copy)),
-                             format_metadata=fmt)
+    def __init__(self, copies: list[int], tensor: str) -> None:
+        super().__init__(f"copies {copies}: non-finite values in {tensor!r}")
+        self.copies = copies
+        self.tensor = tensor
 
 
-def _reference_header(parsed: list[tuple[Replica, Header]]) -> Header:
-    groups: dict[tuple, list[tuple[Replica, Header]]] = {}
-    for item in parsed:
-        groups.setdefault(item[1].signature(), []).append(item)
-    best = min(groups.values(), key=lambda g: (-len(g), -sum(r.steps for r, _ in g),
-                                               min(r.copy for r, _ in g)))
-    return min(best, key=lambda item: item[0].copy)[1]
+class _Counter:
+    """Bytes read across attempts (a mutable tally threaded through the chunk loop)."""
 
-
-def _mismatch(reference: Header, header: Header) -> str:
-    ref = {t.name: t for t in reference.tensors}
-    got = {t.name: t for t in header.tensors}
-    missing = sorted(set(ref) - set(got))
-    extra = sorted(set(got) - set(ref))
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"missing tensors {missing[:3]}" + (" ..." if len(missing) > 3 else ""))
-        if extra:
-            parts.append(f"unexpected tensors {extra[:3]}" + (" ..." if len(extra) > 3 else ""))
-        return "tensor names differ: " + ", ".join(parts)
-    for name in sorted(ref):
-        if ref[name].dtype != got[name].dtype:
-            return f"tensor {name!r} has dtype {got[name].dtype}, expected {ref[name].dtype}"
-        if ref[name].shape != got[name].shape:
-            return f"tensor {name!r} has shape {list(got[name].shape)}, expected {list(ref[name].shape)}"
-    return "layout differs"  # pragma: no cover - signatures differ only by name, dtype or shape
-
-
-def _weights(steps: list[int], mode: Mode) -> list[float]:
-    total = sum(steps)
-    if mode == "uniform" or total == 0:
-        return [1.0 / len(steps)] * len(steps)
-    return [s / total for s in steps]
-
-
-def _short(text: str) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= _MAX_REASON else text[:_MAX_REASON - 3] + "..."
+    def __init__(self) -> None:
+        self.read = 0
 
 
 class _Buffers:
@@ -241,15 +119,28 @@ def write_consolidated(plan: ConsolidationPlan, out: BinaryIO, *,
                        window_bytes: int = DEFAULT_WINDOW_BYTES) -> WriteStats:
     """Stream the average described by ``plan`` into ``out`` (header first, then tensors).
 
-    ``metadata`` (str -> str) is added to the plan's own (mode, copies, weights, rejected).
-    ``chunk_bytes`` bounds the accumulator (and each read of a reader that cannot map);
-    ``window_bytes`` bounds what is mapped at once per replica for readers that can.
-    Raises ``OSError`` if a replica cannot be read to the end; ``out`` is then incomplete.
+    ``metadata`` (str -> str) is added to the plan's own (mode, steps, copies, weights,
+    rejected). ``chunk_bytes`` bounds the accumulator (and each read of a reader that
+    cannot map); ``window_bytes`` bounds what is mapped at once per replica for readers
+    that can. ``out`` must be seekable: a replica found holding non-finite values is
+    rejected, ``out`` truncated back to where it started and rewritten without it; the
+    returned ``WriteStats.plan`` is the plan actually written. Raises
+    :class:`NoUsableReplica` if that leaves nothing to average, ``OSError`` if a replica
+    cannot be read to the end; ``out`` is then incomplete.
     """
     if chunk_bytes < 8 or window_bytes < 8:
         raise ValueError("chunk_bytes and window_bytes must be >= 8")
+    start = out.tell()
+    counter = _Counter()
     with _single_threaded_blas():
-        return _write(plan, out, metadata, chunk_bytes, window_bytes)
+        while True:
+            try:
+                return _write(plan, out, metadata, chunk_bytes, window_bytes, counter)
+            except _NonFinite as bad:
+                reason = short_reason(f"non-finite values (NaN or inf) in tensor {bad.tensor!r}")
+                plan = plan.without([Rejected(copy=copy, reason=reason) for copy in bad.copies])
+                out.seek(start)
+                out.truncate()
 
 
 def _single_threaded_blas() -> AbstractContextManager[object]:
@@ -261,7 +152,7 @@ def _single_threaded_blas() -> AbstractContextManager[object]:
 
 
 def _write(plan: ConsolidationPlan, out: BinaryIO, metadata: Mapping[str, str] | None,
-           chunk_bytes: int, window_bytes: int) -> WriteStats:
+           chunk_bytes: int, window_bytes: int, counter: _Counter) -> WriteStats:
     meta = {**plan.format_metadata, **plan.metadata(), **(metadata or {})}
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise TypeError("safetensors metadata must map str to str")
@@ -269,27 +160,25 @@ def _write(plan: ConsolidationPlan, out: BinaryIO, metadata: Mapping[str, str] |
     out.write(header)
     bufs = _Buffers()
     readers = [r for r in plan.accepted if r.weight > 0.0]
-    bytes_read = bytes_written = 0
+    bytes_written = len(header)
     for tensor in plan.layout:
         if tensor.dtype in FLOAT_DTYPES:
-            read, written = _average_tensor(tensor, readers, out, bufs, chunk_bytes, window_bytes)
+            bytes_written += _average_tensor(tensor, readers, out, bufs, chunk_bytes, window_bytes, counter)
         else:
-            read, written = _copy_tensor(tensor, plan.integer_source, out, bufs, chunk_bytes)
-        bytes_read += read
-        bytes_written += written
-    return WriteStats(bytes_read=bytes_read, bytes_written=len(header) + bytes_written,
-                      tensors=len(plan.layout))
+            bytes_written += _copy_tensor(tensor, plan.integer_source, out, bufs, chunk_bytes, counter)
+    return WriteStats(bytes_read=counter.read, bytes_written=bytes_written, tensors=len(plan.layout),
+                      plan=plan)
 
 
 def _average_tensor(tensor: TensorInfo, readers: Sequence[AcceptedReplica], out: BinaryIO,
-                    bufs: _Buffers, chunk_bytes: int, window_bytes: int) -> tuple[int, int]:
+                    bufs: _Buffers, chunk_bytes: int, window_bytes: int, counter: _Counter) -> int:
     dtype = tensor.dtype
     stored = FLOAT_DTYPES[dtype]
     acc_dtype = np.dtype(np.float64) if dtype == "F64" else np.dtype(np.float32)
     numel, size = tensor.numel, stored.itemsize
     step = max(1, chunk_bytes // acc_dtype.itemsize)
     window = max(step, window_bytes // size // step * step)
-    bytes_read = bytes_written = 0
+    bytes_written = 0
     for window_first in range(0, numel, window):
         window_count = min(window, numel - window_first)
         mapped = [_mapped(r, tensor, window_first, window_count, stored) for r in readers]
@@ -297,18 +186,50 @@ def _average_tensor(tensor: TensorInfo, readers: Sequence[AcceptedReplica], out:
             count = min(step, window_first + window_count - first)
             acc = bufs.array("acc", acc_dtype, count)
             for i, (replica, view) in enumerate(zip(readers, mapped)):
-                if view is not None:
-                    raw = view[first - window_first:first - window_first + count]
-                else:
-                    raw = bufs.array("raw", stored, count)
-                    replica.reader.read_into(replica.tensors[tensor.name].begin + first * size,
-                                             memoryview(raw.view(np.uint8)))
+                raw = _chunk(replica, view, tensor, first - window_first, first, count, bufs)
                 _accumulate(acc, raw, replica.weight, dtype, bufs, first=i == 0)
-            bytes_read += count * size * len(readers)
+            counter.read += count * size * len(readers)
+            if not np.isfinite(acc, out=bufs.array("finite", np.dtype(np.bool_), count)).all():
+                _raise_if_an_input_is_non_finite(tensor, readers, mapped, window_first, first, count, bufs,
+                                                 counter)
             out.write(memoryview(_stored_bytes(acc, dtype, bufs).view(np.uint8)))
             bytes_written += count * size
         del mapped  # unmaps the windows
-    return bytes_read, bytes_written
+    return bytes_written
+
+
+def _chunk(replica: AcceptedReplica, view: np.ndarray | None, tensor: TensorInfo, in_window: int,
+           first: int, count: int, bufs: _Buffers) -> np.ndarray:
+    """The replica's elements [first, first + count) of ``tensor``: a slice of its mapped
+    window (starting ``in_window`` elements into it) or a read into a scratch buffer."""
+    if view is not None:
+        return view[in_window:in_window + count]
+    stored = FLOAT_DTYPES[tensor.dtype]
+    raw = bufs.array("raw", stored, count)
+    replica.reader.read_into(replica.tensors[tensor.name].begin + first * stored.itemsize,
+                             memoryview(raw.view(np.uint8)))
+    return raw
+
+
+def _raise_if_an_input_is_non_finite(tensor: TensorInfo, readers: Sequence[AcceptedReplica],
+                                     mapped: Sequence[np.ndarray | None], window_first: int, first: int,
+                                     count: int, bufs: _Buffers, counter: _Counter) -> None:
+    """The chunk's average is not finite: raise :class:`_NonFinite` naming the replicas
+    whose chunk holds NaN or inf. Finite inputs whose float32 sum overflowed (values near
+    the dtype's maximum) name nobody, and the write goes on."""
+    bad = []
+    for replica, view in zip(readers, mapped):
+        raw = _chunk(replica, view, tensor, first - window_first, first, count, bufs)
+        if view is None:
+            counter.read += raw.nbytes
+        if tensor.dtype == "BF16":  # uint16 bits: all exponent bits set means inf or NaN
+            finite = not np.any((raw & np.uint16(0x7F80)) == np.uint16(0x7F80))
+        else:
+            finite = bool(np.isfinite(raw).all())
+        if not finite:
+            bad.append(replica.copy)
+    if bad:
+        raise _NonFinite(bad, tensor.name)
 
 
 def _mapped(replica: AcceptedReplica, tensor: TensorInfo, first: int, count: int,
@@ -353,14 +274,15 @@ def _stored_bytes(acc: np.ndarray, dtype: str, bufs: _Buffers) -> np.ndarray:
 
 
 def _copy_tensor(tensor: TensorInfo, source: AcceptedReplica, out: BinaryIO, bufs: _Buffers,
-                 chunk_bytes: int) -> tuple[int, int]:
+                 chunk_bytes: int, counter: _Counter) -> int:
     begin = source.tensors[tensor.name].begin
     for offset in range(0, tensor.nbytes, chunk_bytes):
         count = min(chunk_bytes, tensor.nbytes - offset)
         raw = bufs.array("raw", np.dtype(np.uint8), count)
         source.reader.read_into(begin + offset, memoryview(raw))
         out.write(memoryview(raw))
-    return tensor.nbytes, tensor.nbytes
+    counter.read += tensor.nbytes
+    return tensor.nbytes
 
 
 def consolidate_local(inputs: Sequence[tuple[str | os.PathLike[str], int]], out_path: str | os.PathLike[str],
@@ -368,7 +290,9 @@ def consolidate_local(inputs: Sequence[tuple[str | os.PathLike[str], int]], out_
                       chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[ConsolidationPlan, WriteStats]:
     """Average local files ``(path, steps)`` into ``out_path``, atomically (temp + rename).
 
-    Copy ids are the inputs' positions. Raises :class:`NoUsableReplica` if none is usable.
+    Copy ids are the inputs' positions. Returns the plan actually written (see
+    :func:`write_consolidated`). Raises :class:`NoUsableReplica` if none is usable; no
+    file is left behind then.
     """
     out_path = Path(out_path)
     readers = [FileRangeReader(path) for path, _ in inputs]
@@ -387,7 +311,7 @@ def consolidate_local(inputs: Sequence[tuple[str | os.PathLike[str], int]], out_
         except BaseException:
             Path(tmp_name).unlink(missing_ok=True)
             raise
-        return plan, stats
+        return stats.plan, stats
     finally:
         for reader in readers:
             reader.close()

@@ -49,7 +49,8 @@ def test_a_copy_claiming_2_64_minus_1_steps_is_rejected_not_given_all_the_weight
     assert [r.copy for r in plan.rejected] == [0] and "steps" in plan.rejected[0].reason
     assert [(r.copy, r.weight) for r in plan.accepted] == [(1, 0.25), (2, 0.75)]
     assert plan.round_steps == 40
-    assert decode(encode(event_of(plan))) == event_of(plan)
+    event = event_of(plan)
+    assert decode(encode(event)) == event
 
 
 def test_steps_beyond_the_copy_budget_are_clamped_to_it() -> None:
@@ -65,7 +66,8 @@ def test_a_round_overflowing_the_jobs_total_leaves_out_the_largest_claims() -> N
     assert [r.copy for r in plan.accepted] == [0, 2]
     assert [r.copy for r in plan.rejected] == [1] and "2**64-1" in plan.rejected[0].reason
     assert plan.total_steps == MAX_TOTAL_STEPS == prior + plan.round_steps
-    assert decode(encode(event_of(plan))) == event_of(plan)
+    event = event_of(plan)
+    assert decode(encode(event)) == event
 
 
 def test_a_job_at_the_step_limit_keeps_only_copies_of_zero_steps() -> None:
