@@ -270,21 +270,22 @@ class TrackerService:
         self._m_rejected.inc(len(plan.rejected) - len(work.failed))
         return ModelConsolidated(
             ts=self.clock.time(), source=self.config.source, job_id=work.job_id, round=work.round,
-            key=key, total_steps=work.prior_steps + plan.round_steps,
+            key=key, total_steps=plan.total_steps,
             copies=tuple(CopyWeight(copy=r.copy, steps=r.steps, weight=r.weight) for r in plan.accepted),
             rejected=tuple(Rejection(copy=r.copy, reason=r.reason) for r in plan.rejected),
             missing=work.missing, seconds=seconds)
 
     def _write(self, work: RoundWork, replicas: list[Replica], rejected: list[Rejected],
                tmp_dir: Path) -> tuple[ConsolidationPlan, WriteStats, Path]:
-        plan = plan_consolidation(replicas, mode=self.config.mode, rejected=rejected)
-        metadata = {"job": work.job_id, "round": str(work.round),
-                    "total_steps": str(work.prior_steps + plan.round_steps),
-                    "missing": json.dumps(list(work.missing))}
+        # The plan bounds each copy's steps and the job's total; its metadata records the
+        # total, and writing may reject replicas holding NaN or inf (stats.plan says which).
+        plan = plan_consolidation(replicas, mode=self.config.mode, rejected=rejected,
+                                  prior_steps=work.prior_steps)
+        metadata = {"job": work.job_id, "round": str(work.round), "missing": json.dumps(list(work.missing))}
         path = tmp_dir / "model.safetensors"
         with open(path, "wb") as out:
             stats = write_consolidated(plan, out, metadata=metadata, chunk_bytes=self.config.chunk_bytes)
-        return plan, stats, path
+        return stats.plan, stats, path
 
     async def _announcement_of_existing(self, work: RoundWork, key: str, log: Any) -> ModelConsolidated | None:
         """The ModelConsolidated of a model an earlier run wrote but did not announce."""
@@ -293,7 +294,7 @@ class TrackerService:
         try:
             header = await asyncio.to_thread(read_header, reader)
             event = _event_from_metadata(header.metadata, work, key, self.clock.time(), self.config.source)
-        except (InvalidSafetensors, ValueError, KeyError, TypeError) as exc:
+        except (InvalidSafetensors, ValueError, KeyError, TypeError, RecursionError) as exc:
             log.warning("round.existing_model_unusable", key=key, error=str(exc)[:300])
             return None  # not ours or unreadable, and never announced: recompute over it
         log.info("round.existing_model_announced", key=key)

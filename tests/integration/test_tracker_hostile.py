@@ -46,7 +46,9 @@ def list_dtype_replica() -> bytes:
 
 async def run_round(bus: MemoryBus, store: LocalStore, job_id: str,
                     copies: list[tuple[int, bytes]]) -> ModelConsolidated:
-    """Place ``copies`` (steps, checkpoint bytes) in round 0, finish them, await the model."""
+    """Place ``copies`` (steps, checkpoint bytes) in round 0, finish them, await the model.
+
+    Fails if any attempt to consolidate raised (the round must succeed the first time)."""
     job = JobSpec(job_id=job_id, user="u", model="resnet-8", dataset="digits", batch_size=32, workers=1,
                   iterations=10**12)
     service = TrackerService(bus=bus, store=store, clock=FakeClock(T0),
@@ -105,3 +107,13 @@ async def test_a_malformed_header_rejects_that_copy_and_the_round_is_announced(
                             [(10, save(weights(0))), (10, list_dtype_replica()), (30, save(weights(1)))])
     assert [c.copy for c in event.copies] == [0, 2] and [r.copy for r in event.rejected] == [1]
     assert "not valid safetensors" in event.rejected[0].reason
+
+
+async def test_a_forged_model_object_with_deeply_nested_metadata_is_recomputed_over(
+        memory_bus: MemoryBus, local_store: LocalStore) -> None:
+    forged = save(weights(9), metadata={"job": "j-forged", "round": "0", "total_steps": "1",
+                                        "copies": "[" * 100_000 + "]" * 100_000})
+    await local_store.put("models/j-forged/0.safetensors", forged)
+    event = await run_round(memory_bus, local_store, "j-forged", [(10, save(weights(0)))])
+    assert [c.copy for c in event.copies] == [0] and event.total_steps == 10
+    assert await local_store.get(event.key) != forged
