@@ -122,10 +122,10 @@ async def consolidate_round(store: LocalStore, job_id: str, round_: int, steps: 
     path = scratch / f"{job_id}-{round_}.safetensors"
 
     def plan_and_write() -> int:   # off the loop: the readers wait on it
-        plan = plan_consolidation(replicas, mode="steps")
+        plan = plan_consolidation(replicas, mode="steps", prior_steps=prior_steps)
         if plan.rejected:
             raise RuntimeError(f"consolidation of {job_id}/{round_} rejected {plan.rejected}")
-        meta = plan.model_metadata(job=job_id, round_=round_, prior_steps=prior_steps)
+        meta = plan.model_metadata(job=job_id, round_=round_)
         with open(path, "wb") as out:
             write_consolidated(plan, out, metadata=meta.to_metadata())
         return meta.total_steps

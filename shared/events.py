@@ -12,6 +12,13 @@ Guarantees:
   accept -- not msgpack, a wrong envelope, an unknown type or version, a missing,
   unknown, mistyped or out-of-range field -- and never any other exception. Its
   ``reason`` names what was wrong, so the bus can dead-letter the record with it.
+* ``decode`` costs memory in proportion to the record, not to what it claims: the
+  Python objects msgpack builds are charged as they are built (each map and array
+  by its size, plus a fresh scalar per element) against ``16 x len(data) + 64 KiB``,
+  and decoding stops with InvalidEvent once that is spent; no single array or map may
+  hold more than ``max(65536, len(data) // 8)`` items; ext types are refused unread.
+  A 1 MiB record of empty maps costs ~11 MB instead of ~72 MB. Legitimate records
+  cost up to ~12x their size, within the budget.
 * Constructing an event with a wrong field raises the same ``InvalidEvent``: an invalid
   event cannot exist in memory, so it can never be published.
 
@@ -25,11 +32,13 @@ class's ``_check``. ``id`` defaults to a random UUID (it is only used for idempo
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 import msgpack
 
+from shared.errors import HadarError
 from shared.records import (
     JOB_ID_RE, NODE_ID_RE, CopyWeight, GpuInfo, Hyperparameters, InvalidEvent, JobSpec, Record, Rejection,
     Waiting, check_job_id, check_node_id, new_event_id, require, short_repr, to_wire,
@@ -352,7 +361,10 @@ def decode(data: bytes) -> Event:
     if len(data) > _MAX_WIRE_BYTES:
         raise InvalidEvent(f"record too large: {len(data)} bytes")
     try:
-        msg = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True)
+        msg = _unpack(bytes(data))
+    except _TooCostly:
+        raise InvalidEvent(f"record too costly to decode: its objects exceed the limit of "
+                           f"{_DECODE_COST_PER_BYTE}x its {len(data)} bytes") from None
     except Exception as exc:  # msgpack raises many types; all mean "not an event"
         raise InvalidEvent(f"not msgpack: {type(exc).__name__}: {exc}"[:200]) from None
     if not isinstance(msg, dict):
@@ -379,3 +391,34 @@ def decode(data: bytes) -> Event:
     event = cls._from_wire(fields, etype)
     assert isinstance(event, Event)
     return event
+
+
+# Decode limits (see the module guarantees). A fresh scalar costs 24-50 bytes plus its
+# 8-byte slot; legitimate records cost up to ~12x their size, hostile ones ~70x unchecked.
+_DECODE_COST_PER_BYTE = 16
+_DECODE_COST_SLACK = 64 * 1024
+_ELEMENT_COST = 40
+_MIN_CONTAINER_ITEMS = 1 << 16
+
+
+class _TooCostly(HadarError):
+    """The objects built so far exceed the record's memory budget."""
+
+
+def _unpack(data: bytes) -> object:
+    budget = _DECODE_COST_PER_BYTE * len(data) + _DECODE_COST_SLACK
+
+    def charge(container: dict | list) -> dict | list:
+        # Called as each map or array is completed, before its parent: the budget is
+        # enforced while building, so the peak stays near it. Scalars in a container are
+        # charged with it (hooks see no scalars), hence the per-item cost and the cap on
+        # items per container.
+        nonlocal budget
+        budget -= sys.getsizeof(container) + _ELEMENT_COST * len(container)
+        if budget < 0:
+            raise _TooCostly
+        return container
+
+    most_items = max(_MIN_CONTAINER_ITEMS, len(data) // 8)
+    return msgpack.unpackb(data, raw=False, strict_map_key=True, object_hook=charge, list_hook=charge,
+                           max_array_len=most_items, max_map_len=most_items, max_ext_len=0)

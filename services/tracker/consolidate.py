@@ -1,14 +1,23 @@
 """Streaming weight averaging of a job's copies (HadarE consolidation), pure apart from reads.
 
-Given replicas (one safetensors file per copy, each with the steps it trained this round):
+Given replicas (one safetensors file per copy, each with the steps it claims this round):
 
 * Every replica's header is parsed (no tensor data read). A replica that does not parse,
   or whose tensor names, shapes or dtypes differ from the others', is *rejected* with a
   one-line reason; the reference layout is the one shared by the most replicas (ties: the
-  larger total steps, then the lowest copy id). The rest are averaged.
+  larger total steps, then the lowest copy id). The rest are averaged. Reasons are at
+  most 240 characters of valid UTF-8, fit for an event.
+* Steps are a claim, bounded per copy: clamped to ``Replica.max_steps`` (the copy's step
+  budget, when the caller knows it); a claim that is negative or above
+  :data:`MAX_REPLICA_STEPS` (2**53, exact as a float) after clamping rejects that copy.
+  The job's total after the round, ``prior_steps + round_steps``, never exceeds
+  :data:`MAX_TOTAL_STEPS` (2**64-1, the largest integer an event carries): if it would,
+  the copies claiming the most steps are rejected one at a time (ties: the highest copy
+  id) until it fits; a job already past the limit gets no model for the round.
 * Weights: ``steps`` mode (default) weighs copy ``i`` by ``steps_i / sum(steps)``;
   ``uniform`` by ``1 / n``. If every accepted copy did 0 steps, ``steps`` mode falls back
-  to uniform. A copy of weight 0 is not read.
+  to uniform. Every weight is finite and in [0, 1], and they sum to 1 up to rounding. A
+  copy of weight 0 is not read.
 * Floating tensors (F16, BF16, F32, F64) are averaged element-wise, accumulating in float32
   (float64 for F64 tensors), and rounded back to their stored dtype (bf16 by
   round-to-nearest-even on the raw bits). Optimizer state stored in the replica (Adam
@@ -19,14 +28,25 @@ Given replicas (one safetensors file per copy, each with the steps it trained th
   averaged: they are copied from the accepted replica with the most steps (ties: lowest
   copy id). A counter stored as a float (PyTorch keeps Adam's ``step`` as a float32
   tensor) is a floating tensor and gets the weighted mean of the copies' counts.
+* Non-finite values (NaN, +-inf) in a floating tensor of a replica of positive weight
+  reject that replica, and the output is byte for byte what averaging the others alone
+  gives. Detection is streaming, not a pre-pass (:mod:`services.tracker.average`): each
+  chunk's accumulator is checked once after every replica has been added to it; only
+  then are that chunk's inputs checked to name the culprit(s), which are rejected, and
+  the output is rewritten from its start without them. Memory stays as below, a clean
+  round reads every byte once, and a round with ``k`` bad replicas is written at most
+  ``k + 1`` times.
 * Memory: tensors are processed in chunks of at most ``chunk_bytes`` of accumulator, one
   replica at a time, so extra memory is a few chunks (never more than about 3x the largest
   tensor) however large the model or however many replicas. Local files are read through
   read-only mappings of ``window_bytes`` per replica (page cache, not allocations), other
   readers chunk by chunk. The output is written header first, then tensor by tensor, to
-  a caller-supplied binary file.
+  a caller-supplied seekable binary file.
 * Deterministic: the same replicas, steps and mode give byte-identical output. One replica
   gives that replica's tensors back exactly.
+* Raises :class:`NoUsableReplica` when nothing is left to average, and ``ValueError``
+  only for a caller's mistake (unknown mode, duplicate copy ids, negative ``max_steps``
+  or ``prior_steps``) -- never for anything a replica or its claim contains.
 """
 
 from __future__ import annotations
@@ -34,22 +54,13 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
-import numpy as np
-from scipy.linalg.blas import daxpy, saxpy
-
-try:  # optional: caps BLAS threads during averaging (see _single_threaded_blas)
-    from threadpoolctl import threadpool_limits
-except ImportError:  # pragma: no cover - depends on the installation
-    threadpool_limits = None
-
+from services.tracker.average import NonFinite, ReadTally, single_threaded_blas, write_average
 from services.tracker.safetensors_format import (
-    FLOAT_DTYPES, FileRangeReader, Header, InvalidSafetensors, RangeReader, TensorInfo,
-    bf16_to_f32, encode_header, f32_to_bf16, read_header,
+    FileRangeReader, Header, InvalidSafetensors, RangeReader, TensorInfo, read_header,
 )
 from shared.errors import HadarError
 from shared.model_meta import Mode, ModelMetadata, consolidation_entries
@@ -58,21 +69,27 @@ from shared.records import CopyWeight, Rejection
 __all__ = [
     "Mode", "Replica", "AcceptedReplica", "Rejected", "ConsolidationPlan", "WriteStats",
     "NoUsableReplica", "plan_consolidation", "write_consolidated", "consolidate_local",
-    "DEFAULT_CHUNK_BYTES", "DEFAULT_WINDOW_BYTES",
+    "DEFAULT_CHUNK_BYTES", "DEFAULT_WINDOW_BYTES", "MAX_REPLICA_STEPS", "MAX_TOTAL_STEPS",
 ]
 
 DEFAULT_CHUNK_BYTES = 256 << 10   # the accumulator chunk stays in the CPU's L2 cache
 DEFAULT_WINDOW_BYTES = 4 << 20    # mapped at once per replica (local files)
+MAX_REPLICA_STEPS = 2**53
+MAX_TOTAL_STEPS = 2**64 - 1
 _MAX_REASON = 240
 
 
 @dataclass(frozen=True, kw_only=True)
 class Replica:
-    """One copy's trained weights: ``steps`` it did this round, and where to read them."""
+    """One copy's trained weights: ``steps`` it claims for this round, and where to read them.
+
+    ``max_steps``: the most steps the copy could have done (its budget), if known.
+    """
 
     copy: int
     steps: int
     reader: RangeReader
+    max_steps: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,11 +116,17 @@ class ConsolidationPlan:
     rejected: tuple[Rejected, ...]
     layout: tuple[TensorInfo, ...]
     format_metadata: Mapping[str, str]
+    prior_steps: int = 0
 
     @property
     def round_steps(self) -> int:
         """Steps whose result is in the averaged model: the accepted copies' steps."""
         return sum(r.steps for r in self.accepted)
+
+    @property
+    def total_steps(self) -> int:
+        """The job's steps once this round's model counts; at most ``MAX_TOTAL_STEPS``."""
+        return self.prior_steps + self.round_steps
 
     @property
     def integer_source(self) -> AcceptedReplica:
@@ -116,25 +139,45 @@ class ConsolidationPlan:
     def rejections(self) -> tuple[Rejection, ...]:
         return tuple(Rejection(copy=r.copy, reason=r.reason) for r in self.rejected)
 
-    def metadata(self) -> dict[str, str]:
-        """The ``__metadata__`` entries every output of this plan carries (str -> str; see
-        :func:`shared.model_meta.consolidation_entries`)."""
-        return consolidation_entries(mode=self.mode, copies=self.copy_weights(), rejected=self.rejections())
+    def without(self, rejected: Sequence[Rejected]) -> "ConsolidationPlan":
+        """This plan less the copies in ``rejected``, re-weighted as if they had never been.
 
-    def model_metadata(self, *, job: str, round_: int, prior_steps: int, missing: Sequence[int] = ()
-                       ) -> ModelMetadata:
-        """What this plan's output says about itself as round ``round_`` of ``job``, whose
-        starting model had ``prior_steps``; ``missing``: copies that never reported."""
-        return ModelMetadata(job=job, round=round_, total_steps=prior_steps + self.round_steps, mode=self.mode,
+        The layout stays the one chosen when planning. Raises :class:`NoUsableReplica`
+        if no accepted copy is left.
+        """
+        gone = {r.copy for r in rejected}
+        kept = [r for r in self.accepted if r.copy not in gone]
+        all_rejected = tuple(sorted((*self.rejected, *rejected), key=lambda r: r.copy))
+        if not kept:
+            raise NoUsableReplica(all_rejected)
+        weights = _weights([r.steps for r in kept], self.mode)
+        return replace(self, accepted=tuple(replace(r, weight=w) for r, w in zip(kept, weights)),
+                       rejected=all_rejected)
+
+    def metadata(self) -> dict[str, str]:
+        """The ``__metadata__`` entries every output of this plan carries (str -> str): those of
+        :func:`shared.model_meta.consolidation_entries` and ``total_steps``. They describe the
+        plan actually written, so a replica rejected while writing is not in them."""
+        return {**consolidation_entries(mode=self.mode, copies=self.copy_weights(), rejected=self.rejections()),
+                "total_steps": str(self.total_steps)}
+
+    def model_metadata(self, *, job: str, round_: int, missing: Sequence[int] = ()) -> ModelMetadata:
+        """What this plan's output says about itself as round ``round_`` of ``job``;
+        ``missing``: copies that never reported."""
+        return ModelMetadata(job=job, round=round_, total_steps=self.total_steps, mode=self.mode,
                              copies=self.copy_weights(), rejected=self.rejections(), missing=tuple(missing),
                              format=self.format_metadata.get("format"))
 
 
 @dataclass(frozen=True, kw_only=True)
 class WriteStats:
+    """``plan``: the plan actually written -- the one given, less any replica found to hold
+    non-finite values. ``bytes_read`` counts every read, including passes that were redone."""
+
     bytes_read: int
     bytes_written: int
     tensors: int
+    plan: ConsolidationPlan
 
 
 class NoUsableReplica(HadarError):
@@ -147,10 +190,11 @@ class NoUsableReplica(HadarError):
 
 
 def plan_consolidation(replicas: Sequence[Replica], *, mode: Mode = "steps",
-                       rejected: Sequence[Rejected] = ()) -> ConsolidationPlan:
-    """Parse every replica's header, reject the odd ones out, fix the weights.
+                       rejected: Sequence[Rejected] = (), prior_steps: int = 0) -> ConsolidationPlan:
+    """Parse every replica's header, reject the odd ones out, bound the steps, fix the weights.
 
-    ``rejected`` lists copies the caller already excluded (kept in the plan's record).
+    ``rejected`` lists copies the caller already excluded (kept in the plan's record);
+    ``prior_steps`` the job's steps before this round. See the module guarantees.
     Raises :class:`NoUsableReplica` when nothing is left to average.
     """
     if mode not in ("steps", "uniform"):
@@ -158,15 +202,22 @@ def plan_consolidation(replicas: Sequence[Replica], *, mode: Mode = "steps",
     copies = [r.copy for r in replicas]
     if len(set(copies)) != len(copies):
         raise ValueError(f"duplicate copy ids in {copies}")
-    if any(r.steps < 0 for r in replicas):
-        raise ValueError("steps must be >= 0")
+    if any(r.max_steps is not None and r.max_steps < 0 for r in replicas):
+        raise ValueError("max_steps must be >= 0")
+    if prior_steps < 0:
+        raise ValueError(f"prior_steps must be >= 0, got {prior_steps}")
     out_rejected = list(rejected)
     parsed: list[tuple[Replica, Header]] = []
     for replica in replicas:
+        bounded, problem = _bounded_steps(replica)
+        if problem:
+            out_rejected.append(Rejected(copy=replica.copy, reason=_short(problem)))
+            continue
         try:
-            parsed.append((replica, read_header(replica.reader)))
+            parsed.append((replace(replica, steps=bounded), read_header(replica.reader)))
         except InvalidSafetensors as exc:
-            out_rejected.append(Rejected(copy=replica.copy, reason=_short(f"not valid safetensors: {exc.reason}")))
+            out_rejected.append(Rejected(copy=replica.copy,
+                                         reason=_short(f"not valid safetensors: {exc.reason}")))
     if not parsed:
         raise NoUsableReplica(sorted(out_rejected, key=lambda r: r.copy))
     reference = _reference_header(parsed)
@@ -177,6 +228,9 @@ def plan_consolidation(replicas: Sequence[Replica], *, mode: Mode = "steps",
             kept.append((replica, header))
         else:
             out_rejected.append(Rejected(copy=replica.copy, reason=_short(_mismatch(reference, header))))
+    kept = _fit_total(kept, prior_steps, out_rejected)
+    if not kept:
+        raise NoUsableReplica(sorted(out_rejected, key=lambda r: r.copy))
     weights = _weights([r.steps for r, _ in kept], mode)
     accepted = tuple(
         AcceptedReplica(copy=r.copy, steps=r.steps, weight=w, reader=r.reader,
@@ -185,7 +239,35 @@ def plan_consolidation(replicas: Sequence[Replica], *, mode: Mode = "steps",
     fmt = {k: v for k, v in reference.metadata.items() if k == "format"}
     return ConsolidationPlan(mode=mode, accepted=accepted, layout=reference.tensors,
                              rejected=tuple(sorted(out_rejected, key=lambda r: r.copy)),
-                             format_metadata=fmt)
+                             format_metadata=fmt, prior_steps=prior_steps)
+
+
+def _bounded_steps(replica: Replica) -> tuple[int, str]:
+    """The copy's steps clamped to its budget, or a reason to reject its claim."""
+    steps = replica.steps if replica.max_steps is None else min(replica.steps, replica.max_steps)
+    if steps < 0:
+        return steps, f"claims {steps} steps"
+    if steps > MAX_REPLICA_STEPS:
+        return steps, f"claims {steps} steps, more than 2**53"
+    return steps, ""
+
+
+def _fit_total(kept: list[tuple[Replica, Header]], prior_steps: int,
+               out_rejected: list[Rejected]) -> list[tuple[Replica, Header]]:
+    """Drop the largest claims until the job's total fits an event (``MAX_TOTAL_STEPS``)."""
+    kept = list(kept)
+    if prior_steps > MAX_TOTAL_STEPS:
+        reason = _short(f"the job already has {prior_steps} steps, more than 2**64-1")
+        out_rejected.extend(Rejected(copy=r.copy, reason=reason) for r, _ in kept)
+        return []
+    total = prior_steps + sum(r.steps for r, _ in kept)
+    while total > MAX_TOTAL_STEPS:
+        largest = max(kept, key=lambda item: (item[0].steps, item[0].copy))
+        kept.remove(largest)
+        total -= largest[0].steps
+        out_rejected.append(Rejected(copy=largest[0].copy, reason=_short(
+            f"its {largest[0].steps} steps would take the job's total past 2**64-1")))
+    return kept
 
 
 def _reference_header(parsed: list[tuple[Replica, Header]]) -> Header:
@@ -218,6 +300,7 @@ def _mismatch(reference: Header, header: Header) -> str:
 
 
 def _weights(steps: list[int], mode: Mode) -> list[float]:
+    # Steps are ints <= 2**53 each, so the total is exact and every ratio a finite float in [0, 1].
     total = sum(steps)
     if mode == "uniform" or total == 0:
         return [1.0 / len(steps)] * len(steps)
@@ -225,23 +308,9 @@ def _weights(steps: list[int], mode: Mode) -> list[float]:
 
 
 def _short(text: str) -> str:
-    text = " ".join(text.split())
+    """One line of at most 240 characters of valid UTF-8 (lone surrogates escaped)."""
+    text = " ".join(text.encode("utf-8", "backslashreplace").decode("utf-8").split())
     return text if len(text) <= _MAX_REASON else text[:_MAX_REASON - 3] + "..."
-
-
-class _Buffers:
-    """Reusable scratch arrays, grown on demand, so the chunk loop allocates nothing."""
-
-    def __init__(self) -> None:
-        self._raw: dict[str, np.ndarray] = {}
-
-    def array(self, slot: str, dtype: np.dtype, count: int) -> np.ndarray:
-        nbytes = count * np.dtype(dtype).itemsize
-        raw = self._raw.get(slot)
-        if raw is None or raw.nbytes < nbytes:
-            self._raw.pop(slot, None)
-            raw = self._raw[slot] = np.empty(nbytes, dtype=np.uint8)
-        return raw[:nbytes].view(dtype)
 
 
 def write_consolidated(plan: ConsolidationPlan, out: BinaryIO, *,
@@ -250,126 +319,30 @@ def write_consolidated(plan: ConsolidationPlan, out: BinaryIO, *,
                        window_bytes: int = DEFAULT_WINDOW_BYTES) -> WriteStats:
     """Stream the average described by ``plan`` into ``out`` (header first, then tensors).
 
-    ``metadata`` (str -> str) is added to the plan's own (mode, copies, weights, rejected).
-    ``chunk_bytes`` bounds the accumulator (and each read of a reader that cannot map);
-    ``window_bytes`` bounds what is mapped at once per replica for readers that can.
-    Raises ``OSError`` if a replica cannot be read to the end; ``out`` is then incomplete.
+    ``metadata`` (str -> str) is added to the plan's own (mode, steps, copies, weights,
+    rejected). ``chunk_bytes`` bounds the accumulator (and each read of a reader that
+    cannot map); ``window_bytes`` bounds what is mapped at once per replica for readers
+    that can. ``out`` must be seekable: a replica found holding non-finite values is
+    rejected, ``out`` truncated back to where it started and rewritten without it; the
+    returned ``WriteStats.plan`` is the plan actually written. Raises
+    :class:`NoUsableReplica` if that leaves nothing to average, ``OSError`` if a replica
+    cannot be read to the end; ``out`` is then incomplete.
     """
     if chunk_bytes < 8 or window_bytes < 8:
         raise ValueError("chunk_bytes and window_bytes must be >= 8")
-    with _single_threaded_blas():
-        return _write(plan, out, metadata, chunk_bytes, window_bytes)
-
-
-def _single_threaded_blas() -> AbstractContextManager[object]:
-    # axpy on cache-sized chunks gains nothing from threads, and OpenBLAS threads that
-    # contend with other processes for cores make it 10x slower.
-    if threadpool_limits is None:
-        return nullcontext()
-    return threadpool_limits(limits=1, user_api="blas")
-
-
-def _write(plan: ConsolidationPlan, out: BinaryIO, metadata: Mapping[str, str] | None,
-           chunk_bytes: int, window_bytes: int) -> WriteStats:
-    meta = {**plan.format_metadata, **plan.metadata(), **(metadata or {})}
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-        raise TypeError("safetensors metadata must map str to str")
-    header, _ = encode_header([(t.name, t.dtype, t.shape) for t in plan.layout], meta)
-    out.write(header)
-    bufs = _Buffers()
-    readers = [r for r in plan.accepted if r.weight > 0.0]
-    bytes_read = bytes_written = 0
-    for tensor in plan.layout:
-        if tensor.dtype in FLOAT_DTYPES:
-            read, written = _average_tensor(tensor, readers, out, bufs, chunk_bytes, window_bytes)
-        else:
-            read, written = _copy_tensor(tensor, plan.integer_source, out, bufs, chunk_bytes)
-        bytes_read += read
-        bytes_written += written
-    return WriteStats(bytes_read=bytes_read, bytes_written=len(header) + bytes_written,
-                      tensors=len(plan.layout))
-
-
-def _average_tensor(tensor: TensorInfo, readers: Sequence[AcceptedReplica], out: BinaryIO,
-                    bufs: _Buffers, chunk_bytes: int, window_bytes: int) -> tuple[int, int]:
-    dtype = tensor.dtype
-    stored = FLOAT_DTYPES[dtype]
-    acc_dtype = np.dtype(np.float64) if dtype == "F64" else np.dtype(np.float32)
-    numel, size = tensor.numel, stored.itemsize
-    step = max(1, chunk_bytes // acc_dtype.itemsize)
-    window = max(step, window_bytes // size // step * step)
-    bytes_read = bytes_written = 0
-    for window_first in range(0, numel, window):
-        window_count = min(window, numel - window_first)
-        mapped = [_mapped(r, tensor, window_first, window_count, stored) for r in readers]
-        for first in range(window_first, window_first + window_count, step):
-            count = min(step, window_first + window_count - first)
-            acc = bufs.array("acc", acc_dtype, count)
-            for i, (replica, view) in enumerate(zip(readers, mapped)):
-                if view is not None:
-                    raw = view[first - window_first:first - window_first + count]
-                else:
-                    raw = bufs.array("raw", stored, count)
-                    replica.reader.read_into(replica.tensors[tensor.name].begin + first * size,
-                                             memoryview(raw.view(np.uint8)))
-                _accumulate(acc, raw, replica.weight, dtype, bufs, first=i == 0)
-            bytes_read += count * size * len(readers)
-            out.write(memoryview(_stored_bytes(acc, dtype, bufs).view(np.uint8)))
-            bytes_written += count * size
-        del mapped  # unmaps the windows
-    return bytes_read, bytes_written
-
-
-def _mapped(replica: AcceptedReplica, tensor: TensorInfo, first: int, count: int,
-            stored: np.dtype) -> np.ndarray | None:
-    """The replica's elements [first, first + count) of ``tensor``, mapped, if it can map."""
-    map_window = getattr(replica.reader, "map", None)
-    if map_window is None:
-        return None
-    begin = replica.tensors[tensor.name].begin + first * stored.itemsize
-    return np.frombuffer(map_window(begin, count * stored.itemsize), dtype=stored, count=count)
-
-
-def _accumulate(acc: np.ndarray, raw: np.ndarray, weight: float, dtype: str, bufs: _Buffers,
-                *, first: bool) -> None:
-    """acc = weight * raw (first replica) or acc += weight * raw, in the accumulator's dtype."""
-    if dtype == "BF16":
-        values = bf16_to_f32(raw, bufs.array("wide", np.dtype(np.float32), raw.size))
-    elif raw.dtype != acc.dtype:
-        values = bufs.array("wide", acc.dtype, raw.size)
-        np.copyto(values, raw)
-    else:
-        values = raw
-    if first:
-        np.multiply(values, weight, out=acc, dtype=acc.dtype)
-        return
-    axpy = daxpy if acc.dtype == np.float64 else saxpy
-    result = axpy(values, acc, a=weight)
-    if result is not acc:  # the BLAS wrapper made a copy: keep the accumulator in place
-        acc[...] = result
-
-
-def _stored_bytes(acc: np.ndarray, dtype: str, bufs: _Buffers) -> np.ndarray:
-    """The accumulator rounded back to the stored dtype (bf16 by hand)."""
-    if dtype == "BF16":
-        return f32_to_bf16(acc, bufs.array("out", np.dtype(np.uint16), acc.size))
-    stored = FLOAT_DTYPES[dtype]
-    if stored == acc.dtype:
-        return acc
-    result = bufs.array("out", stored, acc.size)
-    np.copyto(result, acc, casting="same_kind")
-    return result
-
-
-def _copy_tensor(tensor: TensorInfo, source: AcceptedReplica, out: BinaryIO, bufs: _Buffers,
-                 chunk_bytes: int) -> tuple[int, int]:
-    begin = source.tensors[tensor.name].begin
-    for offset in range(0, tensor.nbytes, chunk_bytes):
-        count = min(chunk_bytes, tensor.nbytes - offset)
-        raw = bufs.array("raw", np.dtype(np.uint8), count)
-        source.reader.read_into(begin + offset, memoryview(raw))
-        out.write(memoryview(raw))
-    return tensor.nbytes, tensor.nbytes
+    start = out.tell()
+    tally = ReadTally()
+    with single_threaded_blas():
+        while True:
+            try:
+                written = write_average(plan, out, metadata, chunk_bytes, window_bytes, tally)
+                return WriteStats(bytes_read=tally.read, bytes_written=written, tensors=len(plan.layout),
+                                  plan=plan)
+            except NonFinite as bad:
+                reason = _short(f"non-finite values (NaN or inf) in tensor {bad.tensor!r}")
+                plan = plan.without([Rejected(copy=copy, reason=reason) for copy in bad.copies])
+                out.seek(start)
+                out.truncate()
 
 
 def consolidate_local(inputs: Sequence[tuple[str | os.PathLike[str], int]], out_path: str | os.PathLike[str],
@@ -377,7 +350,9 @@ def consolidate_local(inputs: Sequence[tuple[str | os.PathLike[str], int]], out_
                       chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[ConsolidationPlan, WriteStats]:
     """Average local files ``(path, steps)`` into ``out_path``, atomically (temp + rename).
 
-    Copy ids are the inputs' positions. Raises :class:`NoUsableReplica` if none is usable.
+    Copy ids are the inputs' positions. Returns the plan actually written (see
+    :func:`write_consolidated`). Raises :class:`NoUsableReplica` if none is usable; no
+    file is left behind then.
     """
     out_path = Path(out_path)
     readers = [FileRangeReader(path) for path, _ in inputs]
@@ -396,7 +371,7 @@ def consolidate_local(inputs: Sequence[tuple[str | os.PathLike[str], int]], out_
         except BaseException:
             Path(tmp_name).unlink(missing_ok=True)
             raise
-        return plan, stats
+        return stats.plan, stats
     finally:
         for reader in readers:
             reader.close()

@@ -7,10 +7,19 @@ bytes of JSON header ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, 
 Guarantees:
 
 * :func:`read_header` reads only the 8-byte length and the header, never tensor data, and
-  raises :class:`InvalidSafetensors` (with a one-line ``reason``) for anything a strict
-  reader would refuse: a header longer than 100 MB or than the file, bad JSON, a wrong
-  field, an unknown dtype, offsets that disagree with shape x dtype size, that leave the
-  file or that overlap.
+  fails closed: for any bytes it is given it returns a well-formed :class:`Header` or
+  raises :class:`InvalidSafetensors` (with a one-line, UTF-8-safe ``reason``) -- never
+  another exception. It refuses what the reference (Rust) reader refuses and a little
+  more: a header longer than ``MAX_HEADER_BYTES`` or than the file; JSON nested deeper
+  than a header needs (``MAX_JSON_DEPTH``, checked on the raw bytes before parsing, so
+  parsing cannot recurse); integers of more than 20 digits (checked before conversion),
+  floats, ``NaN``/``Infinity`` literals, duplicate keys, strings that are not valid
+  UTF-8 (lone surrogates); a wrong type anywhere; an unknown dtype; more than
+  ``MAX_DIMS`` dims; a shape whose element count times the dtype size overflows 63
+  bits (even if another dim is 0); offsets that disagree with shape x dtype size, leave
+  the file, overlap, leave a gap, or stop short of the file's end (trailing bytes).
+  Memory: the header is at most ``MAX_HEADER_BYTES``, and parsing it costs a small
+  multiple of that.
 * :func:`encode_header` produces a header the ``safetensors`` library loads, padded with
   spaces to a multiple of 8 bytes so the data buffer stays aligned.
 * bf16 conversions are exact in the f32 -> bf16 direction up to round-to-nearest-even, as
@@ -24,6 +33,7 @@ import math
 import mmap
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -31,14 +41,22 @@ from typing import Protocol
 import numpy as np
 
 from shared.errors import HadarError
+from services.tracker import header_json
 
 __all__ = [
     "InvalidSafetensors", "TensorInfo", "Header", "RangeReader", "FileRangeReader",
     "read_header", "encode_header", "FLOAT_DTYPES", "COPIED_DTYPES", "DTYPE_SIZES",
-    "bf16_to_f32", "f32_to_bf16", "MAX_HEADER_BYTES",
+    "bf16_to_f32", "f32_to_bf16", "MAX_HEADER_BYTES", "MAX_JSON_DEPTH", "MAX_DIMS",
 ]
 
-MAX_HEADER_BYTES = 100_000_000
+# 8 MiB holds ~100k tensor entries, far more than any model Hadar trains, while keeping
+# the parse of a hostile header (many tiny objects) to ~100 MB; the format allows 100 MB.
+MAX_HEADER_BYTES = 8 << 20
+MAX_JSON_DEPTH = 3   # {name: {"shape": [...]}} and {"__metadata__": {k: v}}
+MAX_DIMS = 16
+_MAX_INT_DIGITS = 20  # 2**64 - 1 has 20 digits
+_MAX_SIZE = 2**63 - 1  # bytes of one tensor, counting every non-zero dim
+_ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 
 # Floating-point dtypes that are averaged, and the numpy dtype their raw bytes are viewed as
 # (bf16 has no numpy dtype: its bits are viewed as uint16 and converted by hand).
@@ -168,7 +186,7 @@ def read_header(reader: RangeReader) -> Header:
     try:
         size = reader.size()
     except OSError as exc:
-        raise InvalidSafetensors(f"cannot read: {exc}") from None
+        raise InvalidSafetensors(f"cannot read: {exc}"[:200]) from None
     if size < 8:
         raise InvalidSafetensors(f"file of {size} bytes is too short for a safetensors header")
     prefix = bytearray(8)
@@ -181,13 +199,18 @@ def read_header(reader: RangeReader) -> Header:
     raw = bytearray(length)
     _read(reader, 8, raw)
     try:
-        parsed = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidSafetensors(f"header is not JSON: {exc}"[:200]) from None
-    if not isinstance(parsed, dict):
-        raise InvalidSafetensors("header is not a JSON object")
+        parsed = header_json.load(bytes(raw), max_depth=MAX_JSON_DEPTH, max_int_digits=_MAX_INT_DIGITS)
+    except header_json.UnsafeJson as exc:
+        raise InvalidSafetensors(exc.reason) from None
     data_start = 8 + length
-    return _parse_entries(parsed, data_start, size - data_start)
+    try:
+        return _parse_entries(parsed, data_start, size - data_start)
+    except InvalidSafetensors:
+        raise
+    except (TypeError, ValueError, OverflowError, RecursionError) as exc:
+        # Every field is type-checked above; this only keeps the one-exception guarantee
+        # should a case have been missed.
+        raise InvalidSafetensors(f"malformed header: {type(exc).__name__}: {exc}"[:200]) from None
 
 
 def _read(reader: RangeReader, offset: int, buf: bytearray) -> None:
@@ -197,49 +220,80 @@ def _read(reader: RangeReader, offset: int, buf: bytearray) -> None:
         raise InvalidSafetensors(f"cannot read: {exc}"[:200]) from None
 
 
-def _parse_entries(parsed: dict, data_start: int, data_len: int) -> Header:
-    metadata = parsed.pop("__metadata__", None) or {}
+def _parse_entries(parsed: object, data_start: int, data_len: int) -> Header:
+    if not isinstance(parsed, dict):
+        raise InvalidSafetensors(f"header is a JSON {type(parsed).__name__}, not an object")
+    metadata = parsed.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise InvalidSafetensors("__metadata__ must map strings to strings")
-    tensors = []
-    for name, entry in parsed.items():
-        tensors.append(_parse_tensor(name, entry, data_start, data_len))
-    tensors.sort(key=lambda t: (t.begin, t.end))
-    previous_end = data_start
+    _check_text(metadata.items(), "__metadata__")
+    tensors = sorted((_parse_tensor(name, entry, data_len) for name, entry in parsed.items()),
+                     key=lambda t: (t.begin, t.end))
+    position = 0  # tensors must tile the data buffer exactly, as the reference reader demands
     for t in tensors:
-        if t.begin < previous_end:
-            raise InvalidSafetensors(f"tensor {t.name!r} overlaps the tensor before it")
-        previous_end = max(previous_end, t.end)
-    return Header(tensors=tuple(tensors), metadata=dict(metadata), data_start=data_start)
+        if t.begin < position:
+            raise InvalidSafetensors(f"tensor {_short(t.name)} overlaps the tensor before it")
+        if t.begin > position:
+            raise InvalidSafetensors(f"tensor {_short(t.name)} starts at {t.begin}, leaving a gap after {position}")
+        position = t.end
+    if position != data_len:
+        raise InvalidSafetensors(f"{data_len - position} trailing bytes after the last tensor")
+    return Header(tensors=tuple(TensorInfo(name=t.name, dtype=t.dtype, shape=t.shape, begin=data_start + t.begin,
+                                           end=data_start + t.end) for t in tensors),
+                  metadata=dict(metadata), data_start=data_start)
 
 
-def _parse_tensor(name: str, entry: object, data_start: int, data_len: int) -> TensorInfo:
+def _parse_tensor(name: str, entry: object, data_len: int) -> TensorInfo:
+    """One entry, with offsets relative to the data buffer."""
     if not name:
         raise InvalidSafetensors("a tensor has an empty name")
-    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-        raise InvalidSafetensors(f"tensor {name!r}: entry must have exactly dtype, shape, data_offsets")
+    _check_text([(name, "")], "tensor name")
+    label = f"tensor {_short(name)}"
+    if not isinstance(entry, dict) or set(entry) != _ENTRY_KEYS:
+        raise InvalidSafetensors(f"{label}: entry must have exactly dtype, shape, data_offsets")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if dtype not in DTYPE_SIZES:
-        raise InvalidSafetensors(f"tensor {name!r}: unsupported dtype {dtype!r}")
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise InvalidSafetensors(f"{label}: unsupported dtype {_short(dtype)}")
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-        raise InvalidSafetensors(f"tensor {name!r}: shape must be a list of non-negative integers")
+        raise InvalidSafetensors(f"{label}: shape must be a list of non-negative integers")
+    if len(shape) > MAX_DIMS:
+        raise InvalidSafetensors(f"{label}: {len(shape)} dims, more than {MAX_DIMS}")
     if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets)
             or offsets[0] > offsets[1]):
-        raise InvalidSafetensors(f"tensor {name!r}: data_offsets must be [begin, end] with begin <= end")
+        raise InvalidSafetensors(f"{label}: data_offsets must be [begin, end] with begin <= end")
     begin, end = offsets
-    expected = math.prod(shape) * DTYPE_SIZES[dtype]
-    if end - begin != expected:
-        raise InvalidSafetensors(
-            f"tensor {name!r}: {end - begin} bytes for shape {shape} of {dtype} (needs {expected})")
     if end > data_len:
-        raise InvalidSafetensors(f"tensor {name!r}: data ends at {end}, past the file's {data_len} data bytes")
-    return TensorInfo(name=name, dtype=dtype, shape=tuple(shape),
-                      begin=data_start + begin, end=data_start + end)
+        raise InvalidSafetensors(f"{label}: data ends at {end}, past the file's {data_len} data bytes")
+    itemsize = DTYPE_SIZES[dtype]
+    if math.prod(d for d in shape if d) * itemsize > _MAX_SIZE:
+        raise InvalidSafetensors(f"{label}: shape {_short(shape)} overflows a 64-bit byte count")
+    expected = math.prod(shape) * itemsize
+    if end - begin != expected:
+        raise InvalidSafetensors(f"{label}: {end - begin} bytes for shape {_short(shape)} of {dtype} "
+                                 f"(needs {expected})")
+    return TensorInfo(name=name, dtype=dtype, shape=tuple(shape), begin=begin, end=end)
 
 
 def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_text(pairs: Iterable[tuple[str, str]], where: str) -> None:
+    """Refuse lone surrogates (JSON ``\\ud800``): valid to Python, not UTF-8, and the
+    reference reader -- which must load the consolidated model -- refuses them."""
+    for key, value in pairs:
+        try:
+            key.encode("utf-8")
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidSafetensors(f"{where}: a string is not valid UTF-8") from None
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def encode_header(tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]

@@ -23,6 +23,7 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import tempfile
 import time
@@ -276,13 +277,17 @@ class TrackerService:
 
     def _write(self, work: RoundWork, replicas: list[Replica], rejected: list[Rejected],
                tmp_dir: Path) -> tuple[ConsolidationPlan, ModelMetadata, WriteStats, Path]:
-        plan = plan_consolidation(replicas, mode=self.config.mode, rejected=rejected)
-        meta = plan.model_metadata(job=work.job_id, round_=work.round, prior_steps=work.prior_steps,
-                                   missing=work.missing)
+        # The plan bounds each copy's steps and the job's total. Writing may reject replicas
+        # holding NaN or inf: the file's metadata and the announcement are those of the plan
+        # actually written (stats.plan).
+        plan = plan_consolidation(replicas, mode=self.config.mode, rejected=rejected,
+                                  prior_steps=work.prior_steps)
+        static = {"job": work.job_id, "round": str(work.round), "missing": json.dumps(list(work.missing))}
         path = tmp_dir / "model.safetensors"
         with open(path, "wb") as out:
-            stats = write_consolidated(plan, out, metadata=meta.to_metadata(), chunk_bytes=self.config.chunk_bytes)
-        return plan, meta, stats, path
+            stats = write_consolidated(plan, out, metadata=static, chunk_bytes=self.config.chunk_bytes)
+        meta = stats.plan.model_metadata(job=work.job_id, round_=work.round, missing=work.missing)
+        return stats.plan, meta, stats, path
 
     async def _announcement_of_existing(self, work: RoundWork, key: str, log: Any) -> ModelConsolidated | None:
         """The ModelConsolidated of a model an earlier run wrote but did not announce."""

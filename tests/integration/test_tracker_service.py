@@ -226,7 +226,7 @@ async def test_a_model_written_but_not_announced_is_announced_as_is(memory_bus: 
     replicas = [Replica(copy=i, steps=s, reader=FileRangeReader(p)) for i, (p, s) in enumerate(zip(paths, (90, 10)))]
     buffer = io.BytesIO()
     plan = plan_consolidation(replicas, mode="uniform")
-    write_consolidated(plan, buffer, metadata=plan.model_metadata(job="j-crash", round_=0, prior_steps=0).to_metadata())
+    write_consolidated(plan, buffer, metadata=plan.model_metadata(job="j-crash", round_=0).to_metadata())
     await local_store.put(model_key("j-crash", 0), buffer.getvalue())
 
     service = tracker(memory_bus, local_store)  # steps mode: a recomputation would weigh 0.9 / 0.1
