@@ -38,9 +38,6 @@ class JobState:
     arrival_s: float = 0.0
     priority: float = 1.0
     attained_gpu_s: float = 0.0  # GPU-seconds of service received so far (Tiresias)
-    time_by_type: Mapping[str, float] = field(default_factory=dict)  # seconds run per GPU type (Gavel)
-    rounds_run: int = 0
-    model_bytes: int = 0         # size of the model's weights (HadarE consolidation cost)
 
     @property
     def remaining(self) -> float:

@@ -67,7 +67,6 @@ def build_snapshot(state: SchedulerState, timing: RoundTiming, previous: Plan | 
             job_id=j.spec.job_id, job_type=j.spec.job_id, workers=j.spec.workers,
             total_steps=j.spec.iterations, steps_done=float(j.steps_done), arrival_s=j.submitted_at,
             priority=j.spec.priority, attained_gpu_s=j.attained_gpu_s,
-            time_by_type=dict(j.time_by_type), rounds_run=j.rounds_run,
         )
         for j in state.active_jobs()
     )

@@ -9,8 +9,8 @@ Semantics (exact; metrics.py and the tests rely on them):
   rounds where every active job is *unrunnable*: no GPU type of the cluster gives it a
   positive rate at any worker count 1..W, so no placement of any policy can move it.
 * Each simulated round builds a ``Snapshot`` (the policy's previous ``Plan``, the seed, and
-  one ``JobState`` per active job in arrival order, with steps done, attained GPU-seconds,
-  seconds held per GPU type, rounds run, and ``model_bytes`` from
+  one ``JobState`` per active job in arrival order, with steps done and attained
+  GPU-seconds; the simulator itself keeps each job's ``model_bytes`` from
   ``shared.workloads.model_bytes``, 0 for a type it does not know), times
   ``policy.plan`` with ``time.perf_counter`` -- the one clock read here, reported only --
   and, with ``check=True``, validates the plan with ``policy.check_plan``.
@@ -125,7 +125,7 @@ class RoundObservation:
 class _LiveJob:
     """Mutable per-job progress; ``state()`` caches the JobState until the job changes."""
 
-    __slots__ = ("trace", "model_bytes", "steps_done", "attained_gpu_s", "time_by_type", "rounds_run",
+    __slots__ = ("trace", "model_bytes", "steps_done", "attained_gpu_s", "rounds_run",
                  "first_start_s", "completion_s", "_state")
 
     def __init__(self, trace: TraceJob, model_bytes: int) -> None:
@@ -133,7 +133,6 @@ class _LiveJob:
         self.model_bytes = model_bytes
         self.steps_done = 0.0
         self.attained_gpu_s = 0.0
-        self.time_by_type: dict[str, float] = {}
         self.rounds_run = 0
         self.first_start_s: float | None = None
         self.completion_s: float | None = None
@@ -145,8 +144,7 @@ class _LiveJob:
             self._state = JobState(
                 job_id=t.job_id, job_type=t.job_type, workers=t.workers, total_steps=t.total_steps,
                 steps_done=self.steps_done, arrival_s=t.arrival_s, priority=t.priority,
-                attained_gpu_s=self.attained_gpu_s, time_by_type=dict(self.time_by_type),
-                rounds_run=self.rounds_run, model_bytes=self.model_bytes)
+                attained_gpu_s=self.attained_gpu_s)
         return self._state
 
     @property
@@ -157,8 +155,6 @@ class _LiveJob:
         """Book a round in which copies on GPUs of ``copy_types`` held them ``held`` seconds."""
         for types in copy_types:
             self.attained_gpu_s += held * len(types)
-        for gpu_type in {t for types in copy_types for t in types}:
-            self.time_by_type[gpu_type] = self.time_by_type.get(gpu_type, 0.0) + held
         self.rounds_run += 1
         if self.first_start_s is None:
             self.first_start_s = now

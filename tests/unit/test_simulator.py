@@ -222,11 +222,10 @@ def test_snapshots_carry_progress_previous_plan_and_seed() -> None:
     assert first.previous is None and second.previous is not None
     assert (first.seed, second.seed, second.round, second.now_s) == (42, 42, 1, 10.0)
     (a0,), (a1,) = first.jobs, second.jobs
-    assert (a0.steps_done, a0.rounds_run, a0.attained_gpu_s, dict(a0.time_by_type)) == (0.0, 0, 0.0, {})
+    assert (a0.steps_done, a0.attained_gpu_s) == (0.0, 0.0)
     # mixed v100 + k80 placement: 2 x min(2.0/2, 1.5/2) = 1.5 steps/s for 10 s
     assert a1.steps_done == pytest.approx(15.0)
-    assert (a1.rounds_run, a1.attained_gpu_s, a1.model_bytes) == (1, 20.0, 1234)
-    assert dict(a1.time_by_type) == {"v100": 10.0, "k80": 10.0}
+    assert a1.attained_gpu_s == 20.0
 
 
 def test_rounds_align_to_round_multiples_and_skip_idle_gaps() -> None:
