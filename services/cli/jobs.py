@@ -16,6 +16,7 @@ from shared.bus import Bus
 from shared.clock import SystemClock
 from shared.connect import add_bus_args, add_store_args, make_bus, make_store
 from shared.errors import UsageError
+from shared.rejection import Rejected
 from shared.events import JobCancelled, JobSpec, JobSubmitted, RoundStarted
 from shared.jobfile import FIELDS, JobFileError, load_job_file, parse_job
 from shared.layout import final_key
@@ -198,14 +199,17 @@ def cmd_watch(args: argparse.Namespace) -> int:
     async def run() -> int:
         bus = make_bus(args, source="cli")
         await bus.start()
-        state = SchedulerState()
+        state = SchedulerState(rounds_in_order=False)   # topics arrive interleaved in any order
         clock = SystemClock()
         samples: list[tuple[float, int]] = []
         try:
             async with bus.subscribe([JOBS, PLACEMENTS, PROGRESS, MODELS],
                                      f"hadar-watch-{uuid.uuid4().hex[:12]}") as sub:
                 async for delivery in sub:
-                    state.apply(delivery.event)
+                    try:
+                        state.apply(delivery.event)
+                    except Rejected:
+                        pass   # what the scheduler refused does not count here either
                     await delivery.ack()
                     job = state.jobs.get(args.job)
                     if job is None:

@@ -34,6 +34,7 @@ from services.scheduler.rounds import RoundTiming, build_snapshot, plan_to_event
 from services.scheduler.state import SchedulerState
 from shared.dispatch import HandlerTable
 from shared.events import Assignment, Event, RoundStarted
+from shared.rejection import Rejected
 from shared.topics import PLACEMENTS
 
 __all__ = ["LoggedEvent", "RoundCheck", "assignment_decision", "rerun"]
@@ -91,6 +92,14 @@ class _RecordedRounds:
         {RoundStarted: _on_round_started, Assignment: _on_assignment}, topics=(PLACEMENTS,))
 
 
+def _fold(state: SchedulerState, event: Event) -> None:
+    """Fold as the live scheduler did: an event it refused changed nothing there either."""
+    try:
+        state.apply(event)
+    except Rejected:
+        pass
+
+
 def assignment_decision(assignments: Iterable[Assignment]) -> tuple:
     """What a round decided, as comparable data: sorted (job, copy, node, gpus)."""
     return tuple(sorted((a.job_id, a.copy, a.node_id, tuple(a.gpus)) for a in assignments))
@@ -131,7 +140,7 @@ def rerun(log: Iterable[LoggedEvent], *, state: SchedulerState | None = None,
             limit = rs.inputs.get(tp, 0)
             i = folded[tp]
             while i < len(records) and records[i].offset < limit:
-                state.apply(records[i].event)
+                _fold(state, records[i].event)
                 i += 1
             folded[tp] = i
         recorded = assignment_decision(assigned[r])
@@ -157,9 +166,9 @@ def rerun(log: Iterable[LoggedEvent], *, state: SchedulerState | None = None,
             yield RoundCheck(round=r, settings=settings, recorded=recorded, rederived=rederived,
                              snapshot=snapshot, plan=plan)
             previous, previous_key = plan, choice.key
-        state.apply(rs)
+        _fold(state, rs)
         for a in assigned[r]:
-            state.apply(a)
+            _fold(state, a)
     for tp, records in inputs.items():
         for record in records[folded[tp]:]:
-            state.apply(record.event)
+            _fold(state, record.event)

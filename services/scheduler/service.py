@@ -35,11 +35,12 @@ from services.scheduler.policy import Plan, Policy, Snapshot
 from services.scheduler.rerun import LoggedEvent, rerun
 from services.scheduler.rounds import RoundTiming, build_snapshot, plan_to_events
 from services.scheduler.state import SchedulerState
-from shared.bus import Bus, BusError
+from shared.bus import Bus, BusError, Delivery
 from shared.clock import Clock, SystemClock
 from shared.errors import HadarError
 from shared.events import Assignment, Event
 from shared.logging import get_logger
+from shared.rejection import Rejected, dead_letter_delivery
 from shared.topics import ALL_TOPICS, DEADLETTER, JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
 
 INPUT_TOPICS = (JOBS, NODES, THROUGHPUT, PROGRESS, MODELS)
@@ -98,6 +99,8 @@ class SchedulerService:
                                    ["stage"], registry=self.registry)
         self._m_publish_retries = Counter("hadar_scheduler_publish_retries", "Publishes retried after a bus error",
                                           registry=self.registry)
+        self._m_rejected = Counter("hadar_scheduler_events_rejected", "Events refused and dead-lettered",
+                                   ["type"], registry=self.registry)
         self._m_dead = Gauge("hadar_dead_letters", "Records in the dead-letter topic", registry=self.registry)
 
     # ------------------------------------------------------------------ lifecycle
@@ -176,15 +179,30 @@ class SchedulerService:
                 if delivery.topic == DEADLETTER:
                     self._m_dead.inc()
                 else:
-                    async with self._fold_lock:
-                        applied = self.state.apply(delivery.event)
-                    if applied:
-                        self._m_in.labels(type=delivery.event.TYPE).inc()
+                    await self._fold(delivery)
                 tp = f"{delivery.topic}:{delivery.partition}"
                 if delivery.topic != DEADLETTER:
                     self._folded[tp] = max(self._folded.get(tp, 0), delivery.offset + 1)
                 await delivery.ack()
                 self._changed.set()
+
+    async def _fold(self, delivery: Delivery) -> None:
+        """Fold one event; one the state refuses, or whose fold fails, is dead-lettered with
+        the reason, counted and logged, and changes nothing -- the loop goes on."""
+        event = delivery.event
+        try:
+            async with self._fold_lock:
+                applied = self.state.apply(event)
+        except Exception as exc:   # Rejected, or a bug a hostile event found: never stop consuming
+            reason = str(exc) if isinstance(exc, Rejected) else f"scheduler: {type(exc).__name__}: {exc}"
+            self._m_rejected.labels(type=event.TYPE).inc()
+            self._log.warning("event.rejected", topic=delivery.topic, offset=delivery.offset, event_type=event.TYPE,
+                              job=getattr(event, "job_id", None), node=getattr(event, "node_id", None),
+                              round=getattr(event, "round", None), reason=reason[:300])
+            await dead_letter_delivery(self.bus, delivery, reason, ts=self.clock.time(), source=self.config.source)
+            return
+        if applied:
+            self._m_in.labels(type=event.TYPE).inc()
 
     # ------------------------------------------------------------------ rounds
 

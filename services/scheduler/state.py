@@ -4,16 +4,32 @@
 twice (same ``id``) is a no-op, so at-least-once delivery is safe, and a scheduler that
 restarts rebuilds exactly this state by reading its topics from the start. Nothing here
 reads a clock: times come from the events themselves.
+
+A well-formed event is still checked against what the state knows, and refused with
+:class:`~shared.rejection.Rejected` (changing nothing) when it cannot be true:
+
+* ModelConsolidated: the job is known, the round has started (``round <= last_round``),
+  the key is the layout's ``model_key(job, round)``, every weight is finite in [0, 1] and
+  they sum to 1 (within 1e-6). So a forged announcement can neither point the next
+  round's ``start_from`` at another object nor freeze a job's model with a far-future round.
+* JobCompleted: the key is the layout's ``final_key(job)``.
+* ThroughputEstimate: every rate is 0 ("cannot run there") or in [MIN_RATE, MAX_RATE]
+  steps/s; a rate of 5e-324 made Gavel's LP fail every round.
+* A NodeRegistered with other devices than the node's current ones starts a new
+  incarnation (counted); the old devices are gone.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from shared.dispatch import HandlerTable
+from shared.layout import final_key, model_key
+from shared.rejection import Rejected
 from shared.events import (
     Assignment, CopyFinished, Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted,
     ModelConsolidated, NodeHeartbeat, NodeRegistered, Progress, RoundStarted, ThroughputEstimate,
@@ -64,6 +80,7 @@ class JobRecord:
 class NodeRecord:
     registered: NodeRegistered
     last_seen: float
+    incarnation: int = 0     # times the node came back with other devices
 
 
 @dataclass(kw_only=True)
@@ -73,6 +90,9 @@ class RoundRecord:
     placed: set[tuple[str, int, str]] = field(default_factory=set)   # (job, copy, node) of ``assignments``
 
 
+MIN_RATE = 1e-9         # steps/s: below this a positive rate is noise or forged
+MAX_RATE = 1e6          # steps/s: far above any job on any GPU
+WEIGHT_TOLERANCE = 1e-6
 SEEN_WINDOW = 65_536   # event ids remembered for dedupe (~8 MB): far more than one commit interval
 ROUNDS_KEPT = 64       # rounds kept in memory; older ones live on in the log only
 
@@ -85,7 +105,10 @@ class SchedulerState:
     (Assignments) are also idempotent by content, so a duplicate older than the id window
     changes nothing either."""
 
-    def __init__(self, *, seen_window: int = SEEN_WINDOW, rounds_kept: int = ROUNDS_KEPT) -> None:
+    def __init__(self, *, seen_window: int = SEEN_WINDOW, rounds_kept: int = ROUNDS_KEPT,
+                 rounds_in_order: bool = True) -> None:
+        """``rounds_in_order=False``: for a viewer that reads topics concurrently, so a model
+        may arrive before the RoundStarted of its round; the round check is then skipped."""
         self.jobs: dict[str, JobRecord] = {}
         self.nodes: dict[str, NodeRecord] = {}
         # (job_id, gpu_type, workers) -> (basis, steps/s); a measured value is never replaced by an estimate
@@ -93,6 +116,7 @@ class SchedulerState:
         self.rounds: dict[int, RoundRecord] = {}
         self.last_round: int = -1
         self.events_applied = 0
+        self._rounds_in_order = rounds_in_order
         self._seen_window = seen_window
         self._rounds_kept = rounds_kept
         self._seen: set[str] = set()
@@ -113,12 +137,17 @@ class SchedulerState:
         """
         if event.id in self._seen:
             return False
+        handler = self.HANDLERS.handler_for(event)
+        check = self.CHECKS.get(type(event))
+        if check is not None:
+            reason = check(self, event)
+            if reason is not None:
+                raise Rejected(reason)
         self._seen.add(event.id)
         self._seen_order.append(event.id)
         if len(self._seen_order) > self._seen_window:
             self._seen.discard(self._seen_order.popleft())
         self.events_applied += 1
-        handler = self.HANDLERS.handler_for(event)
         if handler is not None:
             handler(self, event)
         return True
@@ -139,7 +168,12 @@ class SchedulerState:
             del self.rates[key]
 
     def _on_NodeRegistered(self, e: NodeRegistered) -> None:
-        self.nodes[e.node_id] = NodeRecord(registered=e, last_seen=e.ts)
+        old = self.nodes.get(e.node_id)
+        incarnation = 0
+        if old is not None:
+            same = sorted((g.index, g.type) for g in old.registered.gpus) == sorted((g.index, g.type) for g in e.gpus)
+            incarnation = old.incarnation + (0 if same else 1)
+        self.nodes[e.node_id] = NodeRecord(registered=e, last_seen=e.ts, incarnation=incarnation)
 
     def _on_NodeHeartbeat(self, e: NodeHeartbeat) -> None:
         node = self.nodes.get(e.node_id)
@@ -212,6 +246,36 @@ class SchedulerState:
             job.steps_done = max(job.steps_done, e.total_steps)
             self._finished(job)
 
+    # ------------------------------------------------------------------ checks (None: accept)
+
+    def _check_ModelConsolidated(self, e: ModelConsolidated) -> str | None:
+        if e.job_id not in self.jobs:
+            return f"ModelConsolidated: unknown job {e.job_id!r}"
+        if e.round > self.last_round and self._rounds_in_order:
+            return f"ModelConsolidated: round {e.round} has not started (latest round {self.last_round})"
+        if e.key != model_key(e.job_id, e.round):
+            return f"ModelConsolidated: key {e.key[:120]!r} is not {model_key(e.job_id, e.round)!r}"
+        weights = [c.weight for c in e.copies]
+        if not weights or any(not 0.0 <= w <= 1.0 for w in weights) or abs(sum(weights) - 1.0) > WEIGHT_TOLERANCE:
+            return f"ModelConsolidated: weights {weights[:8]} are not in [0, 1] summing to 1"
+        return None
+
+    def _check_JobCompleted(self, e: JobCompleted) -> str | None:
+        if e.job_id in self.jobs and e.final_key != final_key(e.job_id):
+            return f"JobCompleted: final key {e.final_key[:120]!r} is not {final_key(e.job_id)!r}"
+        return None
+
+    def _check_ThroughputEstimate(self, e: ThroughputEstimate) -> str | None:
+        bad = {t: r for t, r in e.rates.items() if r != 0.0 and not MIN_RATE <= r <= MAX_RATE}
+        if bad:
+            return f"ThroughputEstimate: implausible rate {dict(list(bad.items())[:4])} steps/s"
+        return None
+
+    CHECKS: ClassVar[dict[type, Callable[[SchedulerState, Any], str | None]]] = {
+        ModelConsolidated: _check_ModelConsolidated, JobCompleted: _check_JobCompleted,
+        ThroughputEstimate: _check_ThroughputEstimate,
+    }
+
     HANDLERS: ClassVar[HandlerTable[Callable[[SchedulerState, Any], None]]] = HandlerTable({
         JobSubmitted: _on_JobSubmitted, JobCancelled: _on_JobCancelled,
         NodeRegistered: _on_NodeRegistered, NodeHeartbeat: _on_NodeHeartbeat,
@@ -263,17 +327,25 @@ class SchedulerState:
 def fold_log(items: Iterable[tuple[str, Event]]) -> SchedulerState:
     """A state from ``(topic, event)`` pairs read topic by topic (as the CLI and tests read).
 
-    Each round's RoundStarted is folded before its Assignments: they are keyed differently,
-    so they sit in different partitions and a topic-by-topic read does not order them.
+    A topic-by-topic read does not say how topics interleaved, so the order is rebuilt:
+    RoundStarted first (a model can only be announced for a round that started), then the
+    other topics, then the Assignments by round. Nothing is pruned (a one-shot view of the
+    whole log), and events the state refuses are left out, as the scheduler left them out.
     """
-    state = SchedulerState()
-    placements = []
+    state = SchedulerState(seen_window=sys.maxsize, rounds_kept=sys.maxsize)
+    placements: list[Event] = []
+    others: list[Event] = []
     for topic, event in items:
         if topic == PLACEMENTS:
             placements.append(event)
         elif topic != DEADLETTER:
+            others.append(event)
+    rounds = sorted((e for e in placements if isinstance(e, RoundStarted)), key=lambda e: e.round)
+    assignments = sorted((e for e in placements if isinstance(e, Assignment)), key=lambda e: e.round)
+    ordered: list[Event] = [*rounds, *others, *assignments]
+    for event in ordered:
+        try:
             state.apply(event)
-    placements.sort(key=lambda e: (e.round, not isinstance(e, RoundStarted)))
-    for event in placements:
-        state.apply(event)
+        except Rejected:
+            pass
     return state

@@ -139,3 +139,38 @@ async def test_a_forged_far_ahead_round_does_not_move_the_round_counter():
     forged = [c for c in checks if c.round == 10**6]
     assert len(forged) == 1 and "out of sequence" in (forged[0].error or "")
     await bus.stop()
+
+
+async def test_a_forged_model_announcement_is_dead_lettered_and_the_loop_goes_on():
+    from shared.events import CopyWeight, DeadLetter, ModelConsolidated
+    from shared.layout import model_key
+    from shared.topics import DEADLETTER, MODELS
+
+    bus = MemoryBus()
+    await bus.start()
+    clock = FakeClock()
+    await _seed(bus, clock.time())
+    config = SchedulerConfig(policy="yarn-cs", round_s=10, heartbeat_s=1000, consolidation_wait_s=0)
+    service = SchedulerService(bus=bus, config=config, clock=clock, run_rounds=False)
+    await service.start()
+    try:
+        await _until(lambda: len(service.state.jobs) == 2 and len(service.state.rates) == 2)
+        await service.plan_round()
+        forged = ModelConsolidated(ts=clock.time(), source="tracker", job_id="a", round=0,
+                                   key="models/victim/final.safetensors", total_steps=10**6,
+                                   copies=(CopyWeight(copy=0, steps=1, weight=-3.0),))
+        real = ModelConsolidated(ts=clock.time(), source="tracker", job_id="a", round=0, key=model_key("a", 0),
+                                 total_steps=50, copies=(CopyWeight(copy=0, steps=50, weight=1.0),))
+        await bus.emit(forged)
+        await bus.emit(real)
+        await _until(lambda: service.state.jobs["a"].steps_done == 50)
+        assert service.state.jobs["a"].model_key == model_key("a", 0)
+        letters = [d.event async for d in bus.read(DEADLETTER)]
+        assert len(letters) == 1 and isinstance(letters[0], DeadLetter) and letters[0].topic == MODELS
+        assert "key" in letters[0].reason
+        assert service.registry.get_sample_value("hadar_scheduler_events_rejected_total",
+                                                 {"type": "ModelConsolidated"}) == 1
+        assert service.health()["ok"]
+    finally:
+        await service.stop()
+        await bus.stop()

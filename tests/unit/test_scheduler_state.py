@@ -54,6 +54,7 @@ def test_nodes_leave_after_three_missed_heartbeats():
 def test_consolidated_model_sets_progress_and_start_point():
     state = SchedulerState()
     state.apply(JobSubmitted(ts=T0, source="cli", job=spec("a"), submitted_at=T0))
+    state.apply(RoundStarted(ts=T0, source="s", round=0, policy="x", started_at=T0, ends_at=T0 + 10))
     state.apply(Progress(ts=T0 + 1, source="agent", job_id="a", round=0, copy=0, node_id="n1", gpu_type="t4",
                          workers=1, steps_round=30, steps_total=30, samples_per_s=10, loss=1.0))
     assert state.jobs["a"].progress_steps() == 30 and state.jobs["a"].steps_done == 0
