@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from services.cli.main import main
@@ -64,3 +66,18 @@ def test_a_bad_service_variable_exits_2_naming_it(capsys, monkeypatch):
     assert main(["serve", "tracker"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "HADAR_TRACKER_FINISH_TIMEOUT_S: expected a finite number" in err
+
+
+@pytest.mark.parametrize("content", [
+    os.urandom(4096),                                   # not text
+    b"a: 1\n" * 2_000_000,                              # 10 MB: refused by size, not parsed for a minute
+    b"[" * 100_000 + b"]" * 100_000,                    # nesting deep enough to blow the parser's stack
+    b"\xef\xbb\xbf" + b"\x00" * 100,                    # a BOM then NULs
+])
+def test_a_hostile_job_file_is_one_line_and_exit_2(content, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("HADAR_BOOTSTRAP", raising=False)
+    path = tmp_path / "job.yaml"
+    path.write_bytes(content)
+    assert main(["submit", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("hadar submit: error: file:"), err[:300]
