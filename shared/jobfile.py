@@ -29,17 +29,36 @@ class JobFileError(UsageError):
     """Bad job input; the message starts with the field name."""
 
 
+MAX_JOB_FILE_BYTES = 64 * 1024   # a job is a dozen fields; anything larger is not a job file
+
+
 def load_job_file(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML or JSON job file; :class:`JobFileError` (one line, naming the
+    file) for anything else: unreadable, over ``MAX_JOB_FILE_BYTES``, not UTF-8 text, not
+    parseable (including nesting deep enough to exhaust the parser), or not a mapping. The
+    size is checked before anything is parsed, so a huge file is refused at once."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        with open(p, "rb") as f:
+            raw = f.read(MAX_JOB_FILE_BYTES + 1)
     except OSError as exc:
         raise JobFileError(f"file: cannot read {p}: {exc.strerror}") from None
+    if len(raw) > MAX_JOB_FILE_BYTES:
+        raise JobFileError(f"file: {p} is larger than {MAX_JOB_FILE_BYTES // 1024} KiB; a job file is a few lines")
     try:
-        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise JobFileError(f"file: {p} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: "
-                           f"{str(exc).splitlines()[0]}") from None
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise JobFileError(f"file: {p} is not UTF-8 text (byte {exc.start})") from None
+    if "\x00" in text:
+        raise JobFileError(f"file: {p} holds NUL characters; it is not a text file")
+    kind = "JSON" if p.suffix == ".json" else "YAML"
+    try:
+        data = json.loads(text) if kind == "JSON" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise JobFileError(f"file: {p} is not valid {kind}: {first[:200]}") from None
+    except RecursionError:
+        raise JobFileError(f"file: {p} is not valid {kind}: nested too deeply") from None
     if not isinstance(data, dict):
         raise JobFileError(f"file: {p} must hold a mapping of job fields")
     return data
