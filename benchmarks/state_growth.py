@@ -109,7 +109,9 @@ def day(nodes: int, events: int) -> Iterator[Event]:
 
 def make_state(name: str, unbounded: bool):
     if name == "scheduler":
-        return SchedulerState(seen_window=sys.maxsize, rounds_kept=sys.maxsize) if unbounded else SchedulerState()
+        if unbounded:
+            return SchedulerState(seen_window=sys.maxsize, rounds_kept=sys.maxsize, finished_kept=sys.maxsize)
+        return SchedulerState()
     from services.tracker.state import TrackerState
     return TrackerState()
 

@@ -93,6 +93,7 @@ class RoundRecord:
 MIN_RATE = 1e-9         # steps/s: below this a positive rate is noise or forged
 MAX_RATE = 1e6          # steps/s: far above any job on any GPU
 WEIGHT_TOLERANCE = 1e-6
+FINISHED_KEPT = 1024    # completed or cancelled jobs whose records stay in memory (views, the demo)
 SEEN_WINDOW = 65_536   # event ids remembered for dedupe (~8 MB): far more than one commit interval
 ROUNDS_KEPT = 64       # rounds kept in memory; older ones live on in the log only
 
@@ -100,13 +101,14 @@ ROUNDS_KEPT = 64       # rounds kept in memory; older ones live on in the log on
 class SchedulerState:
     """Memory stays bounded however long the log: dedupe remembers the last
     ``seen_window`` event ids, only the last ``rounds_kept`` rounds are kept (older ones
-    are folded into running utilization totals), and a finished job keeps its record but
-    drops its rates and unconsolidated progress. Folds that a redelivery could double
+    are folded into running utilization totals), a finished job drops its rates and
+    unconsolidated progress at once and its record once ``finished_kept`` jobs finished
+    after it (only its id is remembered, so the id is never reused). Folds that a redelivery could double
     (Assignments) are also idempotent by content, so a duplicate older than the id window
     changes nothing either."""
 
     def __init__(self, *, seen_window: int = SEEN_WINDOW, rounds_kept: int = ROUNDS_KEPT,
-                 rounds_in_order: bool = True) -> None:
+                 finished_kept: int = FINISHED_KEPT, rounds_in_order: bool = True) -> None:
         """``rounds_in_order=False``: for a viewer that reads topics concurrently, so a model
         may arrive before the RoundStarted of its round; the round check is then skipped."""
         self.jobs: dict[str, JobRecord] = {}
@@ -117,6 +119,9 @@ class SchedulerState:
         self.last_round: int = -1
         self.events_applied = 0
         self._rounds_in_order = rounds_in_order
+        self._finished_kept = finished_kept
+        self._finished_order: deque[str] = deque()
+        self._forgotten: set[str] = set()   # finished jobs whose records were dropped (~50 B each)
         self._seen_window = seen_window
         self._rounds_kept = rounds_kept
         self._seen: set[str] = set()
@@ -153,7 +158,7 @@ class SchedulerState:
         return True
 
     def _on_JobSubmitted(self, e: JobSubmitted) -> None:
-        if e.job_id not in self.jobs:   # a resubmitted id keeps the first submission
+        if e.job_id not in self.jobs and e.job_id not in self._forgotten:   # an id keeps its first submission
             self.jobs[e.job_id] = JobRecord(spec=e.job, submitted_at=e.submitted_at)
 
     def _on_JobCancelled(self, e: JobCancelled) -> None:
@@ -166,6 +171,11 @@ class SchedulerState:
         job.live_steps = {}
         for key in [k for k in self.rates if k[0] == job.spec.job_id]:
             del self.rates[key]
+        self._finished_order.append(job.spec.job_id)
+        while len(self._finished_order) > self._finished_kept:
+            old = self._finished_order.popleft()
+            self.jobs.pop(old, None)
+            self._forgotten.add(old)
 
     def _on_NodeRegistered(self, e: NodeRegistered) -> None:
         old = self.nodes.get(e.node_id)
@@ -249,6 +259,8 @@ class SchedulerState:
     # ------------------------------------------------------------------ checks (None: accept)
 
     def _check_ModelConsolidated(self, e: ModelConsolidated) -> str | None:
+        if e.job_id in self._forgotten:
+            return None   # late news of a job long finished: harmless, and nothing to update
         if e.job_id not in self.jobs:
             return f"ModelConsolidated: unknown job {e.job_id!r}"
         if e.round > self.last_round and self._rounds_in_order:
@@ -332,7 +344,7 @@ def fold_log(items: Iterable[tuple[str, Event]]) -> SchedulerState:
     other topics, then the Assignments by round. Nothing is pruned (a one-shot view of the
     whole log), and events the state refuses are left out, as the scheduler left them out.
     """
-    state = SchedulerState(seen_window=sys.maxsize, rounds_kept=sys.maxsize)
+    state = SchedulerState(seen_window=sys.maxsize, rounds_kept=sys.maxsize, finished_kept=sys.maxsize)
     placements: list[Event] = []
     others: list[Event] = []
     for topic, event in items:

@@ -197,3 +197,22 @@ def test_finished_jobs_drop_their_rates_and_live_progress():
     state.apply(JobCancelled(ts=T0 + 2, source="cli", job_id="a"))
     assert not any(key[0] == "a" for key in state.rates) and state.jobs["a"].live_steps == {}
     assert state.jobs["a"].state == "cancelled"
+
+
+def test_only_the_latest_finished_jobs_keep_their_records():
+    from shared.events import JobCompleted
+    from shared.layout import final_key, model_key
+
+    state = SchedulerState(finished_kept=2)
+    state.apply(RoundStarted(ts=T0, source="s", round=0, policy="x", started_at=T0, ends_at=T0 + 10))
+    for i in range(5):
+        job_id = f"j{i}"
+        state.apply(JobSubmitted(ts=T0, source="cli", job=spec(job_id), submitted_at=T0))
+        state.apply(JobCompleted(ts=T0 + i, source="tracker", job_id=job_id, final_key=final_key(job_id),
+                                 total_steps=100, jct_s=1.0, completed_at=T0 + i))
+    assert sorted(state.jobs) == ["j3", "j4"]
+    state.apply(JobSubmitted(ts=T0 + 9, source="cli", job=spec("j0"), submitted_at=T0 + 9))
+    assert "j0" not in state.jobs                      # a finished id is not reused
+    state.apply(ModelConsolidated(ts=T0 + 9, source="tracker", job_id="j0", round=0, key=model_key("j0", 0),
+                                  total_steps=100, copies=(CopyWeight(copy=0, steps=100, weight=1.0),)))
+    assert "j0" not in state.jobs                      # a late model of a forgotten job: accepted, no effect
