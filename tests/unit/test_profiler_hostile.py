@@ -9,6 +9,10 @@ import dataclasses
 import math
 import time
 
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
 from services.profiler.service import ProfilerConfig, ProfilerService
 from services.profiler.state import MAX_RATE, ProfilerState
 from shared.bus import MemoryBus
@@ -80,3 +84,32 @@ async def test_a_handler_error_dead_letters_the_event_and_the_consumer_goes_on()
     finally:
         await service.stop()
         await bus.stop()
+
+
+class HostileProgress(RuleBasedStateMachine):
+    """Progress reports in any order with extreme values: observe never raises, and every
+    rate it decides to publish is finite, positive and at most MAX_RATE."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = ProfilerState()
+        self.state.add_job(SPEC)
+
+    @rule(ts=st.floats(min_value=0, max_value=2e9, allow_nan=False) | st.sampled_from([0.0, 5e-324, T0]),
+          steps=st.integers(0, 2**63 - 1), samples=st.floats(min_value=0, max_value=1e308, allow_nan=False),
+          round_=st.integers(0, 3), copy=st.integers(0, 2))
+    def report(self, ts, steps, samples, round_, copy):
+        p = Progress(ts=ts, source="agent", job_id="j1", round=round_, copy=copy, node_id="n1", gpu_type="t4",
+                     workers=1, steps_round=steps, steps_total=steps, samples_per_s=samples, loss=0.5)
+        update = self.state.observe(p)
+        if update is not None:
+            assert math.isfinite(update.rate) and 0 <= update.rate <= MAX_RATE
+
+    @invariant()
+    def smoothed_rates_are_sane(self):
+        rate = self.state.rate("j1", "t4", 1)
+        assert rate is None or (math.isfinite(rate) and 0 <= rate <= MAX_RATE)
+
+
+TestHostileProgress = HostileProgress.TestCase
+TestHostileProgress.settings = settings(max_examples=80, stateful_step_count=25, deadline=None)
