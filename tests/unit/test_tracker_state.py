@@ -6,11 +6,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tracker_events import (
-    SPEC, T0, assignment, completed, consolidated, finished, fold, progress, started, submitted,
+    T0, assignment, completed, consolidated, finished, fold, progress, started, submitted,
 )
 
-from services.tracker.state import TrackerState
-from shared.events import Event, JobCancelled, ModelConsolidated
+from shared.events import JobCancelled, ModelConsolidated
 from shared.layout import model_key
 
 
