@@ -7,11 +7,12 @@ against; every other event is a claim.
 
 Rules (a refusal's reason label in brackets):
 
-* **Round lead.** No event may name a round more than :data:`ROUND_LEAD` past the latest
-  round the tracker knows (the highest round of any RoundStarted or accepted Assignment),
-  so a forged far-future round can neither be held nor freeze a job [future_round]. Two
-  rounds of lead: the placements of round r+1 may be read before RoundStarted r+1 while
-  the agents of round r+1 report, but never two rounds ahead of what is started.
+* **Round lead.** No Assignment, report or announcement may name a round more than
+  :data:`ROUND_LEAD` past the latest round the tracker knows (the highest round of any
+  RoundStarted or accepted Assignment), so a forged far-future round can neither be held
+  nor freeze a job [future_round]. Two rounds of lead: an Assignment or report of round
+  r+1 may be read before RoundStarted r+1 (another partition), never two rounds ahead of
+  what the scheduler started. RoundStarted itself is the scheduler's and is not bounded.
 * **CopyFinished** (:func:`report_problem`): its checkpoint is exactly
   ``checkpoint_key(job, round, copy)`` (or absent when it failed) [bad_key]; it comes from
   a node the copy was assigned to -- for ``ok``/``preempted``, a node hosting rank 0,

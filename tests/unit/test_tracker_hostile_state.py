@@ -448,5 +448,5 @@ def nodes_of(assigned: dict[tuple[str, int, int], dict[str, tuple[tuple[int, ...
     return assigned[(work.job_id, work.round, copy)]
 
 
-HostileTracker.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+HostileTracker.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 test_hostile_tracker_state_machine = HostileTracker.TestCase
