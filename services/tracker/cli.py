@@ -21,7 +21,7 @@ from shared.service import run_service
 from shared.settings import add_config_arg, load_config
 
 if TYPE_CHECKING:
-    from services.tracker.service import TrackerConfig
+    from services.tracker.config import TrackerConfig
 
 __all__ = ["add_tracker_parser", "run_tracker", "tracker_config", "ENV_PREFIX"]
 
@@ -42,6 +42,8 @@ def add_tracker_parser(services: argparse._SubParsersAction,
     parser.add_argument("--finish-timeout-s", type=float, default=None,
                         help="how long after a round's deadline to wait for missing copies (default: 120)")
     parser.add_argument("--tick-s", type=float, default=None, help="how often due rounds are checked (default: 1)")
+    parser.add_argument("--max-attempts", type=int, default=None,
+                        help="attempts at consolidating a round or completing a job before giving it up (default: 6)")
     parser.add_argument("--temp-dir", default=None, help="where consolidated models are staged")
     parser.set_defaults(func=run_tracker)
     return parser
@@ -49,10 +51,10 @@ def add_tracker_parser(services: argparse._SubParsersAction,
 
 def tracker_config(args: argparse.Namespace) -> TrackerConfig:
     """The TrackerConfig of these flags, the environment and ``--config``; UsageError if invalid."""
-    from services.tracker.service import TrackerConfig  # heavy (torch, numpy): only when run
+    from services.tracker.config import TrackerConfig
 
     flags = {"group": args.group, "mode": args.mode, "finish_timeout_s": args.finish_timeout_s,
-             "tick_s": args.tick_s, "temp_dir": args.temp_dir}
+             "tick_s": args.tick_s, "max_attempts": args.max_attempts, "temp_dir": args.temp_dir}
     try:
         return load_config(TrackerConfig, flags=flags, env=os.environ, env_prefix=ENV_PREFIX, file=args.config)
     except ConfigError as exc:

@@ -1,10 +1,12 @@
 """The tracker service: follows copies' progress, consolidates each round, completes jobs.
 
-A thin shell around :class:`~services.tracker.state.TrackerState` (what is due) and
-:mod:`services.tracker.consolidate` (the averaging). On start it replays hadar.models,
-hadar.jobs, hadar.placements and hadar.progress from the beginning to rebuild its state,
-then follows them in consumer group ``config.group``; a worker consolidates due rounds
-one at a time, off the event loop.
+A thin shell around :class:`~services.tracker.state.TrackerState` (what is due, what is
+refused) and :mod:`services.tracker.consolidate` (the averaging). On start it replays, from
+the beginning, every RoundStarted, then hadar.jobs, hadar.placements, hadar.models and
+hadar.progress, to rebuild its state -- placements before the events checked against
+them, and every RoundStarted first because its partition is not its Assignments' -- then
+follows them in consumer group ``config.group``; a worker consolidates due rounds one at
+a time, off the event loop.
 
 Guarantees:
 
@@ -16,8 +18,20 @@ Guarantees:
 * When a job's consolidated steps reach its iterations, ``models/{job}/final.safetensors``
   is written (a copy of the latest round's model) and JobCompleted follows, once, with
   ``jct_s = completed_at - submitted_at``.
+* An event the state refuses (:mod:`services.tracker.acceptance`) changes nothing; it is
+  counted in ``tracker_events_rejected_total{reason}`` and logged with its job, round and
+  node, and -- when it came from the live consumer, not from the replay -- published to
+  hadar.deadletter with its origin and reason, so a restart counts it again but does not
+  dead-letter it again. The tracker's own announcements are checked before publishing; a
+  model object whose metadata would be refused is recomputed over.
 * A round with no usable replica publishes no model; it is logged and counted.
-* Failures of the store or the bus leave the round due; it is retried with back-off.
+* Nothing is retried forever: a failed consolidation or completion is tried again after
+  a back-off doubling from ``tick_s`` up to :data:`MAX_RETRY_S`, at most
+  ``config.max_attempts`` times in all. Then the round is abandoned (logged,
+  ``tracker_rounds_given_up_total``): the job's next round comes due and the scheduler
+  starts it from the job's previous model once its ``consolidation_wait_s`` runs out.
+  A completion given up (``tracker_completions_given_up_total``) is tried again only by
+  a restarted tracker.
 """
 
 from __future__ import annotations
@@ -27,65 +41,37 @@ import json
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from services.tracker.acceptance import REFUSAL_REASONS, Refusal
+from services.tracker.attempts import Attempts
+from services.tracker.config import MAX_RETRY_S, TrackerConfig
 from services.tracker.consolidate import (
-    ConsolidationPlan, Mode, NoUsableReplica, Rejected, Replica, WriteStats, plan_consolidation,
+    ConsolidationPlan, NoUsableReplica, Rejected, Replica, WriteStats, plan_consolidation,
     write_consolidated,
 )
 from services.tracker.safetensors_format import InvalidSafetensors, read_header
 from services.tracker.state import CompletionWork, RoundWork, TrackerState
 from services.tracker.store_reader import StoreRangeReader
-from shared.bus import Bus
+from shared.bus import Bus, Delivery
 from shared.clock import Clock, SystemClock
-from shared.events import Event, JobCompleted, ModelConsolidated
+from shared.errors import HadarError
+from shared.events import Event, JobCompleted, ModelConsolidated, RoundStarted
 from shared.layout import final_key, model_key
 from shared.logging import get_logger
 from shared.model_meta import InvalidModelMetadata, ModelMetadata
-from shared.settings import FieldError
+from shared.rejection import dead_letter_delivery
 from shared.store import InvalidKey, ObjectNotFound, ObjectStore
 from shared.topics import DEADLETTER, JOBS, MODELS, PLACEMENTS, PROGRESS
 
-__all__ = ["TrackerConfig", "TrackerService", "INPUT_TOPICS"]
+__all__ = ["TrackerConfig", "TrackerService", "INPUT_TOPICS", "MAX_RETRY_S"]
 
-# hadar.models first: rounds already decided then ignore late progress of those rounds.
-INPUT_TOPICS: tuple[str, ...] = (MODELS, JOBS, PLACEMENTS, PROGRESS)
-MAX_RETRY_S = 60.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrackerConfig:
-    """The tracker's settings; ``hadar serve tracker`` loads them with
-    :func:`shared.settings.load_config` (flags, ``HADAR_TRACKER_*``, ``--config`` file).
-
-    ``mode``: weigh copies by the steps each did, or uniformly. ``finish_timeout_s``: how
-    long after a round's deadline missing copies are waited for. ``tick_s``: how often due
-    rounds are checked. ``chunk_bytes``: accumulator chunk, also the size of each ranged
-    read from the store. ``temp_dir``: where consolidated models are staged (None: the
-    system's). An invalid value raises :class:`~shared.settings.FieldError` naming the field.
-    """
-
-    group: str = "tracker"
-    mode: Mode = "steps"
-    finish_timeout_s: float = 120.0
-    tick_s: float = 1.0
-    chunk_bytes: int = 8 << 20
-    temp_dir: str | None = None
-    source: str = "tracker"
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("steps", "uniform"):
-            raise FieldError("mode", f"must be 'steps' or 'uniform', got {self.mode!r}")
-        if not self.finish_timeout_s >= 0:
-            raise FieldError("finish_timeout_s", f"must be >= 0, got {self.finish_timeout_s}")
-        if not self.tick_s > 0:
-            raise FieldError("tick_s", f"must be > 0, got {self.tick_s}")
-        if self.chunk_bytes < 8:
-            raise FieldError("chunk_bytes", f"must be >= 8, got {self.chunk_bytes}")
+# The replay order: placements before what is checked against them (models, progress), and
+# models before progress, so reports of rounds already decided are merely late.
+INPUT_TOPICS: tuple[str, ...] = (JOBS, PLACEMENTS, MODELS, PROGRESS)
 
 
 class TrackerService:
@@ -106,7 +92,8 @@ class TrackerService:
         self._consumer: asyncio.Task[None] | None = None
         self._worker: asyncio.Task[None] | None = None
         self._last_error: str | None = None
-        self._retry: dict[tuple[str, str, int], tuple[float, float]] = {}  # key -> (monotonic due, delay)
+        self._attempts = Attempts(max_attempts=self.config.max_attempts,
+                                  base_s=min(self.config.tick_s, MAX_RETRY_S), max_s=MAX_RETRY_S)
         r = self.registry
         self._m_seconds = Histogram("tracker_consolidation_seconds", "Time to consolidate one round",
                                     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
@@ -125,16 +112,32 @@ class TrackerService:
         self._m_out = Counter("tracker_events_out_total", "Events published", ["type"], registry=r)
         self._m_dead = Counter("tracker_dead_letters_seen_total", "Dead letters seen", registry=r)
         self._m_open = Gauge("tracker_open_rounds", "Rounds not consolidated yet", registry=r)
+        self._m_refused = Counter("tracker_events_rejected_total",
+                                  "Events refused (changed nothing; dead-lettered when read live)", ["reason"],
+                                  registry=r)
+        for reason in REFUSAL_REASONS:
+            self._m_refused.labels(reason=reason)
+        self._m_given_up = Counter("tracker_rounds_given_up_total",
+                                   "Rounds abandoned after max_attempts failed consolidations", registry=r)
+        self._m_completions_given_up = Counter("tracker_completions_given_up_total",
+                                               "Completions abandoned after max_attempts failures", registry=r)
+        self._m_entries = Gauge("tracker_state_entries", "What the tracker's state holds, per kind", ["kind"],
+                                registry=r)
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         await self.bus.ensure_topics((*INPUT_TOPICS, DEADLETTER))
+        async for delivery in self.bus.read(PLACEMENTS):
+            if isinstance(delivery.event, RoundStarted):
+                self.state.apply(delivery.event)
         for topic in INPUT_TOPICS:
             async for delivery in self.bus.read(topic):
-                self.state.apply(delivery.event)
+                self.state.apply(delivery.event)   # no origin: refused during replay, counted, not dead-lettered
+        refused = await self._handle_refusals()
         self._replayed = True
-        self._log.info("tracker.replayed", jobs=self.state.jobs(), open_rounds=self.state.open_rounds())
+        self._log.info("tracker.replayed", jobs=self.state.jobs(), open_rounds=self.state.open_rounds(),
+                       refused=refused, sizes=self.state.sizes())
         self._consumer = asyncio.create_task(self._consume(), name="tracker-consume")
         self._worker = asyncio.create_task(self._work(), name="tracker-work")
 
@@ -163,10 +166,35 @@ class TrackerService:
                     self._m_dead.inc()
                 else:
                     self._m_in.labels(type=delivery.event.TYPE).inc()
-                    if self.state.apply(delivery.event):
+                    if self.state.apply(delivery.event, origin=delivery):
                         self._wake.set()
+                    await self._handle_refusals()
                 # State is rebuilt from the topics on start, so acking once folded is safe.
                 await delivery.ack()
+
+    async def _handle_refusals(self) -> dict[str, int]:
+        """Count, log and (for events read live) dead-letter what the state refused."""
+        counts: dict[str, int] = {}
+        for refusal in self.state.drain_refusals():
+            counts[refusal.reason] = counts.get(refusal.reason, 0) + 1
+            self._m_refused.labels(reason=refusal.reason).inc()
+            origin = refusal.origin
+            if isinstance(origin, Delivery):
+                self._log_refusal(refusal, origin, "event.rejected")
+                await dead_letter_delivery(self.bus, origin, f"{refusal.reason}: {refusal.detail}",
+                                           ts=self.clock.time(), source=self.config.source)
+            else:   # replayed: counted again, dead-lettered by the run that read it live
+                self._log_refusal(refusal, None, "event.rejected_on_replay", level="debug")
+        return counts
+
+    def _log_refusal(self, refusal: Refusal, origin: Delivery | None, message: str, *,
+                     level: str = "warning") -> None:
+        event = refusal.event
+        getattr(self._log, level)(
+            message, reason=refusal.reason, detail=refusal.detail[:300], event_type=event.TYPE,
+            job=getattr(event, "job_id", None), round=getattr(event, "round", None),
+            node=getattr(event, "node_id", None), source=event.source[:64],
+            topic=origin.topic if origin else None, offset=origin.offset if origin else None)
 
     async def _work(self) -> None:
         while not self._stopping:
@@ -180,53 +208,64 @@ class TrackerService:
     async def process_due(self) -> None:
         """Consolidate every due round, then complete every due job (one pass).
 
-        A failed attempt stays due; it is retried after a back-off that doubles per failure
-        (``tick_s`` up to ``MAX_RETRY_S``), so a missing object does not flood the logs.
+        A failed attempt stays due and is tried again after its back-off; after
+        ``max_attempts`` failures it is given up (see the module guarantees).
         """
-        for work in self.state.due_rounds(self.clock.time(), self.config.finish_timeout_s):
+        rounds = self.state.due_rounds(self.clock.time(), self.config.finish_timeout_s)
+        completions = self.state.due_completions()
+        self._attempts.retain([("round", w.job_id, w.round) for w in rounds]
+                              + [("complete", c.job_id, 0) for c in completions])
+        for work in rounds:
             if self._stopping:
                 break  # drain: the round in progress (if any) finished; start no new one
             key = ("round", work.job_id, work.round)
-            if self._backing_off(key):
+            if self._attempts.waiting(key, time.monotonic()):
                 continue
             try:
                 await self._round(work)
-                self._retry.pop(key, None)
+                self._attempts.succeeded(key)
             except Exception as exc:
-                self._fail("consolidate", exc, key, job=work.job_id, round=work.round)
+                if self._failed("consolidate", exc, key, job=work.job_id, round=work.round):
+                    self.state.abandon(work.job_id, work.round)
+                    self._m_given_up.inc()
+                    await self._handle_refusals()   # reports held for the round are refused now
         for completion in self.state.due_completions():
             key = ("complete", completion.job_id, 0)
-            if self._stopping or self._backing_off(key):
+            if self._stopping or self._attempts.waiting(key, time.monotonic()):
                 continue
             try:
                 await self._complete(completion)
-                self._retry.pop(key, None)
+                self._attempts.succeeded(key)
             except Exception as exc:
-                self._fail("complete", exc, key, job=completion.job_id)
+                if self._failed("complete", exc, key, job=completion.job_id):
+                    self.state.give_up_completion(completion.job_id)
+                    self._m_completions_given_up.inc()
         self._m_open.set(self.state.open_rounds())
+        for kind, size in self.state.sizes().items():
+            self._m_entries.labels(kind=kind).set(size)
 
-    def _backing_off(self, key: tuple[str, str, int]) -> bool:
-        retry = self._retry.get(key)
-        return retry is not None and time.monotonic() < retry[0]
-
-    def _fail(self, stage: str, exc: Exception, key: tuple[str, str, int], **bound: Any) -> None:
-        delay = min(MAX_RETRY_S, 2 * self._retry[key][1]) if key in self._retry else self.config.tick_s
-        self._retry[key] = (time.monotonic() + delay, delay)
+    def _failed(self, stage: str, exc: Exception, key: tuple[str, str, int], **bound: Any) -> bool:
+        """Count and log a failed attempt; True if it was the last one allowed (give it up)."""
+        delay = self._attempts.failed(key, time.monotonic())
         self._m_errors.labels(stage=stage).inc()
         self._last_error = f"{stage}: {type(exc).__name__}: {exc}"[:300]
+        if delay is None:
+            self._log.error(f"tracker.{stage}_given_up", error=self._last_error,
+                            attempts=self._attempts.max_attempts, **bound)
+            return True
         self._log.error(f"tracker.{stage}_failed", error=self._last_error, retry_in_s=delay, **bound)
+        return False
 
     async def _publish(self, event: Event) -> None:
         await self.bus.emit(event)
         self._m_out.labels(type=event.TYPE).inc()
         self.state.apply(event)
+        await self._handle_refusals()   # reports still held for a round this decided
 
     # ------------------------------------------------------------------ rounds
 
     async def _round(self, work: RoundWork) -> None:
         log = self._log.bind(job=work.job_id, round=work.round)
-        self._m_failed.inc(len(work.failed))
-        self._m_missing.inc(len(work.missing))
         key = model_key(work.job_id, work.round)
         event = None
         if await self.store.exists(key):
@@ -236,11 +275,17 @@ class TrackerService:
         if event is None:
             self.state.abandon(work.job_id, work.round)
             self._m_abandoned.inc()
-            return
-        await self._publish(event)
-        log.info("round.consolidated", key=key, total_steps=event.total_steps,
-                 copies=[c.copy for c in event.copies], rejected=[r.copy for r in event.rejected],
-                 missing=list(event.missing), seconds=round(event.seconds, 3))
+            await self._handle_refusals()   # reports still held for the round
+        else:
+            refusal = self.state.check_announcement(event)
+            if refusal is not None:   # never for a model this tracker computed: its plan obeys the same rules
+                raise AnnouncementRefused(f"{refusal.reason}: {refusal.detail}")
+            await self._publish(event)
+            log.info("round.consolidated", key=key, total_steps=event.total_steps,
+                     copies=[c.copy for c in event.copies], rejected=[r.copy for r in event.rejected],
+                     missing=list(event.missing), seconds=round(event.seconds, 3))
+        self._m_failed.inc(len(work.failed))     # once per round decided, not per attempt
+        self._m_missing.inc(len(work.missing))
 
     async def _consolidate(self, work: RoundWork, key: str, log: Any) -> ModelConsolidated | None:
         started = time.perf_counter()
@@ -255,7 +300,7 @@ class TrackerService:
             except (ObjectNotFound, InvalidKey) as exc:
                 rejected.append(Rejected(copy=copy.copy, reason=f"checkpoint {copy.checkpoint!r}: {exc}"[:240]))
                 continue
-            replicas.append(Replica(copy=copy.copy, steps=copy.steps,
+            replicas.append(Replica(copy=copy.copy, steps=copy.steps, max_steps=copy.budget,
                                     reader=StoreRangeReader(self.store, copy.checkpoint, size, loop)))
         tmp_dir = Path(tempfile.mkdtemp(prefix="hadar-tracker-", dir=self.config.temp_dir))
         try:
@@ -303,8 +348,13 @@ class TrackerService:
             log.warning("round.existing_model_unusable", key=key,
                         error=f"metadata names job {meta.job!r} round {meta.round}")
             return None
+        event = _announcement(meta, key, self.clock.time(), self.config.source)
+        refusal = self.state.check_announcement(event)
+        if refusal is not None:
+            log.warning("round.existing_model_unusable", key=key, error=f"{refusal.reason}: {refusal.detail}"[:300])
+            return None
         log.info("round.existing_model_announced", key=key)
-        return _announcement(meta, key, self.clock.time(), self.config.source)
+        return event
 
     # ------------------------------------------------------------------ completion
 
@@ -321,10 +371,18 @@ class TrackerService:
         event = JobCompleted(ts=now, source=self.config.source, job_id=work.job_id, final_key=key,
                              total_steps=work.total_steps, jct_s=max(0.0, now - work.submitted_at),
                              completed_at=now)
+        refusal = self.state.check_announcement(event)
+        if refusal is not None:
+            raise AnnouncementRefused(f"{refusal.reason}: {refusal.detail}")
         await self._publish(event)
         self._m_completed.inc()
         self._log.info("job.completed", job=work.job_id, final_key=key, total_steps=work.total_steps,
                        jct_s=round(event.jct_s, 3))
+
+
+class AnnouncementRefused(HadarError):
+    """An announcement of the tracker's own that its state would refuse: a bug, counted as a
+    failed attempt like any other."""
 
 
 def _announcement(meta: ModelMetadata, key: str, ts: float, source: str, *, seconds: float = 0.0

@@ -1,304 +1,400 @@
 """The tracker's bookkeeping: which copies ran in which round, what they did, what is due.
 
-Pure: events in (``apply``), decisions out (``due_rounds``, ``due_completions``); no I/O,
-no clock (``now`` is passed in). The service feeds it every event of hadar.jobs,
-hadar.placements, hadar.progress and hadar.models -- including the tracker's own
-ModelConsolidated and JobCompleted -- so a restarted tracker that replays those topics
-arrives at the same state.
+Pure: events in (``apply``), decisions out (``due_rounds``, ``due_completions``), refusals
+out (``drain_refusals``); no I/O, no clock (``now`` is passed in). The service feeds it
+every event of hadar.jobs, hadar.placements, hadar.models and hadar.progress -- including
+the tracker's own ModelConsolidated and JobCompleted -- so a restarted tracker that
+replays those topics arrives at the same state.
 
 Guarantees:
 
-* Idempotent: applying any event twice changes nothing the second time. A copy's
-  CopyFinished counts once per (job, round, copy) -- the first one wins; Progress keeps
-  the largest ``steps_round`` per (job, round, copy); Assignments are a set per
-  (job, round, copy, node); the first ModelConsolidated of a (job, round) decides it.
+* Checked: the placements (RoundStarted, Assignment) define what was assigned; every
+  other event is checked against them by the rules of :mod:`services.tracker.acceptance`.
+  A refused event changes nothing and is reported once, with its reason and the
+  ``origin`` it was applied with, by ``drain_refusals``. A late event (a round already
+  decided, a job already finished) or a repeat changes nothing and is not refused.
+* Held, not lost: a CopyFinished whose copy has no Assignment yet (the topics are read in
+  parallel) is held, and judged again when an Assignment of its (job, round) arrives,
+  when all of the round's placements are known (RoundStarted.assignments of them), or
+  when its round is decided -- then it is refused as unassigned.
+* Idempotent: applying any event twice changes nothing the second time (event ids
+  within a window, and content: the first accepted CopyFinished of a copy counts,
+  Progress keeps the largest ``steps_round``, Assignments are a set per (job, round, copy,
+  node), the first accepted ModelConsolidated decides its round).
 * Steps: a job's consolidated steps are the sum, over its consolidated rounds, of the
-  steps of the copies averaged into that round's model (work whose result is in the
-  model). ``live_steps`` adds the steps copies report in rounds not yet consolidated.
-* A round is due once every copy assigned to the job in it has finished -- and, when the
-  round's RoundStarted was seen, once all of the round's Assignment events have been seen
-  (RoundStarted.assignments counts them), so a lagging placements topic cannot make a
-  round look complete -- or once ``timeout_s`` has passed since the round's deadline
-  (the latest Assignment deadline; else the RoundStarted end; else the first time anything
-  of that round was seen). Rounds of a job come due in round order.
-* A job is due for completion when its consolidated steps reach its iterations and it
-  has a consolidated model; it completes once (JobCompleted decides it).
+  steps of the copies in that round's model; every copy's steps are at most its budget.
+* Due: a round is due once every copy assigned to the job in it has finished -- and,
+  when the round's RoundStarted was seen, once all of the round's Assignments have been
+  seen -- or once ``timeout_s`` has passed since its deadline (the latest Assignment
+  deadline). Rounds of a job come due in round order; deciding round r (a model, or
+  ``abandon``) decides every earlier open round of the job too, since the tracker
+  decides in order. A job is due for completion when its consolidated steps reach its
+  iterations and it has a model; it completes once.
+* Bounded: decided rounds are forgotten at once (a job keeps its last decided round,
+  its steps and its latest model); finished (completed or cancelled) jobs are forgotten
+  but for their id, in a window of ``max_finished_jobs``; placements per round are kept
+  for the last :data:`ROUND_HISTORY` rounds and rounds still open; at most
+  ``max_pending`` held reports and ``max_ids`` event ids; an event refused is not kept.
+  ``sizes`` reports each.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
+from services.tracker.acceptance import (
+    Problem, Refusal, announcement_problem, completion_problem, future_problem, key_problem,
+    report_problem,
+)
+from services.tracker.jobs import FinishedJob, JobRecord, RoundRecord
+from services.tracker.pending import HeldReport, PendingReports
+from services.tracker.placements import ROUND_HISTORY, PlacementIndex
+from services.tracker.work import CompletionWork, FinishedCopy, RoundWork
 from shared.dispatch import HandlerTable
 from shared.events import (
-    Assignment, CopyFinished, Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted,
-    ModelConsolidated, Progress, RoundStarted,
+    Assignment, CopyFinished, Event, JobCancelled, JobCompleted, JobSubmitted, ModelConsolidated, Progress,
+    RoundStarted,
 )
 from shared.topics import JOBS, MODELS, PLACEMENTS, PROGRESS
 
-__all__ = ["FinishedCopy", "RoundWork", "CompletionWork", "TrackerState", "FOLDED_TOPICS"]
+__all__ = ["FinishedCopy", "RoundWork", "CompletionWork", "Refusal", "TrackerState", "FOLDED_TOPICS",
+           "ROUND_HISTORY"]
 
 # What ``apply`` folds: the tracker service's INPUT_TOPICS (tests check they match).
-FOLDED_TOPICS: tuple[str, ...] = (MODELS, JOBS, PLACEMENTS, PROGRESS)
+FOLDED_TOPICS: tuple[str, ...] = (JOBS, PLACEMENTS, MODELS, PROGRESS)
+MAX_REFUSALS = 4096         # refusals kept for a caller that does not drain them
 
-
-@dataclass(frozen=True, kw_only=True)
-class FinishedCopy:
-    copy: int
-    node_id: str
-    status: str
-    steps: int
-    checkpoint: str | None
-    reason: str = ""
-
-
-@dataclass(frozen=True, kw_only=True)
-class RoundWork:
-    """A round to consolidate now.
-
-    ``usable``: finished copies with a checkpoint (status ok or preempted); ``failed``:
-    copies that reported failure; ``missing``: assigned copies that never reported.
-    ``prior_steps``: the job's consolidated steps before this round.
-    """
-
-    job_id: str
-    round: int
-    usable: tuple[FinishedCopy, ...]
-    failed: tuple[FinishedCopy, ...]
-    missing: tuple[int, ...]
-    prior_steps: int
-    timed_out: bool
-
-
-@dataclass(frozen=True, kw_only=True)
-class CompletionWork:
-    job_id: str
-    model_key: str
-    total_steps: int
-    submitted_at: float
-
-
-@dataclass(kw_only=True)
-class _Round:
-    assigned: set[tuple[int, str]] = field(default_factory=set)   # (copy, node)
-    deadline: float | None = None
-    first_seen: float | None = None
-    finished: dict[int, FinishedCopy] = field(default_factory=dict)
-    progress: dict[int, int] = field(default_factory=dict)
-    outcome: str | None = None          # None (open), "consolidated", "abandoned"
-    steps: int = 0                      # steps in its model, once consolidated
-    model_key: str | None = None
-
-    def seen_at(self, ts: float) -> None:
-        self.first_seen = ts if self.first_seen is None else min(self.first_seen, ts)
-
-
-@dataclass(kw_only=True)
-class _Job:
-    spec: JobSpec | None = None
-    submitted_at: float | None = None
-    first_seen: float | None = None
-    rounds: dict[int, _Round] = field(default_factory=dict)
-    cancelled: bool = False
-    completed: JobCompleted | None = None
-
-    def round(self, number: int) -> _Round:
-        return self.rounds.setdefault(number, _Round())
-
-    @property
-    def consolidated_steps(self) -> int:
-        return sum(r.steps for r in self.rounds.values() if r.outcome == "consolidated")
-
-    def latest_model(self) -> str | None:
-        done = [n for n, r in self.rounds.items() if r.outcome == "consolidated"]
-        return self.rounds[max(done)].model_key if done else None
+_Verdict = Problem | Literal["accept", "hold", "stale"]
 
 
 class TrackerState:
     """Per-job, per-round bookkeeping derived from events; see the module guarantees."""
 
-    def __init__(self) -> None:
-        self._jobs: dict[str, _Job] = {}
-        self._expected: dict[int, int] = {}                    # round -> Assignment events
-        self._placed: dict[int, set[tuple[str, int, str]]] = {}  # round -> (job, copy, node)
-        self._round_ends: dict[int, float] = {}
+    def __init__(self, *, max_pending: int = 1024, max_ids: int = 8192, max_finished_jobs: int = 16384) -> None:
+        self._jobs: dict[str, JobRecord] = {}
+        self._finished: OrderedDict[str, FinishedJob] = OrderedDict()
+        self._max_finished = max_finished_jobs
+        self._index = PlacementIndex()
+        self._pending = PendingReports(max_pending)
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._max_ids = max_ids
+        self._refusals: deque[Refusal] = deque(maxlen=MAX_REFUSALS)
 
     # ------------------------------------------------------------------ events
 
-    def apply(self, event: Event) -> bool:
-        """Fold one event in; True if it changed the state (dispatch by ``HANDLERS``)."""
+    def apply(self, event: Event, origin: object = None) -> bool:
+        """Fold one event in; True if it changed the state. ``origin`` is returned with any
+        refusal of this event, now or later (a held report). Never raises for an event."""
+        if event.id in self._ids:
+            return False
+        self._ids[event.id] = None
+        if len(self._ids) > self._max_ids:
+            self._ids.popitem(last=False)
         handler = self.HANDLERS.handler_for(event)
-        return handler(self, event) if handler is not None else False
+        return handler(self, event, origin) if handler is not None else False
 
-    def _job(self, job_id: str, ts: float) -> _Job:
-        job = self._jobs.setdefault(job_id, _Job())
-        job.first_seen = ts if job.first_seen is None else min(job.first_seen, ts)
+    def drain_refusals(self) -> list[Refusal]:
+        """The refusals since the last call, oldest first (at most the last MAX_REFUSALS)."""
+        refusals = list(self._refusals)
+        self._refusals.clear()
+        return refusals
+
+    def check_announcement(self, event: ModelConsolidated | JobCompleted) -> Refusal | None:
+        """What ``apply`` would refuse ``event`` for; None if it would not. Changes nothing."""
+        if isinstance(event, ModelConsolidated):
+            verdict = self._model_verdict(event)
+        else:
+            verdict = self._completion_verdict(event)
+        if isinstance(verdict, Problem):
+            return Refusal(event=event, reason=verdict.reason, detail=verdict.detail)
+        return None
+
+    def _refuse(self, event: Event, problem: Problem, origin: object) -> None:
+        self._refusals.append(Refusal(event=event, reason=problem.reason, detail=problem.detail, origin=origin))
+
+    def _job(self, job_id: str, ts: float) -> JobRecord:
+        job = self._jobs.get(job_id)
+        if job is None:
+            job = self._jobs[job_id] = JobRecord(first_seen=ts)
+        job.first_seen = min(job.first_seen, ts)
         return job
 
-    def _on_JobSubmitted(self, e: JobSubmitted) -> bool:
+    def _on_JobSubmitted(self, e: JobSubmitted, origin: object) -> bool:
+        if e.job_id in self._finished:
+            return False
         job = self._job(e.job_id, e.ts)
         if job.submitted_at is not None:
             return False
         job.spec, job.submitted_at = e.job, e.submitted_at
         return True
 
-    def _on_JobCancelled(self, e: JobCancelled) -> bool:
-        job = self._job(e.job_id, e.ts)
-        changed = not job.cancelled and job.completed is None
-        job.cancelled = job.cancelled or job.completed is None
-        return changed
-
-    def _on_RoundStarted(self, e: RoundStarted) -> bool:
-        changed = self._expected.get(e.round) != e.assignments
-        self._expected[e.round] = e.assignments
-        self._round_ends[e.round] = e.ends_at
-        return changed
-
-    def _on_Assignment(self, e: Assignment) -> bool:
-        placed = self._placed.setdefault(e.round, set())
-        key = (e.job_id, e.copy, e.node_id)
-        if key in placed:
+    def _on_JobCancelled(self, e: JobCancelled, origin: object) -> bool:
+        if e.job_id in self._finished:
             return False
-        placed.add(key)
-        job = self._job(e.job_id, e.ts)
-        if job.spec is None:
-            job.spec = e.job
-        rnd = job.round(e.round)
-        rnd.assigned.add((e.copy, e.node_id))
-        rnd.deadline = e.deadline if rnd.deadline is None else max(rnd.deadline, e.deadline)
-        rnd.seen_at(e.ts)
+        job = self._jobs.get(e.job_id)
+        self._forget_job(e.job_id, FinishedJob(completed=False, steps=job.consolidated_steps if job else 0))
         return True
 
-    def _on_Progress(self, e: Progress) -> bool:
-        rnd = self._job(e.job_id, e.ts).round(e.round)
-        rnd.seen_at(e.ts)
-        if rnd.outcome is not None or e.steps_round <= rnd.progress.get(e.copy, -1):
+    def _on_RoundStarted(self, e: RoundStarted, origin: object) -> bool:
+        was_complete = self._index.complete(e.round)
+        changed = self._index.started(e.round, e.assignments)
+        if not was_complete and self._index.complete(e.round):
+            self._rejudge(self._pending.take_where(lambda held: held.round == e.round))
+        self._prune()
+        return changed
+
+    def _on_Assignment(self, e: Assignment, origin: object) -> bool:
+        if self._index.seen(e.round, e.job_id, e.copy, e.node_id):
+            return False
+        problem = future_problem(e.round, self._index.latest)
+        if problem is not None:
+            self._refuse(e, problem, origin)
+            return False
+        was_complete = self._index.complete(e.round)
+        self._index.place(e.round, e.job_id, e.copy, e.node_id)
+        changed = False
+        if e.job_id not in self._finished:
+            job = self._job(e.job_id, e.ts)
+            job.spec = job.spec or e.job
+            if e.round > job.floor:
+                self._place(job, e)
+                changed = True
+                self._rejudge(self._pending.take(e.job_id, e.round))
+        if not was_complete and self._index.complete(e.round):
+            self._rejudge(self._pending.take_where(lambda held: held.round == e.round))
+        return changed
+
+    def _place(self, job: JobRecord, e: Assignment) -> None:
+        if e.round not in job.rounds:
+            job.rounds[e.round] = RoundRecord(deadline=e.deadline)
+            self._index.opened(e.round)
+        job.rounds[e.round].place(e)
+
+    def _on_Progress(self, e: Progress, origin: object) -> bool:
+        job = self._jobs.get(e.job_id)
+        if e.job_id in self._finished or (job is not None and e.round <= job.floor):
+            return False
+        rnd = job.rounds.get(e.round) if job is not None else None
+        placement = rnd.copies.get(e.copy) if rnd is not None else None
+        problem = future_problem(e.round, self._index.latest)
+        if problem is None:
+            problem = (report_problem(e, placement) if placement is not None else
+                       Problem(reason="unassigned", detail=f"copy {e.copy} of {e.job_id!r} is not placed "
+                                                           f"in round {e.round}"))
+        if problem is not None:
+            self._refuse(e, problem, origin)
+            return False
+        assert rnd is not None
+        if e.steps_round <= rnd.progress.get(e.copy, -1):
             return False
         rnd.progress[e.copy] = e.steps_round
         return True
 
-    def _on_CopyFinished(self, e: CopyFinished) -> bool:
-        rnd = self._job(e.job_id, e.ts).round(e.round)
-        rnd.seen_at(e.ts)
-        if rnd.outcome is not None or e.copy in rnd.finished:
-            return False  # late (the round is decided) or a repeat: never counted twice
-        rnd.finished[e.copy] = FinishedCopy(copy=e.copy, node_id=e.node_id, status=e.status,
-                                            steps=e.steps_round, checkpoint=e.checkpoint,
-                                            reason=e.reason)
-        return True
+    def _on_CopyFinished(self, e: CopyFinished, origin: object) -> bool:
+        return self._settle(HeldReport(event=e, origin=origin), self._judge(e))
 
-    def _on_ModelConsolidated(self, e: ModelConsolidated) -> bool:
-        rnd = self._job(e.job_id, e.ts).round(e.round)
-        if rnd.outcome == "consolidated":
+    def _judge(self, e: CopyFinished) -> _Verdict:
+        job = self._jobs.get(e.job_id)
+        if e.job_id in self._finished or (job is not None and e.round <= job.floor):
+            return "stale"
+        problem = key_problem(e) or future_problem(e.round, self._index.latest)
+        if problem is not None:
+            return problem
+        rnd = job.rounds.get(e.round) if job is not None else None
+        placement = rnd.copies.get(e.copy) if rnd is not None else None
+        complete = self._index.complete(e.round)
+        if rnd is None or placement is None:
+            if complete:
+                return Problem(reason="unassigned", detail=f"copy {e.copy} of {e.job_id!r} was not placed "
+                                                           f"in round {e.round}")
+            return "hold"
+        if not complete and e.node_id not in placement.nodes and (e.status == "failed" or not placement.reporters):
+            return "hold"   # the Assignment of this node may still be unread
+        problem = report_problem(e, placement)
+        if problem is not None:
+            return problem
+        return "stale" if e.copy in rnd.finished else "accept"
+
+    def _settle(self, report: HeldReport, verdict: _Verdict) -> bool:
+        e = report.event
+        if verdict == "accept":
+            rnd = self._jobs[e.job_id].rounds[e.round]
+            rnd.finished[e.copy] = FinishedCopy(copy=e.copy, node_id=e.node_id, status=e.status, steps=e.steps_round,
+                                                budget=rnd.copies[e.copy].budget, checkpoint=e.checkpoint,
+                                                reason=e.reason)
+            return True
+        if verdict == "hold":
+            self._hold(report)
+        elif isinstance(verdict, Problem):
+            self._refuse(e, verdict, report.origin)
+        return False
+
+    def _hold(self, report: HeldReport) -> None:
+        if self._pending.full:
+            # Make room for a report of a job the tracker knows by refusing one of a job it
+            # does not: a flood of forged reports cannot push out a real one.
+            victim = None
+            if report.event.job_id in self._jobs:
+                victim = self._pending.evict_first(lambda held: held.job_id not in self._jobs)
+            refused = victim or report
+            self._refuse(refused.event, Problem(reason="overflow", detail=f"{self._pending.limit} reports already "
+                                                                          "wait for their assignments"),
+                         refused.origin)
+            if victim is None:
+                return
+        self._pending.hold(report)
+
+    def _rejudge(self, reports: list[HeldReport]) -> None:
+        for report in reports:
+            self._settle(report, self._judge(report.event))
+
+    def _on_ModelConsolidated(self, e: ModelConsolidated, origin: object) -> bool:
+        verdict = self._model_verdict(e)
+        if isinstance(verdict, Problem):
+            self._refuse(e, verdict, origin)
+        if verdict != "accept":
             return False
-        rnd.outcome, rnd.model_key = "consolidated", e.key
-        rnd.steps = sum(c.steps for c in e.copies)
+        self._decide(e.job_id, e.round, steps=sum(c.steps for c in e.copies), model_key=e.key)
         return True
 
-    def _on_JobCompleted(self, e: JobCompleted) -> bool:
-        job = self._job(e.job_id, e.ts)
-        if job.completed is not None:
+    def _model_verdict(self, e: ModelConsolidated) -> _Verdict:
+        job = self._jobs.get(e.job_id)
+        if e.job_id in self._finished or (job is not None and e.round <= job.floor):
+            return "stale"
+        problem = future_problem(e.round, self._index.latest)
+        if problem is None:
+            rnd = job.rounds.get(e.round) if job is not None else None
+            problem = announcement_problem(e, rnd.copies if rnd is not None else None)
+        return problem or "accept"
+
+    def _on_JobCompleted(self, e: JobCompleted, origin: object) -> bool:
+        verdict = self._completion_verdict(e)
+        if isinstance(verdict, Problem):
+            self._refuse(e, verdict, origin)
+        if verdict != "accept":
             return False
-        job.completed = e
+        self._forget_job(e.job_id, FinishedJob(completed=True, steps=self._jobs[e.job_id].consolidated_steps))
         return True
 
-    HANDLERS: ClassVar[HandlerTable[Callable[[TrackerState, Any], bool]]] = HandlerTable({
+    def _completion_verdict(self, e: JobCompleted) -> _Verdict:
+        if e.job_id in self._finished:
+            return "stale"
+        job = self._jobs.get(e.job_id)
+        problem = completion_problem(
+            e, known=job is not None, iterations=job.spec.iterations if job and job.spec else None,
+            has_model=job is not None and job.model_key is not None,
+            consolidated_steps=job.consolidated_steps if job else 0)
+        return problem or "accept"
+
+    HANDLERS: ClassVar[HandlerTable[Callable[[TrackerState, Any, object], bool]]] = HandlerTable({
         JobSubmitted: _on_JobSubmitted, JobCancelled: _on_JobCancelled,
         RoundStarted: _on_RoundStarted, Assignment: _on_Assignment,
         Progress: _on_Progress, CopyFinished: _on_CopyFinished,
         ModelConsolidated: _on_ModelConsolidated, JobCompleted: _on_JobCompleted,
     }, topics=FOLDED_TOPICS)
 
+    # ------------------------------------------------------------------ forgetting
+
+    def _decide(self, job_id: str, round_: int, *, steps: int, model_key: str | None) -> None:
+        job = self._jobs[job_id]
+        for number in [n for n in job.rounds if n <= round_]:
+            self._close(job, number)
+        job.floor = max(job.floor, round_)
+        if model_key is not None:
+            job.consolidated_steps += steps
+            job.model_key = model_key
+        for held in self._pending.take_where(lambda e: e.job_id == job_id and e.round <= round_):
+            self._refuse(held.event, Problem(reason="unassigned", detail=f"round {held.event.round} was decided "
+                                                                         f"before copy {held.event.copy} was placed"),
+                         held.origin)
+        self._prune()
+
+    def _close(self, job: JobRecord, number: int) -> None:
+        del job.rounds[number]
+        self._index.closed(number)
+
+    def _forget_job(self, job_id: str, finished: FinishedJob) -> None:
+        job = self._jobs.pop(job_id, None)
+        for number in list(job.rounds) if job is not None else ():
+            self._close(job, number)   # type: ignore[arg-type]
+        self._pending.take_where(lambda e: e.job_id == job_id)   # moot now: dropped, not refused
+        self._finished[job_id] = finished
+        while len(self._finished) > self._max_finished:
+            self._finished.popitem(last=False)
+
+    def _prune(self) -> None:
+        self._index.prune()
+        # Rounds that old count as fully placed: the reports held for them are judged for good.
+        cutoff = self._index.cutoff
+        self._rejudge(self._pending.take_where(lambda e: e.round < cutoff))
+
     # ------------------------------------------------------------------ decisions
 
     def abandon(self, job_id: str, round_: int) -> None:
-        """Close a round that produced no model (nothing usable); it never comes due again."""
-        rnd = self._jobs[job_id].rounds[round_]
-        if rnd.outcome is None:
-            rnd.outcome = "abandoned"
+        """Close an open round that produced no model; it never comes due again. A round
+        that is not open (decided, unknown, its job finished) is left alone."""
+        job = self._jobs.get(job_id)
+        if job is not None and round_ in job.rounds:
+            self._decide(job_id, round_, steps=0, model_key=None)
+
+    def give_up_completion(self, job_id: str) -> None:
+        """Stop offering ``job_id`` in ``due_completions`` (until a restart rebuilds the state)."""
+        job = self._jobs.get(job_id)
+        if job is not None:
+            job.completion_given_up = True
 
     def due_rounds(self, now: float, timeout_s: float) -> list[RoundWork]:
         """Rounds to consolidate now: at most one per job, its earliest open round."""
         work = []
         for job_id in sorted(self._jobs):
             job = self._jobs[job_id]
-            if job.cancelled or job.completed is not None:
-                continue
-            open_rounds = sorted(n for n, r in job.rounds.items() if r.outcome is None)
-            if open_rounds:
-                item = self._round_work(job_id, job, open_rounds[0], now, timeout_s)
+            if job.rounds:
+                number = min(job.rounds)
+                item = job.rounds[number].work(job_id, number, placed=self._index.known(number), now=now,
+                                               timeout_s=timeout_s, prior_steps=job.consolidated_steps)
                 if item is not None:
                     work.append(item)
         return work
 
-    def _round_work(self, job_id: str, job: _Job, number: int, now: float,
-                    timeout_s: float) -> RoundWork | None:
-        rnd = job.rounds[number]
-        assigned = {c for c, _ in rnd.assigned}
-        placements_known = (number not in self._expected
-                            or len(self._placed.get(number, ())) >= self._expected[number])
-        all_in = bool(assigned) and placements_known and assigned <= rnd.finished.keys()
-        base = rnd.deadline if rnd.deadline is not None else self._round_ends.get(number, rnd.first_seen)
-        timed_out = base is not None and now >= base + timeout_s
-        if not (all_in or timed_out):
-            return None
-        finished = [rnd.finished[c] for c in sorted(rnd.finished)]
-        return RoundWork(
-            job_id=job_id, round=number,
-            usable=tuple(f for f in finished if f.status != "failed" and f.checkpoint),
-            failed=tuple(f for f in finished if f.status == "failed" or not f.checkpoint),
-            missing=tuple(sorted(assigned - rnd.finished.keys())),
-            prior_steps=job.consolidated_steps, timed_out=not all_in)
-
     def due_completions(self) -> list[CompletionWork]:
         """Jobs whose consolidated steps reached their iterations and have not completed."""
-        work = []
-        for job_id in sorted(self._jobs):
-            job = self._jobs[job_id]
-            key = job.latest_model()
-            if (job.spec is None or job.completed is not None or job.cancelled or key is None
-                    or job.consolidated_steps < job.spec.iterations):
-                continue
-            submitted = job.submitted_at if job.submitted_at is not None else job.first_seen
-            work.append(CompletionWork(job_id=job_id, model_key=key, total_steps=job.consolidated_steps,
-                                       submitted_at=submitted if submitted is not None else 0.0))
-        return work
+        due = (self._jobs[job_id].completion(job_id) for job_id in sorted(self._jobs))
+        return [work for work in due if work is not None]
 
     # ------------------------------------------------------------------ queries
 
     def consolidated_steps(self, job_id: str) -> int:
         job = self._jobs.get(job_id)
-        return job.consolidated_steps if job is not None else 0
+        if job is not None:
+            return job.consolidated_steps
+        finished = self._finished.get(job_id)
+        return finished.steps if finished is not None else 0
 
     def live_steps(self, job_id: str) -> int:
         """Consolidated steps plus what copies report in rounds still open."""
         job = self._jobs.get(job_id)
         if job is None:
-            return 0
-        live = 0
-        for rnd in job.rounds.values():
-            if rnd.outcome is not None:
-                continue
-            for copy in rnd.progress.keys() | rnd.finished.keys():
-                finished = rnd.finished.get(copy)
-                if finished is not None and finished.status == "failed":
-                    continue  # a failed copy's work is lost
-                live += max(rnd.progress.get(copy, 0), finished.steps if finished else 0)
-        return job.consolidated_steps + live
+            return self.consolidated_steps(job_id)
+        return job.consolidated_steps + sum(rnd.live_steps() for rnd in job.rounds.values())
 
     def is_completed(self, job_id: str) -> bool:
-        job = self._jobs.get(job_id)
-        return job is not None and job.completed is not None
+        finished = self._finished.get(job_id)
+        return finished is not None and finished.completed
 
     def iterations(self, job_id: str) -> int | None:
         job = self._jobs.get(job_id)
         return job.spec.iterations if job is not None and job.spec is not None else None
 
     def open_rounds(self) -> int:
-        return sum(1 for j in self._jobs.values() if not j.cancelled and j.completed is None
-                   for r in j.rounds.values() if r.outcome is None)
+        return sum(len(j.rounds) for j in self._jobs.values())
 
     def jobs(self) -> int:
         return len(self._jobs)
+
+    def sizes(self) -> dict[str, int]:
+        """How much the state holds, per kind; each is bounded (see the module guarantees)."""
+        return {"jobs": len(self._jobs), "finished_jobs": len(self._finished), "open_rounds": self.open_rounds(),
+                "round_index": len(self._index), "pending": len(self._pending),
+                "remembered_ids": len(self._ids), "refusals": len(self._refusals)}

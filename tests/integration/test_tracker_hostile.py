@@ -1,7 +1,9 @@
-"""The tracker service on hostile replicas (MemoryBus + LocalStore, no servers needed).
+"""The tracker service on hostile replicas and hostile events (MemoryBus + LocalStore, no servers).
 
-Each scenario used to stall the job: the round raised, stayed due and was retried forever.
-Now the offending copy is rejected with a reason and the round is announced.
+Replicas: each scenario used to stall the job (the round raised, stayed due and was retried
+forever); now the offending copy is rejected with a reason and the round is announced.
+Events (issue 12): a forged, misdirected or over-budget event is dead-lettered with its
+reason and counted, and changes nothing; a round that always fails ends after a bound.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import struct
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,8 +22,13 @@ from safetensors.numpy import load, save
 from services.tracker.service import TrackerConfig, TrackerService
 from shared.bus import MemoryBus
 from shared.clock import FakeClock
-from shared.events import Assignment, CopyFinished, JobSpec, ModelConsolidated, RoundStarted
+from shared.events import (
+    Assignment, CopyFinished, CopyWeight, DeadLetter, Event, JobCompleted, JobSpec, ModelConsolidated, Progress,
+    RoundStarted,
+)
+from shared.layout import checkpoint_key, final_key, model_key
 from shared.store import LocalStore
+from shared.topics import DEADLETTER, MODELS, PROGRESS
 
 T0 = 1_700_000_000.0
 
@@ -45,7 +53,7 @@ def list_dtype_replica() -> bytes:
 
 
 async def run_round(bus: MemoryBus, store: LocalStore, job_id: str,
-                    copies: list[tuple[int, bytes]]) -> ModelConsolidated:
+                    copies: list[tuple[int, bytes]], budget: int = 1_000) -> ModelConsolidated:
     """Place ``copies`` (steps, checkpoint bytes) in round 0, finish them, await the model.
 
     Fails if any attempt to consolidate raised (the round must succeed the first time)."""
@@ -59,7 +67,7 @@ async def run_round(bus: MemoryBus, store: LocalStore, job_id: str,
                                     ends_at=T0 + 360, assignments=len(copies)))
         for copy, (steps, data) in enumerate(copies):
             await bus.emit(Assignment(ts=T0, source="scheduler", round=0, job=job, copy=copy, node_id=f"n{copy}",
-                                      gpus=(0,), gpu_type="V100", world_size=1, ranks=(0,), step_budget=100,
+                                      gpus=(0,), gpu_type="V100", world_size=1, ranks=(0,), step_budget=budget,
                                       deadline=T0 + 360))
             key = f"checkpoints/{job_id}/0/{copy}.safetensors"
             await store.put(key, data)
@@ -80,8 +88,10 @@ async def run_round(bus: MemoryBus, store: LocalStore, job_id: str,
 
 async def test_a_copy_claiming_2_64_minus_1_steps_is_rejected_and_the_round_announced(
         memory_bus: MemoryBus, local_store: LocalStore) -> None:
+    # A budget as large as the claim: the event is accepted, and consolidation bounds the steps.
     event = await run_round(memory_bus, local_store, "j-steps",
-                            [(2**64 - 1, save(weights(0))), (10, save(weights(1))), (30, save(weights(2)))])
+                            [(2**64 - 1, save(weights(0))), (10, save(weights(1))), (30, save(weights(2)))],
+                            budget=2**64 - 1)
     assert [c.copy for c in event.copies] == [1, 2] and [c.weight for c in event.copies] == [0.25, 0.75]
     assert [r.copy for r in event.rejected] == [0] and event.total_steps == 40
 
@@ -117,3 +127,289 @@ async def test_a_forged_model_object_with_deeply_nested_metadata_is_recomputed_o
     event = await run_round(memory_bus, local_store, "j-forged", [(10, save(weights(0)))])
     assert [c.copy for c in event.copies] == [0] and event.total_steps == 10
     assert await local_store.get(event.key) != forged
+
+
+# ---------------------------------------------------------------- forged and misdirected events (issue 12)
+
+
+class Cluster:
+    """A tracker on a MemoryBus + LocalStore, and the scheduler's and agents' side of one job."""
+
+    def __init__(self, bus: MemoryBus, store: LocalStore, job_id: str, *, iterations: int = 10**12,
+                 store_for_tracker: object | None = None, max_attempts: int = 6, group: str | None = None) -> None:
+        self.bus, self.store, self.job_id = bus, store, job_id
+        self.job = JobSpec(job_id=job_id, user="u", model="resnet-8", dataset="digits", batch_size=32, workers=1,
+                           iterations=iterations)
+        self.service = TrackerService(
+            bus=bus, store=store_for_tracker or store, clock=FakeClock(T0),  # type: ignore[arg-type]
+            config=TrackerConfig(group=group or f"tracker-{job_id}", tick_s=0.05, chunk_bytes=256,
+                                 max_attempts=max_attempts))
+
+    async def place(self, round_: int, nodes: list[str], budget: int = 1_000) -> None:
+        at = T0 + 360 * round_
+        await self.bus.emit(RoundStarted(ts=at, source="scheduler", round=round_, policy="hadare", started_at=at,
+                                         ends_at=at + 360, assignments=len(nodes)))
+        for copy, node in enumerate(nodes):
+            await self.bus.emit(self.assignment(round_, copy, node, budget))
+
+    def assignment(self, round_: int, copy: int, node: str, budget: int = 1_000) -> Assignment:
+        at = T0 + 360 * round_
+        return Assignment(ts=at, source="scheduler", round=round_, job=self.job, copy=copy, node_id=node, gpus=(0,),
+                          gpu_type="V100", world_size=1, ranks=(0,), step_budget=budget, deadline=at + 360)
+
+    async def finish(self, round_: int, copy: int, node: str, steps: int, data: bytes | None,
+                     checkpoint: str | None = None, job_id: str | None = None) -> None:
+        job_id = job_id or self.job_id
+        key = checkpoint or checkpoint_key(job_id, round_, copy)
+        if data is not None:
+            await self.store.put(key, data)
+        await self.bus.emit(CopyFinished(ts=T0 + 360 * round_ + 350, source=f"agent/{node}", job_id=job_id,
+                                         round=round_, copy=copy, node_id=node, status="ok", steps_round=steps,
+                                         checkpoint=key))
+
+    async def models(self) -> list[Event]:
+        return [d.event async for d in self.bus.read(MODELS) if getattr(d.event, "job_id", None) == self.job_id]
+
+    async def wait_model(self, round_: int, timeout_s: float = 10.0) -> ModelConsolidated:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = [e for e in await self.models() if isinstance(e, ModelConsolidated) and e.round == round_
+                     and e.source == "tracker"]
+            if found:
+                return found[0]
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"round {round_} never announced; health: {self.service.health()}")
+
+    async def dead_letters(self) -> list[DeadLetter]:
+        return [d.event async for d in self.bus.read(DEADLETTER) if isinstance(d.event, DeadLetter)]
+
+    def rejected(self, reason: str) -> float:
+        return self.service.registry.get_sample_value("tracker_events_rejected_total", {"reason": reason}) or 0.0
+
+
+async def settle(seconds: float = 0.3) -> None:
+    await asyncio.sleep(seconds)
+
+
+async def test_a_copyfinished_pointing_at_another_jobs_final_model_is_dead_lettered(
+        memory_bus: MemoryBus, local_store: LocalStore) -> None:
+    await local_store.put(final_key("victim"), save(weights(66)))
+    cluster = Cluster(memory_bus, local_store, "j-key")
+    await cluster.service.start()
+    try:
+        await cluster.place(0, ["n0"])
+        await cluster.finish(0, 0, "n0", 10, None, checkpoint=final_key("victim"))
+        await settle()
+        await cluster.finish(0, 0, "n0", 10, save(weights(1)))
+        event = await cluster.wait_model(0)
+        assert [c.copy for c in event.copies] == [0]
+        assert load(await local_store.get(event.key))["w"].tobytes() == weights(1)["w"].tobytes()
+        (letter,) = await cluster.dead_letters()
+        assert letter.topic == PROGRESS and "bad_key" in letter.reason and "victim" in letter.reason
+        assert cluster.rejected("bad_key") == 1
+    finally:
+        await cluster.service.stop()
+
+
+async def test_copies_nobody_assigned_cannot_outvote_the_real_one(memory_bus: MemoryBus,
+                                                                 local_store: LocalStore) -> None:
+    other_layout = save({"x": np.ones((3, 3), dtype=np.float32)})
+    cluster = Cluster(memory_bus, local_store, "j-vote")
+    await cluster.service.start()
+    try:
+        await cluster.place(0, ["n0"])
+        await cluster.finish(0, 1, "n1", 500, other_layout)
+        await cluster.finish(0, 2, "n2", 500, other_layout)
+        await cluster.finish(0, 0, "n0", 10, save(weights(3)))
+        event = await cluster.wait_model(0)
+        assert [c.copy for c in event.copies] == [0] and event.rejected == () and event.total_steps == 10
+        assert sorted(d.reason.split(":")[0] for d in await cluster.dead_letters()) == ["unassigned"] * 2
+        assert cluster.rejected("unassigned") == 2
+    finally:
+        await cluster.service.stop()
+
+
+async def test_a_copy_reported_by_the_wrong_node_or_over_budget_is_dead_lettered(
+        memory_bus: MemoryBus, local_store: LocalStore) -> None:
+    cluster = Cluster(memory_bus, local_store, "j-node")
+    await cluster.service.start()
+    try:
+        await cluster.place(0, ["n0"], budget=50)
+        await cluster.finish(0, 0, "n7", 10, save(weights(8)))
+        await cluster.finish(0, 0, "n0", 51, None)
+        await settle()
+        assert [e for e in await cluster.models() if isinstance(e, ModelConsolidated)] == []
+        await cluster.finish(0, 0, "n0", 50, save(weights(4)))
+        event = await cluster.wait_model(0)
+        assert event.total_steps == 50
+        assert load(await local_store.get(event.key))["w"].tobytes() == weights(4)["w"].tobytes()
+        assert cluster.rejected("wrong_node") == 1 and cluster.rejected("over_budget") == 1
+        assert len(await cluster.dead_letters()) == 2
+    finally:
+        await cluster.service.stop()
+
+
+async def test_a_copyfinished_read_before_its_assignment_still_counts(memory_bus: MemoryBus,
+                                                                     local_store: LocalStore) -> None:
+    cluster = Cluster(memory_bus, local_store, "j-early")
+    await cluster.service.start()
+    try:
+        await memory_bus.emit(RoundStarted(ts=T0, source="scheduler", round=0, policy="hadare", started_at=T0,
+                                           ends_at=T0 + 360, assignments=2))
+        await memory_bus.emit(cluster.assignment(0, 0, "n0"))
+        await cluster.finish(0, 0, "n0", 30, save(weights(1)))
+        await cluster.finish(0, 1, "n1", 10, save(weights(2)))   # its Assignment is still unread
+        await settle()
+        await memory_bus.emit(cluster.assignment(0, 1, "n1"))
+        event = await cluster.wait_model(0)
+        assert [(c.copy, c.steps) for c in event.copies] == [(0, 30), (1, 10)] and event.missing == ()
+        assert await cluster.dead_letters() == []
+    finally:
+        await cluster.service.stop()
+
+
+@pytest.mark.parametrize("forged", [
+    dict(key="models/victim/final.safetensors"),
+    dict(weights=(4.0, -3.0)),
+    dict(round=2**62),
+], ids=["victims-final", "weight-3", "round-2**62"])
+async def test_a_forged_model_consolidated_changes_nothing(memory_bus: MemoryBus, local_store: LocalStore,
+                                                           forged: dict) -> None:
+    await local_store.put(final_key("victim"), save(weights(66)))
+    cluster = Cluster(memory_bus, local_store, "j-forged-model", iterations=10)
+    await cluster.service.start()
+    try:
+        await cluster.place(0, ["n0", "n1"])
+        round_ = forged.get("round", 0)
+        first, second = forged.get("weights", (0.5, 0.5))
+        await memory_bus.emit(ModelConsolidated(
+            ts=T0, source="forger", job_id="j-forged-model", round=round_,
+            key=forged.get("key", model_key("j-forged-model", round_)), total_steps=10,
+            copies=(CopyWeight(copy=0, steps=5, weight=first), CopyWeight(copy=1, steps=5, weight=second))))
+        await settle()
+        assert not await local_store.exists(final_key("j-forged-model"))
+        await cluster.finish(0, 0, "n0", 5, save(weights(1)))
+        await cluster.finish(0, 1, "n1", 5, save(weights(2)))
+        event = await cluster.wait_model(0)
+        assert event.total_steps == 10
+        deadline = time.monotonic() + 10
+        while not any(isinstance(e, JobCompleted) for e in await cluster.models()):
+            assert time.monotonic() < deadline, "the job never completed"
+            await asyncio.sleep(0.05)
+        assert await local_store.get(final_key("j-forged-model")) == await local_store.get(event.key)
+        (letter,) = await cluster.dead_letters()
+        assert letter.topic == MODELS and sum(cluster.rejected(r) for r in
+                                              ("bad_key", "bad_weights", "future_round")) == 1
+    finally:
+        await cluster.service.stop()
+
+
+async def test_a_forged_job_completed_is_dead_lettered_and_the_job_completes_for_real(
+        memory_bus: MemoryBus, local_store: LocalStore) -> None:
+    await local_store.put(final_key("victim"), save(weights(66)))
+    cluster = Cluster(memory_bus, local_store, "j-forged-done", iterations=10)
+    await cluster.service.start()
+    try:
+        await memory_bus.emit(JobCompleted(ts=T0, source="forger", job_id="j-forged-done",
+                                           final_key=final_key("victim"), total_steps=10, jct_s=1.0,
+                                           completed_at=T0))
+        await settle()
+        await cluster.place(0, ["n0"])
+        await cluster.finish(0, 0, "n0", 10, save(weights(1)))
+        event = await cluster.wait_model(0)
+        deadline = time.monotonic() + 10
+        while not [e for e in await cluster.models() if isinstance(e, JobCompleted) and e.source == "tracker"]:
+            assert time.monotonic() < deadline, "the job never completed"
+            await asyncio.sleep(0.05)
+        assert await local_store.get(final_key("j-forged-done")) == await local_store.get(event.key)
+        assert cluster.rejected("bad_key") == 1 and len(await cluster.dead_letters()) == 1
+    finally:
+        await cluster.service.stop()
+
+
+class FailingModelStore:
+    """A LocalStore whose writes of one key always fail, as a store refusing that object would."""
+
+    def __init__(self, inner: LocalStore, failing_key: str) -> None:
+        self._inner = inner
+        self.failing_key = failing_key
+        self.failures = 0
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - delegate the rest of the port
+        return getattr(self._inner, name)
+
+    async def put_file(self, key: str, path: Path) -> None:
+        if key == self.failing_key:
+            self.failures += 1
+            raise OSError("store refuses this object")
+        await self._inner.put_file(key, path)
+
+
+async def test_a_round_that_fails_every_time_ends_after_the_bound_and_the_next_round_comes_due(
+        memory_bus: MemoryBus, local_store: LocalStore) -> None:
+    store = FailingModelStore(local_store, model_key("j-fail", 0))
+    cluster = Cluster(memory_bus, local_store, "j-fail", store_for_tracker=store, max_attempts=3)
+    await cluster.service.start()
+    try:
+        await cluster.place(0, ["n0"])
+        await cluster.finish(0, 0, "n0", 10, save(weights(1)))
+        await cluster.place(1, ["n0"])
+        await cluster.finish(1, 0, "n0", 20, save(weights(2)))
+        event = await cluster.wait_model(1)
+        assert event.total_steps == 20 and store.failures == 3
+        await settle()
+        assert store.failures == 3    # given up: never tried again
+        registry = cluster.service.registry
+        assert registry.get_sample_value("tracker_errors_total", {"stage": "consolidate"}) == 3
+        assert registry.get_sample_value("tracker_rounds_given_up_total") == 1
+        assert [e.round for e in await cluster.models() if isinstance(e, ModelConsolidated)] == [1]
+    finally:
+        await cluster.service.stop()
+
+
+async def test_a_restart_counts_what_it_refuses_again_but_does_not_dead_letter_it_again(
+        memory_bus: MemoryBus, local_store: LocalStore) -> None:
+    ghost = Progress(ts=T0, source="forger", job_id="ghost", round=0, copy=0, node_id="n0", gpu_type="V100",
+                     workers=1, steps_round=1, steps_total=1, samples_per_s=1.0, loss=1.0)
+    first = Cluster(memory_bus, local_store, "j-replay", group="tracker-replay")
+    await first.service.start()
+    await first.place(0, ["n0"])
+    await memory_bus.emit(ghost)
+    await first.finish(0, 0, "n9", 10, save(weights(1)))
+    await first.finish(0, 0, "n0", 10, save(weights(1)))
+    await first.wait_model(0)
+    await first.service.stop()
+    assert first.rejected("unassigned") == 1 and first.rejected("wrong_node") == 1
+    assert len(await first.dead_letters()) == 2
+
+    second = Cluster(memory_bus, local_store, "j-replay", group="tracker-replay")
+    await second.service.start()
+    try:
+        await settle()
+        # The ghost is refused again; the misdirected report is merely late now (its round is decided).
+        assert second.rejected("unassigned") == 1 and second.rejected("wrong_node") == 0
+        assert len(await second.dead_letters()) == 2
+        assert len([e for e in await second.models() if isinstance(e, ModelConsolidated)]) == 1
+    finally:
+        await second.service.stop()
+
+
+async def test_progress_for_many_unknown_jobs_is_dead_lettered_and_leaves_the_state_bounded(
+        memory_bus: MemoryBus, local_store: LocalStore) -> None:
+    cluster = Cluster(memory_bus, local_store, "j-flood")
+    await cluster.service.start()
+    try:
+        before = cluster.service.state.sizes()
+        for i in range(500):
+            await memory_bus.emit(Progress(ts=T0, source="forger", job_id=f"ghost-{i}", round=0, copy=0,
+                                           node_id="n0", gpu_type="V100", workers=1, steps_round=1, steps_total=1,
+                                           samples_per_s=1.0, loss=1.0))
+        deadline = time.monotonic() + 10
+        while cluster.rejected("unassigned") < 500:
+            assert time.monotonic() < deadline, cluster.rejected("unassigned")
+            await asyncio.sleep(0.05)
+        after = cluster.service.state.sizes()
+        assert (after["jobs"], after["open_rounds"], after["pending"]) == (before["jobs"], 0, 0)
+        assert len(await cluster.dead_letters()) == 500
+    finally:
+        await cluster.service.stop()

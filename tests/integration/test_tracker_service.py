@@ -52,7 +52,7 @@ async def place(bus: Bus, job: JobSpec, round_: int, copies: list[int], *, other
     for copy in copies:
         await bus.emit(Assignment(ts=started, source="scheduler", round=round_, job=job, copy=copy,
                                   node_id=f"n{copy}", gpus=(0,), gpu_type="V100", world_size=1, ranks=(0,),
-                                  step_budget=100, deadline=started + 360))
+                                  step_budget=1_000, deadline=started + 360))
 
 
 async def finish(bus: Bus, store: ObjectStore, job_id: str, round_: int, copy: int, steps: int,

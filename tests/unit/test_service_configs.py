@@ -32,6 +32,7 @@ INVALID: list[tuple[type, str, dict[str, Any], str, Any]] = [
     (TrackerConfig, "HADAR_TRACKER_", {}, "tick_s", 0.0),
     (TrackerConfig, "HADAR_TRACKER_", {}, "chunk_bytes", 4),
     (TrackerConfig, "HADAR_TRACKER_", {}, "mode", "mean"),
+    (TrackerConfig, "HADAR_TRACKER_", {}, "max_attempts", 0),
     (ProfilerConfig, "HADAR_PROFILER_", {}, "alpha", 0.0),
     (ProfilerConfig, "HADAR_PROFILER_", {}, "alpha", 1.5),
     (ProfilerConfig, "HADAR_PROFILER_", {}, "threshold", -0.1),

@@ -5,54 +5,12 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.tracker.state import TrackerState
-from shared.events import (
-    Assignment, CopyFinished, CopyWeight, Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted,
-    ModelConsolidated, Progress, RoundStarted,
+from tracker_events import (
+    T0, assignment, completed, consolidated, finished, fold, progress, started, submitted,
 )
-from shared.layout import checkpoint_key, final_key, model_key
 
-T0 = 1_000.0
-SPEC = JobSpec(job_id="j1", user="u", model="resnet-8", dataset="digits", batch_size=32, workers=1,
-               iterations=500)
-
-
-def submitted(spec: JobSpec = SPEC, at: float = T0) -> JobSubmitted:
-    return JobSubmitted(ts=at, source="cli", job=spec, submitted_at=at)
-
-
-def assignment(copy: int, round_: int = 0, node: str = "n1", spec: JobSpec = SPEC,
-               deadline: float = T0 + 360) -> Assignment:
-    return Assignment(ts=T0 + round_ * 360, source="scheduler", round=round_, job=spec, copy=copy,
-                      node_id=node, gpus=(0,), gpu_type="V100", world_size=1, ranks=(0,), step_budget=100,
-                      deadline=deadline + round_ * 360)
-
-
-def finished(copy: int, steps: int, round_: int = 0, status: str = "ok", job: str = "j1") -> CopyFinished:
-    return CopyFinished(ts=T0 + 350 + round_ * 360, source="agent", job_id=job, round=round_, copy=copy,
-                        node_id="n1", status=status, steps_round=steps,
-                        checkpoint=None if status == "failed" else checkpoint_key(job, round_, copy),
-                        reason="oom" if status == "failed" else "")
-
-
-def progress(copy: int, steps: int, round_: int = 0) -> Progress:
-    return Progress(ts=T0 + steps, source="agent", job_id="j1", round=round_, copy=copy, node_id="n1",
-                    gpu_type="V100", workers=1, steps_round=steps, steps_total=steps, samples_per_s=10.0,
-                    loss=1.0)
-
-
-def consolidated(round_: int, copies: dict[int, int], total: int) -> ModelConsolidated:
-    return ModelConsolidated(ts=T0 + 400 + round_ * 360, source="tracker", job_id="j1", round=round_,
-                             key=model_key("j1", round_), total_steps=total,
-                             copies=tuple(CopyWeight(copy=c, steps=s, weight=s / max(1, sum(copies.values())))
-                                          for c, s in copies.items()))
-
-
-def fold(events: list[Event]) -> TrackerState:
-    state = TrackerState()
-    for event in events:
-        state.apply(event)
-    return state
+from shared.events import JobCancelled, ModelConsolidated
+from shared.layout import model_key
 
 
 def test_round_is_due_once_every_assigned_copy_finished() -> None:
@@ -76,9 +34,7 @@ def test_after_the_timeout_missing_copies_are_recorded_and_left_out() -> None:
 
 def test_a_round_waits_for_all_of_its_assignments_when_roundstarted_says_how_many() -> None:
     # Copy 1's Assignment is still unread on hadar.placements: the round must not look complete.
-    started = RoundStarted(ts=T0, source="scheduler", round=0, policy="hadare", started_at=T0,
-                           ends_at=T0 + 360, assignments=2)
-    state = fold([submitted(), started, assignment(0), finished(0, 100)])
+    state = fold([submitted(), started(0, assignments=2), assignment(0), finished(0, 100)])
     assert state.due_rounds(T0 + 360, timeout_s=60) == []
     state.apply(assignment(1))
     assert state.due_rounds(T0 + 360, timeout_s=60) == []
@@ -134,8 +90,7 @@ def test_completion_is_due_when_steps_reach_iterations_and_happens_once() -> Non
     state.apply(consolidated(1, {0: 250}, total=550))
     (work,) = state.due_completions()
     assert (work.model_key, work.total_steps, work.submitted_at) == (model_key("j1", 1), 550, T0 - 50)
-    state.apply(JobCompleted(ts=T0 + 800, source="tracker", job_id="j1", final_key=final_key("j1"),
-                             total_steps=550, jct_s=850, completed_at=T0 + 800))
+    state.apply(completed(550))
     assert state.due_completions() == [] and state.is_completed("j1")
     state.apply(assignment(0, round_=2))
     state.apply(finished(0, 10, round_=2))
@@ -165,9 +120,55 @@ _HISTORY = [submitted(), assignment(0), assignment(1), progress(0, 30), finished
 @given(st.permutations(list(range(len(_HISTORY)))), st.lists(st.integers(0, len(_HISTORY) - 1), max_size=8))
 def test_replaying_events_in_any_order_with_duplicates_gives_the_same_decisions(order: list[int],
                                                                               repeats: list[int]) -> None:
+    # Any order, except that a round's model comes after the placements it names: the tracker
+    # replays hadar.placements before hadar.models, and live it announces only rounds it placed.
+    shuffled = [_HISTORY[i] for i in order] + [_HISTORY[i] for i in repeats]
+    models = [e for e in shuffled if isinstance(e, ModelConsolidated)]
     reference = fold(_HISTORY)
-    replayed = fold([_HISTORY[i] for i in order] + [_HISTORY[i] for i in repeats])
+    replayed = fold([e for e in shuffled if not isinstance(e, ModelConsolidated)] + models)
     now = T0 + 760
     assert replayed.due_rounds(now, 60) == reference.due_rounds(now, 60)
     assert replayed.consolidated_steps("j1") == reference.consolidated_steps("j1") == 160
     assert replayed.due_completions() == reference.due_completions()
+
+
+def test_a_model_of_a_later_round_closes_the_jobs_earlier_open_rounds() -> None:
+    # Round 0 was abandoned by the tracker (no event says so); on replay it is open again
+    # until round 1's model shows the tracker had moved past it.
+    state = fold([submitted(), started(0, 1), assignment(0), started(1, 1), assignment(0, round_=1),
+                  finished(0, 40, round_=1), consolidated(1, {0: 40}, total=40)])
+    assert state.due_rounds(T0 + 10_000, timeout_s=60) == []
+    assert state.consolidated_steps("j1") == 40 and state.sizes()["open_rounds"] == 0
+
+
+def test_abandoning_a_round_that_is_gone_changes_nothing() -> None:
+    state = fold([submitted(), assignment(0), finished(0, 10), JobCancelled(ts=T0, source="cli", job_id="j1")])
+    state.abandon("j1", 0)
+    state.abandon("nobody", 7)
+    assert state.due_rounds(T0 + 10_000, timeout_s=0) == []
+
+
+def test_a_refusal_carries_the_origin_it_was_applied_with() -> None:
+    state = fold([submitted(), started(0, 1), assignment(0)])
+    origin = ("hadar.progress", 2, 41)
+    assert not state.apply(finished(0, 10, node="elsewhere"), origin=origin)
+    (refusal,) = state.drain_refusals()
+    assert (refusal.origin, refusal.reason, refusal.event.node_id) == (origin, "wrong_node", "elsewhere")
+    assert "elsewhere" in refusal.detail and state.drain_refusals() == []
+
+
+def test_check_announcement_says_what_apply_would_refuse_without_changing_anything() -> None:
+    state = fold([submitted(), started(0, 1), assignment(0), finished(0, 100)])
+    good = consolidated(0, {0: 100}, total=100)
+    bad = consolidated(0, {0: 100}, total=100, weights={0: -3.0})
+    assert state.check_announcement(good) is None
+    assert state.check_announcement(bad).reason == "bad_weights"
+    assert state.drain_refusals() == [] and len(state.due_rounds(T0 + 360, timeout_s=60)) == 1
+    assert state.apply(good) and state.consolidated_steps("j1") == 100
+
+
+def test_a_late_copyfinished_of_a_decided_round_is_ignored_not_refused() -> None:
+    state = fold([submitted(), assignment(0), assignment(1), finished(0, 100),
+                  consolidated(0, {0: 100}, total=100)])
+    assert not state.apply(finished(1, 80))
+    assert state.drain_refusals() == []

@@ -1,0 +1,50 @@
+"""The tracker's settings (light: ``hadar serve tracker`` validates them before importing the service)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.model_meta import Mode
+from shared.settings import FieldError
+
+__all__ = ["TrackerConfig", "MAX_RETRY_S"]
+
+MAX_RETRY_S = 60.0      # the longest back-off between two attempts at a round or a completion
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrackerConfig:
+    """The tracker's settings; ``hadar serve tracker`` loads them with
+    :func:`shared.settings.load_config` (flags, ``HADAR_TRACKER_*``, ``--config`` file).
+
+    ``mode``: weigh copies by the steps each did, or uniformly. ``finish_timeout_s``: how
+    long after a round's deadline missing copies are waited for. ``tick_s``: how often due
+    rounds are checked, also the first retry's back-off. ``max_attempts``: attempts at
+    consolidating a round (or completing a job) before it is given up; the default, 6,
+    gives up about 31 s of back-off after the first failure (tick 1 s), within the
+    scheduler's default ``consolidation_wait_s`` of 60 s. ``chunk_bytes``: accumulator
+    chunk, also the size of each ranged read from the store. ``temp_dir``: where
+    consolidated models are staged (None: the system's). An invalid value raises
+    :class:`~shared.settings.FieldError` naming the field.
+    """
+
+    group: str = "tracker"
+    mode: Mode = "steps"
+    finish_timeout_s: float = 120.0
+    tick_s: float = 1.0
+    max_attempts: int = 6
+    chunk_bytes: int = 8 << 20
+    temp_dir: str | None = None
+    source: str = "tracker"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("steps", "uniform"):
+            raise FieldError("mode", f"must be 'steps' or 'uniform', got {self.mode!r}")
+        if not self.finish_timeout_s >= 0:
+            raise FieldError("finish_timeout_s", f"must be >= 0, got {self.finish_timeout_s}")
+        if not self.tick_s > 0:
+            raise FieldError("tick_s", f"must be > 0, got {self.tick_s}")
+        if not 1 <= self.max_attempts <= 1000:
+            raise FieldError("max_attempts", f"must be in 1..1000, got {self.max_attempts}")
+        if self.chunk_bytes < 8:
+            raise FieldError("chunk_bytes", f"must be >= 8, got {self.chunk_bytes}")

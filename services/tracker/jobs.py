@@ -1,0 +1,91 @@
+"""One job as the tracker keeps it: its open rounds and what it has consolidated so far.
+
+Mutable records owned by :class:`~services.tracker.state.TrackerState`, which decides what
+goes into them; what they compute from themselves (a round's work, the job's live steps,
+its completion) lives here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.tracker.acceptance import CopyPlacement
+from services.tracker.work import CompletionWork, FinishedCopy, RoundWork
+from shared.events import Assignment, JobSpec
+
+__all__ = ["RoundRecord", "JobRecord", "FinishedJob"]
+
+
+@dataclass(kw_only=True)
+class RoundRecord:
+    """An open round of one job: its placed copies, their accepted reports, its deadline."""
+
+    deadline: float
+    copies: dict[int, CopyPlacement] = field(default_factory=dict)
+    finished: dict[int, FinishedCopy] = field(default_factory=dict)
+    progress: dict[int, int] = field(default_factory=dict)     # copy -> largest steps_round
+
+    def place(self, e: Assignment) -> None:
+        """Add one Assignment of this round (a copy spanning nodes has one per node)."""
+        self.deadline = max(self.deadline, e.deadline)
+        known = self.copies.get(e.copy)
+        self.copies[e.copy] = CopyPlacement(
+            nodes=frozenset({e.node_id, *(known.nodes if known else ())}),
+            reporters=frozenset({*(known.reporters if known else ()), *((e.node_id,) if 0 in e.ranks else ())}),
+            budget=max(e.step_budget, known.budget if known else 0))
+
+    def work(self, job_id: str, number: int, *, placed: bool, now: float, timeout_s: float,
+             prior_steps: int) -> RoundWork | None:
+        """This round as work, if it is due: every copy in (``placed``: all its Assignments
+        read), or ``timeout_s`` past its deadline."""
+        all_in = placed and self.copies.keys() <= self.finished.keys()
+        if not (all_in or now >= self.deadline + timeout_s):
+            return None
+        finished = [self.finished[c] for c in sorted(self.finished)]
+        return RoundWork(
+            job_id=job_id, round=number,
+            usable=tuple(f for f in finished if f.status != "failed" and f.checkpoint),
+            failed=tuple(f for f in finished if f.status == "failed" or not f.checkpoint),
+            missing=tuple(sorted(self.copies.keys() - self.finished.keys())),
+            prior_steps=prior_steps, timed_out=not all_in)
+
+    def live_steps(self) -> int:
+        live = 0
+        for copy in self.progress.keys() | self.finished.keys():
+            finished = self.finished.get(copy)
+            if finished is not None and finished.status == "failed":
+                continue  # a failed copy's work is lost
+            live += max(self.progress.get(copy, 0), finished.steps if finished else 0)
+        return live
+
+
+@dataclass(kw_only=True)
+class JobRecord:
+    """A job not finished: every round up to ``floor`` is decided and forgotten; ``rounds``
+    holds the open ones."""
+
+    first_seen: float
+    spec: JobSpec | None = None
+    submitted_at: float | None = None
+    rounds: dict[int, RoundRecord] = field(default_factory=dict)
+    floor: int = -1
+    consolidated_steps: int = 0
+    model_key: str | None = None        # the latest consolidated model
+    completion_given_up: bool = False
+
+    def completion(self, job_id: str) -> CompletionWork | None:
+        """The job's completion, once its consolidated steps reach its iterations."""
+        if (self.spec is None or self.model_key is None or self.completion_given_up
+                or self.consolidated_steps < self.spec.iterations):
+            return None
+        submitted = self.submitted_at if self.submitted_at is not None else self.first_seen
+        return CompletionWork(job_id=job_id, model_key=self.model_key, total_steps=self.consolidated_steps,
+                              submitted_at=submitted)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinishedJob:
+    """What is left of a completed or cancelled job: that it finished, and its steps."""
+
+    completed: bool
+    steps: int
