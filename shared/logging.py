@@ -38,8 +38,9 @@ from typing import Any, TextIO
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
 
-__all__ = ["configure_logging", "get_logger", "capture_prints"]
+__all__ = ["configure_logging", "get_logger", "capture_prints", "STABLE_KEYS"]
 
+STABLE_KEYS = frozenset({"timestamp", "level", "event", "logger", "service"})   # in every line
 _SECRET_MARKERS = ("secret", "password", "token", "access_key")
 UNCAUGHT_LOGGER = "hadar.uncaught"
 UNRAISABLE_LOGGER = "hadar.unraisable"

@@ -15,9 +15,8 @@ from typing import Any
 import pytest
 import structlog
 
-from shared.logging import capture_prints, configure_logging, get_logger
+from shared.logging import STABLE_KEYS, capture_prints, configure_logging, get_logger
 
-STABLE_KEYS = {"timestamp", "level", "event", "logger", "service"}
 LEVELS = {"debug", "info", "warning", "error", "critical"}
 
 
