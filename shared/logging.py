@@ -86,7 +86,7 @@ def _formatter(service: str) -> structlog.stdlib.ProcessorFormatter:
     )
 
 
-class _JsonLinesHandler(logging.StreamHandler):  # type: ignore[type-arg]
+class _JsonLinesHandler(logging.StreamHandler[TextIO]):
     """A StreamHandler whose own failures are reported as one JSON line too."""
 
     def __init__(self, stream: TextIO, service: str) -> None:
