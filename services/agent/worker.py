@@ -30,6 +30,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
+import structlog
 import torch
 from torch import nn
 
@@ -39,6 +40,7 @@ from services.agent.checkpoint import (
 from services.agent.spec import StoreTarget, WorkerSpec, worker_line
 from services.agent.training import BatchSampler, LoopResult, StopCode, TrainingLoop
 from shared.config import ConfigError
+from shared.logging import capture_prints, configure_logging
 from shared.store import ObjectStore
 from shared.zoo import Metric, build_model, evaluate, load_dataset, make_optimizer
 
@@ -238,6 +240,8 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    configure_logging("worker")   # stderr, which the agent's log shares
+    capture_prints()
     _prewarm()
     ready = time.time()
     text = sys.stdin.read()
@@ -248,6 +252,8 @@ def main() -> int:
         if torch.cuda.is_initialized():   # too late for CUDA_VISIBLE_DEVICES to take effect
             raise ValueError("CUDA was initialised before the spec's environment could be applied")
         os.environ.update(spec.env)
+        structlog.contextvars.bind_contextvars(node=spec.node_id, job=spec.job_id, round=spec.round,
+                                               copy=spec.copy, rank=spec.rank)
     except (ValueError, KeyError, TypeError, ConfigError) as exc:  # ConfigError: bad S3 settings
         out.write(worker_line("failed", reason=f"bad worker spec: {exc}"[:500]) + "\n")
         out.flush()

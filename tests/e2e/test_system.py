@@ -10,6 +10,7 @@ under ``gavel`` leave GPUs idle that ``hadare`` fills with copies.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import signal
@@ -29,6 +30,7 @@ from shared.config import S3Settings
 from shared.events import JobCompleted, ModelConsolidated
 from shared.infra import InfraError, InfraPaths, ensure_kafka, stop_server
 from shared.layout import checkpoint_key
+from shared.logging import STABLE_KEYS
 from shared.store import MinioStore
 from shared.topics import ALL_TOPICS
 
@@ -87,6 +89,21 @@ def _completed(records: list, job_ids: list[str]) -> set[str]:
     return {e.job_id for _, e in records if isinstance(e, JobCompleted) and e.job_id in job_ids}
 
 
+def _not_json_lines(workdir: Path) -> list[str]:
+    """Lines of the services' logs (stdout and stderr, their workers' too) that are not JSON
+    objects with the stable keys."""
+    bad = []
+    for path in sorted(workdir.glob("*.log")):
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if not (isinstance(record, dict) and STABLE_KEYS <= record.keys()):
+                bad.append(f"{path.name}:{n}: {line[:200]}")
+    return bad
+
+
 def _run_system(policy: str, tmp: Path, paths: InfraPaths, s3: S3Settings) -> Run:
     try:
         kafka, _ = ensure_kafka(paths)
@@ -139,6 +156,8 @@ def _run_system(policy: str, tmp: Path, paths: InfraPaths, s3: S3Settings) -> Ru
                 os.killpg(p.pid, signal.SIGKILL)
         records = asyncio.run(_read_log(kafka.bootstrap))
         stop_server(paths, "kafka")
+    bad = _not_json_lines(tmp)
+    assert not bad, f"{len(bad)} service log lines are not JSON objects with {sorted(STABLE_KEYS)}: {bad[:5]}"
     return Run(policy=policy, env=env, job_ids=job_ids, log=records,
                settings=S3Settings(endpoint=s3.endpoint, access_key=s3.access_key, secret_key=s3.secret_key,
                                    bucket=bucket), workdir=tmp)
