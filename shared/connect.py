@@ -14,7 +14,7 @@ import argparse
 import os
 
 from shared.bus import Bus, KafkaBus
-from shared.config import ConfigError, KafkaSettings, S3Settings, s3_from_env
+from shared.config import KafkaSettings, S3Settings, s3_from_env
 from shared.errors import UsageError
 from shared.store import MinioStore, ObjectStore
 
@@ -35,10 +35,7 @@ def kafka_settings(args: argparse.Namespace) -> KafkaSettings:
     bootstrap = getattr(args, "bootstrap", None) or os.environ.get("HADAR_BOOTSTRAP", "")
     if not bootstrap:
         raise UsageError("no Kafka broker: pass --bootstrap HOST:PORT or set HADAR_BOOTSTRAP")
-    try:
-        return KafkaSettings(bootstrap=bootstrap)
-    except ConfigError as exc:
-        raise UsageError(str(exc)) from None
+    return KafkaSettings(bootstrap=bootstrap)
 
 
 def s3_settings(args: argparse.Namespace) -> S3Settings:
@@ -47,10 +44,7 @@ def s3_settings(args: argparse.Namespace) -> S3Settings:
         env["HADAR_S3_ENDPOINT"] = args.s3_endpoint
     if getattr(args, "s3_bucket", None):
         env["HADAR_S3_BUCKET"] = args.s3_bucket
-    try:
-        settings = s3_from_env(env)
-    except ConfigError as exc:
-        raise UsageError(str(exc)) from None
+    settings = s3_from_env(env)   # a ConfigError is a UsageError: one line, exit 2
     if settings is None:
         raise UsageError("no object store: pass --s3-endpoint URL or set HADAR_S3_ENDPOINT "
                          "(credentials from HADAR_S3_ACCESS_KEY / HADAR_S3_SECRET_KEY)")

@@ -18,9 +18,7 @@ from typing import TYPE_CHECKING
 
 from services.agent.discovery import NodeDevices, cpu_devices, discover_in_subprocess, emulated_devices
 from services.agent.spec import StoreTarget
-from shared.config import ConfigError
 from shared.connect import add_store_args, make_bus, s3_settings
-from shared.errors import UsageError
 from shared.logging import configure_logging
 from shared.service import run_service
 from shared.settings import add_config_arg, load_config
@@ -75,10 +73,7 @@ def agent_config(args: argparse.Namespace) -> AgentConfig:
     from services.agent.daemon import AgentConfig
 
     flags = {name: getattr(args, name) for name in _FIELDS}
-    try:
-        return load_config(AgentConfig, flags=flags, env=os.environ, env_prefix=ENV_PREFIX, file=args.config)
-    except ConfigError as exc:
-        raise UsageError(str(exc)) from None
+    return load_config(AgentConfig, flags=flags, env=os.environ, env_prefix=ENV_PREFIX, file=args.config)
 
 
 def _store(args: argparse.Namespace) -> StoreTarget:

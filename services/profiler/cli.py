@@ -14,9 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from services.profiler.state import DEFAULT_ALPHA, DEFAULT_THRESHOLD
-from shared.config import ConfigError
 from shared.connect import make_bus
-from shared.errors import UsageError
 from shared.logging import configure_logging
 from shared.service import run_service
 from shared.settings import add_config_arg, load_config
@@ -51,10 +49,7 @@ def profiler_config(args: argparse.Namespace) -> ProfilerConfig:
     from services.profiler.service import ProfilerConfig  # heavy (torch, numpy): only when run
 
     flags = {"group": args.group, "alpha": args.alpha, "threshold": args.threshold}
-    try:
-        return load_config(ProfilerConfig, flags=flags, env=os.environ, env_prefix=ENV_PREFIX, file=args.config)
-    except ConfigError as exc:
-        raise UsageError(str(exc)) from None
+    return load_config(ProfilerConfig, flags=flags, env=os.environ, env_prefix=ENV_PREFIX, file=args.config)
 
 
 def run_profiler(args: argparse.Namespace) -> int:

@@ -9,7 +9,6 @@ from collections.abc import Callable
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.policies import POLICY_NAMES, UnknownPolicy, parse_policy_option
-from shared.config import ConfigError
 from shared.connect import make_bus
 from shared.errors import UsageError
 from shared.logging import configure_logging
@@ -64,10 +63,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     flags = {"policy": args.policy, "policy_options": options, "round_s": args.round_s,
              "heartbeat_s": args.heartbeat_s, "consolidation_wait_s": args.consolidation_wait_s,
              "seed": args.seed, "group": args.group}
-    try:
-        return load_config(SchedulerConfig, flags=flags, env=os.environ, env_prefix=ENV_PREFIX, file=args.config)
-    except ConfigError as exc:
-        raise UsageError(str(exc)) from None
+    return load_config(SchedulerConfig, flags=flags, env=os.environ, env_prefix=ENV_PREFIX, file=args.config)
 
 
 def run_scheduler(args: argparse.Namespace) -> int:

@@ -13,9 +13,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from shared.config import ConfigError
 from shared.connect import add_store_args, make_bus, make_store
-from shared.errors import UsageError
 from shared.logging import configure_logging
 from shared.service import run_service
 from shared.settings import add_config_arg, load_config
@@ -55,10 +53,7 @@ def tracker_config(args: argparse.Namespace) -> TrackerConfig:
 
     flags = {"group": args.group, "mode": args.mode, "finish_timeout_s": args.finish_timeout_s,
              "tick_s": args.tick_s, "max_attempts": args.max_attempts, "temp_dir": args.temp_dir}
-    try:
-        return load_config(TrackerConfig, flags=flags, env=os.environ, env_prefix=ENV_PREFIX, file=args.config)
-    except ConfigError as exc:
-        raise UsageError(str(exc)) from None
+    return load_config(TrackerConfig, flags=flags, env=os.environ, env_prefix=ENV_PREFIX, file=args.config)
 
 
 def run_tracker(args: argparse.Namespace) -> int:
