@@ -120,7 +120,8 @@ async def run_demo(args: argparse.Namespace, specs, out: Path) -> dict:
             n = await dump_bus(bus, args.record)
             print(f"recorded {n} events to {args.record}")
         wall = time.monotonic() - started
-        return await _summarise(specs, state, store, out, args, wall)
+        rates = await _published_rates(bus)
+        return await _summarise(specs, state, rates, store, out, args, wall)
     finally:
         await bus.stop()
 
@@ -132,7 +133,26 @@ def _only(state: SchedulerState, ids: list[str]) -> SchedulerState:
     return view
 
 
-async def _summarise(specs, state: SchedulerState, store, out: Path, args, wall_s: float) -> dict:
+async def _published_rates(bus) -> dict[tuple[str, str, int], float]:
+    """Every job's steps/s per (GPU type, workers) as the profiler last published them,
+    a measurement always beating an estimate (the rule the scheduler folds them by; the
+    scheduler itself forgets a finished job's rates)."""
+    from shared.events import ThroughputEstimate
+    from shared.topics import THROUGHPUT
+
+    rates: dict[tuple[str, str, int], tuple[str, float]] = {}
+    async for delivery in bus.read(THROUGHPUT):
+        e = delivery.event
+        if isinstance(e, ThroughputEstimate):
+            for gpu_type, rate in e.rates.items():
+                key = (e.job_id, gpu_type, e.workers)
+                if not (e.basis == "estimate" and rates.get(key, ("", 0.0))[0] == "measured"):
+                    rates[key] = (e.basis, rate)
+    return {key: rate for key, (_, rate) in rates.items()}
+
+
+async def _summarise(specs, state: SchedulerState, rates: dict[tuple[str, str, int], float], store, out: Path,
+                     args, wall_s: float) -> dict:
     models = out / "models"
     models.mkdir(exist_ok=True)
     jobs = []
@@ -152,7 +172,7 @@ async def _summarise(specs, state: SchedulerState, store, out: Path, args, wall_
         jobs.append(entry)
     return {"policy": args.policy, "round_s": args.round_s, "wall_s": round(wall_s, 1),
             "rounds": state.last_round + 1, "live_utilization": state.allocation_utilization(),
-            "jobs": jobs, "simulated": _simulate_same_jobs(specs, state, args.round_s)}
+            "jobs": jobs, "simulated": _simulate_same_jobs(specs, rates, args.round_s)}
 
 
 def _held_out_metric(spec, path: Path) -> dict:
@@ -166,7 +186,7 @@ def _held_out_metric(spec, path: Path) -> dict:
     return {"name": metric.name, "value": round(float(metric.value), 4)}
 
 
-def _simulate_same_jobs(specs, state: SchedulerState, round_s: float) -> dict:
+def _simulate_same_jobs(specs, rates: dict[tuple[str, str, int], float], round_s: float) -> dict:
     """The same jobs, all arriving at 0, on lab-5 in the simulator, at the rates the profiler
     published (measured, and for emulated GPUs extrapolated from the measurements)."""
     from services.scheduler.clusters import lab_5
@@ -178,7 +198,7 @@ def _simulate_same_jobs(specs, state: SchedulerState, round_s: float) -> dict:
     from shared.zoo import model_figures
 
     cluster = lab_5()
-    throughput = ThroughputModel(rates={key: rate for key, (_, rate) in state.rates.items()})
+    throughput = ThroughputModel(rates=dict(rates))
     trace = [TraceJob(job_id=s.job_id, arrival_s=0.0, job_type=s.job_id, workers=s.workers,
                       total_steps=s.iterations) for s in specs]
     sizes = {s.job_id: model_figures(s.model, s.batch_size, s.dataset).param_bytes for s in specs}
