@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from services.agent.admission import Admission, AdmissionLimits, CopyKey, Verdict
 from services.agent.delivery import Outcome, RetryPolicy, deliver, result_abandoned
+from services.agent.spec import StoreTarget, WorkerSpec
 from services.agent.validation import rendezvous_problem
 from shared.bus import BusError
 from shared.events import Assignment, Event, Hyperparameters, InvalidEvent, JobSpec, RoundStarted
@@ -57,26 +58,41 @@ def admit(adm: Admission, a: Assignment, now: float = T0) -> Verdict:
 
 def test_a_forged_far_round_is_not_believed_and_real_rounds_go_on() -> None:
     adm = admission()
-    refused = adm.round_started(started(2**62))
+    forged = started(2**62)
+    refused = adm.round_started(forged)
     assert (refused.action, refused.code) == ("refuse", "round_far_ahead") and "ahead" in refused.detail
     assert adm.latest_round == -1
     admit(adm, assignment("real", 3))
     assert adm.latest_round == 3
-    assert adm.round_started(started(2**62)).code == "round_far_ahead"   # a redelivery corroborates nothing
-    assert adm.assignment(assignment("forged", 2**62, gpus=(1,)), now=T0).code == "round_far_ahead"
+    assert adm.round_started(forged).code == "round_far_ahead"   # a redelivery corroborates nothing
+    assert adm.assignment(assignment("forged", 2**61, gpus=(1,)), now=T0).code == "round_far_ahead"
     assert adm.latest_round == 3 and set(adm.running) == {("real", 3, 0)}
+
+
+def test_a_forged_stream_of_far_rounds_still_leaves_real_assignments_running() -> None:
+    adm = admission()
+    admit(adm, assignment("real", 3))
+    assert adm.round_started(started(2**62)).code == "round_far_ahead"
+    second = adm.round_started(started(2**62 + 1))              # two forged events agree: believed
+    assert adm.latest_round == 2**62 + 1 and [p.key for p in second.preempt] == [("real", 3, 0)]
+    adm.exited(("real", 3, 0))
+    admit(adm, assignment("real", 4))          # live and far behind the belief: judged on its own
+    admit(adm, assignment("other", 4, gpus=(1,)))
+    assert adm.latest_round == 2**62 + 1
+    late = adm.assignment(assignment("late", 2, gpus=(0,)), now=T0)
+    assert (late.action, late.code) == ("skip", "stale") and "real/4/0" in late.detail
 
 
 def test_rounds_within_the_leap_are_believed_and_a_far_one_needs_a_second_event() -> None:
     adm = admission()
     for round_ in (0, 8, 16):
-        assert adm.round_started(started(round_)).action == "ignore"
+        assert adm.round_started(started(round_)).action == "accept"
     assert adm.latest_round == 16
     assert adm.round_started(started(30)).code == "round_far_ahead"
     assert adm.latest_round == 16
-    assert adm.round_started(started(33)).action == "ignore"   # 30 and 33 agree: believed
+    assert adm.round_started(started(33)).action == "accept"   # 30 and 33 agree: believed
     assert adm.latest_round == 33
-    assert adm.round_started(started(20)).action == "ignore" and adm.latest_round == 33
+    assert adm.round_started(started(20)).action == "accept" and adm.latest_round == 33
 
 
 def test_a_far_assignment_is_admitted_once_another_event_corroborates_its_round() -> None:
@@ -154,7 +170,8 @@ def test_duplicates_and_stale_assignments_are_skipped_not_refused() -> None:
     ("rendezvous", assignment("rdv", 0, world_size=2, rendezvous="tcp://evil:29500")),
     ("start_from", assignment("theft", 1, start_from=model_key("other", 0))),
     ("start_from", assignment("future", 1, start_from=model_key("future", 1))),
-    ("start_from", assignment("ckpt", 1, start_from=checkpoint_key("ckpt", 0, 0))),
+    ("start_from", assignment("ckpt", 1, start_from=checkpoint_key("ckpt", 1, 0))),
+    ("start_from", assignment("ckpt", 1, start_from=checkpoint_key("other", 0, 0))),
     ("start_from", assignment("fin", 1, start_from=final_key("fin"))),
     ("start_from", assignment("dots", 1, start_from="models/dots/../other/0.safetensors")),
 ])
@@ -168,7 +185,8 @@ def test_implausible_assignments_are_refused_with_a_reason(code: str, event: Ass
 def test_plausible_assignments_are_admitted() -> None:
     adm = admission()
     admit(adm, assignment("a", 1, deadline=T0 + 86_400, start_from=model_key("a", 0)))
-    admit(adm, assignment("b", 1, gpus=(1,), world_size=3, ranks=(2,), rendezvous="10.1.2.3:29501"))
+    admit(adm, assignment("b", 1, gpus=(1,), world_size=3, ranks=(2,), rendezvous="10.1.2.3:29501",
+                          start_from=checkpoint_key("b", 0, 1)))
 
 
 @pytest.mark.parametrize("good", ["10.0.0.1:29500", "node-b:1024", "n1.cluster.local:65535", "[::1]:29500",
@@ -184,6 +202,17 @@ def test_good_rendezvous(good: str) -> None:
                                  "h\n:29500", "h:29500\n", "h:２９５００", "ｈ:29500", "h?x:29500", "h#:29500"])
 def test_bad_rendezvous(bad: str) -> None:
     assert rendezvous_problem(bad) is not None
+
+
+def test_a_worker_spec_refuses_a_bad_rendezvous_too() -> None:
+    fields: dict[str, Any] = {
+        "job_id": "j", "round": 0, "copy": 0, "node_id": NODE, "gpu_type": "cpu", "model": "resnet",
+        "dataset": "digits", "batch_size": 8, "optimizer": "sgd", "lr": 0.1, "seed": 1, "rank": 0, "world_size": 2,
+        "device": "cpu", "step_budget": 5, "deadline": T0, "start_from": None, "checkpoint": "c",
+        "store": StoreTarget.local("/nowhere")}
+    assert WorkerSpec(rendezvous="127.0.0.1:29500", **fields).rendezvous == "127.0.0.1:29500"
+    with pytest.raises(ValueError, match="rendezvous"):
+        WorkerSpec(rendezvous="evil:29500/../x", **fields)
 
 
 # ---------------------------------------------------------------- results
@@ -261,7 +290,7 @@ class AgentMachine(RuleBasedStateMachine):
         self.far_events = 0
 
     def _apply(self, verdict: Verdict, key: CopyKey | None = None, gpus: tuple[int, ...] = ()) -> None:
-        assert verdict.action in ("ignore", "skip", "refuse", "admit")
+        assert verdict.action in ("ignore", "accept", "skip", "refuse", "admit")
         assert (verdict.action in ("skip", "refuse")) == bool(verdict.code)
         running = set(self.waiting) | set(self.alive)
         assert all(p.key in running for p in verdict.preempt)
