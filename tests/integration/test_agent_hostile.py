@@ -160,7 +160,7 @@ async def test_a_forged_far_round_does_not_make_real_assignments_stale(bus: Memo
         assert (done.status, done.round) == ("ok", 3)
         assert agent.health()["latest_round"] == 3
         # A forged Assignment for this node, far ahead of the believed round, is refused too.
-        await bus.emit(assign("forged2", 2**62, gpus=(1,)))
+        await bus.emit(assign("forged2", 2**61, gpus=(1,)))
         await until(lambda: _count(letters(bus), 2), what="two dead letters")
         refused = await letters(bus)
         assert all(d.topic == PLACEMENTS and "ahead" in d.reason for d in refused), [d.reason for d in refused]
