@@ -327,3 +327,19 @@ async def test_a_failed_fetch_does_not_end_the_consumer(tmp_path: Path, fake_pyt
     finally:
         await agent.stop()
         await bus.stop()
+
+
+async def test_a_restarted_agent_believes_the_rounds_on_the_log(bus: MemoryBus, tmp_path: Path,
+                                                                fake_python: str) -> None:
+    """The cluster is at round 5000 when this agent starts: it seeds its belief from the log,
+    so none of those rounds is 'far ahead' and its own assignment of the round runs at once."""
+    for round_ in (4998, 4999, 5000):
+        await bus.emit(round_started(round_))
+    agent = await started_agent(bus, tmp_path, fake_python)
+    try:
+        assert agent.latest_round == 5000
+        await bus.emit(assign("mine1", 5000))
+        assert (await wait_finished(bus, "mine1")).status == "ok"
+        assert not await letters(bus)
+    finally:
+        await agent.stop()
