@@ -1,6 +1,6 @@
 """``hadar serve agent``: flags and runner (wired by services/cli/serve.py).
 
-Settings are an :class:`~services.agent.daemon.AgentConfig` loaded by
+Settings are an :class:`~services.agent.config.AgentConfig` loaded by
 :func:`shared.settings.load_config`: flags over the environment (``HADAR_NODE_ID``,
 ``HADAR_NODE_ADDRESS``, ``HADAR_AGENT_*``) over the ``--config`` TOML file over the
 defaults. A bad value exits 2 with one line naming it. Where the object store is
@@ -24,7 +24,7 @@ from shared.service import run_service
 from shared.settings import add_config_arg, load_config
 
 if TYPE_CHECKING:
-    from services.agent.daemon import AgentConfig
+    from services.agent.config import AgentConfig
 
 __all__ = ["add_agent_parser", "run_agent", "agent_config", "DEFAULT_HTTP_PORT", "ENV_PREFIX"]
 
@@ -70,7 +70,7 @@ def add_agent_parser(services: argparse._SubParsersAction,
 
 def agent_config(args: argparse.Namespace) -> AgentConfig:
     """The AgentConfig of these flags, the environment and ``--config``; UsageError if invalid."""
-    from services.agent.daemon import AgentConfig
+    from services.agent.config import AgentConfig
 
     flags = {name: getattr(args, name) for name in _FIELDS}
     return load_config(AgentConfig, flags=flags, env=os.environ, env_prefix=ENV_PREFIX, file=args.config)

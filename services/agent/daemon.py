@@ -1,20 +1,38 @@
 """The node agent service: registers its devices, heartbeats, and runs the copies assigned to it.
 
 Consumes ``hadar.placements`` (and ``hadar.jobs`` for cancellations) in consumer group
-``agent-<node_id>``, so every agent sees every assignment. Rules:
+``agent-<node_id>``, so every agent sees every assignment. What it believes and runs is
+decided by :class:`~services.agent.admission.Admission` (pure; its docstring has the exact
+rules); this shell carries the verdicts out:
 
-* An :class:`Assignment` for this node starts a :class:`~services.agent.runner.CopyRun`
-  unless it is a duplicate (same job, round, copy seen since start), or stale: its round
-  is older than the newest round this agent knows of, or its deadline has passed.
-* Learning of a newer round r (a :class:`RoundStarted`, or an Assignment for this node)
-  preempts every older-round copy on this node that round r does not continue (its job
-  copy is not yet assigned here in round r); continued copies run to their own deadline.
-  A :class:`JobCancelled` preempts the job's copies.
-* An Assignment is acked once its copy's :class:`CopyFinished` is published (or it is
-  skipped), so an agent that restarts mid-round gets it again and its workers resume from
-  the copy's own checkpoint of that round; everything else is acked when handled.
-* ``stop()`` drains: stops taking work, preempts every copy, waits for their checkpoints
-  and results (workers are killed ``stop_timeout_s`` after SIGTERM), then commits.
+* **Rounds.** A round more than ``max_round_leap`` (8) ahead of the newest round the agent
+  believes is not believed on one event's word: the RoundStarted or Assignment is refused
+  (dead-lettered, ``round_far_ahead``) until another event agrees with it. At start the
+  agent seeds that belief from the RoundStarted events of the last ``max_deadline_ahead_s``
+  on the log (a round whose assignments could still be running started within it), so a
+  restarted agent knows the current round before it meets its own unfinished assignment.
+  Learning of a newer round preempts every older-round copy it does not continue; a
+  :class:`JobCancelled` preempts the job's copies.
+* **Copies.** At most one copy per GPU: an Assignment naming a GPU held by another copy of
+  its round is refused (``gpu_busy``); one of a newer round preempts the older copies on its
+  GPUs and starts its workers only once theirs have exited. So the node never runs more
+  copies than it has GPUs, nor two on one GPU.
+* **What reaches a worker** is checked first (:mod:`services.agent.validation`): deadline at
+  most a day ahead, GPUs of this node named once, ranks distinct, rendezvous ``host:port``,
+  ``start_from`` an earlier model of the same job. An implausible Assignment is refused.
+* **Refused** events are dead-lettered with the reason (:func:`shared.rejection.dead_letter_delivery`),
+  logged with job, round and node, counted in ``hadar_agent_events_rejected_total{reason}``
+  and acked. A handler that raises is treated the same way (reason ``handler_error``). Stale
+  and duplicate assignments are acked and counted as skipped (replays produce them).
+* **Results.** A copy's CopyFinished is published with retries until the bus takes it, or
+  it is abandoned (:mod:`services.agent.delivery`: deadline + grace + ``result_ttl_s`` passed
+  and a newer round exists); its Assignment is acked only then, so an agent that restarts
+  mid-round gets it again and its workers resume from the copy's own checkpoint.
+* **The consumer loop never ends on a handler error**, nor on a retriable fetch error (it
+  backs off and reads on); only a non-retriable bus error ends it, which ``/healthz`` shows.
+* ``stop()`` drains: stops taking work, preempts every copy, waits for their workers (killed
+  ``stop_timeout_s`` after SIGTERM), gives undelivered results ``stop_timeout_s`` more, then
+  leaves their Assignments un-acked for the next run.
 
 Only this process holds a bus connection; workers talk to the store themselves.
 """
@@ -22,89 +40,34 @@ Only this process holds a bus connection; workers talk to the store themselves.
 from __future__ import annotations
 
 import asyncio
-import sys
-from collections import OrderedDict
+import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import structlog
 from prometheus_client import CollectorRegistry
 
+from services.agent.admission import Admission, AdmissionLimits, CopyKey, Verdict
+from services.agent.config import AgentConfig
+from services.agent.delivery import Outcome, RetryPolicy, deliver, result_abandoned
 from services.agent.discovery import NodeDevices
-from services.agent.emulation import parse_emulation
 from services.agent.metrics import AgentMetrics
 from services.agent.process import WorkerPool
-from services.agent.runner import CopyKey, CopyRun, RunContext
+from services.agent.runner import CopyRun, RunContext
 from services.agent.spec import StoreTarget
-from shared.bus import Bus, Delivery, Subscription
+from shared.bus import Bus, BusError, Delivery, Subscription
 from shared.clock import Clock, SystemClock
 from shared.dispatch import HandlerTable
 from shared.events import (
-    NODE_ID_RE, Assignment, Event, JobCancelled, JobSubmitted, NodeHeartbeat, NodeRegistered, RoundStarted,
+    Assignment, CopyFinished, Event, JobCancelled, JobSubmitted, NodeHeartbeat, NodeRegistered, RoundStarted,
 )
-from shared.gpus import GPU_TYPES
-from shared.settings import FieldError
+from shared.rejection import dead_letter_delivery
 from shared.topics import JOBS, PLACEMENTS
 
 __all__ = ["AgentConfig", "AgentDaemon"]
 
 TOPICS = (PLACEMENTS, JOBS)
-SEEN_LIMIT = 4096
-
-
-@dataclass(frozen=True, kw_only=True)
-class AgentConfig:
-    """The agent's settings; ``hadar serve agent`` loads them with
-    :func:`shared.settings.load_config` from flags, the environment (``HADAR_NODE_ID``,
-    ``HADAR_NODE_ADDRESS``, else ``HADAR_AGENT_<FIELD>``) and a ``--config`` file.
-
-    ``emulate``, ``emulate_reference`` and ``cpu_devices`` choose the devices the CLI
-    hands the daemon (see :meth:`emulation`); the daemon itself uses the rest. An invalid
-    value raises :class:`~shared.settings.FieldError` naming the field.
-    """
-
-    node_id: str = field(metadata={"env": "HADAR_NODE_ID"})
-    address: str = field(default="", metadata={"env": "HADAR_NODE_ADDRESS"})  # DDP rendezvous host ("" = node id)
-    heartbeat_s: float = 5.0
-    progress_s: float = 2.0
-    stop_timeout_s: float = 30.0    # SIGTERM -> SIGKILL for a preempted worker
-    deadline_grace_s: float = 30.0  # a worker still running this long after its deadline is preempted
-    threads: int = 1                # torch threads per worker
-    spare_workers: int = 1          # warm worker processes kept ready
-    python: str = sys.executable
-    emulate: str | None = None      # TYPE:N[,TYPE:N...]: emulated GPUs on the CPU (None or "": discover)
-    emulate_reference: str | None = None   # the type emulated at full CPU speed (None: fastest in the catalog)
-    cpu_devices: int = 1            # devices a machine without CUDA offers
-
-    def __post_init__(self) -> None:
-        if not NODE_ID_RE.match(self.node_id):
-            raise FieldError("node_id", f"{self.node_id!r} must be 1-63 letters, digits, '.', '_', '-'")
-        for name in ("heartbeat_s", "progress_s", "stop_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise FieldError(name, f"must be > 0, got {getattr(self, name)}")
-        if not self.deadline_grace_s >= 0:
-            raise FieldError("deadline_grace_s", f"must be >= 0, got {self.deadline_grace_s}")
-        for name, least in (("threads", 1), ("spare_workers", 0), ("cpu_devices", 1)):
-            if getattr(self, name) < least:
-                raise FieldError(name, f"must be >= {least}, got {getattr(self, name)}")
-        if self.emulate:
-            try:
-                parse_emulation(self.emulate)
-            except ValueError as exc:
-                raise FieldError("emulate", str(exc)) from None
-        if self.emulate_reference is not None and self.emulate_reference not in GPU_TYPES:
-            raise FieldError("emulate_reference", f"unknown GPU type {self.emulate_reference!r}; "
-                                                  f"valid: {', '.join(GPU_TYPES)}")
-
-    @property
-    def group(self) -> str:
-        return f"agent-{self.node_id}"
-
-    @property
-    def emulation(self) -> tuple[tuple[str, int], ...]:
-        """The parsed ``emulate`` (empty: discover the devices)."""
-        return parse_emulation(self.emulate) if self.emulate else ()
+FETCH_RETRY_MAX_S = 5.0
 
 
 class AgentDaemon:
@@ -125,12 +88,14 @@ class AgentDaemon:
                               clock=self.clock, publish=self._publish, metrics=self.metrics,
                               progress_s=config.progress_s, threads=config.threads,
                               stop_timeout_s=config.stop_timeout_s, deadline_grace_s=config.deadline_grace_s)
+        self.admission = Admission(node_id=config.node_id, gpus=[g.index for g in devices.gpus],
+                                   limits=AdmissionLimits(max_round_leap=config.max_round_leap,
+                                                          max_deadline_ahead_s=config.max_deadline_ahead_s))
+        self.retry = RetryPolicy(first_s=config.result_retry_s, max_s=config.result_retry_max_s)
         self.log = structlog.get_logger().bind(node=config.node_id)
         self.runs: dict[CopyKey, CopyRun] = {}
         self._run_tasks: dict[CopyKey, asyncio.Task[None]] = {}
-        self._seen: OrderedDict[CopyKey, None] = OrderedDict()
-        self._assigned: dict[int, set[tuple[str, int]]] = {}
-        self.latest_round = -1
+        self._deliveries: set[asyncio.Task[None]] = set()
         self._sub: Subscription | None = None
         self._consumer: asyncio.Task[None] | None = None
         self._heartbeat: asyncio.Task[None] | None = None
@@ -141,6 +106,10 @@ class AgentDaemon:
     def source(self) -> str:
         return f"agent/{self.config.node_id}"
 
+    @property
+    def latest_round(self) -> int:
+        return self.admission.latest_round
+
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
@@ -150,10 +119,24 @@ class AgentDaemon:
                                            gpus=self.devices.gpus, address=self.config.address,
                                            emulated=self.devices.emulated))
         self.log.info("agent.registered", devices=[g.type for g in self.devices.gpus], kind=self.devices.kind)
+        await self._seed_rounds()
         self._sub = self.bus.subscribe(TOPICS, self.config.group)
         await self._sub.start()
         self._consumer = asyncio.create_task(self._consume(self._sub))
         self._heartbeat = asyncio.create_task(self._beat())
+
+    async def _seed_rounds(self) -> None:
+        """Believe the rounds the log recorded lately (see the module docstring); best effort."""
+        since = self.clock.time() - self.config.max_deadline_ahead_s
+        try:
+            async with contextlib.aclosing(self.bus.read(PLACEMENTS, start=since)) as records:
+                async for record in records:
+                    if isinstance(record.event, RoundStarted):
+                        self.admission.round_started(record.event)
+        except BusError as exc:
+            self.log.warning("agent.rounds_not_seeded", error=str(exc)[:300])
+        self.metrics.latest_round(self.latest_round)
+        self.log.info("agent.rounds_seeded", latest_round=self.latest_round)
 
     async def stop(self) -> None:
         self._draining = True
@@ -162,6 +145,15 @@ class AgentDaemon:
         tasks = list(self._run_tasks.values())
         if tasks:
             await asyncio.wait(tasks)
+        if self._deliveries:   # registered by every run task before it ended
+            _, late = await asyncio.wait(set(self._deliveries), timeout=self.config.stop_timeout_s)
+            for task in late:
+                task.cancel()
+                self.metrics.undelivered("shutdown")
+            if late:
+                self.log.warning("agent.results_left", count=len(late),
+                                 note="their assignments stay un-acked: the next run gets them again")
+                await asyncio.gather(*late, return_exceptions=True)
         for task in (self._consumer, self._heartbeat):
             if task is not None:
                 task.cancel()
@@ -196,77 +188,131 @@ class AgentDaemon:
                 self.log.warning("heartbeat.publish_failed", error=f"{type(exc).__name__}: {exc}"[:300])
 
     async def _consume(self, sub: Subscription) -> None:
-        async for delivery in sub:
+        failures = 0
+        while True:
+            try:
+                delivery = await anext(sub)
+            except StopAsyncIteration:
+                return
+            except BusError as exc:
+                if not exc.retriable:
+                    self.log.error("agent.consumer_failed", error=str(exc)[:300])
+                    raise
+                failures += 1
+                wait_s = min(FETCH_RETRY_MAX_S, 0.1 * 2.0 ** min(failures, 16))
+                self.log.warning("agent.fetch_failed", error=str(exc)[:300], retry_in_s=wait_s)
+                await asyncio.sleep(wait_s)
+                continue
+            failures = 0
             if self._draining:
                 continue   # left un-acked: whoever consumes next gets it again
             try:
-                acked_later = await self._handle(delivery)
-            except Exception:
+                deferred = await self._handle(delivery)
+            except Exception as exc:
                 self.log.exception("agent.handler_error", topic=delivery.topic, offset=delivery.offset)
-                acked_later = False
-            if not acked_later:
+                await self._reject(delivery, "handler_error", f"{type(exc).__name__}: {exc}")
+                deferred = False
+            if not deferred:
                 await delivery.ack()
 
     # ------------------------------------------------------------ handlers
 
     async def _handle(self, delivery: Delivery) -> bool:
-        """Act on one event; True if its ack is deferred to the end of a copy run."""
+        """Act on one event; True if its ack is deferred until its copy's result is delivered."""
         handler = self.HANDLERS.handler_for(delivery.event)
-        return handler(self, delivery.event, delivery) if handler is not None else False
-
-    def _on_round_started(self, event: RoundStarted, delivery: Delivery) -> bool:
-        self._newer_round(event.round)
+        if handler is None:
+            return False
+        verdict: Verdict = handler(self, delivery.event)
+        for preemption in verdict.preempt:
+            run = self.runs.get(preemption.key)
+            if run is not None:
+                run.preempt(preemption.reason)
+        self.metrics.latest_round(self.latest_round)
+        if verdict.action == "refuse":
+            await self._reject(delivery, verdict.code, verdict.detail)
+        elif verdict.action == "skip":
+            self.metrics.skipped(verdict.code)
+            self.log.info("event.skipped", reason=verdict.code, detail=verdict.detail, **_about(delivery.event))
+        elif verdict.action == "admit":
+            assert isinstance(delivery.event, Assignment)
+            self._start(delivery.event, delivery, verdict.wait_for)
+            return True
         return False
 
-    def _on_job_cancelled(self, event: JobCancelled, delivery: Delivery) -> bool:
-        for key, run in list(self.runs.items()):
-            if key[0] == event.job_id:
-                run.preempt(f"job cancelled: {event.reason}" if event.reason else "job cancelled")
-        return False
+    def _on_round_started(self, event: RoundStarted) -> Verdict:
+        return self.admission.round_started(event)
 
-    def _on_assignment(self, event: Assignment, delivery: Delivery) -> bool:
-        return event.node_id == self.config.node_id and self._assignment(event, delivery)
+    def _on_job_cancelled(self, event: JobCancelled) -> Verdict:
+        return self.admission.cancelled(event.job_id, event.reason)
 
-    HANDLERS: ClassVar[HandlerTable[Callable[[AgentDaemon, Any, Delivery], bool]]] = HandlerTable({
+    def _on_assignment(self, event: Assignment) -> Verdict:
+        return self.admission.assignment(event, now=self.clock.time())
+
+    HANDLERS: ClassVar[HandlerTable[Callable[[AgentDaemon, Any], Verdict]]] = HandlerTable({
         RoundStarted: _on_round_started, JobCancelled: _on_job_cancelled, Assignment: _on_assignment,
     }, topics=TOPICS, ignore=(JobSubmitted,))
 
-    def _newer_round(self, round_: int) -> None:
-        if round_ <= self.latest_round:
-            return
-        self.latest_round = round_
-        continued = self._assigned.get(round_, set())
-        for (job, r, copy), run in list(self.runs.items()):
-            if r < round_ and (job, copy) not in continued:
-                run.preempt(f"round {round_} started without this copy")
-        for old in [r for r in self._assigned if r < round_ - 1]:
-            del self._assigned[old]
-
-    def _assignment(self, a: Assignment, delivery: Delivery) -> bool:
-        key: CopyKey = (a.job_id, a.round, a.copy)
-        log = self.log.bind(job=a.job_id, round=a.round, copy=a.copy)
-        if key in self._seen:
-            log.info("assignment.duplicate")
-            return False
-        if a.round < self.latest_round or a.deadline <= self.clock.time():
-            log.info("assignment.stale", latest_round=self.latest_round, deadline=a.deadline)
-            return False
-        self._seen[key] = None
-        if len(self._seen) > SEEN_LIMIT:
-            self._seen.popitem(last=False)
-        self._assigned.setdefault(a.round, set()).add((a.job_id, a.copy))
-        self._newer_round(a.round)
-        run = CopyRun(self.ctx, a)
-        self.runs[key] = run
-        self.metrics.copies_running(len(self.runs))
-        self._run_tasks[key] = asyncio.create_task(self._run(run, delivery))
-        return True
-
-    async def _run(self, run: CopyRun, delivery: Delivery) -> None:
+    async def _reject(self, delivery: Delivery, code: str, detail: str) -> None:
+        """Dead-letter, count and log one refused event; never raises."""
+        self.metrics.rejected(code)
+        self.log.warning("event.rejected", reason=code, detail=detail[:300], topic=delivery.topic,
+                         offset=delivery.offset, **_about(delivery.event))
         try:
-            await run.run()
+            await dead_letter_delivery(self.bus, delivery, f"agent {self.config.node_id}: {code}: {detail}",
+                                       ts=self.clock.time(), source=self.source)
+        except Exception:   # the event is refused either way; the loop must go on
+            self.log.exception("event.dead_letter_failed", topic=delivery.topic, offset=delivery.offset)
+
+    # ------------------------------------------------------------ copies
+
+    def _start(self, a: Assignment, delivery: Delivery, wait_for: tuple[CopyKey, ...]) -> None:
+        run = CopyRun(self.ctx, a)
+        self.runs[run.key] = run
+        predecessors = [self._run_tasks[k] for k in wait_for if k in self._run_tasks]
+        self._run_tasks[run.key] = asyncio.create_task(self._run(run, delivery, predecessors))
+        self.metrics.copies_running(len(self.runs))
+
+    async def _run(self, run: CopyRun, delivery: Delivery, predecessors: list[asyncio.Task[None]]) -> None:
+        try:
+            if predecessors:
+                await asyncio.wait(predecessors)   # the copies that had these GPUs exit first
+            if self._draining:
+                return   # never started: left un-acked for the agent's next run
+            result = await run.run()
         finally:
             self.runs.pop(run.key, None)
             self._run_tasks.pop(run.key, None)
+            self.admission.exited(run.key)
             self.metrics.copies_running(len(self.runs))
-            await delivery.ack()
+        task = asyncio.create_task(self._report(run.a, result, delivery))
+        self._deliveries.add(task)
+        task.add_done_callback(self._deliveries.discard)
+
+    async def _report(self, a: Assignment, result: CopyFinished | None, delivery: Delivery) -> None:
+        """Deliver the copy's result (module rule), then ack its Assignment."""
+        if result is not None:
+            log = self.log.bind(job=a.job_id, round=a.round, copy=a.copy, status=result.status)
+
+            def abandon() -> bool:
+                return result_abandoned(now=self.clock.time(), deadline=a.deadline,
+                                        grace_s=self.config.deadline_grace_s, ttl_s=self.config.result_ttl_s,
+                                        latest_round=self.latest_round, round_=a.round)
+
+            def retrying(error: BaseException, attempt: int, wait_s: float) -> None:
+                self.metrics.result_retry()
+                log.warning("result.publish_failed", attempt=attempt, retry_in_s=round(wait_s, 3),
+                            error=f"{type(error).__name__}: {error}"[:300])
+
+            def giving_up(error: BaseException, outcome: Outcome) -> None:
+                self.metrics.undelivered(outcome.value)
+                log.error("result.undelivered", outcome=outcome.value, error=f"{type(error).__name__}: {error}"[:300])
+
+            await deliver(self._publish, result, policy=self.retry, abandon=abandon, on_retry=retrying,
+                          on_give_up=giving_up)
+        await delivery.ack()
+
+
+def _about(event: Event) -> dict[str, Any]:
+    """The job, round and copy an event is about, for log lines."""
+    return {name: getattr(event, attr) for name, attr in (("job", "job_id"), ("round", "round"), ("copy", "copy"))
+            if hasattr(event, attr)}

@@ -25,8 +25,21 @@ class AgentMetrics:
                                  _BASE, registry=registry)
         self._finished = Counter("hadar_agent_copies_finished", "Job copies finished here, by status",
                                  (*_BASE, "status"), registry=registry)
+        self._rejected = Counter("hadar_agent_events_rejected",
+                                 "Events this agent refused and dead-lettered, by reason (a small fixed set)",
+                                 (*_BASE, "reason"), registry=registry)
+        self._skipped = Counter("hadar_agent_events_skipped", "Stale or duplicate assignments skipped, by reason",
+                                (*_BASE, "reason"), registry=registry)
+        self._retries = Counter("hadar_agent_result_retries",
+                                "Retries of publishing a copy's result after a retriable bus failure",
+                                _BASE, registry=registry)
+        self._undelivered = Counter("hadar_agent_results_undelivered",
+                                    "Copy results given up on: not_retriable, abandoned, shutdown (left un-acked)",
+                                    (*_BASE, "reason"), registry=registry)
+        self._latest_round = Gauge("hadar_agent_latest_round", "The newest round this agent believes",
+                                   _BASE, registry=registry)
         self._rates: dict[tuple[str, int, int], float] = {}
-        for series in (self._copies_running, self._steps_per_s, self._steps, self._failures):
+        for series in (self._copies_running, self._steps_per_s, self._steps, self._failures, self._retries):
             series.labels(**self._labels)   # exported as 0 from the start, not only once it moves
 
     def copies_running(self, n: int) -> None:
@@ -52,3 +65,18 @@ class AgentMetrics:
 
     def finished(self, status: str) -> None:
         self._finished.labels(**self._labels, status=status).inc()
+
+    def rejected(self, reason: str) -> None:
+        self._rejected.labels(**self._labels, reason=reason).inc()
+
+    def skipped(self, reason: str) -> None:
+        self._skipped.labels(**self._labels, reason=reason).inc()
+
+    def result_retry(self) -> None:
+        self._retries.labels(**self._labels).inc()
+
+    def undelivered(self, reason: str) -> None:
+        self._undelivered.labels(**self._labels, reason=reason).inc()
+
+    def latest_round(self, round_: int) -> None:
+        self._latest_round.labels(**self._labels).set(round_)

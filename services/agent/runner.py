@@ -11,7 +11,12 @@ A :class:`CopyRun` starts one worker per assigned GPU (one DDP rank each), relay
 Stopping: :meth:`CopyRun.preempt` sends SIGTERM (finish the step, checkpoint, exit) and
 SIGKILL ``stop_timeout_s`` later to any worker still alive. A watchdog preempts workers
 still running ``deadline_grace_s`` after the round deadline (a hung peer, a stuck
-store). :meth:`CopyRun.run` never raises: every failure becomes an event.
+store). A copy preempted before its workers started (while it waited for its GPUs) starts
+none and ends ``failed``: it trained nothing and has no checkpoint.
+
+:meth:`CopyRun.run` never raises (but for cancellation): every failure becomes the result.
+It returns the CopyFinished rather than publishing it, so the daemon decides how to deliver
+it (:mod:`services.agent.delivery`) and when to ack the Assignment.
 """
 
 from __future__ import annotations
@@ -126,11 +131,14 @@ class CopyRun:
                 progress_s=self.ctx.progress_s, threads=self.ctx.threads, env=env))
         return specs
 
-    async def run(self) -> None:
+    async def run(self) -> CopyFinished | None:
+        """Run the workers to their end; the copy's result, or None where another node reports it."""
         finals: list[dict[str, Any] | None] = []
         failure = ""
         watchdog: asyncio.Task[None] | None = None
         try:
+            if self._stopping:
+                raise RuntimeError(f"preempted before its workers started ({self.stop_reason})")
             specs = self._specs()
             for spec in specs:
                 worker = await self.ctx.pool.acquire()
@@ -159,7 +167,7 @@ class CopyRun:
                 self._kill_timer.cancel()
         self.ctx.metrics.copy_rate(self.key, None)
         self.ctx.pool.refill()
-        await self._finish(finals, failure)
+        return self._finish(finals, failure)
 
     async def _watchdog(self) -> None:
         late = self.a.deadline + self.ctx.deadline_grace_s - self.ctx.clock.time()
@@ -214,27 +222,26 @@ class CopyRun:
         except Exception as exc:  # progress is best effort; the result is not
             self.log.warning("progress.publish_failed", error=f"{type(exc).__name__}: {exc}"[:300])
 
-    async def _finish(self, finals: list[dict[str, Any] | None], failure: str) -> None:
+    def _finish(self, finals: list[dict[str, Any] | None], failure: str) -> CopyFinished | None:
         failed = [f for f in finals if f is not None and f["event"] == "failed"]
         if failure or failed:
             reason = failure or self.first_failure or str(failed[0]["reason"])
             self.ctx.metrics.failure()
-            await self._result("failed", self.steps_round, None, reason)
-            return
+            return self._result("failed", self.steps_round, None, reason)
         mine = next((f for f in finals if f is not None and f["rank"] == 0), None)
         if not self.reports or mine is None:   # rank 0 lives on another node, which reports the copy
             self.log.info("copy.finished_here", ranks=list(self.a.ranks))
-            return
+            return None
         steps = int(mine["steps_round"])
         self.ctx.metrics.steps(max(0, steps - self.steps_round))
         self.steps_round = steps
         self.log.info("copy.finished", status=mine["status"], steps_round=steps,
                       steps_total=mine["steps_total"], samples_per_s=round(mine["samples_per_s"], 1),
                       metric=mine.get("metric"))
-        await self._result(str(mine["status"]), steps, mine["checkpoint"],
-                           self.stop_reason if mine["status"] == "preempted" else "")
+        return self._result(str(mine["status"]), steps, mine["checkpoint"],
+                            self.stop_reason if mine["status"] == "preempted" else "")
 
-    async def _result(self, status: str, steps: int, checkpoint: str | None, reason: str) -> None:
+    def _result(self, status: str, steps: int, checkpoint: str | None, reason: str) -> CopyFinished:
         a = self.a
         if status == "failed":
             self.log.error("copy.failed", reason=reason)
@@ -243,12 +250,4 @@ class CopyRun:
                              gpu_type=a.gpu_type, checkpoint=checkpoint, reason=reason[:500],
                              emulated=self.ctx.devices.emulated)
         self.ctx.metrics.finished(status)
-        for attempt in range(3):
-            try:
-                await self.ctx.publish(event)
-                return
-            except Exception as exc:
-                self.log.warning("result.publish_failed", attempt=attempt,
-                                 error=f"{type(exc).__name__}: {exc}"[:300])
-                await asyncio.sleep(0.5 * 2**attempt)
-        self.log.error("result.lost", status=status)
+        return event

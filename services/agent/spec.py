@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from services.agent.validation import rendezvous_problem
 from shared.config import S3Settings
 from shared.store import LocalStore, MinioStore, ObjectStore
 
@@ -92,6 +93,8 @@ class WorkerSpec:
     def __post_init__(self) -> None:
         if self.world_size > 1 and not self.rendezvous:
             raise ValueError("WorkerSpec.rendezvous: required when world_size > 1")
+        if self.rendezvous is not None and (problem := rendezvous_problem(self.rendezvous)):
+            raise ValueError(f"WorkerSpec.{problem}")   # it becomes init_method=tcp://{rendezvous}
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"WorkerSpec.rank: {self.rank} not in 0..{self.world_size - 1}")
         if self.slowdown < 1.0:

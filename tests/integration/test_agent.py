@@ -214,11 +214,11 @@ async def test_failing_worker_is_reported_and_agent_keeps_running(memory_bus: Bu
     agent, watch = await start_agent(memory_bus, StoreTarget.local(tmp_path))
     try:
         await memory_bus.emit(assign(job("bad1"), 1, budget=10, start_from=model_key("bad1", 0)))
-        await memory_bus.emit(assign(job("bad2", model="vgg"), 1, budget=10))
         await memory_bus.emit(assign(job("kill1"), 1, budget=100_000, gpus=(1,)))
         failed = await watch.finished("bad1", 1)
         assert failed.status == "failed" and failed.checkpoint is None
         assert "bad checkpoint" in failed.reason
+        await memory_bus.emit(assign(job("bad2", model="vgg"), 1, budget=10))   # GPU 0 is free again
         unknown = await watch.finished("bad2", 1)
         assert unknown.status == "failed" and "model: unknown 'vgg'" in unknown.reason
         await watch.wait(lambda e: isinstance(e, Progress) and e.job_id == "kill1")
@@ -284,12 +284,15 @@ async def test_trains_on_kafka_and_minio(kafka_bootstrap: str, s3_settings: S3Se
     await bus.start()
     node = f"n-{uuid.uuid4().hex[:8]}"
     # The broker is shared with other tests and earlier runs: a fresh job id, and a round after
-    # every round already on hadar.placements (an agent treats older rounds as stale).
+    # every round already on hadar.placements (an agent treats older rounds as stale), started
+    # as a scheduler does, so the round's RoundStarted vouches for a round far past the agent's.
     job_id = f"kafka-{uuid.uuid4().hex[:8]}"
     round_ = 1 + max([d.event.round async for d in bus.read(PLACEMENTS) if isinstance(d.event, RoundStarted)],
                      default=-1)
     agent, watch = await start_agent(bus, StoreTarget.remote(settings), node=node)
     try:
+        await bus.emit(RoundStarted(ts=time.time(), source="test", round=round_, policy="hadare",
+                                    started_at=time.time(), ends_at=time.time() + 120))
         await bus.emit(assign(job(job_id), round_, budget=60, node=node))
         done = await watch.finished(job_id, round_)
         assert (done.status, done.steps_round, done.node_id) == ("ok", 60, node), done.reason
