@@ -97,6 +97,7 @@ class JobRecord:
     steps_done: float
     gpu_s: float                  # GPU-seconds held
     rounds_run: int
+    last_wait: str | None = None  # "code: detail" of the last round the policy left it waiting
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,7 +137,7 @@ class _LiveJob:
     """Mutable per-job progress; ``state()`` caches the JobState until the job changes."""
 
     __slots__ = ("trace", "model_bytes", "steps_done", "attained_gpu_s", "rounds_run",
-                 "first_start_s", "completion_s", "_state")
+                 "first_start_s", "completion_s", "last_wait", "_state")
 
     def __init__(self, trace: TraceJob, model_bytes: int) -> None:
         self.trace = trace
@@ -146,6 +147,7 @@ class _LiveJob:
         self.rounds_run = 0
         self.first_start_s: float | None = None
         self.completion_s: float | None = None
+        self.last_wait: str | None = None
         self._state: JobState | None = None
 
     def state(self) -> JobState:
@@ -175,7 +177,7 @@ class _LiveJob:
         return JobRecord(job_id=t.job_id, job_type=t.job_type, workers=t.workers, total_steps=t.total_steps,
                          priority=t.priority, arrival_s=t.arrival_s, first_start_s=self.first_start_s,
                          completion_s=self.completion_s, steps_done=self.steps_done,
-                         gpu_s=self.attained_gpu_s, rounds_run=self.rounds_run)
+                         gpu_s=self.attained_gpu_s, rounds_run=self.rounds_run, last_wait=self.last_wait)
 
 
 def default_model_bytes(job_type: str) -> int:
@@ -247,6 +249,9 @@ def simulate(*, policy: Policy, cluster: Cluster, jobs: Sequence[TraceJob], thro
     bytes_of = {job_type: size_of(job_type) for job_type in {j.job_type for j in pending}}
     live = {j.job_id: _LiveJob(j, bytes_of[j.job_type]) for j in pending}
     runnable = {j.job_id: can_ever_run(j, cluster, throughput) for j in pending}
+    for job_id, ok in runnable.items():
+        if not ok:  # a policy may never see it (no plan() once only such jobs are left)
+            live[job_id].last_wait = "infeasible: no placement of up to W GPUs of the cluster gives it a positive rate"
     gpu_type_of = {n.node_id: n.gpus for n in cluster.nodes}
     t0 = math.floor(pending[0].arrival_s / round_s) * round_s if pending else 0.0
 
@@ -289,6 +294,9 @@ def simulate(*, policy: Policy, cluster: Cluster, jobs: Sequence[TraceJob], thro
         decision_ms = (time.perf_counter() - started) * 1000.0
         if options.check:
             check_plan(snapshot, plan)
+        for wait in plan.waiting:
+            if wait.job_id in live:
+                live[wait.job_id].last_wait = f"{wait.code.value}: {wait.detail}" if wait.detail else wait.code.value
 
         copies_by_job: dict[str, list[tuple[int, list[Placement]]]] = defaultdict(list)
         for (job_id, copy), placements in plan.copies().items():
