@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
     summary = report.build_summary(cluster=cluster, trace=args.trace, jobs=len(jobs), metrics=metrics,
                                    bounds=ttd_bounds(jobs, cluster, throughput),
-                                   forked={name: r.max_copies > 1 for name, r in zip(names, results)})
+                                   gangs_only={name: r.gangs_only for name, r in zip(names, results)})
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as fh:
         json.dump(summary, fh, indent=2)

@@ -6,7 +6,8 @@ The CLI writes them to disk.
 
 Summary (``summary.json``): the cluster, the trace, ``bounds`` (``bounds.py``: the TTD no
 policy can beat, with and without forking) and per policy its metrics (``metrics.py``)
-plus ``ttd_bound`` ("fork" for a policy that may fork, else "nofork"), ``ttd_bound_s``
+plus ``ttd_bound`` ("nofork" for a run where every job ran as one W-worker copy and the
+policy does not fork, else "fork"), ``ttd_bound_s``
 and ``ttd_over_bound`` (TTD / that bound; null when TTD or the bound is). With gavel in
 the run, each policy also gets ``vs_gavel``: TTD and mean/median JCT as gavel / policy,
 CRU as policy / gavel (> 1 is better than gavel in every one). A ratio is computed only
@@ -49,11 +50,11 @@ def versus(policy: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, floa
 
 
 def build_summary(*, cluster: Cluster, trace: str, jobs: int, metrics: Mapping[str, PolicyMetrics],
-                  bounds: TtdBounds, forked: Mapping[str, bool]) -> dict[str, Any]:
+                  bounds: TtdBounds, gangs_only: Mapping[str, bool]) -> dict[str, Any]:
     """The ``summary.json`` document (module docstring); seconds and ms."""
     policies: dict[str, dict[str, Any]] = {}
     for name, m in metrics.items():
-        kind, bound = bound_for(name, bounds, forked=forked.get(name, False))
+        kind, bound = bound_for(name, bounds, gangs_only=gangs_only.get(name, False))
         policies[name] = {**m.as_dict(), "ttd_bound": kind, "ttd_bound_s": bound,
                           "ttd_over_bound": _div(m.ttd_s, bound)}
     if BASELINE in policies:

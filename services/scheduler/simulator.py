@@ -119,7 +119,7 @@ class SimResult:
     rounds: tuple[RoundRecord, ...]
     end_s: float                  # end of the last simulated round
     stop_reason: str              # completed | unrunnable | stalled | max_rounds
-    max_copies: int = 0           # most copies one job had in one round (> 1: the policy forked)
+    gangs_only: bool = True       # every job placed ran as one copy of exactly W workers (bounds.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -267,7 +267,7 @@ def simulate(*, policy: Policy, cluster: Cluster, jobs: Sequence[TraceJob], thro
     rate_cache: dict[tuple[str, frozenset[tuple[str, int]]], float] = {}
     stop_reason = "completed"
     end_s = t0
-    max_copies = 0
+    gangs_only = True
 
     while True:
         now = t0 + r * round_s
@@ -324,7 +324,7 @@ def simulate(*, policy: Policy, cluster: Cluster, jobs: Sequence[TraceJob], thro
                 next_gpus[(job_id, copy)] = gpus
             steps, held, own = _advance(job, runs, now=now, options=options)
             steps_made[job_id] = steps
-            max_copies = max(max_copies, len(job_copies))
+            gangs_only = gangs_only and len(runs) == 1 and runs[0][1] == job.trace.workers
             copy_steps.update({(job_id, copy): x for (copy, _), x in zip(job_copies, own)})
             if job.completion_s is not None:
                 completions[job_id] = job.completion_s
@@ -357,7 +357,7 @@ def simulate(*, policy: Policy, cluster: Cluster, jobs: Sequence[TraceJob], thro
 
     return SimResult(policy=getattr(policy, "name", type(policy).__name__), cluster=cluster, round_s=round_s,
                      jobs=tuple(live[j.job_id].record() for j in pending), rounds=tuple(rounds),
-                     end_s=end_s, stop_reason=stop_reason, max_copies=max_copies)
+                     end_s=end_s, stop_reason=stop_reason, gangs_only=gangs_only)
 
 
 def build_throughput(*, cross_node: bool = True, table_path: str | None = None) -> ThroughputModel:

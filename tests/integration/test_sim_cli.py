@@ -116,7 +116,7 @@ def test_report_ratios_against_gavel() -> None:
     cluster = parse_cluster("v100:1")
     summary = build_summary(cluster=cluster, trace="t", jobs=3, bounds=TtdBounds(ttd_fork_s=1800, ttd_nofork_s=3600),
                             metrics={"gavel": policy_metrics(7200, 0.5, 3600), "hadar": policy_metrics(3600, 0.75, 1800)},
-                            forked={"gavel": False, "hadar": False})
+                            gangs_only={"gavel": True, "hadar": True})
     assert summary["policies"]["hadar"]["vs_gavel"] == {"ttd": 2.0, "cru": 1.5, "jct_mean": 2.0, "jct_median": 2.0}
     assert summary["policies"]["gavel"]["ttd_over_bound"] == 2.0
     text = render_markdown(summary, plots=())
@@ -137,7 +137,7 @@ def test_ratios_only_between_runs_that_completed_the_same_jobs() -> None:
         metrics={"gavel": policy_metrics(None, 0.5, 3600, unfinished=("c",)),
                  "hadar": policy_metrics(None, 0.6, 1800, unfinished=("c",)),
                  "hadare": policy_metrics(5400, 0.9, 1800)},
-        forked={"gavel": False, "hadar": False, "hadare": True})
+        gangs_only={"gavel": True, "hadar": True, "hadare": False})
     policies = summary["policies"]
     assert policies["gavel"]["ttd_s"] is None and policies["gavel"]["ttd_over_bound"] is None
     assert policies["hadar"]["vs_gavel"] == {"ttd": None, "cru": 1.2, "jct_mean": 2.0, "jct_median": 2.0}

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.scheduler.bounds import (
-    FORKING_POLICIES, TtdBounds, best_copy_rate, best_fork_rate, bound_for, per_gpu_rate, ttd_bounds)
+    FORKING_POLICIES, TtdBounds, best_copy_rate, best_fork_rate, bound_for, per_gpu_rate, span_factor, ttd_bounds)
 from services.scheduler.cluster import Cluster, Node
 from services.scheduler.clusters import parse_cluster
 from services.scheduler.metrics import compute_metrics
@@ -52,9 +52,29 @@ def test_best_copy_rate_of_a_mix_steps_at_the_slowest_type() -> None:
     model = ThroughputModel(rates={("A", "v100", 2): 4.0, ("A", "k80", 2): 1.0, ("A", "v100", 1): 3.0,
                                    ("A", "k80", 1): 0.8}, cross_node=False)
     # Two workers need both GPUs of v100:1,k80:1: min(4, 1) = 1 job step/s; one V100 alone
-    # makes 3 copy steps/s = 1.5 job steps/s, the better copy.
+    # makes 3 copy steps/s = 1.5 job steps/s, the better copy unless the job runs as a gang.
     assert best_copy_rate("A", 2, parse_cluster("v100:1,k80:1"), model) == pytest.approx(1.5)
+    assert best_copy_rate("A", 2, parse_cluster("v100:1,k80:1"), model, gang=True) == pytest.approx(1.0)
     assert best_copy_rate("A", 2, parse_cluster("v100:2,k80:1"), model) == pytest.approx(4.0)
+    assert per_gpu_rate("A", 2, "v100", parse_cluster("v100:1,k80:1"), model, gang=True) == pytest.approx(2.0)
+
+
+def test_a_copy_that_must_span_nodes_pays_the_cross_node_factor() -> None:
+    # One worker steps at 1/s, two at 3/s on one node but at half that across nodes.
+    model = ThroughputModel(rates={("A", "v100", 1): 1.0, ("A", "v100", 2): 3.0},
+                            unconsolidated={("A", "v100", 2): 1.5})
+    one_node, two_nodes = parse_cluster("v100:1x2"), parse_cluster("v100:2")
+    assert per_gpu_rate("A", 2, "v100", one_node, model) == pytest.approx(1.5)
+    assert per_gpu_rate("A", 2, "v100", two_nodes, model) == pytest.approx(0.75)
+    assert best_copy_rate("A", 2, one_node, model) == pytest.approx(3.0)
+    assert best_copy_rate("A", 2, two_nodes, model) == pytest.approx(1.5)
+    assert ttd_bounds([job("a", 0, 300, workers=2)], two_nodes, model).ttd_nofork_s == pytest.approx(200.0)
+    # A worker count the table lacks pays the default factor unless another type has a ratio.
+    model = ThroughputModel(rates={("A", "v100", 1): 1.0, ("A", "v100", 2): 3.0, ("A", "k80", 3): 1.0},
+                            unconsolidated={("A", "k80", 3): 0.9}, default_cross_node=0.8)
+    assert span_factor("A", "v100", 3, parse_cluster("v100:3"), model) == pytest.approx(0.8)
+    assert span_factor("A", "v100", 3, parse_cluster("v100:3,k80:3"), model) == pytest.approx(0.9)
+    assert span_factor("A", "k80", 3, parse_cluster("v100:3,k80:3"), model) == pytest.approx(0.9)
 
 
 # ---------------------------------------------------------------------------- LP values
@@ -97,9 +117,9 @@ def test_unrunnable_job_has_no_bound_and_empty_trace_has_zero() -> None:
 def test_bound_for_a_policy() -> None:
     b = TtdBounds(ttd_fork_s=1.0, ttd_nofork_s=2.0)
     assert FORKING_POLICIES == frozenset({"hadare"})
-    assert bound_for("hadare", b, forked=False) == ("fork", 1.0)
-    assert bound_for("gavel", b, forked=False) == ("nofork", 2.0)
-    assert bound_for("gavel", b, forked=True) == ("fork", 1.0)
+    assert bound_for("hadare", b, gangs_only=True) == ("fork", 1.0)
+    assert bound_for("gavel", b, gangs_only=True) == ("nofork", 2.0)
+    assert bound_for("gavel", b, gangs_only=False) == ("fork", 1.0)
 
 
 # ---------------------------------------------------------------------------- validity
@@ -126,7 +146,8 @@ def test_no_policy_beats_its_bound(case: tuple[Cluster, list[TraceJob], float]) 
     bounds = ttd_bounds(jobs, cluster, TABLE)
     if bounds.ttd_fork_s is None:
         return
-    assert bounds.ttd_nofork_s is not None and bounds.ttd_fork_s <= bounds.ttd_nofork_s * (1 + 1e-9)
+    # a gang of W is a plan of one copy: the fork bound is never above the no-fork one
+    assert bounds.ttd_nofork_s is None or bounds.ttd_fork_s <= bounds.ttd_nofork_s * (1 + 1e-9)
     for name in registered():
         result = simulate(policy=make_policy(name), cluster=cluster, jobs=jobs, throughput=TABLE,
                           options=SimOptions(restart_s=restart_s, check=True, stall_rounds=3))
@@ -134,5 +155,5 @@ def test_no_policy_beats_its_bound(case: tuple[Cluster, list[TraceJob], float]) 
         if metrics.jobs_completed < metrics.jobs_total:
             continue
         ttd = metrics.ttd_s
-        _, bound = bound_for(name, bounds, forked=result.max_copies > 1)
+        _, bound = bound_for(name, bounds, gangs_only=result.gangs_only)
         assert bound is not None and ttd >= bound * (1 - 1e-6), (name, ttd, bound)
