@@ -39,7 +39,9 @@ Semantics (exact; metrics.py and the tests rely on them):
   are left ("unrunnable"); when no arrivals remain and ``stall_rounds`` consecutive rounds
   made no progress at all ("stalled": only the policy knows whether it will ever place what
   is left, e.g. a job-level policy facing 8 workers of a type the cluster has 4 of); or after
-  ``max_rounds`` simulated rounds ("max_rounds"). Jobs left are reported not completed.
+  ``max_rounds`` simulated rounds ("max_rounds"). Jobs left are reported not completed,
+  each with the last wait reason its policy gave (``JobRecord.last_wait``; for a job no
+  placement can move, the simulator's own).
 """
 
 from __future__ import annotations

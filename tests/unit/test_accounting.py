@@ -91,6 +91,7 @@ def test_forked_copies_on_k_of_w_workers_are_credited_k_over_w() -> None:
     result = simulate(policy=ForkOnEveryNode(), cluster=parse_cluster("v100:2"), jobs=[job], throughput=model,
                       model_bytes=lambda _: 0, options=SimOptions(round_s=1000, check=True))
     assert result.jobs[0].completion_s == pytest.approx(250.0)
+    assert not result.gangs_only        # held to the fork bound (bounds.py)
 
 
 def test_issue_11_example_counts_samples_for_gangs_and_copies_alike() -> None:

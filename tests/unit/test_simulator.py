@@ -164,7 +164,7 @@ def test_two_job_example_metrics_are_exact() -> None:
     records = {r.job_id: r for r in result.jobs}
     assert (records["a"].first_start_s, records["a"].completion_s) == (0.0, 150.0)
     assert (records["b"].first_start_s, records["b"].completion_s) == (200.0, 250.0)
-    assert [r.start_s for r in result.rounds] == [0.0, 100.0, 200.0]
+    assert [r.start_s for r in result.rounds] == [0.0, 100.0, 200.0] and result.gangs_only
     assert [r.busy_gpu_s["v100"] for r in result.rounds] == [100.0, 50.0, 50.0]
     m = compute_metrics(result, model)
     assert m.ttd_s == 250.0
