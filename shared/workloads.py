@@ -176,8 +176,10 @@ def calibrated_fallback(model: MeasuredRates, reference: str = "v100") -> Callab
     For a job type measured on ``reference``: ``model.rate(job, reference, n) *
     estimate(job, gpu, n) / estimate(job, reference, n)``, so the estimator only supplies
     the relative speed of the two GPU types. For a job type not measured on
-    ``reference``, or one the estimator says cannot run there, the raw estimate. Zero
-    where the job does not fit the GPU. Unknown job or GPU types raise ``ValueError``.
+    ``reference``, or one the estimator says cannot run there, the raw estimate divided by
+    ``n``: the estimator counts a step per worker, the model a step of the whole copy
+    (``shared.progress``). Zero where the job does not fit the GPU. Unknown job or GPU
+    types raise ``ValueError``.
 
     Build the model first, then attach the fallback (the fallback only reads measured
     rates, so it never recurses into itself)::
@@ -190,10 +192,10 @@ def calibrated_fallback(model: MeasuredRates, reference: str = "v100") -> Callab
     def fallback(job_type: str, gpu_type: str, n: int) -> float:
         raw = estimate(job_type, gpu_type, n)
         if raw == 0.0 or not model.scales(job_type, reference):
-            return raw
+            return raw / n
         ref_estimate = estimate(job_type, reference, n)
         if ref_estimate == 0.0:
-            return raw
+            return raw / n
         return model.rate(job_type, reference, n) * raw / ref_estimate
 
     return fallback

@@ -1,9 +1,13 @@
 """Per-policy metrics from a ``SimResult`` (docs/architecture.md "Simulator and metrics").
 
-* TTD: first arrival to last completion. If some job did not complete, to the end of the
-  last simulated round instead (the run stopped there; TTD is then a lower bound).
-* CRU: busy GPU-seconds / (GPUs in the cluster x TTD); GRU: the same per GPU type. Busy
-  time is as simulator.py defines it (held from round start to completion or round end).
+* TTD: first arrival to last completion; None if some job did not complete (the run
+  never drained the trace, so it has no drain time). ``unfinished`` then lists each such
+  job, whether it was ever placed, and why: the last wait reason the policy gave
+  ("code: detail"), or, for a job that ran, the run's stop reason.
+* CRU: busy GPU-seconds / (GPUs in the cluster x span); GRU: the same per GPU type. The
+  span is TTD, or, if some job did not complete, first arrival to the end of the last
+  simulated round. Busy time is as simulator.py defines it (held from round start to
+  completion or round end).
 * JCT (completion - arrival): mean, median, p95 (linear interpolation), completed jobs only.
 * Queueing delay: start of the first round a job was placed in - arrival; mean over jobs
   that were ever placed.
@@ -28,6 +32,13 @@ from services.scheduler.throughput import ThroughputModel
 
 
 @dataclass(frozen=True, kw_only=True)
+class UnfinishedJob:
+    job_id: str
+    placed: bool      # ever placed in a round
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class PolicyMetrics:
     ttd_s: float | None
     cru: float | None
@@ -41,10 +52,13 @@ class PolicyMetrics:
     decision_ms_max: float | None
     jobs_total: int
     jobs_completed: int
+    stop_reason: str                        # SimResult.stop_reason
+    unfinished: tuple[UnfinishedJob, ...]   # jobs that did not complete, in trace order
 
     def as_dict(self) -> dict:
         out = asdict(self)
         out["gru"] = dict(self.gru)
+        out["unfinished"] = [{"job": u.job_id, "placed": u.placed, "reason": u.reason} for u in self.unfinished]
         return out
 
 
@@ -63,7 +77,8 @@ def _percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-def ttd_s(result: SimResult) -> float:
+def span_s(result: SimResult) -> float:
+    """First arrival to the last completion, or to the end of the run if a job is left."""
     if not result.jobs:
         return 0.0
     first = min(j.arrival_s for j in result.jobs)
@@ -75,16 +90,33 @@ def ttd_s(result: SimResult) -> float:
     return max(0.0, last - first)
 
 
+def ttd_s(result: SimResult) -> float | None:
+    return span_s(result) if all(j.completion_s is not None for j in result.jobs) else None
+
+
+def unfinished_jobs(result: SimResult) -> tuple[UnfinishedJob, ...]:
+    out = []
+    for job in result.jobs:
+        if job.completion_s is not None:
+            continue
+        if job.first_start_s is None:
+            reason = job.last_wait or f"not yet active when the run stopped ({result.stop_reason})"
+        else:
+            reason = f"ran, unfinished when the run stopped ({result.stop_reason})"
+        out.append(UnfinishedJob(job_id=job.job_id, placed=job.first_start_s is not None, reason=reason))
+    return tuple(out)
+
+
 def compute_metrics(result: SimResult, throughput: ThroughputModel) -> PolicyMetrics:
     cluster = result.cluster
-    ttd = ttd_s(result)
+    span = span_s(result)
     busy_by_type: dict[str, float] = {t: 0.0 for t in cluster.types}
     for rnd in result.rounds:
         for gpu_type, gpu_s in rnd.busy_gpu_s.items():
             busy_by_type[gpu_type] += gpu_s
     total_busy = sum(busy_by_type.values())
-    cru = total_busy / (cluster.total_gpus * ttd) if ttd > 0 else None
-    gru = {t: (busy_by_type[t] / (count * ttd) if ttd > 0 else None) for t, count in cluster.gpus_by_type.items()}
+    cru = total_busy / (cluster.total_gpus * span) if span > 0 else None
+    gru = {t: (busy_by_type[t] / (count * span) if span > 0 else None) for t, count in cluster.gpus_by_type.items()}
 
     done = [j for j in result.jobs if j.completion_s is not None]
     jcts = [j.completion_s - j.arrival_s for j in done if j.completion_s is not None]
@@ -96,11 +128,12 @@ def compute_metrics(result: SimResult, throughput: ThroughputModel) -> PolicyMet
             ftfs.append((job.completion_s - job.arrival_s) / isolated)
     decisions = [r.decision_ms for r in result.rounds]
     return PolicyMetrics(
-        ttd_s=ttd, cru=cru, gru=gru,
+        ttd_s=ttd_s(result), cru=cru, gru=gru,
         jct_mean_s=_mean(jcts), jct_median_s=_percentile(jcts, 50), jct_p95_s=_percentile(jcts, 95),
         queue_delay_mean_s=_mean(delays), ftf_mean=_mean(ftfs),
         decision_ms_p50=_percentile(decisions, 50), decision_ms_max=max(decisions, default=None),
-        jobs_total=len(result.jobs), jobs_completed=len(done),
+        jobs_total=len(result.jobs), jobs_completed=len(done), stop_reason=result.stop_reason,
+        unfinished=unfinished_jobs(result),
     )
 
 

@@ -14,16 +14,23 @@ Semantics (exact; metrics.py and the tests rely on them):
   ``shared.workloads.model_bytes``, 0 for a type it does not know), times
   ``policy.plan`` with ``time.perf_counter`` -- the one clock read here, reported only --
   and, with ``check=True``, validates the plan with ``policy.check_plan``.
-* Every (job, copy) of the plan runs at ``copy_rate(snapshot, job, placements)``. A copy
-  whose set of (node, GPU) differs from the same copy's in the previous simulated round
-  (including a copy that did not run then) first spends ``restart_s`` restarting. A job
-  with more than one copy this round (HadarE) spends ``consolidation_s = model_bytes /
+* Work is counted in samples (``shared.progress``, docs/architecture.md "Work
+  accounting"): a job's work is ``total_steps`` steps of its global batch (W per-worker
+  batches). Every (job, copy) of the plan steps at its own rate ``s = copy_rate(snapshot,
+  job, placements)``; a copy on k of the job's W workers keeps the per-worker batch, so
+  each of its steps is k/W of a job step and it credits ``s * k / W`` job steps per
+  second. A copy with more than W workers is an ``InvalidPlan``.
+* A copy whose set of (node, GPU) differs from the same copy's in the previous simulated
+  round (including a copy that did not run then) first spends ``restart_s`` restarting. A
+  job with more than one copy this round (HadarE) spends ``consolidation_s = model_bytes /
   (store_gbps * 1e9)`` at the round end averaging weights: every copy trains in
-  ``[restart, round_s - consolidation_s]``. Steps of a job = sum over copies of
-  rate x training time, capped at what remains.
+  ``[restart, round_s - consolidation_s]``. Steps of a job = sum over copies of credited
+  rate x training time, capped at what remains; ``RoundObservation.copy_steps`` has each
+  copy's own steps, so that sum over copies of own steps x k = job steps x W (samples are
+  conserved).
 * A job whose copies can do what remains finishes at ``round start + T + consolidation_s``
-  where T is when the copies, training in parallel at their summed rate, reach the total;
-  it leaves at the round end (its GPUs are freed only then, as in Gavel).
+  where T is when the copies, training in parallel at their summed credited rate, reach
+  the total; it leaves at the round end (its GPUs are freed only then, as in Gavel).
 * Busy GPU-seconds: every placed GPU is held, and counts as busy, from the round start until
   its job completes (T + consolidation_s) or, if it does not, for the whole round -- restart
   and consolidation time included, zero-rate placements included. Attained GPU-seconds and
@@ -32,7 +39,9 @@ Semantics (exact; metrics.py and the tests rely on them):
   are left ("unrunnable"); when no arrivals remain and ``stall_rounds`` consecutive rounds
   made no progress at all ("stalled": only the policy knows whether it will ever place what
   is left, e.g. a job-level policy facing 8 workers of a type the cluster has 4 of); or after
-  ``max_rounds`` simulated rounds ("max_rounds"). Jobs left are reported not completed.
+  ``max_rounds`` simulated rounds ("max_rounds"). Jobs left are reported not completed,
+  each with the last wait reason its policy gave (``JobRecord.last_wait``; for a job no
+  placement can move, the simulator's own).
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ from services.scheduler.policy import (
 from services.scheduler.throughput import ThroughputModel
 from services.scheduler.traces import TraceJob
 from shared import workloads
+from shared.progress import credited_steps
 
 _DONE_EPS = 1e-9  # steps: a job this close to its total is complete (float sums of rate x time)
 
@@ -89,6 +99,7 @@ class JobRecord:
     steps_done: float
     gpu_s: float                  # GPU-seconds held
     rounds_run: int
+    last_wait: str | None = None  # "code: detail" of the last round the policy left it waiting
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +121,7 @@ class SimResult:
     rounds: tuple[RoundRecord, ...]
     end_s: float                  # end of the last simulated round
     stop_reason: str              # completed | unrunnable | stalled | max_rounds
+    gangs_only: bool = True       # every job placed ran as one copy of exactly W workers (bounds.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,15 +130,16 @@ class RoundObservation:
 
     snapshot: Snapshot
     plan: Plan
-    steps: Mapping[str, float]            # steps made this round, per placed job
+    steps: Mapping[str, float]            # job steps credited this round, per placed job
     completions: Mapping[str, float]      # completion time of jobs that finished this round
+    copy_steps: Mapping[tuple[str, int], float]  # each copy's own steps this round
 
 
 class _LiveJob:
     """Mutable per-job progress; ``state()`` caches the JobState until the job changes."""
 
     __slots__ = ("trace", "model_bytes", "steps_done", "attained_gpu_s", "rounds_run",
-                 "first_start_s", "completion_s", "_state")
+                 "first_start_s", "completion_s", "last_wait", "_state")
 
     def __init__(self, trace: TraceJob, model_bytes: int) -> None:
         self.trace = trace
@@ -136,6 +149,7 @@ class _LiveJob:
         self.rounds_run = 0
         self.first_start_s: float | None = None
         self.completion_s: float | None = None
+        self.last_wait: str | None = None
         self._state: JobState | None = None
 
     def state(self) -> JobState:
@@ -165,7 +179,7 @@ class _LiveJob:
         return JobRecord(job_id=t.job_id, job_type=t.job_type, workers=t.workers, total_steps=t.total_steps,
                          priority=t.priority, arrival_s=t.arrival_s, first_start_s=self.first_start_s,
                          completion_s=self.completion_s, steps_done=self.steps_done,
-                         gpu_s=self.attained_gpu_s, rounds_run=self.rounds_run)
+                         gpu_s=self.attained_gpu_s, rounds_run=self.rounds_run, last_wait=self.last_wait)
 
 
 def default_model_bytes(job_type: str) -> int:
@@ -201,22 +215,27 @@ def finish_time(segments: Sequence[tuple[float, float]], remaining: float) -> fl
     return t + (remaining - acc_steps) / acc_rate
 
 
-def _advance(job: _LiveJob, rates: Sequence[float], restarted: Sequence[bool], *, now: float,
-             options: SimOptions) -> tuple[float, float]:
-    """Progress ``job`` by one round run as copies at ``rates``; (steps made, seconds held)."""
+def _advance(job: _LiveJob, copies: Sequence[tuple[float, int, bool]], *, now: float,
+             options: SimOptions) -> tuple[float, float, list[float]]:
+    """Progress ``job`` by one round run as ``copies`` of (own rate, workers, restarted).
+
+    Returns (job steps credited, seconds its GPUs are held, each copy's own steps).
+    """
     round_s = options.round_s
-    consolidation = job.model_bytes / (options.store_gbps * 1e9) if len(rates) > 1 else 0.0
+    consolidation = job.model_bytes / (options.store_gbps * 1e9) if len(copies) > 1 else 0.0
     train_end = max(0.0, round_s - consolidation)
-    segments = [(rate, min(options.restart_s if again else 0.0, train_end)) for rate, again in zip(rates, restarted)]
-    capacity = sum(rate * (train_end - start) for rate, start in segments)
+    starts = [min(options.restart_s if again else 0.0, train_end) for _, _, again in copies]
+    credit = [credited_steps(rate, copy_workers=k, job_workers=job.trace.workers) for rate, k, _ in copies]
+    capacity = sum(c * (train_end - start) for c, start in zip(credit, starts))
     remaining = job.remaining
     if capacity > 0 and capacity >= remaining - _DONE_EPS:
-        held = min(round_s, finish_time(segments, remaining) + consolidation)
+        t = finish_time(list(zip(credit, starts)), remaining)
+        own = [rate * max(0.0, min(t, train_end) - start) for (rate, _, _), start in zip(copies, starts)]
         job.steps_done = float(job.trace.total_steps)
-        job.completion_s = now + held
-        return remaining, held
+        job.completion_s = now + min(round_s, t + consolidation)
+        return remaining, min(round_s, t + consolidation), own
     job.steps_done += capacity
-    return capacity, round_s
+    return capacity, round_s, [rate * (train_end - start) for (rate, _, _), start in zip(copies, starts)]
 
 
 def simulate(*, policy: Policy, cluster: Cluster, jobs: Sequence[TraceJob], throughput: ThroughputModel,
@@ -232,6 +251,9 @@ def simulate(*, policy: Policy, cluster: Cluster, jobs: Sequence[TraceJob], thro
     bytes_of = {job_type: size_of(job_type) for job_type in {j.job_type for j in pending}}
     live = {j.job_id: _LiveJob(j, bytes_of[j.job_type]) for j in pending}
     runnable = {j.job_id: can_ever_run(j, cluster, throughput) for j in pending}
+    for job_id, ok in runnable.items():
+        if not ok:  # a policy may never see it (no plan() once only such jobs are left)
+            live[job_id].last_wait = "infeasible: no placement of up to W GPUs of the cluster gives it a positive rate"
     gpu_type_of = {n.node_id: n.gpus for n in cluster.nodes}
     t0 = math.floor(pending[0].arrival_s / round_s) * round_s if pending else 0.0
 
@@ -247,6 +269,7 @@ def simulate(*, policy: Policy, cluster: Cluster, jobs: Sequence[TraceJob], thro
     rate_cache: dict[tuple[str, frozenset[tuple[str, int]]], float] = {}
     stop_reason = "completed"
     end_s = t0
+    gangs_only = True
 
     while True:
         now = t0 + r * round_s
@@ -273,6 +296,9 @@ def simulate(*, policy: Policy, cluster: Cluster, jobs: Sequence[TraceJob], thro
         decision_ms = (time.perf_counter() - started) * 1000.0
         if options.check:
             check_plan(snapshot, plan)
+        for wait in plan.waiting:
+            if wait.job_id in live:
+                live[wait.job_id].last_wait = f"{wait.code.value}: {wait.detail}" if wait.detail else wait.code.value
 
         copies_by_job: dict[str, list[tuple[int, list[Placement]]]] = defaultdict(list)
         for (job_id, copy), placements in plan.copies().items():
@@ -281,6 +307,7 @@ def simulate(*, policy: Policy, cluster: Cluster, jobs: Sequence[TraceJob], thro
         busy: dict[str, float] = defaultdict(float)
         steps_made: dict[str, float] = {}
         completions: dict[str, float] = {}
+        copy_steps: dict[tuple[str, int], float] = {}
         next_gpus: dict[tuple[str, int], frozenset[tuple[str, int]]] = {}
 
         for job_id, job_copies in copies_by_job.items():
@@ -288,16 +315,19 @@ def simulate(*, policy: Policy, cluster: Cluster, jobs: Sequence[TraceJob], thro
             if job is None or job.completion_s is not None or job.trace.arrival_s > now:
                 raise InvalidPlan(f"{job_id}: placed but not active in round {r}")
             copy_gpus = [frozenset((p.node_id, g) for p in parts for g in p.gpus) for _, parts in job_copies]
-            rates = []
+            runs = []
             for (copy, parts), gpus in zip(job_copies, copy_gpus):
+                if len(gpus) > job.trace.workers:
+                    raise InvalidPlan(f"{job_id} copy {copy}: {len(gpus)} workers > W={job.trace.workers}")
                 rate = rate_cache.get((job.trace.job_type, gpus))
                 if rate is None:
                     rate = rate_cache[(job.trace.job_type, gpus)] = copy_rate(snapshot, job.state(), parts)
-                rates.append(rate)
+                runs.append((rate, len(gpus), prev_gpus.get((job_id, copy)) != gpus))
                 next_gpus[(job_id, copy)] = gpus
-            restarted = [prev_gpus.get((job_id, copy)) != gpus for (copy, _), gpus in zip(job_copies, copy_gpus)]
-            steps, held = _advance(job, rates, restarted, now=now, options=options)
+            steps, held, own = _advance(job, runs, now=now, options=options)
             steps_made[job_id] = steps
+            gangs_only = gangs_only and len(runs) == 1 and runs[0][1] == job.trace.workers
+            copy_steps.update({(job_id, copy): x for (copy, _), x in zip(job_copies, own)})
             if job.completion_s is not None:
                 completions[job_id] = job.completion_s
             types = [[gpu_type_of[node][g] for node, g in gpus] for gpus in copy_gpus]
@@ -310,7 +340,8 @@ def simulate(*, policy: Policy, cluster: Cluster, jobs: Sequence[TraceJob], thro
         rounds.append(RoundRecord(round=r, start_s=now, active_jobs=len(active), placed_gpus=dict(placed),
                                   busy_gpu_s=dict(busy), decision_ms=decision_ms))
         if observer is not None:
-            observer(RoundObservation(snapshot=snapshot, plan=plan, steps=steps_made, completions=completions))
+            observer(RoundObservation(snapshot=snapshot, plan=plan, steps=steps_made, completions=completions,
+                                      copy_steps=copy_steps))
         simulated += 1
         end_s = now + round_s
         previous = plan
@@ -328,7 +359,7 @@ def simulate(*, policy: Policy, cluster: Cluster, jobs: Sequence[TraceJob], thro
 
     return SimResult(policy=getattr(policy, "name", type(policy).__name__), cluster=cluster, round_s=round_s,
                      jobs=tuple(live[j.job_id].record() for j in pending), rounds=tuple(rounds),
-                     end_s=end_s, stop_reason=stop_reason)
+                     end_s=end_s, stop_reason=stop_reason, gangs_only=gangs_only)
 
 
 def build_throughput(*, cross_node: bool = True, table_path: str | None = None) -> ThroughputModel:

@@ -1,16 +1,25 @@
-"""Throughput model: steps/s of a job on a placement of GPUs.
+"""Throughput model: steps/s of a job copy on a placement of GPUs.
+
+Unit: a rate is a copy's own steps per second, one step being one optimizer step of the
+copy's global batch (its workers x the per-worker batch), as the agent counts them. How a
+copy's steps count toward its job is ``shared.progress`` (docs/architecture.md "Work
+accounting").
 
 Rules (how the policies use them: docs/architecture.md "Policies"):
 
-* ``rate(job_type, gpu_type, n)`` is the whole job's steps/s on ``n`` GPUs of one type on
-  one node ("consolidated"). Taken from the table when it has the exact entry (a 0 there
+* ``rate(job_type, gpu_type, n)`` is a copy's steps/s on ``n`` GPUs of one type on one
+  node ("consolidated"). Taken from the table when it has the exact entry (a 0 there
   means the job cannot run that way, e.g. ResNet-50 at batch 128 on several K80s); else
-  scaled linearly from the nearest measured worker count of that type (preferring a
-  smaller one); else from the ``fallback`` estimator (GPU types the table lacks); else 0.
+  the step rate of the nearest measured worker count of that type (preferring a smaller
+  one: per-worker throughput held, as Gavel's linear scaling of per-worker steps); else
+  from the ``fallback`` estimator (GPU types the table lacks), in the same unit; else 0.
+* Gavel's table counts a step per *worker*: its scheduler sums the steps of a gang's
+  workers, and its entry at scale n is n x the copy's step rate. ``from_gavel_table``
+  divides every entry (consolidated and unconsolidated) by its n.
 * A placement is a list of parts ``(node, gpu_type, count)`` with n = sum of counts
   workers. One type on one node runs at ``rate(type, n)``. Otherwise the synchronous
-  data-parallel job runs at ``n x min over used types of rate(type, n) / n`` -- every
-  worker waits for the slowest -- times the cross-node factor when it spans nodes.
+  data-parallel copy steps at the pace of its slowest worker, ``min over used types of
+  rate(type, n)``, times the cross-node factor when it spans nodes.
 * Cross-node factor, for a placement spanning nodes: the table's
   ``<type>_unconsolidated / <type>`` ratio at scale n (minimum over the used types, capped
   at 1) where the table has it; else ``default_cross_node`` (0.8: a typical allreduce
@@ -26,7 +35,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 
-Fallback = Callable[[str, str, int], float]
+Fallback = Callable[[str, str, int], float]  # (job type, GPU type, n) -> a copy's steps/s, as ``rate``
 _KEY_RE = re.compile(r"^\('(?P<job>.+)', (?P<scale>\d+)\)$")
 DEFAULT_CROSS_NODE = 0.8
 
@@ -61,7 +70,8 @@ class ThroughputModel:
     @classmethod
     def from_gavel_table(cls, path: str | None = None, *, fallback: Fallback | None = None,
                          cross_node: bool = True) -> "ThroughputModel":
-        """Load Gavel's ``simulation_throughputs.json`` (the packaged copy by default)."""
+        """Load Gavel's ``simulation_throughputs.json`` (the packaged copy by default), each
+        entry divided by its worker count (module docstring)."""
         if path is None:
             text = resources.files("shared").joinpath("data/gavel_throughputs.json").read_text()
         else:
@@ -77,7 +87,9 @@ class ThroughputModel:
                 m = _KEY_RE.match(key)
                 if m is None or "null" not in value:
                     continue
-                target[(m["job"], gpu_type, int(m["scale"]))] = float(value["null"])
+                scale = int(m["scale"])
+                # Gavel: steps summed over the gang's workers -> the copy's own steps
+                target[(m["job"], gpu_type, scale)] = float(value["null"]) / scale
         return cls(rates=rates, unconsolidated=uncons, fallback=fallback, cross_node=cross_node)
 
     def with_rates(self, extra: Mapping[tuple[str, str, int], float]) -> "ThroughputModel":
@@ -98,7 +110,7 @@ class ThroughputModel:
         return self._scales.get((job_type, gpu_type), ())
 
     def rate(self, job_type: str, gpu_type: str, n: int) -> float:
-        """Whole-job steps/s on ``n`` GPUs of ``gpu_type`` on one node."""
+        """A copy's own steps/s on ``n`` GPUs of ``gpu_type`` on one node."""
         if n <= 0:
             return 0.0
         exact = self.rates.get((job_type, gpu_type, n))
@@ -107,9 +119,7 @@ class ThroughputModel:
         measured = self._scales.get((job_type, gpu_type))
         if measured:
             smaller = [s for s in measured if s < n]
-            base = smaller[-1] if smaller else measured[0]
-            base_rate = self.rates[(job_type, gpu_type, base)]
-            return base_rate * n / base
+            return self.rates[(job_type, gpu_type, smaller[-1] if smaller else measured[0])]
         if self.fallback is not None:
             return max(0.0, float(self.fallback(job_type, gpu_type, n)))
         return 0.0
@@ -129,18 +139,14 @@ class ThroughputModel:
         return min(factors) if factors else self.default_cross_node
 
     def placement_rate(self, job_type: str, parts: Iterable[Part]) -> float:
-        """Whole-copy steps/s of a placement made of ``parts`` (see module docstring)."""
+        """A copy's own steps/s on a placement made of ``parts`` (see module docstring)."""
         parts = [p for p in parts if p.count > 0]
         if not parts:
             return 0.0
         n = sum(p.count for p in parts)
         types = {p.gpu_type for p in parts}
         nodes = {p.node_id for p in parts}
-        if len(types) == 1:
-            (gpu_type,) = types
-            base = self.rate(job_type, gpu_type, n)
-        else:
-            base = n * min(self.per_worker(job_type, t, n) for t in types)
+        base = min(self.rate(job_type, t, n) for t in types)
         if len(nodes) > 1:
             base *= self.cross_node_factor(job_type, types, n)
         return base

@@ -9,7 +9,12 @@ Three sources, all producing ``TraceJob`` records sorted by (arrival, input orde
   stanford-futuredata/gavel): job_type, command, working_directory, num_steps_arg,
   needs_data_dir, total_steps, scale_factor, priority_weight, SLO, arrival_time. Jobs get
   ids ``j<line number>``; command, directory, steps argument, data-dir flag and SLO are not
-  used by the simulator and are not checked beyond being present.
+  used by the simulator and are not checked beyond being present. Gavel counts a step per
+  worker (its scheduler sums the steps of a gang's workers), so ``total_steps`` here is
+  Gavel's divided by the scale factor, rounded, at least 1.
+
+``TraceJob.total_steps`` is in steps of the job's global batch, as a live job's
+iterations (``shared.progress``); a CSV's ``total_steps`` column is read as such.
 * ``gen:jobs=N,rate=R,seed=S,multi_gpu=true|false``: Gavel's job distribution (see
   ``generate_jobs``). ``rate`` is jobs per hour (default 0: every job arrives at t=0),
   ``seed`` defaults to the caller's seed, ``multi_gpu`` defaults to false (as Gavel's
@@ -154,13 +159,14 @@ def parse_gavel_trace(text: str, *, job_types: Iterable[str], source: str = "<tr
                              f"format has {len(GAVEL_COLUMNS)}")
         cell = dict(zip(GAVEL_COLUMNS, fields))
         _int_field(cell["needs_data_dir"], source=source, line=index, field="needs_data_dir", minimum=0)
+        workers = _int_field(cell["scale_factor"], source=source, line=index, field="scale_factor", minimum=1)
+        gavel_steps = _int_field(cell["total_steps"], source=source, line=index, field="total_steps", minimum=1)
         jobs.append(TraceJob(
             job_id=f"j{index}",
             arrival_s=_float_field(cell["arrival_time"], source=source, line=index, field="arrival_time"),
             job_type=_job_type_field(cell["job_type"], known, source=source, line=index),
-            workers=_int_field(cell["scale_factor"], source=source, line=index, field="scale_factor", minimum=1),
-            total_steps=_int_field(cell["total_steps"], source=source, line=index, field="total_steps",
-                                   minimum=1),
+            workers=workers,
+            total_steps=max(1, round(gavel_steps / workers)),
             priority=_float_field(cell["priority_weight"], source=source, line=index, field="priority_weight",
                                   positive=True),
         ))
@@ -226,7 +232,8 @@ def generate_jobs(*, jobs: int, rate_per_hour: float, multi_gpu: bool, rng: np.r
     0.70/0.10/0.15/0.05); job type uniformly from the table's types that have a V100 entry,
     re-drawn while the type has no V100 entry at that scale factor (not distributed-capable);
     duration 60*10^U(1.5,3) s w.p. 0.8 else 60*10^U(3,4) s; total steps = int(duration x
-    V100 throughput at the scale factor), at least 1. Arrivals: job 0 at t=0, then gaps drawn
+    the copy's V100 step rate at the scale factor), at least 1 -- the job's duration alone on
+    W V100s, as in Gavel. Arrivals: job 0 at t=0, then gaps drawn
     from an exponential with mean 3600/rate s (rate 0: everyone at t=0).
     """
     if rate_per_hour < 0:

@@ -10,11 +10,16 @@ import pytest
 
 from services.cli.main import main
 from services.scheduler.policies import _REGISTRY
-from services.scheduler.report import format_text_table, render_markdown
+from services.scheduler.bounds import TtdBounds
+from services.scheduler.clusters import parse_cluster
+from services.scheduler.metrics import PolicyMetrics, UnfinishedJob
+from services.scheduler.report import build_summary, format_text_table, render_markdown
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "traces" / "small.csv"
 METRIC_KEYS = {"ttd_s", "cru", "gru", "jct_mean_s", "jct_median_s", "jct_p95_s", "queue_delay_mean_s", "ftf_mean",
-               "decision_ms_p50", "decision_ms_max", "jobs_total", "jobs_completed"}
+               "decision_ms_p50", "decision_ms_max", "jobs_total", "jobs_completed", "stop_reason", "unfinished",
+               "ttd_bound", "ttd_bound_s", "ttd_over_bound"}
+RATIO_KEYS = {"ttd", "cru", "jct_mean", "jct_median"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -32,15 +37,22 @@ def test_sim_writes_summary_report_and_plots(tmp_path, capsys) -> None:
     assert summary["cluster"] == {"name": "v100:2x2,p100:2,k80:4", "nodes": 8, "gpus": {"k80": 4, "p100": 2, "v100": 4}}
     assert summary["trace"] == {"spec": str(EXAMPLE), "jobs": 8}
     assert list(summary["policies"]) == policies
+    bounds = summary["bounds"]
+    assert 0 < bounds["ttd_fork_s"] <= bounds["ttd_nofork_s"]
     for name, m in summary["policies"].items():
-        assert set(m) == METRIC_KEYS, name
-        assert (m["jobs_total"], m["jobs_completed"]) == (8, 8), name
+        assert set(m) == METRIC_KEYS | ({"vs_gavel"} if "gavel" in policies else set()), name
+        assert (m["jobs_total"], m["jobs_completed"], m["unfinished"]) == (8, 8, []), name
+        assert m["stop_reason"] == "completed"
+        assert m["ttd_bound"] == ("fork" if name == "hadare" else "nofork")
+        assert m["ttd_bound_s"] == bounds[f"ttd_{m['ttd_bound']}_s"]
+        assert m["ttd_over_bound"] == pytest.approx(m["ttd_s"] / m["ttd_bound_s"]) and m["ttd_over_bound"] >= 1 - 1e-6
         assert set(m["gru"]) == {"k80", "p100", "v100"}
         assert 0 < m["cru"] <= 1 and m["ttd_s"] > 0 and m["jct_median_s"] <= m["jct_p95_s"]
     report = (out / "report.md").read_text()
     assert "| TTD (h) |" in report and all(f"`{p}`" in report for p in policies)
     assert ("## Ratios vs gavel" in report) == ("gavel" in policies)
-    for png in ("utilization.png", "jct_cdf.png"):
+    assert "| TTD / bound |" in report and "| TTD bound (h) |" in report
+    for png in ("utilization.png", "jct_cdf.png", "ttd_bounds.png"):
         data = (out / png).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 5000
         assert f"]({png})" in report
@@ -91,18 +103,71 @@ def test_bad_trace_line_names_line_and_field(tmp_path, capsys) -> None:
     assert "line 3: field scale_factor" in err and "\n" not in err
 
 
+def policy_metrics(ttd: float | None, cru: float, jct: float, unfinished: tuple[str, ...] = ()) -> PolicyMetrics:
+    return PolicyMetrics(
+        ttd_s=ttd, cru=cru, gru={"v100": cru}, jct_mean_s=jct, jct_median_s=jct, jct_p95_s=jct,
+        queue_delay_mean_s=0.0, ftf_mean=1.0, decision_ms_p50=1.0, decision_ms_max=2.0, jobs_total=3,
+        jobs_completed=3 - len(unfinished), stop_reason="stalled" if unfinished else "completed",
+        unfinished=tuple(UnfinishedJob(job_id=j, placed=False, reason="infeasible: too few GPUs")
+                         for j in unfinished))
+
+
 def test_report_ratios_against_gavel() -> None:
-    def metrics(ttd: float, cru: float, jct: float) -> dict:
-        return {"ttd_s": ttd, "cru": cru, "gru": {"v100": cru}, "jct_mean_s": jct, "jct_median_s": jct,
-                "jct_p95_s": jct, "queue_delay_mean_s": 0.0, "ftf_mean": 1.0, "decision_ms_p50": 1.0,
-                "decision_ms_max": 2.0, "jobs_total": 3, "jobs_completed": 3}
-    summary = {"cluster": {"name": "c", "nodes": 1, "gpus": {"v100": 1}}, "trace": {"spec": "t", "jobs": 3},
-               "policies": {"gavel": metrics(7200, 0.5, 3600), "hadar": metrics(3600, 0.75, 1800)}}
-    text = render_markdown(summary, stop_reasons={"gavel": "completed", "hadar": "completed"})
+    cluster = parse_cluster("v100:1")
+    summary = build_summary(cluster=cluster, trace="t", jobs=3, bounds=TtdBounds(ttd_fork_s=1800, ttd_nofork_s=3600),
+                            metrics={"gavel": policy_metrics(7200, 0.5, 3600), "hadar": policy_metrics(3600, 0.75, 1800)},
+                            gangs_only={"gavel": True, "hadar": True})
+    assert summary["policies"]["hadar"]["vs_gavel"] == {"ttd": 2.0, "cru": 1.5, "jct_mean": 2.0, "jct_median": 2.0}
+    assert summary["policies"]["gavel"]["ttd_over_bound"] == 2.0
+    text = render_markdown(summary, plots=())
     assert "| TTD speedup (gavel / policy) | 1.00x | 2.00x |" in text
     assert "| CRU gain (policy / gavel) | 1.00x | 1.50x |" in text
     assert "| JCT mean speedup (gavel / policy) | 1.00x | 2.00x |" in text
     assert "| TTD (h) | 2.00 | 1.00 |" in text
+    assert "| TTD bound (h) | 1.00 | 1.00 |" in text and "| TTD / bound | 2.00 | 1.00 |" in text
     del summary["policies"]["gavel"]
-    assert "Ratios" not in render_markdown(summary, stop_reasons={})
+    del summary["policies"]["hadar"]["vs_gavel"]
+    assert "Ratios" not in render_markdown(summary, plots=())
     assert "TTD speedup" not in format_text_table(summary["policies"])
+
+
+def test_ratios_only_between_runs_that_completed_the_same_jobs() -> None:
+    summary = build_summary(
+        cluster=parse_cluster("v100:1"), trace="t", jobs=3, bounds=TtdBounds(ttd_fork_s=1800, ttd_nofork_s=3600),
+        metrics={"gavel": policy_metrics(None, 0.5, 3600, unfinished=("c",)),
+                 "hadar": policy_metrics(None, 0.6, 1800, unfinished=("c",)),
+                 "hadare": policy_metrics(5400, 0.9, 1800)},
+        gangs_only={"gavel": True, "hadar": True, "hadare": False})
+    policies = summary["policies"]
+    assert policies["gavel"]["ttd_s"] is None and policies["gavel"]["ttd_over_bound"] is None
+    assert policies["hadar"]["vs_gavel"] == {"ttd": None, "cru": 1.2, "jct_mean": 2.0, "jct_median": 2.0}
+    assert policies["hadare"]["vs_gavel"] == {k: None for k in RATIO_KEYS}
+    assert policies["hadare"]["ttd_over_bound"] == 3.0
+    text = format_text_table(policies)
+    ttd_row = next(line for line in text.splitlines() if line.startswith("TTD (h)"))
+    assert "n/a (1 job never placed: infeasible)" in ttd_row and "1.50" in ttd_row
+    speedup = next(line for line in text.splitlines() if line.startswith("TTD speedup"))
+    assert "0.50x" not in speedup and "n/a" in speedup
+
+
+def test_unfinished_jobs_end_to_end(tmp_path, capsys) -> None:
+    # A 4-worker job on two single-V100 nodes: no gang fits, Hadar cannot span 4 GPUs, HadarE
+    # runs single-worker copies of it on both nodes.
+    trace = tmp_path / "t.csv"
+    trace.write_text("job_id,arrival_time_s,job_type,scale_factor,total_steps\n"
+                     "big,0,ResNet-18 (batch size 64),4,20000\nsmall,0,ResNet-18 (batch size 64),1,20000\n")
+    out = tmp_path / "o"
+    assert main(["sim", "--cluster", "v100:2", "--trace", str(trace), "--policies", "gavel,hadar,hadare",
+                 "--out", str(out)]) == 0
+    policies = json.loads((out / "summary.json").read_text())["policies"]
+    for name in ("gavel", "hadar"):
+        m = policies[name]
+        assert (m["jobs_completed"], m["ttd_s"], m["ttd_over_bound"]) == (1, None, None), name
+        (left,) = m["unfinished"]
+        assert left["job"] == "big" and left["placed"] is False and left["reason"].startswith("infeasible")
+    assert policies["hadar"]["vs_gavel"]["ttd"] is None and policies["hadar"]["vs_gavel"]["jct_mean"] is not None
+    assert policies["hadare"]["jobs_completed"] == 2 and policies["hadare"]["ttd_over_bound"] >= 1 - 1e-6
+    assert all(v is None for v in policies["hadare"]["vs_gavel"].values())
+    printed = capsys.readouterr().out
+    assert "n/a (1 job never placed: infeasible)" in printed
+    assert "big" in (out / "report.md").read_text()

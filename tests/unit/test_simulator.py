@@ -164,7 +164,7 @@ def test_two_job_example_metrics_are_exact() -> None:
     records = {r.job_id: r for r in result.jobs}
     assert (records["a"].first_start_s, records["a"].completion_s) == (0.0, 150.0)
     assert (records["b"].first_start_s, records["b"].completion_s) == (200.0, 250.0)
-    assert [r.start_s for r in result.rounds] == [0.0, 100.0, 200.0]
+    assert [r.start_s for r in result.rounds] == [0.0, 100.0, 200.0] and result.gangs_only
     assert [r.busy_gpu_s["v100"] for r in result.rounds] == [100.0, 50.0, 50.0]
     m = compute_metrics(result, model)
     assert m.ttd_s == 250.0
@@ -261,8 +261,11 @@ def test_job_no_policy_can_place_stalls_without_looping_forever() -> None:
     assert result.stop_reason == "stalled"
     assert len(result.rounds) == 1 + 5
     m = compute_metrics(result, TABLE)
-    assert (m.jobs_total, m.jobs_completed) == (2, 1)
-    assert m.ttd_s == result.end_s                     # incomplete: to the end of the last round
+    assert (m.jobs_total, m.jobs_completed, m.stop_reason) == (2, 1, "stalled")
+    assert m.ttd_s is None                             # it never drained the trace
+    (left,) = m.unfinished
+    assert (left.job_id, left.placed, left.reason) == ("big", False, "capacity")
+    assert m.cru == pytest.approx(sum(sum(r.busy_gpu_s.values()) for r in result.rounds) / (4 * result.end_s))
 
 
 def test_job_with_zero_rate_everywhere_is_unrunnable_and_never_planned() -> None:
@@ -280,6 +283,8 @@ def test_job_with_zero_rate_everywhere_is_unrunnable_and_never_planned() -> None
     assert result.stop_reason == "unrunnable"
     assert calls == [2, 2]                             # no plan() once only unrunnable jobs are left
     assert [r.completion_s for r in result.jobs] == [None, 150.0, None]
+    # n2 arrived after the last plan(): the simulator's own reason stands
+    assert result.jobs[0].last_wait == "capacity" and result.jobs[2].last_wait.startswith("infeasible: ")
 
 
 def test_max_rounds_bounds_the_run() -> None:

@@ -70,11 +70,13 @@ def test_csv_header_errors() -> None:
 
 
 def test_gavel_trace_maps_its_ten_columns() -> None:
+    # Gavel counts a step per worker (its scheduler sums a gang's workers' steps): 346 of them
+    # on 2 workers are 173 steps of the job's global batch.
     text = "\n".join([gavel_line("Transformer (batch size 128)", "346", "2", "1", "0"),
                       gavel_line("LM (batch size 10)", "8601", "1", "2.5", "12.000000"), ""])
     jobs = parse_gavel_trace(text, job_types=TYPES)
     assert jobs == (
-        TraceJob(job_id="j1", arrival_s=0.0, job_type="Transformer (batch size 128)", workers=2, total_steps=346),
+        TraceJob(job_id="j1", arrival_s=0.0, job_type="Transformer (batch size 128)", workers=2, total_steps=173),
         TraceJob(job_id="j2", arrival_s=12.0, job_type="LM (batch size 10)", workers=1, total_steps=8601,
                  priority=2.5),
     )

@@ -12,8 +12,10 @@ extra copies:
   simulator charges the consolidation time of rounds with more than one copy.
 * Rule: idle GPU groups (node, type) are visited in cluster order, types by name. For a
   group with a idle GPUs, every eligible job j scores
-  ``min(1, e_j / rem_j)``, where e_j = rate(job, type, min(W_j, a)) x round_s is the steps a
-  copy there would make this round and rem_j the job's remaining steps minus what its
+  ``min(1, e_j / rem_j)``, where e_j = rate(job, type, k) x k / W_j x round_s with
+  k = min(W_j, a) is the job steps a copy there would be credited this round (each step of
+  a copy on k of W workers is k/W of a job step: ``shared.progress``) and rem_j the job's
+  remaining steps minus what its
   copies so far (copy 0 included) are expected to make this round: the job for which those
   GPUs are fastest relative to the work it has left. The best score wins (ties: more
   remaining work, then planning order); it takes the fewest GPUs of the group that reach
@@ -76,8 +78,9 @@ def fork(snapshot: Snapshot, base: Plan) -> Plan:
     types = cluster.types
     job_types = sorted({j.job_type for j in jobs})
     max_k = max(n.size for n in cluster.nodes)
-    # rate_tab[job type, gpu type, k] = whole-copy steps per round on k GPUs of that type
-    rate_tab = np.array([[[tp.rate(jt, t, k) * round_s for k in range(max_k + 1)] for t in types]
+    # rate_tab[job type, gpu type, k] = worker-steps per round of a copy on k GPUs of that type
+    # (its steps x k); a job of W workers is credited rate_tab / W job steps
+    rate_tab = np.array([[[tp.rate(jt, t, k) * k * round_s for k in range(max_k + 1)] for t in types]
                          for jt in job_types])
     jt = np.array([job_types.index(j.job_type) for j in jobs])
     workers = np.array([j.workers for j in jobs])
@@ -110,7 +113,7 @@ def fork(snapshot: Snapshot, base: Plan) -> Plan:
                 job_id = jobs[i].job_id
                 extra.append(Placement(job_id=job_id, copy=int(next_copy[i]), node_id=node.node_id,
                                        gpus=tuple(gpus)))
-                rem[i] -= rate_tab[jt[i], r, k]
+                rem[i] -= rate_tab[jt[i], r, k] / workers[i]
                 copies[i] += 1
                 next_copy[i] += 1
                 forked[job_id] += 1
@@ -128,10 +131,10 @@ def _best_copy(rates: np.ndarray, jt: np.ndarray, workers: np.ndarray, rem: np.n
                on_node: set[int], limit: int, idle: int) -> tuple[int, int]:
     """(job, GPUs) for the next copy on a group of ``idle`` GPUs, or (-1, 0) if none fits.
 
-    ``rates[job type, k]`` = steps per round of a copy on k GPUs of the group's type.
+    ``rates[job type, k]`` = worker-steps per round of a copy on k GPUs of the group's type.
     """
     k = np.minimum(workers, idle)
-    steps = rates[jt, k]
+    steps = rates[jt, k] / workers
     valid = (rem > EPS) & (copies < limit) & (steps > EPS)
     if on_node:
         valid[list(on_node)] = False
@@ -141,5 +144,5 @@ def _best_copy(rates: np.ndarray, jt: np.ndarray, workers: np.ndarray, rem: np.n
     tied = np.flatnonzero(score == score.max())
     i = int(tied[np.argmax(rem[tied])])
     target = min(steps[i], rem[i])
-    enough = np.flatnonzero(rates[jt[i], 1: k[i] + 1] >= target - EPS)
+    enough = np.flatnonzero(rates[jt[i], 1: k[i] + 1] / workers[i] >= target - EPS)
     return i, int(enough[0]) + 1 if enough.size else int(k[i])

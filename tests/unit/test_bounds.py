@@ -1,0 +1,159 @@
+"""TTD lower bounds (services/scheduler/bounds.py): hand-checked LPs, and no policy beats
+the bound that applies to it on random small traces and clusters."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from services.scheduler.bounds import (
+    FORKING_POLICIES, TtdBounds, best_copy_rate, best_fork_rate, bound_for, per_gpu_rate, span_factor, ttd_bounds)
+from services.scheduler.cluster import Cluster, Node
+from services.scheduler.clusters import parse_cluster
+from services.scheduler.metrics import compute_metrics
+from services.scheduler.policies import _REGISTRY, make_policy
+from services.scheduler.simulator import SimOptions, simulate
+from services.scheduler.throughput import ThroughputModel
+from services.scheduler.traces import TraceJob
+
+TABLE = ThroughputModel.from_gavel_table()
+ONE = ThroughputModel(rates={("A", "v100", 1): 1.0, ("A", "k80", 1): 0.5}, cross_node=False)
+PROPS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+MULTI = ("ResNet-18 (batch size 64)", "ResNet-50 (batch size 32)", "Transformer (batch size 32)",
+         "LM (batch size 20)")
+SINGLE = MULTI + ("A3C", "Recommendation (batch size 512)", "CycleGAN")
+
+
+def job(job_id: str, arrival: float, steps: int, *, job_type: str = "A", workers: int = 1) -> TraceJob:
+    return TraceJob(job_id=job_id, arrival_s=arrival, job_type=job_type, workers=workers, total_steps=steps)
+
+
+def registered() -> list[str]:
+    return [n for n, (module, _) in _REGISTRY.items() if importlib.util.find_spec(module) is not None]
+
+
+# ---------------------------------------------------------------------------- rates
+
+def test_per_gpu_rate_is_the_best_over_worker_counts_divided_by_w() -> None:
+    # W=2: one worker steps at 1/s (half a job step), two at 1.5/s (1.5 job steps on 2 GPUs).
+    model = ThroughputModel(rates={("A", "v100", 1): 1.0, ("A", "v100", 2): 1.5}, cross_node=False)
+    cluster = parse_cluster("v100:1x2")
+    assert per_gpu_rate("A", 2, "v100", cluster, model) == pytest.approx(0.75)
+    assert best_copy_rate("A", 2, cluster, model) == pytest.approx(1.5)
+    # Two 1-GPU nodes: each GPU at most at the best per-GPU rate (a copy spanning both nodes
+    # could reach it); the bound does not try to be tighter than that.
+    assert best_fork_rate("A", 2, parse_cluster("v100:2"), model) == pytest.approx(1.5)
+
+
+def test_best_copy_rate_of_a_mix_steps_at_the_slowest_type() -> None:
+    model = ThroughputModel(rates={("A", "v100", 2): 4.0, ("A", "k80", 2): 1.0, ("A", "v100", 1): 3.0,
+                                   ("A", "k80", 1): 0.8}, cross_node=False)
+    # Two workers need both GPUs of v100:1,k80:1: min(4, 1) = 1 job step/s; one V100 alone
+    # makes 3 copy steps/s = 1.5 job steps/s, the better copy unless the job runs as a gang.
+    assert best_copy_rate("A", 2, parse_cluster("v100:1,k80:1"), model) == pytest.approx(1.5)
+    assert best_copy_rate("A", 2, parse_cluster("v100:1,k80:1"), model, gang=True) == pytest.approx(1.0)
+    assert best_copy_rate("A", 2, parse_cluster("v100:2,k80:1"), model) == pytest.approx(4.0)
+    assert per_gpu_rate("A", 2, "v100", parse_cluster("v100:1,k80:1"), model, gang=True) == pytest.approx(2.0)
+
+
+def test_a_copy_that_must_span_nodes_pays_the_cross_node_factor() -> None:
+    # One worker steps at 1/s, two at 3/s on one node but at half that across nodes.
+    model = ThroughputModel(rates={("A", "v100", 1): 1.0, ("A", "v100", 2): 3.0},
+                            unconsolidated={("A", "v100", 2): 1.5})
+    one_node, two_nodes = parse_cluster("v100:1x2"), parse_cluster("v100:2")
+    assert per_gpu_rate("A", 2, "v100", one_node, model) == pytest.approx(1.5)
+    assert per_gpu_rate("A", 2, "v100", two_nodes, model) == pytest.approx(0.75)
+    assert best_copy_rate("A", 2, one_node, model) == pytest.approx(3.0)
+    assert best_copy_rate("A", 2, two_nodes, model) == pytest.approx(1.5)
+    assert ttd_bounds([job("a", 0, 300, workers=2)], two_nodes, model).ttd_nofork_s == pytest.approx(200.0)
+    # A worker count the table lacks pays the default factor unless another type has a ratio.
+    model = ThroughputModel(rates={("A", "v100", 1): 1.0, ("A", "v100", 2): 3.0, ("A", "k80", 3): 1.0},
+                            unconsolidated={("A", "k80", 3): 0.9}, default_cross_node=0.8)
+    assert span_factor("A", "v100", 3, parse_cluster("v100:3"), model) == pytest.approx(0.8)
+    assert span_factor("A", "v100", 3, parse_cluster("v100:3,k80:3"), model) == pytest.approx(0.9)
+    assert span_factor("A", "k80", 3, parse_cluster("v100:3,k80:3"), model) == pytest.approx(0.9)
+
+
+# ---------------------------------------------------------------------------- LP values
+
+def test_single_job_bound_is_its_isolated_time_and_greedy_meets_it() -> None:
+    b = ttd_bounds([job("a", 0, 360)], parse_cluster("v100:1"), ONE)
+    assert b == TtdBounds(ttd_fork_s=pytest.approx(360.0), ttd_nofork_s=pytest.approx(360.0))
+
+
+def test_capacity_bound_sums_work_over_the_gpus() -> None:
+    # Two 300-step jobs on one V100 (1 step/s) and one K80 (0.5): 600 steps at 1.5 steps/s
+    # is 400 s if both GPUs share the work; no job can use two GPUs at once without forking.
+    b = ttd_bounds([job("a", 0, 300), job("b", 0, 300)], parse_cluster("v100:1,k80:1"), ONE)
+    assert b.ttd_nofork_s == pytest.approx(400.0)
+    assert b.ttd_fork_s == pytest.approx(400.0)
+
+
+def test_arrivals_tighten_the_bound() -> None:
+    # a: 100 s at 0; b and c: 300 s each, both arriving at 500, on one V100. Capacity alone
+    # gives 700 s; jobs arriving at 500 can only use [500, T]: T >= 500 + 600.
+    b = ttd_bounds([job("a", 0, 100), job("b", 500, 300), job("c", 500, 300)], parse_cluster("v100:1"), ONE)
+    assert b.ttd_nofork_s == pytest.approx(1100.0)
+    # arrivals are measured from the first one
+    shifted = ttd_bounds([job("a", 50, 100), job("b", 550, 300), job("c", 550, 300)], parse_cluster("v100:1"), ONE)
+    assert shifted.ttd_nofork_s == pytest.approx(1100.0)
+
+
+def test_forking_lets_one_job_use_every_node() -> None:
+    b = ttd_bounds([job("a", 0, 400)], parse_cluster("v100:4"), ONE)
+    assert b.ttd_nofork_s == pytest.approx(400.0)
+    assert b.ttd_fork_s == pytest.approx(100.0)
+
+
+def test_unrunnable_job_has_no_bound_and_empty_trace_has_zero() -> None:
+    b = ttd_bounds([job("a", 0, 10, job_type="B")], parse_cluster("v100:1"), ONE)
+    assert b == TtdBounds(ttd_fork_s=None, ttd_nofork_s=None)
+    assert ttd_bounds([], parse_cluster("v100:1"), ONE) == TtdBounds(ttd_fork_s=0.0, ttd_nofork_s=0.0)
+
+
+def test_bound_for_a_policy() -> None:
+    b = TtdBounds(ttd_fork_s=1.0, ttd_nofork_s=2.0)
+    assert FORKING_POLICIES == frozenset({"hadare"})
+    assert bound_for("hadare", b, gangs_only=True) == ("fork", 1.0)
+    assert bound_for("gavel", b, gangs_only=True) == ("nofork", 2.0)
+    assert bound_for("gavel", b, gangs_only=False) == ("fork", 1.0)
+
+
+# ---------------------------------------------------------------------------- validity
+
+@st.composite
+def cases(draw) -> tuple[Cluster, list[TraceJob], float]:
+    nodes = [Node(node_id=f"n{i}", gpus=tuple(draw(st.lists(st.sampled_from(("k80", "p100", "v100")),
+                                                           min_size=1, max_size=4))))
+             for i in range(draw(st.integers(1, 4)))]
+    jobs = []
+    for i in range(draw(st.integers(1, 5))):
+        workers = draw(st.sampled_from((1, 1, 2, 4)))
+        job_type = draw(st.sampled_from(MULTI if workers > 1 else SINGLE))
+        per_round = TABLE.rate(job_type, "v100", workers) * 360.0
+        jobs.append(TraceJob(job_id=f"j{i}", arrival_s=draw(st.floats(0, 1500)), job_type=job_type,
+                             workers=workers, total_steps=max(1, int(per_round * draw(st.floats(0.05, 3.0))))))
+    return Cluster(name="prop", nodes=tuple(nodes)), jobs, draw(st.sampled_from((0.0, 30.0)))
+
+
+@PROPS
+@given(case=cases())
+def test_no_policy_beats_its_bound(case: tuple[Cluster, list[TraceJob], float]) -> None:
+    cluster, jobs, restart_s = case
+    bounds = ttd_bounds(jobs, cluster, TABLE)
+    if bounds.ttd_fork_s is None:
+        return
+    # a gang of W is a plan of one copy: the fork bound is never above the no-fork one
+    assert bounds.ttd_nofork_s is None or bounds.ttd_fork_s <= bounds.ttd_nofork_s * (1 + 1e-9)
+    for name in registered():
+        result = simulate(policy=make_policy(name), cluster=cluster, jobs=jobs, throughput=TABLE,
+                          options=SimOptions(restart_s=restart_s, check=True, stall_rounds=3))
+        metrics = compute_metrics(result, TABLE)
+        if metrics.jobs_completed < metrics.jobs_total:
+            continue
+        ttd = metrics.ttd_s
+        _, bound = bound_for(name, bounds, gangs_only=result.gangs_only)
+        assert bound is not None and ttd >= bound * (1 - 1e-6), (name, ttd, bound)
