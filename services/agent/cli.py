@@ -99,16 +99,17 @@ def run_agent(args: argparse.Namespace) -> int:
     configure_logging("agent", level=args.log_level)
     drain_s = max(args.drain_timeout_s, config.stop_timeout_s + 15.0)
 
-    async def run() -> None:
+    async def run() -> int:
         devices = emulated or await _discover(config)
         if store.kind == "local":
             os.makedirs(store.root, exist_ok=True)
         await bus.start()
         try:
             daemon = AgentDaemon(config, bus=bus, store=store, devices=devices)
-            await run_service(daemon, http_host=args.http_host, http_port=args.http_port, drain_timeout_s=drain_s)
+            code = await run_service(daemon, http_host=args.http_host, http_port=args.http_port,
+                                     drain_timeout_s=drain_s, bus=bus)
         finally:
             await bus.stop()
+        return code
 
-    asyncio.run(run())
-    return 0
+    return asyncio.run(run())

@@ -59,13 +59,13 @@ def run_profiler(args: argparse.Namespace) -> int:
     bus = make_bus(args, source="profiler")
     configure_logging("profiler", level=args.log_level)
 
-    async def run() -> None:
+    async def run() -> int:
         await bus.start()
         try:
-            await run_service(ProfilerService(bus=bus, config=config), http_host=args.http_host,
-                              http_port=args.http_port, drain_timeout_s=args.drain_timeout_s)
+            code = await run_service(ProfilerService(bus=bus, config=config), http_host=args.http_host,
+                                     http_port=args.http_port, drain_timeout_s=args.drain_timeout_s, bus=bus)
         finally:
             await bus.stop()
+        return code
 
-    asyncio.run(run())
-    return 0
+    return asyncio.run(run())

@@ -73,18 +73,18 @@ def run_scheduler(args: argparse.Namespace) -> int:
     bus = make_bus(args, source=config.source)
     configure_logging("scheduler", level=args.log_level)
 
-    async def run() -> None:
+    async def run() -> int:
         await bus.start()
         try:
             service = SchedulerService(bus=bus, config=config)
-            await run_service(service, http_host=args.http_host, http_port=args.http_port,
-                              drain_timeout_s=args.drain_timeout_s)
-            if args.record:
+            code = await run_service(service, http_host=args.http_host, http_port=args.http_port,
+                                     drain_timeout_s=args.drain_timeout_s, bus=bus)
+            if args.record and code == 0:
                 from shared.eventlog import dump_bus
 
                 await dump_bus(bus, args.record)
         finally:
             await bus.stop()
+        return code
 
-    asyncio.run(run())
-    return 0
+    return asyncio.run(run())

@@ -64,16 +64,16 @@ def run_tracker(args: argparse.Namespace) -> int:
     store = make_store(args)
     configure_logging("tracker", level=args.log_level)
 
-    async def run() -> None:
+    async def run() -> int:
         await bus.start()
         await store.start()
         try:
             service = TrackerService(bus=bus, store=store, config=config)
-            await run_service(service, http_host=args.http_host, http_port=args.http_port,
-                              drain_timeout_s=args.drain_timeout_s)
+            code = await run_service(service, http_host=args.http_host, http_port=args.http_port,
+                                     drain_timeout_s=args.drain_timeout_s, bus=bus)
         finally:
             await store.stop()
             await bus.stop()
+        return code
 
-    asyncio.run(run())
-    return 0
+    return asyncio.run(run())

@@ -165,6 +165,10 @@ class Bus(abc.ABC):
         """Stop every subscription (committing acked offsets), flush pending publishes,
         disconnect. Idempotent."""
 
+    async def ping(self, timeout_s: float = 5.0) -> None:
+        """Raise a retriable :class:`BusError` if the broker cannot be reached now (within
+        ``timeout_s``). A bus without a broker is always reachable."""
+
     @abc.abstractmethod
     async def ensure_topics(self, topics: Iterable[str] = ALL_TOPICS) -> None:
         """Create the topics that do not exist yet; existing ones are left as they are."""

@@ -104,6 +104,15 @@ class KafkaBus(Bus):
         if admin is not None:
             await admin.close()
 
+    async def ping(self, timeout_s: float = 5.0) -> None:
+        """A metadata round trip to the cluster; BusError (retriable) if none answers in time."""
+        check_started(self._admin is not None)
+        assert self._admin is not None
+        try:
+            await asyncio.wait_for(self._admin.describe_cluster(), timeout_s)
+        except Exception as exc:   # whatever the client raises, the broker was not reached
+            raise bus_error("ping", exc) from exc
+
     async def ensure_topics(self, topics: Iterable[str] = ALL_TOPICS) -> None:
         check_started(self._admin is not None)
         assert self._admin is not None

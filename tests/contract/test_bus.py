@@ -346,3 +346,8 @@ def test_ack_tracker_commits_the_longest_acked_prefix(gaps: list[int], rnd) -> N
         assert tracker.points().get(("t", 0)) == expected
         assert tracker.pending(("t", 0)) == len(offsets) - prefix
 
+
+
+async def test_a_started_bus_answers_a_ping(bus_kind, clock):
+    async with open_bus(bus_kind, clock) as bus:
+        await bus.ping(timeout_s=10.0)   # raises BusError if the broker did not answer
