@@ -49,7 +49,7 @@ __all__ = [
     "InvalidEvent", "Record", "Event", "Hyperparameters", "JobSpec", "GpuInfo", "Waiting",
     "CopyWeight", "Rejection", "JobSubmitted", "JobCancelled", "NodeRegistered",
     "NodeHeartbeat", "ThroughputEstimate", "RoundStarted", "Assignment", "Progress",
-    "CopyFinished", "ModelConsolidated", "JobCompleted", "DeadLetter", "EVENT_TYPES",
+    "CopyFinished", "ModelConsolidated", "RoundAbandoned", "JobCompleted", "DeadLetter", "EVENT_TYPES",
     "topic_for", "key_for", "encode", "decode", "JOB_ID_RE", "NODE_ID_RE",
 ]
 
@@ -283,6 +283,25 @@ class ModelConsolidated(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class RoundAbandoned(Event):
+    """The tracker ended a job's round without a model: no usable replica, or every attempt
+    to consolidate failed. The round's work is not counted and the job's next round starts
+    from its previous model; the scheduler stops waiting for this round at once."""
+
+    TYPE: ClassVar[str] = "RoundAbandoned"
+    job_id: str
+    round: int
+    reason: str
+    rejected: tuple[Rejection, ...] = ()
+    missing: tuple[int, ...] = ()
+
+    def _check(self) -> None:
+        check_job_id(self.job_id, self.TYPE)
+        require(self.round >= 0, "RoundAbandoned.round: must be >= 0")
+        require(len(self.reason) <= 1024, "RoundAbandoned.reason: at most 1024 characters")
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobCompleted(Event):
     TYPE: ClassVar[str] = "JobCompleted"
     job_id: str
@@ -313,7 +332,7 @@ class DeadLetter(Event):
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.TYPE: cls for cls in (
         JobSubmitted, JobCancelled, NodeRegistered, NodeHeartbeat, ThroughputEstimate,
-        RoundStarted, Assignment, Progress, CopyFinished, ModelConsolidated, JobCompleted,
+        RoundStarted, Assignment, Progress, CopyFinished, ModelConsolidated, RoundAbandoned, JobCompleted,
         DeadLetter,
     )
 }

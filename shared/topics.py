@@ -19,7 +19,7 @@ NODES = "hadar.nodes"              # NodeRegistered, NodeHeartbeat (agents -> sc
 THROUGHPUT = "hadar.throughput"    # ThroughputEstimate (profiler -> scheduler)
 PROGRESS = "hadar.progress"        # Progress, CopyFinished (agents -> tracker, profiler, scheduler)
 PLACEMENTS = "hadar.placements"    # RoundStarted, Assignment (scheduler -> agents, tracker)
-MODELS = "hadar.models"            # ModelConsolidated, JobCompleted (tracker -> scheduler, agents, CLI)
+MODELS = "hadar.models"            # ModelConsolidated, RoundAbandoned, JobCompleted (tracker -> scheduler, CLI)
 DEADLETTER = "hadar.deadletter"    # DeadLetter: anything undecodable or rejected, with the reason
 
 # Event type name -> its topic.
@@ -29,7 +29,7 @@ TOPIC_OF_TYPE: dict[str, str] = {
     "ThroughputEstimate": THROUGHPUT,
     "Progress": PROGRESS, "CopyFinished": PROGRESS,
     "RoundStarted": PLACEMENTS, "Assignment": PLACEMENTS,
-    "ModelConsolidated": MODELS, "JobCompleted": MODELS,
+    "ModelConsolidated": MODELS, "RoundAbandoned": MODELS, "JobCompleted": MODELS,
     "DeadLetter": DEADLETTER,
 }
 

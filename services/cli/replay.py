@@ -23,7 +23,8 @@ from shared.errors import UsageError
 from shared.eventlog import EventLogError, LogRecord, read_log
 from shared.events import (
     Assignment, CopyFinished, DeadLetter, Event, JobCancelled, JobCompleted, JobSubmitted,
-    ModelConsolidated, NodeHeartbeat, NodeRegistered, Progress, RoundStarted, ThroughputEstimate,
+    ModelConsolidated, NodeHeartbeat, NodeRegistered, Progress, RoundAbandoned, RoundStarted,
+    ThroughputEstimate,
 )
 from shared.topics import ALL_TOPICS
 
@@ -137,6 +138,12 @@ def _model_consolidated(e: ModelConsolidated) -> str:
     return f"  model {e.job_id} r{e.round}: {e.total_steps} steps total from [{used}]{rej}{miss} -> {e.key}"
 
 
+def _round_abandoned(e: RoundAbandoned) -> str:
+    rej = f"; rejected {[r.copy for r in e.rejected]}" if e.rejected else ""
+    miss = f"; missing {list(e.missing)}" if e.missing else ""
+    return f"  NO MODEL {e.job_id} r{e.round}: {e.reason}{rej}{miss} (continues from its previous model)"
+
+
 def _job_completed(e: JobCompleted) -> str:
     return f"completed {e.job_id}: {e.total_steps} steps, JCT {e.jct_s:.1f} s -> {e.final_key}"
 
@@ -168,7 +175,8 @@ def _dead_letter(e: DeadLetter) -> str:
 # The timeline reads every topic; heartbeats would drown it.
 _FORMATTERS: HandlerTable[Callable[[Any], str]] = HandlerTable({
     RoundStarted: _round_started, Assignment: _assignment, Progress: _progress,
-    CopyFinished: _copy_finished, ModelConsolidated: _model_consolidated, JobCompleted: _job_completed,
+    CopyFinished: _copy_finished, ModelConsolidated: _model_consolidated, RoundAbandoned: _round_abandoned,
+    JobCompleted: _job_completed,
     JobSubmitted: _job_submitted, JobCancelled: _job_cancelled, NodeRegistered: _node_registered,
     ThroughputEstimate: _throughput, DeadLetter: _dead_letter,
 }, topics=ALL_TOPICS, ignore=(NodeHeartbeat,))

@@ -33,7 +33,7 @@ from shared.clock import Clock, SystemClock
 from shared.dispatch import HandlerTable
 from shared.events import (
     CopyFinished, Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated, Progress,
-    ThroughputEstimate,
+    RoundAbandoned, ThroughputEstimate,
 )
 from shared.gpus import GPU_TYPES
 from shared.logging import get_logger
@@ -212,4 +212,4 @@ class ProfilerService:
     HANDLERS: ClassVar[HandlerTable[Callable[[ProfilerService, Any], Awaitable[None]]]] = HandlerTable({
         JobSubmitted: _on_submitted, Progress: _measure,
         JobCompleted: _on_finished, JobCancelled: _on_finished,
-    }, topics=INPUT_TOPICS, ignore=(CopyFinished, ModelConsolidated))
+    }, topics=INPUT_TOPICS, ignore=(CopyFinished, ModelConsolidated, RoundAbandoned))

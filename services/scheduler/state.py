@@ -32,7 +32,8 @@ from shared.layout import final_key, model_key
 from shared.rejection import Rejected
 from shared.events import (
     Assignment, CopyFinished, Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted,
-    ModelConsolidated, NodeHeartbeat, NodeRegistered, Progress, RoundStarted, ThroughputEstimate,
+    ModelConsolidated, NodeHeartbeat, NodeRegistered, Progress, RoundAbandoned, RoundStarted,
+    ThroughputEstimate,
 )
 from shared.topics import DEADLETTER, JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
 
@@ -51,6 +52,7 @@ class JobRecord:
     steps_done: int = 0                 # authoritative: the last consolidated model's total
     model_key: str | None = None        # the last consolidated model (start point of the next round)
     consolidated_round: int = -1
+    decided_round: int = -1             # latest round with a model or given up (RoundAbandoned)
     live_steps: dict[tuple[int, int], int] = field(default_factory=dict)  # (round, copy) -> steps this round
     attained_gpu_s: float = 0.0
     time_by_type: dict[str, float] = field(default_factory=dict)
@@ -244,9 +246,16 @@ class SchedulerState:
         job = self.jobs.get(e.job_id)
         if job is not None and e.round >= job.consolidated_round:
             job.consolidated_round = e.round
+            job.decided_round = max(job.decided_round, e.round)
             job.steps_done = e.total_steps
             job.model_key = e.key
             job.live_steps = {k: v for k, v in job.live_steps.items() if k[0] > e.round}
+
+    def _on_RoundAbandoned(self, e: RoundAbandoned) -> None:
+        job = self.jobs.get(e.job_id)
+        if job is not None:
+            job.decided_round = max(job.decided_round, e.round)
+            job.live_steps = {k: v for k, v in job.live_steps.items() if k[0] != e.round}
 
     def _on_JobCompleted(self, e: JobCompleted) -> None:
         job = self.jobs.get(e.job_id)
@@ -272,6 +281,15 @@ class SchedulerState:
             return f"ModelConsolidated: weights {weights[:8]} are not in [0, 1] summing to 1"
         return None
 
+    def _check_RoundAbandoned(self, e: RoundAbandoned) -> str | None:
+        if e.job_id in self._forgotten:
+            return None
+        if e.job_id not in self.jobs:
+            return f"RoundAbandoned: unknown job {e.job_id!r}"
+        if e.round > self.last_round and self._rounds_in_order:
+            return f"RoundAbandoned: round {e.round} has not started (latest round {self.last_round})"
+        return None
+
     def _check_JobCompleted(self, e: JobCompleted) -> str | None:
         if e.job_id in self.jobs and e.final_key != final_key(e.job_id):
             return f"JobCompleted: final key {e.final_key[:120]!r} is not {final_key(e.job_id)!r}"
@@ -284,7 +302,8 @@ class SchedulerState:
         return None
 
     CHECKS: ClassVar[dict[type, Callable[[SchedulerState, Any], str | None]]] = {
-        ModelConsolidated: _check_ModelConsolidated, JobCompleted: _check_JobCompleted,
+        ModelConsolidated: _check_ModelConsolidated, RoundAbandoned: _check_RoundAbandoned,
+        JobCompleted: _check_JobCompleted,
         ThroughputEstimate: _check_ThroughputEstimate,
     }
 
@@ -294,7 +313,8 @@ class SchedulerState:
         ThroughputEstimate: _on_ThroughputEstimate,
         RoundStarted: _on_RoundStarted, Assignment: _on_Assignment,
         Progress: _on_Progress, CopyFinished: _on_CopyFinished,
-        ModelConsolidated: _on_ModelConsolidated, JobCompleted: _on_JobCompleted,
+        ModelConsolidated: _on_ModelConsolidated, RoundAbandoned: _on_RoundAbandoned,
+        JobCompleted: _on_JobCompleted,
     }, topics=FOLDED_TOPICS)
 
     # ------------------------------------------------------------------ queries
@@ -327,13 +347,13 @@ class SchedulerState:
         return offered, seconds * sum(len(a.gpus) for a in record.assignments)
 
     def awaiting_consolidation(self, round_: int) -> list[str]:
-        """Active jobs that ran in ``round_`` and whose model for it has not been announced."""
+        """Active jobs that ran in ``round_`` whose model for it was neither announced nor given up."""
         record = self.rounds.get(round_)
         if record is None:
             return []
         ran = {a.job_id for a in record.assignments}
         return sorted(j for j in ran if j in self.jobs and self.jobs[j].active
-                      and self.jobs[j].consolidated_round < round_)
+                      and self.jobs[j].decided_round < round_)
 
 
 def fold_log(items: Iterable[tuple[str, Event]]) -> SchedulerState:

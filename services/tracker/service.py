@@ -24,12 +24,15 @@ Guarantees:
   hadar.deadletter with its origin and reason, so a restart counts it again but does not
   dead-letter it again. The tracker's own announcements are checked before publishing; a
   model object whose metadata would be refused is recomputed over.
-* A round with no usable replica publishes no model; it is logged and counted.
+* A round with no usable replica publishes no model but a RoundAbandoned (with the
+  rejections), so the scheduler stops waiting for it and the job continues from its
+  previous model; it is logged and counted.
 * Nothing is retried forever: a failed consolidation or completion is tried again after
   a back-off doubling from ``tick_s`` up to :data:`MAX_RETRY_S`, at most
   ``config.max_attempts`` times in all. Then the round is abandoned (logged,
-  ``tracker_rounds_given_up_total``): the job's next round comes due and the scheduler
-  starts it from the job's previous model once its ``consolidation_wait_s`` runs out.
+  ``tracker_rounds_given_up_total``, RoundAbandoned published when the bus takes it): the
+  job's next round comes due and starts from the job's previous model. Folding
+  RoundAbandoned on replay keeps an abandoned round closed across restarts.
   A completion given up (``tracker_completions_given_up_total``) is tried again only by
   a restarted tracker.
 """
@@ -59,7 +62,7 @@ from services.tracker.store_reader import StoreRangeReader
 from shared.bus import Bus, Delivery
 from shared.clock import Clock, SystemClock
 from shared.errors import HadarError
-from shared.events import Event, JobCompleted, ModelConsolidated, RoundStarted
+from shared.events import Event, JobCompleted, ModelConsolidated, Rejection, RoundAbandoned, RoundStarted
 from shared.layout import final_key, model_key
 from shared.logging import get_logger
 from shared.model_meta import InvalidModelMetadata, ModelMetadata
@@ -226,9 +229,8 @@ class TrackerService:
                 self._attempts.succeeded(key)
             except Exception as exc:
                 if self._failed("consolidate", exc, key, job=work.job_id, round=work.round):
-                    self.state.abandon(work.job_id, work.round)
+                    await self._give_up(work)
                     self._m_given_up.inc()
-                    await self._handle_refusals()   # reports held for the round are refused now
         for completion in self.state.due_completions():
             key = ("complete", completion.job_id, 0)
             if self._stopping or self._attempts.waiting(key, time.monotonic()):
@@ -243,6 +245,22 @@ class TrackerService:
         self._m_open.set(self.state.open_rounds())
         for kind, size in self.state.sizes().items():
             self._m_entries.labels(kind=kind).set(size)
+
+    def _abandonment(self, work: RoundWork, reason: str, *, rejected: tuple[Rejection, ...] = ()) -> RoundAbandoned:
+        return RoundAbandoned(ts=self.clock.time(), source=self.config.source, job_id=work.job_id, round=work.round,
+                              reason=reason[:1024], rejected=rejected, missing=work.missing)
+
+    async def _give_up(self, work: RoundWork) -> None:
+        """After the last failed attempt: announce the round as abandoned if the bus takes it;
+        either way the round is closed here, so later rounds of the job come due."""
+        try:
+            await self._publish(self._abandonment(work, f"gave up after {self._attempts.max_attempts} attempts: "
+                                                        f"{self._last_error or 'unknown error'}"))
+        except Exception as exc:   # the bus may be the reason it failed: close the round anyway
+            self._log.error("round.abandon_publish_failed", job=work.job_id, round=work.round,
+                            error=f"{type(exc).__name__}: {exc}"[:300])
+            self.state.abandon(work.job_id, work.round)
+            await self._handle_refusals()
 
     def _failed(self, stage: str, exc: Exception, key: tuple[str, str, int], **bound: Any) -> bool:
         """Count and log a failed attempt; True if it was the last one allowed (give it up)."""
@@ -272,10 +290,9 @@ class TrackerService:
             event = await self._announcement_of_existing(work, key, log)
         if event is None:
             event = await self._consolidate(work, key, log)
-        if event is None:
-            self.state.abandon(work.job_id, work.round)
+        if isinstance(event, RoundAbandoned):
+            await self._publish(event)   # folding it closes the round; held reports are refused
             self._m_abandoned.inc()
-            await self._handle_refusals()   # reports still held for the round
         else:
             refusal = self.state.check_announcement(event)
             if refusal is not None:   # never for a model this tracker computed: its plan obeys the same rules
@@ -287,7 +304,7 @@ class TrackerService:
         self._m_failed.inc(len(work.failed))     # once per round decided, not per attempt
         self._m_missing.inc(len(work.missing))
 
-    async def _consolidate(self, work: RoundWork, key: str, log: Any) -> ModelConsolidated | None:
+    async def _consolidate(self, work: RoundWork, key: str, log: Any) -> ModelConsolidated | RoundAbandoned:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         rejected = [Rejected(copy=f.copy, reason=f"copy failed: {f.reason or 'no reason given'}"[:240])
@@ -309,7 +326,8 @@ class TrackerService:
             except NoUsableReplica as exc:
                 self._m_rejected.inc(len(exc.rejected) - len(work.failed))
                 log.warning("round.no_usable_replica", reason=str(exc)[:500], missing=list(work.missing))
-                return None
+                return self._abandonment(work, "no usable replica",
+                                         rejected=tuple(Rejection(copy=r.copy, reason=r.reason) for r in exc.rejected))
             await self.store.put_file(key, path)
         finally:
             shutil.rmtree(tmp_dir, ignore_errors=True)

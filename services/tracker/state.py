@@ -55,7 +55,7 @@ from services.tracker.work import CompletionWork, FinishedCopy, RoundWork
 from shared.dispatch import HandlerTable
 from shared.events import (
     Assignment, CopyFinished, Event, JobCancelled, JobCompleted, JobSubmitted, ModelConsolidated, Progress,
-    RoundStarted,
+    RoundAbandoned, RoundStarted,
 )
 from shared.topics import JOBS, MODELS, PLACEMENTS, PROGRESS
 
@@ -269,6 +269,18 @@ class TrackerState:
             problem = announcement_problem(e, rnd.copies if rnd is not None else None)
         return problem or "accept"
 
+    def _on_RoundAbandoned(self, e: RoundAbandoned, origin: object) -> bool:
+        """The tracker's own decision (read back on replay): the round is closed without a model."""
+        job = self._jobs.get(e.job_id)
+        if e.job_id in self._finished or job is None or e.round <= job.floor:
+            return False
+        problem = future_problem(e.round, self._index.latest)
+        if problem is not None:
+            self._refuse(e, problem, origin)
+            return False
+        self.abandon(e.job_id, e.round)
+        return True
+
     def _on_JobCompleted(self, e: JobCompleted, origin: object) -> bool:
         verdict = self._completion_verdict(e)
         if isinstance(verdict, Problem):
@@ -292,7 +304,8 @@ class TrackerState:
         JobSubmitted: _on_JobSubmitted, JobCancelled: _on_JobCancelled,
         RoundStarted: _on_RoundStarted, Assignment: _on_Assignment,
         Progress: _on_Progress, CopyFinished: _on_CopyFinished,
-        ModelConsolidated: _on_ModelConsolidated, JobCompleted: _on_JobCompleted,
+        ModelConsolidated: _on_ModelConsolidated, RoundAbandoned: _on_RoundAbandoned,
+        JobCompleted: _on_JobCompleted,
     }, topics=FOLDED_TOPICS)
 
     # ------------------------------------------------------------------ forgetting

@@ -24,7 +24,7 @@ from shared.bus import MemoryBus
 from shared.clock import FakeClock
 from shared.events import (
     Assignment, CopyFinished, CopyWeight, DeadLetter, Event, JobCompleted, JobSpec, ModelConsolidated, Progress,
-    RoundStarted,
+    RoundAbandoned, RoundStarted,
 )
 from shared.layout import checkpoint_key, final_key, model_key
 from shared.store import LocalStore
@@ -363,8 +363,19 @@ async def test_a_round_that_fails_every_time_ends_after_the_bound_and_the_next_r
         assert registry.get_sample_value("tracker_errors_total", {"stage": "consolidate"}) == 3
         assert registry.get_sample_value("tracker_rounds_given_up_total") == 1
         assert [e.round for e in await cluster.models() if isinstance(e, ModelConsolidated)] == [1]
+        abandoned = [e for e in await cluster.models() if isinstance(e, RoundAbandoned)]
+        assert [(e.job_id, e.round) for e in abandoned] == [("j-fail", 0)]
+        assert "gave up after 3 attempts" in abandoned[0].reason
     finally:
         await cluster.service.stop()
+    # A restarted tracker reads the abandonment back: the round stays closed, never retried.
+    again = Cluster(memory_bus, local_store, "j-fail", store_for_tracker=store, max_attempts=3, group="tracker-2")
+    await again.service.start()
+    try:
+        await settle()
+        assert store.failures == 3 and again.service.state.due_rounds(T0 + 10**6, 0) == []
+    finally:
+        await again.service.stop()
 
 
 async def test_a_restart_counts_what_it_refuses_again_but_does_not_dead_letter_it_again(
@@ -411,5 +422,22 @@ async def test_progress_for_many_unknown_jobs_is_dead_lettered_and_leaves_the_st
         after = cluster.service.state.sizes()
         assert (after["jobs"], after["open_rounds"], after["pending"]) == (before["jobs"], 0, 0)
         assert len(await cluster.dead_letters()) == 500
+    finally:
+        await cluster.service.stop()
+
+
+async def test_a_round_with_no_usable_replica_is_announced_as_abandoned_and_the_next_round_comes_due(
+        memory_bus: MemoryBus, local_store: LocalStore) -> None:
+    cluster = Cluster(memory_bus, local_store, "j-empty")
+    await cluster.service.start()
+    try:
+        await cluster.place(0, ["n0"])
+        await cluster.finish(0, 0, "n0", 10, b"not a safetensors file at all")
+        await cluster.place(1, ["n0"])
+        await cluster.finish(1, 0, "n0", 20, save(weights(2)))
+        assert (await cluster.wait_model(1)).total_steps == 20
+        abandoned = [e for e in await cluster.models() if isinstance(e, RoundAbandoned)]
+        assert [(e.round, e.reason) for e in abandoned] == [(0, "no usable replica")]
+        assert [r.copy for r in abandoned[0].rejected] == [0]
     finally:
         await cluster.service.stop()

@@ -14,7 +14,7 @@ from shared.dispatch import HandlerTable, HandlerTableError
 from shared.errors import HadarError
 from shared.events import (
     EVENT_TYPES, Assignment, CopyFinished, Event, JobCancelled, JobSpec, JobSubmitted,
-    ModelConsolidated, NodeHeartbeat, Progress, RoundStarted,
+    ModelConsolidated, NodeHeartbeat, Progress, RoundAbandoned, RoundStarted,
 )
 from shared.topics import ALL_TOPICS, JOBS, PLACEMENTS, PROGRESS, event_types_on
 
@@ -144,7 +144,7 @@ def test_profiler_handles_its_input_topics_and_ignores_copy_results_and_models()
     from services.profiler.service import INPUT_TOPICS, ProfilerService
 
     assert_covers(ProfilerService.HANDLERS, INPUT_TOPICS)
-    assert ProfilerService.HANDLERS.ignored == {CopyFinished, ModelConsolidated}
+    assert ProfilerService.HANDLERS.ignored == {CopyFinished, ModelConsolidated, RoundAbandoned}
 
 
 def test_agent_handles_its_topics_and_ignores_submissions() -> None:

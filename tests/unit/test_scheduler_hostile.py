@@ -159,3 +159,16 @@ class HostileScheduler(RuleBasedStateMachine):
 TestHostileScheduler = HostileScheduler.TestCase
 TestHostileScheduler.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_an_abandoned_round_is_no_longer_awaited_and_a_forged_one_is_refused():
+    from shared.events import RoundAbandoned
+
+    state = started_state()
+    assert state.awaiting_consolidation(0) == ["a"]
+    with pytest.raises(Rejected, match="not started"):
+        state.apply(RoundAbandoned(ts=T0, source="tracker", job_id="a", round=5, reason="forged"))
+    with pytest.raises(Rejected, match="unknown job"):
+        state.apply(RoundAbandoned(ts=T0, source="tracker", job_id="ghost", round=0, reason="forged"))
+    state.apply(RoundAbandoned(ts=T0, source="tracker", job_id="a", round=0, reason="no usable replica"))
+    assert state.awaiting_consolidation(0) == [] and state.jobs["a"].model_key is None

@@ -22,7 +22,7 @@ def test_topic_names_are_pinned() -> None:
 def test_every_event_type_has_exactly_its_topic() -> None:
     assert set(topics.TOPIC_OF_TYPE) == set(EVENT_TYPES)
     assert set(topics.TOPIC_OF_TYPE.values()) == set(topics.ALL_TOPICS)
-    assert topics.event_types_on([topics.MODELS]) == {"ModelConsolidated", "JobCompleted"}
+    assert topics.event_types_on([topics.MODELS]) == {"ModelConsolidated", "RoundAbandoned", "JobCompleted"}
     assert topics.event_types_on(topics.ALL_TOPICS) == set(EVENT_TYPES)
 
 
