@@ -4,13 +4,22 @@ Each subcommand lives in its own module of this package exposing
 ``register(subparsers) -> None``; the parser it adds sets ``func`` (called with the parsed
 args; its return value is the exit code). Bad usage exits with code 2 and a one-line
 error, as argparse does.
+
+The user commands (:data:`USER_COMMANDS`) keep stdout for their output alone: whatever
+the process logs (structlog's, the standard library's) goes to stderr, warnings and up
+only, so ``hadar status J --json | jq`` never reads a log line.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import structlog
 
 from shared.errors import UsageError
 
@@ -23,11 +32,36 @@ COMMANDS: tuple[str, ...] = (
     "replay",
     "consolidate",
     "infra",
+    "completion",
 )
+USER_COMMANDS = frozenset({"submit", "jobs", "status", "watch", "cancel", "model", "completion"})
+
+
+def package_version() -> str:
+    try:
+        return version("hadar")
+    except PackageNotFoundError:   # run from a checkout that was never installed
+        return "unknown"
+
+
+def _stderr_logger(*_: Any) -> structlog.PrintLogger:
+    # sys.stderr looked up per logger, not bound once: it may be swapped (tests, redirection).
+    return structlog.PrintLogger(sys.stderr)
+
+
+def diagnostics_to_stderr() -> None:
+    """structlog prints to stdout unless configured; send it, and stdlib logging, to stderr."""
+    structlog.configure(
+        processors=[structlog.processors.add_log_level, structlog.dev.ConsoleRenderer(colors=False)],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        logger_factory=_stderr_logger, cache_logger_on_first_use=False)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hadar", description="Heterogeneity-aware DL cluster scheduler")
+    parser.add_argument("--version", action="version", version=f"hadar {package_version()}",
+                        help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"services.cli.{name}").register(sub)
@@ -37,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command in USER_COMMANDS:
+        diagnostics_to_stderr()
     try:
         code = args.func(args)
     except UsageError as exc:

@@ -44,6 +44,13 @@ def publish(bus: MemoryBus, *events: object) -> None:
     asyncio.run(run())
 
 
+def events_on(bus: MemoryBus, topic: str) -> list[object]:
+    async def run() -> list[object]:
+        await bus.start()
+        return [d.event async for d in bus.read(topic)]
+    return asyncio.run(run())
+
+
 def submitted(job: JobSpec, at: float) -> JobSubmitted:
     return JobSubmitted(ts=at, source="test", job=job, submitted_at=at)
 
@@ -118,10 +125,7 @@ def test_cancel_of_a_completed_job_says_so_and_publishes_nothing(bus, capsys):
     publish(bus, submitted(spec("c-done"), now - 10), completed("c-done", now - 1))
     assert main(["cancel", "c-done"]) == 0
     assert "already completed" in capsys.readouterr().out
-
-    async def cancels() -> list[object]:
-        return [d.event async for d in bus.read(JOBS) if isinstance(d.event, JobCancelled)]
-    assert asyncio.run(cancels()) == []
+    assert [e for e in events_on(bus, JOBS) if isinstance(e, JobCancelled)] == []
 
 
 def test_cancel_of_an_unknown_job_exits_2(bus, capsys):
@@ -179,10 +183,7 @@ def test_submitting_an_existing_id_is_refused_with_exit_2(bus, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "s-taken" in err and "already exists" in err
-
-    async def count() -> int:
-        return sum(1 async for d in bus.read(JOBS) if isinstance(d.event, JobSubmitted))
-    assert asyncio.run(count()) == 1
+    assert len([e for e in events_on(bus, JOBS) if isinstance(e, JobSubmitted)]) == 1
 
 
 def test_generated_job_ids_are_unique():
@@ -228,3 +229,49 @@ def test_completion_script_comes_from_the_parser(shell, capsys):
     exe = shutil.which(shell)
     if exe is not None:   # the script at least parses in that shell
         subprocess.run([exe, "-n"], input=script, text=True, check=True)
+
+
+# ---------------------------------------------------------------- following live, group-less
+
+
+async def test_watch_follows_a_live_job_to_completion_without_a_group(capsys):
+    from services.cli.watch import watch_job
+    live = MemoryBus()
+    await live.start()
+    await live.ensure_topics()
+    now = time.time()
+    await live.emit(submitted(spec("live-1"), now))
+
+    async def finish_later() -> None:
+        await asyncio.sleep(0.3)
+        await live.emit(Progress(ts=time.time(), source="test", job_id="live-1", round=0, copy=0, node_id="n1",
+                                 gpu_type="v100", workers=1, steps_round=40, steps_total=40, samples_per_s=1.0,
+                                 loss=0.1))
+        await asyncio.sleep(0.3)
+        await live.emit(completed("live-1", time.time()))
+
+    task = asyncio.create_task(finish_later())
+    code = await asyncio.wait_for(watch_job(live, "live-1", wait_s=5, poll_s=0.05, as_json=True), 10)
+    await task
+    assert code == 0
+    assert json.loads(capsys.readouterr().out)["state"] == "completed"
+    assert live._groups == {}
+
+
+async def test_a_follower_reads_records_stamped_a_little_in_the_past():
+    from services.cli.follow import LogFollower
+    from shared.clock import FakeClock
+    clock = FakeClock(start=time.time())
+    live = MemoryBus(clock=clock)   # record timestamps come from this clock
+    await live.start()
+    await live.ensure_topics()
+    now = clock.time()
+    await live.emit(submitted(spec("skew-1"), now))
+    clock.advance(100)
+    await live.emit(submitted(spec("skew-2"), now + 100))
+    follower = LogFollower(live, slack_s=30)
+    assert {"skew-1", "skew-2"} <= set((await follower.poll()).state.jobs)
+    clock.advance(-10)   # the next producer's clock is 10 s behind the newest record seen
+    await live.emit(cancelled("skew-1", clock.time()))
+    view = await follower.poll()
+    assert view.state.jobs["skew-1"].state == "cancelled"
