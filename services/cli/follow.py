@@ -15,6 +15,8 @@ Guarantees:
   publish in flight) is still read. Missed by ``watch`` (never by ``status`` or
   ``jobs``, which read everything): a record stamped before the cursor, appended to a
   partition holding nothing stamped after it.
+* The cursor never runs ahead of this machine's clock less the slack, so one record
+  stamped in the future (a producer's clock far ahead) cannot stall the follow.
 * Nothing is left on the broker: no consumer group is joined or committed to.
 """
 
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 
 from services.scheduler.state import SchedulerState
 from shared.bus import Bus
+from shared.clock import Clock, SystemClock
 from shared.events import Assignment, Event, JobCancelled, JobSubmitted, RoundStarted
 from shared.rejection import Rejected
 from shared.topics import JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
@@ -73,9 +76,10 @@ class ClusterView:
 class LogFollower:
     """A view of the cluster kept current by polling the log; see the module guarantees."""
 
-    def __init__(self, bus: Bus, *, slack_s: float = FOLLOW_SLACK_S) -> None:
+    def __init__(self, bus: Bus, *, slack_s: float = FOLLOW_SLACK_S, clock: Clock | None = None) -> None:
         self.view = ClusterView()
         self._bus = bus
+        self._clock = clock or SystemClock()
         self._slack_s = slack_s
         self._start: float | None = None   # unix seconds; None: the log start
         self._newest_ms: int | None = None
@@ -91,7 +95,7 @@ class LogFollower:
                         self._newest_ms = delivery.timestamp_ms
         self.view.fold(items)
         if self._newest_ms is not None:
-            self._start = self._newest_ms / 1000.0 - self._slack_s
+            self._start = min(self._newest_ms / 1000.0, self._clock.time()) - self._slack_s
         return self.view
 
 

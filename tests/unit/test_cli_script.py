@@ -269,9 +269,24 @@ async def test_a_follower_reads_records_stamped_a_little_in_the_past():
     await live.emit(submitted(spec("skew-1"), now))
     clock.advance(100)
     await live.emit(submitted(spec("skew-2"), now + 100))
-    follower = LogFollower(live, slack_s=30)
+    follower = LogFollower(live, slack_s=30, clock=clock)
     assert {"skew-1", "skew-2"} <= set((await follower.poll()).state.jobs)
     clock.advance(-10)   # the next producer's clock is 10 s behind the newest record seen
     await live.emit(cancelled("skew-1", clock.time()))
     view = await follower.poll()
     assert view.state.jobs["skew-1"].state == "cancelled"
+
+
+async def test_a_record_stamped_in_the_future_does_not_stall_a_follow():
+    from services.cli.follow import LogFollower
+    from shared.clock import FakeClock
+    producer = FakeClock(start=time.time() + 3600)   # an hour ahead
+    live = MemoryBus(clock=producer)
+    await live.start()
+    await live.ensure_topics()
+    await live.emit(submitted(spec("ahead-1"), producer.time()))
+    follower = LogFollower(live)
+    await follower.poll()
+    producer.advance(-3600)   # a producer with the right time
+    await live.emit(submitted(spec("ahead-2"), producer.time()))
+    assert "ahead-2" in (await follower.poll()).state.jobs
