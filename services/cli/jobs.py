@@ -47,8 +47,8 @@ FIELD_HELP: dict[str, str] = {
 }
 
 
-def _json_flag(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("--json", action="store_true", help=f"print {what} as one JSON document on stdout")
+def _json_flag(p: argparse.ArgumentParser, what: str, note: str = "") -> None:
+    p.add_argument("--json", action="store_true", help=f"print {what} as one JSON document on stdout{note}")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -82,7 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--wait-s", type=float, default=30.0,
                    help="how long to wait for an unknown job to appear before exit 2 (default 30)")
     p.add_argument("--poll-s", type=float, default=1.0, help="seconds between reads of the log (default 1)")
-    _json_flag(p, "the final status (the progress bar goes to stderr, on a terminal only)")
+    _json_flag(p, "the final status", "; the progress bar then goes to stderr, on a terminal only")
     add_bus_args(p)
     p.set_defaults(func=cmd_watch)
 
