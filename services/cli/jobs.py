@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import getpass
 import json
 import sys
@@ -142,7 +143,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                 if chosen:
                     raise UsageError(f"id: job {final.job_id!r} already exists; choose another id")
                 while final.job_id in taken:   # a 48-bit collision: draw again
-                    final = JobSpec(**{**_fields(final), "job_id": new_job_id(final.model)})
+                    final = dataclasses.replace(final, job_id=new_job_id(final.model))
             await submit(bus, final)
             return final
         finally:
@@ -150,10 +151,6 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     print(asyncio.run(run()).job_id)
     return 0
-
-
-def _fields(spec: JobSpec) -> dict[str, Any]:
-    return {name: getattr(spec, name) for name in spec.__dataclass_fields__}
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:

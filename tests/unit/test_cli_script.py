@@ -186,6 +186,17 @@ def test_submitting_an_existing_id_is_refused_with_exit_2(bus, capsys):
     assert len([e for e in events_on(bus, JOBS) if isinstance(e, JobSubmitted)]) == 1
 
 
+def test_a_generated_id_already_in_the_log_is_drawn_again(bus, capsys, monkeypatch):
+    import shared.jobfile
+    publish(bus, submitted(spec("resnet-000000000000"), time.time()))
+    monkeypatch.setattr(shared.jobfile, "new_job_id", lambda model: "resnet-000000000000")
+    monkeypatch.setattr(jobs_cli, "new_job_id", lambda model: "resnet-000000000001")
+    assert main(["submit", "--model", "resnet", "--dataset", "digits", "--workers", "1", "--iterations", "5"]) == 0
+    assert capsys.readouterr().out.strip() == "resnet-000000000001"
+    assert sorted(e.job_id for e in events_on(bus, JOBS) if isinstance(e, JobSubmitted)) == [
+        "resnet-000000000000", "resnet-000000000001"]
+
+
 def test_generated_job_ids_are_unique():
     ids = [new_job_id("resnet") for _ in range(50_000)]
     assert len(set(ids)) == len(ids)
