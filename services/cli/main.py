@@ -7,7 +7,9 @@ error, as argparse does.
 
 The user commands (:data:`USER_COMMANDS`) keep stdout for their output alone: whatever
 the process logs (structlog's, the standard library's) goes to stderr, warnings and up
-only, so ``hadar status J --json | jq`` never reads a log line.
+only, so ``hadar status J --json | jq`` never reads a log line. Their exit codes: 0 done,
+2 bad usage (or no such job), 3 the broker or object store failed (one line on stderr,
+never a traceback), and ``watch``'s 1 for a cancelled job -- nothing else exits 1.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from shared.errors import UsageError
+from shared.errors import HadarError, UsageError
 
 # Modules of this package that add subcommands, in help order.
 COMMANDS: tuple[str, ...] = (
@@ -35,6 +37,7 @@ COMMANDS: tuple[str, ...] = (
     "completion",
 )
 USER_COMMANDS = frozenset({"submit", "jobs", "status", "watch", "cancel", "model", "completion"})
+EXIT_UNAVAILABLE = 3   # a user command could not reach or read the broker / object store
 
 
 def package_version() -> str:
@@ -78,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"hadar {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except HadarError as exc:   # BusError, StoreError...: services let these crash, for swarm to restart
+        if args.command not in USER_COMMANDS:
+            raise
+        print(f"hadar {args.command}: error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+              file=sys.stderr)
+        return EXIT_UNAVAILABLE
     except KeyboardInterrupt:
         return 130
     return int(code or 0)
