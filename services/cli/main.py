@@ -9,7 +9,7 @@ The user commands (:data:`USER_COMMANDS`) keep stdout for their output alone: wh
 the process logs (structlog's, the standard library's) goes to stderr, warnings and up
 only, so ``hadar status J --json | jq`` never reads a log line. Their exit codes: 0 done,
 2 bad usage (or no such job), 3 the broker or object store failed (one line on stderr,
-never a traceback), and ``watch``'s 1 for a cancelled job -- nothing else exits 1.
+never a traceback), and ``watch``'s 1 for a cancelled job; any other 1 is a crash.
 """
 
 from __future__ import annotations
