@@ -1,61 +1,103 @@
-"""User commands: ``submit``, ``jobs``, ``status``, ``watch``, ``cancel``, ``model``."""
+"""User commands: ``submit``, ``jobs``, ``status``, ``watch``, ``cancel``, ``model``.
+
+For scripts: ``--json`` on ``jobs``, ``status``, ``watch`` and ``model`` prints exactly one
+JSON document on stdout; diagnostics go to stderr only. Exit codes: 0 success; 2 bad
+usage, an unknown job, or a ``submit --id`` that already exists; ``watch``: 1 when the job
+was cancelled. ``cancel`` of a finished job publishes nothing and exits 0, saying so.
+Reads never join a consumer group (:mod:`services.cli.follow`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import getpass
 import json
 import sys
-import uuid
 from pathlib import Path
+from typing import Any
 
-from services.cli.connect import fold_all
-from services.scheduler.state import JobRecord, SchedulerState
+from services.cli.follow import ClusterView, read_view, submitted_ids
+from services.cli.jobview import JOB_STATES, job_doc, jobs_table, parse_since, select_jobs
+from services.cli.watch import watch_job
 from shared.bus import Bus
 from shared.clock import SystemClock
 from shared.connect import add_bus_args, add_store_args, make_bus, make_store
 from shared.errors import UsageError
-from shared.rejection import Rejected
-from shared.events import JobCancelled, JobSpec, JobSubmitted, RoundStarted
-from shared.jobfile import FIELDS, JobFileError, load_job_file, parse_job
+from shared.events import JobCancelled, JobSpec, JobSubmitted
+from shared.jobfile import FIELDS, JobFileError, load_job_file, new_job_id, parse_job
 from shared.layout import final_key
 from shared.store import ObjectNotFound
-from shared.topics import JOBS, MODELS, PLACEMENTS, PROGRESS
+
+__all__ = ["register", "submit", "jobs_table", "spec_from_args"]
+
+FIELD_HELP: dict[str, str] = {
+    "id": "job id (default: generated, unique); an id already in the log is refused",
+    "user": "owner (default: your login name)",
+    "model": "model: resnet, transformer, lstm, autoencoder (knobs as resnet-w16-d2)",
+    "dataset": "dataset: digits, diabetes, synthetic-text, synthetic-ratings",
+    "batch_size": "per-worker batch size (default 32)",
+    "workers": "data-parallel workers (GPUs) per copy",
+    "iterations": "steps of the global batch to train",
+    "priority": "scheduling weight (default 1.0)",
+    "deadline_s": "deadline in seconds from submission (default: none)",
+    "optimizer": "optimizer name (default: the model's)",
+    "lr": "learning rate (default: the model's)",
+    "seed": "random seed",
+}
+
+
+def _json_flag(p: argparse.ArgumentParser, what: str, note: str = "") -> None:
+    p.add_argument("--json", action="store_true", help=f"print {what} as one JSON document on stdout{note}")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("submit", help="submit a training job (from a YAML/JSON file or flags)")
     p.add_argument("file", nargs="?", help="job file (YAML or JSON); flags override its fields")
     for name in FIELDS:
-        p.add_argument(f"--{name.replace('_', '-')}", dest=f"job_{name}", default=None)
+        p.add_argument(f"--{name.replace('_', '-')}", dest=f"job_{name}", default=None, help=FIELD_HELP[name])
     add_bus_args(p)
     p.set_defaults(func=cmd_submit)
 
-    p = sub.add_parser("jobs", help="table of jobs: state, progress, GPUs, round, waiting reason")
+    p = sub.add_parser("jobs", help="table of jobs: user, state, progress, GPUs, round, times, waiting reason")
     p.add_argument("--all", action="store_true", help="include completed and cancelled jobs")
+    p.add_argument("--state", action="append", choices=JOB_STATES, default=None,
+                   help="only jobs in this state (repeatable; implies --all for finished states)")
+    p.add_argument("--user", default=None, help="only jobs of this user")
+    p.add_argument("--since", default=None,
+                   help="only jobs submitted since: a duration back from now (30m, 2h, 1d), unix seconds or ISO-8601")
+    _json_flag(p, "the jobs (an array of status documents)")
     add_bus_args(p)
     p.set_defaults(func=cmd_jobs)
 
     p = sub.add_parser("status", help="one job in detail")
-    p.add_argument("job")
+    p.add_argument("job", help="job id")
+    _json_flag(p, "the status")
     add_bus_args(p)
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("watch", help="progress bar with rate and ETA until the job completes")
-    p.add_argument("job")
+    p = sub.add_parser("watch", help="progress bar with rate and ETA until the job finishes "
+                                     "(exit 0 completed, 1 cancelled, 2 no such job)")
+    p.add_argument("job", help="job id")
+    p.add_argument("--wait-s", type=float, default=30.0,
+                   help="how long to wait for an unknown job to appear before exit 2 (default 30)")
+    p.add_argument("--poll-s", type=float, default=1.0, help="seconds between reads of the log (default 1)")
+    _json_flag(p, "the final status", "; the progress bar then goes to stderr, on a terminal only")
     add_bus_args(p)
     p.set_defaults(func=cmd_watch)
 
-    p = sub.add_parser("cancel", help="stop a job at the next round boundary")
-    p.add_argument("job")
-    p.add_argument("--reason", default="cancelled by user")
+    p = sub.add_parser("cancel", help="stop a job at the next round boundary (a finished job: says so, exit 0)")
+    p.add_argument("job", help="job id")
+    p.add_argument("--reason", default="cancelled by user", help="recorded with the cancellation")
+    _json_flag(p, "the outcome ({\"job\", \"result\"})")
     add_bus_args(p)
     p.set_defaults(func=cmd_cancel)
 
     p = sub.add_parser("model", help="download a job's final model (safetensors)")
-    p.add_argument("job")
+    p.add_argument("job", help="job id")
     p.add_argument("--out", required=True, help="output file")
+    _json_flag(p, "what was downloaded and the model's metadata")
     add_store_args(p)
     p.set_defaults(func=cmd_model)
 
@@ -63,13 +105,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 # ---------------------------------------------------------------- submit / cancel
 
 
-def spec_from_args(args: argparse.Namespace) -> JobSpec:
-    data: dict = load_job_file(args.file) if args.file else {}
+def spec_from_args(args: argparse.Namespace) -> tuple[JobSpec, bool]:
+    """The validated spec, and whether its id was given by the user (file or ``--id``)."""
+    data: dict[str, Any] = load_job_file(args.file) if args.file else {}
     for name in FIELDS:
         value = getattr(args, f"job_{name}")
         if value is not None:
             data[name] = value
-    return parse_job(data, default_user=getpass.getuser())
+    return parse_job(data, default_user=getpass.getuser()), bool(data.get("id"))
 
 
 async def submit(bus: Bus, spec: JobSpec, *, source: str = "cli") -> JobSubmitted:
@@ -81,151 +124,107 @@ async def submit(bus: Bus, spec: JobSpec, *, source: str = "cli") -> JobSubmitte
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    """Refuses (exit 2) an id the log already holds: the scheduler keeps an id's first
+    submission, so a second one would be silently ignored. Two submits of one id racing
+    each other can still both pass this check; the first in the log wins."""
     try:
-        spec = spec_from_args(args)
+        spec, chosen = spec_from_args(args)
     except JobFileError as exc:
         raise UsageError(str(exc)) from None
 
-    async def run() -> None:
+    async def run() -> JobSpec:
         bus = make_bus(args, source="cli")
         await bus.start()
         try:
             await bus.ensure_topics()
-            await submit(bus, spec)
+            taken = await submitted_ids(bus)
+            final = spec
+            if final.job_id in taken:
+                if chosen:
+                    raise UsageError(f"id: job {final.job_id!r} already exists; choose another id")
+                while final.job_id in taken:   # a 48-bit collision: draw again
+                    final = dataclasses.replace(final, job_id=new_job_id(final.model))
+            await submit(bus, final)
+            return final
         finally:
             await bus.stop()
 
-    asyncio.run(run())
-    print(spec.job_id)
+    print(asyncio.run(run()).job_id)
     return 0
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    async def run() -> None:
+    async def run() -> str:
         bus = make_bus(args, source="cli")
         await bus.start()
         try:
-            state = await fold_all(bus)
-            if args.job not in state.jobs:
+            view = await read_view(bus)
+            job = view.state.jobs.get(args.job)
+            if job is None:
                 raise UsageError(f"job: no job {args.job!r}")
+            if not job.active:
+                return f"already_{job.state}"
             await bus.emit(JobCancelled(ts=SystemClock().time(), source="cli", job_id=args.job, reason=args.reason))
+            return "cancel_requested"
         finally:
             await bus.stop()
 
-    asyncio.run(run())
-    print(f"{args.job}: cancel requested (takes effect at the next round boundary)")
+    result = asyncio.run(run())
+    if args.json:
+        print(json.dumps({"job": args.job, "result": result}))
+    elif result == "cancel_requested":
+        print(f"{args.job}: cancel requested (takes effect at the next round boundary)")
+    else:
+        print(f"{args.job}: {result.replace('_', ' ')}; nothing to cancel")
     return 0
 
 
 # ---------------------------------------------------------------- views
 
 
-def last_round_view(state: SchedulerState, job: JobRecord) -> tuple[dict[str, int], int | None, str]:
-    """(GPUs by type in the job's last round, that round, waiting reason in the latest round)."""
-    gpus: dict[str, int] = {}
-    if job.last_round is not None and job.last_round in state.rounds:
-        for a in state.rounds[job.last_round].assignments:
-            if a.job_id == job.spec.job_id:
-                gpus[a.gpu_type] = gpus.get(a.gpu_type, 0) + len(a.gpus)
-    reason = ""
-    if state.last_round >= 0 and job.active:
-        latest: RoundStarted = state.rounds[state.last_round].started
-        for w in latest.waiting:
-            if w.job_id == job.spec.job_id:
-                reason = f"{w.code}: {w.detail}" if w.detail else w.code
-        if job.last_round != state.last_round:
-            gpus = {}
-    return gpus, job.last_round, reason
-
-
-def jobs_table(state: SchedulerState, *, include_done: bool) -> str:
-    rows = [("JOB", "STATE", "PROGRESS", "GPUS", "ROUND", "WAITING")]
-    for job in sorted(state.jobs.values(), key=lambda j: (j.submitted_at, j.spec.job_id)):
-        if not include_done and not job.active:
-            continue
-        gpus, round_, reason = last_round_view(state, job)
-        pct = 100.0 * job.progress_steps() / job.spec.iterations
-        rows.append((job.spec.job_id, job.state, f"{pct:5.1f}%",
-                     ",".join(f"{t}x{n}" for t, n in sorted(gpus.items())) or "-",
-                     "-" if round_ is None else str(round_), reason or "-"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-
-
 def cmd_jobs(args: argparse.Namespace) -> int:
-    print(jobs_table(asyncio.run(_folded(args)), include_done=args.all))
+    view = _read(args)
+    now = SystemClock().time()
+    since = None if args.since is None else parse_since(args.since, now)
+    picked = select_jobs(view.state, include_done=args.all, states=args.state or (), user=args.user, since=since)
+    if args.json:
+        print(json.dumps([job_doc(view.state, j.spec.job_id, now=now, cancelled_at=view.cancelled_at)
+                          for j in picked], indent=2))
+    else:
+        print(jobs_table(view.state, include_done=args.all, now=now, cancelled_at=view.cancelled_at, jobs=picked))
     return 0
 
 
-async def _folded(args: argparse.Namespace) -> SchedulerState:
-    bus = make_bus(args, source="cli")
-    await bus.start()
-    try:
-        return await fold_all(bus)
-    finally:
-        await bus.stop()
-
-
-def job_status(state: SchedulerState, job_id: str) -> dict:
-    job = state.jobs.get(job_id)
-    if job is None:
-        raise UsageError(f"job: no job {job_id!r}")
-    gpus, round_, reason = last_round_view(state, job)
-    return {
-        "job": job.spec.job_id, "state": job.state, "model": job.spec.model, "dataset": job.spec.dataset,
-        "workers": job.spec.workers, "iterations": job.spec.iterations, "steps": job.progress_steps(),
-        "consolidated_steps": job.steps_done, "last_round": round_, "gpus": gpus, "waiting": reason or None,
-        "rounds_run": job.rounds_run, "attained_gpu_s": round(job.attained_gpu_s, 1),
-        "latest_model": job.model_key, "final_model": job.final_key,
-        "jct_s": None if job.completed_at is None else round(job.completed_at - job.submitted_at, 3),
-    }
+def _read(args: argparse.Namespace) -> ClusterView:
+    async def run() -> ClusterView:
+        bus = make_bus(args, source="cli")
+        await bus.start()
+        try:
+            return await read_view(bus)
+        finally:
+            await bus.stop()
+    return asyncio.run(run())
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    print(json.dumps(job_status(asyncio.run(_folded(args)), args.job), indent=2))
+    """Prints the job's JSON document (with or without ``--json``: status was always JSON)."""
+    view = _read(args)
+    print(json.dumps(job_doc(view.state, args.job, now=SystemClock().time(), cancelled_at=view.cancelled_at),
+                     indent=2))
     return 0
 
 
-def progress_line(job: JobRecord, rate: float, width: int = 30) -> str:
-    done = job.progress_steps()
-    frac = done / job.spec.iterations
-    bar = "#" * int(frac * width)
-    eta = (job.spec.iterations - done) / rate if rate > 0 else float("inf")
-    eta_text = "--" if eta == float("inf") else f"{eta:5.0f}s"
-    return f"{job.spec.job_id} [{bar:<{width}}] {100 * frac:5.1f}% {done}/{job.spec.iterations} steps {rate:7.1f} steps/s ETA {eta_text} ({job.state})"
-
-
 def cmd_watch(args: argparse.Namespace) -> int:
+    if not args.wait_s >= 0 or not args.poll_s > 0:
+        raise UsageError("--wait-s must be >= 0 and --poll-s > 0")
+
     async def run() -> int:
         bus = make_bus(args, source="cli")
         await bus.start()
-        state = SchedulerState(rounds_in_order=False)   # topics arrive interleaved in any order
-        clock = SystemClock()
-        samples: list[tuple[float, int]] = []
         try:
-            async with bus.subscribe([JOBS, PLACEMENTS, PROGRESS, MODELS],
-                                     f"hadar-watch-{uuid.uuid4().hex[:12]}") as sub:
-                async for delivery in sub:
-                    try:
-                        state.apply(delivery.event)
-                    except Rejected:
-                        pass   # what the scheduler refused does not count here either
-                    await delivery.ack()
-                    job = state.jobs.get(args.job)
-                    if job is None:
-                        continue
-                    samples.append((clock.time(), job.progress_steps()))
-                    samples[:] = [s for s in samples if s[0] >= samples[-1][0] - 30]
-                    dt = samples[-1][0] - samples[0][0]
-                    rate = (samples[-1][1] - samples[0][1]) / dt if dt > 0 else 0.0
-                    sys.stdout.write("\r" + progress_line(job, rate))
-                    sys.stdout.flush()
-                    if not job.active:
-                        sys.stdout.write("\n")
-                        return 0 if job.state == "completed" else 1
+            return await watch_job(bus, args.job, wait_s=args.wait_s, poll_s=args.poll_s, as_json=args.json)
         finally:
             await bus.stop()
-        return 1
 
     return asyncio.run(run())
 
@@ -236,7 +235,7 @@ def cmd_model(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(f"job: {exc}") from None
 
-    async def run() -> int:
+    async def run() -> None:
         store = make_store(args)
         await store.start()
         try:
@@ -245,8 +244,25 @@ def cmd_model(args: argparse.Namespace) -> int:
             raise UsageError(f"job: no final model for {args.job!r} (not completed yet, or unknown job)") from None
         finally:
             await store.stop()
-        return 0
 
-    code = asyncio.run(run())
-    print(args.out)
-    return code
+    asyncio.run(run())
+    if args.json:
+        out = Path(args.out)
+        print(json.dumps({"job": args.job, "key": key, "out": str(out), "bytes": out.stat().st_size,
+                          "metadata": safetensors_metadata(out)}, indent=2))
+    else:
+        print(args.out)
+    return 0
+
+
+def safetensors_metadata(path: Path) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file (empty if it has none), read from its
+    header alone: an 8-byte little-endian length, then that much JSON."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if not 0 < size <= 100 * 1024 * 1024:
+            print(f"hadar model: warning: {path} has no readable safetensors header", file=sys.stderr)
+            return {}
+        header = json.loads(f.read(size))
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}

@@ -81,3 +81,11 @@ def test_a_hostile_job_file_is_one_line_and_exit_2(content, tmp_path, capsys, mo
     assert main(["submit", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("hadar submit: error: file:"), err[:300]
+
+
+@pytest.mark.parametrize("command", [["watch", "j"], ["status", "j"], ["jobs"], ["cancel", "j"]])
+def test_an_unreachable_broker_is_one_line_and_exit_3_not_a_job_outcome(command, capsys):
+    # Exit 1 means "cancelled" to a `hadar watch` script: a broker failure must not read as that.
+    assert main([*command, "--bootstrap", "127.0.0.1:1"]) == 3
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cannot connect" in err
