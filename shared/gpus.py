@@ -90,9 +90,11 @@ class GpuSpec:
 
     @property
     def peer_gb_s(self) -> float:
-        """Bandwidth between workers on one node: the faster of NVLink and PCIe (host
-        memory for the cpu pseudo-type)."""
-        return max(self.nvlink_gb_s, self.pcie_gb_s) or self.memory_bw_gb_s
+        """Bandwidth between workers on one node: the fastest path they have -- NVLink, PCIe,
+        or for a device without PCIe (the cpu pseudo-type) host memory. Never lower when a
+        figure is raised (a spec given NVLink but no PCIe keeps its host-memory path)."""
+        host = self.memory_bw_gb_s if self.pcie_gen == 0 else 0.0
+        return max(self.nvlink_gb_s, self.pcie_gb_s, host)
 
 
 def _spec(**kw: object) -> GpuSpec:
