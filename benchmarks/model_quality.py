@@ -122,7 +122,8 @@ async def consolidate_round(store: LocalStore, job_id: str, round_: int, steps: 
     path = scratch / f"{job_id}-{round_}.safetensors"
 
     def plan_and_write() -> int:   # off the loop: the readers wait on it
-        plan = plan_consolidation(replicas, mode="steps", prior_steps=prior_steps)
+        # Every copy here is a whole W = 1 job: worker-steps are job steps.
+        plan = plan_consolidation(replicas, mode="steps", prior_worker_steps=prior_steps)
         if plan.rejected:
             raise RuntimeError(f"consolidation of {job_id}/{round_} rejected {plan.rejected}")
         meta = plan.model_metadata(job=job_id, round_=round_)

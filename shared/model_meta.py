@@ -6,12 +6,15 @@ starts from. Safetensors metadata maps str to str; the entries, in the order wri
 
     format       the replicas' checkpoint format, carried over (absent if they had none)
     mode         "steps" or "uniform": how the copies were weighed
-    round_steps  sum of the averaged copies' steps (decimal)
+    round_steps  sum of the averaged copies' own steps (decimal)
     copies       JSON [{"copy": int, "steps": int, "weight": float}, ...]: the averaged copies
     rejected     JSON [{"copy": int, "reason": str}, ...]: copies left out, and why
     job          the job id
     round        the round (decimal)
-    total_steps  steps in the model: the starting model's plus round_steps (decimal)
+    total_steps  job steps in the model (decimal): the job's worker-steps, the starting
+                 model's plus the copies' steps x their workers, floor-divided by the job's
+                 W (``shared.progress``); a copy on k < W workers adds k/W of a job step
+                 per step, so this is not comparable with round_steps
     missing      JSON [int, ...]: copies assigned that never reported
 
 :meth:`ModelMetadata.to_metadata` writes exactly these entries, byte for byte as the tracker
@@ -51,7 +54,7 @@ class ModelMetadata:
     the constructor raises :class:`InvalidModelMetadata`.
 
     Copy ids are unique across ``copies``, ``rejected`` and ``missing``; ``copies`` is not
-    empty; weights lie in [0, 1]; ``total_steps`` is at least :attr:`round_steps`.
+    empty; weights lie in [0, 1].
     """
 
     job: str
@@ -95,13 +98,10 @@ class ModelMetadata:
         ids = [c.copy for c in self.copies] + [r.copy for r in self.rejected] + list(self.missing)
         if len(set(ids)) != len(ids):
             raise InvalidModelMetadata(f"model metadata: a copy id appears twice in copies/rejected/missing: {ids}")
-        if self.total_steps < self.round_steps:
-            raise InvalidModelMetadata(f"model metadata: total_steps {self.total_steps} is less than "
-                                       f"round_steps {self.round_steps}")
 
     @property
     def round_steps(self) -> int:
-        """Steps the averaged copies did this round."""
+        """The averaged copies' own steps this round, summed."""
         return sum(c.steps for c in self.copies)
 
     def to_metadata(self) -> dict[str, str]:

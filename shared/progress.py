@@ -12,7 +12,9 @@ of its own steps trains ``k * b`` samples:
 
 A rate is a copy's own steps per second, so a copy at rate ``s`` on ``k`` workers advances
 its job by ``s * k / W`` job steps per second. Gavel's throughput table and the roofline
-estimator count a step per *worker* (``k`` per copy step); ``ThroughputModel`` converts.
+estimator count a step per *worker* (``k`` per copy step); ``ThroughputModel`` and the
+profiler convert. The live tracker keeps exact integer worker-steps and reports job steps
+as ``worker_steps // W``.
 """
 
 from __future__ import annotations

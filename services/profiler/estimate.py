@@ -3,9 +3,12 @@
 Job figures come from the model zoo (:func:`shared.zoo.job_figures`: counted FLOPs and
 parameters of the job's model at its batch size and optimizer) or, for a job named after
 a Gavel table workload (``ResNet-50`` at batch 32 ...), from :func:`shared.workloads.figures_for`.
-Hardware figures and the roofline are :mod:`shared.gpus`. The rate on each type is the
-whole job's steps/s on ``spec.workers`` GPUs of that type on one node (0.0 where the job
-does not fit), which is what ThroughputEstimate carries.
+Hardware figures and the roofline are :mod:`shared.gpus`. The rate on each type is a
+copy's own steps/s on ``spec.workers`` GPUs of that type on one node (0.0 where the job
+does not fit) -- with all W workers, the whole job's -- which is what ThroughputEstimate
+carries, the agent measures and the scheduler plans with. The roofline counts a step per
+worker (``n / step_s`` for n workers, as Gavel's table), so its figure is divided by W,
+as :func:`shared.workloads.calibrated_fallback` does (docs/architecture.md "Work accounting").
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ def catalog_rates(spec: JobSpec) -> dict[str, float]:
     figures = job_figures_for(spec)
     rates = {}
     for gpu_type in gpus.GPU_TYPES:
-        rate = gpus.estimate_steps_per_second(gpus.gpu_spec(gpu_type), figures, spec.workers)
+        rate = gpus.estimate_steps_per_second(gpus.gpu_spec(gpu_type), figures, spec.workers) / spec.workers
         rates[gpu_type] = rate if math.isfinite(rate) and rate > 0 else 0.0
     return rates
 

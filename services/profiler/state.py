@@ -4,9 +4,10 @@ Pure: Progress events in, "publish this rate" decisions out; no I/O, no clock.
 
 * A sample is a copy's steps/s: from two successive Progress events of the same copy on
   the same node in the same round, ``(steps_round' - steps_round) / (ts' - ts)``; for the
-  first Progress of a copy-round, ``samples_per_s / batch_size`` when the job's batch size
-  is known and the rate is positive (a copy's steps are whole-job steps of its
-  ``workers`` GPUs, as in ThroughputEstimate). An event that is not newer than the last
+  first Progress of a copy-round, ``samples_per_s / (batch_size x workers)`` when the
+  job's batch size is known and the rate is positive: one step of a copy on ``workers``
+  GPUs trains a per-worker batch on each (the agent reports samples/s of the whole copy),
+  so both samples are a copy's own steps/s, the unit of ThroughputEstimate. An event that is not newer than the last
   one seen for its copy (a repeat, or out of order) gives no sample.
 * A sample is kept only if it is finite and at most ``MAX_RATE``, from reports at least
   ``MIN_INTERVAL_S`` apart: timestamps a denormal apart or a forged ``samples_per_s``
@@ -128,7 +129,7 @@ class ProfilerState:
         else:
             spec = self._specs.get(p.job_id)
             if last is None and spec is not None and p.samples_per_s > 0:
-                sample = p.samples_per_s / spec.batch_size
+                sample = p.samples_per_s / (spec.batch_size * p.workers)
         if sample is None or not (math.isfinite(sample) and sample <= MAX_RATE):
             return None
         return sample

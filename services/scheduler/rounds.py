@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 from services.scheduler.cluster import Cluster, Node
 from services.scheduler.policies import PolicyChoice
-from services.scheduler.policy import JobState, Plan, Snapshot, copy_rate
+from services.scheduler.policy import JobState, Placement, Plan, Snapshot, copy_rate
 from services.scheduler.state import SchedulerState
 from services.scheduler.throughput import ThroughputModel
 from shared.events import Assignment, Event, RoundStarted, Waiting
+from shared.progress import credited_steps
 
 RENDEZVOUS_BASE_PORT = 29500
 RENDEZVOUS_PORTS = 2000
@@ -75,6 +76,17 @@ def build_snapshot(state: SchedulerState, timing: RoundTiming, previous: Plan | 
                     throughput=throughput_from_state(state), previous=previous, seed=seed)
 
 
+def _workers(parts: list[Placement]) -> int:
+    return sum(len(p.gpus) for p in parts)
+
+
+def _budget(remaining: int, share: float, *, copy_workers: int, job_workers: int) -> int:
+    """A copy's own steps for ``share`` of the job's ``remaining`` steps, rounded up; never
+    more than would do all of them alone. Exact integers but for the share."""
+    alone = -(-remaining * job_workers // copy_workers)      # ceil(remaining x W / k)
+    return min(alone, math.ceil(remaining * share * job_workers / copy_workers))
+
+
 def rendezvous_port(job_id: str, copy: int) -> int:
     return RENDEZVOUS_BASE_PORT + zlib.crc32(f"{job_id}/{copy}".encode()) % RENDEZVOUS_PORTS
 
@@ -84,13 +96,17 @@ def plan_to_events(plan: Plan, snapshot: Snapshot, state: SchedulerState, timing
                    decision_ms: float) -> list[Event]:
     """RoundStarted first, then one Assignment per (node, job copy), in a stable order.
 
-    Each copy's step budget is the job's remaining steps split across its copies in
-    proportion to their expected rates (rounded up), so copies together do not overshoot
-    the job by more than one step each when the estimates hold.
+    Each copy's step budget is in its own steps (docs/architecture.md "Work accounting"):
+    the job's remaining steps are split across its copies in proportion to their credited
+    rates (a copy's rate x k/W on k of the job's W workers), and a copy's share of job
+    steps is W/k of its own steps, rounded up -- so copies together do not overshoot the
+    job by more than one of their own steps each when the estimates hold.
     """
     jobs = {j.job_id: j for j in snapshot.jobs}
     copies = plan.copies()
-    rates = {key: copy_rate(snapshot, jobs[key[0]], parts) for key, parts in copies.items()}
+    rates = {key: credited_steps(copy_rate(snapshot, jobs[key[0]], parts),
+                                 copy_workers=_workers(parts), job_workers=jobs[key[0]].workers)
+             for key, parts in copies.items()}
     total_rate: dict[str, float] = {}
     for (job_id, _), rate in rates.items():
         total_rate[job_id] = total_rate.get(job_id, 0.0) + rate
@@ -109,8 +125,8 @@ def plan_to_events(plan: Plan, snapshot: Snapshot, state: SchedulerState, timing
         remaining = max(0, record.spec.iterations - record.steps_done)
         share = rates[(job_id, copy)] / total_rate[job_id] if total_rate[job_id] > 0 else 1.0 / len(
             [k for k in copies if k[0] == job_id])
-        budget = min(remaining, math.ceil(remaining * share))
-        world = sum(len(p.gpus) for p in parts)
+        world = _workers(parts)
+        budget = _budget(remaining, share, copy_workers=world, job_workers=record.spec.workers)
         first_node = state.nodes[parts[0].node_id].registered
         rendezvous = None
         if len(parts) > 1:

@@ -75,11 +75,13 @@ class Refusal:
 @dataclass(frozen=True, kw_only=True)
 class CopyPlacement:
     """What the Assignments of one copy in one round say: its nodes, the nodes hosting
-    rank 0 (one, unless the placements themselves disagree), and its step budget."""
+    rank 0 (one, unless the placements themselves disagree), its step budget and its
+    ``workers`` (world size k, at most the job's W): one of its steps is k worker-steps."""
 
     nodes: frozenset[str]
     reporters: frozenset[str]
     budget: int
+    workers: int = 1
 
 
 def key_problem(event: CopyFinished) -> Problem | None:

@@ -10,13 +10,18 @@ Given replicas (one safetensors file per copy, each with the steps it claims thi
 * Steps are a claim, bounded per copy: clamped to ``Replica.max_steps`` (the copy's step
   budget, when the caller knows it); a claim that is negative or above
   :data:`MAX_REPLICA_STEPS` (2**53, exact as a float) after clamping rejects that copy.
-  The job's total after the round, ``prior_steps + round_steps``, never exceeds
+* Work is counted in samples (``shared.progress``, docs/architecture.md "Work
+  accounting"), as exact integers: a copy on ``k = Replica.workers`` of the job's
+  ``W = job_workers`` workers makes ``steps * k`` worker-steps; the job's total after the
+  round is ``prior_worker_steps`` plus the accepted copies' worker-steps, and
+  ``total_steps`` (job steps, what events carry) is that total ``// W``. It never exceeds
   :data:`MAX_TOTAL_STEPS` (2**64-1, the largest integer an event carries): if it would,
-  the copies claiming the most steps are rejected one at a time (ties: the highest copy
-  id) until it fits; a job already past the limit gets no model for the round.
-* Weights: ``steps`` mode (default) weighs copy ``i`` by ``steps_i / sum(steps)``;
-  ``uniform`` by ``1 / n``. If every accepted copy did 0 steps, ``steps`` mode falls back
-  to uniform. Every weight is finite and in [0, 1], and they sum to 1 up to rounding. A
+  the copies claiming the most worker-steps are rejected one at a time (ties: the highest
+  copy id) until it fits; a job already past the limit gets no model for the round.
+* Weights: ``steps`` mode (default) weighs copy ``i`` by its samples,
+  ``steps_i * k_i / sum(steps * k)`` (a copy's own steps would under-weigh a copy on more
+  workers); ``uniform`` by ``1 / n``. If every accepted copy did 0 steps, ``steps`` mode
+  falls back to uniform. Every weight is finite and in [0, 1], and they sum to 1 up to rounding. A
   copy of weight 0 is not read.
 * Floating tensors (F16, BF16, F32, F64) are averaged element-wise, accumulating in float32
   (float64 for F64 tensors), and rounded back to their stored dtype (bf16 by
@@ -46,7 +51,8 @@ Given replicas (one safetensors file per copy, each with the steps it claims thi
   gives that replica's tensors back exactly.
 * Raises :class:`NoUsableReplica` when nothing is left to average, and ``ValueError``
   only for a caller's mistake (unknown mode, duplicate copy ids, negative ``max_steps``
-  or ``prior_steps``) -- never for anything a replica or its claim contains.
+  or ``prior_worker_steps``, ``workers`` outside ``1..job_workers``) -- never for anything
+  a replica or its claim contains.
 """
 
 from __future__ import annotations
@@ -84,12 +90,14 @@ class Replica:
     """One copy's trained weights: ``steps`` it claims for this round, and where to read them.
 
     ``max_steps``: the most steps the copy could have done (its budget), if known.
+    ``workers``: the copy's world size k; each of its steps trained k per-worker batches.
     """
 
     copy: int
     steps: int
     reader: RangeReader
     max_steps: int | None = None
+    workers: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,6 +107,11 @@ class AcceptedReplica:
     weight: float
     reader: RangeReader
     tensors: Mapping[str, TensorInfo]
+    workers: int = 1
+
+    @property
+    def worker_steps(self) -> int:
+        return self.steps * self.workers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,17 +129,29 @@ class ConsolidationPlan:
     rejected: tuple[Rejected, ...]
     layout: tuple[TensorInfo, ...]
     format_metadata: Mapping[str, str]
-    prior_steps: int = 0
+    prior_worker_steps: int = 0
+    job_workers: int = 1
 
     @property
     def round_steps(self) -> int:
-        """Steps whose result is in the averaged model: the accepted copies' steps."""
+        """The accepted copies' own steps, summed (each in its copy's unit)."""
         return sum(r.steps for r in self.accepted)
 
     @property
+    def round_worker_steps(self) -> int:
+        """Worker-steps whose result is in the averaged model: sum of steps x workers."""
+        return sum(r.worker_steps for r in self.accepted)
+
+    @property
+    def total_worker_steps(self) -> int:
+        """The job's exact worker-steps once this round's model counts."""
+        return self.prior_worker_steps + self.round_worker_steps
+
+    @property
     def total_steps(self) -> int:
-        """The job's steps once this round's model counts; at most ``MAX_TOTAL_STEPS``."""
-        return self.prior_steps + self.round_steps
+        """The job's steps once this round's model counts: ``total_worker_steps // W``; at
+        most ``MAX_TOTAL_STEPS``."""
+        return self.total_worker_steps // self.job_workers
 
     @property
     def integer_source(self) -> AcceptedReplica:
@@ -150,7 +175,7 @@ class ConsolidationPlan:
         all_rejected = tuple(sorted((*self.rejected, *rejected), key=lambda r: r.copy))
         if not kept:
             raise NoUsableReplica(all_rejected)
-        weights = _weights([r.steps for r in kept], self.mode)
+        weights = _weights([r.worker_steps for r in kept], self.mode)
         return replace(self, accepted=tuple(replace(r, weight=w) for r, w in zip(kept, weights)),
                        rejected=all_rejected)
 
@@ -190,12 +215,13 @@ class NoUsableReplica(HadarError):
 
 
 def plan_consolidation(replicas: Sequence[Replica], *, mode: Mode = "steps",
-                       rejected: Sequence[Rejected] = (), prior_steps: int = 0) -> ConsolidationPlan:
+                       rejected: Sequence[Rejected] = (), prior_worker_steps: int = 0,
+                       job_workers: int = 1) -> ConsolidationPlan:
     """Parse every replica's header, reject the odd ones out, bound the steps, fix the weights.
 
     ``rejected`` lists copies the caller already excluded (kept in the plan's record);
-    ``prior_steps`` the job's steps before this round. See the module guarantees.
-    Raises :class:`NoUsableReplica` when nothing is left to average.
+    ``prior_worker_steps`` the job's worker-steps before this round; ``job_workers`` its W.
+    See the module guarantees. Raises :class:`NoUsableReplica` when nothing is left to average.
     """
     if mode not in ("steps", "uniform"):
         raise ValueError(f"unknown consolidation mode {mode!r}")
@@ -204,8 +230,10 @@ def plan_consolidation(replicas: Sequence[Replica], *, mode: Mode = "steps",
         raise ValueError(f"duplicate copy ids in {copies}")
     if any(r.max_steps is not None and r.max_steps < 0 for r in replicas):
         raise ValueError("max_steps must be >= 0")
-    if prior_steps < 0:
-        raise ValueError(f"prior_steps must be >= 0, got {prior_steps}")
+    if prior_worker_steps < 0:
+        raise ValueError(f"prior_worker_steps must be >= 0, got {prior_worker_steps}")
+    if job_workers < 1 or any(not 1 <= r.workers <= job_workers for r in replicas):
+        raise ValueError(f"every replica needs 1..{job_workers} workers (job_workers >= 1)")
     out_rejected = list(rejected)
     parsed: list[tuple[Replica, Header]] = []
     for replica in replicas:
@@ -228,18 +256,19 @@ def plan_consolidation(replicas: Sequence[Replica], *, mode: Mode = "steps",
             kept.append((replica, header))
         else:
             out_rejected.append(Rejected(copy=replica.copy, reason=_short(_mismatch(reference, header))))
-    kept = _fit_total(kept, prior_steps, out_rejected)
+    kept = _fit_total(kept, prior_worker_steps, job_workers, out_rejected)
     if not kept:
         raise NoUsableReplica(sorted(out_rejected, key=lambda r: r.copy))
-    weights = _weights([r.steps for r, _ in kept], mode)
+    weights = _weights([r.steps * r.workers for r, _ in kept], mode)
     accepted = tuple(
-        AcceptedReplica(copy=r.copy, steps=r.steps, weight=w, reader=r.reader,
+        AcceptedReplica(copy=r.copy, steps=r.steps, weight=w, reader=r.reader, workers=r.workers,
                         tensors={t.name: t for t in h.tensors})
         for (r, h), w in zip(kept, weights))
     fmt = {k: v for k, v in reference.metadata.items() if k == "format"}
     return ConsolidationPlan(mode=mode, accepted=accepted, layout=reference.tensors,
                              rejected=tuple(sorted(out_rejected, key=lambda r: r.copy)),
-                             format_metadata=fmt, prior_steps=prior_steps)
+                             format_metadata=fmt, prior_worker_steps=prior_worker_steps,
+                             job_workers=job_workers)
 
 
 def _bounded_steps(replica: Replica) -> tuple[int, str]:
@@ -252,19 +281,19 @@ def _bounded_steps(replica: Replica) -> tuple[int, str]:
     return steps, ""
 
 
-def _fit_total(kept: list[tuple[Replica, Header]], prior_steps: int,
+def _fit_total(kept: list[tuple[Replica, Header]], prior_worker_steps: int, job_workers: int,
                out_rejected: list[Rejected]) -> list[tuple[Replica, Header]]:
-    """Drop the largest claims until the job's total fits an event (``MAX_TOTAL_STEPS``)."""
+    """Drop the largest claims until the job's total steps fit an event (``MAX_TOTAL_STEPS``)."""
     kept = list(kept)
-    if prior_steps > MAX_TOTAL_STEPS:
-        reason = _short(f"the job already has {prior_steps} steps, more than 2**64-1")
+    if prior_worker_steps // job_workers > MAX_TOTAL_STEPS:
+        reason = _short(f"the job already has {prior_worker_steps // job_workers} steps, more than 2**64-1")
         out_rejected.extend(Rejected(copy=r.copy, reason=reason) for r, _ in kept)
         return []
-    total = prior_steps + sum(r.steps for r, _ in kept)
-    while total > MAX_TOTAL_STEPS:
-        largest = max(kept, key=lambda item: (item[0].steps, item[0].copy))
+    total = prior_worker_steps + sum(r.steps * r.workers for r, _ in kept)
+    while total // job_workers > MAX_TOTAL_STEPS:
+        largest = max(kept, key=lambda item: (item[0].steps * item[0].workers, item[0].copy))
         kept.remove(largest)
-        total -= largest[0].steps
+        total -= largest[0].steps * largest[0].workers
         out_rejected.append(Rejected(copy=largest[0].copy, reason=_short(
             f"its {largest[0].steps} steps would take the job's total past 2**64-1")))
     return kept
@@ -299,12 +328,13 @@ def _mismatch(reference: Header, header: Header) -> str:
     return "layout differs"  # pragma: no cover - signatures differ only by name, dtype or shape
 
 
-def _weights(steps: list[int], mode: Mode) -> list[float]:
-    # Steps are ints <= 2**53 each, so the total is exact and every ratio a finite float in [0, 1].
-    total = sum(steps)
+def _weights(samples: list[int], mode: Mode) -> list[float]:
+    # Python ints: the total is exact and int / int is correctly rounded, so every ratio is a
+    # finite float in [0, 1].
+    total = sum(samples)
     if mode == "uniform" or total == 0:
-        return [1.0 / len(steps)] * len(steps)
-    return [s / total for s in steps]
+        return [1.0 / len(samples)] * len(samples)
+    return [s / total for s in samples]
 
 
 def _short(text: str) -> str:

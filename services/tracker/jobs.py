@@ -7,6 +7,7 @@ its completion) lives here.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from services.tracker.acceptance import CopyPlacement
@@ -32,10 +33,13 @@ class RoundRecord:
         self.copies[e.copy] = CopyPlacement(
             nodes=frozenset({e.node_id, *(known.nodes if known else ())}),
             reporters=frozenset({*(known.reporters if known else ()), *((e.node_id,) if 0 in e.ranks else ())}),
-            budget=max(e.step_budget, known.budget if known else 0))
+            budget=max(e.step_budget, known.budget if known else 0),
+            # A world size above W would be credited more than the job: never, whatever an
+            # Assignment says (the scheduler's check_plan keeps it <= W anyway).
+            workers=min(max(e.world_size, known.workers if known else 1), e.job.workers))
 
     def work(self, job_id: str, number: int, *, placed: bool, now: float, timeout_s: float,
-             prior_steps: int) -> RoundWork | None:
+             prior_worker_steps: int, job_workers: int) -> RoundWork | None:
         """This round as work, if it is due: every copy in (``placed``: all its Assignments
         read), or ``timeout_s`` past its deadline."""
         all_in = placed and self.copies.keys() <= self.finished.keys()
@@ -47,34 +51,58 @@ class RoundRecord:
             usable=tuple(f for f in finished if f.status != "failed" and f.checkpoint),
             failed=tuple(f for f in finished if f.status == "failed" or not f.checkpoint),
             missing=tuple(sorted(self.copies.keys() - self.finished.keys())),
-            prior_steps=prior_steps, timed_out=not all_in)
+            prior_worker_steps=prior_worker_steps, job_workers=job_workers, timed_out=not all_in)
 
-    def live_steps(self) -> int:
+    def worker_steps(self, copies: Iterable[tuple[int, int]]) -> int:
+        """Worker-steps of ``(copy, steps)`` of this round's placed copies: steps x workers."""
+        return sum(steps * self.copies[copy].workers for copy, steps in copies)
+
+    def live_worker_steps(self) -> int:
+        """Worker-steps the copies report so far (failed copies' work is lost)."""
         live = 0
         for copy in self.progress.keys() | self.finished.keys():
             finished = self.finished.get(copy)
             if finished is not None and finished.status == "failed":
                 continue  # a failed copy's work is lost
-            live += max(self.progress.get(copy, 0), finished.steps if finished else 0)
+            placement = self.copies.get(copy)
+            live += max(self.progress.get(copy, 0), finished.steps if finished else 0) * (
+                placement.workers if placement is not None else 1)
         return live
 
 
 @dataclass(kw_only=True)
 class JobRecord:
     """A job not finished: every round up to ``floor`` is decided and forgotten; ``rounds``
-    holds the open ones."""
+    holds the open ones. Progress is kept exactly, as integer worker-steps
+    (``shared.progress``); job steps are derived from them."""
 
     first_seen: float
     spec: JobSpec | None = None
     submitted_at: float | None = None
     rounds: dict[int, RoundRecord] = field(default_factory=dict)
     floor: int = -1
-    consolidated_steps: int = 0
+    consolidated_worker_steps: int = 0
     model_key: str | None = None        # the latest consolidated model
     completion_given_up: bool = False
 
+    @property
+    def workers(self) -> int:
+        """The job's W (1 until its spec is known; a copy is placed with its spec)."""
+        return self.spec.workers if self.spec is not None else 1
+
+    @property
+    def consolidated_steps(self) -> int:
+        """Job steps consolidated: ``consolidated_worker_steps // W``."""
+        return self.consolidated_worker_steps // self.workers
+
+    def live_steps(self) -> int:
+        """Job steps consolidated plus what copies report in rounds still open."""
+        live = self.consolidated_worker_steps + sum(rnd.live_worker_steps() for rnd in self.rounds.values())
+        return live // self.workers
+
     def completion(self, job_id: str) -> CompletionWork | None:
-        """The job's completion, once its consolidated steps reach its iterations."""
+        """The job's completion, once its consolidated steps reach its iterations
+        (worker-steps reach W x iterations)."""
         if (self.spec is None or self.model_key is None or self.completion_given_up
                 or self.consolidated_steps < self.spec.iterations):
             return None

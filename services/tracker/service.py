@@ -318,7 +318,7 @@ class TrackerService:
                 rejected.append(Rejected(copy=copy.copy, reason=f"checkpoint {copy.checkpoint!r}: {exc}"[:240]))
                 continue
             replicas.append(Replica(copy=copy.copy, steps=copy.steps, max_steps=copy.budget,
-                                    reader=StoreRangeReader(self.store, copy.checkpoint, size, loop)))
+                                    workers=copy.workers, reader=StoreRangeReader(self.store, copy.checkpoint, size, loop)))
         tmp_dir = Path(tempfile.mkdtemp(prefix="hadar-tracker-", dir=self.config.temp_dir))
         try:
             try:
@@ -344,7 +344,7 @@ class TrackerService:
         # holding NaN or inf: the file's metadata and the announcement are those of the plan
         # actually written (stats.plan).
         plan = plan_consolidation(replicas, mode=self.config.mode, rejected=rejected,
-                                  prior_steps=work.prior_steps)
+                                  prior_worker_steps=work.prior_worker_steps, job_workers=work.job_workers)
         static = {"job": work.job_id, "round": str(work.round), "missing": json.dumps(list(work.missing))}
         path = tmp_dir / "model.safetensors"
         with open(path, "wb") as out:

@@ -21,15 +21,17 @@ Guarantees:
   within a window, and content: the first accepted CopyFinished of a copy counts,
   Progress keeps the largest ``steps_round``, Assignments are a set per (job, round, copy,
   node), the first accepted ModelConsolidated decides its round).
-* Steps: a job's consolidated steps are the sum, over its consolidated rounds, of the
-  steps of the copies in that round's model; every copy's steps are at most its budget.
+* Steps, in samples (``shared.progress``): a job's consolidated worker-steps are, exactly,
+  the sum over its consolidated rounds of steps x workers of the copies in that round's
+  model (a copy's workers: its Assignments' world size, at most the job's W); its
+  consolidated steps are those // W. Every copy's steps are at most its budget.
 * Due: a round is due once every copy assigned to the job in it has finished -- and,
   when the round's RoundStarted was seen, once all of the round's Assignments have been
   seen -- or once ``timeout_s`` has passed since its deadline (the latest Assignment
   deadline). Rounds of a job come due in round order; deciding round r (a model, or
   ``abandon``) decides every earlier open round of the job too, since the tracker
   decides in order. A job is due for completion when its consolidated steps reach its
-  iterations and it has a model; it completes once.
+  iterations (worker-steps reach W x iterations) and it has a model; it completes once.
 * Bounded: decided rounds are forgotten at once (a job keeps its last decided round,
   its steps and its latest model); finished (completed or cancelled) jobs are forgotten
   but for their id, in a window of ``max_finished_jobs``; placements per round are kept
@@ -223,7 +225,7 @@ class TrackerState:
             rnd = self._jobs[e.job_id].rounds[e.round]
             rnd.finished[e.copy] = FinishedCopy(copy=e.copy, node_id=e.node_id, status=e.status, steps=e.steps_round,
                                                 budget=rnd.copies[e.copy].budget, checkpoint=e.checkpoint,
-                                                reason=e.reason)
+                                                reason=e.reason, workers=rnd.copies[e.copy].workers)
             return True
         if verdict == "hold":
             self._hold(report)
@@ -256,7 +258,9 @@ class TrackerState:
             self._refuse(e, verdict, origin)
         if verdict != "accept":
             return False
-        self._decide(e.job_id, e.round, steps=sum(c.steps for c in e.copies), model_key=e.key)
+        rnd = self._jobs[e.job_id].rounds[e.round]   # accepted: every weighed copy is placed in it
+        self._decide(e.job_id, e.round, worker_steps=rnd.worker_steps((c.copy, c.steps) for c in e.copies),
+                     model_key=e.key)
         return True
 
     def _model_verdict(self, e: ModelConsolidated) -> _Verdict:
@@ -310,13 +314,13 @@ class TrackerState:
 
     # ------------------------------------------------------------------ forgetting
 
-    def _decide(self, job_id: str, round_: int, *, steps: int, model_key: str | None) -> None:
+    def _decide(self, job_id: str, round_: int, *, worker_steps: int, model_key: str | None) -> None:
         job = self._jobs[job_id]
         for number in [n for n in job.rounds if n <= round_]:
             self._close(job, number)
         job.floor = max(job.floor, round_)
         if model_key is not None:
-            job.consolidated_steps += steps
+            job.consolidated_worker_steps += worker_steps
             job.model_key = model_key
         for held in self._pending.take_where(lambda e: e.job_id == job_id and e.round <= round_):
             self._refuse(held.event, Problem(reason="unassigned", detail=f"round {held.event.round} was decided "
@@ -350,7 +354,7 @@ class TrackerState:
         that is not open (decided, unknown, its job finished) is left alone."""
         job = self._jobs.get(job_id)
         if job is not None and round_ in job.rounds:
-            self._decide(job_id, round_, steps=0, model_key=None)
+            self._decide(job_id, round_, worker_steps=0, model_key=None)
 
     def give_up_completion(self, job_id: str) -> None:
         """Stop offering ``job_id`` in ``due_completions`` (until a restart rebuilds the state)."""
@@ -366,7 +370,9 @@ class TrackerState:
             if job.rounds:
                 number = min(job.rounds)
                 item = job.rounds[number].work(job_id, number, placed=self._index.known(number), now=now,
-                                               timeout_s=timeout_s, prior_steps=job.consolidated_steps)
+                                               timeout_s=timeout_s,
+                                               prior_worker_steps=job.consolidated_worker_steps,
+                                               job_workers=job.workers)
                 if item is not None:
                     work.append(item)
         return work
@@ -385,12 +391,15 @@ class TrackerState:
         finished = self._finished.get(job_id)
         return finished.steps if finished is not None else 0
 
-    def live_steps(self, job_id: str) -> int:
-        """Consolidated steps plus what copies report in rounds still open."""
+    def consolidated_worker_steps(self, job_id: str) -> int:
+        """The exact worker-steps of an unfinished job's consolidated rounds (0 if unknown)."""
         job = self._jobs.get(job_id)
-        if job is None:
-            return self.consolidated_steps(job_id)
-        return job.consolidated_steps + sum(rnd.live_steps() for rnd in job.rounds.values())
+        return job.consolidated_worker_steps if job is not None else 0
+
+    def live_steps(self, job_id: str) -> int:
+        """Job steps consolidated plus what copies report in rounds still open."""
+        job = self._jobs.get(job_id)
+        return job.live_steps() if job is not None else self.consolidated_steps(job_id)
 
     def is_completed(self, job_id: str) -> bool:
         finished = self._finished.get(job_id)

@@ -10,7 +10,8 @@ __all__ = ["FinishedCopy", "RoundWork", "CompletionWork"]
 @dataclass(frozen=True, kw_only=True)
 class FinishedCopy:
     """An accepted CopyFinished: from a node the copy was placed on, its checkpoint (if any)
-    at the copy's own key, ``steps <= budget`` (the copy's step budget)."""
+    at the copy's own key, ``steps <= budget`` (the copy's step budget), on ``workers``
+    (k <= W) GPUs: its steps are worth ``steps * workers`` worker-steps."""
 
     copy: int
     node_id: str
@@ -19,6 +20,7 @@ class FinishedCopy:
     budget: int
     checkpoint: str | None
     reason: str = ""
+    workers: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,7 +29,8 @@ class RoundWork:
 
     ``usable``: finished copies with a checkpoint (status ok or preempted); ``failed``:
     copies that reported failure; ``missing``: assigned copies that never reported.
-    ``prior_steps``: the job's consolidated steps before this round.
+    ``prior_worker_steps``: the job's consolidated worker-steps before this round (exact);
+    ``job_workers``: its W, so ``prior_steps`` (job steps) is ``prior_worker_steps // W``.
     """
 
     job_id: str
@@ -35,8 +38,13 @@ class RoundWork:
     usable: tuple[FinishedCopy, ...]
     failed: tuple[FinishedCopy, ...]
     missing: tuple[int, ...]
-    prior_steps: int
+    prior_worker_steps: int
+    job_workers: int
     timed_out: bool
+
+    @property
+    def prior_steps(self) -> int:
+        return self.prior_worker_steps // self.job_workers
 
 
 @dataclass(frozen=True, kw_only=True)

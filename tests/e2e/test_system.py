@@ -2,7 +2,7 @@
 
 Three jobs are submitted with the CLI, three emulated agents of different GPU types
 train them, and the checks come from the event log and the store alone: every job
-completes, steps are conserved, every consolidated model is the steps-weighted average
+completes, samples are conserved, every consolidated model is the samples-weighted average
 of its round's replicas, and ``hadar model`` downloads the final model. The same jobs
 under ``gavel`` leave GPUs idle that ``hadare`` fills with copies.
 """
@@ -27,7 +27,7 @@ from safetensors.numpy import load_file
 from services.scheduler.state import fold_log
 from shared.bus import KafkaBus
 from shared.config import S3Settings
-from shared.events import JobCompleted, ModelConsolidated
+from shared.events import Assignment, JobCompleted, ModelConsolidated
 from shared.infra import InfraError, InfraPaths, ensure_kafka, stop_server
 from shared.layout import checkpoint_key
 from shared.logging import STABLE_KEYS
@@ -175,14 +175,21 @@ async def _check_models(run: Run) -> None:
     try:
         consolidated = [e for _, e in run.log if isinstance(e, ModelConsolidated) and e.job_id in run.job_ids]
         completed = {e.job_id: e for _, e in run.log if isinstance(e, JobCompleted)}
+        # A copy's workers k (its world size) and the job's W, from the placements.
+        placed = {(e.job_id, e.round, e.copy): (e.world_size, e.job.workers)
+                  for _, e in run.log if isinstance(e, Assignment)}
         for job_id in run.job_ids:
             rounds = sorted((e for e in consolidated if e.job_id == job_id), key=lambda e: e.round)
             assert rounds, f"{job_id}: no consolidated model"
-            # Steps conserved: the job's total is the sum of its copies' steps over its rounds.
-            summed = sum(c.steps for e in rounds for c in e.copies)
-            assert rounds[-1].total_steps == summed == completed[job_id].total_steps
+            # Samples conserved (docs/architecture.md "Work accounting"): the job's worker-steps
+            # are the sum over its rounds of its copies' steps x k; its total steps are those // W.
+            workers = {(e.round, c.copy): placed[(job_id, e.round, c.copy)] for e in rounds for c in e.copies}
+            (job_workers,) = {w for _, w in workers.values()}
+            summed = sum(c.steps * workers[(e.round, c.copy)][0] for e in rounds for c in e.copies)
+            assert rounds[-1].total_steps == summed // job_workers == completed[job_id].total_steps
             for event in rounds:
-                await _check_average(store, event, run.workdir / "check")
+                copy_workers = {c.copy: workers[(event.round, c.copy)][0] for c in event.copies}
+                await _check_average(store, event, copy_workers, run.workdir / "check")
         last = rounds[-1]
         out = run.workdir / "final.safetensors"
         got = _hadar(["model", run.job_ids[-1], "--out", str(out)], run.env)
@@ -200,21 +207,24 @@ async def _fetch(store: MinioStore, key: str, path: Path) -> Path:
     return path
 
 
-async def _check_average(store: MinioStore, event: ModelConsolidated, tmp: Path) -> None:
-    """Recompute the steps-weighted average from the stored replicas; compare with the model."""
+async def _check_average(store: MinioStore, event: ModelConsolidated, workers: dict[int, int],
+                         tmp: Path) -> None:
+    """Recompute the samples-weighted average (steps x the copy's ``workers``) from the stored
+    replicas; compare with the model."""
     model = load_file(str(await _fetch(store, event.key, tmp / "model.safetensors")))
     replicas = []
     for c in event.copies:
         key = checkpoint_key(event.job_id, event.round, c.copy)
-        replicas.append((c.steps, load_file(str(await _fetch(store, key, tmp / f"{c.copy}.safetensors")))))
-    total = sum(steps for steps, _ in replicas)
+        replicas.append((c.steps, c.steps * workers[c.copy],
+                         load_file(str(await _fetch(store, key, tmp / f"{c.copy}.safetensors")))))
+    total = sum(samples for _, samples, _ in replicas)
     assert total > 0
-    most = max(replicas, key=lambda r: r[0])[1]
+    most = min(zip(event.copies, replicas), key=lambda cr: (-cr[1][0], cr[0].copy))[1][2]
     for name, value in model.items():
         if np.issubdtype(value.dtype, np.integer):
             assert np.array_equal(value, most[name]), f"{event.key}:{name} not taken from the max-steps copy"
             continue
-        expected = sum(t[name].astype(np.float64) * (steps / total) for steps, t in replicas)
+        expected = sum(t[name].astype(np.float64) * (samples / total) for _, samples, t in replicas)
         assert np.allclose(value.astype(np.float64), expected, rtol=1e-5, atol=1e-6), f"{event.key}:{name}"
 
 

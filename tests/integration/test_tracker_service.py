@@ -300,3 +300,24 @@ async def test_kafka_and_minio_consolidate_and_complete(kafka_bootstrap: str, s3
         await store.stop()
         await bus.stop()
         await asyncio.to_thread(_remove_bucket, settings)
+
+
+async def test_a_two_worker_job_forked_into_two_one_worker_copies_is_credited_half_their_steps(
+        memory_bus: MemoryBus, local_store: LocalStore) -> None:
+    """Samples, not copy steps (issue 11): two copies on 1 of the job's W=2 workers train
+    (s0 + s1) x b samples, i.e. (s0 + s1) / 2 job steps; weights are by samples."""
+    job = replace(spec("j-half", iterations=1_000), workers=2)
+    await memory_bus.emit(JobSubmitted(ts=T0, source="cli", job=job, submitted_at=T0))
+    await place(memory_bus, job, 0, [0, 1])
+    await finish(memory_bus, local_store, "j-half", 0, 0, steps=90)
+    await finish(memory_bus, local_store, "j-half", 0, 1, steps=31)
+    service = tracker(memory_bus, local_store)
+    await service.start()
+    try:
+        events = await wait_for(memory_bus, "j-half", lambda es: bool(consolidations(es)))
+        (event,) = consolidations(events)
+        assert event.total_steps == (90 + 31) // 2 == 60
+        assert [c.weight for c in event.copies] == pytest.approx([90 / 121, 31 / 121])
+        assert service.state.consolidated_worker_steps("j-half") == 121
+    finally:
+        await service.stop()

@@ -62,7 +62,7 @@ def test_steps_beyond_the_copy_budget_are_clamped_to_it() -> None:
 
 def test_a_round_overflowing_the_jobs_total_leaves_out_the_largest_claims() -> None:
     prior = MAX_TOTAL_STEPS - 50
-    plan = plan_consolidation([replica(0, 40), replica(1, 2**53), replica(2, 10)], prior_steps=prior)
+    plan = plan_consolidation([replica(0, 40), replica(1, 2**53), replica(2, 10)], prior_worker_steps=prior)
     assert [r.copy for r in plan.accepted] == [0, 2]
     assert [r.copy for r in plan.rejected] == [1] and "2**64-1" in plan.rejected[0].reason
     assert plan.total_steps == MAX_TOTAL_STEPS == prior + plan.round_steps
@@ -71,10 +71,10 @@ def test_a_round_overflowing_the_jobs_total_leaves_out_the_largest_claims() -> N
 
 
 def test_a_job_at_the_step_limit_keeps_only_copies_of_zero_steps() -> None:
-    plan = plan_consolidation([replica(0, 0), replica(1, 5)], prior_steps=MAX_TOTAL_STEPS)
+    plan = plan_consolidation([replica(0, 0), replica(1, 5)], prior_worker_steps=MAX_TOTAL_STEPS)
     assert [(r.copy, r.weight) for r in plan.accepted] == [(0, 1.0)] and [r.copy for r in plan.rejected] == [1]
     with pytest.raises(NoUsableReplica):
-        plan_consolidation([replica(0, 3), replica(1, 5)], prior_steps=MAX_TOTAL_STEPS)
+        plan_consolidation([replica(0, 3), replica(1, 5)], prior_worker_steps=MAX_TOTAL_STEPS)
 
 
 def test_negative_steps_reject_that_copy_only() -> None:
@@ -82,9 +82,9 @@ def test_negative_steps_reject_that_copy_only() -> None:
     assert [r.copy for r in plan.rejected] == [0] and [r.copy for r in plan.accepted] == [1]
 
 
-def test_prior_steps_out_of_range_is_a_caller_error() -> None:
+def test_prior_worker_steps_out_of_range_is_a_caller_error() -> None:
     with pytest.raises(ValueError):
-        plan_consolidation([replica(0, 1)], prior_steps=-1)
+        plan_consolidation([replica(0, 1)], prior_worker_steps=-1)
 
 
 huge_or_small = st.one_of(st.integers(0, 1000), st.integers(0, 2**64 - 1),
@@ -100,7 +100,7 @@ def test_weights_are_finite_bounded_sum_to_one_and_the_total_fits_an_event(
         steps: list[int], budgets: list[int | None], prior: int, mode: str) -> None:
     replicas = [replica(i, s, budgets[i]) for i, s in enumerate(steps)]
     try:
-        plan = plan_consolidation(replicas, mode=mode, prior_steps=prior)  # type: ignore[arg-type]
+        plan = plan_consolidation(replicas, mode=mode, prior_worker_steps=prior)  # type: ignore[arg-type]
     except NoUsableReplica as exc:
         assert {r.copy for r in exc.rejected} == set(range(len(steps)))
         return
@@ -115,3 +115,22 @@ def test_weights_are_finite_bounded_sum_to_one_and_the_total_fits_an_event(
     assert {r.copy for r in plan.accepted} | {r.copy for r in plan.rejected} == set(range(len(steps)))
     event = event_of(plan)
     assert decode(encode(event)) == event
+
+
+def test_copies_on_fewer_workers_weigh_and_count_by_samples() -> None:
+    """A copy on k of W workers: steps x k worker-steps; the job's total is their sum // W."""
+    replicas = [Replica(copy=0, steps=30, workers=1, reader=BytesReader(replica_bytes(0))),
+                Replica(copy=1, steps=10, workers=3, reader=BytesReader(replica_bytes(1)))]
+    plan = plan_consolidation(replicas, prior_worker_steps=7, job_workers=4)
+    assert [r.weight for r in plan.accepted] == [0.5, 0.5]
+    assert (plan.round_steps, plan.round_worker_steps, plan.total_worker_steps, plan.total_steps) == (40, 60, 67, 16)
+    with pytest.raises(ValueError):
+        plan_consolidation(replicas, job_workers=2)   # a copy on 3 workers of a 2-worker job
+
+
+def test_the_total_that_must_fit_an_event_is_in_job_steps() -> None:
+    prior = 2 * MAX_TOTAL_STEPS - 10     # MAX - 5 job steps of a W=2 job
+    replicas = [Replica(copy=0, steps=10, workers=2, reader=BytesReader(replica_bytes(0))),
+                Replica(copy=1, steps=5, workers=2, reader=BytesReader(replica_bytes(1)))]
+    plan = plan_consolidation(replicas, prior_worker_steps=prior, job_workers=2)
+    assert [r.copy for r in plan.accepted] == [1] and plan.total_steps == MAX_TOTAL_STEPS

@@ -46,7 +46,7 @@ def test_a_consolidated_file_carries_exactly_the_model_metadata(tmp_path: Path) 
         path = tmp_path / f"{copy}.safetensors"
         save_file({"w": np.full(4, float(copy), np.float32)}, str(path), metadata={"format": "hadar-checkpoint-1"})
         replicas.append(Replica(copy=copy, steps=steps, reader=FileRangeReader(path)))
-    plan = plan_consolidation(replicas, rejected=[Rejected(copy=1, reason="copy failed: oom")], prior_steps=210)
+    plan = plan_consolidation(replicas, rejected=[Rejected(copy=1, reason="copy failed: oom")], prior_worker_steps=210)
     meta = plan.model_metadata(job="j1", round_=3, missing=(3, 4))
     assert meta == META
     out = tmp_path / "model.safetensors"
@@ -80,7 +80,7 @@ def model_metadata(draw: st.DrawFn) -> ModelMetadata:
     return ModelMetadata(
         job=draw(st.from_regex(r"[a-z0-9][a-z0-9._-]{0,62}", fullmatch=True)),
         round=draw(st.integers(min_value=0, max_value=2**63 - 1)),
-        total_steps=round_steps + draw(st.integers(min_value=0, max_value=2**62)),
+        total_steps=round_steps + draw(st.integers(min_value=0, max_value=2**62)),   # any count: job steps
         mode=draw(st.sampled_from(["steps", "uniform"])), copies=copies, rejected=rejected,
         missing=tuple(copy_ids[n_copies + n_rejected:]),
         format=draw(st.none() | st.text(st.characters(blacklist_categories=("Cs",)))))
@@ -118,7 +118,6 @@ def _with(**changes: Any) -> dict[str, Any]:
     (_with(round=str(2**63)), "round"),
     (_with(total_steps=None), "total_steps"),
     (_with(total_steps="2.5"), "total_steps"),
-    (_with(total_steps="39"), "total_steps"),   # less than the copies' steps
     (_with(mode=None), "mode"),
     (_with(mode="mean"), "mode"),
     (_with(round_steps="41"), "round_steps"),
@@ -175,3 +174,10 @@ def test_an_invalid_model_metadata_cannot_be_built(changes: dict[str, Any]) -> N
               "copies": META.copies, "rejected": META.rejected, "missing": META.missing, "format": META.format}
     with pytest.raises(InvalidModelMetadata):
         ModelMetadata(**{**fields, **changes})
+
+
+def test_total_steps_are_job_steps_and_may_be_fewer_than_the_copies_own_steps() -> None:
+    """Two copies on 1 of a W=2 job's workers, 30 and 10 steps: 20 job steps (issue 11)."""
+    meta = ModelMetadata(job="j1", round=0, total_steps=20, mode="steps",
+                         copies=(CopyWeight(copy=0, steps=30, weight=0.75), CopyWeight(copy=1, steps=10, weight=0.25)))
+    assert ModelMetadata.from_metadata(meta.to_metadata()) == meta and meta.round_steps == 40

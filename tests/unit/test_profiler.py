@@ -50,12 +50,13 @@ def test_published_only_when_the_rate_moves_more_than_five_percent() -> None:
     assert state.observe(progress(T0 + 50, 5060)) is None        # 101 vs last published 106: 4.7%
 
 
-def test_first_report_of_a_copy_uses_samples_per_second_over_batch_size() -> None:
+def test_first_report_of_a_copy_uses_samples_per_second_over_its_copys_batch() -> None:
     state = ProfilerState()
     assert state.observe(progress(T0, 5, samples_per_s=640.0)) is None  # job unknown: no batch size
     state.add_job(SPEC)
     update = state.observe(progress(T0, 5, copy=1, samples_per_s=640.0))
-    assert update is not None and update.rate == pytest.approx(20.0)  # 640 samples/s / 32
+    # 640 samples/s of a copy on 2 workers of batch 32 (issue 11: not / 32 alone, a step per worker)
+    assert update is not None and update.rate == pytest.approx(10.0)
 
 
 def test_repeats_older_reports_and_round_changes_give_no_bogus_samples() -> None:

@@ -141,6 +141,42 @@ def test_step_budget_is_split_across_copies_by_rate():
     assert budgets == {0: 75, 1: 25}
 
 
+def test_step_budgets_of_copies_on_fewer_than_w_workers_are_in_their_own_steps():
+    """Samples (issue 11): a W=2 job's copy on 1 worker is credited half a job step per step.
+    Rates 30 and 10 steps/s on 1 worker credit 15 and 5 job steps/s: copy 0 gets 75% of the
+    100 remaining job steps, 75 job steps, which are 150 of its own steps; copy 1 50."""
+    state = _state_with_cluster()
+    state.apply(JobSubmitted(ts=T0, source="cli", job=spec("w2", workers=2), submitted_at=T0))
+    state.apply(ThroughputEstimate(ts=T0, source="p", job_id="w2", basis="estimate", workers=1,
+                                   rates={"v100": 30.0, "t4": 10.0}))
+    timing = RoundTiming(round=0, started_at=T0 + 5, round_s=10, heartbeat_s=5)
+    snap = build_snapshot(state, timing, None, seed=0)
+    plan = Plan(placements=(Placement(job_id="w2", copy=0, node_id="n1", gpus=(0,)),
+                            Placement(job_id="w2", copy=1, node_id="n2", gpus=(0,))),
+                waiting=(Wait(job_id="a", code=WaitCode.CAPACITY), Wait(job_id="b", code=WaitCode.CAPACITY)))
+    events = plan_to_events(plan, snap, state, timing, choice=YARN, seed=0, source="s", inputs={}, decision_ms=0)
+    budgets = {e.copy: e.step_budget for e in events if isinstance(e, Assignment)}
+    assert budgets == {0: 150, 1: 50}
+    # Together they are worth the job's remaining steps: 150 x 1/2 + 50 x 1/2 = 100.
+
+
+def test_a_budget_in_copy_steps_is_rounded_up_and_overshoots_by_at_most_a_step_per_copy():
+    state = _state_with_cluster()
+    state.apply(JobSubmitted(ts=T0, source="cli", job=spec("w3", workers=3, iterations=101), submitted_at=T0))
+    state.apply(ThroughputEstimate(ts=T0, source="p", job_id="w3", basis="estimate", workers=1,
+                                   rates={"v100": 7.0, "t4": 7.0}))
+    timing = RoundTiming(round=0, started_at=T0 + 5, round_s=10, heartbeat_s=5)
+    snap = build_snapshot(state, timing, None, seed=0)
+    plan = Plan(placements=(Placement(job_id="w3", copy=0, node_id="n1", gpus=(0,)),
+                            Placement(job_id="w3", copy=1, node_id="n2", gpus=(0,))),
+                waiting=(Wait(job_id="a", code=WaitCode.CAPACITY), Wait(job_id="b", code=WaitCode.CAPACITY)))
+    events = plan_to_events(plan, snap, state, timing, choice=YARN, seed=0, source="s", inputs={}, decision_ms=0)
+    budgets = [e.step_budget for e in events if isinstance(e, Assignment)]
+    assert budgets == [152, 152]   # 50.5 job steps each = 151.5 copy steps, rounded up
+    credited = sum(b * 1 / 3 for b in budgets)
+    assert 101 <= credited <= 101 + len(budgets)
+
+
 # ---------------------------------------------------------------- bounded state (issue 12)
 
 
