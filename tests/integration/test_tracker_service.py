@@ -29,7 +29,7 @@ from shared.events import (
 )
 from shared.layout import checkpoint_key, final_key, model_key
 from shared.store import LocalStore, MinioStore, ObjectStore
-from shared.topics import MODELS
+from shared.topics import MODELS, PLACEMENTS
 
 T0 = 1_700_000_000.0
 
@@ -95,19 +95,25 @@ def tracker(bus: Bus, store: ObjectStore, *, clock: FakeClock | None = None, tim
 
 
 async def full_scenario(bus: Bus, store: ObjectStore) -> None:
-    """Two rounds, two copies then one; the job reaches its iterations in round 1."""
+    """Two rounds, two copies then one; the job reaches its iterations in the second.
+
+    Rounds are the scheduler's, global to the bus: on a broker shared with earlier runs the
+    scenario takes the two round numbers after every round already placed there."""
+    r0 = 1 + max([d.event.round async for d in bus.read(PLACEMENTS) if isinstance(d.event, RoundStarted)],
+                 default=-1)
+    r1 = r0 + 1
     job_id = f"job-{uuid.uuid4().hex[:8]}"
     job = spec(job_id)
     await bus.emit(JobSubmitted(ts=T0 - 100, source="cli", job=job, submitted_at=T0 - 100))
     service = tracker(bus, store, clock=FakeClock(T0 + 1000))
     await service.start()
     try:
-        await place(bus, job, 0, [0, 1])
-        w0 = await finish(bus, store, job_id, 0, 0, steps=100)
-        w1 = await finish(bus, store, job_id, 0, 1, steps=60)
-        events = await wait_for(bus, job_id, lambda es: bool(consolidations(es, 0)))
-        (first,) = consolidations(events, 0)
-        assert first.key == model_key(job_id, 0) and first.total_steps == 160
+        await place(bus, job, r0, [0, 1])
+        w0 = await finish(bus, store, job_id, r0, 0, steps=100)
+        w1 = await finish(bus, store, job_id, r0, 1, steps=60)
+        events = await wait_for(bus, job_id, lambda es: bool(consolidations(es, r0)))
+        (first,) = consolidations(events, r0)
+        assert first.key == model_key(job_id, r0) and first.total_steps == 160
         assert [(c.copy, c.steps) for c in first.copies] == [(0, 100), (1, 60)]
         assert [c.weight for c in first.copies] == pytest.approx([100 / 160, 60 / 160])
         model = load(await store.get(first.key))
@@ -115,10 +121,10 @@ async def full_scenario(bus: Bus, store: ObjectStore) -> None:
         np.testing.assert_allclose(model["w"], expected, rtol=2e-6, atol=2e-7)
         assert model["steps"] == w0["steps"]  # integer tensor: from the copy with most steps
 
-        await place(bus, job, 1, [0])
-        await finish(bus, store, job_id, 1, 0, steps=200)
+        await place(bus, job, r1, [0])
+        await finish(bus, store, job_id, r1, 0, steps=200)
         events = await wait_for(bus, job_id, lambda es: any(isinstance(e, JobCompleted) for e in es))
-        (second,) = consolidations(events, 1)
+        (second,) = consolidations(events, r1)
         assert second.total_steps == 360 and [c.weight for c in second.copies] == [1.0]
         (done,) = [e for e in events if isinstance(e, JobCompleted)]
         assert done.final_key == final_key(job_id) and done.total_steps == 360
