@@ -53,7 +53,8 @@ class JobRecord:
     model_key: str | None = None        # the last consolidated model (start point of the next round)
     consolidated_round: int = -1
     decided_round: int = -1             # latest round with a model or given up (RoundAbandoned)
-    live_steps: dict[tuple[int, int], int] = field(default_factory=dict)  # (round, copy) -> steps this round
+    # (round, copy) -> worker-steps (own steps x the copy's workers) reported this round
+    live_steps: dict[tuple[int, int], int] = field(default_factory=dict)
     attained_gpu_s: float = 0.0
     time_by_type: dict[str, float] = field(default_factory=dict)
     rounds_run: int = 0
@@ -73,9 +74,10 @@ class JobRecord:
         return "running" if self.last_round is not None else "waiting"
 
     def progress_steps(self) -> int:
-        """Consolidated steps plus what copies reported since (for display only)."""
+        """Consolidated steps plus what copies reported since, in job steps: a copy on k of
+        the job's W workers earns k/W of a step per step (shared.progress; display only)."""
         pending = sum(s for (r, _), s in self.live_steps.items() if r > self.consolidated_round)
-        return min(self.spec.iterations, self.steps_done + pending)
+        return min(self.spec.iterations, self.steps_done + pending // self.spec.workers)
 
 
 @dataclass(kw_only=True)
@@ -233,14 +235,24 @@ class SchedulerState:
     def _on_Progress(self, e: Progress) -> None:
         job = self.jobs.get(e.job_id)
         if job is not None:
+            workers = min(e.workers, job.spec.workers)
             key = (e.round, e.copy)
-            job.live_steps[key] = max(job.live_steps.get(key, 0), e.steps_round)
+            job.live_steps[key] = max(job.live_steps.get(key, 0), e.steps_round * workers)
 
     def _on_CopyFinished(self, e: CopyFinished) -> None:
         job = self.jobs.get(e.job_id)
         if job is not None and e.status != "failed":
             key = (e.round, e.copy)
-            job.live_steps[key] = max(job.live_steps.get(key, 0), e.steps_round)
+            workers = self._copy_workers(e.job_id, e.round, e.copy, default=job.spec.workers)
+            job.live_steps[key] = max(job.live_steps.get(key, 0), e.steps_round * workers)
+
+    def _copy_workers(self, job_id: str, round_: int, copy: int, *, default: int) -> int:
+        """The copy's world size, from its Assignment when the round is kept."""
+        record = self.rounds.get(round_)
+        for a in record.assignments if record is not None else ():
+            if a.job_id == job_id and a.copy == copy:
+                return min(a.world_size, default)
+        return default
 
     def _on_ModelConsolidated(self, e: ModelConsolidated) -> None:
         job = self.jobs.get(e.job_id)

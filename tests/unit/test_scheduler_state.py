@@ -8,7 +8,7 @@ from services.scheduler.rounds import RoundTiming, build_snapshot, plan_to_event
 from services.scheduler.state import SchedulerState
 from shared.events import (
     Assignment, GpuInfo, JobCancelled, JobSpec, JobSubmitted, ModelConsolidated, NodeHeartbeat,
-    NodeRegistered, Progress, RoundStarted, ThroughputEstimate, CopyWeight,
+    NodeRegistered, Progress, RoundStarted, ThroughputEstimate, CopyFinished, CopyWeight,
 )
 from shared.topics import JOBS
 
@@ -252,3 +252,22 @@ def test_only_the_latest_finished_jobs_keep_their_records():
     state.apply(ModelConsolidated(ts=T0 + 9, source="tracker", job_id="j0", round=0, key=model_key("j0", 0),
                                   total_steps=100, copies=(CopyWeight(copy=0, steps=100, weight=1.0),)))
     assert "j0" not in state.jobs                      # a late model of a forgotten job: accepted, no effect
+
+
+def test_progress_shown_before_consolidation_counts_samples():
+    """Two copies on 1 of a W=2 job's workers reporting 90 and 30 of their own steps have
+    trained (90 + 30) x b samples: 60 job steps, not 120 (issue 11)."""
+    state = SchedulerState()
+    state.apply(node("n1", "t4"))
+    state.apply(node("n2", "t4"))
+    state.apply(JobSubmitted(ts=T0, source="cli", job=spec("a", workers=2, iterations=1000), submitted_at=T0))
+    state.apply(RoundStarted(ts=T0, source="s", round=0, policy="x", started_at=T0, ends_at=T0 + 10))
+    for copy, node_id in enumerate(("n1", "n2")):
+        state.apply(Assignment(ts=T0, source="s", round=0, job=spec("a", workers=2, iterations=1000), copy=copy,
+                               node_id=node_id, gpus=(0,), gpu_type="t4", world_size=1, ranks=(0,),
+                               step_budget=500, deadline=T0 + 10))
+    state.apply(Progress(ts=T0 + 1, source="agent", job_id="a", round=0, copy=0, node_id="n1", gpu_type="t4",
+                         workers=1, steps_round=90, steps_total=90, samples_per_s=10, loss=1.0))
+    state.apply(CopyFinished(ts=T0 + 2, source="agent", job_id="a", round=0, copy=1, node_id="n2", status="ok",
+                             steps_round=30, checkpoint="checkpoints/a/0/1.safetensors"))
+    assert state.jobs["a"].progress_steps() == 60
