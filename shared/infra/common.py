@@ -34,7 +34,7 @@ from shared.errors import HadarError
 __all__ = [
     "InfraError", "InfraPaths", "Clock", "free_port", "spawn", "is_running", "stop_group",
     "wait_for", "port_accepts", "file_lock", "write_private", "read_json", "log_tail",
-    "remove_tree",
+    "remove_tree", "keep_previous",
 ]
 
 Clock = Callable[[], float]
@@ -54,7 +54,8 @@ class InfraError(HadarError):
 
 @dataclass(frozen=True, kw_only=True)
 class InfraPaths:
-    """The cache (binaries, jars; kept) and the run directory (state, data; removed by down)."""
+    """The cache (binaries, jars; kept) and the run directory (state, data; removed by ``down``
+    only -- ``up`` and ``restart`` keep a server's data, ports and credentials)."""
 
     cache: Path
     run: Path
@@ -111,7 +112,10 @@ def is_running(pid: int, marker: str) -> bool:
     """Whether ``pid`` is a live (not zombie) process whose command line contains ``marker``.
 
     The marker (a path unique to the server's run directory) guards against a recycled pid.
+    A pid of 0 or less (a server stopped by ``down --keep-data``) is never running.
     """
+    if pid <= 0:
+        return False
     _reap(pid)
     proc = Path("/proc") / str(pid)
     if not Path("/proc/self").exists():  # no procfs: trust the pid
@@ -223,6 +227,13 @@ def load_recorded(path: Path, record: Callable[..., T]) -> T | None:
         return record(**data)
     except TypeError:
         return None
+
+
+def keep_previous(log: Path) -> None:
+    """Move ``log`` to ``log.prev`` (replacing an older one): a restarted server starts a new
+    log, and the crashed run's output stays readable beside it."""
+    if log.exists():
+        os.replace(log, log.with_name(log.name + ".prev"))
 
 
 def remove_tree(path: Path) -> None:
