@@ -23,8 +23,8 @@ from minio import Minio
 
 from shared.infra import InfraError, InfraPaths, down, status
 from shared.infra.common import is_running
-from shared.infra.kafka import load_kafka
-from shared.infra.minio import load_minio
+from shared.infra.kafka import load_kafka, start_kafka
+from shared.infra.minio import load_minio, start_minio
 from tests.integration.test_infra import hadar_infra
 
 pytestmark = [pytest.mark.kafka, pytest.mark.s3, pytest.mark.slow]
@@ -181,12 +181,14 @@ def test_restart_with_nothing_recorded_says_so(private_paths: InfraPaths,
     assert "nothing to restart" in err and "`hadar infra up`" in err, err
 
 
-def test_up_never_replaces_data_it_has_no_record_for(private_paths: InfraPaths) -> None:
-    from shared.infra import ensure_kafka
-
-    data = private_paths.server_dir("kafka") / "data"
+@pytest.mark.parametrize("name", ["kafka", "minio"])
+def test_a_new_server_never_replaces_data_it_has_no_record_for(private_paths: InfraPaths, name: str) -> None:
+    data = private_paths.server_dir(name) / "data"
     data.mkdir(parents=True)
-    (data / "meta.properties").write_text("cluster.id=x\n")
+    (data / "kept").write_text("something a crashed server stored\n")
     with pytest.raises(InfraError, match="hadar infra down"):
-        ensure_kafka(private_paths)
-    assert (data / "meta.properties").exists()
+        if name == "kafka":
+            start_kafka(private_paths, Path("/no/jars/needed"), "java-not-needed")
+        else:
+            start_minio(private_paths, Path("/no/binary/needed"))
+    assert (data / "kept").exists()
