@@ -34,7 +34,7 @@ from shared.errors import HadarError
 __all__ = [
     "InfraError", "InfraPaths", "Clock", "free_port", "spawn", "is_running", "stop_group",
     "wait_for", "port_accepts", "file_lock", "write_private", "read_json", "log_tail",
-    "remove_tree", "keep_previous",
+    "remove_tree", "keep_previous", "port_released",
 ]
 
 Clock = Callable[[], float]
@@ -91,6 +91,21 @@ def port_accepts(port: int, host: str = "127.0.0.1", timeout: float = 1.0) -> bo
             return True
     except OSError:
         return False
+
+
+def port_released(port: int, *, timeout: float = 10.0, clock: Clock = time.monotonic,
+                  sleep: Callable[[float], None] = time.sleep) -> bool:
+    """Whether nothing accepts on ``port`` any more, waiting up to ``timeout`` seconds.
+
+    A killed multi-threaded server (a JVM, Go) looks gone -- its main thread a zombie --
+    a moment before its last thread exits and its listening sockets close.
+    """
+    deadline = clock() + timeout
+    while port_accepts(port, timeout=0.5):
+        if clock() >= deadline:
+            return False
+        sleep(0.1)
+    return True
 
 
 def spawn(argv: Sequence[str], *, log: Path, env: Mapping[str, str] | None = None,

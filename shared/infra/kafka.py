@@ -39,6 +39,7 @@ from shared.infra.common import (
     load_recorded,
     log_tail,
     port_accepts,
+    port_released,
     remove_tree,
     spawn,
     stop_group,
@@ -237,7 +238,7 @@ def restart_kafka(paths: InfraPaths, lib: Path, java: str, recorded: KafkaServer
     if is_running(recorded.pid, recorded.marker):
         raise InfraError(f"kafka: still running (pid {recorded.pid}); stop it before restarting")
     for port in (recorded.port, recorded.controller_port):
-        if port_accepts(port):
+        if not port_released(port):
             raise InfraError(f"kafka: port {port} is taken by another process; free it and run "
                              "`hadar infra restart kafka` (`hadar infra down` deletes the data instead)")
     run_dir = Path(recorded.run_dir)

@@ -30,7 +30,7 @@ from shared.infra.common import (
     is_running,
     keep_previous,
     load_recorded,
-    port_accepts,
+    port_released,
     remove_tree,
     spawn,
     stop_group,
@@ -164,7 +164,7 @@ def restart_minio(paths: InfraPaths, binary: Path, recorded: MinioServer, *,
     if is_running(recorded.pid, recorded.marker):
         raise InfraError(f"minio: still running (pid {recorded.pid}); stop it before restarting")
     for port in (recorded.port, recorded.console_port):
-        if port_accepts(port):
+        if not port_released(port):
             raise InfraError(f"minio: port {port} is taken by another process; free it and run "
                              "`hadar infra restart minio` (`hadar infra down` deletes the data instead)")
     return _launch(paths, binary, recorded, clock=clock)
