@@ -1,9 +1,12 @@
-"""``hadar infra up|status|down``: the development Kafka and MinIO on 127.0.0.1.
+"""``hadar infra up|restart|status|down``: the development Kafka and MinIO on 127.0.0.1.
 
 ``up`` prints shell-ready ``HADAR_*=...`` lines on stdout (and writes them to
-``--env-file``); progress and timings go to stderr. ``status`` exits 0 only when both
-servers are up and answering. ``down`` stops both and removes their data; running it
-twice is fine. Failures print one line and exit 1.
+``--env-file``); progress and timings go to stderr. A server that crashed (or was stopped
+with ``down --keep-data``) comes back from ``up`` or ``restart NAME`` with its data, port
+and credentials, so the ``HADAR_*`` settings stay valid and running services reconnect.
+``status`` exits 0 only when both servers are up and answering, and names the command
+that brings a crashed one back. ``down`` stops both and deletes their data unless
+``--keep-data``; running it twice is fine. Failures print one line and exit 1.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from shared.infra import InfraError, InfraPaths, down, env_lines, status, up, write_env_file
+from shared.infra import InfraError, InfraPaths, down, env_lines, restart, status, up, write_env_file
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -26,8 +29,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     start = actions.add_parser("up", help="fetch/build if needed, start, print HADAR_* settings")
     start.add_argument("--env-file", type=Path, help="also write the HADAR_* lines to this file")
     start.set_defaults(func=_up)
+    again = actions.add_parser(
+        "restart", help="restart one server with its data, port and credentials",
+        description="Stop the server if it runs, then start it again with the same data directory, "
+                    "port and cluster id (Kafka) or credentials (MinIO), so running services reconnect.")
+    again.add_argument("server", choices=("kafka", "minio"))
+    again.set_defaults(func=_restart)
     actions.add_parser("status", help="say whether each server is up").set_defaults(func=_status)
-    actions.add_parser("down", help="stop both servers and remove their data").set_defaults(func=_down)
+    stop = actions.add_parser(
+        "down", help="stop both servers and DELETE their data (unless --keep-data)",
+        description="Stop both servers and delete their run directories: every topic, record, bucket "
+                    "and object. With --keep-data they are only stopped; `up` or `restart` brings "
+                    "them back as they were.")
+    stop.add_argument("--keep-data", action="store_true",
+                      help="stop only; keep data, ports and credentials for `up`/`restart`")
+    stop.set_defaults(func=_down)
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -42,6 +58,14 @@ def _up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _restart(args: argparse.Namespace) -> int:
+    try:
+        restart(InfraPaths.from_env(), args.server, report=_progress)
+    except InfraError as exc:
+        return _fail(exc)
+    return 0
+
+
 def _status(args: argparse.Namespace) -> int:
     found = status(InfraPaths.from_env())
     for entry in found:
@@ -51,7 +75,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def _down(args: argparse.Namespace) -> int:
     try:
-        messages = down(InfraPaths.from_env())
+        messages = down(InfraPaths.from_env(), keep_data=args.keep_data)
     except InfraError as exc:
         return _fail(exc)
     for message in messages:

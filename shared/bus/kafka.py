@@ -27,6 +27,7 @@ from shared.bus.base import (
 from shared.bus.kafka_group import KafkaSubscription
 from shared.clock import Clock, SystemClock
 from shared.events import Event, InvalidEvent, decode, encode
+from shared.retention import topic_configs
 from shared.topics import ALL_TOPICS
 
 if TYPE_CHECKING:
@@ -117,7 +118,8 @@ class KafkaBus(Bus):
         check_started(self._admin is not None)
         assert self._admin is not None
         names = topic_list(topics)
-        request = [NewTopic(t, self.partitions, self.replication_factor) for t in names]
+        request = [NewTopic(t, self.partitions, self.replication_factor, topic_configs=topic_configs(t))
+                   for t in names]
         try:
             response = await self._admin.create_topics(request)
         except (KafkaError, OSError, asyncio.TimeoutError) as exc:

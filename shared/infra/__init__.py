@@ -16,6 +16,7 @@ from shared.infra.stack import (
     ensure_kafka,
     ensure_minio,
     env_lines,
+    restart,
     status,
     stop_server,
     up,
@@ -24,6 +25,6 @@ from shared.infra.stack import (
 
 __all__ = [
     "InfraError", "InfraPaths", "KafkaServer", "MinioServer", "MINIO_VERSION", "DevServers",
-    "ServerStatus", "up", "status", "down", "ensure_kafka", "ensure_minio", "stop_server",
+    "ServerStatus", "up", "restart", "status", "down", "ensure_kafka", "ensure_minio", "stop_server",
     "env_lines", "write_env_file",
 ]

@@ -34,7 +34,7 @@ from shared.errors import HadarError
 __all__ = [
     "InfraError", "InfraPaths", "Clock", "free_port", "spawn", "is_running", "stop_group",
     "wait_for", "port_accepts", "file_lock", "write_private", "read_json", "log_tail",
-    "remove_tree",
+    "remove_tree", "keep_previous", "port_released",
 ]
 
 Clock = Callable[[], float]
@@ -54,7 +54,8 @@ class InfraError(HadarError):
 
 @dataclass(frozen=True, kw_only=True)
 class InfraPaths:
-    """The cache (binaries, jars; kept) and the run directory (state, data; removed by down)."""
+    """The cache (binaries, jars; kept) and the run directory (state, data; removed by ``down``
+    only -- ``up`` and ``restart`` keep a server's data, ports and credentials)."""
 
     cache: Path
     run: Path
@@ -92,6 +93,21 @@ def port_accepts(port: int, host: str = "127.0.0.1", timeout: float = 1.0) -> bo
         return False
 
 
+def port_released(port: int, *, timeout: float = 10.0, clock: Clock = time.monotonic,
+                  sleep: Callable[[float], None] = time.sleep) -> bool:
+    """Whether nothing accepts on ``port`` any more, waiting up to ``timeout`` seconds.
+
+    A killed multi-threaded server (a JVM, Go) looks gone -- its main thread a zombie --
+    a moment before its last thread exits and its listening sockets close.
+    """
+    deadline = clock() + timeout
+    while port_accepts(port, timeout=0.5):
+        if clock() >= deadline:
+            return False
+        sleep(0.1)
+    return True
+
+
 def spawn(argv: Sequence[str], *, log: Path, env: Mapping[str, str] | None = None,
           cwd: Path | None = None) -> int:
     """Start ``argv`` detached in a new session (its own process group); output to ``log``.
@@ -111,7 +127,10 @@ def is_running(pid: int, marker: str) -> bool:
     """Whether ``pid`` is a live (not zombie) process whose command line contains ``marker``.
 
     The marker (a path unique to the server's run directory) guards against a recycled pid.
+    A pid of 0 or less (a server stopped by ``down --keep-data``) is never running.
     """
+    if pid <= 0:
+        return False
     _reap(pid)
     proc = Path("/proc") / str(pid)
     if not Path("/proc/self").exists():  # no procfs: trust the pid
@@ -223,6 +242,13 @@ def load_recorded(path: Path, record: Callable[..., T]) -> T | None:
         return record(**data)
     except TypeError:
         return None
+
+
+def keep_previous(log: Path) -> None:
+    """Move ``log`` to ``log.prev`` (replacing an older one): a restarted server starts a new
+    log, and the crashed run's output stays readable beside it."""
+    if log.exists():
+        os.replace(log, log.with_name(log.name + ".prev"))
 
 
 def remove_tree(path: Path) -> None:

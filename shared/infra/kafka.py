@@ -4,6 +4,9 @@ Jars come from Maven Central through ``mvn`` and deploy/kafka/pom.xml, once, int
 cache. The broker binds 127.0.0.1 only, on free ports, with settings for fast tests
 (no initial rebalance delay, one offsets partition, replication 1) and a small heap.
 It counts as ready when its port accepts and a Metadata request lists a broker.
+
+A new broker gets free ports and a new cluster id; a restarted one (:func:`restart_kafka`)
+gets the recorded ones and its existing storage, so clients find it where it was.
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ from shared.infra.common import (
     file_lock,
     free_port,
     is_running,
+    keep_previous,
     load_recorded,
     log_tail,
     port_accepts,
+    port_released,
     remove_tree,
     spawn,
     stop_group,
@@ -43,7 +48,7 @@ from shared.infra.common import (
 )
 
 __all__ = [
-    "KafkaServer", "DEFAULT_POM", "find_java", "fetch_kafka", "start_kafka", "kafka_properties",
+    "KafkaServer", "DEFAULT_POM", "find_java", "fetch_kafka", "start_kafka", "restart_kafka", "kafka_properties",
     "load_kafka", "kafka_healthy", "new_cluster_id",
 ]
 
@@ -201,27 +206,68 @@ def kafka_healthy(server: KafkaServer, timeout: float = 5.0) -> bool:
 
 def start_kafka(paths: InfraPaths, lib: Path, java: str, *, clock: Clock = time.monotonic,
                 attempts: int = 3) -> KafkaServer:
-    """Format fresh storage and start the broker; return once it is ready (state recorded).
+    """Format fresh storage and start a new broker; return once it is ready (state recorded).
 
-    Retries with new ports when one was taken between choosing it and binding it.
+    Retries with new ports when one was taken between choosing it and binding it. Refuses
+    (and touches nothing) when the run directory holds broker data that no state file
+    describes: data is only ever deleted by ``down``. A start that fails removes what it
+    created, so the next ``up`` starts afresh again.
     """
+    data_dir = paths.server_dir(NAME) / "data"
+    if data_dir.is_dir() and any(data_dir.iterdir()):
+        raise InfraError(f"kafka: {data_dir} holds data but no usable state.json records its port and "
+                         "cluster id; `hadar infra down` deletes it")
     for attempt in range(1, attempts + 1):
         try:
-            return _start_once(paths, lib, java, clock=clock)
+            return _start_fresh(paths, lib, java, clock=clock)
         except InfraError as exc:
             if attempt == attempts or "Address already in use" not in str(exc):
                 raise
     raise AssertionError("unreachable")
 
 
-def _start_once(paths: InfraPaths, lib: Path, java: str, *, clock: Clock) -> KafkaServer:
+def restart_kafka(paths: InfraPaths, lib: Path, java: str, recorded: KafkaServer, *,
+                  clock: Clock = time.monotonic) -> KafkaServer:
+    """Start the recorded broker again: the same data directory, ports and cluster id, so
+    clients reconnect to the address they had and find every record it had stored.
+
+    The recorded process must be gone (stop it first). Never formats storage that exists
+    and never picks another port: a port another process took is an error. On failure
+    the data and the state file are kept for the next try.
+    """
+    if is_running(recorded.pid, recorded.marker):
+        raise InfraError(f"kafka: still running (pid {recorded.pid}); stop it before restarting")
+    for port in (recorded.port, recorded.controller_port):
+        if not port_released(port):
+            raise InfraError(f"kafka: port {port} is taken by another process; free it and run "
+                             "`hadar infra restart kafka` (`hadar infra down` deletes the data instead)")
+    run_dir = Path(recorded.run_dir)
+    formatted = (run_dir / "data" / "meta.properties").exists()
+    return _launch(paths, lib, java, port=recorded.port, controller_port=recorded.controller_port,
+                   cluster_id=recorded.cluster_id, format_storage=not formatted, clock=clock)
+
+
+def _start_fresh(paths: InfraPaths, lib: Path, java: str, *, clock: Clock) -> KafkaServer:
     run_dir = paths.server_dir(NAME)
     remove_tree(run_dir)
-    data_dir = run_dir / "data"
-    data_dir.mkdir(parents=True)
     port, controller_port = free_port(), free_port()
     while controller_port == port:
         controller_port = free_port()
+    try:
+        return _launch(paths, lib, java, port=port, controller_port=controller_port,
+                       cluster_id=new_cluster_id(), format_storage=True, clock=clock)
+    except InfraError:
+        # Nothing of value was stored yet; keep the logs, forget the rest.
+        paths.state_file(NAME).unlink(missing_ok=True)
+        remove_tree(run_dir / "data")
+        raise
+
+
+def _launch(paths: InfraPaths, lib: Path, java: str, *, port: int, controller_port: int,
+            cluster_id: str, format_storage: bool, clock: Clock) -> KafkaServer:
+    run_dir = paths.server_dir(NAME)
+    data_dir = run_dir / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / "server.properties"
     config.write_text(kafka_properties(port=port, controller_port=controller_port, data_dir=data_dir))
     log4j = run_dir / "log4j2.properties"
@@ -229,20 +275,11 @@ def _start_once(paths: InfraPaths, lib: Path, java: str, *, clock: Clock) -> Kaf
     jvm = [java, *JVM_HEAP, "-XX:+UseG1GC", "-Djava.awt.headless=true",
            f"-Dlog4j2.configurationFile=file:{log4j}", f"-Dkafka.logs.dir={run_dir}",
            "-cp", f"{lib}/*"]
-    cluster_id = new_cluster_id()
-    format_log = run_dir / "format.log"
-    try:
-        with open(format_log, "wb") as out:
-            formatted = subprocess.run(
-                [*jvm, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config)],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, check=False, timeout=180,
-            )
-    except subprocess.TimeoutExpired:
-        raise InfraError(f"kafka storage format timed out after 180s (log: {format_log})",
-                         retriable=True) from None
-    if formatted.returncode != 0:
-        raise InfraError(f"kafka storage format failed: {log_tail(format_log)} (log: {format_log})")
-    pid = spawn([*jvm, "kafka.Kafka", str(config)], log=run_dir / "kafka.log", cwd=run_dir)
+    if format_storage:
+        _format(jvm, cluster_id, config, run_dir / "format.log")
+    log = run_dir / "kafka.log"
+    keep_previous(log)
+    pid = spawn([*jvm, "kafka.Kafka", str(config)], log=log, cwd=run_dir)
     server = KafkaServer(pid=pid, port=port, controller_port=controller_port,
                          run_dir=str(run_dir), cluster_id=cluster_id)
     write_private(paths.state_file(NAME), json.dumps(asdict(server), indent=2) + "\n")
@@ -254,6 +291,20 @@ def _start_once(paths: InfraPaths, lib: Path, java: str, *, clock: Clock) -> Kaf
         stop_group(pid, server.marker)
         raise
     return server
+
+
+def _format(jvm: list[str], cluster_id: str, config: Path, format_log: Path) -> None:
+    try:
+        with open(format_log, "wb") as out:
+            formatted = subprocess.run(
+                [*jvm, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config)],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, check=False, timeout=180,
+            )
+    except subprocess.TimeoutExpired:
+        raise InfraError(f"kafka storage format timed out after 180s (log: {format_log})",
+                         retriable=True) from None
+    if formatted.returncode != 0:
+        raise InfraError(f"kafka storage format failed: {log_tail(format_log)} (log: {format_log})")
 
 
 def _ready_or_bind_failure(server: KafkaServer) -> bool:

@@ -3,7 +3,8 @@
 MinIO publishes no semver tags, so the build is pinned to a Go pseudo-version the module
 proxy serves. The binary goes to ``cache/bin/minio`` beside a stamp naming the version it
 was built at; a different pin rebuilds. MinIO is AGPL-3.0: it only ever runs as a separate
-server; Hadar talks plain S3 to it. Each start gets fresh random credentials.
+server; Hadar talks plain S3 to it. A new server gets fresh random credentials and free
+ports; a restarted one (:func:`restart_minio`) keeps its recorded ones and its data.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from shared.infra.common import (
     file_lock,
     free_port,
     is_running,
+    keep_previous,
     load_recorded,
+    port_released,
     remove_tree,
     spawn,
     stop_group,
@@ -36,7 +39,7 @@ from shared.infra.common import (
 )
 
 __all__ = [
-    "MinioServer", "MINIO_MODULE", "MINIO_VERSION", "build_minio", "start_minio", "load_minio",
+    "MinioServer", "MINIO_MODULE", "MINIO_VERSION", "build_minio", "start_minio", "restart_minio", "load_minio",
     "minio_healthy", "new_credentials",
 ]
 
@@ -131,36 +134,74 @@ def minio_healthy(server: MinioServer, timeout: float = 2.0) -> bool:
 
 def start_minio(paths: InfraPaths, binary: Path, *, clock: Clock = time.monotonic,
                 attempts: int = 3) -> MinioServer:
-    """Start MinIO on free 127.0.0.1 ports with new credentials; return once it is live."""
+    """Start a new MinIO on free 127.0.0.1 ports with new credentials; return once it is live.
+
+    Refuses (and touches nothing) when the run directory holds objects that no state file
+    describes: data is only ever deleted by ``down``. A start that fails removes what it
+    created, so the next ``up`` starts afresh again.
+    """
+    data_dir = paths.server_dir(NAME) / "data"
+    if data_dir.is_dir() and any(data_dir.iterdir()):
+        raise InfraError(f"minio: {data_dir} holds data but no usable state.json records its port and "
+                         "credentials; `hadar infra down` deletes it")
     for attempt in range(1, attempts + 1):
         try:
-            return _start_once(paths, binary, clock=clock)
+            return _start_fresh(paths, binary, clock=clock)
         except InfraError as exc:
             if attempt == attempts or "address already in use" not in str(exc).lower():
                 raise
     raise AssertionError("unreachable")
 
 
-def _start_once(paths: InfraPaths, binary: Path, *, clock: Clock) -> MinioServer:
+def restart_minio(paths: InfraPaths, binary: Path, recorded: MinioServer, *,
+                  clock: Clock = time.monotonic) -> MinioServer:
+    """Start the recorded MinIO again: the same data directory, ports and credentials, so
+    clients reconnect with the settings they had and find every bucket and object.
+
+    The recorded process must be gone (stop it first). Never picks another port: a port
+    another process took is an error. On failure the data and the state file are kept.
+    """
+    if is_running(recorded.pid, recorded.marker):
+        raise InfraError(f"minio: still running (pid {recorded.pid}); stop it before restarting")
+    for port in (recorded.port, recorded.console_port):
+        if not port_released(port):
+            raise InfraError(f"minio: port {port} is taken by another process; free it and run "
+                             "`hadar infra restart minio` (`hadar infra down` deletes the data instead)")
+    return _launch(paths, binary, recorded, clock=clock)
+
+
+def _start_fresh(paths: InfraPaths, binary: Path, *, clock: Clock) -> MinioServer:
     run_dir = paths.server_dir(NAME)
     remove_tree(run_dir)
-    (run_dir / "data").mkdir(parents=True)
     port, console_port = free_port(), free_port()
     while console_port == port:
         console_port = free_port()
     access_key, secret_key = new_credentials()
     server = MinioServer(pid=0, port=port, console_port=console_port, run_dir=str(run_dir),
                          access_key=access_key, secret_key=secret_key)
+    try:
+        return _launch(paths, binary, server, clock=clock)
+    except InfraError:
+        # Nothing of value was stored yet; keep the log, forget the rest.
+        paths.state_file(NAME).unlink(missing_ok=True)
+        remove_tree(run_dir / "data")
+        raise
+
+
+def _launch(paths: InfraPaths, binary: Path, server: MinioServer, *, clock: Clock) -> MinioServer:
+    run_dir = Path(server.run_dir)
+    (run_dir / "data").mkdir(parents=True, exist_ok=True)
     env = {
         **os.environ,
-        "MINIO_ROOT_USER": access_key,
-        "MINIO_ROOT_PASSWORD": secret_key,
+        "MINIO_ROOT_USER": server.access_key,
+        "MINIO_ROOT_PASSWORD": server.secret_key,
         "MINIO_BROWSER": "off",
         "MINIO_UPDATE": "off",
     }
+    keep_previous(server.log)
     pid = spawn(
-        [str(binary), "server", server.marker, "--address", f"127.0.0.1:{port}",
-         "--console-address", f"127.0.0.1:{console_port}"],
+        [str(binary), "server", server.marker, "--address", f"127.0.0.1:{server.port}",
+         "--console-address", f"127.0.0.1:{server.console_port}"],
         log=server.log, env=env, cwd=run_dir,
     )
     server = MinioServer(**{**asdict(server), "pid": pid})

@@ -9,7 +9,9 @@ servers as up, at the same addresses, and ``hadar infra up`` must hand back thei
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -19,7 +21,7 @@ import pytest
 from services.cli import infra as infra_cli
 from shared.config import S3Settings, kafka_from_env, s3_from_env
 from shared.infra import InfraPaths
-from shared.infra.common import is_running, port_accepts, spawn, stop_group
+from shared.infra.common import is_running, port_accepts, port_released, spawn, stop_group
 
 
 def hadar_infra(*args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -111,3 +113,11 @@ def group_members(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":
             members.append(int(stat.parent.name))
     return members
+
+
+def test_port_released_waits_for_a_listener_that_is_closing() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = int(listener.getsockname()[1])
+    assert not port_released(port, timeout=0.3)  # a live listener: taken
+    threading.Timer(0.5, listener.close).start()
+    assert port_released(port, timeout=10.0)  # closed a moment later: released
