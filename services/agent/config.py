@@ -70,7 +70,7 @@ class AgentConfig:
 
     @property
     def group(self) -> str:
-        return f"agent-{self.node_id}"
+        return f"hadar-agent-{self.node_id}"
 
     @property
     def emulation(self) -> tuple[tuple[str, int], ...]:

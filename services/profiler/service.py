@@ -58,7 +58,7 @@ class ProfilerConfig:
     :class:`~shared.settings.FieldError` naming the field.
     """
 
-    group: str = "profiler"
+    group: str = "hadar-profiler"
     alpha: float = DEFAULT_ALPHA
     threshold: float = DEFAULT_THRESHOLD
     source: str = "profiler"

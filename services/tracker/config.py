@@ -28,7 +28,7 @@ class TrackerConfig:
     :class:`~shared.settings.FieldError` naming the field.
     """
 
-    group: str = "tracker"
+    group: str = "hadar-tracker"
     mode: Mode = "steps"
     finish_timeout_s: float = 120.0
     tick_s: float = 1.0

@@ -124,3 +124,13 @@ def test_the_embedded_system_validates_its_services_configs(tmp_path: Path) -> N
         build(copy_finish_timeout_s=-1.0)
     with pytest.raises(ConfigError, match="^progress_s: must be > 0"):
         build(progress_s=0.0)
+
+
+def test_consumer_groups_are_named_hadar_service_node() -> None:
+    """docs/events.md "Consumer groups": every default group is ``hadar-<service>[-<node>]``."""
+    from services.scheduler.config import SchedulerConfig
+
+    assert SchedulerConfig().group == "hadar-scheduler"
+    assert TrackerConfig().group == "hadar-tracker"
+    assert ProfilerConfig().group == "hadar-profiler"
+    assert AgentConfig(node_id="node-a").group == "hadar-agent-node-a"
