@@ -169,7 +169,11 @@ def _throughput(e: ThroughputEstimate) -> str:
 
 
 def _dead_letter(e: DeadLetter) -> str:
-    return f"DEAD LETTER from {e.topic}[{e.partition}]@{e.offset}: {e.reason}"
+    # raw is bytes: shown as base64 with its length (docs/events.md "Dead letters"), never a repr
+    import base64
+
+    raw = base64.b64encode(e.raw).decode("ascii")
+    return f"DEAD LETTER from {e.topic}[{e.partition}]@{e.offset}: {e.reason} (raw {len(e.raw)} bytes base64:{raw})"
 
 
 # The timeline reads every topic; heartbeats would drown it.
