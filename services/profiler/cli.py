@@ -34,7 +34,7 @@ def add_profiler_parser(services: argparse._SubParsersAction,
     add_common(parser, http_port=DEFAULT_HTTP_PORT)
     add_config_arg(parser)
     # Defaults are ProfilerConfig's: None here means "not given", so env and file can set them.
-    parser.add_argument("--group", default=None, help="consumer group id (default: profiler)")
+    parser.add_argument("--group", default=None, help="consumer group id (default: hadar-profiler)")
     parser.add_argument("--alpha", type=float, default=None,
                         help=f"EWMA weight of a new measurement, in (0, 1] (default: {DEFAULT_ALPHA})")
     parser.add_argument("--threshold", type=float, default=None,

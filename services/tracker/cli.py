@@ -34,7 +34,7 @@ def add_tracker_parser(services: argparse._SubParsersAction,
     add_store_args(parser)
     add_config_arg(parser)
     # Defaults are TrackerConfig's: None here means "not given", so env and file can set them.
-    parser.add_argument("--group", default=None, help="consumer group id (default: tracker)")
+    parser.add_argument("--group", default=None, help="consumer group id (default: hadar-tracker)")
     parser.add_argument("--uniform", dest="mode", action="store_const", const="uniform", default=None,
                         help="average copies uniformly instead of by the steps each did")
     parser.add_argument("--finish-timeout-s", type=float, default=None,
