@@ -159,6 +159,16 @@ def parse_since(text: str, now: float) -> float:
     m = _DURATION.match(text.strip())
     if m:
         return now - float(m.group(1)) * _UNIT_S[m.group(2)]
+    when = parse_instant(text)
+    if when is None:
+        raise UsageError(f"--since: {text!r} is neither a duration (30m, 2h, 1d), unix seconds "
+                         "nor an ISO-8601 time")
+    return when
+
+
+def parse_instant(text: str) -> float | None:
+    """Unix seconds from ``text``: a number, or an ISO-8601 time (UTC unless it names a
+    zone); None if it is neither."""
     try:
         return float(text)
     except ValueError:
@@ -166,8 +176,7 @@ def parse_since(text: str, now: float) -> float:
     try:
         dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
-        raise UsageError(f"--since: {text!r} is neither a duration (30m, 2h, 1d), unix seconds "
-                         "nor an ISO-8601 time") from None
+        return None
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=timezone.utc)
     return dt.timestamp()

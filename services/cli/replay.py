@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from typing import Any
 
+from services.cli.jobview import parse_instant
 from services.scheduler.cli import policy_options
 from services.scheduler.policies import PolicyChoice, UnknownPolicy
 from services.scheduler.rerun import LoggedEvent, rerun
@@ -48,21 +49,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def parse_position(text: str | None, flag: str) -> int | float | None:
+    """``--from``/``--to``: an offset (integer) or a time (unix seconds or ISO-8601)."""
     if text is None:
         return None
     if text.lstrip("-").isdigit():
         return int(text)
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    try:
-        dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise UsageError(f"{flag}: {text!r} is neither an offset, unix seconds nor an ISO-8601 time") from None
-    if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=timezone.utc)
-    return dt.timestamp()
+    when = parse_instant(text)
+    if when is None:
+        raise UsageError(f"{flag}: {text!r} is neither an offset, unix seconds nor an ISO-8601 time")
+    return when
 
 
 def _within(record: LogRecord, start: int | float | None, end: int | float | None) -> bool:
