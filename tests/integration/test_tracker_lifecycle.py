@@ -93,16 +93,17 @@ async def test_decided_rounds_checkpoints_and_old_round_models_are_deleted(memor
         await run_rounds(memory_bus, local_store, job, range(3))
         # A straggler: a copy's checkpoint uploaded after its round (0) was decided.
         await local_store.put(checkpoint_key("j-life", 0, 7), save(tensors(7)))
-        await run_rounds(memory_bus, local_store, job, range(3, 4))
-        # Round 4 is open: one of its two copies has finished.
-        await place(memory_bus, job, 4, [0, 1], start_from=model_key("j-life", 3))
+        # Round 4 is planned before round 3 is decided, and one of its two copies has finished
+        # when round 3 is decided: that sweep must leave round 4's checkpoint alone.
+        await place(memory_bus, job, 3, [0], start_from=model_key("j-life", 2))
+        await place(memory_bus, job, 4, [0, 1], start_from=model_key("j-life", 2))
         await finish(memory_bus, local_store, "j-life", 4, 0, steps=10)
+        await finish(memory_bus, local_store, "j-life", 3, 0, steps=10)
+        await wait_for(memory_bus, "j-life", lambda es: bool(consolidations(es, 3)))
         expected = {checkpoint_key("j-life", 4, 0), model_key("j-life", 2), model_key("j-life", 3)}
         await eventually(lambda: _equals(keys(local_store, "j-life"), expected))
-        deleted = service.registry.get_sample_value("tracker_objects_deleted_total", {"kind": "checkpoint"})
-        assert deleted == 5   # rounds 0..3, and the straggler
-        assert service.registry.get_sample_value("tracker_objects_deleted_total", {"kind": "model"}) == 2
-        assert service.registry.get_sample_value("tracker_object_deletions_failed_total") == 0
+        # Counted once the janitor resumes after its last delete: rounds 0..3, and the straggler.
+        await eventually(lambda: counts(service) == (5, 2, 0))
     finally:
         await service.stop()
 
@@ -113,10 +114,13 @@ async def test_a_model_an_open_round_starts_from_is_kept(memory_bus: MemoryBus, 
     service = tracker(memory_bus, local_store, keep_round_models=1)
     await service.start()
     try:
-        await run_rounds(memory_bus, local_store, job, range(2))
-        # Round 2 was planned before model 1 was announced: its copies start from model 0.
+        await run_rounds(memory_bus, local_store, job, range(1))
+        await place(memory_bus, job, 1, [0], start_from=model_key("j-start", 0))
+        # Round 2 is planned before model 1 is announced: its copies start from model 0.
         await place(memory_bus, job, 2, [0, 1], start_from=model_key("j-start", 0))
+        await finish(memory_bus, local_store, "j-start", 1, 0, steps=10)
         await finish(memory_bus, local_store, "j-start", 2, 0, steps=10)
+        await wait_for(memory_bus, "j-start", lambda es: bool(consolidations(es, 1)))
         await eventually(lambda: _equals(keys(local_store, "j-start"), {
             model_key("j-start", 0), model_key("j-start", 1), checkpoint_key("j-start", 2, 0)}))
         await finish(memory_bus, local_store, "j-start", 2, 1, steps=10)   # round 2 decided: model 0 unneeded
@@ -202,9 +206,8 @@ async def test_a_failing_delete_is_counted_and_retried_without_blocking_rounds(m
         await run_rounds(memory_bus, local_store, job, range(2))   # consolidation goes on meanwhile
         await eventually(lambda: _equals(keys(local_store, "j-retry"),
                                          {model_key("j-retry", 0), model_key("j-retry", 1)}))
+        await eventually(lambda: counts(service) == (2, 0, 3))
         assert store.failures == 3
-        assert service.registry.get_sample_value("tracker_object_deletions_failed_total") == 3
-        assert service.registry.get_sample_value("tracker_objects_deleted_total", {"kind": "checkpoint"}) == 2
     finally:
         await service.stop()
 
@@ -229,6 +232,13 @@ async def test_a_restarted_tracker_deletes_what_was_missed(memory_bus: MemoryBus
         assert len(consolidations(await models_events(memory_bus, "j-restart"))) == 3   # nothing announced again
     finally:
         await second.stop()
+
+
+def counts(service: TrackerService) -> tuple[float | None, ...]:
+    """Checkpoints deleted, models deleted, failed listings or deletions."""
+    value = service.registry.get_sample_value
+    return (value("tracker_objects_deleted_total", {"kind": "checkpoint"}),
+            value("tracker_objects_deleted_total", {"kind": "model"}), value("tracker_object_deletions_failed_total"))
 
 
 async def _equals(found: object, expected: set[str]) -> bool:
