@@ -38,6 +38,11 @@ What is deleted, and when (``config`` names :class:`~services.tracker.config.Tra
 * A cancelled job keeps its latest models (no final model exists) and is forgotten after
   its next sweep; its objects then stay.
 
+Belt and braces against an announcement that is false (the state accepts a well-formed
+one from anyone on hadar.models): nothing of a job is deleted unless the model the rules
+rely on is in the same sweep's listing -- its latest announced round model, or, once it
+completed, its final model (:meth:`ObjectLifecycle.required`).
+
 Failures: a failed list or delete is counted (``tracker_object_deletions_failed_total``)
 and logged, and the job is swept again after a back-off doubling from ``base_s`` to
 ``max_s``; after ``max_attempts`` failures in a row it waits for its next decision (a
@@ -57,7 +62,9 @@ from prometheus_client import CollectorRegistry, Counter
 
 from services.tracker.config import MAX_RETRY_S, TrackerConfig
 from shared.events import Assignment, Event, JobCancelled, JobCompleted, ModelConsolidated, RoundAbandoned
-from shared.layout import checkpoint_prefix, model_prefix, parse_checkpoint_key, parse_model_key
+from shared.layout import (
+    checkpoint_prefix, final_key, model_key, model_prefix, parse_checkpoint_key, parse_model_key,
+)
 from shared.store import ObjectStore
 
 __all__ = ["ObjectLifecycle", "ObjectJanitor", "MAX_JOBS_PER_SWEEP", "MAX_FINISHED"]
@@ -90,6 +97,7 @@ class ObjectLifecycle:
         self.straggler_sweep_s = straggler_sweep_s
         self.base_s, self.max_s, self.max_attempts = base_s, max_s, max_attempts
         self._jobs: dict[str, _Job] = {}
+        self._finished: dict[str, None] = {}     # completed or cancelled, oldest first
 
     @classmethod
     def of(cls, config: TrackerConfig) -> ObjectLifecycle:
@@ -119,7 +127,10 @@ class ObjectLifecycle:
         else:
             job.cancelled, job.starts = True, {}
         job.due_s, job.failures = now_s, 0
-        self._bound()
+        if job.completed or job.cancelled:
+            self._finished[event.job_id] = None
+            while len(self._finished) > MAX_FINISHED:
+                self._drop(next(iter(self._finished)))
 
     def due(self, now_s: float) -> list[str]:
         """Jobs to sweep now, longest waiting first, at most MAX_JOBS_PER_SWEEP."""
@@ -127,10 +138,21 @@ class ObjectLifecycle:
                      if job.due_s is not None and job.due_s <= now_s)
         return [job_id for _, job_id in due[:MAX_JOBS_PER_SWEEP]]
 
-    def doomed(self, job_id: str, keys: Iterable[str]) -> list[tuple[str, str]]:
-        """``(key, kind)`` of each of ``keys`` that may be deleted now; kind: checkpoint or model."""
+    def required(self, job_id: str) -> str | None:
+        """The key that must be stored before anything of ``job_id`` is deleted: its final
+        model once completed, else its latest announced round model (None: no model yet)."""
         job = self._jobs.get(job_id)
-        if job is None:
+        if job is not None and job.completed:
+            return final_key(job_id)
+        return model_key(job_id, job.models[-1]) if job is not None and job.models else None
+
+    def doomed(self, job_id: str, keys: Iterable[str]) -> list[tuple[str, str]]:
+        """``(key, kind)`` of each of ``keys`` (the job's listing) that may be deleted now;
+        kind: checkpoint or model. Nothing if the :meth:`required` key is not among them."""
+        job = self._jobs.get(job_id)
+        keys = list(keys)
+        required = self.required(job_id)
+        if job is None or (required is not None and required not in keys):
             return []
         protected = set().union(*job.starts.values()) if job.starts else set()
         cutoff = job.models[0] if len(job.models) >= self.keep else -1   # the K-th latest announced round
@@ -162,7 +184,7 @@ class ObjectLifecycle:
             if finished and job.resweep:
                 job.resweep, job.due_s = False, now_s + self.straggler_sweep_s
             elif finished:
-                del self._jobs[job_id]
+                self._drop(job_id)
             else:
                 job.due_s = None
             return False
@@ -170,15 +192,14 @@ class ObjectLifecycle:
         if job.completed and job.resweep:
             job.resweep, job.due_s = False, now_s + self.straggler_sweep_s
         elif finished:
-            del self._jobs[job_id]
+            self._drop(job_id)
         else:
             job.due_s = None
         return True
 
-    def _bound(self) -> None:
-        finished = [job_id for job_id, job in self._jobs.items() if job.completed or job.cancelled]
-        for job_id in finished[:max(0, len(finished) - MAX_FINISHED)]:
-            del self._jobs[job_id]
+    def _drop(self, job_id: str) -> None:
+        self._jobs.pop(job_id, None)
+        self._finished.pop(job_id, None)
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -215,21 +236,25 @@ class ObjectJanitor:
                 self._log.error("objects.sweep_given_up", job=job_id, attempts=self.lifecycle.max_attempts)
 
     async def _sweep_job(self, job_id: str) -> bool:
-        ok = True
-        for prefix in (checkpoint_prefix(job_id), model_prefix(job_id)):
+        keys: list[str] = []
+        for prefix in (model_prefix(job_id), checkpoint_prefix(job_id)):
             try:
-                keys = await self.store.list(prefix)
+                keys += await self.store.list(prefix)
             except Exception as exc:
-                ok = self._failed(job_id, prefix, exc)
-                continue
-            for key, kind in self.lifecycle.doomed(job_id, keys):
-                try:
-                    await self.store.delete(key)
-                except Exception as exc:
-                    ok = self._failed(job_id, key, exc)
-                else:
-                    self._m_deleted.labels(kind=kind).inc()
-                    self._log.debug("objects.deleted", job=job_id, key=key, kind=kind)
+                return self._failed(job_id, prefix, exc)
+        required = self.lifecycle.required(job_id)
+        if required is not None and required not in keys:
+            self._log.warning("objects.kept", job=job_id, reason=f"{required} is not stored")
+            return True   # not a store failure: the next decision (or a restart) looks again
+        ok = True
+        for key, kind in self.lifecycle.doomed(job_id, keys):
+            try:
+                await self.store.delete(key)
+            except Exception as exc:
+                ok = self._failed(job_id, key, exc)
+            else:
+                self._m_deleted.labels(kind=kind).inc()
+                self._log.debug("objects.deleted", job=job_id, key=key, kind=kind)
         return ok
 
     def _failed(self, job_id: str, key: str, exc: Exception) -> bool:

@@ -1,9 +1,11 @@
 """The tracker deletes what nothing can need any more (issue 13 item 3, "Object lifecycle").
 
-On MemoryBus + LocalStore: checkpoints of decided rounds, round models older than the last
-``keep_round_models`` (and not a start of an open round), and, once a job completed, every
-checkpoint and round model of it but ``final.safetensors``. Never before the round's model
-is announced; a failing delete is counted and retried; a restarted tracker finishes the job.
+On MemoryBus + LocalStore (the first and the completion test on MinIO too, marker
+``s3``): checkpoints of decided rounds, round models older than the last
+``keep_round_models`` (and not a start of an open round), and, once a job completed,
+every checkpoint and round model of it but ``final.safetensors``. Never before the
+round's model is announced; a failing delete is counted and retried; a restarted tracker
+finishes the job.
 """
 
 from __future__ import annotations
@@ -84,24 +86,24 @@ async def submit(bus: MemoryBus, job: JobSpec) -> None:
 
 
 async def test_decided_rounds_checkpoints_and_old_round_models_are_deleted(memory_bus: MemoryBus,
-                                                                           local_store: LocalStore) -> None:
+                                                                           store: ObjectStore) -> None:
     job = spec("j-life", iterations=10_000)
     await submit(memory_bus, job)
-    service = tracker(memory_bus, local_store)   # keep_round_models defaults to 2
+    service = tracker(memory_bus, store)   # keep_round_models defaults to 2
     await service.start()
     try:
-        await run_rounds(memory_bus, local_store, job, range(3))
+        await run_rounds(memory_bus, store, job, range(3))
         # A straggler: a copy's checkpoint uploaded after its round (0) was decided.
-        await local_store.put(checkpoint_key("j-life", 0, 7), save(tensors(7)))
+        await store.put(checkpoint_key("j-life", 0, 7), save(tensors(7)))
         # Round 4 is planned before round 3 is decided, and one of its two copies has finished
         # when round 3 is decided: that sweep must leave round 4's checkpoint alone.
         await place(memory_bus, job, 3, [0], start_from=model_key("j-life", 2))
         await place(memory_bus, job, 4, [0, 1], start_from=model_key("j-life", 2))
-        await finish(memory_bus, local_store, "j-life", 4, 0, steps=10)
-        await finish(memory_bus, local_store, "j-life", 3, 0, steps=10)
+        await finish(memory_bus, store, "j-life", 4, 0, steps=10)
+        await finish(memory_bus, store, "j-life", 3, 0, steps=10)
         await wait_for(memory_bus, "j-life", lambda es: bool(consolidations(es, 3)))
         expected = {checkpoint_key("j-life", 4, 0), model_key("j-life", 2), model_key("j-life", 3)}
-        await eventually(lambda: _equals(keys(local_store, "j-life"), expected))
+        await eventually(lambda: _equals(keys(store, "j-life"), expected))
         # Counted once the janitor resumes after its last delete: rounds 0..3, and the straggler.
         await eventually(lambda: counts(service) == (5, 2, 0))
     finally:
@@ -129,18 +131,18 @@ async def test_a_model_an_open_round_starts_from_is_kept(memory_bus: MemoryBus, 
         await service.stop()
 
 
-async def test_a_completed_job_keeps_only_its_final_model(memory_bus: MemoryBus, local_store: LocalStore) -> None:
+async def test_a_completed_job_keeps_only_its_final_model(memory_bus: MemoryBus, store: ObjectStore) -> None:
     job = spec("j-done", iterations=30)
     await submit(memory_bus, job)
-    service = tracker(memory_bus, local_store)
+    service = tracker(memory_bus, store)
     await service.start()
     try:
-        await run_rounds(memory_bus, local_store, job, range(3))
+        await run_rounds(memory_bus, store, job, range(3))
         events = await wait_for(memory_bus, "j-done", lambda es: any(isinstance(e, JobCompleted) for e in es))
-        final = await local_store.get(final_key("j-done"))
+        final = await store.get(final_key("j-done"))
         assert [e.round for e in consolidations(events)] == [0, 1, 2]
-        await eventually(lambda: _equals(keys(local_store, "j-done"), {final_key("j-done")}))
-        assert await local_store.get(final_key("j-done")) == final
+        await eventually(lambda: _equals(keys(store, "j-done"), {final_key("j-done")}))
+        assert await store.get(final_key("j-done")) == final
     finally:
         await service.stop()
 

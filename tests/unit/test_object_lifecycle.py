@@ -107,3 +107,14 @@ def test_a_sweep_takes_a_bounded_number_of_jobs() -> None:
     for n in range(3 * MAX_JOBS_PER_SWEEP):
         life.observe(consolidated(0, {0: 10}, total=10, job=f"job{n}"), float(n))
     assert life.due(1e9) == [f"job{n}" for n in range(MAX_JOBS_PER_SWEEP)]
+
+
+def test_nothing_goes_unless_the_model_the_rules_rely_on_is_stored() -> None:
+    life = ObjectLifecycle(keep_round_models=1)
+    decide(life, 0, 1, 2)   # e.g. a well-formed but false ModelConsolidated of round 2
+    assert life.required("j1") == model_key("j1", 2)
+    assert life.doomed("j1", [k for k in ALL if k != model_key("j1", 2)]) == []
+    life.observe(completed(30), 0.0)   # completed, but no final model stored
+    assert life.required("j1") == final_key("j1")
+    assert life.doomed("j1", [k for k in ALL if k != final_key("j1")]) == []
+    assert final_key("j1") not in doomed(life) and len(doomed(life)) == len(ALL) - 4   # j2's, notes, final
