@@ -43,6 +43,16 @@ def add_tracker_parser(services: argparse._SubParsersAction,
     parser.add_argument("--max-attempts", type=int, default=None,
                         help="attempts at consolidating a round or completing a job before giving it up (default: 6)")
     parser.add_argument("--temp-dir", default=None, help="where consolidated models are staged")
+    parser.add_argument("--keep-round-models", type=int, default=None,
+                        help="round models kept per running job, the latest ones (default: 2, at least 1)")
+    parser.add_argument("--keep-checkpoints", dest="delete_checkpoints", action="store_const", const=False,
+                        default=None, help="never delete checkpoints (default: those of decided rounds are)")
+    parser.add_argument("--keep-round-models-after-completion", dest="delete_completed_models",
+                        action="store_const", const=False, default=None,
+                        help="keep a completed job's last round models (default: only its final model is kept)")
+    parser.add_argument("--straggler-sweep-s", type=float, default=None,
+                        help="sweep a completed job's objects again this long after, for late uploads "
+                             "(default: 600; 0: never)")
     parser.set_defaults(func=run_tracker)
     return parser
 
@@ -52,7 +62,10 @@ def tracker_config(args: argparse.Namespace) -> TrackerConfig:
     from services.tracker.config import TrackerConfig
 
     flags = {"group": args.group, "mode": args.mode, "finish_timeout_s": args.finish_timeout_s,
-             "tick_s": args.tick_s, "max_attempts": args.max_attempts, "temp_dir": args.temp_dir}
+             "tick_s": args.tick_s, "max_attempts": args.max_attempts, "temp_dir": args.temp_dir,
+             "keep_round_models": args.keep_round_models, "delete_checkpoints": args.delete_checkpoints,
+             "delete_completed_models": args.delete_completed_models,
+             "straggler_sweep_s": args.straggler_sweep_s}
     return load_config(TrackerConfig, flags=flags, env=os.environ, env_prefix=ENV_PREFIX, file=args.config)
 
 

@@ -26,6 +26,14 @@ class TrackerConfig:
     chunk, also the size of each ranged read from the store. ``temp_dir``: where
     consolidated models are staged (None: the system's). An invalid value raises
     :class:`~shared.settings.FieldError` naming the field.
+
+    Object lifecycle (:mod:`services.tracker.lifecycle` has the rules):
+    ``keep_round_models``: round models kept per running job, the latest announced ones
+    (>= 1; a model an open round starts from is kept too). ``delete_checkpoints``: delete
+    the checkpoints of decided rounds. ``delete_completed_models``: delete every round
+    model of a completed job (its final model is a copy of the latest). ``straggler_sweep_s``:
+    how long after a job completed its objects are swept once more, for checkpoints
+    uploaded late (0: no second sweep).
     """
 
     group: str = "hadar-tracker"
@@ -35,6 +43,10 @@ class TrackerConfig:
     max_attempts: int = 6
     chunk_bytes: int = 8 << 20
     temp_dir: str | None = None
+    keep_round_models: int = 2
+    delete_checkpoints: bool = True
+    delete_completed_models: bool = True
+    straggler_sweep_s: float = 600.0
     source: str = "tracker"
 
     def __post_init__(self) -> None:
@@ -48,3 +60,7 @@ class TrackerConfig:
             raise FieldError("max_attempts", f"must be in 1..1000, got {self.max_attempts}")
         if self.chunk_bytes < 8:
             raise FieldError("chunk_bytes", f"must be >= 8, got {self.chunk_bytes}")
+        if not 1 <= self.keep_round_models <= 1_000_000:
+            raise FieldError("keep_round_models", f"must be in 1..1000000, got {self.keep_round_models}")
+        if not 0 <= self.straggler_sweep_s <= 1e9:
+            raise FieldError("straggler_sweep_s", f"must be in 0..1e9, got {self.straggler_sweep_s}")

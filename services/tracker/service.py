@@ -35,6 +35,8 @@ Guarantees:
   RoundAbandoned on replay keeps an abandoned round closed across restarts.
   A completion given up (``tracker_completions_given_up_total``) is tried again only by
   a restarted tracker.
+* Objects nothing can need are deleted after the announcement that decides so, in a task
+  of its own, so a failing store delays deletions, never a round (:mod:`.lifecycle`).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from services.tracker.consolidate import (
     ConsolidationPlan, NoUsableReplica, Rejected, Replica, WriteStats, plan_consolidation,
     write_consolidated,
 )
+from services.tracker.lifecycle import ObjectJanitor, ObjectLifecycle
 from services.tracker.safetensors_format import InvalidSafetensors, read_header
 from services.tracker.state import CompletionWork, RoundWork, TrackerState
 from services.tracker.store_reader import StoreRangeReader
@@ -94,10 +97,13 @@ class TrackerService:
         self._replayed = False
         self._consumer: asyncio.Task[None] | None = None
         self._worker: asyncio.Task[None] | None = None
+        self._janitor_task: asyncio.Task[None] | None = None
         self._last_error: str | None = None
         self._attempts = Attempts(max_attempts=self.config.max_attempts,
                                   base_s=min(self.config.tick_s, MAX_RETRY_S), max_s=MAX_RETRY_S)
         r = self.registry
+        self.lifecycle = ObjectLifecycle.of(self.config)
+        self._janitor = ObjectJanitor(store, self.lifecycle, registry=r, log=self._log)
         self._m_seconds = Histogram("tracker_consolidation_seconds", "Time to consolidate one round",
                                     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
                                     registry=r)
@@ -133,29 +139,31 @@ class TrackerService:
         await self.bus.ensure_topics((*INPUT_TOPICS, DEADLETTER))
         async for delivery in self.bus.read(PLACEMENTS):
             if isinstance(delivery.event, RoundStarted):
-                self.state.apply(delivery.event)
+                self._fold(delivery.event)
         for topic in INPUT_TOPICS:
             async for delivery in self.bus.read(topic):
-                self.state.apply(delivery.event)   # no origin: refused during replay, counted, not dead-lettered
+                self._fold(delivery.event)   # no origin: refused during replay, counted, not dead-lettered
         refused = await self._handle_refusals()
         self._replayed = True
         self._log.info("tracker.replayed", jobs=self.state.jobs(), open_rounds=self.state.open_rounds(),
                        refused=refused, sizes=self.state.sizes())
         self._consumer = asyncio.create_task(self._consume(), name="tracker-consume")
         self._worker = asyncio.create_task(self._work(), name="tracker-work")
+        self._janitor_task = asyncio.create_task(self._janitor.run(self.config.tick_s), name="tracker-objects")
 
     async def stop(self) -> None:
         """Stop consuming, let the round in progress finish and be published, then return."""
         self._stopping = True
         self._wake.set()
-        if self._consumer is not None:
-            self._consumer.cancel()
-            await asyncio.gather(self._consumer, return_exceptions=True)
+        for task in (self._consumer, self._janitor_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._worker is not None:
             await asyncio.gather(self._worker, return_exceptions=True)
 
     def health(self) -> dict[str, Any]:
-        tasks_ok = all(t is not None and not t.done() for t in (self._consumer, self._worker))
+        tasks_ok = all(t is not None and not t.done() for t in (self._consumer, self._worker, self._janitor_task))
         return {"ok": self._replayed and (tasks_ok or self._stopping), "replayed": self._replayed,
                 "jobs": self.state.jobs(), "open_rounds": self.state.open_rounds(),
                 "last_error": self._last_error}
@@ -169,11 +177,17 @@ class TrackerService:
                     self._m_dead.inc()
                 else:
                     self._m_in.labels(type=delivery.event.TYPE).inc()
-                    if self.state.apply(delivery.event, origin=delivery):
+                    if self._fold(delivery.event, origin=delivery):
                         self._wake.set()
                     await self._handle_refusals()
                 # State is rebuilt from the topics on start, so acking once folded is safe.
                 await delivery.ack()
+
+    def _fold(self, event: Event, origin: object = None) -> bool:
+        """Fold into the state; what it accepted also into the object lifecycle."""
+        if changed := self.state.apply(event, origin):
+            self.lifecycle.observe(event, time.monotonic())
+        return changed
 
     async def _handle_refusals(self) -> dict[str, int]:
         """Count, log and (for events read live) dead-letter what the state refused."""
@@ -277,7 +291,7 @@ class TrackerService:
     async def _publish(self, event: Event) -> None:
         await self.bus.emit(event)
         self._m_out.labels(type=event.TYPE).inc()
-        self.state.apply(event)
+        self._fold(event)
         await self._handle_refusals()   # reports still held for a round this decided
 
     # ------------------------------------------------------------------ rounds

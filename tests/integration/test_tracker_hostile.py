@@ -142,8 +142,9 @@ class Cluster:
                            iterations=iterations)
         self.service = TrackerService(
             bus=bus, store=store_for_tracker or store, clock=FakeClock(T0),  # type: ignore[arg-type]
+            # Completion keeps the round models here, so the final can be compared with the last one.
             config=TrackerConfig(group=group or f"tracker-{job_id}", tick_s=0.05, chunk_bytes=256,
-                                 max_attempts=max_attempts))
+                                 max_attempts=max_attempts, delete_completed_models=False))
 
     async def place(self, round_: int, nodes: list[str], budget: int = 1_000) -> None:
         at = T0 + 360 * round_

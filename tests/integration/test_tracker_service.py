@@ -122,14 +122,17 @@ async def full_scenario(bus: Bus, store: ObjectStore) -> None:
         assert model["steps"] == w0["steps"]  # integer tensor: from the copy with most steps
 
         await place(bus, job, r1, [0])
-        await finish(bus, store, job_id, r1, 0, steps=200)
+        w2 = await finish(bus, store, job_id, r1, 0, steps=200)
         events = await wait_for(bus, job_id, lambda es: any(isinstance(e, JobCompleted) for e in es))
         (second,) = consolidations(events, r1)
         assert second.total_steps == 360 and [c.weight for c in second.copies] == [1.0]
         (done,) = [e for e in events if isinstance(e, JobCompleted)]
         assert done.final_key == final_key(job_id) and done.total_steps == 360
         assert done.jct_s == pytest.approx(done.completed_at - (T0 - 100))
-        assert await store.get(final_key(job_id)) == await store.get(second.key)
+        # The final model is a copy of the last round model, which the tracker may already have
+        # deleted (tests/integration/test_tracker_lifecycle.py): it holds the one copy's weights.
+        final = load(await store.get(final_key(job_id)))
+        np.testing.assert_allclose(final["w"], w2["w"], rtol=2e-6, atol=2e-7)
         written = service.registry.get_sample_value("tracker_models_written_total")
         assert written == 2
     finally:

@@ -33,6 +33,8 @@ INVALID: list[tuple[type, str, dict[str, Any], str, Any]] = [
     (TrackerConfig, "HADAR_TRACKER_", {}, "chunk_bytes", 4),
     (TrackerConfig, "HADAR_TRACKER_", {}, "mode", "mean"),
     (TrackerConfig, "HADAR_TRACKER_", {}, "max_attempts", 0),
+    (TrackerConfig, "HADAR_TRACKER_", {}, "keep_round_models", 0),
+    (TrackerConfig, "HADAR_TRACKER_", {}, "straggler_sweep_s", -1.0),
     (ProfilerConfig, "HADAR_PROFILER_", {}, "alpha", 0.0),
     (ProfilerConfig, "HADAR_PROFILER_", {}, "alpha", 1.5),
     (ProfilerConfig, "HADAR_PROFILER_", {}, "threshold", -0.1),
@@ -88,6 +90,12 @@ def test_serve_builds_each_config_from_flags_env_and_file(tmp_path: Path, monkey
     assert (config.group, config.tick_s, config.finish_timeout_s, config.mode) == ("from-file", 2.0, 7.0, "uniform")
     assert tracker_config(_args("tracker")) == TrackerConfig(tick_s=2.0)
     assert tracker_config(_args("tracker", "--uniform")).mode == "uniform"
+    lifecycle = tracker_config(_args("tracker", "--keep-round-models", "3", "--keep-checkpoints",
+                                     "--keep-round-models-after-completion", "--straggler-sweep-s", "5"))
+    assert (lifecycle.keep_round_models, lifecycle.delete_checkpoints, lifecycle.delete_completed_models,
+            lifecycle.straggler_sweep_s) == (3, False, False, 5.0)
+    monkeypatch.setenv("HADAR_TRACKER_DELETE_CHECKPOINTS", "false")
+    assert tracker_config(_args("tracker")).delete_checkpoints is False
 
     monkeypatch.setenv("HADAR_PROFILER_ALPHA", "0.5")
     assert profiler_config(_args("profiler", "--threshold", "0.1")) == ProfilerConfig(alpha=0.5, threshold=0.1)
