@@ -129,7 +129,10 @@ def _run_system(policy: str, tmp: Path, paths: InfraPaths, s3: S3Settings) -> Ru
             job_ids.append(job_id)
         procs.append(_service(["scheduler", "--policy", policy, "--round-s", "15", "--heartbeat-s", "1",
                                "--consolidation-wait-s", "30"], env, tmp / "scheduler.log"))
-        procs.append(_service(["tracker"], env, tmp / "tracker.log"))
+        # Every round's model is checked below against its replicas, so nothing is deleted here
+        # (deletion is covered by tests/integration/test_tracker_lifecycle.py, on MinIO too).
+        procs.append(_service(["tracker", "--keep-checkpoints", "--keep-round-models", "1000000",
+                               "--keep-round-models-after-completion"], env, tmp / "tracker.log"))
         procs.append(_service(["profiler"], env, tmp / "profiler.log"))
         for node_id, gpu_type in AGENTS:
             procs.append(_service(["agent", "--node-id", node_id, "--emulate", f"{gpu_type}:1", "--heartbeat-s", "1",
