@@ -10,14 +10,10 @@ format itself belongs to :mod:`shared.events`.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import re
-import types
-import typing
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from shared.errors import HadarError
 
@@ -48,20 +44,7 @@ def new_event_id() -> str:
     return uuid.uuid4().hex
 
 
-# ---------------------------------------------------------------- typed conversion
-
-_HINTS: dict[type, dict[str, Any]] = {}
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    hints = _HINTS.get(cls)
-    if hints is None:
-        hints = typing.get_type_hints(cls)
-        _HINTS[cls] = hints = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-    return hints
-
-
-_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1   # what msgpack can carry
+# ---------------------------------------------------------------- records
 
 
 def short_repr(value: Any) -> str:
@@ -69,86 +52,10 @@ def short_repr(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-_REQUIRED: dict[type, frozenset[str]] = {}
-
-
-def _required(cls: type) -> frozenset[str]:
-    required = _REQUIRED.get(cls)
-    if required is None:
-        required = _REQUIRED[cls] = frozenset(
-            f.name for f in dataclasses.fields(cls)
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-    return required
-
-
-def _convert(hint: Any, value: Any, path: str) -> Any:
-    """Check ``value`` against ``hint``; return it in its canonical Python form."""
-    if hint is str:
-        if isinstance(value, str):
-            if not value.isascii():
-                try:
-                    value.encode("utf-8")
-                except UnicodeEncodeError:
-                    raise InvalidEvent(f"{path}: not valid UTF-8 text") from None
-            return value
-        raise InvalidEvent(f"{path}: expected str, got {type(value).__name__}")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            if not _INT_MIN <= value <= _INT_MAX:
-                raise InvalidEvent(f"{path}: integer out of the 64-bit range")
-            return value
-        raise InvalidEvent(f"{path}: expected int, got {type(value).__name__}")
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if not math.isfinite(value):
-                raise InvalidEvent(f"{path}: must be a finite number, got {value!r}")
-            return float(value)
-        raise InvalidEvent(f"{path}: expected float, got {type(value).__name__}")
-    origin = typing.get_origin(hint)
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-    elif hint is bytes:
-        if isinstance(value, (bytes, bytearray)):
-            return bytes(value)
-    elif origin is Literal:
-        if isinstance(value, str) and value in typing.get_args(hint):
-            return value
-        raise InvalidEvent(f"{path}: must be one of {list(typing.get_args(hint))}, got {short_repr(value)}")
-    elif origin in (types.UnionType, typing.Union):
-        args = typing.get_args(hint)
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _convert(inner[0], value, path)
-    elif origin is tuple:
-        if isinstance(value, (list, tuple)):
-            item = typing.get_args(hint)[0]
-            return tuple(_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value))
-    elif origin is dict:
-        if isinstance(value, dict):
-            key_t, val_t = typing.get_args(hint)
-            out = {}
-            for k, v in value.items():
-                out[_convert(key_t, k, f"{path} key")] = _convert(val_t, v, f"{path}[{k!r}]")
-            return out
-    elif isinstance(hint, type) and issubclass(hint, Record):
-        if isinstance(value, hint):
-            return value
-        if isinstance(value, dict):
-            return hint._from_wire(value, path)
-    else:  # pragma: no cover - a programming error in this module
-        raise TypeError(f"unsupported annotation {hint!r} at {path}")
-    raise InvalidEvent(f"{path}: expected {_type_name(hint)}, got {type(value).__name__}")
-
-
-def _type_name(hint: Any) -> str:
-    return getattr(hint, "__name__", None) or str(hint)
-
-
 def to_wire(value: Any) -> Any:
+    """The msgpack form of a record (a map of its fields), a tuple or dict of them, or a scalar."""
     if isinstance(value, Record):
-        return {f.name: to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return _codec(type(value)).to_wire(value)
     if isinstance(value, tuple):
         return [to_wire(v) for v in value]
     if isinstance(value, dict):
@@ -158,35 +65,40 @@ def to_wire(value: Any) -> Any:
 
 @dataclass(frozen=True, kw_only=True)
 class Record:
-    """A frozen, self-validating record; base of events and of their nested parts."""
+    """A frozen, self-validating record; base of events and of their nested parts.
+
+    Its fields are checked by a validator compiled once per class from the annotations
+    (:mod:`shared.record_codec`), then by each name in ``_CHECKS`` in order.
+    """
+
+    #: Methods run after the field types are checked, in order; each raises InvalidEvent.
+    _CHECKS: ClassVar[tuple[str, ...]] = ("_check",)
+    #: Fields the wire carries outside the record's own map (an event's envelope).
+    _WIRE_OUTER: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
-        cls = type(self)
-        for name, hint in _hints(cls).items():
-            value = getattr(self, name)
-            converted = _convert(hint, value, f"{cls.__name__}.{name}")
-            if converted is not value:
-                object.__setattr__(self, name, converted)
-        self._check()
+        (_COMPILED.get(type(self)) or _codec(type(self))).validate(self)
 
     def _check(self) -> None:
         """Range checks beyond the annotations; raise InvalidEvent."""
 
     @classmethod
-    def _from_wire(cls, data: dict, path: str) -> "Record":
-        names = _hints(cls)
-        unknown = [k for k in data if k not in names]
-        if unknown:
-            raise InvalidEvent(f"{path}: unknown field {short_repr(unknown[0])}")
-        missing = sorted(_required(cls) - set(data))
-        if missing:
-            raise InvalidEvent(f"{path}: missing field {missing[0]!r}")
-        try:
-            return cls(**data)
-        except InvalidEvent:
-            raise
-        except (TypeError, ValueError) as exc:  # defensive: never leak another error type
-            raise InvalidEvent(f"{path}: {exc}") from None
+    def _from_wire(cls, data: dict[Any, Any], path: str) -> Record:
+        """The record ``data`` (a decoded map of its fields) describes, or InvalidEvent
+        naming ``path`` for an unknown or missing field, ``Class.field`` for a bad value."""
+        return _codec(cls).from_wire(data, path, None)
+
+
+_COMPILED: dict[type, Any] = {}   # class -> its shared.record_codec.Codec
+
+
+def _codec(cls: type[Record]) -> Any:
+    found = _COMPILED.get(cls)
+    if found is None:
+        # shared.record_codec builds on this module (InvalidEvent, Record): a late import.
+        from shared.record_codec import codec
+        found = _COMPILED[cls] = codec(cls)
+    return found
 
 
 def require(cond: bool, reason: str) -> None:
