@@ -72,9 +72,13 @@ class Event(Record):
     id: str = field(default_factory=new_event_id)
 
     def _check_envelope(self) -> None:
-        require(0 < len(self.id) <= 64, f"{self.TYPE}.id: must be 1-64 characters")
-        require(self.ts >= 0, f"{self.TYPE}.ts: must be >= 0")
-        require(len(self.source) <= 128, f"{self.TYPE}.source: at most 128 characters")
+        # Reasons are formatted only when raised: this runs for every event built or decoded.
+        if not 0 < len(self.id) <= 64:
+            raise InvalidEvent(f"{self.TYPE}.id: must be 1-64 characters")
+        if not self.ts >= 0:
+            raise InvalidEvent(f"{self.TYPE}.ts: must be >= 0")
+        if not len(self.source) <= 128:
+            raise InvalidEvent(f"{self.TYPE}.source: at most 128 characters")
 
 
 @dataclass(frozen=True, kw_only=True)

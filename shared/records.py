@@ -106,15 +106,36 @@ def require(cond: bool, reason: str) -> None:
         raise InvalidEvent(reason)
 
 
+# Ids that matched their pattern lately: most events name a few jobs and nodes over and
+# over, and a set lookup costs a fraction of the regex. Exact str only (a subclass could
+# compare equal to an id it does not spell); cleared when full, so bounded.
+_VALID_JOB_IDS: set[str] = set()
+_VALID_NODE_IDS: set[str] = set()
+_VALID_IDS_MAX = 4096
+
+
+def _remember(valid: set[str], value: str) -> None:
+    if type(value) is str:
+        if len(valid) >= _VALID_IDS_MAX:
+            valid.clear()
+        valid.add(value)
+
+
 def check_job_id(job_id: str, where: str) -> None:
-    require(bool(JOB_ID_RE.match(job_id)),
-             f"{where}.job_id: {job_id!r} must be 1-63 chars of lowercase letters, digits, "
-             "'-', '_', '.', starting with a letter or digit")
+    if type(job_id) is str and job_id in _VALID_JOB_IDS:
+        return
+    if not JOB_ID_RE.match(job_id):  # the reason is formatted only when raised
+        raise InvalidEvent(f"{where}.job_id: {job_id!r} must be 1-63 chars of lowercase letters, digits, "
+                           "'-', '_', '.', starting with a letter or digit")
+    _remember(_VALID_JOB_IDS, job_id)
 
 
 def check_node_id(node_id: str, where: str) -> None:
-    require(bool(NODE_ID_RE.match(node_id)),
-             f"{where}.node_id: {node_id!r} must be 1-63 chars of letters, digits, '-', '_', '.'")
+    if type(node_id) is str and node_id in _VALID_NODE_IDS:
+        return
+    if not NODE_ID_RE.match(node_id):
+        raise InvalidEvent(f"{where}.node_id: {node_id!r} must be 1-63 chars of letters, digits, '-', '_', '.'")
+    _remember(_VALID_NODE_IDS, node_id)
 
 
 # ---------------------------------------------------------------- nested records
@@ -126,9 +147,12 @@ class Hyperparameters(Record):
     lr: float = 0.05
     seed: int = 0
 
+    # Reasons with values are formatted only when raised (these run for every decode).
     def _check(self) -> None:
-        require(0 < self.lr <= 10, f"Hyperparameters.lr: must be in (0, 10], got {self.lr}")
-        require(0 <= self.seed < 2**32, f"Hyperparameters.seed: must be in [0, 2^32), got {self.seed}")
+        if not (0 < self.lr <= 10):
+            raise InvalidEvent(f"Hyperparameters.lr: must be in (0, 10], got {self.lr}")
+        if not (0 <= self.seed < 2**32):
+            raise InvalidEvent(f"Hyperparameters.seed: must be in [0, 2^32), got {self.seed}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,10 +175,14 @@ class JobSpec(Record):
         require(0 < len(self.user) <= 64, "JobSpec.user: must be 1-64 characters")
         require(0 < len(self.model) <= 64, "JobSpec.model: must be 1-64 characters")
         require(0 < len(self.dataset) <= 64, "JobSpec.dataset: must be 1-64 characters")
-        require(1 <= self.batch_size <= 65536, f"JobSpec.batch_size: must be in 1..65536, got {self.batch_size}")
-        require(1 <= self.workers <= 64, f"JobSpec.workers: must be in 1..64, got {self.workers}")
-        require(1 <= self.iterations <= 10**12, f"JobSpec.iterations: must be in 1..10^12, got {self.iterations}")
-        require(0 < self.priority <= 1000, f"JobSpec.priority: must be in (0, 1000], got {self.priority}")
+        if not (1 <= self.batch_size <= 65536):
+            raise InvalidEvent(f"JobSpec.batch_size: must be in 1..65536, got {self.batch_size}")
+        if not (1 <= self.workers <= 64):
+            raise InvalidEvent(f"JobSpec.workers: must be in 1..64, got {self.workers}")
+        if not (1 <= self.iterations <= 10**12):
+            raise InvalidEvent(f"JobSpec.iterations: must be in 1..10^12, got {self.iterations}")
+        if not (0 < self.priority <= 1000):
+            raise InvalidEvent(f"JobSpec.priority: must be in (0, 1000], got {self.priority}")
         require(self.deadline_s is None or self.deadline_s > 0, "JobSpec.deadline_s: must be > 0")
 
     @property
@@ -170,7 +198,8 @@ class GpuInfo(Record):
     memory_gb: float = 0.0
 
     def _check(self) -> None:
-        require(0 <= self.index < 1024, f"GpuInfo.index: must be in 0..1023, got {self.index}")
+        if not (0 <= self.index < 1024):
+            raise InvalidEvent(f"GpuInfo.index: must be in 0..1023, got {self.index}")
         require(0 < len(self.type) <= 32, "GpuInfo.type: must be 1-32 characters")
 
 

@@ -24,13 +24,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_events import HOSTILE, ROUND_TRIP, any_event, envelope_shaped, msgpack_values, mutated_valid
 
+from shared import records
 from shared.events import (
     EVENT_TYPES, Assignment, CopyWeight, DeadLetter, Event, GpuInfo, Hyperparameters, InvalidEvent, JobSpec,
     JobSubmitted, ModelConsolidated, NodeRegistered, Progress, Record, RoundStarted, ThroughputEstimate, Waiting,
     decode, encode,
 )
 from shared.record_codec import converter, fast_test, wire_test
-from shared.records import Rejection, short_repr
+from shared.records import Rejection, check_job_id, short_repr
 
 # ---------------------------------------------------------------- the oracle
 
@@ -414,3 +415,28 @@ def test_wire_tests_hold_for_anything_msgpack_decodes(value: Any) -> None:
     for hint in (str, int, float, bool, bytes, str | None, float | None):
         if _passes(wire_test(hint, "v"), wired, hint):
             assert ref_convert(hint, wired, "p") == wired
+
+
+# ---------------------------------------------------------------- remembered ids
+
+
+def test_a_str_subclass_cannot_pass_as_a_remembered_id() -> None:
+    check_job_id("resnet-17", "T")   # remembered
+
+    class Liar(str):
+        def __eq__(self, other: object) -> bool:
+            return True
+
+        def __hash__(self) -> int:
+            return hash("resnet-17")
+
+    with pytest.raises(InvalidEvent, match="job_id"):
+        check_job_id(Liar("BAD/ID"), "T")
+
+
+def test_remembered_ids_are_bounded() -> None:
+    for i in range(3 * records._VALID_IDS_MAX):
+        check_job_id(f"job-{i}", "T")
+    assert len(records._VALID_JOB_IDS) <= records._VALID_IDS_MAX
+    with pytest.raises(InvalidEvent):
+        check_job_id("Job-0", "T")
