@@ -18,7 +18,8 @@ Guarantees:
   and decoding stops with InvalidEvent once that is spent; no single array or map may
   hold more than ``max(65536, len(data) // 8)`` items; ext types are refused unread.
   A 1 MiB record of empty maps costs ~11 MB instead of ~72 MB. Legitimate records
-  cost up to ~12x their size, within the budget.
+  cost up to ~12x their size, within the budget. Records of at most 585 bytes cannot
+  reach the budget and skip the charging (:mod:`shared.bounded_msgpack` says why).
 * Constructing an event with a wrong field raises the same ``InvalidEvent``: an invalid
   event cannot exist in memory, so it can never be published.
 
