@@ -6,8 +6,12 @@ import inspect
 import re
 
 import pytest
+from aiokafka.partitioner import DefaultPartitioner
+from hypothesis import given
+from hypothesis import strategies as st
 
 from shared.bus import BusError, KafkaBus, kafka_group
+from shared.bus.kafka import KeyPartitioner
 from shared.topics import JOBS
 
 
@@ -48,3 +52,20 @@ async def test_stop_stops_the_registered_members_only() -> None:
     bus.unregister(left)  # type: ignore[arg-type]  # a member that stops twice
     await bus.stop()
     assert (kept.stops, left.stops) == (1, 0)
+
+
+@given(st.binary(max_size=80), st.lists(st.integers(0, 99), min_size=1, max_size=12, unique=True))
+def test_the_key_partitioner_picks_what_kafkas_default_does(key: bytes, partitions: list[int]) -> None:
+    partitions.sort()
+    remembering = KeyPartitioner()
+    expected = DefaultPartitioner()(key, partitions, partitions)
+    assert remembering(key, partitions, partitions) == expected
+    assert remembering(key, partitions, partitions[:1]) == expected   # twice: now remembered
+
+
+def test_the_key_partitioner_forgets_when_full_and_spreads_keyless_records() -> None:
+    remembering = KeyPartitioner(capacity=8)
+    for i in range(100):
+        remembering(f"job-{i}".encode(), [0, 1, 2], [0, 1, 2])
+    assert len(remembering) <= 8
+    assert {remembering(None, [0, 1, 2], [1, 2]) for _ in range(200)} == {1, 2}
