@@ -4,6 +4,20 @@ Producer: idempotent (``enable_idempotence=True``, hence ``acks=all``), so a ret
 batch is never written twice and a partition keeps send order. Record timestamps are the
 bus clock's time at publish (CreateTime).
 
+Durability: a publish is durable when its future resolves -- the partition leader has
+the record and so do all in-sync replicas (``acks=all``). With the default replication
+factor 1 (a single broker: development, loopback) that is the leader's log only; give
+topics ``replication_factor`` >= 2 (and the broker ``min.insync.replicas`` >= 2) for a
+record to survive a broker. The latency settings below never weaken this.
+
+Latency settings (issue 14): aiokafka keeps one produce request in flight per broker,
+so records gather into batches while it is out; ``linger_ms=0`` therefore sends a lone
+record at once and batches under load by itself (a larger linger only delays the first
+record of each batch). ``max_batch_size`` 256 KiB bounds a partition's batch (the
+broker takes 1 MiB). No compression: on loopback and LAN links the CPU costs more than
+the bytes. Keys are hashed to partitions exactly as by Kafka's default partitioner
+(:class:`KeyPartitioner`). Consumer settings: :mod:`shared.bus.kafka_group`.
+
 Consumer groups: see :mod:`shared.bus.kafka_group`. Replay (:meth:`KafkaBus.read`) uses
 a group-less consumer assigned to every partition of the topic.
 """
@@ -46,8 +60,8 @@ class KafkaBus(Bus):
     """The bus on a Kafka cluster at ``bootstrap`` (``host:port[,host:port]``).
 
     ``partitions``/``replication_factor`` apply to topics this bus creates.
-    ``linger_ms`` lets the producer gather pipelined :meth:`send` calls into batches;
-    a lone :meth:`publish` waits at most that long before its batch goes out.
+    ``linger_ms`` makes the producer wait that long for more records before a batch
+    goes out (0: batches form only while a request is in flight; see the module doc).
 
     Its consumer-group members (:class:`~shared.bus.kafka_group.KafkaSubscription`) use
     only :attr:`is_started`, :meth:`ensure_known`, :meth:`client_options`,
@@ -57,7 +71,7 @@ class KafkaBus(Bus):
     """
 
     def __init__(self, bootstrap: str, *, partitions: int = 3, replication_factor: int = 1,
-                 clock: Clock | None = None, source: str = "bus", linger_ms: int = 2,
+                 clock: Clock | None = None, source: str = "bus", linger_ms: int = 0,
                  commit_interval_s: float = 0.2, request_timeout_ms: int = 30_000) -> None:
         if partitions < 1 or replication_factor < 1:
             raise ValueError("partitions and replication_factor must be >= 1")
@@ -84,8 +98,8 @@ class KafkaBus(Bus):
         producer = AIOKafkaProducer(
             bootstrap_servers=self.bootstrap, client_id=f"hadar-{self.source}",
             enable_idempotence=True, acks="all", linger_ms=self._linger_ms,
-            max_batch_size=256 * 1024, request_timeout_ms=self.request_timeout_ms,
-            partitioner=KeyPartitioner())
+            max_batch_size=256 * 1024, compression_type=None,
+            request_timeout_ms=self.request_timeout_ms, partitioner=KeyPartitioner())
         admin = AIOKafkaAdminClient(**self.client_options("admin"))
         try:
             await producer.start()

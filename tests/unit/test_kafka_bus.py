@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import re
 
@@ -69,3 +70,42 @@ def test_the_key_partitioner_forgets_when_full_and_spreads_keyless_records() -> 
         remembering(f"job-{i}".encode(), [0, 1, 2], [0, 1, 2])
     assert len(remembering) <= 8
     assert {remembering(None, [0, 1, 2], [1, 2]) for _ in range(200)} == {1, 2}
+
+
+class _Client:
+    """Stands in for an aiokafka client: records its settings, talks to no broker."""
+
+    made: list[dict[str, object]] = []
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        type(self).made.append(kwargs)
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def subscribe(self, *args: object, **kwargs: object) -> None:
+        pass
+
+
+async def test_latency_settings_keep_publishes_durable_and_fetches_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shared.bus import kafka
+    _Client.made = []
+    for name in ("AIOKafkaProducer", "AIOKafkaAdminClient"):
+        monkeypatch.setattr(kafka, name, _Client)
+    monkeypatch.setattr(kafka_group, "AIOKafkaConsumer", _Client)
+    bus = KafkaBus("broker:9092")
+    await bus.start()
+    bus.ensure_known = lambda topics: asyncio.sleep(0)  # type: ignore[method-assign]
+    await bus.subscribe([JOBS], "g").start()
+    producer, _admin, consumer = _Client.made
+    assert (producer["acks"], producer["enable_idempotence"]) == ("all", True)   # durable, exactly once per send
+    assert (producer["linger_ms"], producer["compression_type"]) == (0, None)
+    assert isinstance(producer["partitioner"], KeyPartitioner)
+    assert (consumer["fetch_min_bytes"], consumer["enable_auto_commit"]) == (1, False)
+    await bus.stop()
