@@ -9,10 +9,15 @@ and tuples) and RoundStarted (tuples of records, a dict), times ``--iterations``
 * ``round_trip``: encode then decode (the bus's codec cost per event, both ends);
 
 ``--repeats`` times, and reports the median in microseconds per event of the thread's
-CPU time (steady on a loaded machine; ``wall_us`` is beside it for reference). With
+CPU time (steadier than wall time on a loaded machine; ``*_wall_us`` is beside it). With
 ``--cpu N`` the process is pinned to that core first. Prints one line per event type
 and, as its last line, one JSON object {"python": ..., "results": {type: {op: us}}}.
 Run: ``PYTHONPATH=$PWD .venv/bin/python benchmarks/codec.py [--iterations 20000]``.
+
+On a machine too busy for stable times, count instructions instead: ``--only T --op O``
+times one operation, so two runs under ``valgrind --tool=callgrind`` with different
+``--iterations`` (``--repeats 1``) give instructions per call from the difference of
+their totals divided by 1.1 x the difference of iterations (a tenth is warm-up).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ def round_started_fields() -> dict[str, Any]:
                 policy_options='{"alpha":0.5}', seed=7, round_s=360.0, heartbeat_s=5.0)
 
 
+OPS = ["construct", "encode", "decode", "round_trip"]
 CASES: dict[str, tuple[type[Event], Callable[[], dict[str, Any]]]] = {
     "Progress": (Progress, progress_fields),
     "Assignment": (Assignment, assignment_fields),
@@ -75,8 +81,8 @@ def _time(op: Callable[[], object], iterations: int) -> tuple[float, float]:
             (time.perf_counter() - wall) * 1e6 / iterations)
 
 
-def measure(cls: type[Event], make: Callable[[], dict[str, Any]], iterations: int, repeats: int
-            ) -> dict[str, float]:
+def measure(cls: type[Event], make: Callable[[], dict[str, Any]], iterations: int, repeats: int,
+            only_ops: list[str] | None = None) -> dict[str, float]:
     fields = make()
     event = cls(**fields)
     wire = encode(event)
@@ -89,6 +95,8 @@ def measure(cls: type[Event], make: Callable[[], dict[str, Any]], iterations: in
     }
     out: dict[str, float] = {"bytes": len(wire)}
     for name, op in ops.items():
+        if only_ops and name not in only_ops:
+            continue
         _time(op, max(1, iterations // 10))  # warm-up
         runs = [_time(op, iterations) for _ in range(repeats)]
         out[name] = round(statistics.median(c for c, _ in runs), 2)
@@ -102,6 +110,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=7, help="timed runs; the median is reported")
     parser.add_argument("--cpu", type=int, default=None, help="pin the process to this core")
     parser.add_argument("--only", choices=list(CASES), action="append", help="event types to time")
+    parser.add_argument("--op", choices=OPS, action="append", help="operations to time (default: all)")
     args = parser.parse_args(argv)
     if args.iterations < 1 or args.repeats < 1:
         parser.error("--iterations and --repeats must be >= 1")
@@ -110,12 +119,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, dict[str, float]] = {}
     for name in args.only or list(CASES):
         cls, make = CASES[name]
-        results[name] = measure(cls, make, args.iterations, args.repeats)
+        results[name] = measure(cls, make, args.iterations, args.repeats, args.op)
         r = results[name]
-        print(f"{name:13s} {r['bytes']:4.0f} B  construct {r['construct']:6.2f} us  encode {r['encode']:6.2f} us"
-              f"  decode {r['decode']:6.2f} us  round trip {r['round_trip']:6.2f} us (CPU, median)", flush=True)
+        times = "  ".join(f"{op} {r[op]:6.2f} us" for op in OPS if op in r)
+        print(f"{name:13s} {r['bytes']:4.0f} B  {times} (CPU, median)", flush=True)
     return {"python": platform.python_version(), "iterations": args.iterations, "repeats": args.repeats,
-            "load_1m": round(os.getloadavg()[0], 2), "results": results}
+            "cpus": os.cpu_count(), "load_1m": round(os.getloadavg()[0], 2), "results": results}
 
 
 if __name__ == "__main__":
