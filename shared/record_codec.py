@@ -2,21 +2,21 @@
 
 The typing rules live in one place: :func:`converter` turns an annotation into a closure
 ``(value, path) -> canonical value`` that accepts exactly what the rules accept and raises
-:class:`~shared.records.InvalidEvent` naming ``path`` otherwise. Everything else here is
+:class:`~shared.records.InvalidEvent` naming ``path`` otherwise. Everything else is
 speed, never a second set of rules:
 
-* :func:`fast_test` gives, per annotation, a Python expression that is true only for a
-  value the converter would return unchanged (an exact ``str`` of ASCII text, an exact
-  ``int`` within 64 bits, a finite exact ``float``, ...). It may be false for a valid
-  value -- the converter then decides -- but never true for one the converter refuses
-  or would change. :func:`wire_test` is the same for values msgpack has just decoded,
-  where UTF-8 validity and the 64-bit range are already guaranteed by the decoder.
-* :func:`codec` compiles, once per class, three functions from the record's fields:
-  ``validate(record)`` (its ``__post_init__``: each field's fast test, else its
-  converter, then the class's checks), ``from_wire(data, path, outer)`` (a decoded map
-  to a record, without a second pass through ``__init__``: unknown and missing fields,
-  defaults, the same per-field tests and converters, the same checks) and
-  ``to_wire(record)`` (the map msgpack packs).
+* per annotation, a test expression (:func:`shared.record_compile.fast_test`) that is
+  true only for a value the converter would return unchanged (an exact ``str`` of ASCII
+  text, an exact ``int`` within 64 bits, a finite exact ``float``, ...). It may be false
+  for a valid value -- the converter then decides -- but never true for one the
+  converter refuses or would change. For values msgpack has just decoded it can be
+  cheaper, since the decoder already guarantees UTF-8 text and 64-bit integers.
+* :func:`codec` compiles, once per class, three functions from the record's fields
+  (source text by :mod:`shared.record_compile`): ``validate(record)`` (its
+  ``__post_init__``: each field's test, else its converter, then the class's checks),
+  ``from_wire(data, path, *outer)`` (a decoded map to a record, without a second pass
+  through ``__init__``: unknown and missing fields, defaults, the same tests and
+  converters, the same checks) and ``to_wire(record)`` (the map msgpack packs).
 
 So an invalid record still cannot be built either way, and a decoded record equals the
 one constructed from the same fields.
@@ -33,13 +33,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from shared.record_compile import INT_MAX, INT_MIN, NAMES, Field, fast_test, source
 from shared.records import InvalidEvent, Record, short_repr
 
-__all__ = ["Converter", "Codec", "codec", "converter", "fast_test", "wire_test"]
+__all__ = ["Converter", "Codec", "codec", "converter", "explain_keys"]
 
 Converter = Callable[[Any, str], Any]
-
-INT_MIN, INT_MAX = -(2**63), 2**64 - 1   # what msgpack can carry
 
 
 # ---------------------------------------------------------------- the rules
@@ -155,11 +154,14 @@ def _mapping(value_hint: Any, hint: Any) -> Converter:
 
 
 def _nested(cls: type[Record]) -> Converter:
+    if cls._WIRE_OUTER:  # pragma: no cover - a programming error in a record
+        raise TypeError(f"{cls.__name__} has envelope fields and cannot be nested")
+
     def nested(value: Any, path: str) -> Record:
         if isinstance(value, cls):
             return value   # records are valid by construction
         if isinstance(value, dict):
-            return codec(cls).from_wire(value, path, None)
+            return codec(cls).from_wire(value, path)
         raise InvalidEvent(f"{path}: expected {cls.__name__}, got {type(value).__name__}")
     return nested
 
@@ -168,49 +170,7 @@ def _type_name(hint: Any) -> str:
     return getattr(hint, "__name__", None) or str(hint)
 
 
-# ---------------------------------------------------------------- fast tests
-
-# Names the generated expressions use; bound in every generated function's namespace.
-_BASE_NAMESPACE: dict[str, Any] = {"_isfinite": math.isfinite}
-
-
-def fast_test(hint: Any, var: str, *, wire: bool = False) -> str | None:
-    """A Python expression over ``var``, true only if ``converter(hint)`` would return the
-    value unchanged; None where no cheap test exists (the converter always runs).
-
-    With ``wire``, the value comes from msgpack: its ``str`` is valid UTF-8 and its
-    ``int`` fits 64 bits, so those tests reduce to the exact type."""
-    if hint is str:
-        return f"type({var}) is str" if wire else f"(type({var}) is str and {var}.isascii())"
-    if hint is int:
-        return (f"type({var}) is int" if wire
-                else f"(type({var}) is int and {INT_MIN} <= {var} <= {INT_MAX})")
-    if hint is float:
-        return f"(type({var}) is float and _isfinite({var}))"
-    if hint is bool:
-        return f"({var} is True or {var} is False)"
-    if hint is bytes:
-        return f"type({var}) is bytes"
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is Literal and all(type(a) is str for a in args):
-        return f"(type({var}) is str and {var} in {tuple(args)!r})"
-    if origin in (types.UnionType, typing.Union):
-        inner = fast_test(next(a for a in args if a is not type(None)), var, wire=wire)
-        return None if inner is None else f"({var} is None or {inner})"
-    if isinstance(hint, type) and issubclass(hint, Record):
-        return f"type({var}) is {_class_name(hint)}"
-    return None
-
-
-def wire_test(hint: Any, var: str) -> str | None:
-    """:func:`fast_test` for a value msgpack has just decoded."""
-    return fast_test(hint, var, wire=True)
-
-
-def _class_name(cls: type) -> str:
-    name = f"_cls_{cls.__module__.replace('.', '_')}_{cls.__qualname__.replace('.', '_')}"
-    _BASE_NAMESPACE[name] = cls
-    return name
+# ---------------------------------------------------------------- compiling
 
 
 def _predicate(test: str | None, label: str, *, pairs: bool = False) -> Callable[[Any], bool]:
@@ -219,7 +179,7 @@ def _predicate(test: str | None, label: str, *, pairs: bool = False) -> Callable
         return lambda _: False
     loop = "for k, x in value.items()" if pairs else "for x in value"
     source = f"def test(value):\n    {loop}:\n        if not ({test}):\n            return False\n    return True\n"
-    return _define(source, "test", dict(_BASE_NAMESPACE), label)
+    return _define(source, "test", dict(NAMES), label)
 
 
 def _define(source: str, name: str, namespace: dict[str, Any], label: str) -> Any:
@@ -237,7 +197,7 @@ class Codec:
     """A record class's compiled functions (see the module docstring)."""
 
     validate: Callable[[Record], None]
-    from_wire: Callable[[dict[Any, Any], str, dict[Any, Any] | None], Record]
+    from_wire: Callable[..., Record]   # (data, path, *values of the _WIRE_OUTER fields)
     to_wire: Callable[[Record], dict[str, Any]]
 
 
@@ -274,77 +234,28 @@ _MISSING = object()
 
 
 def _compile(cls: type[Record]) -> Codec:
-    fields = dataclasses.fields(cls)
     hints = typing.get_type_hints(cls)
     outer: tuple[str, ...] = tuple(cls._WIRE_OUTER)
     namespace: dict[str, Any] = {
         "_cls": cls, "_new": object.__new__, "_set": object.__setattr__, "_M": _MISSING,
-        "_explain": explain_keys, "_outer": outer, "InvalidEvent": InvalidEvent,
-        "_record_wire": _record_wire,
+        "_explain": explain_keys, "_outer": outer, "InvalidEvent": InvalidEvent, "_record_wire": _record_wire,
     }
-    validate, wire = ["def validate(self):"], ["def to_wire(self):", "    return {"]
-    every, required, optional, from_outer, checked, build = [], [], [], [], [], []
-    for i, f in enumerate(fields):
-        hint, var, path = hints[f.name], f"v{i}", f"{cls.__name__}.{f.name}"
-        namespace[f"_c{i}"] = converter(hint)
-        fast, fast_wire = fast_test(hint, "v"), wire_test(hint, var)
-        validate.append(f"    v = self.{f.name}")
-        validate.append(f"    if not {fast or 'False'}: _set(self, {f.name!r}, _c{i}(v, {path!r}))")
-        checked.append(f"        if not {fast_wire or 'False'}: {var} = _c{i}({var}, {path!r})")
-        build.append(f"        d[{f.name!r}] = {var}")
-        if f.name in outer:
-            from_outer.append(f"    {var} = outer[{f.name!r}]")
-            continue
-        wire.append(f"        {f.name!r}: {_wire_expr(hint, f'self.{f.name}', 0)},")
-        every.append(f"            {var} = data[{f.name!r}]")
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            required.append(f"            {var} = data[{f.name!r}]")
-            continue
-        namespace[f"_d{i}"] = f.default if f.default_factory is dataclasses.MISSING else f.default_factory
-        call = "" if f.default_factory is dataclasses.MISSING else "()"
-        optional += [f"        {var} = data.get({f.name!r}, _M)", f"        if {var} is _M: {var} = _d{i}{call}",
-                     "        else: n += 1"]
-    explain = "_explain(_cls, data, path, _outer)"
-    # What encode writes has every field: read them all at once; otherwise fill defaults.
-    read = ["def from_wire(data, path, outer):", f"    if len(data) == {len(every)}:", "        try:", *every,
-            "            pass", "        except KeyError:", f"            {explain}", "    else:"]
-    if optional:
-        read += ["        try:", *required, "            pass", "        except KeyError:", f"            {explain}",
-                 f"        n = {len(required)}", *optional, f"        if len(data) != n: {explain}"]
-    else:
-        read += [f"        {explain}"]
-    checks = [f"        self.{name}()" for name in cls._CHECKS]
-    validate += [f"    self.{name}()" for name in cls._CHECKS]
-    # Filling __dict__ costs a third of object.__setattr__ per field (and ~64 bytes).
-    read += [*from_outer, "    try:", *checked, "        self = _new(_cls)", "        d = self.__dict__", *build,
-             *checks, "    except InvalidEvent:", "        raise",
-             "    except (TypeError, ValueError) as exc:  # never leak another error type",
-             "        raise InvalidEvent(f'{path}: {exc}') from None", "    return self"]
-    wire.append("    }")
-    namespace.update(_BASE_NAMESPACE)
-    source = "\n".join(validate + read + wire) + "\n"
-    _define(source, "validate", namespace, cls.__qualname__)
+    fields = []
+    for i, f in enumerate(dataclasses.fields(cls)):
+        namespace[f"_c{i}"] = converter(hints[f.name])
+        if f.default_factory is not dataclasses.MISSING:
+            namespace[f"_d{i}"], default = f.default_factory, "factory"
+        elif f.default is not dataclasses.MISSING:
+            namespace[f"_d{i}"], default = f.default, "value"
+        else:
+            default = "required"
+        fields.append(Field(index=i, name=f.name, hint=hints[f.name], path=f"{cls.__name__}.{f.name}",
+                            default=default, outer=outer.index(f.name) if f.name in outer else None))
+    text = source(fields, tuple(cls._CHECKS))
+    namespace.update(NAMES)   # after source(): it names the classes its tests compare with
+    _define(text, "validate", namespace, cls.__qualname__)
     return Codec(validate=namespace["validate"], from_wire=namespace["from_wire"], to_wire=namespace["to_wire"])
 
 
 def _record_wire(record: Record) -> dict[str, Any]:
     return codec(type(record)).to_wire(record)
-
-
-def _wire_expr(hint: Any, expr: str, depth: int) -> str:
-    """An expression for the msgpack form of ``expr`` (of type ``hint``): records become
-    maps; tuples, dicts and scalars are packed as they are."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    item = f"x{depth}"
-    if isinstance(hint, type) and issubclass(hint, Record):
-        return f"_record_wire({expr})"
-    if origin is tuple:
-        inner = _wire_expr(args[0], item, depth + 1)
-        return expr if inner == item else f"[{inner} for {item} in {expr}]"
-    if origin is dict:
-        inner = _wire_expr(args[1], item, depth + 1)
-        return expr if inner == item else f"{{k{depth}: {inner} for k{depth}, {item} in {expr}.items()}}"
-    if origin in (types.UnionType, typing.Union):
-        inner = _wire_expr(next(a for a in args if a is not type(None)), expr, depth)
-        return expr if inner == expr else f"(None if {expr} is None else {inner})"
-    return expr

@@ -73,7 +73,8 @@ class Record:
 
     #: Methods run after the field types are checked, in order; each raises InvalidEvent.
     _CHECKS: ClassVar[tuple[str, ...]] = ("_check",)
-    #: Fields the wire carries outside the record's own map (an event's envelope).
+    #: Fields the wire carries outside the record's own map (an event's envelope); the
+    #: compiled ``from_wire(data, path, *values)`` takes their values in this order.
     _WIRE_OUTER: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
@@ -82,11 +83,6 @@ class Record:
     def _check(self) -> None:
         """Range checks beyond the annotations; raise InvalidEvent."""
 
-    @classmethod
-    def _from_wire(cls, data: dict[Any, Any], path: str) -> Record:
-        """The record ``data`` (a decoded map of its fields) describes, or InvalidEvent
-        naming ``path`` for an unknown or missing field, ``Class.field`` for a bad value."""
-        return _codec(cls).from_wire(data, path, None)
 
 
 _COMPILED: dict[type, Any] = {}   # class -> its shared.record_codec.Codec

@@ -30,8 +30,9 @@ from shared.events import (
     JobSubmitted, ModelConsolidated, NodeRegistered, Progress, Record, RoundStarted, ThroughputEstimate, Waiting,
     decode, encode,
 )
-from shared.record_codec import converter, fast_test, wire_test
-from shared.records import Rejection, check_job_id, short_repr
+from shared.record_codec import converter
+from shared.record_compile import NAMES, fast_test, wire_test
+from shared.records import check_job_id, short_repr
 
 # ---------------------------------------------------------------- the oracle
 
@@ -382,10 +383,7 @@ HINTS = sorted(_hints(), key=repr)
 def _passes(test: str | None, value: Any, hint: Any) -> bool:
     if test is None:
         return False
-    namespace = {"math": math, "_isfinite": math.isfinite, **{f"_cls_{c.__module__.replace('.', '_')}_{c.__name__}": c
-                                                              for c in (JobSpec, Hyperparameters, GpuInfo, Waiting,
-                                                                        CopyWeight, Rejection)}}
-    return bool(eval(test, namespace, {"v": value}))  # noqa: S307 - the expressions under test
+    return bool(eval(test, dict(NAMES), {"v": value}))  # noqa: S307 - the expressions under test
 
 
 @pytest.mark.parametrize("hint", HINTS, ids=[repr(h) for h in HINTS])
@@ -440,3 +438,20 @@ def test_remembered_ids_are_bounded() -> None:
     assert len(records._VALID_JOB_IDS) <= records._VALID_IDS_MAX
     with pytest.raises(InvalidEvent):
         check_job_id("Job-0", "T")
+
+
+def test_a_record_built_from_a_callers_map_does_not_share_it() -> None:
+    spec = {f.name: getattr(SPEC, f.name) for f in dataclasses.fields(SPEC)}
+    spec["hyper"] = {"optimizer": "adam", "lr": 0.01, "seed": 3}
+    assignment = dataclasses.replace(CORPUS[1], job=spec)   # type: ignore[arg-type]
+    assert assignment.job == SPEC
+    spec["workers"], spec["hyper"]["lr"] = 0, 99.0
+    assert assignment.job == SPEC
+
+
+def test_a_decoded_event_equals_the_constructed_one_field_by_field_and_in_repr() -> None:
+    for event in CORPUS:
+        decoded = decode(encode(event))
+        assert repr(decoded) == repr(event)
+        assert dataclasses.asdict(decoded) == dataclasses.asdict(event)
+        assert vars(decoded).keys() == vars(event).keys()
