@@ -10,8 +10,8 @@ format itself belongs to :mod:`shared.events`.
 
 from __future__ import annotations
 
+import os
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -40,8 +40,14 @@ class InvalidEvent(HadarError, ValueError):
         self.reason = reason
 
 
+_UUID4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48))   # version and variant bits
+_UUID4_SET = (0x4000 << 64) | (0x8000 << 48)         # version 4, RFC 4122 variant
+
+
 def new_event_id() -> str:
-    return uuid.uuid4().hex
+    """A random version-4 UUID in hex, as ``uuid.uuid4().hex`` gives, at half its cost
+    (no UUID object): one per event built."""
+    return f"{int.from_bytes(os.urandom(16), 'big') & _UUID4_CLEAR | _UUID4_SET:032x}"
 
 
 # ---------------------------------------------------------------- records

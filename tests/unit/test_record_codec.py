@@ -16,6 +16,7 @@ import random
 import sys
 import types
 import typing
+import uuid
 from typing import Any, Literal
 
 import msgpack
@@ -32,7 +33,7 @@ from shared.events import (
 )
 from shared.record_codec import converter
 from shared.record_compile import NAMES, fast_test, wire_test
-from shared.records import check_job_id, short_repr
+from shared.records import check_job_id, new_event_id, short_repr
 
 # ---------------------------------------------------------------- the oracle
 
@@ -455,3 +456,11 @@ def test_a_decoded_event_equals_the_constructed_one_field_by_field_and_in_repr()
         assert repr(decoded) == repr(event)
         assert dataclasses.asdict(decoded) == dataclasses.asdict(event)
         assert vars(decoded).keys() == vars(event).keys()
+
+
+def test_event_ids_are_random_version_4_uuids_in_hex() -> None:
+    ids = [new_event_id() for _ in range(2000)]
+    assert len(set(ids)) == len(ids)
+    for text in ids:
+        parsed = uuid.UUID(hex=text)
+        assert (parsed.hex, parsed.version, parsed.variant) == (text, 4, uuid.RFC_4122)
