@@ -4,32 +4,40 @@ Kafka is used when ``--bootstrap`` or ``HADAR_BOOTSTRAP`` is given (otherwise it
 is ``null``). A consumer in a fresh group acks every event; a warm-up event is consumed
 first so the group join is not counted. The publisher uses the pipelined ``send`` with
 at most ``--window`` sends awaiting durability. Publisher and consumer share one process
-and one event loop, so both ends' CPU cost (mostly the event codec) adds up on one core;
-``--publisher-process`` runs the Kafka publisher in a process of its own, as Hadar's
-services are (it helps only with a spare core for it).
+and one event loop, so both ends' CPU cost adds up on one core; ``--publisher-process``
+runs the Kafka publisher in a process of its own, as Hadar's services are (it helps only
+with a spare core for it). Events are built before each phase, outside its timing and
+its CPU count: building is the publisher's cost, not the bus's; and frozen out of the
+garbage collector's scans (:func:`events`).
 
 Two phases per bus, N events each:
 
 * saturation (publisher unpaced): ``events_per_s`` = N / (last receipt - first publish
   call). The queue between publisher and consumer grows when the publisher is faster,
   so latency here would only measure that queue; it is not reported.
-* paced at ``--rate`` events/s (default 20000, the project's goal): ``p50_ms``/``p99_ms``
-  from each publish call to the handler receiving the event, and ``paced_events_per_s``
-  actually achieved. A bus that cannot sustain the rate shows it as growing latency.
+* paced at ``--rate`` events/s (default 20000, the project's goal), ``--repeat`` times:
+  ``p50_ms``/``p99_ms`` from each publish call to the handler receiving the event, and
+  ``paced_events_per_s`` actually achieved. A bus that cannot sustain the rate shows it
+  as growing latency. Each run is listed under ``runs``; the summary is their median.
+  On a shared machine, one busy moment of another process decides a run's p99, so
+  compare medians of several runs, and ``load_1m`` beside them.
 
-``cpu_s`` is the consumer process's CPU time in the saturation phase; on a busy machine,
-events / cpu_s is the steadier measure of cost. Prints one line per bus and phase, then,
+``cpu_s`` is the consumer process's CPU time in the saturation phase (the publisher's
+too when it shares the process) and ``cpu_us_per_event`` the same per event; on a busy
+machine that is the steadier measure of cost. Prints one line per bus and phase, then,
 as its last line, one JSON object {"events": N, "rate": R, "memory": {...}, "kafka": {...}}.
-Run: ``.venv/bin/python benchmarks/bus.py [--events 100000] [--bootstrap host:port]``.
+Run: ``.venv/bin/python benchmarks/bus.py [--events 100000] [--repeat 5] [--bootstrap host:port]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import multiprocessing
 import os
+import statistics
 import sys
 import time
 import uuid
@@ -65,9 +73,22 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, round(q * (len(sorted_values) - 1)))]
 
 
-async def produce(bus: Bus, topic: str, phase: Phase) -> list[float]:
-    """Publish events 0..N-1; return the wall time (time.time) of each publish call."""
-    batch = [progress(seq) for seq in range(phase.events)]  # building events is not bus cost
+def events(phase: Phase) -> list[Progress]:
+    """The phase's events, built up front and frozen out of the garbage collector's view:
+    otherwise every full collection of the process (~20 ms of CPU for 100k events, over
+    100 ms of wall time on a busy machine) would scan an input no real publisher holds.
+    :func:`thaw` after the phase."""
+    batch = [progress(seq) for seq in range(phase.events)]
+    gc.freeze()
+    return batch
+
+
+def thaw() -> None:
+    gc.unfreeze()
+
+
+async def produce(bus: Bus, topic: str, phase: Phase, batch: list[Progress]) -> list[float]:
+    """Publish ``batch`` (events 0..N-1); return the wall time (time.time) of each publish call."""
     sent_at = [0.0] * phase.events
     in_flight: deque[Awaitable[tuple[int, int]]] = deque()
     start = time.time()
@@ -84,13 +105,20 @@ async def produce(bus: Bus, topic: str, phase: Phase) -> list[float]:
     return sent_at
 
 
-def _child_produce(bootstrap: str, topic: str, phase: Phase, linger_ms: int, conn: object) -> None:
+def kafka_bus(bootstrap: str, source: str, linger_ms: int | None) -> KafkaBus:
+    """A KafkaBus with its own default linger unless ``linger_ms`` is given."""
+    return KafkaBus(bootstrap, source=source, **({} if linger_ms is None else {"linger_ms": linger_ms}))
+
+
+def _child_produce(bootstrap: str, topic: str, phase: Phase, linger_ms: int | None, conn: object) -> None:
     async def run() -> list[float]:
-        bus = KafkaBus(bootstrap, source="bench-producer", linger_ms=linger_ms)
+        batch = events(phase)
+        bus = kafka_bus(bootstrap, "bench-producer", linger_ms)
         await bus.start()
         try:
-            return await produce(bus, topic, phase)
+            return await produce(bus, topic, phase, batch)
         finally:
+            thaw()
             await bus.stop()
     conn.send(asyncio.run(run()))  # type: ignore[attr-defined]
     conn.close()  # type: ignore[attr-defined]
@@ -125,15 +153,17 @@ async def measure(bus: Bus, phase: Phase, *, publisher: Callable[[str], Awaitabl
     try:
         await bus.publish(topic, "warm-up", progress(phase.events))
         await asyncio.wait_for(warm.wait(), 120)
+        batch = events(phase) if publisher is None else []
         cpu_start = time.process_time()
         if publisher is None:
-            sent_at = await produce(bus, topic, phase)
+            sent_at = await produce(bus, topic, phase, batch)
         else:
             sent_at = await publisher(topic)
         await asyncio.wait_for(finished.wait(), 600)
         cpu = time.process_time() - cpu_start
         await consumer
     finally:
+        thaw()
         consumer.cancel()
         await asyncio.gather(consumer, return_exceptions=True)
     latency = sorted(r - s for r, s in zip(received_at, sent_at))
@@ -142,29 +172,35 @@ async def measure(bus: Bus, phase: Phase, *, publisher: Callable[[str], Awaitabl
         "p50_ms": round(percentile(latency, 0.50) * 1000, 2),
         "p99_ms": round(percentile(latency, 0.99) * 1000, 2),
         "cpu_s": round(cpu, 3),
+        "cpu_us_per_event": round(cpu / phase.events * 1e6, 1),
+        "load_1m": round(os.getloadavg()[0], 2),
     }
 
 
-async def bench(bus: Bus, name: str, events: int, window: int, rate: float,
-                publisher: Callable[[str, Phase], Awaitable[list[float]]] | None) -> dict[str, float]:
+async def bench(bus: Bus, name: str, events: int, window: int, rate: float, repeat: int,
+                publisher: Callable[[str, Phase], Awaitable[list[float]]] | None) -> dict[str, object]:
     await bus.start()
     try:
-        phases = {"saturation": Phase(events=events, window=window, rate=0.0),
-                  "paced": Phase(events=events, window=window, rate=rate)}
-        results = {}
-        for label, phase in phases.items():
+        phases = [("saturation", Phase(events=events, window=window, rate=0.0))]
+        phases += [("paced", Phase(events=events, window=window, rate=rate))] * repeat
+        results: dict[str, list[dict[str, float]]] = {"saturation": [], "paced": []}
+        for label, phase in phases:
             remote = None if publisher is None else (lambda t, p=phase: publisher(t, p))
-            results[label] = await measure(bus, phase, publisher=remote)
-            print(name, label, json.dumps(results[label]), flush=True)
+            results[label].append(await measure(bus, phase, publisher=remote))
+            print(name, label, json.dumps(results[label][-1]), flush=True)
     finally:
         await bus.stop()
-    saturated, paced = results["saturation"], results["paced"]
-    return {"events_per_s": saturated["events_per_s"], "p50_ms": paced["p50_ms"],
-            "p99_ms": paced["p99_ms"], "paced_events_per_s": paced["events_per_s"],
-            "cpu_s": saturated["cpu_s"]}
+    saturated, runs = results["saturation"][0], results["paced"]
+
+    def median(key: str) -> float:
+        return round(statistics.median(r[key] for r in runs), 2)
+    return {"events_per_s": saturated["events_per_s"], "p50_ms": median("p50_ms"),
+            "p99_ms": median("p99_ms"), "paced_events_per_s": median("events_per_s"),
+            "cpu_s": saturated["cpu_s"], "cpu_us_per_event": saturated["cpu_us_per_event"],
+            "runs": [{k: r[k] for k in ("p50_ms", "p99_ms", "events_per_s", "load_1m")} for r in runs]}
 
 
-def process_publisher(bootstrap: str, linger_ms: int
+def process_publisher(bootstrap: str, linger_ms: int | None
                       ) -> Callable[[str, Phase], Awaitable[list[float]]]:
     async def publish(topic: str, phase: Phase) -> list[float]:
         ctx = multiprocessing.get_context("spawn")
@@ -184,19 +220,23 @@ async def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--bootstrap", default=os.environ.get("HADAR_BOOTSTRAP", ""))
     parser.add_argument("--window", type=int, default=5000, help="sends awaiting durability")
     parser.add_argument("--rate", type=float, default=20_000.0, help="events/s in the paced phase")
-    parser.add_argument("--linger-ms", type=int, default=2)
+    parser.add_argument("--linger-ms", type=int, default=None, help="producer linger (default: KafkaBus's)")
+    parser.add_argument("--repeat", type=int, default=1, help="paced runs; the summary is their median")
     parser.add_argument("--publisher-process", action="store_true",
                         help="run the Kafka publisher in its own process")
+    parser.add_argument("--no-memory", action="store_true", help="skip MemoryBus (its entry is null)")
     args = parser.parse_args(argv)
-    if args.events < 1 or args.rate <= 0:
-        parser.error("--events and --rate must be > 0")
-    result: dict[str, object] = {"events": args.events, "rate": args.rate}
-    result["memory"] = await bench(MemoryBus(), "memory", args.events, args.window, args.rate, None)
-    result["kafka"] = None
+    if args.events < 1 or args.rate <= 0 or args.repeat < 1:
+        parser.error("--events, --rate and --repeat must be > 0")
+    result: dict[str, object] = {"events": args.events, "rate": args.rate, "cpus": os.cpu_count(),
+                                 "publisher_process": args.publisher_process, "memory": None, "kafka": None}
+    if not args.no_memory:
+        result["memory"] = await bench(MemoryBus(), "memory", args.events, args.window, args.rate, args.repeat,
+                                       None)
     if args.bootstrap:
-        kafka = KafkaBus(args.bootstrap, source="bench", linger_ms=args.linger_ms)
+        kafka = kafka_bus(args.bootstrap, "bench", args.linger_ms)
         publisher = process_publisher(args.bootstrap, args.linger_ms) if args.publisher_process else None
-        result["kafka"] = await bench(kafka, "kafka", args.events, args.window, args.rate, publisher)
+        result["kafka"] = await bench(kafka, "kafka", args.events, args.window, args.rate, args.repeat, publisher)
     return result
 
 

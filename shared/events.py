@@ -18,7 +18,8 @@ Guarantees:
   and decoding stops with InvalidEvent once that is spent; no single array or map may
   hold more than ``max(65536, len(data) // 8)`` items; ext types are refused unread.
   A 1 MiB record of empty maps costs ~11 MB instead of ~72 MB. Legitimate records
-  cost up to ~12x their size, within the budget.
+  cost up to ~12x their size, within the budget. Records of at most 585 bytes cannot
+  reach the budget and skip the charging (:mod:`shared.bounded_msgpack` says why).
 * Constructing an event with a wrong field raises the same ``InvalidEvent``: an invalid
   event cannot exist in memory, so it can never be published.
 
@@ -31,17 +32,17 @@ class's ``_check``. ``id`` defaults to a random UUID (it is only used for idempo
 
 from __future__ import annotations
 
-import dataclasses
-import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal, NoReturn, cast
 
 import msgpack
 
-from shared.errors import HadarError
+from shared.bounded_msgpack import COST_PER_BYTE, UNCHARGED_MAX, TooCostly, unpack
+from shared.record_codec import codec
 from shared.records import (
     JOB_ID_RE, NODE_ID_RE, CopyWeight, GpuInfo, Hyperparameters, InvalidEvent, JobSpec, Record, Rejection,
-    Waiting, check_job_id, check_node_id, new_event_id, require, short_repr, to_wire,
+    Waiting, check_job_id, check_node_id, new_event_id, require, short_repr,
 )
 from shared.topics import TOPIC_OF_TYPE
 
@@ -64,19 +65,21 @@ _MAX_WIRE_BYTES = 16 * 1024 * 1024
 class Event(Record):
     TYPE: ClassVar[str] = ""
     VERSION: ClassVar[int] = 1
+    _CHECKS: ClassVar[tuple[str, ...]] = ("_check", "_check_envelope")
+    _WIRE_OUTER: ClassVar[tuple[str, ...]] = ("id", "ts", "source")
 
     ts: float
     source: str
     id: str = field(default_factory=new_event_id)
 
     def _check_envelope(self) -> None:
-        require(0 < len(self.id) <= 64, f"{self.TYPE}.id: must be 1-64 characters")
-        require(self.ts >= 0, f"{self.TYPE}.ts: must be >= 0")
-        require(len(self.source) <= 128, f"{self.TYPE}.source: at most 128 characters")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._check_envelope()
+        # Reasons are formatted only when raised: this runs for every event built or decoded.
+        if not 0 < len(self.id) <= 64:
+            raise InvalidEvent(f"{self.TYPE}.id: must be 1-64 characters")
+        if not self.ts >= 0:
+            raise InvalidEvent(f"{self.TYPE}.ts: must be >= 0")
+        if not len(self.source) <= 128:
+            raise InvalidEvent(f"{self.TYPE}.source: at most 128 characters")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -360,32 +363,65 @@ def key_for(event: Event) -> str:
 # ---------------------------------------------------------------- wire
 
 _ENVELOPE = ("type", "v", "id", "ts", "source", "body")
+# Compiled per event class (shared.record_codec): its type and version, its body's
+# to_wire; by type name, its version and its from_wire (which owns the body it is given).
+_ENCODER_OF = {cls: (cls.TYPE, cls.VERSION, codec(cls).to_wire) for cls in EVENT_TYPES.values()}
+_DECODER_OF: dict[str, tuple[int, Callable[[dict[Any, Any], str, Any, Any, Any], Event]]] = {
+    name: (cls.VERSION, cast(Callable[..., Event], codec(cls).from_wire)) for name, cls in EVENT_TYPES.items()}
+# One Packer for the process: packing validated events runs no Python code, so under the
+# GIL a pack is never interleaved with another, and Packer resets itself on error.
+_pack = msgpack.Packer(use_bin_type=True).pack
+_unpackb = msgpack.unpackb
 
 
 def encode(event: Event) -> bytes:
-    if not isinstance(event, Event) or type(event) not in EVENT_TYPES.values():
+    encoder = _ENCODER_OF.get(type(event))
+    if encoder is None:
         raise TypeError(f"not an event: {type(event).__name__}")
-    body = {f.name: to_wire(getattr(event, f.name)) for f in dataclasses.fields(event)
-            if f.name not in ("id", "ts", "source")}
-    return msgpack.packb(
-        {"type": event.TYPE, "v": event.VERSION, "id": event.id, "ts": event.ts,
-         "source": event.source, "body": body},
-        use_bin_type=True,
-    )
+    etype, version, body = encoder
+    return _pack({"type": etype, "v": version, "id": event.id, "ts": event.ts, "source": event.source,
+                  "body": body(event)})
 
 
 def decode(data: bytes) -> Event:
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise InvalidEvent(f"not bytes: {type(data).__name__}")
-    if len(data) > _MAX_WIRE_BYTES:
-        raise InvalidEvent(f"record too large: {len(data)} bytes")
+    if type(data) is not bytes:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidEvent(f"not bytes: {type(data).__name__}")
+        data = bytes(data)
+    size = len(data)
+    if size > _MAX_WIRE_BYTES:
+        raise InvalidEvent(f"record too large: {size} bytes")
     try:
-        msg = _unpack(bytes(data))
-    except _TooCostly:
+        # bounded_msgpack.unpack's own path for records too small to spend the budget,
+        # inlined: the extra call was 3% of decoding a Progress.
+        msg = (_unpackb(data, raw=False, strict_map_key=True, max_ext_len=0) if size <= UNCHARGED_MAX
+               else unpack(data))
+    except TooCostly:
         raise InvalidEvent(f"record too costly to decode: its objects exceed the limit of "
-                           f"{_DECODE_COST_PER_BYTE}x its {len(data)} bytes") from None
+                           f"{COST_PER_BYTE}x its {len(data)} bytes") from None
     except Exception as exc:  # msgpack raises many types; all mean "not an event"
         raise InvalidEvent(f"not msgpack: {type(exc).__name__}: {exc}"[:200]) from None
+    if type(msg) is not dict or len(msg) != 6:   # the six keys of _ENVELOPE
+        _bad_envelope(msg)
+    try:
+        etype, version, body = msg["type"], msg["v"], msg["body"]
+        id_, ts, source = msg["id"], msg["ts"], msg["source"]   # Event._WIRE_OUTER's order
+    except KeyError:
+        _bad_envelope(msg)
+    decoder = _DECODER_OF.get(etype) if type(etype) is str else None   # msgpack makes exact str
+    if decoder is None:
+        _bad_envelope(msg)
+    expected, from_wire = decoder
+    if version != expected or isinstance(version, bool):
+        raise InvalidEvent(f"{etype}: unsupported schema version {short_repr(version)}")
+    if not isinstance(body, dict):
+        raise InvalidEvent(f"{etype}: body must be a map")
+    # id, ts and source come from the envelope; from_wire refuses them in the body.
+    return from_wire(body, etype, id_, ts, source)
+
+
+def _bad_envelope(msg: object) -> NoReturn:
+    """Raise the reason ``msg`` is not an envelope (a map of the six keys, a known type)."""
     if not isinstance(msg, dict):
         raise InvalidEvent(f"envelope: expected a map, got {type(msg).__name__}")
     missing = [k for k in _ENVELOPE if k not in msg]
@@ -394,50 +430,4 @@ def decode(data: bytes) -> Event:
     extra = [k for k in msg if k not in _ENVELOPE]
     if extra:
         raise InvalidEvent(f"envelope: unknown key {extra[0]!r}")
-    etype = msg["type"]
-    cls = EVENT_TYPES.get(etype) if isinstance(etype, str) else None
-    if cls is None:
-        raise InvalidEvent(f"envelope: unknown event type {short_repr(etype)}")
-    if msg["v"] != cls.VERSION or isinstance(msg["v"], bool):
-        raise InvalidEvent(f"{etype}: unsupported schema version {short_repr(msg['v'])}")
-    body = msg["body"]
-    if not isinstance(body, dict):
-        raise InvalidEvent(f"{etype}: body must be a map")
-    for key in ("id", "ts", "source"):
-        if key in body:
-            raise InvalidEvent(f"{etype}: body must not contain envelope key {key!r}")
-    fields = dict(body, id=msg["id"], ts=msg["ts"], source=msg["source"])
-    event = cls._from_wire(fields, etype)
-    assert isinstance(event, Event)
-    return event
-
-
-# Decode limits (see the module guarantees). A fresh scalar costs 24-50 bytes plus its
-# 8-byte slot; legitimate records cost up to ~12x their size, hostile ones ~70x unchecked.
-_DECODE_COST_PER_BYTE = 16
-_DECODE_COST_SLACK = 64 * 1024
-_ELEMENT_COST = 40
-_MIN_CONTAINER_ITEMS = 1 << 16
-
-
-class _TooCostly(HadarError):
-    """The objects built so far exceed the record's memory budget."""
-
-
-def _unpack(data: bytes) -> object:
-    budget = _DECODE_COST_PER_BYTE * len(data) + _DECODE_COST_SLACK
-
-    def charge(container: dict | list) -> dict | list:
-        # Called as each map or array is completed, before its parent: the budget is
-        # enforced while building, so the peak stays near it. Scalars in a container are
-        # charged with it (hooks see no scalars), hence the per-item cost and the cap on
-        # items per container.
-        nonlocal budget
-        budget -= sys.getsizeof(container) + _ELEMENT_COST * len(container)
-        if budget < 0:
-            raise _TooCostly
-        return container
-
-    most_items = max(_MIN_CONTAINER_ITEMS, len(data) // 8)
-    return msgpack.unpackb(data, raw=False, strict_map_key=True, object_hook=charge, list_hook=charge,
-                           max_array_len=most_items, max_map_len=most_items, max_ext_len=0)
+    raise InvalidEvent(f"envelope: unknown event type {short_repr(msg['type'])}")

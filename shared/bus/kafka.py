@@ -4,6 +4,20 @@ Producer: idempotent (``enable_idempotence=True``, hence ``acks=all``), so a ret
 batch is never written twice and a partition keeps send order. Record timestamps are the
 bus clock's time at publish (CreateTime).
 
+Durability: a publish is durable when its future resolves -- the partition leader has
+the record and so do all in-sync replicas (``acks=all``). With the default replication
+factor 1 (a single broker: development, loopback) that is the leader's log only; give
+topics ``replication_factor`` >= 2 (and the broker ``min.insync.replicas`` >= 2) for a
+record to survive a broker. The latency settings below never weaken this.
+
+Latency settings (issue 14): aiokafka keeps one produce request in flight per broker,
+so records gather into batches while it is out; ``linger_ms=0`` therefore sends a lone
+record at once and batches under load by itself (a larger linger only delays the first
+record of each batch). ``max_batch_size`` 256 KiB bounds a partition's batch (the
+broker takes 1 MiB). No compression: on loopback and LAN links the CPU costs more than
+the bytes. Keys are hashed to partitions exactly as by Kafka's default partitioner
+(:class:`KeyPartitioner`). Consumer settings: :mod:`shared.bus.kafka_group`.
+
 Consumer groups: see :mod:`shared.bus.kafka_group`. Replay (:meth:`KafkaBus.read`) uses
 a group-less consumer assigned to every partition of the topic.
 """
@@ -19,6 +33,7 @@ import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, for_code
+from aiokafka.partitioner import DefaultPartitioner, murmur2
 
 from shared.bus.base import (
     Bus, BusError, Delivery, Position, bus_error, check_position, check_started, check_topic,
@@ -35,7 +50,7 @@ if TYPE_CHECKING:
 
     from shared.config import KafkaSettings
 
-__all__ = ["KafkaBus"]
+__all__ = ["KafkaBus", "KeyPartitioner"]
 
 log = structlog.get_logger(__name__)
 TOPIC_ALREADY_EXISTS = 36
@@ -46,8 +61,8 @@ class KafkaBus(Bus):
     """The bus on a Kafka cluster at ``bootstrap`` (``host:port[,host:port]``).
 
     ``partitions``/``replication_factor`` apply to topics this bus creates.
-    ``linger_ms`` lets the producer gather pipelined :meth:`send` calls into batches;
-    a lone :meth:`publish` waits at most that long before its batch goes out.
+    ``linger_ms`` makes the producer wait that long for more records before a batch
+    goes out (0: batches form only while a request is in flight; see the module doc).
 
     Its consumer-group members (:class:`~shared.bus.kafka_group.KafkaSubscription`) use
     only :attr:`is_started`, :meth:`ensure_known`, :meth:`client_options`,
@@ -57,7 +72,7 @@ class KafkaBus(Bus):
     """
 
     def __init__(self, bootstrap: str, *, partitions: int = 3, replication_factor: int = 1,
-                 clock: Clock | None = None, source: str = "bus", linger_ms: int = 2,
+                 clock: Clock | None = None, source: str = "bus", linger_ms: int = 0,
                  commit_interval_s: float = 0.2, request_timeout_ms: int = 30_000) -> None:
         if partitions < 1 or replication_factor < 1:
             raise ValueError("partitions and replication_factor must be >= 1")
@@ -84,7 +99,8 @@ class KafkaBus(Bus):
         producer = AIOKafkaProducer(
             bootstrap_servers=self.bootstrap, client_id=f"hadar-{self.source}",
             enable_idempotence=True, acks="all", linger_ms=self._linger_ms,
-            max_batch_size=256 * 1024, request_timeout_ms=self.request_timeout_ms)
+            max_batch_size=256 * 1024, compression_type=None,
+            request_timeout_ms=self.request_timeout_ms, partitioner=KeyPartitioner())
         admin = AIOKafkaAdminClient(**self.client_options("admin"))
         try:
             await producer.start()
@@ -211,6 +227,35 @@ class KafkaBus(Bus):
     def unregister(self, sub: KafkaSubscription) -> None:
         """Forget a member that is stopping (no-op if it was never registered)."""
         self._subscriptions.discard(sub)
+
+
+class KeyPartitioner:
+    """aiokafka's :class:`DefaultPartitioner` (Kafka's: murmur2 of the key modulo the topic's
+    partition count; keyless records spread at random) with each key's hash remembered.
+
+    aiokafka computes murmur2 in pure Python for every record, ~10% of a Progress's
+    publish cost; Hadar's keys (job and node ids) are few and recur. The choice is the
+    same as any Kafka client's for the same key and partition count. At most
+    ``capacity`` hashes are kept; past that they are forgotten at once.
+    """
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._capacity = capacity
+        self._hashes: dict[bytes, int] = {}
+        self._default = DefaultPartitioner()
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+    def __call__(self, key: bytes | None, all_partitions: list[int], available: list[int]) -> int:
+        if key is None:
+            return self._default(key, all_partitions, available)
+        hashed = self._hashes.get(key)
+        if hashed is None:
+            if len(self._hashes) >= self._capacity:
+                self._hashes.clear()
+            hashed = self._hashes[key] = murmur2(key) & 0x7FFFFFFF
+        return all_partitions[hashed % len(all_partitions)]
 
 
 async def _durable(topic: str, future: asyncio.Future[Any]) -> tuple[int, int]:

@@ -1,6 +1,10 @@
 """Kafka consumer-group members for :class:`~shared.bus.kafka.KafkaBus`.
 
-Consumers: ``enable_auto_commit=False``, ``auto_offset_reset="earliest"``. Acks update an
+Consumers: ``enable_auto_commit=False``, ``auto_offset_reset="earliest"``. Fetches favour
+latency: ``fetch_min_bytes=1`` (the broker answers as soon as any record is there; a
+larger minimum would hold records back), ``fetch_max_wait_ms=500`` (how long an empty
+fetch waits at the broker -- it never delays a record, which completes the wait), and
+``max_partition_fetch_bytes`` 1 MiB (a backlog drains in few round trips). Acks update an
 :class:`~shared.bus.base.AckTracker`; a background task commits the tracker's points every
 ``commit_interval_s`` and ``stop()`` commits a final time, so a clean stop loses no ack and
 a crash re-delivers at most the acks of the last interval (at-least-once).
@@ -83,7 +87,8 @@ class KafkaSubscription(Subscription):
         await self.bus.ensure_known(self.topics)
         consumer = AIOKafkaConsumer(
             **self.bus.client_options(self.group), group_id=self.group, enable_auto_commit=False,
-            auto_offset_reset="earliest")
+            auto_offset_reset="earliest", fetch_min_bytes=1, fetch_max_wait_ms=500,
+            max_partition_fetch_bytes=1024 * 1024)
         consumer.subscribe(list(self.topics), listener=_Rebalance(self))
         self._consumer = consumer
         try:

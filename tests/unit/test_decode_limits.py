@@ -12,7 +12,10 @@ import tracemalloc
 
 import msgpack
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from shared.bounded_msgpack import COST_PER_BYTE, COST_SLACK, MAX_COST_PER_BYTE, UNCHARGED_MAX, cost
 from shared.events import (
     Assignment, CopyWeight, GpuInfo, InvalidEvent, JobSpec, ModelConsolidated, NodeRegistered, Rejection,
     RoundStarted, Waiting, decode, encode,
@@ -113,3 +116,65 @@ LEGIT = {
 def test_large_legitimate_records_still_decode(name: str) -> None:
     event = LEGIT[name]
     assert decode(encode(event)) == event
+
+
+# ---------------------------------------------------------------- small records skip the charging
+
+def _charged(value: object) -> int:
+    """What the decode hooks charge for ``value``: every map and array, by bounded_msgpack.cost."""
+    total, stack = 0, [value]
+    while stack:   # not recursive: the nested shapes are hundreds deep
+        item = stack.pop()
+        if isinstance(item, (dict, list)):
+            total += cost(item)
+            stack.extend(item.values() if isinstance(item, dict) else item)
+    return total
+
+
+def _fill(unit: bytes) -> bytes:
+    """An array of as many ``unit`` as fit in UNCHARGED_MAX bytes."""
+    count = (UNCHARGED_MAX - 3) // len(unit)
+    return b"\xdc" + count.to_bytes(2, "big") + unit * count
+
+
+def _chain(level: bytes, end: bytes) -> bytes:
+    depth = (UNCHARGED_MAX - len(end)) // len(level)
+    return level * depth + end
+
+
+WORST_SMALL = {
+    "empty maps": _fill(b"\x80"),
+    "empty arrays": _fill(b"\x90"),
+    "maps of one empty-str key to an empty map": _fill(b"\x81\xa0\x80"),
+    "maps of one empty-bytes key to an empty map": _fill(b"\x81\xc4\x00\x80"),
+    "maps of one empty-str key to nil": _fill(b"\x81\xa0\xc0"),
+    "maps nested through an empty-str key": _chain(b"\x81\xa0", b"\x80"),
+    "maps nested through an empty-bytes key": _chain(b"\x81\xc4\x00", b"\x80"),
+    "arrays nested": _chain(b"\x91", b"\x90"),
+    "fifteen-key maps of empty maps": _fill(msgpack.packb({chr(97 + i) * (i > 0): {} for i in range(15)})),
+}
+
+
+@pytest.mark.parametrize("name", list(WORST_SMALL))
+def test_records_decoded_without_charging_cannot_spend_the_budget(name: str) -> None:
+    data = WORST_SMALL[name]
+    assert len(data) <= UNCHARGED_MAX
+    charged = _charged(msgpack.unpackb(data, raw=False, strict_map_key=True))
+    assert charged <= 112 * len(data) <= MAX_COST_PER_BYTE * len(data)
+    assert MAX_COST_PER_BYTE * UNCHARGED_MAX <= COST_PER_BYTE * UNCHARGED_MAX + COST_SLACK
+
+
+small_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-40, 40) | st.text(max_size=2) | st.binary(max_size=2),
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=2) | st.binary(max_size=1),
+                                                                inner, max_size=6),
+    max_leaves=120,
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_values)
+def test_any_small_input_is_charged_at_most_112_bytes_per_byte(value: object) -> None:
+    data = msgpack.packb(value, use_bin_type=True)
+    if len(data) <= UNCHARGED_MAX:
+        assert _charged(msgpack.unpackb(data, raw=False, strict_map_key=True)) <= 112 * len(data)
