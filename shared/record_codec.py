@@ -178,7 +178,8 @@ def _predicate(test: str | None, label: str, *, pairs: bool = False) -> Callable
     if test is None:
         return lambda _: False
     loop = "for k, x in value.items()" if pairs else "for x in value"
-    source = f"def test(value):\n    {loop}:\n        if not ({test}):\n            return False\n    return True\n"
+    source = (f"def test(value):\n    {loop}:\n        if not ({test}):\n"
+              "            return False\n    return True\n")
     return _define(source, "test", dict(NAMES), label)
 
 

@@ -104,8 +104,8 @@ def source(fields: list[Field], checks: tuple[str, ...]) -> str:
 def _validate(fields: list[Field], checks: tuple[str, ...]) -> list[str]:
     lines = ["def validate(self):"]
     for f in fields:
-        lines += [f"    v = self.{f.name}",
-                  f"    if not {fast_test(f.hint, 'v') or 'False'}: _set(self, {f.name!r}, _c{f.index}(v, {f.path!r}))"]
+        test = fast_test(f.hint, "v") or "False"
+        lines += [f"    v = self.{f.name}", f"    if not {test}: _set(self, {f.name!r}, _c{f.index}(v, {f.path!r}))"]
     return lines + [f"    self.{name}()" for name in checks]
 
 
@@ -126,8 +126,8 @@ def _from_wire(fields: list[Field], checks: tuple[str, ...]) -> list[str]:
              *(f"            v{f.index} = data[{f.name!r}]" for f in inner),
              "            pass", "        except KeyError:", f"            {explain}", "    else:"]
     if optional:
-        lines += ["        try:", *(f"            v{f.index} = data[{f.name!r}]" for f in required), "            pass",
-                  "        except KeyError:", f"            {explain}", f"        n = {len(required)}"]
+        lines += ["        try:", *(f"            v{f.index} = data[{f.name!r}]" for f in required),
+                  "            pass", "        except KeyError:", f"            {explain}", f"        n = {len(required)}"]
         for f in optional:
             lines += [f"        v{f.index} = data.get({f.name!r}, _M)", f"        if v{f.index} is not _M: n += 1"]
         lines.append(f"        if len(data) != n: {explain}")
@@ -141,7 +141,8 @@ def _from_wire(fields: list[Field], checks: tuple[str, ...]) -> list[str]:
     for f in fields:
         var = f"v{f.index}"
         target = f"data[{f.name!r}]" if owned and f.outer is None else var
-        lines.append(f"        if not {wire_test(f.hint, var) or 'False'}: {target} = _c{f.index}({var}, {f.path!r})")
+        test = wire_test(f.hint, var) or "False"
+        lines.append(f"        if not {test}: {target} = _c{f.index}({var}, {f.path!r})")
     lines.append("        self = _new(_cls)")
     if owned:
         lines += [*(f"        data[{f.name!r}] = v{f.index}" for f in fields if f.outer is not None),

@@ -90,7 +90,6 @@ class Record:
         """Range checks beyond the annotations; raise InvalidEvent."""
 
 
-
 _COMPILED: dict[type, Any] = {}   # class -> its shared.record_codec.Codec
 
 
