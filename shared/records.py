@@ -125,7 +125,7 @@ def _remember(valid: set[str], value: str) -> None:
 def check_job_id(job_id: str, where: str) -> None:
     if type(job_id) is str and job_id in _VALID_JOB_IDS:
         return
-    if not JOB_ID_RE.match(job_id):  # the reason is formatted only when raised
+    if not JOB_ID_RE.fullmatch(job_id):  # fullmatch: "$" alone accepts a trailing newline
         raise InvalidEvent(f"{where}.job_id: {job_id!r} must be 1-63 chars of lowercase letters, digits, "
                            "'-', '_', '.', starting with a letter or digit")
     _remember(_VALID_JOB_IDS, job_id)
@@ -134,7 +134,7 @@ def check_job_id(job_id: str, where: str) -> None:
 def check_node_id(node_id: str, where: str) -> None:
     if type(node_id) is str and node_id in _VALID_NODE_IDS:
         return
-    if not NODE_ID_RE.match(node_id):
+    if not NODE_ID_RE.fullmatch(node_id):
         raise InvalidEvent(f"{where}.node_id: {node_id!r} must be 1-63 chars of letters, digits, '-', '_', '.'")
     _remember(_VALID_NODE_IDS, node_id)
 

@@ -44,7 +44,7 @@ class AgentConfig:
     result_ttl_s: float = 3600.0    # a result is given up this long after deadline + grace, once a newer round exists
 
     def __post_init__(self) -> None:
-        if not NODE_ID_RE.match(self.node_id):
+        if not NODE_ID_RE.fullmatch(self.node_id):
             raise FieldError("node_id", f"{self.node_id!r} must be 1-63 letters, digits, '.', '_', '-'")
         for name in ("heartbeat_s", "progress_s", "stop_timeout_s", "max_deadline_ahead_s", "result_retry_s"):
             if not getattr(self, name) > 0:

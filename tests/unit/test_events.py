@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from shared.events import (
     DEADLETTER_RAW_LIMIT, EVENT_TYPES, JOB_ID_RE, NODE_ID_RE, Assignment, CopyFinished, Event,
-    GpuInfo, InvalidEvent, JobCancelled, JobSpec, JobSubmitted, NodeRegistered, Progress, Record,
+    GpuInfo, InvalidEvent, JobCancelled, JobSpec, JobSubmitted, NodeHeartbeat, NodeRegistered, Progress, Record,
     RoundStarted, decode, encode,
 )
 
@@ -340,3 +340,11 @@ def test_reasons_stay_short_whatever_the_input():
     with pytest.raises(InvalidEvent) as info:
         decode(msgpack.packb({"type": huge, "v": 1, "id": "a", "ts": 1.0, "source": "s", "body": {}}))
     assert len(info.value.reason) < 200
+
+
+@pytest.mark.parametrize("bad", ["job\n", "a" * 63 + "\n"])
+def test_an_id_with_a_trailing_newline_is_refused(bad):
+    with pytest.raises(InvalidEvent, match="job_id"):
+        JobCancelled(ts=1.0, source="cli", job_id=bad)
+    with pytest.raises(InvalidEvent, match="node_id"):
+        NodeHeartbeat(ts=1.0, source="agent", node_id=bad)
