@@ -135,19 +135,16 @@ def _only(state: SchedulerState, ids: list[str]) -> SchedulerState:
 
 async def _published_rates(bus) -> dict[tuple[str, str, int], float]:
     """Every job's steps/s per (GPU type, workers) as the profiler last published them,
-    a measurement always beating an estimate (the rule the scheduler folds them by; the
-    scheduler itself forgets a finished job's rates)."""
+    folded by the scheduler's rule (``merge_rates``); the scheduler itself forgets a
+    finished job's rates, so they are read back from the topic."""
+    from services.scheduler.state import merge_rates
     from shared.events import ThroughputEstimate
     from shared.topics import THROUGHPUT
 
     rates: dict[tuple[str, str, int], tuple[str, float]] = {}
     async for delivery in bus.read(THROUGHPUT):
-        e = delivery.event
-        if isinstance(e, ThroughputEstimate):
-            for gpu_type, rate in e.rates.items():
-                key = (e.job_id, gpu_type, e.workers)
-                if not (e.basis == "estimate" and rates.get(key, ("", 0.0))[0] == "measured"):
-                    rates[key] = (e.basis, rate)
+        if isinstance(delivery.event, ThroughputEstimate):
+            merge_rates(rates, delivery.event)
     return {key: rate for key, (_, rate) in rates.items()}
 
 

@@ -195,12 +195,7 @@ class SchedulerState:
             node.last_seen = max(node.last_seen, e.ts)
 
     def _on_ThroughputEstimate(self, e: ThroughputEstimate) -> None:
-        for gpu_type, rate in e.rates.items():
-            key = (e.job_id, gpu_type, e.workers)
-            current = self.rates.get(key)
-            if current is not None and current[0] == "measured" and e.basis == "estimate":
-                continue
-            self.rates[key] = (e.basis, rate)
+        merge_rates(self.rates, e)
 
     def _on_RoundStarted(self, e: RoundStarted) -> None:
         if e.round <= self.last_round - self._rounds_kept:
@@ -366,6 +361,17 @@ class SchedulerState:
         ran = {a.job_id for a in record.assignments}
         return sorted(j for j in ran if j in self.jobs and self.jobs[j].active
                       and self.jobs[j].decided_round < round_)
+
+
+def merge_rates(rates: dict[tuple[str, str, int], tuple[str, float]], e: ThroughputEstimate) -> None:
+    """Fold one estimate into ``(job, gpu_type, workers) -> (basis, steps/s)``: the latest
+    value wins, except that a measurement is never replaced by an estimate."""
+    for gpu_type, rate in e.rates.items():
+        key = (e.job_id, gpu_type, e.workers)
+        current = rates.get(key)
+        if current is not None and current[0] == "measured" and e.basis == "estimate":
+            continue
+        rates[key] = (e.basis, rate)
 
 
 def fold_log(items: Iterable[tuple[str, Event]]) -> SchedulerState:
