@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from shared.bus import Bus, BusError
 from shared.logging import get_logger
+from shared.metrics import register_standard
 
 BUS_CHECK_S = 5.0
 BUS_DEADLINE_S = 120.0
@@ -88,10 +89,12 @@ class BusWatchdog:
 
 
 class HttpEndpoint:
-    """aiohttp server exposing one service's health and metrics."""
+    """aiohttp server exposing one service's health and metrics (its registry plus
+    ``process_*`` and ``hadar_<service>_build_info``, :mod:`shared.metrics`)."""
 
     def __init__(self, service: Service, *, host: str = "0.0.0.0", port: int = 0,
                  watchdog: BusWatchdog | None = None) -> None:
+        register_standard(service.registry, service.name)
         self._service = service
         self._watchdog = watchdog
         self._host = host
