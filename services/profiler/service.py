@@ -87,16 +87,15 @@ class ProfilerService:
         self._stopping = False
         self._busy = False
         r = self.registry
-        self._m_published = Counter("profiler_estimates_published_total", "ThroughputEstimates published",
+        self._m_published = Counter("hadar_profiler_estimates_published_total", "ThroughputEstimates published",
                                     ["basis", "emulated"], registry=r)
-        self._m_no_figures = Counter("profiler_estimate_failures_total", "Jobs the catalog could not estimate",
+        self._m_no_figures = Counter("hadar_profiler_estimate_failures_total", "Jobs the catalog could not estimate",
                                      registry=r)
-        self._m_progress = Counter("profiler_progress_total", "Progress events folded", ["emulated"], registry=r)
-        self._m_in = Counter("profiler_events_in_total", "Events consumed", ["type"], registry=r)
-        self._m_out = Counter("profiler_events_out_total", "Events published", ["type"], registry=r)
-        self._m_rejected = Counter("profiler_events_rejected_total", "Events dead-lettered by the profiler",
+        self._m_progress = Counter("hadar_profiler_progress_total", "Progress events folded", ["emulated"], registry=r)
+        self._m_in = Counter("hadar_profiler_events_in_total", "Events consumed", ["type"], registry=r)
+        self._m_out = Counter("hadar_profiler_events_out_total", "Events published", ["type"], registry=r)
+        self._m_rejected = Counter("hadar_profiler_events_rejected_total", "Events dead-lettered by the profiler",
                                    registry=r)
-        self._m_dead = Counter("profiler_dead_letters_seen_total", "Dead letters seen", registry=r)
 
     async def start(self) -> None:
         await self.bus.ensure_topics((*INPUT_TOPICS, THROUGHPUT, DEADLETTER))
@@ -122,14 +121,12 @@ class ProfilerService:
         return {"ok": self._replayed and (running or self._stopping), "replayed": self._replayed}
 
     async def _consume(self) -> None:
-        async with self.bus.subscribe((*INPUT_TOPICS, DEADLETTER), self.config.group) as sub:
+        # hadar.deadletter is not read here: the scheduler counts bad records, once each.
+        async with self.bus.subscribe(INPUT_TOPICS, self.config.group) as sub:
             async for delivery in sub:
                 self._busy = True
                 try:
-                    if delivery.topic == DEADLETTER:
-                        self._m_dead.inc()
-                    else:
-                        await self._handle_safely(delivery)
+                    await self._handle_safely(delivery)
                     await delivery.ack()
                 finally:
                     self._busy = False

@@ -35,10 +35,11 @@ from services.scheduler.policy import Plan, Policy, Snapshot
 from services.scheduler.rerun import LoggedEvent, rerun
 from services.scheduler.rounds import RoundTiming, build_snapshot, plan_to_events
 from services.scheduler.state import SchedulerState
+from services.scheduler.telemetry import SchedulerTelemetry
 from shared.bus import Bus, BusError, Delivery
 from shared.clock import Clock, SystemClock
 from shared.errors import HadarError
-from shared.events import Assignment, Event
+from shared.events import DeadLetter, Event
 from shared.logging import get_logger
 from shared.rejection import Rejected, dead_letter_delivery
 from shared.topics import ALL_TOPICS, DEADLETTER, JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
@@ -91,17 +92,16 @@ class SchedulerService:
         self._m_decision = Histogram("hadar_scheduler_decision_seconds", "Time in policy.plan()",
                                      registry=self.registry, buckets=(.001, .01, .05, .1, .5, 1, 5, 30))
         self._m_queue = Gauge("hadar_scheduler_queue_length", "Active jobs left waiting", registry=self.registry)
-        self._m_busy = Gauge("hadar_scheduler_gpus_busy", "GPUs assigned this round", ["gpu_type"],
-                             registry=self.registry)
-        self._m_in = Counter("hadar_events_in", "Events folded", ["type"], registry=self.registry)
-        self._m_out = Counter("hadar_events_out", "Events published", ["type"], registry=self.registry)
+        self._m_in = Counter("hadar_scheduler_events_in", "Events folded", ["type"], registry=self.registry)
+        self._m_out = Counter("hadar_scheduler_events_out", "Events published", ["type"], registry=self.registry)
         self._m_failures = Counter("hadar_scheduler_round_failures", "Round attempts that failed, by stage",
                                    ["stage"], registry=self.registry)
         self._m_publish_retries = Counter("hadar_scheduler_publish_retries", "Publishes retried after a bus error",
                                           registry=self.registry)
         self._m_rejected = Counter("hadar_scheduler_events_rejected", "Events refused and dead-lettered",
                                    ["type"], registry=self.registry)
-        self._m_dead = Gauge("hadar_dead_letters", "Records in the dead-letter topic", registry=self.registry)
+        self.telemetry = SchedulerTelemetry(self.registry, state=lambda: self.state, now=self.clock.time,
+                                            round_s=self.settings.round_s, heartbeat_s=self.settings.heartbeat_s)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -153,8 +153,9 @@ class SchedulerService:
                 recorded = last.settings.choice.describe() if last.settings is not None else last.error
                 self._log.warning("scheduler.policy_changed", recorded=recorded,
                                   configured=self.settings.choice.describe(), next_round=self.next_round)
-        async for _ in self.bus.read(DEADLETTER):
-            self._m_dead.inc()
+        async for d in self.bus.read(DEADLETTER):
+            if isinstance(d.event, DeadLetter):
+                self.telemetry.dead_letters.add(d.event)
 
     async def _publish(self, event: Event, *, deadline: float, round_: int) -> None:
         delay = RETRY_BASE_S
@@ -177,7 +178,8 @@ class SchedulerService:
         async with self.bus.subscribe(list(INPUT_TOPICS) + [DEADLETTER], self.config.group) as sub:
             async for delivery in sub:
                 if delivery.topic == DEADLETTER:
-                    self._m_dead.inc()
+                    if isinstance(delivery.event, DeadLetter):
+                        self.telemetry.dead_letters.add(delivery.event)
                 else:
                     await self._fold(delivery)
                 tp = f"{delivery.topic}:{delivery.partition}"
@@ -230,6 +232,7 @@ class SchedulerService:
                 self._log.warning("round.consolidation_timeout", round=previous_round,
                                   jobs=self.state.awaiting_consolidation(previous_round))
             if not self.state.active_jobs():
+                self.telemetry.went_idle()
                 await self._wait_for(lambda: bool(self.state.active_jobs()), 1.0)
                 next_start = self.clock.time()
                 continue
@@ -290,12 +293,6 @@ class SchedulerService:
         self._m_rounds.inc()
         self._m_decision.observe(seconds)
         self._m_queue.set(len(plan.waiting))
-        busy: dict[str, int] = {}
-        for e in events:
-            if isinstance(e, Assignment):
-                busy[e.gpu_type] = busy.get(e.gpu_type, 0) + len(e.gpus)
-        self._m_busy.clear()
-        for gpu_type, n in busy.items():
-            self._m_busy.labels(gpu_type=gpu_type).set(n)
+        self.telemetry.round_started(timing.started_at)
         self._log.info("round.planned", round=timing.round, assignments=len(events) - 1,
                        waiting=len(plan.waiting), decision_ms=round(seconds * 1e3, 2))

@@ -43,7 +43,7 @@ one from anyone on hadar.models): nothing of a job is deleted unless the model t
 rely on is in the same sweep's listing -- its latest announced round model, or, once it
 completed, its final model (:meth:`ObjectLifecycle.required`).
 
-Failures: a failed list or delete is counted (``tracker_object_deletions_failed_total``)
+Failures: a failed list or delete is counted (``hadar_tracker_object_deletions_failed_total``)
 and logged, and the job is swept again after a back-off doubling from ``base_s`` to
 ``max_s``; after ``max_attempts`` failures in a row it waits for its next decision (a
 completed job: ``straggler_sweep_s``, then it is forgotten; a restart retries). Work is
@@ -213,11 +213,11 @@ class ObjectJanitor:
         self.store = store
         self.lifecycle = lifecycle
         self._log = log
-        self._m_deleted = Counter("tracker_objects_deleted_total", "Objects the tracker deleted", ["kind"],
+        self._m_deleted = Counter("hadar_tracker_objects_deleted_total", "Objects the tracker deleted", ["kind"],
                                   registry=registry)
         for kind in ("checkpoint", "model"):
             self._m_deleted.labels(kind=kind)
-        self._m_failed = Counter("tracker_object_deletions_failed_total",
+        self._m_failed = Counter("hadar_tracker_object_deletions_failed_total",
                                  "Store listings or deletions of the object lifecycle that failed", registry=registry)
 
     async def run(self, interval_s: float) -> None:

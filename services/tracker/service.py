@@ -19,7 +19,7 @@ Guarantees:
   is written (a copy of the latest round's model) and JobCompleted follows, once, with
   ``jct_s = completed_at - submitted_at``.
 * An event the state refuses (:mod:`services.tracker.acceptance`) changes nothing; it is
-  counted in ``tracker_events_rejected_total{reason}`` and logged with its job, round and
+  counted in ``hadar_tracker_events_rejected_total{reason}`` and logged with its job, round and
   node, and -- when it came from the live consumer, not from the replay -- published to
   hadar.deadletter with its origin and reason, so a restart counts it again but does not
   dead-letter it again. The tracker's own announcements are checked before publishing; a
@@ -30,10 +30,10 @@ Guarantees:
 * Nothing is retried forever: a failed consolidation or completion is tried again after
   a back-off doubling from ``tick_s`` up to :data:`MAX_RETRY_S`, at most
   ``config.max_attempts`` times in all. Then the round is abandoned (logged,
-  ``tracker_rounds_given_up_total``, RoundAbandoned published when the bus takes it): the
+  ``hadar_tracker_rounds_given_up_total``, RoundAbandoned published when the bus takes it): the
   job's next round comes due and starts from the job's previous model. Folding
   RoundAbandoned on replay keeps an abandoned round closed across restarts.
-  A completion given up (``tracker_completions_given_up_total``) is tried again only by
+  A completion given up (``hadar_tracker_completions_given_up_total``) is tried again only by
   a restarted tracker.
 * Objects nothing can need are deleted after the announcement that decides so, in a task
   of its own, so a failing store delays deletions, never a round (:mod:`.lifecycle`).
@@ -104,33 +104,37 @@ class TrackerService:
         r = self.registry
         self.lifecycle = ObjectLifecycle.of(self.config)
         self._janitor = ObjectJanitor(store, self.lifecycle, registry=r, log=self._log)
-        self._m_seconds = Histogram("tracker_consolidation_seconds", "Time to consolidate one round",
+        self._m_seconds = Histogram("hadar_tracker_consolidation_seconds", "Time to consolidate one round",
                                     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
                                     registry=r)
-        self._m_models = Counter("tracker_models_written_total", "Round models written", registry=r)
-        self._m_rejected = Counter("tracker_replicas_rejected_total",
+        self._m_models = Counter("hadar_tracker_models_written_total", "Round models written", registry=r)
+        self._m_rejected = Counter("hadar_tracker_replicas_rejected_total",
                                    "Replicas left out of a consolidation (bad, mismatched, absent)", registry=r)
-        self._m_failed = Counter("tracker_copies_failed_total", "Copies that reported failure", registry=r)
-        self._m_missing = Counter("tracker_copies_missing_total", "Assigned copies that never finished", registry=r)
-        self._m_abandoned = Counter("tracker_rounds_without_model_total", "Rounds with nothing to average", registry=r)
-        self._m_completed = Counter("tracker_jobs_completed_total", "Jobs completed", registry=r)
-        self._m_errors = Counter("tracker_errors_total", "Consolidation or completion attempts that failed",
+        self._m_failed = Counter("hadar_tracker_copies_failed_total", "Copies that reported failure", registry=r)
+        self._m_missing = Counter("hadar_tracker_copies_missing_total", "Assigned copies that never finished",
+                                  registry=r)
+        self._m_abandoned = Counter("hadar_tracker_rounds_without_model_total", "Rounds with nothing to average",
+                                    registry=r)
+        self._m_completed = Counter("hadar_tracker_jobs_completed_total", "Jobs completed", registry=r)
+        self._m_errors = Counter("hadar_tracker_errors_total", "Consolidation or completion attempts that failed",
                                  ["stage"], registry=r)
-        self._m_bytes = Counter("tracker_bytes_read_total", "Replica bytes read for averaging", registry=r)
-        self._m_in = Counter("tracker_events_in_total", "Events consumed", ["type"], registry=r)
-        self._m_out = Counter("tracker_events_out_total", "Events published", ["type"], registry=r)
-        self._m_dead = Counter("tracker_dead_letters_seen_total", "Dead letters seen", registry=r)
-        self._m_open = Gauge("tracker_open_rounds", "Rounds not consolidated yet", registry=r)
-        self._m_refused = Counter("tracker_events_rejected_total",
+        for stage in ("consolidate", "complete"):
+            self._m_errors.labels(stage=stage)   # exported as 0, so increase() sees the first failure
+        self._m_bytes = Counter("hadar_tracker_replica_read_bytes_total", "Replica bytes read for averaging",
+                                registry=r)
+        self._m_in = Counter("hadar_tracker_events_in_total", "Events consumed", ["type"], registry=r)
+        self._m_out = Counter("hadar_tracker_events_out_total", "Events published", ["type"], registry=r)
+        self._m_open = Gauge("hadar_tracker_open_rounds", "Rounds not consolidated yet", registry=r)
+        self._m_refused = Counter("hadar_tracker_events_rejected_total",
                                   "Events refused (changed nothing; dead-lettered when read live)", ["reason"],
                                   registry=r)
         for reason in REFUSAL_REASONS:
             self._m_refused.labels(reason=reason)
-        self._m_given_up = Counter("tracker_rounds_given_up_total",
+        self._m_given_up = Counter("hadar_tracker_rounds_given_up_total",
                                    "Rounds abandoned after max_attempts failed consolidations", registry=r)
-        self._m_completions_given_up = Counter("tracker_completions_given_up_total",
+        self._m_completions_given_up = Counter("hadar_tracker_completions_given_up_total",
                                                "Completions abandoned after max_attempts failures", registry=r)
-        self._m_entries = Gauge("tracker_state_entries", "What the tracker's state holds, per kind", ["kind"],
+        self._m_entries = Gauge("hadar_tracker_state_entries", "What the tracker's state holds, per kind", ["kind"],
                                 registry=r)
 
     # ------------------------------------------------------------------ lifecycle
@@ -171,15 +175,13 @@ class TrackerService:
     # ------------------------------------------------------------------ consuming
 
     async def _consume(self) -> None:
-        async with self.bus.subscribe((*INPUT_TOPICS, DEADLETTER), self.config.group) as sub:
+        # hadar.deadletter is not read here: the scheduler counts bad records, once each.
+        async with self.bus.subscribe(INPUT_TOPICS, self.config.group) as sub:
             async for delivery in sub:
-                if delivery.topic == DEADLETTER:
-                    self._m_dead.inc()
-                else:
-                    self._m_in.labels(type=delivery.event.TYPE).inc()
-                    if self._fold(delivery.event, origin=delivery):
-                        self._wake.set()
-                    await self._handle_refusals()
+                self._m_in.labels(type=delivery.event.TYPE).inc()
+                if self._fold(delivery.event, origin=delivery):
+                    self._wake.set()
+                await self._handle_refusals()
                 # State is rebuilt from the topics on start, so acking once folded is safe.
                 await delivery.ack()
 

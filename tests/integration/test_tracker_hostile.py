@@ -78,7 +78,7 @@ async def run_round(bus: MemoryBus, store: LocalStore, job_id: str,
             found = [d.event async for d in bus.read("hadar.models")
                      if isinstance(d.event, ModelConsolidated) and d.event.job_id == job_id]
             if found:
-                assert service.registry.get_sample_value("tracker_errors_total", {"stage": "consolidate"}) is None
+                assert service.registry.get_sample_value("hadar_tracker_errors_total", {"stage": "consolidate"}) == 0
                 return found[0]
             await asyncio.sleep(0.05)
         raise AssertionError(f"round never announced; last error: {service.health()['last_error']}")
@@ -185,7 +185,7 @@ class Cluster:
         return [d.event async for d in self.bus.read(DEADLETTER) if isinstance(d.event, DeadLetter)]
 
     def rejected(self, reason: str) -> float:
-        return self.service.registry.get_sample_value("tracker_events_rejected_total", {"reason": reason}) or 0.0
+        return self.service.registry.get_sample_value("hadar_tracker_events_rejected_total", {"reason": reason}) or 0.0
 
 
 async def settle(seconds: float = 0.3) -> None:
@@ -361,8 +361,8 @@ async def test_a_round_that_fails_every_time_ends_after_the_bound_and_the_next_r
         await settle()
         assert store.failures == 3    # given up: never tried again
         registry = cluster.service.registry
-        assert registry.get_sample_value("tracker_errors_total", {"stage": "consolidate"}) == 3
-        assert registry.get_sample_value("tracker_rounds_given_up_total") == 1
+        assert registry.get_sample_value("hadar_tracker_errors_total", {"stage": "consolidate"}) == 3
+        assert registry.get_sample_value("hadar_tracker_rounds_given_up_total") == 1
         assert [e.round for e in await cluster.models() if isinstance(e, ModelConsolidated)] == [1]
         abandoned = [e for e in await cluster.models() if isinstance(e, RoundAbandoned)]
         assert [(e.job_id, e.round) for e in abandoned] == [("j-fail", 0)]

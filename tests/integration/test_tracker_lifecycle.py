@@ -170,7 +170,7 @@ async def test_checkpoints_stay_while_their_round_model_is_not_announced(memory_
         await place(memory_bus, job, 0, [0, 1])
         await finish(memory_bus, local_store, "j-keep", 0, 0, steps=10)
         await finish(memory_bus, local_store, "j-keep", 0, 1, steps=10)
-        await eventually(lambda: (service.registry.get_sample_value("tracker_errors_total",
+        await eventually(lambda: (service.registry.get_sample_value("hadar_tracker_errors_total",
                                                                    {"stage": "consolidate"}) or 0) >= 3)
         await asyncio.sleep(0.3)
         assert await keys(local_store, "j-keep") == {checkpoint_key("j-keep", 0, 0), checkpoint_key("j-keep", 0, 1)}
@@ -223,7 +223,7 @@ async def test_a_restarted_tracker_deletes_what_was_missed(memory_bus: MemoryBus
     try:
         await run_rounds(memory_bus, local_store, job, range(3))
         await wait_for(memory_bus, "j-restart", lambda es: any(isinstance(e, JobCompleted) for e in es))
-        await eventually(lambda: (first.registry.get_sample_value("tracker_object_deletions_failed_total") or 0) > 0)
+        await eventually(lambda: (first.registry.get_sample_value("hadar_tracker_object_deletions_failed_total") or 0) > 0)
     finally:
         await first.stop()
     assert len(await keys(local_store, "j-restart")) == 7   # 3 checkpoints, 3 round models, final
@@ -239,8 +239,8 @@ async def test_a_restarted_tracker_deletes_what_was_missed(memory_bus: MemoryBus
 def counts(service: TrackerService) -> tuple[float | None, ...]:
     """Checkpoints deleted, models deleted, failed listings or deletions."""
     value = service.registry.get_sample_value
-    return (value("tracker_objects_deleted_total", {"kind": "checkpoint"}),
-            value("tracker_objects_deleted_total", {"kind": "model"}), value("tracker_object_deletions_failed_total"))
+    return (value("hadar_tracker_objects_deleted_total", {"kind": "checkpoint"}),
+            value("hadar_tracker_objects_deleted_total", {"kind": "model"}), value("hadar_tracker_object_deletions_failed_total"))
 
 
 async def _equals(found: object, expected: set[str]) -> bool:

@@ -133,7 +133,7 @@ async def full_scenario(bus: Bus, store: ObjectStore) -> None:
         # deleted (tests/integration/test_tracker_lifecycle.py): it holds the one copy's weights.
         final = load(await store.get(final_key(job_id)))
         np.testing.assert_allclose(final["w"], w2["w"], rtol=2e-6, atol=2e-7)
-        written = service.registry.get_sample_value("tracker_models_written_total")
+        written = service.registry.get_sample_value("hadar_tracker_models_written_total")
         assert written == 2
     finally:
         await service.stop()
@@ -166,7 +166,7 @@ async def test_bad_replica_is_rejected_and_the_rest_consolidated(memory_bus: Mem
         (event,) = consolidations(events)
         assert [c.copy for c in event.copies] == [0, 2] and event.total_steps == 40
         assert [r.copy for r in event.rejected] == [1] and "not valid safetensors" in event.rejected[0].reason
-        assert service.registry.get_sample_value("tracker_replicas_rejected_total") == 1
+        assert service.registry.get_sample_value("hadar_tracker_replicas_rejected_total") == 1
     finally:
         await service.stop()
 
@@ -277,7 +277,7 @@ async def test_a_failed_write_is_retried_and_announced_once(memory_bus: MemoryBu
         await asyncio.sleep(0.3)
         assert len(consolidations(await models_events(memory_bus, "j-flaky"))) == 1
         assert store.failures == 1
-        assert service.registry.get_sample_value("tracker_errors_total", {"stage": "consolidate"}) == 1
+        assert service.registry.get_sample_value("hadar_tracker_errors_total", {"stage": "consolidate"}) == 1
         assert service.health()["ok"] and "store unavailable" in service.health()["last_error"]
     finally:
         await service.stop()

@@ -136,9 +136,9 @@ async def test_service_publishes_estimates_then_measurements_and_survives_a_rest
         derived = found[2]
         assert derived.basis == "estimate" and "v100" not in derived.rates
         assert derived.rates["k80"] == pytest.approx(emulated_rates("v100", 8.0)["k80"])
-        assert service.registry.get_sample_value("profiler_progress_total", {"emulated": "true"}) == 2
+        assert service.registry.get_sample_value("hadar_profiler_progress_total", {"emulated": "true"}) == 2
         assert service.registry.get_sample_value(
-            "profiler_estimates_published_total", {"basis": "measured", "emulated": "true"}) == 1
+            "hadar_profiler_estimates_published_total", {"basis": "measured", "emulated": "true"}) == 1
         assert service.health()["ok"]
     finally:
         await service.stop()
@@ -169,7 +169,7 @@ async def test_service_counts_a_job_it_cannot_estimate() -> None:
     try:
         await bus.emit(JobSubmitted(ts=T0, source="cli", job=SPEC, submitted_at=T0))
         deadline = time.monotonic() + 5
-        while service.registry.get_sample_value("profiler_estimate_failures_total") != 1:
+        while service.registry.get_sample_value("hadar_profiler_estimate_failures_total") != 1:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.02)
         assert [d async for d in bus.read(THROUGHPUT)] == []

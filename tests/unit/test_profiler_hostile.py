@@ -80,7 +80,7 @@ async def test_a_handler_error_dead_letters_the_event_and_the_consumer_goes_on()
         letters = [d.event async for d in bus.read(DEADLETTER)]
         assert len(letters) == 1 and isinstance(letters[0], DeadLetter)
         assert letters[0].topic == JOBS and "ZeroDivisionError" in letters[0].reason
-        assert service.registry.get_sample_value("profiler_events_rejected_total") == 1
+        assert service.registry.get_sample_value("hadar_profiler_events_rejected_total") == 1
     finally:
         await service.stop()
         await bus.stop()
