@@ -1,6 +1,6 @@
 """What every service's ``/metrics`` carries besides its own series.
 
-Naming rule for every Hadar metric (docs/architecture.md "Metrics"): ``hadar_<service>_``
+Naming rule for every Hadar metric (docs/architecture.md "Monitoring"): ``hadar_<service>_``
 then what is measured, then its unit in base units (``_seconds``, ``_bytes``), counters
 ending in ``_total`` (prometheus_client adds it to a Counter's name). ``<service>`` is one
 of :data:`SERVICES`.
