@@ -115,7 +115,7 @@ CONSUMERS: dict[str, tuple[str, ...]] = {
     "hadar.progress": ("scheduler", "tracker", "profiler"),
     "hadar.placements": ("agent", "tracker"),
     "hadar.models": ("scheduler", "tracker", "profiler"),
-    "hadar.deadletter": ("tracker", "profiler"),
+    "hadar.deadletter": ("scheduler",),
 }
 CLI_READERS = "the CLI's read-only views (`hadar jobs`, `watch`, `replay`) read the topics too."
 
