@@ -53,7 +53,7 @@ class ScriptedCluster:
             for node_id, gpu_type, count in self.nodes:
                 gpus = tuple(GpuInfo(index=i, type=gpu_type) for i in range(count))
                 await self._emit(NodeRegistered(ts=now, source="agent", node_id=node_id, gpus=gpus))
-        for seq, (node_id, _, _) in enumerate(self.nodes):
+        for node_id, _, _ in self.nodes:
             await self._emit(NodeHeartbeat(ts=now, source="agent", node_id=node_id, seq=r))
         if r % self.job_every == 0:
             await self._submit(r, now)

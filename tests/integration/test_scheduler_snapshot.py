@@ -146,3 +146,38 @@ async def test_without_a_valid_snapshot_the_whole_log_is_replayed(tmp_path):
 async def test_snapshots_kept_are_bounded(tmp_path):
     _, _, store = await interrupted("yarn-cs", 12, 6, tmp_path, snapshot_every=1, snapshots_kept=2)
     assert sorted(await store.list("snapshots/")) == [snapshot_key("sched-snap", 10), snapshot_key("sched-snap", 11)]
+
+
+async def test_a_restart_under_another_policy_keeps_the_state_but_not_the_plan(tmp_path):
+    bus, clock, store = MemoryBus(), FakeClock(), LocalStore(tmp_path)
+    await bus.start()
+    await store.start()
+    cluster = contended(bus, clock)
+    first = SchedulerService(bus=bus, config=config("hadar", snapshot_every=3), clock=clock, run_rounds=False,
+                             store=store)
+    await first.start()
+    await play(first, cluster, clock, range(6))
+    await first.stop()
+    again = SchedulerService(bus=bus, config=config("gavel", snapshot_every=3), clock=clock, run_rounds=False,
+                             store=store)
+    await again.start()
+    assert again.recovery["snapshot"] == snapshot_key("sched-snap", 5) and again.next_round == 6
+    assert again.previous is None                 # Hadar's ledger means nothing to Gavel
+    assert set(again.state.jobs) == set(first.state.jobs)
+    await play(again, cluster, clock, range(6, 8))
+    assert again.next_round == 8
+
+
+async def test_a_failing_snapshot_write_is_counted_and_the_rounds_go_on(tmp_path):
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("a file where the store's root should be")
+    bus, clock = MemoryBus(), FakeClock()
+    await bus.start()
+    service = SchedulerService(bus=bus, config=config("yarn-cs", snapshot_every=1), clock=clock, run_rounds=False,
+                               store=LocalStore(blocked))
+    await service.start()
+    await play(service, contended(bus, clock), clock, range(3))
+    assert service.next_round == 3
+    failed = service.registry.get_sample_value("hadar_scheduler_snapshots_total", {"outcome": "failed"})
+    assert failed == 3
+    await service.stop()
