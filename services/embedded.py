@@ -59,10 +59,10 @@ class EmbeddedSystem:
         c = self.config
         self.scheduler = SchedulerService(bus=self.bus, config=SchedulerConfig(
             policy=c.policy, policy_options=c.policy_options, round_s=c.round_s, heartbeat_s=c.heartbeat_s,
-            consolidation_wait_s=c.consolidation_wait_s, seed=c.seed, group=c.scheduler_group))
+            consolidation_wait_s=c.consolidation_wait_s, seed=c.seed, group=c.scheduler_group), store=self.store)
         self.tracker = TrackerService(bus=self.bus, store=self.store,
                                       config=TrackerConfig(finish_timeout_s=c.copy_finish_timeout_s, tick_s=0.2))
-        self.profiler = ProfilerService(bus=self.bus, config=ProfilerConfig())
+        self.profiler = ProfilerService(bus=self.bus, config=ProfilerConfig(), store=self.store)
         agents = [AgentConfig(node_id=node_id, heartbeat_s=c.heartbeat_s, progress_s=c.progress_s,
                               threads=c.threads_per_worker, spare_workers=c.spare_workers, stop_timeout_s=10.0,
                               emulate=f"{gpu_type}:1")

@@ -5,8 +5,11 @@
     checkpoints/{job}/{round}/{copy}.safetensors   a copy's weights at the end of a round (agent)
     models/{job}/{round}.safetensors               the round's consolidated model (tracker)
     models/{job}/final.safetensors                 the job's final model (tracker)
+    snapshots/{owner}/{seq}.snapshot               a service's state snapshot (shared/snapshot.py)
 
-``job`` is a job id (:data:`shared.records.JOB_ID_RE`); ``round`` and ``copy`` are
+``job`` is a job id (:data:`shared.records.JOB_ID_RE`); ``owner`` a service's consumer group
+id (1-63 of letters, digits, ``.``, ``_``, ``-``, starting with a letter or digit); ``seq``,
+``round`` and ``copy`` are
 non-negative integers in decimal, without leading zeros. Every object is written to a
 temporary name first and moved to its key only when complete (``ObjectStore.put_file``),
 so a reader that finds a key finds a whole file.
@@ -27,13 +30,17 @@ from shared.records import JOB_ID_RE
 __all__ = [
     "CheckpointKey", "ModelKey", "checkpoint_key", "model_key", "final_key", "checkpoint_prefix",
     "model_prefix", "parse_checkpoint_key", "parse_model_key", "parse_final_key",
+    "snapshot_key", "snapshot_prefix", "parse_snapshot_key",
 ]
 
 CHECKPOINTS = "checkpoints"
 MODELS = "models"
 SUFFIX = ".safetensors"
 FINAL = "final"
+SNAPSHOTS = "snapshots"
+SNAPSHOT_SUFFIX = ".snapshot"
 _NUMBER_RE = re.compile(r"0|[1-9][0-9]*")
+_OWNER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,6 +113,29 @@ def parse_final_key(key: str) -> str | None:
     if len(parts) != 3 or parts[0] != MODELS or parts[2] != FINAL + SUFFIX or not _is_job(parts[1]):
         return None
     return parts[1]
+
+
+def snapshot_prefix(owner: str) -> str:
+    """The prefix of every snapshot of ``owner`` (ends in ``/``; no other owner's key has it)."""
+    if not isinstance(owner, str) or _OWNER_RE.fullmatch(owner) is None:
+        raise ValueError(f"not a snapshot owner: {owner!r}")
+    return f"{SNAPSHOTS}/{owner}/"
+
+
+def snapshot_key(owner: str, seq: int) -> str:
+    """Where snapshot number ``seq`` of ``owner`` lives (a larger ``seq`` is newer)."""
+    return f"{snapshot_prefix(owner)}{_number(seq, 'seq')}{SNAPSHOT_SUFFIX}"
+
+
+def parse_snapshot_key(key: str) -> tuple[str, int] | None:
+    """(owner, seq) of a snapshot key; None if ``key`` is not one."""
+    parts = key.split("/")
+    if len(parts) != 3 or parts[0] != SNAPSHOTS or not parts[2].endswith(SNAPSHOT_SUFFIX):
+        return None
+    owner, seq = parts[1], parts[2][:-len(SNAPSHOT_SUFFIX)]
+    if _OWNER_RE.fullmatch(owner) is None or not _is_number(seq):
+        return None
+    return owner, int(seq)
 
 
 def _is_job(text: str) -> bool:

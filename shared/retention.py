@@ -8,11 +8,12 @@ older jobs.
 =================  ==============  =====================  ===================================
 topic              cleanup.policy  retention.ms           why
 =================  ==============  =====================  ===================================
-hadar.jobs         delete          -1 (forever)           services rebuild state by
-hadar.placements   delete          -1 (forever)           replaying these from the start
-hadar.models       delete          -1 (forever)           (no snapshots yet): a deleted
-hadar.throughput   delete          -1 (forever)           record is a forgotten job, round,
-hadar.nodes        delete          -1 (forever)           model, rate or node
+hadar.jobs         delete          -1 (forever)           tracker and profiler rebuild
+hadar.placements   delete          -1 (forever)           state by replaying these from
+hadar.models       delete          -1 (forever)           the start (only the scheduler
+hadar.throughput   delete          -1 (forever)           snapshots yet): a deleted record
+hadar.nodes        delete          -1 (forever)           is a forgotten job, round, model,
+                                                          rate or node
 hadar.deadletter   delete          -1 (forever)           rare; the evidence of what was refused
 hadar.progress     delete          86400000 (1 day),      advisory: matters only while its
                                    segment.ms 3600000     round is open (rounds last minutes)
@@ -35,6 +36,11 @@ hadar.progress also carries CopyFinished: a round still open when the tracker ha
 longer than a day loses its copies' reports and is redone (the models it consolidated are
 on hadar.models, kept forever). Kafka deletes whole closed segments only, so the segment
 rolls hourly to make one day mean about one day.
+
+The scheduler restarts from a state snapshot (shared/snapshot.py) and reads only records
+after it, so for the scheduler alone any retention longer than its snapshot interval would
+do (tests/integration/test_topic_retention.py deletes the segments of older rounds on a
+real broker and checks that its decisions do not change).
 
 Records are timestamped with the publishing bus's clock (CreateTime): a fake clock far in
 the past makes hadar.progress records due for deletion at once (see shared/bus/base.py).

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from services.profiler.state import DEFAULT_ALPHA, DEFAULT_THRESHOLD
-from shared.connect import make_bus
+from shared.connect import add_store_args, make_bus, make_store
 from shared.logging import configure_logging
 from shared.service import run_service
 from shared.settings import add_config_arg, load_config
@@ -40,6 +40,11 @@ def add_profiler_parser(services: argparse._SubParsersAction,
     parser.add_argument("--threshold", type=float, default=None,
                         help="publish a measured rate when it moves by more than this fraction "
                              f"(default: {DEFAULT_THRESHOLD})")
+    add_store_args(parser)
+    parser.add_argument("--snapshot-interval-s", type=float, default=None,
+                        help="with an object store (--s3-endpoint or HADAR_S3_ENDPOINT), snapshot the state at "
+                             "most this often, so a restart replays only what follows (default: 600; 0: never)")
+    parser.add_argument("--snapshots-kept", type=int, default=None, help="snapshots kept (default: 3)")
     parser.set_defaults(func=run_profiler)
     return parser
 
@@ -48,7 +53,8 @@ def profiler_config(args: argparse.Namespace) -> ProfilerConfig:
     """The ProfilerConfig of these flags, the environment and ``--config``; UsageError if invalid."""
     from services.profiler.service import ProfilerConfig  # heavy (torch, numpy): only when run
 
-    flags = {"group": args.group, "alpha": args.alpha, "threshold": args.threshold}
+    flags = {"group": args.group, "alpha": args.alpha, "threshold": args.threshold,
+             "snapshot_interval_s": args.snapshot_interval_s, "snapshots_kept": args.snapshots_kept}
     return load_config(ProfilerConfig, flags=flags, env=os.environ, env_prefix=ENV_PREFIX, file=args.config)
 
 
@@ -57,15 +63,21 @@ def run_profiler(args: argparse.Namespace) -> int:
 
     config = profiler_config(args)
     bus = make_bus(args, source="profiler")
+    # Snapshots need a store; without one a restart replays the whole topics, as before.
+    store = make_store(args) if (args.s3_endpoint or os.environ.get("HADAR_S3_ENDPOINT")) else None
     configure_logging("profiler", level=args.log_level)
 
     async def run() -> int:
         await bus.start()
+        if store is not None:
+            await store.start()
         try:
-            code = await run_service(ProfilerService(bus=bus, config=config), http_host=args.http_host,
+            code = await run_service(ProfilerService(bus=bus, config=config, store=store), http_host=args.http_host,
                                      http_port=args.http_port, drain_timeout_s=args.drain_timeout_s, bus=bus)
         finally:
             await bus.stop()
+            if store is not None:
+                await store.stop()
         return code
 
     return asyncio.run(run())

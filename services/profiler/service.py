@@ -14,6 +14,9 @@
   catalog's real-GPU estimate would send work to the wrong nodes.
 * Restart: hadar.jobs and hadar.throughput are replayed first, so a job already
   estimated is not estimated again and smoothing resumes from the last published rate.
+  With an object store the profiler snapshots its state every ``snapshot_interval_s``
+  (``services/profiler/snapshot.py``) and a restart replays the two topics only after
+  the offsets of the newest valid snapshot (a damaged one falls back to the one before).
   A delivery is acked only after what it caused is published (at-least-once).
 """
 
@@ -27,6 +30,7 @@ from typing import Any, ClassVar
 from prometheus_client import CollectorRegistry, Counter
 
 from services.profiler.estimate import catalog_rates, emulated_rates
+from services.profiler.snapshot import SERVICE, capture, restore
 from services.profiler.state import DEFAULT_ALPHA, DEFAULT_THRESHOLD, ProfilerState
 from shared.bus import Bus, BusError, Delivery
 from shared.clock import Clock, SystemClock
@@ -39,6 +43,8 @@ from shared.gpus import GPU_TYPES
 from shared.logging import get_logger
 from shared.rejection import dead_letter_delivery
 from shared.settings import FieldError
+from shared.snapshot import SnapshotStore, dump
+from shared.store import ObjectStore
 from shared.topics import DEADLETTER, JOBS, MODELS, PROGRESS, THROUGHPUT
 
 __all__ = ["ProfilerConfig", "ProfilerService", "Estimator"]
@@ -54,7 +60,9 @@ class ProfilerConfig:
     :func:`shared.settings.load_config` (flags, ``HADAR_PROFILER_*``, ``--config`` file).
 
     ``alpha``: EWMA weight of a new measurement, in (0, 1]. ``threshold``: a measured rate
-    is published when it moves by more than this fraction, >= 0. An invalid value raises
+    is published when it moves by more than this fraction, >= 0. ``snapshot_interval_s``:
+    with an object store, snapshot the state at most this often (0: never);
+    ``snapshots_kept``: how many to keep. An invalid value raises
     :class:`~shared.settings.FieldError` naming the field.
     """
 
@@ -62,8 +70,14 @@ class ProfilerConfig:
     alpha: float = DEFAULT_ALPHA
     threshold: float = DEFAULT_THRESHOLD
     source: str = "profiler"
+    snapshot_interval_s: float = 600.0
+    snapshots_kept: int = 3
 
     def __post_init__(self) -> None:
+        if not 0 <= self.snapshot_interval_s <= 1e9:
+            raise FieldError("snapshot_interval_s", f"must be in [0, 1e9] seconds, got {self.snapshot_interval_s}")
+        if not 1 <= self.snapshots_kept <= 1000:
+            raise FieldError("snapshots_kept", f"must be in 1..1000, got {self.snapshots_kept}")
         if not 0 < self.alpha <= 1:
             raise FieldError("alpha", f"must be in (0, 1], got {self.alpha}")
         if not self.threshold >= 0:
@@ -74,7 +88,8 @@ class ProfilerService:
     name = "profiler"
 
     def __init__(self, *, bus: Bus, config: ProfilerConfig | None = None, clock: Clock | None = None,
-                 registry: CollectorRegistry | None = None, estimator: Estimator = catalog_rates) -> None:
+                 registry: CollectorRegistry | None = None, estimator: Estimator = catalog_rates,
+                 store: ObjectStore | None = None) -> None:
         self.bus = bus
         self.config = config or ProfilerConfig()
         self.clock = clock or SystemClock()
@@ -86,6 +101,11 @@ class ProfilerService:
         self._replayed = False
         self._stopping = False
         self._busy = False
+        self.snapshots = (SnapshotStore(store, owner=self.config.group, service=SERVICE,
+                                        keep=self.config.snapshots_kept) if store is not None else None)
+        self._covered: dict[str, int] = {}   # "topic:partition" -> next offset the state covers
+        self._last_snapshot = 0.0
+        self.recovery: dict[str, Any] = {}
         r = self.registry
         self._m_published = Counter("hadar_profiler_estimates_published_total", "ThroughputEstimates published",
                                     ["basis", "emulated"], registry=r)
@@ -99,12 +119,19 @@ class ProfilerService:
 
     async def start(self) -> None:
         await self.bus.ensure_topics((*INPUT_TOPICS, THROUGHPUT, DEADLETTER))
-        async for delivery in self.bus.read(THROUGHPUT):
-            if isinstance(delivery.event, ThroughputEstimate):
-                self.state.seed(delivery.event)
-        async for delivery in self.bus.read(JOBS):
-            if isinstance(delivery.event, JobSubmitted):
-                self.state.add_job(delivery.event.job)
+        snapshot = await self._load_snapshot()
+        records = 0
+        for topic in (THROUGHPUT, JOBS):
+            start = snapshot.partition_offsets(topic) if snapshot is not None else None
+            async for delivery in self.bus.read(topic, start=start):
+                records += 1
+                self._cover(delivery.topic, delivery.partition, delivery.offset)
+                if isinstance(delivery.event, ThroughputEstimate):
+                    self.state.seed(delivery.event)
+                elif isinstance(delivery.event, JobSubmitted):
+                    self.state.add_job(delivery.event.job)
+        self.recovery["records"] = records
+        self._last_snapshot = self.clock.time()
         self._replayed = True
         self._consumer = asyncio.create_task(self._consume(), name="profiler-consume")
 
@@ -127,7 +154,10 @@ class ProfilerService:
                 self._busy = True
                 try:
                     await self._handle_safely(delivery)
+                    if delivery.topic == JOBS:
+                        self._cover(JOBS, delivery.partition, delivery.offset)
                     await delivery.ack()
+                    await self._maybe_snapshot()
                 finally:
                     self._busy = False
                 if self._stopping:
@@ -202,9 +232,55 @@ class ProfilerService:
                 workers=update.workers, rates=rates), emulated=True)
 
     async def _publish(self, event: ThroughputEstimate, *, emulated: bool) -> None:
-        await self.bus.emit(event)
+        partition, offset = await self.bus.emit(event)
+        self._cover(THROUGHPUT, partition, offset)
         self._m_out.labels(type=event.TYPE).inc()
         self._m_published.labels(basis=event.basis, emulated=str(emulated).lower()).inc()
+
+    # ------------------------------------------------------------------ snapshots
+
+    def _cover(self, topic: str, partition: int, offset: int) -> None:
+        tp = f"{topic}:{partition}"
+        self._covered[tp] = max(self._covered.get(tp, 0), offset + 1)
+
+    async def _load_snapshot(self):
+        if self.snapshots is None:
+            return None
+        try:
+            loaded = await self.snapshots.newest()
+            for key, reason in loaded.skipped:
+                self._log.warning("profiler.snapshot_skipped", key=key, reason=reason[:300])
+            self.recovery.update(snapshot=None, skipped=[k for k, _ in loaded.skipped])
+            if loaded.snapshot is None:
+                return None
+            state = restore(loaded.snapshot, alpha=self.config.alpha, threshold=self.config.threshold)
+        except Exception as exc:   # a corrupt body, or a store that is away: replay the whole topics
+            self._log.warning("profiler.snapshot_unavailable", error=f"{type(exc).__name__}: {exc}"[:300])
+            return None
+        self.state = state
+        self._covered = dict(loaded.snapshot.offsets)
+        self.recovery.update(snapshot=loaded.key)
+        self._log.info("profiler.snapshot_loaded", key=loaded.key)
+        return loaded.snapshot
+
+    async def _maybe_snapshot(self) -> None:
+        interval = self.config.snapshot_interval_s
+        if self.snapshots is not None and interval and self.clock.time() - self._last_snapshot >= interval:
+            await self.write_snapshot()
+
+    async def write_snapshot(self) -> None:
+        """Snapshot the state now (between two deliveries); a failure is logged, never raised."""
+        assert self.snapshots is not None
+        self._last_snapshot = self.clock.time()
+        seq = int(self.clock.time() * 1000)
+        try:
+            snap = capture(self.state, self._covered, seq=seq, created_at=self.clock.time())
+            data = dump(snap)
+            key = await self.snapshots.save(snap, data)
+        except Exception as exc:
+            self._log.warning("profiler.snapshot_failed", error=f"{type(exc).__name__}: {exc}"[:300])
+            return
+        self._log.info("profiler.snapshot_written", key=key, bytes=len(data))
 
     HANDLERS: ClassVar[HandlerTable[Callable[[ProfilerService, Any], Awaitable[None]]]] = HandlerTable({
         JobSubmitted: _on_submitted, Progress: _measure,

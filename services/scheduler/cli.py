@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.policies import POLICY_NAMES, UnknownPolicy, parse_policy_option
-from shared.connect import make_bus
+from shared.connect import add_store_args, make_bus, make_store
 from shared.errors import UsageError
 from shared.logging import configure_logging
 from shared.service import run_service
@@ -51,6 +51,11 @@ def add_scheduler_parser(services: argparse._SubParsersAction,
                         help="how long a round waits for the previous round's models (default: 60)")
     parser.add_argument("--seed", type=int, default=None, help="seed passed to the policy, recorded per round")
     parser.add_argument("--group", default=None, help="consumer group id (default: hadar-scheduler)")
+    add_store_args(parser)
+    parser.add_argument("--snapshot-every", type=int, default=None,
+                        help="with an object store (--s3-endpoint or HADAR_S3_ENDPOINT), snapshot the state "
+                             "every N rounds so a restart replays only what follows (default: 10; 0: never)")
+    parser.add_argument("--snapshots-kept", type=int, default=None, help="snapshots kept (default: 3)")
     parser.add_argument("--record", default=None, metavar="FILE",
                         help="on shutdown, write every topic's events to FILE (for hadar replay --file)")
     parser.set_defaults(func=run_scheduler)
@@ -62,7 +67,8 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     options = policy_options(args) or None
     flags = {"policy": args.policy, "policy_options": options, "round_s": args.round_s,
              "heartbeat_s": args.heartbeat_s, "consolidation_wait_s": args.consolidation_wait_s,
-             "seed": args.seed, "group": args.group}
+             "seed": args.seed, "group": args.group, "snapshot_every": args.snapshot_every,
+             "snapshots_kept": args.snapshots_kept}
     return load_config(SchedulerConfig, flags=flags, env=os.environ, env_prefix=ENV_PREFIX, file=args.config)
 
 
@@ -71,12 +77,16 @@ def run_scheduler(args: argparse.Namespace) -> int:
 
     config = scheduler_config(args)
     bus = make_bus(args, source=config.source)
+    # Snapshots need a store; without one a restart re-derives the whole log, as before.
+    store = make_store(args) if (args.s3_endpoint or os.environ.get("HADAR_S3_ENDPOINT")) else None
     configure_logging("scheduler", level=args.log_level)
 
     async def run() -> int:
         await bus.start()
+        if store is not None:
+            await store.start()
         try:
-            service = SchedulerService(bus=bus, config=config)
+            service = SchedulerService(bus=bus, config=config, store=store)
             code = await run_service(service, http_host=args.http_host, http_port=args.http_port,
                                      drain_timeout_s=args.drain_timeout_s, bus=bus)
             if args.record and code == 0:
@@ -85,6 +95,8 @@ def run_scheduler(args: argparse.Namespace) -> int:
                 await dump_bus(bus, args.record)
         finally:
             await bus.stop()
+            if store is not None:
+                await store.stop()
         return code
 
     return asyncio.run(run())

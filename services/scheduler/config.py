@@ -49,8 +49,10 @@ class SchedulerConfig:
 
     ``policy_options``: keyword options of the policy's constructor (JSON values).
     ``consolidation_wait_s``: how long a round waits for the previous round's models.
-    ``group``: consumer group id. ``source``: the events' ``source``. An invalid value
-    raises :class:`~shared.settings.FieldError` naming the field."""
+    ``group``: consumer group id (also the owner of its snapshots). ``source``: the events'
+    ``source``. ``snapshot_every``: with an object store, write a state snapshot after every
+    this many rounds (0: never); ``snapshots_kept``: how many of them to keep. An invalid
+    value raises :class:`~shared.settings.FieldError` naming the field."""
 
     policy: str = "hadare"
     policy_options: dict[str, Any] = field(default_factory=dict)
@@ -60,8 +62,14 @@ class SchedulerConfig:
     seed: int = 0
     group: str = "hadar-scheduler"
     source: str = "scheduler"
+    snapshot_every: int = 10
+    snapshots_kept: int = 3
 
     def __post_init__(self) -> None:
+        if not 0 <= self.snapshot_every <= 1_000_000:
+            raise FieldError("snapshot_every", f"must be in 0..1000000 rounds, got {self.snapshot_every}")
+        if not 1 <= self.snapshots_kept <= 1000:
+            raise FieldError("snapshots_kept", f"must be in 1..1000, got {self.snapshots_kept}")
         for name in ("round_s", "heartbeat_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):

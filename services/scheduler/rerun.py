@@ -106,11 +106,17 @@ def assignment_decision(assignments: Iterable[Assignment]) -> tuple:
 
 
 def rerun(log: Iterable[LoggedEvent], *, state: SchedulerState | None = None,
-          override: PolicyChoice | None = None) -> Iterator[RoundCheck]:
+          override: PolicyChoice | None = None, first_round: int | None = None,
+          previous: Plan | None = None, previous_key: tuple[str, str] | None = None) -> Iterator[RoundCheck]:
     """Yield one RoundCheck per recorded round, in round order; ``state`` ends fully folded.
 
     ``override``: decide every round with this policy instead of the recorded one (a
     what-if; rounds then differ wherever the two policies would have).
+
+    Resuming from a state snapshot: ``state`` is the snapshot's, ``log`` holds only the
+    records after the offsets it covers, ``first_round`` is its next round (earlier rounds
+    in the log are skipped silently: the snapshot holds them), and ``previous`` /
+    ``previous_key`` are its last plan and the policy configuration that made it.
     """
     state = state if state is not None else SchedulerState()
     inputs: dict[str, list[LoggedEvent]] = defaultdict(list)
@@ -125,10 +131,10 @@ def rerun(log: Iterable[LoggedEvent], *, state: SchedulerState | None = None,
         records.sort(key=lambda r: r.offset)
     folded = {tp: 0 for tp in inputs}   # index into inputs[tp] of the next record to fold
     policies: dict[tuple[str, str], Policy] = {}
-    previous: Plan | None = None
-    previous_key: tuple[str, str] | None = None
-    expected: int | None = None
+    expected: int | None = first_round
     for r in sorted(started):
+        if first_round is not None and r < first_round:
+            continue
         rs = started[r]
         if expected is not None and r != expected:
             yield RoundCheck(round=r, settings=None, recorded=assignment_decision(assigned[r]), rederived=(),

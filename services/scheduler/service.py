@@ -10,11 +10,14 @@ Guarantees:
   ``SchedulerConfig``: RoundStarted records how many records of each input partition were
   folded, the nodes planned on, and the policy, options, seed and timing decided with, so
   ``rerun`` reproduces the plan from the log alone.
-* Nothing is lost on restart: at start the scheduler reads its topics from the beginning,
-  re-derives every recorded round with the settings each recorded (recovering the policy's
-  carried state, e.g. Hadar's ledger) and continues with the next round number. Started
-  with another policy or options than the last round recorded, it logs the change and
-  plans the next round afresh.
+* Nothing is lost on restart: at start the scheduler loads its newest valid state snapshot
+  (with an object store; ``services/scheduler/snapshot.py``) and reads its topics from the
+  offsets the snapshot covers -- from the beginning without one --, re-derives every
+  recorded round after it with the settings each recorded (recovering the policy's carried
+  state, e.g. Hadar's ledger) and continues with the next round number. Started with
+  another policy or options than the last round recorded, it logs the change and plans the
+  next round afresh. Every ``snapshot_every`` rounds it writes a snapshot; a failed write
+  is logged and counted, never fatal (the next one covers it).
 * A round starts no earlier than the previous one's end, and (up to
   ``consolidation_wait_s``) only after the tracker announced the models of the jobs that ran
   in it, so copies of the next round start from the averaged model.
@@ -34,6 +37,7 @@ from services.scheduler.config import DecisionSettings, SchedulerConfig
 from services.scheduler.policy import Plan, Policy, Snapshot
 from services.scheduler.rerun import LoggedEvent, rerun
 from services.scheduler.rounds import RoundTiming, build_snapshot, plan_to_events
+from services.scheduler.snapshot import SERVICE, capture, input_offsets, restore
 from services.scheduler.state import SchedulerState
 from services.scheduler.telemetry import SchedulerTelemetry
 from shared.bus import Bus, BusError, Delivery
@@ -42,6 +46,8 @@ from shared.errors import HadarError
 from shared.events import DeadLetter, Event
 from shared.logging import get_logger
 from shared.rejection import Rejected, dead_letter_delivery
+from shared.snapshot import SnapshotCorrupt, SnapshotStore, dump
+from shared.store import ObjectStore
 from shared.topics import ALL_TOPICS, DEADLETTER, JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
 
 INPUT_TOPICS = (JOBS, NODES, THROUGHPUT, PROGRESS, MODELS)
@@ -69,8 +75,9 @@ class SchedulerService:
     name = "scheduler"
 
     def __init__(self, *, bus: Bus, config: SchedulerConfig | None = None, clock: Clock | None = None,
-                 run_rounds: bool = True) -> None:
-        """``run_rounds=False``: rounds are planned only by calling ``plan_round`` (tests, tools)."""
+                 run_rounds: bool = True, store: ObjectStore | None = None) -> None:
+        """``run_rounds=False``: rounds are planned only by calling ``plan_round`` (tests, tools).
+        ``store``: where state snapshots go (None: no snapshots; restarts read the whole log)."""
         self.bus = bus
         self.config = config or SchedulerConfig()
         self.settings: DecisionSettings = self.config.decision_settings
@@ -81,6 +88,10 @@ class SchedulerService:
         self.previous: Plan | None = None
         self.next_round = 0
         self._folded: dict[str, int] = {}
+        self._placed: dict[int, int] = {}   # placements partition -> next offset after our rounds
+        self.snapshots = (SnapshotStore(store, owner=self.config.group, service=SERVICE,
+                                        keep=self.config.snapshots_kept) if store is not None else None)
+        self.recovery: dict[str, Any] = {}
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
@@ -102,6 +113,8 @@ class SchedulerService:
                                    ["type"], registry=self.registry)
         self.telemetry = SchedulerTelemetry(self.registry, state=lambda: self.state, now=self.clock.time,
                                             round_s=self.settings.round_s, heartbeat_s=self.settings.heartbeat_s)
+        self._m_snapshots = Counter("hadar_scheduler_snapshots", "State snapshots written, by outcome",
+                                    ["outcome"], registry=self.registry)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -120,6 +133,11 @@ class SchedulerService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
 
+    @property
+    def records_folded(self) -> int:
+        """Input records folded so far (restored from a snapshot included): a test's settle point."""
+        return sum(self._folded.values())
+
     def health(self) -> dict[str, Any]:
         failed = [t.get_name() for t in self._tasks if t.done() and not t.cancelled()]
         return {"ok": not failed and bool(self._tasks), "round": self.next_round - 1,
@@ -129,39 +147,101 @@ class SchedulerService:
     # ------------------------------------------------------------------ recovery
 
     async def _recover(self) -> None:
+        t0 = time.perf_counter()
+        resume = await self._load_snapshot()
         log: list[LoggedEvent] = []
         for topic in (*INPUT_TOPICS, PLACEMENTS):
-            async for d in self.bus.read(topic):
+            # From the offsets the snapshot covers (a partition it does not name: from the start).
+            start = resume[0].partition_offsets(topic) if resume is not None else None
+            async for d in self.bus.read(topic, start=start):
                 log.append(LoggedEvent(topic=d.topic, partition=d.partition, offset=d.offset, event=d.event))
-                if topic != PLACEMENTS:
+                if topic == PLACEMENTS:
+                    self._placed[d.partition] = max(self._placed.get(d.partition, 0), d.offset + 1)
+                else:
                     tp = f"{d.topic}:{d.partition}"
                     self._folded[tp] = max(self._folded.get(tp, 0), d.offset + 1)
-        checks = list(rerun(log, state=self.state))
+        body = resume[1] if resume is not None else None
+        checks = list(rerun(log, state=self.state, first_round=body.next_round if body else None,
+                            previous=body.previous if body else None,
+                            previous_key=body.previous_key if body else None))
         ignored = [c.round for c in checks if not c.in_sequence]
         if ignored:
             self._log.warning("scheduler.rounds_out_of_sequence", rounds=ignored[:10], count=len(ignored))
         checks = [c for c in checks if c.in_sequence]
+        self.recovery.update(records=len(log), rounds_rederived=len(checks),
+                             differing_rounds=[c.round for c in checks if not c.matches][:10])
         if checks:
             last = checks[-1]
             self.next_round = last.round + 1
-            differing = [c.round for c in checks if not c.matches]
             self._log.info("scheduler.recovered", rounds=len(checks), next_round=self.next_round,
-                           differing_rounds=differing[:10])
-            if last.settings is not None and last.settings.choice.key == self.settings.choice.key:
-                self.previous = last.plan
-            else:
-                recorded = last.settings.choice.describe() if last.settings is not None else last.error
-                self._log.warning("scheduler.policy_changed", recorded=recorded,
-                                  configured=self.settings.choice.describe(), next_round=self.next_round)
+                           differing_rounds=self.recovery["differing_rounds"], records=len(log))
+            recorded_key = last.settings.choice.key if last.settings is not None else None
+            plan, described = last.plan, (last.settings.choice.describe() if last.settings is not None else last.error)
+        elif body is not None:
+            self.next_round = body.next_round
+            recorded_key, plan, described = body.previous_key, body.previous, str(body.previous_key)
+        else:
+            recorded_key = None
+        if recorded_key is not None and recorded_key == self.settings.choice.key:
+            self.previous = plan
+        elif checks or body is not None:
+            self._log.warning("scheduler.policy_changed", recorded=described,
+                              configured=self.settings.choice.describe(), next_round=self.next_round)
+        self.recovery["seconds"] = round(time.perf_counter() - t0, 4)
         async for d in self.bus.read(DEADLETTER):
             if isinstance(d.event, DeadLetter):
                 self.telemetry.dead_letters.add(d.event)
+
+    async def _load_snapshot(self):
+        """The newest valid snapshot and its body, adopted into this service; None without one."""
+        if self.snapshots is None:
+            return None
+        try:
+            loaded = await self.snapshots.newest()
+        except Exception as exc:   # a store that is away: recover from the whole log instead
+            self._log.warning("scheduler.snapshot_unavailable", error=f"{type(exc).__name__}: {exc}"[:300])
+            return None
+        for key, reason in loaded.skipped:
+            self._log.warning("scheduler.snapshot_skipped", key=key, reason=reason[:300])
+        self.recovery.update(snapshot=loaded.key, skipped=[key for key, _ in loaded.skipped])
+        if loaded.snapshot is None:
+            return None
+        try:
+            body = restore(loaded.snapshot)
+        except SnapshotCorrupt as exc:
+            self._log.warning("scheduler.snapshot_skipped", key=loaded.key, reason=exc.reason)
+            self.recovery.update(snapshot=None)
+            return None
+        self.state = body.state
+        folded, placed = input_offsets(loaded.snapshot)
+        self._folded, self._placed = dict(folded), dict(placed)
+        self._log.info("scheduler.snapshot_loaded", key=loaded.key, next_round=body.next_round)
+        return loaded.snapshot, body
+
+    async def _write_snapshot(self) -> None:
+        """Snapshot the state now (folding paused while it is encoded); never raises."""
+        assert self.snapshots is not None
+        try:
+            async with self._fold_lock:
+                snap = capture(state=self.state, previous=self.previous, previous_key=self.settings.choice.key,
+                               next_round=self.next_round, folded=dict(self._folded), placed=dict(self._placed),
+                               created_at=self.clock.time())
+                data = await asyncio.to_thread(dump, snap)
+            key = await self.snapshots.save(snap, data)
+        except Exception as exc:
+            self._m_snapshots.labels(outcome="failed").inc()
+            self._log.warning("scheduler.snapshot_failed", round=self.next_round - 1,
+                              error=f"{type(exc).__name__}: {exc}"[:300])
+            return
+        self._m_snapshots.labels(outcome="written").inc()
+        self._log.info("scheduler.snapshot_written", key=key, round=self.next_round - 1, bytes=len(data))
 
     async def _publish(self, event: Event, *, deadline: float, round_: int) -> None:
         delay = RETRY_BASE_S
         while True:
             try:
-                await self.bus.emit(event)
+                partition, offset = await self.bus.emit(event)
+                self._placed[partition] = max(self._placed.get(partition, 0), offset + 1)
                 return
             except BusError as exc:
                 if not exc.retriable or self._stopping or self.clock.time() + delay > deadline:
@@ -296,3 +376,6 @@ class SchedulerService:
         self.telemetry.round_started(timing.started_at)
         self._log.info("round.planned", round=timing.round, assignments=len(events) - 1,
                        waiting=len(plan.waiting), decision_ms=round(seconds * 1e3, 2))
+        every = self.config.snapshot_every
+        if self.snapshots is not None and every and self.next_round % every == 0:
+            await self._write_snapshot()

@@ -32,7 +32,7 @@ import hashlib
 import math
 import re
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -49,13 +49,15 @@ from shared.topics import ALL_TOPICS
 __all__ = [
     "BusError", "bus_error", "TOMBSTONE_REASON", "Delivery", "Bus", "Subscription", "AckTracker",
     "Position", "TopicPartition", "dead_letter", "check_topic", "check_position", "topic_list",
-    "start_ms", "replay_order",
+    "start_ms", "replay_order", "partition_position",
 ]
 
 TopicPartition = tuple[str, int]
-Position = int | float | None
+Position = int | float | Mapping[int, int] | None
 """A place in a partition for :meth:`Bus.read`: an offset (int), a unix time in seconds
-(float: the first record whose timestamp is at or after it), or None (log start / end)."""
+(float: the first record whose timestamp is at or after it), an offset per partition
+(``{partition: offset}``; a partition not named is at the log start / end, as for None),
+or None (log start / end)."""
 
 _TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 TOMBSTONE_REASON = "tombstone: record has no value"
@@ -206,8 +208,10 @@ class Bus(abc.ABC):
         (timestamp, partition, offset), then stop.
 
         ``start``/``end`` are each an offset (applied to every partition), a unix time in
-        seconds (the first record at/after it), or None (the log start / the end offsets
-        current when the iteration starts). Records appended after that are never
+        seconds (the first record at/after it), an offset per partition (``{partition:
+        offset}``, e.g. the offsets a state snapshot covers; partitions not named as for
+        None), or None (the log start / the end offsets current when the iteration starts).
+        An offset below the log start (deleted by retention) starts at the log start. Records appended after that are never
         yielded, so replay always terminates. Partition order always holds: if timestamps
         within a partition go backwards (producers' clocks disagree) the merge keeps each
         partition in offset order. Undecodable records are skipped (consumers dead-letter
@@ -304,9 +308,24 @@ def topic_list(topics: str | Iterable[str]) -> tuple[str, ...]:
 def check_position(name: str, value: Position) -> Position:
     if value is None or isinstance(value, float) and math.isfinite(value):
         return value
+    if isinstance(value, Mapping):
+        if all(_natural(k) and _natural(v) for k, v in value.items()):
+            return value
+        raise ValueError(f"{name}: per-partition offsets must map partitions >= 0 to offsets >= 0, got {value!r}")
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     raise ValueError(f"{name}: expected an offset >= 0, a unix time (float) or None, got {value!r}")
+
+
+def _natural(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def partition_position(position: Position, partition: int) -> int | float | None:
+    """The position of one partition: a per-partition mapping's entry (None if absent)."""
+    if isinstance(position, Mapping):
+        return position.get(partition)
+    return position
 
 
 def start_ms(seconds: float) -> int:

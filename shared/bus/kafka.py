@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -293,6 +293,8 @@ async def _replay_bounds(consumer: AIOKafkaConsumer, topic: str, partitions: lis
         if isinstance(position, float):
             found = await consumer.offsets_for_times({tp: start_ms(position) for tp in tps})
             return {tp: last[tp] if found.get(tp) is None else found[tp].offset for tp in tps}
+        if isinstance(position, Mapping):
+            return {tp: position.get(tp.partition, default[tp]) for tp in tps}
         return {tp: position for tp in tps}
 
     lo, hi = await resolve(start, first), await resolve(end, last)

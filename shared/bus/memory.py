@@ -23,7 +23,8 @@ import structlog
 
 from shared.bus.base import (
     TOMBSTONE_REASON, AckTracker, Bus, BusError, Delivery, Position, Subscription, TopicPartition,
-    check_position, check_started, check_topic, dead_letter, start_ms, topic_list, yield_now,
+    check_position, check_started, check_topic, dead_letter, partition_position, start_ms, topic_list,
+    yield_now,
 )
 from shared.clock import Clock, SystemClock
 from shared.events import Event, InvalidEvent, decode, encode, key_for, topic_for
@@ -103,8 +104,8 @@ class MemoryBus(Bus):
         check_position("end", end)
         partitions = self._logs.get(check_topic(topic), [])
         # Logs are append-only, so [lo, hi) fixed now is a snapshot.
-        heads = {p: _bound(records, start, 0) for p, records in enumerate(partitions)}
-        ends = {p: _bound(records, end, len(records)) for p, records in enumerate(partitions)}
+        heads = {p: _bound(records, partition_position(start, p), 0) for p, records in enumerate(partitions)}
+        ends = {p: _bound(records, partition_position(end, p), len(records)) for p, records in enumerate(partitions)}
         live = {p for p in heads if heads[p] < ends[p]}
         emitted = 0
         while live:
@@ -185,7 +186,7 @@ def _rebalance(group: _Group) -> None:
         member.assign(tps, group.committed)
 
 
-def _bound(records: list[_Record], position: Position, default: int) -> int:
+def _bound(records: list[_Record], position: int | float | None, default: int) -> int:
     """Index in ``records`` (offset == index) of a start/end position."""
     if position is None:
         return default

@@ -49,6 +49,7 @@ from shared.infra.common import (
 
 __all__ = [
     "KafkaServer", "DEFAULT_POM", "find_java", "fetch_kafka", "start_kafka", "restart_kafka", "kafka_properties",
+    "EXTRA_PROPERTIES", "extra_properties",
     "load_kafka", "kafka_healthy", "new_cluster_id",
 ]
 
@@ -100,8 +101,34 @@ class KafkaServer:
         return str(Path(self.run_dir) / "server.properties")
 
 
-def kafka_properties(*, port: int, controller_port: int, data_dir: Path) -> str:
-    """The broker config: one combined KRaft node with a static quorum, tuned for tests."""
+EXTRA_PROPERTIES = "kafka-extra.properties"
+
+
+def extra_properties(run: Path) -> dict[str, str]:
+    """Operator overrides of the broker config: ``key=value`` lines of ``{run}/kafka-extra.properties``
+    (``#`` comments and blank lines ignored), applied at every start and restart. The file is
+    outside the server's own directory, so a fresh start does not remove it. E.g. a test
+    that needs time-based retention to act within seconds sets
+    ``log.retention.check.interval.ms`` (the broker's default checks every 5 minutes)."""
+    path = run / EXTRA_PROPERTIES
+    if not path.exists():
+        return {}
+    found: dict[str, str] = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not key.strip():
+            raise InfraError(f"{path}:{number}: expected key=value, got {line!r}")
+        found[key.strip()] = value.strip()
+    return found
+
+
+def kafka_properties(*, port: int, controller_port: int, data_dir: Path,
+                     extra: Mapping[str, str] | None = None) -> str:
+    """The broker config: one combined KRaft node with a static quorum, tuned for tests;
+    ``extra`` entries are added last and win."""
     settings = {
         "process.roles": "broker,controller",
         "node.id": "1",
@@ -122,6 +149,7 @@ def kafka_properties(*, port: int, controller_port: int, data_dir: Path) -> str:
         "group.initial.rebalance.delay.ms": "0",
         "auto.create.topics.enable": "true",
     }
+    settings.update(extra or {})
     lines = ["# Written by `hadar infra up` for development and tests."]
     lines += [f"{name}={value}" for name, value in settings.items()]
     return "\n".join(lines) + "\n"
@@ -269,7 +297,8 @@ def _launch(paths: InfraPaths, lib: Path, java: str, *, port: int, controller_po
     data_dir = run_dir / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / "server.properties"
-    config.write_text(kafka_properties(port=port, controller_port=controller_port, data_dir=data_dir))
+    config.write_text(kafka_properties(port=port, controller_port=controller_port, data_dir=data_dir,
+                                       extra=extra_properties(paths.run)))
     log4j = run_dir / "log4j2.properties"
     log4j.write_text(LOG4J2_PROPERTIES)
     jvm = [java, *JVM_HEAP, "-XX:+UseG1GC", "-Djava.awt.headless=true",

@@ -77,7 +77,7 @@ async def take(sub: Subscription, n: int, *, ack: bool = True) -> list[Delivery]
     return got
 
 
-async def read_all(bus: Bus, topic: str, **bounds: int | float | None) -> list[Delivery]:
+async def read_all(bus: Bus, topic: str, **bounds: object) -> list[Delivery]:
     async with asyncio.timeout(WAIT_S):
         return [d async for d in bus.read(topic, **bounds)]
 
@@ -351,3 +351,26 @@ def test_ack_tracker_commits_the_longest_acked_prefix(gaps: list[int], rnd) -> N
 async def test_a_started_bus_answers_a_ping(bus_kind, clock):
     async with open_bus(bus_kind, clock) as bus:
         await bus.ping(timeout_s=10.0)   # raises BusError if the broker did not answer
+
+
+async def test_read_starts_each_partition_at_its_own_offset(bus_kind, clock) -> None:
+    """What a restart from a state snapshot does: resume each partition after what it covers."""
+    async with open_bus(bus_kind, clock) as bus:
+        topic = unique("perpartition")
+        await bus.ensure_topics([topic])
+        landed = {}
+        for i in range(12):
+            event = progress(f"job-{i % 4}", i)
+            landed[await bus.publish(topic, event.job_id, event)] = i
+        partitions = sorted({p for p, _ in landed})
+        assert len(partitions) >= 2, "the keys must spread over partitions for this test"
+        named = partitions[0]
+        covered = {named: 2}      # partition 0: skip two records; others not named: from the start
+        got = await read_all(bus, topic, start=covered)
+        expected = {(p, o) for (p, o) in landed if p != named or o >= 2}
+        assert {(d.partition, d.offset) for d in got} == expected
+        ends = await read_all(bus, topic, start={named: 1}, end={named: 2})
+        assert {(d.partition, d.offset) for d in ends if d.partition == named} == {(named, 1)}
+        assert not await read_all(bus, topic, start={p: 100 for p in partitions})
+        with pytest.raises(ValueError):
+            await read_all(bus, topic, start={named: -1})

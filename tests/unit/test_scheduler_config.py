@@ -15,6 +15,7 @@ from shared.events import RoundStarted, decode, encode
     {"round_s": 0}, {"round_s": float("nan")}, {"heartbeat_s": -1}, {"consolidation_wait_s": float("inf")},
     {"seed": -1}, {"policy": "fifo"}, {"policy": "hadar", "policy_options": {"horizon": 0}},
     {"policy": "gavel", "policy_options": {"no_such_option": 1}}, {"group": ""},
+    {"snapshot_every": -1}, {"snapshots_kept": 0},
 ])
 def test_config_rejects_bad_values_naming_the_setting(bad):
     with pytest.raises(ConfigError) as err:

@@ -38,6 +38,8 @@ INVALID: list[tuple[type, str, dict[str, Any], str, Any]] = [
     (ProfilerConfig, "HADAR_PROFILER_", {}, "alpha", 0.0),
     (ProfilerConfig, "HADAR_PROFILER_", {}, "alpha", 1.5),
     (ProfilerConfig, "HADAR_PROFILER_", {}, "threshold", -0.1),
+    (ProfilerConfig, "HADAR_PROFILER_", {}, "snapshot_interval_s", -1.0),
+    (ProfilerConfig, "HADAR_PROFILER_", {}, "snapshots_kept", 0),
     (AgentConfig, "HADAR_AGENT_", {}, "node_id", "no/slash"),
     (AgentConfig, "HADAR_AGENT_", NODE, "heartbeat_s", 0.0),
     (AgentConfig, "HADAR_AGENT_", NODE, "progress_s", -1.0),

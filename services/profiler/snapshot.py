@@ -1,0 +1,54 @@
+"""What the profiler saves in a state snapshot, and the offsets it covers.
+
+A profiler snapshot (``shared.snapshot`` format, service ``"profiler"``) holds its whole
+:class:`ProfilerState` -- job specs, which jobs were estimated, each copy's last report and
+each key's EWMA and last published rate -- and, for the two topics the profiler replays at
+start (``hadar.throughput`` and ``hadar.jobs``), the offset of every partition up to which
+that state covers them: what the start-up replay read, then the jobs it handled and the
+estimates it published itself.
+
+A restart from it replays those two topics from the recorded offsets only, exactly as a
+whole-log restart replays them from the start (seeding published rates, remembering jobs
+and estimates), so no job is estimated twice and smoothing resumes from the snapshot's
+EWMA (a whole-log restart resumes from the last published rate). Its consumer group
+resumes where it committed, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.profiler.state import ProfilerState, _Last
+from shared.records import Hyperparameters, JobSpec
+from shared.snapshot import SnapshotCorrupt, StateSnapshot
+from shared.snapshot_codec import register
+
+__all__ = ["SERVICE", "ProfilerSnapshot", "capture", "restore"]
+
+SERVICE = "profiler"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfilerSnapshot:
+    state: ProfilerState
+
+
+register(ProfilerSnapshot, ProfilerState, _Last, JobSpec, Hyperparameters)
+
+
+def capture(state: ProfilerState, offsets: dict[str, int], *, seq: int, created_at: float) -> StateSnapshot:
+    """A snapshot of ``state`` covering ``offsets`` (``"topic:partition" -> next offset``); dump
+    it before the state changes."""
+    return StateSnapshot(service=SERVICE, seq=seq, created_at=created_at, offsets=dict(offsets),
+                         body=ProfilerSnapshot(state=state))
+
+
+def restore(snapshot: StateSnapshot, *, alpha: float, threshold: float) -> ProfilerState:
+    """The state of a loaded profiler snapshot, with this profiler's smoothing settings;
+    :class:`SnapshotCorrupt` if it is not one."""
+    body = snapshot.body
+    if not (isinstance(body, ProfilerSnapshot) and isinstance(body.state, ProfilerState)):
+        raise SnapshotCorrupt("not a profiler snapshot body")
+    state = body.state
+    state.alpha, state.threshold = alpha, threshold   # settings come from the config, not the snapshot
+    return state

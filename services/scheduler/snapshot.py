@@ -1,0 +1,89 @@
+"""What the scheduler saves in a state snapshot, and how a restart resumes from it.
+
+A scheduler snapshot (``shared.snapshot`` format, service ``"scheduler"``) holds, after
+round ``seq = next_round - 1`` was published:
+
+* ``state``: the whole :class:`SchedulerState` (jobs, nodes, rates, kept rounds, the
+  event-id window used for dedupe),
+* ``previous``: the last plan, with the policy's carried state (Hadar's ledger, Gavel's
+  books, ...) and ``previous_key``, the policy configuration that made it,
+* ``next_round``,
+* offsets: for every input topic-partition the next record not folded, and for every
+  partition of ``hadar.placements`` the next record after the scheduler's own rounds.
+
+Restarting from it (:func:`resume`) replays only the records from those offsets: recorded
+rounds from ``next_round`` on are re-derived exactly as a whole-log restart re-derives them
+(``rerun``, same checks), earlier rounds are not read at all. Because the snapshot is the
+live state itself and the inputs after it are folded by the same rule, the plans after a
+restart are the ones an uninterrupted scheduler makes (``tests/unit/test_scheduler_snapshot.py``,
+``benchmarks/recovery.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.scheduler.cluster import Cluster, Node
+from services.scheduler.policies.gavel import GavelState, Running
+from services.scheduler.policies.hadar_ledger import Commitment, LedgerState, RowLayout
+from services.scheduler.policies.tiresias import TiresiasState, _JobLedger
+from services.scheduler.policies.yarn_cs import YarnState
+from services.scheduler.policy import Placement, Plan, PolicyState, Wait, WaitCode
+from services.scheduler.state import JobRecord, NodeRecord, RoundRecord, SchedulerState
+from shared.records import CopyWeight, GpuInfo, Hyperparameters, JobSpec, Rejection, Waiting
+from shared.snapshot import SnapshotCorrupt, StateSnapshot
+from shared.snapshot_codec import register
+from shared.topics import PLACEMENTS
+
+__all__ = ["SERVICE", "SchedulerSnapshot", "capture", "restore"]
+
+SERVICE = "scheduler"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerSnapshot:
+    """The body of a scheduler snapshot (see the module docstring)."""
+
+    state: SchedulerState
+    previous: Plan | None
+    previous_key: tuple[str, str] | None
+    next_round: int
+
+
+register(
+    SchedulerSnapshot, SchedulerState, JobRecord, NodeRecord, RoundRecord,
+    Plan, Placement, Wait, WaitCode, PolicyState, Cluster, Node,
+    LedgerState, RowLayout, Commitment, GavelState, Running, TiresiasState, _JobLedger, YarnState,
+    JobSpec, Hyperparameters, GpuInfo, Waiting, CopyWeight, Rejection,
+)
+
+
+def capture(*, state: SchedulerState, previous: Plan | None, previous_key: tuple[str, str] | None,
+            next_round: int, folded: dict[str, int], placed: dict[int, int], created_at: float) -> StateSnapshot:
+    """A snapshot of the scheduler after round ``next_round - 1`` (it is not copied: dump it
+    before the state changes)."""
+    offsets = dict(folded)
+    offsets.update({f"{PLACEMENTS}:{p}": o for p, o in placed.items()})
+    body = SchedulerSnapshot(state=state, previous=previous, previous_key=previous_key, next_round=next_round)
+    return StateSnapshot(service=SERVICE, seq=max(next_round - 1, 0), created_at=created_at, offsets=offsets,
+                         body=body)
+
+
+def restore(snapshot: StateSnapshot) -> SchedulerSnapshot:
+    """The body of a loaded scheduler snapshot; :class:`SnapshotCorrupt` if it is not one."""
+    body = snapshot.body
+    if not (isinstance(body, SchedulerSnapshot) and isinstance(body.state, SchedulerState)
+            and (body.previous is None or isinstance(body.previous, Plan))
+            and isinstance(body.next_round, int) and body.next_round >= 0):
+        raise SnapshotCorrupt("not a scheduler snapshot body")
+    key = body.previous_key
+    if key is not None and not (isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, str) for k in key)):
+        raise SnapshotCorrupt("malformed policy key")
+    return body
+
+
+def input_offsets(snapshot: StateSnapshot) -> tuple[dict[str, int], dict[int, int]]:
+    """(folded input offsets as ``"topic:partition" -> offset``, placements ``partition -> offset``)."""
+    prefix = f"{PLACEMENTS}:"
+    folded = {tp: o for tp, o in snapshot.offsets.items() if not tp.startswith(prefix)}
+    return folded, snapshot.partition_offsets(PLACEMENTS)

@@ -1,0 +1,98 @@
+"""Profiler restarts from a state snapshot (MemoryBus + LocalStore): only the records after
+the snapshot are replayed, no job is estimated twice, smoothing resumes from the saved EWMA,
+and a damaged snapshot falls back to the whole topics."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.profiler.service import ProfilerConfig, ProfilerService
+from shared.bus import MemoryBus
+from shared.clock import FakeClock
+from shared.events import JobSpec, JobSubmitted, Progress, ThroughputEstimate
+from shared.store import LocalStore
+from shared.topics import THROUGHPUT
+
+CONFIG = ProfilerConfig(group="prof-snap", snapshot_interval_s=0, alpha=0.5, threshold=0.0)
+
+
+def spec(job: str) -> JobSpec:
+    return JobSpec(job_id=job, user="u", model="resnet", dataset="digits", batch_size=32, workers=1, iterations=100)
+
+
+def progress(clock: FakeClock, job: str, steps: int) -> Progress:
+    return Progress(ts=clock.time(), source="agent", job_id=job, round=0, copy=0, node_id="n1", gpu_type="v100",
+                    workers=1, steps_round=steps, steps_total=steps, samples_per_s=0.0, loss=0.5)
+
+
+async def estimates(bus: MemoryBus) -> dict[str, int]:
+    found: dict[str, int] = {}
+    async for d in bus.read(THROUGHPUT):
+        if isinstance(d.event, ThroughputEstimate) and d.event.basis == "estimate":
+            found[d.event.job_id] = found.get(d.event.job_id, 0) + 1
+    return found
+
+
+async def until(predicate) -> None:
+    """Wait (generously: estimates run in a thread on a loaded machine) for ``predicate``."""
+    async with asyncio.timeout(60):
+        while not await predicate():
+            await asyncio.sleep(0.01)
+
+
+async def run_and_restart(tmp_path, damage=None) -> tuple[ProfilerService, MemoryBus, float]:
+    bus, clock, store = MemoryBus(), FakeClock(), LocalStore(tmp_path)
+    await bus.start()
+    await store.start()
+    first = ProfilerService(bus=bus, config=CONFIG, clock=clock, store=store)
+    await first.start()
+    for job in ("a", "b", "c"):
+        await bus.emit(JobSubmitted(ts=clock.time(), source="cli", job=spec(job), submitted_at=clock.time()))
+    await until(lambda: _has(bus, {"a", "b", "c"}))
+    for steps in (0, 100, 300):            # 10 then 20 steps/s: EWMA 15 with alpha 0.5
+        await bus.emit(progress(clock, "a", steps))
+        await until(lambda: _true(first.state.rate("a", "v100", 1) is not None or steps == 0))
+        clock.advance(10)
+    await until(lambda: _true(first.state.rate("a", "v100", 1) == pytest.approx(15.0)))
+    await first.write_snapshot()
+    await first.stop()
+    if damage is not None:
+        await damage(store)
+    await bus.emit(JobSubmitted(ts=clock.time(), source="cli", job=spec("d"), submitted_at=clock.time()))
+    again = ProfilerService(bus=bus, config=CONFIG, clock=clock, store=store)
+    await again.start()
+    await until(lambda: _has(bus, {"a", "b", "c", "d"}))
+    await again.stop()
+    return again, bus, again.state.rate("a", "v100", 1)
+
+
+async def _has(bus: MemoryBus, jobs: set[str]) -> bool:
+    return set(await estimates(bus)) >= jobs
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_restart_replays_only_what_follows_the_snapshot(tmp_path):
+    again, bus, rate = await run_and_restart(tmp_path)
+    assert again.recovery["snapshot"] is not None
+    assert again.recovery["records"] == 1          # only d's submission follows the snapshot
+    assert await estimates(bus) == {"a": 1, "b": 1, "c": 1, "d": 1}   # none estimated twice
+    assert rate == pytest.approx(15.0)
+
+
+async def test_a_damaged_snapshot_falls_back_to_the_whole_topics(tmp_path):
+    async def flip(store):
+        (key,) = await store.list("snapshots/")
+        data = bytearray(await store.get(key))
+        data[-3] ^= 0xFF
+        await store.put(key, bytes(data))
+
+    again, bus, rate = await run_and_restart(tmp_path, damage=flip)
+    assert again.recovery["snapshot"] is None and len(again.recovery["skipped"]) == 1
+    assert again.recovery["records"] >= 8          # 3 estimates, a measured rate, 4 jobs
+    assert await estimates(bus) == {"a": 1, "b": 1, "c": 1, "d": 1}
+    assert rate == pytest.approx(15.0)             # the last published rate, seeded from the topic

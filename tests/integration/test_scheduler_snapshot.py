@@ -1,0 +1,183 @@
+"""Scheduler restarts from state snapshots (MemoryBus + LocalStore): it replays only what
+follows the newest valid snapshot, falls back past a damaged one, keeps a bounded number,
+and decides every round exactly as a scheduler that never stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections import defaultdict
+
+import pytest
+
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.rerun import assignment_decision
+from services.scheduler.service import SchedulerService
+from services.scheduler.synthetic import ScriptedCluster
+from shared.bus import MemoryBus
+from shared.clock import FakeClock
+from shared.events import Assignment
+from shared.layout import snapshot_key
+from shared.snapshot import MAGIC
+from shared.store import LocalStore
+from shared.topics import PLACEMENTS
+
+ROUND_S = 60.0
+
+
+def config(policy: str, **extra) -> SchedulerConfig:
+    return SchedulerConfig(policy=policy, round_s=ROUND_S, heartbeat_s=ROUND_S, consolidation_wait_s=0,
+                           group="sched-snap", **extra)
+
+
+def contended(bus: MemoryBus, clock: FakeClock) -> ScriptedCluster:
+    """A job a round, each needing many rounds: queues form, so carried policy state matters
+    (a restart that dropped it decides differently: checked by hand for every policy)."""
+    return ScriptedCluster(bus=bus, clock=clock, job_every=1, steps_per_copy=15)
+
+
+async def settle(predicate) -> None:
+    for _ in range(2000):
+        if predicate():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the scheduler did not fold its inputs")
+
+
+async def play(service: SchedulerService, cluster: ScriptedCluster, clock: FakeClock, rounds: range) -> None:
+    for r in rounds:
+        kept = service.state.rounds.get(r - 1)
+        await cluster.before_round(r, list(kept.assignments) if kept is not None else [])
+        await settle(lambda: service.records_folded >= cluster.published)
+        await service.plan_round()
+        clock.advance(ROUND_S)
+
+
+async def decisions(bus: MemoryBus) -> dict[int, tuple]:
+    by_round: dict[int, list[Assignment]] = defaultdict(list)
+    async for d in bus.read(PLACEMENTS):
+        if isinstance(d.event, Assignment):
+            by_round[d.event.round].append(d.event)
+    return {r: assignment_decision(a) for r, a in sorted(by_round.items())}
+
+
+async def uninterrupted(policy: str, rounds: int) -> dict[int, tuple]:
+    bus, clock = MemoryBus(), FakeClock()
+    await bus.start()
+    service = SchedulerService(bus=bus, config=config(policy), clock=clock, run_rounds=False)
+    await service.start()
+    await play(service, contended(bus, clock), clock, range(rounds))
+    await service.stop()
+    return await decisions(bus)
+
+
+async def interrupted(policy: str, rounds: int, stop_after: int, tmp_path, damage=None, **extra):
+    """Run ``stop_after`` rounds, stop, optionally damage the newest snapshot, restart, run the rest."""
+    bus, clock = MemoryBus(), FakeClock()
+    store = LocalStore(tmp_path)
+    await bus.start()
+    await store.start()
+    cfg = config(policy, **extra)
+    cluster = contended(bus, clock)
+    first = SchedulerService(bus=bus, config=cfg, clock=clock, run_rounds=False, store=store)
+    await first.start()
+    await play(first, cluster, clock, range(stop_after))
+    await first.stop()
+    if damage is not None:
+        await damage(store)
+    again = SchedulerService(bus=bus, config=cfg, clock=clock, run_rounds=False, store=store)
+    await again.start()
+    assert again.next_round == stop_after
+    await play(again, cluster, clock, range(stop_after, rounds))
+    await again.stop()
+    return again, await decisions(bus), store
+
+
+@pytest.mark.parametrize("policy", ["hadar", "hadare", "gavel", "tiresias", "yarn-cs"])
+async def test_restart_from_a_snapshot_replays_only_what_follows_and_decides_identically(policy, tmp_path):
+    # Snapshots after rounds 2 and 5; stopped after round 7: rounds 6 and 7 are re-derived.
+    again, got, _ = await interrupted(policy, 14, 8, tmp_path, snapshot_every=3)
+    assert again.recovery["snapshot"] == snapshot_key("sched-snap", 5)
+    assert again.recovery["rounds_rederived"] == 2 and again.recovery["differing_rounds"] == []
+    reference = await uninterrupted(policy, 14)
+    assert got == reference
+    assert any(got.values()), "the workload must place jobs"
+
+
+async def _truncate(store):
+    key = snapshot_key("sched-snap", 5)
+    data = await store.get(key)
+    await store.put(key, data[: len(data) - 7])
+
+
+async def _flip(store):
+    key = snapshot_key("sched-snap", 5)
+    data = bytearray(await store.get(key))
+    data[len(data) // 2] ^= 0x40
+    await store.put(key, bytes(data))
+
+
+async def _version(store):
+    key = snapshot_key("sched-snap", 5)
+    data = await store.get(key)
+    await store.put(key, MAGIC + struct.pack(">H", 99) + data[10:])
+
+
+@pytest.mark.parametrize("damage", [_truncate, _flip, _version], ids=["truncated", "flipped", "version"])
+async def test_a_damaged_snapshot_falls_back_to_the_previous_one(damage, tmp_path):
+    again, got, _ = await interrupted("hadar", 12, 8, tmp_path, damage=damage, snapshot_every=3)
+    assert again.recovery["snapshot"] == snapshot_key("sched-snap", 2)
+    assert again.recovery["skipped"] == [snapshot_key("sched-snap", 5)]
+    assert again.recovery["rounds_rederived"] == 5 and again.recovery["differing_rounds"] == []
+    assert got == await uninterrupted("hadar", 12)
+
+
+async def test_without_a_valid_snapshot_the_whole_log_is_replayed(tmp_path):
+    async def ruin_all(store):
+        for key in await store.list("snapshots/"):
+            await store.put(key, b"garbage")
+
+    again, got, _ = await interrupted("gavel", 9, 7, tmp_path, damage=ruin_all, snapshot_every=2)
+    assert again.recovery["snapshot"] is None and len(again.recovery["skipped"]) == 3
+    assert again.recovery["rounds_rederived"] == 7
+    assert got == await uninterrupted("gavel", 9)
+
+
+async def test_snapshots_kept_are_bounded(tmp_path):
+    _, _, store = await interrupted("yarn-cs", 12, 6, tmp_path, snapshot_every=1, snapshots_kept=2)
+    assert sorted(await store.list("snapshots/")) == [snapshot_key("sched-snap", 10), snapshot_key("sched-snap", 11)]
+
+
+async def test_a_restart_under_another_policy_keeps_the_state_but_not_the_plan(tmp_path):
+    bus, clock, store = MemoryBus(), FakeClock(), LocalStore(tmp_path)
+    await bus.start()
+    await store.start()
+    cluster = contended(bus, clock)
+    first = SchedulerService(bus=bus, config=config("hadar", snapshot_every=3), clock=clock, run_rounds=False,
+                             store=store)
+    await first.start()
+    await play(first, cluster, clock, range(6))
+    await first.stop()
+    again = SchedulerService(bus=bus, config=config("gavel", snapshot_every=3), clock=clock, run_rounds=False,
+                             store=store)
+    await again.start()
+    assert again.recovery["snapshot"] == snapshot_key("sched-snap", 5) and again.next_round == 6
+    assert again.previous is None                 # Hadar's ledger means nothing to Gavel
+    assert set(again.state.jobs) == set(first.state.jobs)
+    await play(again, cluster, clock, range(6, 8))
+    assert again.next_round == 8
+
+
+async def test_a_failing_snapshot_write_is_counted_and_the_rounds_go_on(tmp_path):
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("a file where the store's root should be")
+    bus, clock = MemoryBus(), FakeClock()
+    await bus.start()
+    service = SchedulerService(bus=bus, config=config("yarn-cs", snapshot_every=1), clock=clock, run_rounds=False,
+                               store=LocalStore(blocked))
+    await service.start()
+    await play(service, contended(bus, clock), clock, range(3))
+    assert service.next_round == 3
+    failed = service.registry.get_sample_value("hadar_scheduler_snapshots_total", {"outcome": "failed"})
+    assert failed == 3
+    await service.stop()

@@ -1,0 +1,148 @@
+"""State snapshots: the value codec keeps types, the format refuses anything not whole and
+its own, and the store falls back past corrupt snapshots and keeps a bounded number."""
+
+from __future__ import annotations
+
+import struct
+from collections import deque
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import numpy as np
+import pytest
+
+from services.scheduler.policy import Placement, Plan, Wait, WaitCode
+from services.scheduler.snapshot import SERVICE  # noqa: F401  (registers the scheduler's classes)
+from shared.events import GpuInfo, JobSpec, NodeRegistered
+from shared.layout import parse_snapshot_key, snapshot_key
+from shared.snapshot import FORMAT_VERSION, MAGIC, SnapshotCorrupt, SnapshotStore, StateSnapshot, dump, load
+from shared.snapshot_codec import SnapshotDecodeError, pack, register, unpack
+from shared.store import LocalStore
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Frozen:
+    a: int
+    b: tuple[int, ...]
+
+
+class _Plain:
+    def __init__(self) -> None:
+        self.items = {("x", 1): 2.5}
+
+
+class _Unregistered:
+    pass
+
+
+register(_Frozen, _Plain)
+
+
+def _sample() -> dict:
+    spec = JobSpec(job_id="j1", user="u", model="resnet", dataset="digits", batch_size=32, workers=2, iterations=10)
+    return {
+        "tuple_keys": {("j1", "v100", 2): ("measured", 3.5)},
+        "set": {"a", "b"}, "frozen": frozenset({1, 2}), "deque": deque([1, 2, 3], maxlen=5),
+        "array": np.arange(6, dtype=np.int32).reshape(2, 3), "scalar": np.float64(0.1), "bools": np.array([True]),
+        "enum": WaitCode.PAYOFF, "proxy": MappingProxyType({"k": 1}),
+        "event": NodeRegistered(ts=1.0, source="agent", node_id="n1", gpus=(GpuInfo(index=0, type="v100"),)),
+        "record": spec, "frozen_dc": _Frozen(a=1, b=(2, 3)),
+        "plan": Plan(placements=(Placement(job_id="j1", copy=0, node_id="n1", gpus=(0, 1)),),
+                     waiting=(Wait(job_id="j2", code=WaitCode.CAPACITY, detail="full"),)),
+        "none": None, "bytes": b"\x00\x01", "nested": [[1, (2, 3)], {"s": {4}}],
+    }
+
+
+def test_values_come_back_equal_and_of_the_same_types() -> None:
+    original = _sample()
+    back = unpack(pack(original))
+    for key, value in original.items():
+        got = back[key]
+        assert type(got) is type(value), key
+        if isinstance(value, np.ndarray):
+            assert got.dtype == value.dtype and got.shape == value.shape and (got == value).all()
+        else:
+            assert got == value, key
+    assert back["deque"].maxlen == 5
+    assert type(back["nested"][0][1]) is tuple and type(back["nested"][1]["s"]) is set
+    plain = unpack(pack(_Plain()))
+    assert type(plain) is _Plain and plain.items == {("x", 1): 2.5}
+
+
+def test_unregistered_and_unsafe_values_are_refused() -> None:
+    with pytest.raises(TypeError, match="not registered"):
+        pack(_Unregistered())
+    with pytest.raises(TypeError, match="dtype"):
+        pack(np.array([object()], dtype=object))
+    forged = pack(_Frozen(a=1, b=())).replace(b"test_snapshot._Frozen", b"test_snapshot._Fozren")
+    with pytest.raises(SnapshotDecodeError, match="not registered"):
+        unpack(forged)
+
+
+def _snapshot(seq: int = 7) -> StateSnapshot:
+    return StateSnapshot(service="scheduler", seq=seq, created_at=5.0,
+                         offsets={"hadar.jobs:0": 3, "hadar.placements:1": 9}, body=_sample())
+
+
+def test_format_round_trip_and_partition_offsets() -> None:
+    snap = load(dump(_snapshot()), service="scheduler")
+    assert snap.seq == 7 and snap.offsets == {"hadar.jobs:0": 3, "hadar.placements:1": 9}
+    assert snap.partition_offsets("hadar.placements") == {1: 9} and snap.partition_offsets("hadar.nodes") == {}
+    assert snap.body["plan"] == _sample()["plan"]
+
+
+def _flip(data: bytes, at: int) -> bytes:
+    return data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1:]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "truncated_header", "empty", "flip_magic", "flip_length",
+                                    "flip_digest", "flip_payload", "flip_last", "version", "appended"])
+def test_a_damaged_snapshot_is_refused_with_a_reason(damage: str) -> None:
+    data = dump(_snapshot())
+    bad = {
+        "truncated": data[:-10], "truncated_header": data[:20], "empty": b"",
+        "flip_magic": _flip(data, 0), "flip_length": _flip(data, 17), "flip_digest": _flip(data, 30),
+        "flip_payload": _flip(data, 60), "flip_last": _flip(data, len(data) - 1),
+        "version": MAGIC + struct.pack(">H", FORMAT_VERSION + 1) + data[10:], "appended": data + b"\x00",
+    }[damage]
+    with pytest.raises(SnapshotCorrupt) as info:
+        load(bad, service="scheduler")
+    assert info.value.reason
+
+
+def test_a_snapshot_of_another_service_is_refused() -> None:
+    with pytest.raises(SnapshotCorrupt, match="not of 'tracker'"):
+        load(dump(_snapshot()), service="tracker")
+
+
+def test_snapshot_keys_round_trip_and_refuse_bad_owners() -> None:
+    assert parse_snapshot_key(snapshot_key("hadar-scheduler", 12)) == ("hadar-scheduler", 12)
+    for bad in ("", "a/b", ".hidden", "x" * 64):
+        with pytest.raises(ValueError):
+            snapshot_key(bad, 1)
+    for key in ("snapshots/a/01.snapshot", "snapshots/a/1.msgpack", "snapshots/a/b/1.snapshot", "models/a/1.snapshot"):
+        assert parse_snapshot_key(key) is None
+
+
+async def test_store_keeps_the_newest_and_falls_back_past_corrupt_ones(tmp_path) -> None:
+    store = LocalStore(tmp_path)
+    await store.start()
+    snaps = SnapshotStore(store, owner="grp", service="scheduler", keep=3)
+    for seq in (1, 2, 3, 10, 20):
+        await snaps.save(_snapshot(seq))
+    assert [seq for seq, _ in await snaps.keys()] == [20, 10, 3]          # bounded: older ones deleted
+    other = SnapshotStore(store, owner="grp2", service="scheduler")
+    await other.save(_snapshot(99))                                        # another owner is not ours
+    assert (await snaps.newest()).snapshot.seq == 20
+
+    good = dump(_snapshot(20))
+    await store.put(snapshot_key("grp", 20), good[: len(good) // 2])       # partial
+    await store.put(snapshot_key("grp", 10), _flip(dump(_snapshot(10)), 100))   # a flipped byte
+    found = await snaps.newest()
+    assert found.snapshot is not None and found.snapshot.seq == 3
+    assert [k for k, _ in found.skipped] == [snapshot_key("grp", 20), snapshot_key("grp", 10)]
+    assert "partial" in found.skipped[0][1] and "checksum" in found.skipped[1][1]
+
+    await store.put(snapshot_key("grp", 3), MAGIC + struct.pack(">H", 2) + good[10:])   # wrong version
+    none = await snaps.newest()
+    assert none.snapshot is None and len(none.skipped) == 3 and "version 2" in none.skipped[2][1]
