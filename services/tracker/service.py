@@ -358,7 +358,8 @@ class TrackerService:
         # holding NaN or inf: the file's metadata and the announcement are those of the plan
         # actually written (stats.plan).
         plan = plan_consolidation(replicas, mode=self.config.mode, rejected=rejected,
-                                  prior_worker_steps=work.prior_worker_steps, job_workers=work.job_workers)
+                                  prior_worker_steps=work.prior_worker_steps, job_workers=work.job_workers,
+                                  limit_worker_steps=work.limit_worker_steps)
         static = {"job": work.job_id, "round": str(work.round), "missing": json.dumps(list(work.missing))}
         path = tmp_dir / "model.safetensors"
         with open(path, "wb") as out:
