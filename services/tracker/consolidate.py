@@ -74,7 +74,7 @@ from services.tracker.safetensors_format import (
     FileRangeReader, Header, InvalidSafetensors, RangeReader, TensorInfo, read_header,
 )
 from shared.errors import HadarError
-from shared.model_meta import Mode, ModelMetadata, consolidation_entries
+from shared.model_meta import Mode, ModelDescription, ModelMetadata, consolidation_entries
 from shared.records import CopyWeight, Rejection
 
 __all__ = [
@@ -196,12 +196,13 @@ class ConsolidationPlan:
         return {**consolidation_entries(mode=self.mode, copies=self.copy_weights(), rejected=self.rejections()),
                 "total_steps": str(self.total_steps)}
 
-    def model_metadata(self, *, job: str, round_: int, missing: Sequence[int] = ()) -> ModelMetadata:
+    def model_metadata(self, *, job: str, round_: int, missing: Sequence[int] = (),
+                       description: ModelDescription | None = None) -> ModelMetadata:
         """What this plan's output says about itself as round ``round_`` of ``job``;
-        ``missing``: copies that never reported."""
+        ``missing``: copies that never reported; ``description``: what the model is."""
         return ModelMetadata(job=job, round=round_, total_steps=self.total_steps, mode=self.mode,
                              copies=self.copy_weights(), rejected=self.rejections(), missing=tuple(missing),
-                             format=self.format_metadata.get("format"))
+                             format=self.format_metadata.get("format"), description=description)
 
 
 @dataclass(frozen=True, kw_only=True)
