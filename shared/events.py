@@ -272,8 +272,8 @@ class CopyFinished(Event):
 class ModelConsolidated(Event):
     """A round's model is stored at ``key``. ``metric_name``/``metric_value``: the model's
     held-out metric (``shared.zoo.evaluate``: "accuracy", higher is better, or "mse", lower
-    is better), computed by the tracker on the dataset's test split; absent ("" and None)
-    when it could not be computed (a model the zoo cannot rebuild, one too large to
+    is better), computed by the tracker on the dataset's test split; absent (``metric_value``
+    None; the tracker then leaves ``metric_name`` "") when it could not be computed (a model the zoo cannot rebuild, one too large to
     evaluate, or a model announced from an earlier run's file)."""
 
     TYPE: ClassVar[str] = "ModelConsolidated"
@@ -292,8 +292,6 @@ class ModelConsolidated(Event):
         check_job_id(self.job_id, self.TYPE)
         require(self.total_steps >= 0, "ModelConsolidated.total_steps: must be >= 0")
         require(len(self.metric_name) <= 32, "ModelConsolidated.metric_name: at most 32 characters")
-        require((self.metric_name == "") == (self.metric_value is None),
-                 "ModelConsolidated.metric_name/metric_value: both or neither")
 
 
 @dataclass(frozen=True, kw_only=True)
