@@ -15,14 +15,16 @@ spare a torch import per copy), starting from the previous round's consolidated 
 (``start_from``), training its step budget and writing
 ``checkpoints/{job}/{round}/{copy}.safetensors``. After each round the copies are averaged
 as the tracker does it (:func:`plan_consolidation` with ``steps`` weights, streamed from
-the store by :class:`StoreRangeReader`, :func:`write_consolidated`), to
-``models/{job}/{round}.safetensors`` with the tracker's metadata (:mod:`shared.model_meta`;
-``total_steps`` is the previous total plus the copies' steps). The final round's model is
+the store by :class:`StoreRangeReader`, :func:`write_round_outputs`), to
+``models/{job}/{round}.safetensors`` (weights only) with the tracker's metadata
+(:mod:`shared.model_meta`; ``total_steps`` is the previous total plus the copies' steps)
+and the averaged optimizer state beside it (``models/{job}/{round}.optim.safetensors``),
+which the next round's workers merge back. The final round's model is
 scored with :func:`shared.zoo.evaluate` on the dataset's held-out split.
 
 Data order: the worker's batch of a step depends on (job seed, copy, rank, total step),
-so the forked copies walk different permutations of the training set. The checkpoint
-carries the optimizer state and one replica consolidates to itself exactly, so the
+so the forked copies walk different permutations of the training set. The optimizer
+state travels beside each round model and one replica consolidates to itself exactly, so the
 single arm is the same as one uninterrupted run of ``--steps`` steps.
 
 Repeated for job seeds 0..``--seeds``-1 (model initialisation and data order); mean and
@@ -41,6 +43,7 @@ import argparse
 import asyncio
 import io
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -55,9 +58,10 @@ import torch  # noqa: E402
 from services.agent.checkpoint import read_checkpoint, restore  # noqa: E402
 from services.agent.spec import StoreTarget, WorkerSpec, parse_worker_line  # noqa: E402
 from services.agent.worker import Worker  # noqa: E402
-from services.tracker.consolidate import Replica, plan_consolidation, write_consolidated  # noqa: E402
+from services.tracker.consolidate import DEFAULT_CHUNK_BYTES, Replica, plan_consolidation  # noqa: E402
+from services.tracker.model_output import RoundOutputs, write_round_outputs  # noqa: E402
 from services.tracker.store_reader import StoreRangeReader  # noqa: E402
-from shared.layout import checkpoint_key, model_key  # noqa: E402
+from shared.layout import checkpoint_key, model_key, optim_key  # noqa: E402
 from shared.store import LocalStore  # noqa: E402
 from shared.zoo import build_model, evaluate, load_dataset  # noqa: E402
 
@@ -119,22 +123,23 @@ async def consolidate_round(store: LocalStore, job_id: str, round_: int, steps: 
         key = checkpoint_key(job_id, round_, copy)
         size = await store.size(key)
         replicas.append(Replica(copy=copy, steps=copy_steps, reader=StoreRangeReader(store, key, size, loop)))
-    path = scratch / f"{job_id}-{round_}.safetensors"
+    out_dir = scratch / f"{job_id}-{round_}"
+    out_dir.mkdir()
 
-    def plan_and_write() -> int:   # off the loop: the readers wait on it
+    def plan_and_write() -> RoundOutputs:   # off the loop: the readers wait on it
         # Every copy here is a whole W = 1 job: worker-steps are job steps.
         plan = plan_consolidation(replicas, mode="steps", prior_worker_steps=prior_steps)
         if plan.rejected:
             raise RuntimeError(f"consolidation of {job_id}/{round_} rejected {plan.rejected}")
-        meta = plan.model_metadata(job=job_id, round_=round_)
-        with open(path, "wb") as out:
-            write_consolidated(plan, out, metadata=meta.to_metadata())
-        return meta.total_steps
+        return write_round_outputs(plan, out_dir, job_id=job_id, round_=round_, missing=(), spec=None,
+                                   chunk_bytes=DEFAULT_CHUNK_BYTES)
 
-    total = await asyncio.to_thread(plan_and_write)
-    await store.put_file(model_key(job_id, round_), path)
-    path.unlink()
-    return total
+    outputs = await asyncio.to_thread(plan_and_write)
+    if outputs.optim_path is not None:   # the tracker's order: optimizer state first, then the model
+        await store.put_file(optim_key(job_id, round_), outputs.optim_path)
+    await store.put_file(model_key(job_id, round_), outputs.model_path)
+    shutil.rmtree(out_dir)
+    return outputs.meta.total_steps
 
 
 def train_job(root: Path, task: Task, arm: Arm, seed: int, training: Training, scratch: Path) -> str:

@@ -270,6 +270,12 @@ class CopyFinished(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConsolidated(Event):
+    """A round's model is stored at ``key``. ``metric_name``/``metric_value``: the model's
+    held-out metric (``shared.zoo.evaluate``: "accuracy", higher is better, or "mse", lower
+    is better), computed by the tracker on the dataset's test split; absent (``metric_value``
+    None; the tracker then leaves ``metric_name`` "") when it could not be computed (a model the zoo cannot rebuild, one too large to
+    evaluate, or a model announced from an earlier run's file)."""
+
     TYPE: ClassVar[str] = "ModelConsolidated"
     job_id: str
     round: int
@@ -279,10 +285,13 @@ class ModelConsolidated(Event):
     rejected: tuple[Rejection, ...] = ()
     missing: tuple[int, ...] = ()
     seconds: float = 0.0
+    metric_name: str = ""
+    metric_value: float | None = None
 
     def _check(self) -> None:
         check_job_id(self.job_id, self.TYPE)
         require(self.total_steps >= 0, "ModelConsolidated.total_steps: must be >= 0")
+        require(len(self.metric_name) <= 32, "ModelConsolidated.metric_name: at most 32 characters")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,7 +3,8 @@
 ::
 
     checkpoints/{job}/{round}/{copy}.safetensors   a copy's weights at the end of a round (agent)
-    models/{job}/{round}.safetensors               the round's consolidated model (tracker)
+    models/{job}/{round}.safetensors               the round's consolidated model: weights only (tracker)
+    models/{job}/{round}.optim.safetensors         its averaged optimizer state, for resuming (tracker)
     models/{job}/final.safetensors                 the job's final model (tracker)
     snapshots/{owner}/{seq}.snapshot               a service's state snapshot (shared/snapshot.py)
 
@@ -30,7 +31,7 @@ from shared.records import JOB_ID_RE
 __all__ = [
     "CheckpointKey", "ModelKey", "checkpoint_key", "model_key", "final_key", "checkpoint_prefix",
     "model_prefix", "parse_checkpoint_key", "parse_model_key", "parse_final_key",
-    "snapshot_key", "snapshot_prefix", "parse_snapshot_key",
+    "snapshot_key", "snapshot_prefix", "parse_snapshot_key", "optim_key", "optim_key_of", "parse_optim_key",
 ]
 
 CHECKPOINTS = "checkpoints"
@@ -39,6 +40,7 @@ SUFFIX = ".safetensors"
 FINAL = "final"
 SNAPSHOTS = "snapshots"
 SNAPSHOT_SUFFIX = ".snapshot"
+OPTIM_SUFFIX = ".optim" + SUFFIX
 _NUMBER_RE = re.compile(r"0|[1-9][0-9]*")
 _OWNER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 
@@ -68,6 +70,18 @@ def checkpoint_key(job_id: str, round_: int, copy: int) -> str:
 def model_key(job_id: str, round_: int) -> str:
     """Where the consolidated model of round ``round_`` of ``job_id`` lives."""
     return f"{model_prefix(job_id)}{_number(round_, 'round')}{SUFFIX}"
+
+
+def optim_key(job_id: str, round_: int) -> str:
+    """Where the optimizer state of round ``round_``'s model of ``job_id`` lives (beside it)."""
+    return f"{model_prefix(job_id)}{_number(round_, 'round')}{OPTIM_SUFFIX}"
+
+
+def optim_key_of(model: str) -> str | None:
+    """The optimizer-state key beside round model key ``model``; None if ``model`` is not a
+    round model's key (a checkpoint carries its optimizer state inside)."""
+    parts = parse_model_key(model)
+    return None if parts is None else optim_key(parts.job_id, parts.round)
 
 
 def final_key(job_id: str) -> str:
@@ -102,6 +116,17 @@ def parse_model_key(key: str) -> ModelKey | None:
     if len(parts) != 3 or parts[0] != MODELS or not parts[2].endswith(SUFFIX):
         return None
     job_id, round_ = parts[1], parts[2][:-len(SUFFIX)]
+    if not (_is_job(job_id) and _is_number(round_)):
+        return None
+    return ModelKey(job_id=job_id, round=int(round_))
+
+
+def parse_optim_key(key: str) -> ModelKey | None:
+    """The job and round of an optimizer-state key; None if ``key`` is not one."""
+    parts = key.split("/")
+    if len(parts) != 3 or parts[0] != MODELS or not parts[2].endswith(OPTIM_SUFFIX):
+        return None
+    job_id, round_ = parts[1], parts[2][:-len(OPTIM_SUFFIX)]
     if not (_is_job(job_id) and _is_number(round_)):
         return None
     return ModelKey(job_id=job_id, round=int(round_))

@@ -17,10 +17,26 @@ starts from. Safetensors metadata maps str to str; the entries, in the order wri
                  per step, so this is not comparable with round_steps
     missing      JSON [int, ...]: copies assigned that never reported
 
-:meth:`ModelMetadata.to_metadata` writes exactly these entries, byte for byte as the tracker
-always has. :meth:`ModelMetadata.from_metadata` reads them back, ignores entries it does not
-know, tolerates the absence of ``rejected``, ``missing``, ``round_steps`` and ``format``, and
-raises :class:`InvalidModelMetadata` -- and nothing else -- for anything malformed.
+and, when the tracker knows the job (it always does for a job submitted through Hadar),
+what the file *is*, enough to rebuild the module it fits (``shared.zoo.build_from_metadata``)::
+
+    model        the zoo model name, e.g. "resnet-w16-d2"
+    dataset      the zoo dataset name, e.g. "digits"
+    width        the model's width (decimal); depth: its depth (decimal)
+    zoo          JSON {"family", "width", "depth", "task", "input_shape", "n_outputs"}
+    library      "hadar <version>": the code that wrote the file and whose zoo builds the module
+    samples      training samples credited to the model (decimal): the job's worker-steps
+                 (clipped to W x iterations) x the per-worker batch
+
+The file holds the model's weights only (its ``state_dict``): the averaged optimizer state
+of a round model is a sibling object (``shared.layout.optim_key``).
+
+:meth:`ModelMetadata.to_metadata` writes the first group exactly, byte for byte as the
+tracker always has, then the description entries that are set.
+:meth:`ModelMetadata.from_metadata` reads them back, ignores entries it does not
+know, tolerates the absence of ``rejected``, ``missing``, ``round_steps``, ``format`` and of
+every description entry, and raises :class:`InvalidModelMetadata` -- and nothing else --
+for anything malformed.
 """
 
 from __future__ import annotations
@@ -35,8 +51,12 @@ from typing import Any, Literal
 from shared.errors import HadarError
 from shared.records import JOB_ID_RE, CopyWeight, InvalidEvent, Rejection
 
-__all__ = ["InvalidModelMetadata", "ModelMetadata", "Mode", "consolidation_entries"]
+__all__ = ["InvalidModelMetadata", "ModelMetadata", "ModelDescription", "Mode", "consolidation_entries",
+           "OPTIM_PREFIX"]
 
+# Tensors named with this prefix are optimizer state (a checkpoint holds both; a model
+# file holds none, its round's optimizer state is the sibling ``shared.layout.optim_key``).
+OPTIM_PREFIX = "optim."
 Mode = Literal["steps", "uniform"]
 MODES: tuple[Mode, ...] = ("steps", "uniform")
 _MAX_INT = 2**63 - 1
@@ -46,6 +66,47 @@ _COMPACT = (",", ":")
 
 class InvalidModelMetadata(HadarError, ValueError):
     """Metadata that is not a consolidated model's; the message names the entry and why."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelDescription:
+    """What a model file is: the zoo model and dataset it was trained as, by which code, on
+    how many samples (see the module docstring). ``zoo`` is a JSON object text."""
+
+    model: str
+    dataset: str
+    width: int
+    depth: int
+    zoo: str
+    library: str
+    samples: int
+
+    def __post_init__(self) -> None:
+        for name in ("model", "dataset", "library"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not 0 < len(value) <= 200:
+                raise InvalidModelMetadata(f"model metadata: {name}: expected 1-200 characters, got {_short(value)}")
+        for name in ("width", "depth", "samples"):
+            _check_count(name, getattr(self, name))
+        try:
+            zoo = json.loads(self.zoo) if isinstance(self.zoo, str) else None
+        except (ValueError, RecursionError):
+            zoo = None
+        if not isinstance(zoo, dict):
+            raise InvalidModelMetadata(f"model metadata: zoo: expected a JSON object, got {_short(self.zoo)}")
+
+    def to_metadata(self) -> dict[str, str]:
+        return {"model": self.model, "dataset": self.dataset, "width": str(self.width), "depth": str(self.depth),
+                "zoo": self.zoo, "library": self.library, "samples": str(self.samples)}
+
+    @classmethod
+    def from_metadata(cls, meta: Mapping[str, str]) -> ModelDescription | None:
+        """The description in ``meta``; None if it has none (a model written before there was one)."""
+        if "model" not in meta:
+            return None
+        return cls(model=_entry(meta, "model"), dataset=_entry(meta, "dataset"), width=_count(meta, "width"),
+                   depth=_count(meta, "depth"), zoo=_entry(meta, "zoo"), library=_entry(meta, "library"),
+                   samples=_count(meta, "samples"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +126,7 @@ class ModelMetadata:
     rejected: tuple[Rejection, ...] = ()
     missing: tuple[int, ...] = ()
     format: str | None = None
+    description: ModelDescription | None = None
 
     def __post_init__(self) -> None:
         for name in ("copies", "rejected", "missing"):
@@ -80,6 +142,9 @@ class ModelMetadata:
             raise InvalidModelMetadata(f"model metadata: mode: must be one of {list(MODES)}, got {_short(self.mode)}")
         if self.format is not None and not isinstance(self.format, str):
             raise InvalidModelMetadata(f"model metadata: format: expected str, got {type(self.format).__name__}")
+        if self.description is not None and not isinstance(self.description, ModelDescription):
+            raise InvalidModelMetadata(f"model metadata: description: expected ModelDescription, "
+                                       f"got {type(self.description).__name__}")
         if not self.copies:
             raise InvalidModelMetadata("model metadata: copies: a model averages at least one copy")
         for c in self.copies:
@@ -114,6 +179,8 @@ class ModelMetadata:
             "total_steps": str(self.total_steps),
             "missing": json.dumps(list(self.missing)),  # default separators: the bytes written since the start
         })
+        if self.description is not None:
+            meta.update(self.description.to_metadata())
         return meta
 
     @classmethod
@@ -129,7 +196,8 @@ class ModelMetadata:
         missing = tuple(_json_count("missing", item) for item in _json_list(meta, "missing", required=False))
         parsed = cls(job=_entry(meta, "job"), round=_count(meta, "round"), total_steps=_count(meta, "total_steps"),
                      mode=_entry(meta, "mode"),  # type: ignore[arg-type]  # checked on construction
-                     copies=copies, rejected=rejected, missing=missing, format=meta.get("format"))
+                     copies=copies, rejected=rejected, missing=missing, format=meta.get("format"),
+                     description=ModelDescription.from_metadata(meta))
         if "round_steps" in meta and _count(meta, "round_steps") != parsed.round_steps:
             raise InvalidModelMetadata(f"model metadata: round_steps {meta['round_steps']} is not the sum "
                                        f"of the copies' steps ({parsed.round_steps})")

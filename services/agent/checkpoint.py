@@ -12,8 +12,9 @@ Layout of a checkpoint file:
 
 A consolidated model written by the tracker (``models/{job}/{round}.safetensors``, with
 the metadata of :class:`shared.model_meta.ModelMetadata`) is a valid starting point too:
-only ``total_steps`` is required to start from a file, and the optimizer part is optional
-(without it the optimizer starts fresh).
+only ``total_steps`` is required to start from a file. A model file holds weights only;
+the round's averaged optimizer state is the sibling object ``shared.layout.optim_key``,
+which :func:`with_optimizer_state` merges back (without it the optimizer starts fresh).
 
 Any file that does not fit the model -- unreadable, a missing or extra tensor, a wrong
 shape, a bad ``total_steps`` -- raises :class:`CheckpointError`.
@@ -30,12 +31,12 @@ from safetensors.torch import save_file
 from torch import nn
 
 from shared.errors import HadarError
+from shared.model_meta import OPTIM_PREFIX
 
 __all__ = ["CheckpointError", "CheckpointMeta", "OPTIM_PREFIX", "FORMAT", "state_tensors",
-           "save_checkpoint", "read_checkpoint", "restore", "read_total_steps"]
+           "save_checkpoint", "read_checkpoint", "restore", "read_total_steps", "with_optimizer_state"]
 
 FORMAT = "hadar-checkpoint-1"
-OPTIM_PREFIX = "optim."
 
 
 class CheckpointError(HadarError):
@@ -121,6 +122,18 @@ def read_total_steps(meta: dict[str, str]) -> int:
     if steps < 0:
         raise CheckpointError(f"checkpoint metadata: total_steps must be >= 0, got {steps}")
     return steps
+
+
+def with_optimizer_state(weights: dict[str, torch.Tensor],
+                         optim: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A model file's tensors plus the optimizer state stored beside it: every tensor of
+    ``optim`` must be named ``optim.*`` and none of ``weights`` may be (CheckpointError)."""
+    if any(not name.startswith(OPTIM_PREFIX) for name in optim):
+        bad = next(name for name in optim if not name.startswith(OPTIM_PREFIX))
+        raise CheckpointError(f"optimizer state holds {bad!r}, not named {OPTIM_PREFIX}*")
+    if any(name.startswith(OPTIM_PREFIX) for name in weights):
+        raise CheckpointError("the model file already holds optimizer state")
+    return {**weights, **optim}
 
 
 def restore(model: nn.Module, optimizer: torch.optim.Optimizer | None,

@@ -36,10 +36,12 @@ from torch import nn
 
 from services.agent.checkpoint import (
     CheckpointError, CheckpointMeta, read_checkpoint, read_total_steps, restore, save_checkpoint,
+    with_optimizer_state,
 )
 from services.agent.spec import StoreTarget, WorkerSpec, worker_line
 from services.agent.training import BatchSampler, LoopResult, StopCode, TrainingLoop
 from shared.config import ConfigError
+from shared.layout import optim_key_of
 from shared.logging import capture_prints, configure_logging
 from shared.store import ObjectStore
 from shared.zoo import Metric, build_model, evaluate, load_dataset, make_optimizer
@@ -166,6 +168,9 @@ class Worker:
             time.sleep(START_POLL_S)
         tensors, meta = self._fetch(store, spec.start_from)
         total = read_total_steps(meta)
+        optim = optim_key_of(spec.start_from)   # a round model's optimizer state lies beside it
+        if optim is not None and store.exists(optim):
+            tensors = with_optimizer_state(tensors, self._fetch(store, optim)[0])
         restore(model, optimizer, tensors)
         return 0, total
 

@@ -27,6 +27,7 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from services.cli.joblog import TrainingLog
 from services.scheduler.state import SchedulerState
 from shared.bus import Bus
 from shared.clock import Clock, SystemClock
@@ -48,12 +49,16 @@ class ClusterView:
     state: SchedulerState = field(default_factory=lambda: SchedulerState(
         seen_window=sys.maxsize, rounds_kept=sys.maxsize, finished_kept=sys.maxsize, rounds_in_order=False))
     cancelled_at: dict[str, float] = field(default_factory=dict)
+    training: TrainingLog = field(default_factory=TrainingLog)   # loss, samples/s, metrics (``hadar logs``)
+    new_training: list[Event] = field(default_factory=list)      # what the last fold added to ``training``
 
     def fold(self, items: Iterable[tuple[str, Event]]) -> None:
         """Apply a batch as :func:`~services.scheduler.state.fold_log` orders a whole log:
         RoundStarted by round, then the other events (jobs, nodes, throughput, progress,
         models: a job exists before its news), then Assignments by round. Events the
         state refuses are left out, as the scheduler left them out; repeats change nothing."""
+        items = list(items)
+        self.new_training = self.training.fold(event for _, event in items)
         placements: list[Event] = []
         others: list[tuple[int, Event]] = []
         for topic, event in items:

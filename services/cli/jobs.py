@@ -27,7 +27,7 @@ from shared.connect import add_bus_args, add_store_args, make_bus, make_store
 from shared.errors import UsageError
 from shared.events import JobCancelled, JobSpec, JobSubmitted
 from shared.jobfile import FIELDS, JobFileError, load_job_file, new_job_id, parse_job
-from shared.layout import final_key
+from shared.layout import final_key, model_key
 from shared.store import ObjectNotFound
 
 __all__ = ["register", "submit", "jobs_table", "spec_from_args"]
@@ -94,9 +94,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_bus_args(p)
     p.set_defaults(func=cmd_cancel)
 
-    p = sub.add_parser("model", help="download a job's final model (safetensors)")
+    p = sub.add_parser("model", help="download a job's final (or --round R) model: weights only, safetensors, "
+                                     "with metadata naming its zoo model (README \"Using a model\")")
     p.add_argument("job", help="job id")
     p.add_argument("--out", required=True, help="output file")
+    p.add_argument("--round", type=int, default=None, metavar="R",
+                   help="the consolidated model of round R instead of the final one (kept while the job runs: "
+                        "the tracker keeps the latest few rounds' models)")
     _json_flag(p, "what was downloaded and the model's metadata")
     add_store_args(p)
     p.set_defaults(func=cmd_model)
@@ -188,7 +192,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     since = None if args.since is None else parse_since(args.since, now)
     picked = select_jobs(view.state, include_done=args.all, states=args.state or (), user=args.user, since=since)
     if args.json:
-        print(json.dumps([job_doc(view.state, j.spec.job_id, now=now, cancelled_at=view.cancelled_at)
+        print(json.dumps([job_doc(view.state, j.spec.job_id, now=now, cancelled_at=view.cancelled_at,
+                                  training=view.training)
                           for j in picked], indent=2))
     else:
         print(jobs_table(view.state, include_done=args.all, now=now, cancelled_at=view.cancelled_at, jobs=picked))
@@ -209,8 +214,8 @@ def _read(args: argparse.Namespace) -> ClusterView:
 def cmd_status(args: argparse.Namespace) -> int:
     """Prints the job's JSON document (with or without ``--json``: status was always JSON)."""
     view = _read(args)
-    print(json.dumps(job_doc(view.state, args.job, now=SystemClock().time(), cancelled_at=view.cancelled_at),
-                     indent=2))
+    print(json.dumps(job_doc(view.state, args.job, now=SystemClock().time(), cancelled_at=view.cancelled_at,
+                             training=view.training), indent=2))
     return 0
 
 
@@ -231,9 +236,10 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 def cmd_model(args: argparse.Namespace) -> int:
     try:
-        key = final_key(args.job)
+        key = final_key(args.job) if args.round is None else model_key(args.job, args.round)
     except ValueError as exc:
-        raise UsageError(f"job: {exc}") from None
+        raise UsageError(f"job/--round: {exc}") from None
+    what = "final model" if args.round is None else f"model of round {args.round}"
 
     async def run() -> None:
         store = make_store(args)
@@ -241,7 +247,9 @@ def cmd_model(args: argparse.Namespace) -> int:
         try:
             await store.get_file(key, Path(args.out))
         except ObjectNotFound:
-            raise UsageError(f"job: no final model for {args.job!r} (not completed yet, or unknown job)") from None
+            raise UsageError(f"job: no {what} for {args.job!r} (" + (
+                "not completed yet, or unknown job" if args.round is None else
+                "not consolidated yet, deleted by the tracker's lifecycle, or unknown job") + ")") from None
         finally:
             await store.stop()
 

@@ -12,6 +12,7 @@ from collections.abc import Collection, Mapping
 from datetime import datetime, timezone
 from typing import Any
 
+from services.cli.joblog import TrainingLog
 from services.scheduler.state import JobRecord, SchedulerState
 from shared.errors import UsageError
 
@@ -69,11 +70,14 @@ def elapsed_s(job: JobRecord, now: float, cancelled_at: Mapping[str, float]) -> 
 
 
 def job_doc(state: SchedulerState, job_id: str, *, now: float,
-            cancelled_at: Mapping[str, float] | None = None) -> dict[str, Any]:
+            cancelled_at: Mapping[str, float] | None = None, training: TrainingLog | None = None) -> dict[str, Any]:
     """The JSON document of one job; :class:`UsageError` if the log has no such job.
 
     Times are unix seconds (floats), durations seconds; ``waiting`` is null unless the
-    job is active and waits; ``gpus`` maps GPU type to count in its last round.
+    job is active and waits; ``gpus`` maps GPU type to count in its last round. With
+    ``training``: ``loss`` (``{"round", "value"}``, the newest round's copies' last reported
+    training loss, averaged) and ``metric`` (``{"round", "name", "value"}``, the latest
+    model's held-out metric), each null until reported.
     """
     job = state.jobs.get(job_id)
     if job is None:
@@ -90,6 +94,7 @@ def job_doc(state: SchedulerState, job_id: str, *, now: float,
         "rounds_run": job.rounds_run, "attained_gpu_s": round(job.attained_gpu_s, 1),
         "latest_model": job.model_key, "final_model": job.final_key,
         "jct_s": None if job.completed_at is None else round(job.completed_at - job.submitted_at, 3),
+        **((training or TrainingLog()).latest(job_id)),
     }
 
 

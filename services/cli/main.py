@@ -28,6 +28,7 @@ from shared.errors import HadarError, UsageError
 # Modules of this package that add subcommands, in help order.
 COMMANDS: tuple[str, ...] = (
     "jobs",          # submit, jobs, status, watch, cancel, model
+    "logs",
     "serve",
     "demo",
     "sim",
@@ -36,7 +37,7 @@ COMMANDS: tuple[str, ...] = (
     "infra",
     "completion",
 )
-USER_COMMANDS = frozenset({"submit", "jobs", "status", "watch", "cancel", "model", "completion"})
+USER_COMMANDS = frozenset({"submit", "jobs", "status", "watch", "cancel", "model", "logs", "completion"})
 EXIT_UNAVAILABLE = 3   # a user command could not reach or read the broker / object store
 
 

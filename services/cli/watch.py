@@ -71,7 +71,8 @@ async def watch_job(bus: Bus, job_id: str, *, wait_s: float, poll_s: float, as_j
         if job.state == "completed" or (job.state == "cancelled" and cancel_seen):
             bar.end()
             if as_json:
-                print(json.dumps(job_doc(view.state, job_id, now=now, cancelled_at=view.cancelled_at), indent=2))
+                print(json.dumps(job_doc(view.state, job_id, now=now, cancelled_at=view.cancelled_at,
+                                         training=view.training), indent=2))
             return 0 if job.state == "completed" else 1
         cancel_seen = job.state == "cancelled"
         await asyncio.sleep(0.0 if cancel_seen else poll_s)

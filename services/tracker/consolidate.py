@@ -18,6 +18,11 @@ Given replicas (one safetensors file per copy, each with the steps it claims thi
   :data:`MAX_TOTAL_STEPS` (2**64-1, the largest integer an event carries): if it would,
   the copies claiming the most worker-steps are rejected one at a time (ties: the highest
   copy id) until it fits; a job already past the limit gets no model for the round.
+* The credit is clipped, never the work: with ``limit_worker_steps`` (the job's
+  ``W x iterations``) the job's total after the round is at most that limit, so a job is
+  never credited more than it asked for, however its rounds were budgeted (a round planned
+  before the previous one was announced gets the whole remainder again). The copies'
+  own steps and the weights are unaffected.
 * Weights: ``steps`` mode (default) weighs copy ``i`` by its samples,
   ``steps_i * k_i / sum(steps * k)`` (a copy's own steps would under-weigh a copy on more
   workers); ``uniform`` by ``1 / n``. If every accepted copy did 0 steps, ``steps`` mode
@@ -69,7 +74,7 @@ from services.tracker.safetensors_format import (
     FileRangeReader, Header, InvalidSafetensors, RangeReader, TensorInfo, read_header,
 )
 from shared.errors import HadarError
-from shared.model_meta import Mode, ModelMetadata, consolidation_entries
+from shared.model_meta import Mode, ModelDescription, ModelMetadata, consolidation_entries
 from shared.records import CopyWeight, Rejection
 
 __all__ = [
@@ -131,6 +136,7 @@ class ConsolidationPlan:
     format_metadata: Mapping[str, str]
     prior_worker_steps: int = 0
     job_workers: int = 1
+    limit_worker_steps: int | None = None
 
     @property
     def round_steps(self) -> int:
@@ -144,8 +150,12 @@ class ConsolidationPlan:
 
     @property
     def total_worker_steps(self) -> int:
-        """The job's exact worker-steps once this round's model counts."""
-        return self.prior_worker_steps + self.round_worker_steps
+        """The job's exact worker-steps once this round's model counts, at most
+        ``limit_worker_steps`` (when given) unless the job was already past it."""
+        total = self.prior_worker_steps + self.round_worker_steps
+        if self.limit_worker_steps is not None:
+            total = min(total, max(self.limit_worker_steps, self.prior_worker_steps))
+        return total
 
     @property
     def total_steps(self) -> int:
@@ -186,12 +196,13 @@ class ConsolidationPlan:
         return {**consolidation_entries(mode=self.mode, copies=self.copy_weights(), rejected=self.rejections()),
                 "total_steps": str(self.total_steps)}
 
-    def model_metadata(self, *, job: str, round_: int, missing: Sequence[int] = ()) -> ModelMetadata:
+    def model_metadata(self, *, job: str, round_: int, missing: Sequence[int] = (),
+                       description: ModelDescription | None = None) -> ModelMetadata:
         """What this plan's output says about itself as round ``round_`` of ``job``;
-        ``missing``: copies that never reported."""
+        ``missing``: copies that never reported; ``description``: what the model is."""
         return ModelMetadata(job=job, round=round_, total_steps=self.total_steps, mode=self.mode,
                              copies=self.copy_weights(), rejected=self.rejections(), missing=tuple(missing),
-                             format=self.format_metadata.get("format"))
+                             format=self.format_metadata.get("format"), description=description)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -216,11 +227,12 @@ class NoUsableReplica(HadarError):
 
 def plan_consolidation(replicas: Sequence[Replica], *, mode: Mode = "steps",
                        rejected: Sequence[Rejected] = (), prior_worker_steps: int = 0,
-                       job_workers: int = 1) -> ConsolidationPlan:
+                       job_workers: int = 1, limit_worker_steps: int | None = None) -> ConsolidationPlan:
     """Parse every replica's header, reject the odd ones out, bound the steps, fix the weights.
 
     ``rejected`` lists copies the caller already excluded (kept in the plan's record);
-    ``prior_worker_steps`` the job's worker-steps before this round; ``job_workers`` its W.
+    ``prior_worker_steps`` the job's worker-steps before this round; ``job_workers`` its W;
+    ``limit_worker_steps`` the most worker-steps the job may be credited (W x iterations).
     See the module guarantees. Raises :class:`NoUsableReplica` when nothing is left to average.
     """
     if mode not in ("steps", "uniform"):
@@ -232,6 +244,8 @@ def plan_consolidation(replicas: Sequence[Replica], *, mode: Mode = "steps",
         raise ValueError("max_steps must be >= 0")
     if prior_worker_steps < 0:
         raise ValueError(f"prior_worker_steps must be >= 0, got {prior_worker_steps}")
+    if limit_worker_steps is not None and limit_worker_steps < 0:
+        raise ValueError(f"limit_worker_steps must be >= 0, got {limit_worker_steps}")
     if job_workers < 1 or any(not 1 <= r.workers <= job_workers for r in replicas):
         raise ValueError(f"every replica needs 1..{job_workers} workers (job_workers >= 1)")
     out_rejected = list(rejected)
@@ -268,7 +282,7 @@ def plan_consolidation(replicas: Sequence[Replica], *, mode: Mode = "steps",
     return ConsolidationPlan(mode=mode, accepted=accepted, layout=reference.tensors,
                              rejected=tuple(sorted(out_rejected, key=lambda r: r.copy)),
                              format_metadata=fmt, prior_worker_steps=prior_worker_steps,
-                             job_workers=job_workers)
+                             job_workers=job_workers, limit_worker_steps=limit_worker_steps)
 
 
 def _bounded_steps(replica: Replica) -> tuple[int, str]:

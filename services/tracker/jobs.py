@@ -39,7 +39,7 @@ class RoundRecord:
             workers=min(max(e.world_size, known.workers if known else 1), e.job.workers))
 
     def work(self, job_id: str, number: int, *, placed: bool, now: float, timeout_s: float,
-             prior_worker_steps: int, job_workers: int) -> RoundWork | None:
+             prior_worker_steps: int, job_workers: int, spec: JobSpec | None = None) -> RoundWork | None:
         """This round as work, if it is due: every copy in (``placed``: all its Assignments
         read), or ``timeout_s`` past its deadline."""
         all_in = placed and self.copies.keys() <= self.finished.keys()
@@ -51,7 +51,7 @@ class RoundRecord:
             usable=tuple(f for f in finished if f.status != "failed" and f.checkpoint),
             failed=tuple(f for f in finished if f.status == "failed" or not f.checkpoint),
             missing=tuple(sorted(self.copies.keys() - self.finished.keys())),
-            prior_worker_steps=prior_worker_steps, job_workers=job_workers, timed_out=not all_in)
+            prior_worker_steps=prior_worker_steps, job_workers=job_workers, timed_out=not all_in, spec=spec)
 
     def worker_steps(self, copies: Iterable[tuple[int, int]]) -> int:
         """Worker-steps of ``(copy, steps)`` of this round's placed copies: steps x workers."""
@@ -89,6 +89,14 @@ class JobRecord:
     def workers(self) -> int:
         """The job's W (1 until its spec is known; a copy is placed with its spec)."""
         return self.spec.workers if self.spec is not None else 1
+
+    def credit(self, worker_steps: int) -> None:
+        """Add a decided round's worker-steps, clipped to the job's ``W x iterations`` (a job
+        is never credited more than it asked for; docs/architecture.md "Work accounting")."""
+        total = self.consolidated_worker_steps + worker_steps
+        if self.spec is not None:
+            total = min(total, max(self.consolidated_worker_steps, self.spec.workers * self.spec.iterations))
+        self.consolidated_worker_steps = total
 
     @property
     def consolidated_steps(self) -> int:

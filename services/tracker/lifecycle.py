@@ -23,8 +23,9 @@ What is deleted, and when (``config`` names :class:`~services.tracker.config.Tra
 * **Old round models** (``keep_round_models`` = K >= 1): a running job keeps the round
   models of its K latest announced rounds, and any model an open round's Assignment
   starts from (``start_from``: the scheduler may have planned round r + 1 before model r
-  was announced, so its copies start from model r - 1); older ``models/{job}/{r}`` are
-  deleted once a newer model is announced. (A checkpoint an open round starts from --
+  was announced, so its copies start from model r - 1); older ``models/{job}/{r}`` (and
+  the optimizer state beside each, ``{r}.optim.safetensors``) are deleted once a newer
+  model is announced. (A checkpoint an open round starts from --
   the agent admits one -- is kept likewise.) The latest announced model -- what the next
   round starts from, and what completion copies to the final key -- is always kept. K = 1
   relies on reading the open round's Assignments before the next announcement; the
@@ -63,7 +64,7 @@ from prometheus_client import CollectorRegistry, Counter
 from services.tracker.config import MAX_RETRY_S, TrackerConfig
 from shared.events import Assignment, Event, JobCancelled, JobCompleted, ModelConsolidated, RoundAbandoned
 from shared.layout import (
-    checkpoint_prefix, final_key, model_key, model_prefix, parse_checkpoint_key, parse_model_key,
+    checkpoint_prefix, final_key, model_key, model_prefix, parse_checkpoint_key, parse_model_key, parse_optim_key,
 )
 from shared.store import ObjectStore
 
@@ -164,7 +165,11 @@ class ObjectLifecycle:
                     out.append((key, "checkpoint"))
                 continue
             mk = parse_model_key(key)   # None for the final model: never deleted
-            if mk is not None and mk.job_id == job_id and key not in protected and (
+            owner = key
+            if mk is None:   # a round model's optimizer state goes with its model
+                mk = parse_optim_key(key)
+                owner = model_key(mk.job_id, mk.round) if mk is not None else key
+            if mk is not None and mk.job_id == job_id and owner not in protected and (
                     (job.completed and self.delete_completed_models) or mk.round < cutoff):
                 out.append((key, "model"))
         return out

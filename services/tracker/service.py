@@ -15,6 +15,10 @@ Guarantees:
   announced twice: a ModelConsolidated already on hadar.models decides the round, and a
   model object written by an earlier run that was not announced is announced from its
   own metadata rather than recomputed, so a restart never publishes a different model.
+* A round model holds the averaged weights only and describes itself (model, dataset,
+  width/depth, zoo view, library, samples: ``shared.model_meta``); the averaged optimizer
+  state is stored first, beside it (``shared.layout.optim_key``), and the announcement
+  carries the model's held-out metric (``model_output.py``).
 * When a job's consolidated steps reach its iterations, ``models/{job}/final.safetensors``
   is written (a copy of the latest round's model) and JobCompleted follows, once, with
   ``jct_s = completed_at - submitted_at``.
@@ -42,7 +46,6 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import tempfile
 import time
@@ -54,11 +57,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from services.tracker.acceptance import REFUSAL_REASONS, Refusal
 from services.tracker.attempts import Attempts
 from services.tracker.config import MAX_RETRY_S, TrackerConfig
-from services.tracker.consolidate import (
-    ConsolidationPlan, NoUsableReplica, Rejected, Replica, WriteStats, plan_consolidation,
-    write_consolidated,
-)
+from services.tracker.consolidate import NoUsableReplica, Rejected, Replica, plan_consolidation
 from services.tracker.lifecycle import ObjectJanitor, ObjectLifecycle
+from services.tracker.model_output import RoundOutputs, held_out_metric, write_round_outputs
 from services.tracker.safetensors_format import InvalidSafetensors, read_header
 from services.tracker.state import CompletionWork, RoundWork, TrackerState
 from services.tracker.store_reader import StoreRangeReader
@@ -66,7 +67,7 @@ from shared.bus import Bus, Delivery
 from shared.clock import Clock, SystemClock
 from shared.errors import HadarError
 from shared.events import Event, JobCompleted, ModelConsolidated, Rejection, RoundAbandoned, RoundStarted
-from shared.layout import final_key, model_key
+from shared.layout import final_key, model_key, optim_key
 from shared.logging import get_logger
 from shared.model_meta import InvalidModelMetadata, ModelMetadata
 from shared.rejection import dead_letter_delivery
@@ -338,35 +339,39 @@ class TrackerService:
         tmp_dir = Path(tempfile.mkdtemp(prefix="hadar-tracker-", dir=self.config.temp_dir))
         try:
             try:
-                plan, meta, stats, path = await asyncio.to_thread(self._write, work, replicas, rejected, tmp_dir)
+                outputs, metric = await asyncio.to_thread(self._write, work, replicas, rejected, tmp_dir)
             except NoUsableReplica as exc:
                 self._m_rejected.inc(len(exc.rejected) - len(work.failed))
                 log.warning("round.no_usable_replica", reason=str(exc)[:500], missing=list(work.missing))
                 return self._abandonment(work, "no usable replica",
                                          rejected=tuple(Rejection(copy=r.copy, reason=r.reason) for r in exc.rejected))
-            await self.store.put_file(key, path)
+            if outputs.optim_path is not None:   # first: a copy that finds the model finds its optimizer state
+                await self.store.put_file(optim_key(work.job_id, work.round), outputs.optim_path)
+            await self.store.put_file(key, outputs.model_path)
         finally:
             shutil.rmtree(tmp_dir, ignore_errors=True)
         seconds = time.perf_counter() - started
         self._m_seconds.observe(seconds)
         self._m_models.inc()
-        self._m_bytes.inc(stats.bytes_read)
-        self._m_rejected.inc(len(plan.rejected) - len(work.failed))
-        return _announcement(meta, key, self.clock.time(), self.config.source, seconds=seconds)
+        self._m_bytes.inc(outputs.stats.bytes_read)
+        self._m_rejected.inc(len(outputs.plan.rejected) - len(work.failed))
+        return _announcement(outputs.meta, key, self.clock.time(), self.config.source, seconds=seconds,
+                             metric=metric)
 
     def _write(self, work: RoundWork, replicas: list[Replica], rejected: list[Rejected],
-               tmp_dir: Path) -> tuple[ConsolidationPlan, ModelMetadata, WriteStats, Path]:
+               tmp_dir: Path) -> tuple[RoundOutputs, tuple[str, float] | None]:
         # The plan bounds each copy's steps and the job's total. Writing may reject replicas
-        # holding NaN or inf: the file's metadata and the announcement are those of the plan
-        # actually written (stats.plan).
+        # holding NaN or inf: the files' metadata and the announcement are those of the plan
+        # actually written (model_output.py).
         plan = plan_consolidation(replicas, mode=self.config.mode, rejected=rejected,
-                                  prior_worker_steps=work.prior_worker_steps, job_workers=work.job_workers)
-        static = {"job": work.job_id, "round": str(work.round), "missing": json.dumps(list(work.missing))}
-        path = tmp_dir / "model.safetensors"
-        with open(path, "wb") as out:
-            stats = write_consolidated(plan, out, metadata=static, chunk_bytes=self.config.chunk_bytes)
-        meta = stats.plan.model_metadata(job=work.job_id, round_=work.round, missing=work.missing)
-        return stats.plan, meta, stats, path
+                                  prior_worker_steps=work.prior_worker_steps, job_workers=work.job_workers,
+                                  limit_worker_steps=work.limit_worker_steps)
+        outputs = write_round_outputs(plan, tmp_dir, job_id=work.job_id, round_=work.round, missing=work.missing,
+                                      spec=work.spec, chunk_bytes=self.config.chunk_bytes)
+        metric, why_not = held_out_metric(outputs.model_path, work.spec)
+        if metric is None:
+            self._log.info("round.no_metric", job=work.job_id, round=work.round, reason=why_not)
+        return outputs, metric
 
     async def _announcement_of_existing(self, work: RoundWork, key: str, log: Any) -> ModelConsolidated | None:
         """The ModelConsolidated of a model an earlier run wrote but did not announce."""
@@ -419,9 +424,11 @@ class AnnouncementRefused(HadarError):
     failed attempt like any other."""
 
 
-def _announcement(meta: ModelMetadata, key: str, ts: float, source: str, *, seconds: float = 0.0
-                  ) -> ModelConsolidated:
-    """The ModelConsolidated of the model at ``key``: what it says about itself, nothing more."""
+def _announcement(meta: ModelMetadata, key: str, ts: float, source: str, *, seconds: float = 0.0,
+                  metric: tuple[str, float] | None = None) -> ModelConsolidated:
+    """The ModelConsolidated of the model at ``key``: what it says about itself, and its
+    held-out metric when it was just evaluated."""
+    name, value = metric if metric is not None else ("", None)
     return ModelConsolidated(ts=ts, source=source, job_id=meta.job, round=meta.round, key=key,
                              total_steps=meta.total_steps, copies=meta.copies, rejected=meta.rejected,
-                             missing=meta.missing, seconds=seconds)
+                             missing=meta.missing, seconds=seconds, metric_name=name, metric_value=value)

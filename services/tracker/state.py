@@ -320,7 +320,7 @@ class TrackerState:
             self._close(job, number)
         job.floor = max(job.floor, round_)
         if model_key is not None:
-            job.consolidated_worker_steps += worker_steps
+            job.credit(worker_steps)
             job.model_key = model_key
         for held in self._pending.take_where(lambda e: e.job_id == job_id and e.round <= round_):
             self._refuse(held.event, Problem(reason="unassigned", detail=f"round {held.event.round} was decided "
@@ -372,7 +372,7 @@ class TrackerState:
                 item = job.rounds[number].work(job_id, number, placed=self._index.known(number), now=now,
                                                timeout_s=timeout_s,
                                                prior_worker_steps=job.consolidated_worker_steps,
-                                               job_workers=job.workers)
+                                               job_workers=job.workers, spec=job.spec)
                 if item is not None:
                     work.append(item)
         return work

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.events import JobSpec
+
 __all__ = ["FinishedCopy", "RoundWork", "CompletionWork"]
 
 
@@ -31,6 +33,8 @@ class RoundWork:
     copies that reported failure; ``missing``: assigned copies that never reported.
     ``prior_worker_steps``: the job's consolidated worker-steps before this round (exact);
     ``job_workers``: its W, so ``prior_steps`` (job steps) is ``prior_worker_steps // W``.
+    ``spec``: the job as submitted, when known (what the model file says it is; the credit
+    limit ``W x iterations``).
     """
 
     job_id: str
@@ -41,6 +45,12 @@ class RoundWork:
     prior_worker_steps: int
     job_workers: int
     timed_out: bool
+    spec: JobSpec | None = None
+
+    @property
+    def limit_worker_steps(self) -> int | None:
+        """The most worker-steps the job may be credited, ``W x iterations``, if known."""
+        return None if self.spec is None else self.spec.workers * self.spec.iterations
 
     @property
     def prior_steps(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from shared.events import JobSpec
 from shared.zoo.datasets import DATASETS, Dataset, DatasetInfo, dataset_info, load_dataset
+from shared.zoo.meta import build_from_metadata, describe, library_version
 from shared.zoo.figures import DEFAULT_DATASET, ModelFigures, job_figures, model_figures
 from shared.zoo.models import MODELS, SUPPORTS, ModelName, build_model, check_supported, parse_model_name
 from shared.zoo.optim import OPTIMIZERS, make_optimizer
@@ -19,7 +20,7 @@ __all__ = [
     "MODELS", "DATASETS", "SUPPORTS", "DEFAULT_DATASET", "validate_job", "build_model", "load_dataset",
     "dataset_info", "model_figures", "ModelFigures", "ModelName", "parse_model_name", "Dataset",
     "DatasetInfo", "Metric", "evaluate", "loss_function", "compatible_datasets", "job_figures",
-    "OPTIMIZERS", "make_optimizer",
+    "OPTIMIZERS", "make_optimizer", "build_from_metadata", "describe", "library_version",
 ]
 
 

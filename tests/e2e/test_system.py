@@ -22,7 +22,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors import safe_open
 from safetensors.numpy import load_file
+from safetensors.torch import load_file as load_torch_file
 
 from services.scheduler.state import fold_log
 from shared.bus import KafkaBus
@@ -32,6 +34,7 @@ from shared.infra import InfraError, InfraPaths, ensure_kafka, stop_server
 from shared.layout import checkpoint_key
 from shared.logging import STABLE_KEYS
 from shared.store import MinioStore
+from shared.zoo import build_from_metadata
 from shared.topics import ALL_TOPICS
 
 pytestmark = [pytest.mark.kafka, pytest.mark.s3, pytest.mark.slow]
@@ -181,15 +184,18 @@ async def _check_models(run: Run) -> None:
         # A copy's workers k (its world size) and the job's W, from the placements.
         placed = {(e.job_id, e.round, e.copy): (e.world_size, e.job.workers)
                   for _, e in run.log if isinstance(e, Assignment)}
+        iterations = {e.job.job_id: e.job.iterations for _, e in run.log if isinstance(e, Assignment)}
         for job_id in run.job_ids:
             rounds = sorted((e for e in consolidated if e.job_id == job_id), key=lambda e: e.round)
             assert rounds, f"{job_id}: no consolidated model"
             # Samples conserved (docs/architecture.md "Work accounting"): the job's worker-steps
-            # are the sum over its rounds of its copies' steps x k; its total steps are those // W.
+            # are the sum over its rounds of its copies' steps x k, credited up to W x iterations
+            # (never more than the job asked for); its total steps are those // W.
             workers = {(e.round, c.copy): placed[(job_id, e.round, c.copy)] for e in rounds for c in e.copies}
             (job_workers,) = {w for _, w in workers.values()}
             summed = sum(c.steps * workers[(e.round, c.copy)][0] for e in rounds for c in e.copies)
-            assert rounds[-1].total_steps == summed // job_workers == completed[job_id].total_steps
+            credited = min(summed, job_workers * iterations[job_id])
+            assert rounds[-1].total_steps == credited // job_workers == completed[job_id].total_steps
             for event in rounds:
                 copy_workers = {c.copy: workers[(event.round, c.copy)][0] for c in event.copies}
                 await _check_average(store, event, copy_workers, run.workdir / "check")
@@ -200,6 +206,9 @@ async def _check_models(run: Run) -> None:
         final = load_file(str(out))
         model = load_file(str(await _fetch(store, last.key, run.workdir / "check" / "last.safetensors")))
         assert final.keys() == model.keys() and all(np.array_equal(final[k], model[k]) for k in final)
+        # README "Using a model": weights only, and the module its metadata names takes them strictly.
+        module = build_from_metadata(safe_open(str(out), "pt").metadata())
+        module.load_state_dict(load_torch_file(str(out)), strict=True)
     finally:
         await store.stop()
 

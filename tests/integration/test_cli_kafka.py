@@ -12,7 +12,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from services.cli.main import main
 from shared.bus import KafkaBus
-from shared.events import Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted
+from shared.events import Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted, Progress
 from shared.layout import final_key
 
 pytestmark = pytest.mark.kafka
@@ -69,6 +69,15 @@ def test_scripted_session_on_kafka(kafka_bootstrap: str, monkeypatch: pytest.Mon
     _publish(kafka_bootstrap, JobCancelled(ts=now + 2, source="test", job_id=job))   # a cancel that raced
     assert main(["watch", job, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["state"] == "completed"
+
+    _publish(kafka_bootstrap, Progress(ts=now + 3, source="test", job_id=job, round=0, copy=0, node_id="n1",
+                                       gpu_type="V100", workers=1, steps_round=10, steps_total=10,
+                                       samples_per_s=320.0, loss=0.25))
+    assert main(["logs", job, "--follow", "--json", "--poll-s", "0.1"]) == 0   # completed: exits at once
+    (line,) = capsys.readouterr().out.splitlines()
+    assert json.loads(line)["event"]["loss"] == 0.25
+    assert main(["logs", job, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["latest"]["loss"] == {"round": 0, "value": 0.25}
 
     assert main(["jobs", "--all", "--json", "--user", "ada", "--since", "10m"]) == 0
     assert job in {d["job"] for d in json.loads(capsys.readouterr().out)}

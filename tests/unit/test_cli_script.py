@@ -213,7 +213,7 @@ def test_version_comes_from_package_metadata(capsys):
     assert capsys.readouterr().out.strip() == f"hadar {version('hadar')}"
 
 
-USER_COMMANDS = ("submit", "jobs", "status", "watch", "cancel", "model", "completion")
+USER_COMMANDS = ("submit", "jobs", "status", "watch", "cancel", "model", "logs", "completion")
 
 
 def _subparsers(parser):

@@ -134,3 +134,22 @@ def test_the_total_that_must_fit_an_event_is_in_job_steps() -> None:
                 Replica(copy=1, steps=5, workers=2, reader=BytesReader(replica_bytes(1)))]
     plan = plan_consolidation(replicas, prior_worker_steps=prior, job_workers=2)
     assert [r.copy for r in plan.accepted] == [1] and plan.total_steps == MAX_TOTAL_STEPS
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.lists(st.integers(0, 10**6), min_size=1, max_size=4), prior=st.integers(0, 10**7),
+       limit=st.integers(0, 10**7), workers=st.integers(1, 8))
+def test_the_credit_is_clipped_to_the_limit_and_the_weights_are_not(steps: list[int], prior: int, limit: int,
+                                                                   workers: int) -> None:
+    """A job is never credited more than ``limit_worker_steps`` (W x iterations) by a round
+    (issue 17: 300 iterations reported as 368); a job already past it keeps what it had.
+    The copies' steps and weights are those of the unclipped plan."""
+    replicas = [replica(i, s) for i, s in enumerate(steps)]
+    free = plan_consolidation(replicas, prior_worker_steps=prior, job_workers=workers)
+    clipped = plan_consolidation(replicas, prior_worker_steps=prior, job_workers=workers, limit_worker_steps=limit)
+    assert clipped.total_worker_steps == min(prior + sum(steps), max(limit, prior))
+    assert clipped.total_steps == clipped.total_worker_steps // workers
+    assert [(r.copy, r.steps, r.weight) for r in clipped.accepted] == [(r.copy, r.steps, r.weight)
+                                                                       for r in free.accepted]
+    with pytest.raises(ValueError, match="limit_worker_steps"):
+        plan_consolidation(replicas, limit_worker_steps=-1)

@@ -75,6 +75,7 @@ FIELDS: dict[tuple[str, str], st.SearchStrategy[Any]] = {
     ("Assignment", "copy"): st.integers(0, 1023),
     ("Assignment", "step_budget"): non_negative,
     ("ModelConsolidated", "total_steps"): non_negative,
+    ("ModelConsolidated", "metric_name"): text(0, 32),
     ("Progress", "samples_per_s"): floats(0),
     ("Progress", "workers"): st.integers(1, INT64[1]),
     ("JobCompleted", "jct_s"): floats(0),

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from shared.layout import (
     CheckpointKey, ModelKey, checkpoint_key, checkpoint_prefix, final_key, model_key, model_prefix,
-    parse_checkpoint_key, parse_final_key, parse_model_key,
+    optim_key, optim_key_of, parse_checkpoint_key, parse_final_key, parse_model_key, parse_optim_key,
 )
 from shared.store import validate_key
 
@@ -135,3 +135,18 @@ def test_bad_final_keys_do_not_parse(key: str) -> None:
 def test_builders_refuse_parts_outside_the_layout(build: Callable[[], str]) -> None:
     with pytest.raises(ValueError):
         build()
+
+
+@given(job_ids, numbers)
+def test_optim_key_lies_beside_its_model_and_parses_as_nothing_else(job_id: str, round_: int) -> None:
+    key = optim_key(job_id, round_)
+    assert validate_key(key) == key and key.startswith(model_prefix(job_id))
+    assert optim_key_of(model_key(job_id, round_)) == key
+    assert parse_optim_key(key) == ModelKey(job_id=job_id, round=round_)
+    assert parse_model_key(key) is None and parse_final_key(key) is None and parse_checkpoint_key(key) is None
+    assert parse_optim_key(model_key(job_id, round_)) is None
+    assert optim_key_of(final_key(job_id)) is None and optim_key_of(checkpoint_key(job_id, round_, 0)) is None
+
+
+def test_optim_key_is_pinned() -> None:
+    assert optim_key("j1", 3) == "models/j1/3.optim.safetensors"

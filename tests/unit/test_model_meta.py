@@ -13,7 +13,7 @@ from safetensors.numpy import save_file
 
 from services.tracker.consolidate import Rejected, Replica, plan_consolidation, write_consolidated
 from services.tracker.safetensors_format import FileRangeReader, read_header
-from shared.model_meta import InvalidModelMetadata, ModelMetadata
+from shared.model_meta import InvalidModelMetadata, ModelDescription, ModelMetadata
 from shared.records import CopyWeight, Rejection
 
 META = ModelMetadata(job="j1", round=3, total_steps=250, mode="steps",
@@ -181,3 +181,30 @@ def test_total_steps_are_job_steps_and_may_be_fewer_than_the_copies_own_steps() 
     meta = ModelMetadata(job="j1", round=0, total_steps=20, mode="steps",
                          copies=(CopyWeight(copy=0, steps=30, weight=0.75), CopyWeight(copy=1, steps=10, weight=0.25)))
     assert ModelMetadata.from_metadata(meta.to_metadata()) == meta and meta.round_steps == 40
+
+
+DESCRIBED = ModelDescription(model="resnet-w16-d2", dataset="digits", width=16, depth=2,
+                             zoo='{"depth":2,"family":"resnet","width":16}', library="hadar 0.1.0", samples=12_800)
+
+
+def test_a_description_is_written_after_the_old_entries_and_read_back() -> None:
+    meta = ModelMetadata(**{**META.__dict__, "description": DESCRIBED})
+    written = meta.to_metadata()
+    assert list(written)[:len(WRITTEN)] == list(WRITTEN) and {k: written[k] for k in WRITTEN} == WRITTEN
+    assert {k: written[k] for k in ("model", "dataset", "width", "depth", "library", "samples")} == {
+        "model": "resnet-w16-d2", "dataset": "digits", "width": "16", "depth": "2", "library": "hadar 0.1.0",
+        "samples": "12800"}
+    assert ModelMetadata.from_metadata(written) == meta
+    assert ModelMetadata.from_metadata(WRITTEN).description is None   # a model from before descriptions
+
+
+@pytest.mark.parametrize("entry, value", [("width", "-1"), ("samples", "x"), ("zoo", "[1]"), ("zoo", "{"),
+                                          ("model", ""), ("dataset", None)])
+def test_a_malformed_description_raises_the_one_error(entry: str, value: str | None) -> None:
+    written = ModelMetadata(**{**META.__dict__, "description": DESCRIBED}).to_metadata()
+    if value is None:
+        del written[entry]
+    else:
+        written[entry] = value
+    with pytest.raises(InvalidModelMetadata, match=entry):
+        ModelMetadata.from_metadata(written)

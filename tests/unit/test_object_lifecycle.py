@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from services.tracker.lifecycle import MAX_JOBS_PER_SWEEP, ObjectLifecycle
 from shared.events import JobCancelled, RoundAbandoned
-from shared.layout import checkpoint_key, final_key, model_key
+from shared.layout import checkpoint_key, final_key, model_key, optim_key
 from tests.unit.tracker_events import T0, assignment, completed, consolidated
 
 CK = [checkpoint_key("j1", r, c) for r in range(6) for c in range(2)]
@@ -118,3 +118,15 @@ def test_nothing_goes_unless_the_model_the_rules_rely_on_is_stored() -> None:
     assert life.required("j1") == final_key("j1")
     assert life.doomed("j1", [k for k in ALL if k != final_key("j1")]) == []
     assert final_key("j1") not in doomed(life) and len(doomed(life)) == len(ALL) - 4   # j2's, notes, final
+
+
+def test_a_round_models_optimizer_state_goes_and_stays_with_its_model() -> None:
+    optim = [optim_key("j1", r) for r in range(6)]
+    life = ObjectLifecycle(keep_round_models=2)
+    life.observe(replace(assignment(0, round_=4), start_from=model_key("j1", 0)), 0.0)
+    decide(life, 0, 1, 2, 3)
+    gone = {key for key, _ in life.doomed("j1", ALL + optim)}
+    assert optim_key("j1", 1) in gone and model_key("j1", 1) in gone
+    # round 0's model is what an open round starts from: its optimizer state is kept with it
+    assert {optim_key("j1", 0), model_key("j1", 0), optim_key("j1", 2), optim_key("j1", 3)}.isdisjoint(gone)
+    assert {kind for key, kind in life.doomed("j1", ALL + optim) if key in optim} == {"model"}

@@ -87,7 +87,8 @@ def test_two_half_copies_of_a_two_worker_job_make_half_their_steps() -> None:
     state = TrackerState()
     state.apply(submitted(job))
     event = _round(state, 0, job, [(1, 100, 70), (1, 100, 51)])
-    assert event.total_steps == 60 and state.consolidated_worker_steps("j1") == 121
+    # 121 worker-steps trained; credited up to W x iterations = 120 (never more than the job asked)
+    assert event.total_steps == 60 and state.consolidated_worker_steps("j1") == 120
     assert [c.weight for c in event.copies] == pytest.approx([70 / 121, 51 / 121])
     (done,) = state.due_completions()
     assert done.total_steps == 60
