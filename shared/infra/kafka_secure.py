@@ -48,6 +48,8 @@ class BrokerSecurity:
 def prepare(run: Path, *, now: dt.datetime | None = None) -> BrokerSecurity:
     """The run directory's secrets and certificates, made on first use and kept after."""
     base = secure_dir(run)
+    base.mkdir(parents=True, exist_ok=True)
+    base.chmod(0o700)
     found = load_or_create(base / "secrets.json")
     tls = base / "tls"
     if not (tls / "server.pem").exists():

@@ -31,7 +31,11 @@ CLI_PRINCIPAL = "cli"
 
 
 def credentials_dir(paths: InfraPaths) -> Path:
-    return paths.run / "credentials"
+    """``<run>/credentials``, created owner-only (0700)."""
+    directory = paths.run / "credentials"
+    directory.mkdir(parents=True, exist_ok=True)
+    directory.chmod(0o700)
+    return directory
 
 
 def apply(paths: InfraPaths, servers: DevServers) -> dict[str, Path]:

@@ -12,7 +12,7 @@ Kafka (``User:<name>``):
 * ``reads``: READ (+ DESCRIBE) on those topics -- the service's input topics (and the
   dead-letter topic for the services that count dead letters).
 * ``groups``: READ on consumer groups whose id starts with the prefix (PREFIXED), so an
-  agent's ``hadar-agent-<node>`` and a CLI's ``hadar-cli-...`` work and nothing else does.
+  agent's ``hadar-agent-<node>`` works and nothing else does; the CLI gets no group.
 * ``admin`` is a super user: it creates topics and ACLs. No service runs as admin.
 
 MinIO (``hadar-<name>``): ``s3_read``/``s3_write`` are key prefixes of
@@ -60,7 +60,7 @@ class Principal:
 PRINCIPALS: dict[str, Principal] = {p.name: p for p in (
     Principal(name="cli", writes=(JOBS,),
               reads=(JOBS, NODES, THROUGHPUT, PROGRESS, PLACEMENTS, MODELS, DEADLETTER),
-              group_prefix="hadar-cli", s3_read=(MODELS_PREFIX,)),
+              s3_read=(MODELS_PREFIX,)),   # CLI reads never join a group (services/cli/follow.py)
     Principal(name="scheduler", writes=(PLACEMENTS,),
               reads=(JOBS, NODES, THROUGHPUT, PROGRESS, MODELS, DEADLETTER), group_prefix="hadar-scheduler"),
     Principal(name="agent", writes=(NODES, PROGRESS), reads=(PLACEMENTS, JOBS), group_prefix="hadar-agent",

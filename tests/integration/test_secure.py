@@ -1,0 +1,147 @@
+"""Least privilege on the real secured broker and MinIO (``hadar infra up --secure``).
+
+Each principal can do what :mod:`shared.security.principals` grants and the broker or
+MinIO refuses the rest: an agent cannot publish a ModelConsolidated, the CLI cannot read
+with an agent's group, an agent cannot write a model; a wrong password or an untrusted CA
+fails fast with one line naming the setting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import TopicAuthorizationFailedError
+from minio import Minio
+from minio.error import S3Error
+
+from shared.bus import KafkaBus
+from shared.bus.base import BusError
+from shared.bus.kafka_security import security_options
+from shared.config import kafka_from_env, s3_from_env
+from shared.events import CopyWeight, ModelConsolidated, encode
+from shared.security.principals import DEADLETTER, PRINCIPALS, SERVICE_PRINCIPALS
+from shared.topics import JOBS, MODELS
+
+pytestmark = [pytest.mark.kafka, pytest.mark.s3]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def bus_of(secure_servers, principal: str, **env: str) -> KafkaBus:
+    settings = kafka_from_env({**secure_servers.env[principal], **env})
+    assert settings is not None
+    return KafkaBus.from_settings(settings, source=f"test-{principal}", request_timeout_ms=10_000)
+
+
+def model_event() -> ModelConsolidated:
+    return ModelConsolidated(job_id="secure-j", round=0, key="models/secure-j/0.safetensors", total_steps=1,
+                             copies=(CopyWeight(copy=0, steps=1, weight=1.0),), ts=1.0, source="test")
+
+
+async def test_each_service_principal_writes_its_topics_and_the_dead_letters(secure_servers) -> None:
+    for name in SERVICE_PRINCIPALS:
+        bus = bus_of(secure_servers, name)
+        await bus.start()
+        try:
+            for topic in (*PRINCIPALS[name].writes, DEADLETTER):
+                await bus.publish_raw(topic, "k", b"allowed")
+        finally:
+            await bus.stop()
+
+
+async def test_the_broker_refuses_a_model_published_with_the_agent_credentials(secure_servers) -> None:
+    security = kafka_from_env(secure_servers.env["agent"]).security
+    producer = AIOKafkaProducer(bootstrap_servers=secure_servers.env["agent"]["HADAR_BOOTSTRAP"],
+                                request_timeout_ms=10_000, **security_options(security))
+    await producer.start()
+    try:
+        with pytest.raises(TopicAuthorizationFailedError):
+            await producer.send_and_wait(MODELS, encode(model_event()), key=b"secure-j")
+    finally:
+        await producer.stop()
+    bus = bus_of(secure_servers, "agent")
+    await bus.start()
+    try:
+        with pytest.raises(BusError, match="TopicAuthorizationFailed") as refused:
+            await bus.publish(MODELS, "secure-j", model_event())
+        assert not refused.value.retriable
+    finally:
+        await bus.stop()
+
+
+async def test_the_cli_cannot_read_jobs_with_an_agent_group(secure_servers) -> None:
+    bus = bus_of(secure_servers, "cli")
+    await bus.start()
+    try:
+        with pytest.raises(BusError, match="GroupAuthorizationFailed"):
+            async with bus.subscribe(JOBS, "hadar-agent-node-a") as sub:
+                async for _ in sub:
+                    break
+        await bus.publish_raw(JOBS, "k", b"the cli may write jobs")
+    finally:
+        await bus.stop()
+
+
+def test_the_agent_s3_keys_write_checkpoints_but_not_models(secure_servers) -> None:
+    settings = s3_from_env(secure_servers.env["agent"])
+    assert settings is not None
+    client = Minio(settings.host_port, access_key=settings.access_key, secret_key=settings.secret_key,
+                   secure=settings.secure)
+    client.put_object(settings.bucket, "checkpoints/secure-j/0/0.safetensors", io.BytesIO(b"w"), 1)
+    with pytest.raises(S3Error) as denied:
+        client.put_object(settings.bucket, "models/secure-j/0.safetensors", io.BytesIO(b"w"), 1)
+    assert denied.value.code == "AccessDenied"
+    cli = s3_from_env(secure_servers.env["cli"])
+    assert cli is not None
+    reader = Minio(cli.host_port, access_key=cli.access_key, secret_key=cli.secret_key, secure=cli.secure)
+    with pytest.raises(S3Error) as denied:
+        reader.get_object(cli.bucket, "checkpoints/secure-j/0/0.safetensors")
+    assert denied.value.code == "AccessDenied"
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"HADAR_KAFKA_PASSWORD": "not-the-password"}, "HADAR_KAFKA_USERNAME/HADAR_KAFKA_PASSWORD"),
+    ({"HADAR_KAFKA_CA_FILE": ""}, "HADAR_KAFKA_CA_FILE"),
+])
+def test_a_wrong_password_or_an_untrusted_ca_fails_fast_with_one_line(secure_servers, change, named) -> None:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **secure_servers.env["cli"], **change}
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "services.cli.main", "jobs"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("hadar jobs: error:")]
+    assert done.returncode == 3, done.stderr
+    assert len(lines) == 1 and named in lines[0], done.stderr
+    assert "Traceback" not in done.stderr
+    assert time.monotonic() - began < 45   # no hang: bounded well below the client's retry loop
+    assert not any(secret in done.stderr + done.stdout for secret in secure_servers.secrets)
+
+
+def test_no_secret_on_any_command_line(secure_servers) -> None:
+    assert secure_servers.secrets
+    assert not [pid for pid, line in command_lines().items() if any(s in line for s in secure_servers.secrets)]
+
+
+def command_lines() -> dict[str, str]:
+    found = {}
+    for path in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            found[path.parent.name] = path.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+    return found
+
+
+async def test_credential_files_are_owner_only_and_complete(secure_servers) -> None:
+    directory = secure_servers.paths.run / "credentials"
+    assert directory.stat().st_mode & 0o077 == 0
+    for name in PRINCIPALS:
+        env_file = directory / f"{name}.env"
+        assert env_file.stat().st_mode & 0o077 == 0
+        assert secure_servers.env[name]["HADAR_KAFKA_USERNAME"] == name
+    await asyncio.sleep(0)
