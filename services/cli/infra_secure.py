@@ -1,4 +1,10 @@
-"""``hadar infra secure-init``: apply the principals' users, ACLs, topics and MinIO policies
+"""``hadar infra certs`` and ``hadar infra secure-init``, for a secured stack.
+
+``certs --dir DIR --host kafka``: a new CA (``ca.pem``, ``ca.key``) and a broker certificate
+with its key (``server.pem``, PKCS#8 + chain, Kafka's PEM keystore) for the named hosts;
+the files become the docker secrets ``hadar_kafka_ca`` and ``hadar_kafka_server_pem``.
+
+``secure-init``: apply the principals' users, ACLs, topics and MinIO policies
 to a running Kafka and MinIO -- the stack's one-shot init service runs it.
 
 It connects as the Kafka admin (``HADAR_BOOTSTRAP``, ``HADAR_KAFKA_*`` of the admin
@@ -24,14 +30,32 @@ __all__ = ["register_secure_init", "read_secrets"]
 
 
 def register_secure_init(actions: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    certs = actions.add_parser("certs", help="make a CA and a Kafka broker certificate (PEM) for the stack")
+    certs.add_argument("--dir", type=Path, required=True, help="where to write ca.pem, ca.key, server.pem")
+    certs.add_argument("--host", action="append", default=None,
+                       help="a name or IP clients use for the broker (repeat; default: kafka)")
+    certs.add_argument("--days", type=int, default=365, help="validity in days")
+    certs.set_defaults(func=_certs)
     init = actions.add_parser(
         "secure-init", help="create Kafka users, ACLs, topics and MinIO users for every principal",
-        description=__doc__.split("\n\n")[1] if __doc__ else None)
+        description="Connects as the Kafka admin (HADAR_BOOTSTRAP, HADAR_KAFKA_*) and the MinIO root "
+                    "(HADAR_S3_*) and reads each principal's secrets from --secrets-dir.")
     init.add_argument("--secrets-dir", type=Path, default=Path("/run/secrets"),
                       help="directory of kafka-<principal>-password and s3-<principal>-secret-key files")
     init.add_argument("--partitions", type=int, default=3, help="partitions of new topics")
     init.add_argument("--replication-factor", type=int, default=1, help="replication factor of new topics")
     init.set_defaults(func=_secure_init)
+
+
+def _certs(args: argparse.Namespace) -> int:
+    import datetime as dt
+
+    from shared.security.tls import make_tls
+    files = make_tls(args.dir, hosts=tuple(args.host or ["kafka"]), now=dt.datetime.now(dt.timezone.utc),
+                     days=args.days)
+    for path in (files.ca_cert, files.server_pem):
+        print(path)
+    return 0
 
 
 def read_secrets(directory: Path) -> tuple[dict[str, str], dict[str, str]]:
