@@ -156,13 +156,16 @@ class KafkaBus(Bus):
         for topic, code, message in (e[:3] for e in response.topic_errors):
             if code == TOPIC_AUTHORIZATION_FAILED:
                 exists = await self._exists(topic)
+                if exists is None:
+                    # Not even visible to this principal: nothing to ensure. Using it anyway
+                    # fails at the broker (TopicAuthorizationFailedError on publish/read).
+                    log.debug("bus.topic_not_visible", topic=topic, principal=self.security.describe())
+                    continue
                 if exists:
                     continue   # only an admin creates topics (least privilege); it did
-                raise BusError(
-                    f"topic {topic}: TopicAuthorizationFailedError: {self.security.describe()} may not use it"
-                    if exists is None else
-                    f"create topic {topic}: not authorized as {self.security.describe()} and the topic does "
-                    "not exist (an admin creates topics: `hadar infra secure-init`)", retriable=False)
+                raise BusError(f"create topic {topic}: not authorized as {self.security.describe()} and the "
+                               "topic does not exist (an admin creates topics: `hadar infra secure-init`)",
+                               retriable=False)
             if code not in (0, TOPIC_ALREADY_EXISTS):
                 error = for_code(code)
                 raise BusError(f"create topic {topic}: {error.__name__}: {message}",

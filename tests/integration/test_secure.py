@@ -9,7 +9,6 @@ fails fast with one line naming the setting.
 from __future__ import annotations
 
 import asyncio
-import io
 import subprocess
 import sys
 import time
@@ -18,7 +17,6 @@ from pathlib import Path
 import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import TopicAuthorizationFailedError
-from minio import Minio
 from minio.error import S3Error
 
 from shared.bus import KafkaBus
@@ -27,6 +25,7 @@ from shared.bus.kafka_security import security_options
 from shared.config import kafka_from_env, s3_from_env
 from shared.events import CopyWeight, ModelConsolidated, encode
 from shared.security.principals import DEADLETTER, PRINCIPALS, SERVICE_PRINCIPALS
+from shared.store import MinioStore
 from shared.topics import JOBS, MODELS
 
 pytestmark = [pytest.mark.kafka, pytest.mark.s3]
@@ -88,15 +87,19 @@ async def test_the_cli_cannot_read_jobs_with_an_agent_group(secure_servers) -> N
         await bus.stop()
 
 
-def test_the_agent_s3_keys_write_checkpoints_but_not_models(secure_servers) -> None:
+async def test_the_agent_s3_keys_write_checkpoints_but_not_models(secure_servers) -> None:
     settings = s3_from_env(secure_servers.env["agent"])
     assert settings is not None
-    client = Minio(settings.host_port, access_key=settings.access_key, secret_key=settings.secret_key,
-                   secure=settings.secure)
-    client.put_object(settings.bucket, "checkpoints/secure-j/0/0.safetensors", io.BytesIO(b"w"), 1)
-    with pytest.raises(S3Error) as denied:
-        client.put_object(settings.bucket, "models/secure-j/0.safetensors", io.BytesIO(b"w"), 1)
-    assert denied.value.code == "AccessDenied"
+    store = MinioStore(settings)
+    await store.start()   # a user that may not list the bucket's root still starts
+    try:
+        await store.put("checkpoints/secure-j/0/0.safetensors", b"w")
+        assert await store.list("checkpoints/secure-j/") == ["checkpoints/secure-j/0/0.safetensors"]
+        with pytest.raises(S3Error) as denied:
+            await store.put("models/secure-j/0.safetensors", b"w")
+        assert denied.value.code == "AccessDenied"
+    finally:
+        await store.stop()
     cli = s3_from_env(secure_servers.env["cli"])
     assert cli is not None
     reader = Minio(cli.host_port, access_key=cli.access_key, secret_key=cli.secret_key, secure=cli.secure)
