@@ -57,13 +57,16 @@ async def secure_kafka(bootstrap: str, admin: KafkaSecurity, passwords: Mapping[
     finally:
         await client.close()
     deadline = time.monotonic() + login_wait_s
-    for name, password in users.items():
+
+    async def logs_in(name: str, password: str) -> None:
         login = KafkaSecurity(protocol=admin.protocol, mechanism=admin.mechanism, username=name,
                               password=password, ca_file=admin.ca_file)
         while (reason := await diagnose(bootstrap, login, timeout_s=5.0)) is not None:
             if time.monotonic() > deadline:
                 raise SetupError(f"kafka user {name} cannot log in after setup: {reason}")
             await asyncio.sleep(0.2)
+
+    await asyncio.gather(*(logs_in(name, password) for name, password in users.items()))
 
 
 def secure_minio(root: S3Settings, secrets: Mapping[str, str]) -> None:

@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import TopicAuthorizationFailedError
+from minio import Minio
 from minio.error import S3Error
 
 from shared.bus import KafkaBus
 from shared.bus.base import BusError
-from shared.bus.kafka_security import security_options
+from shared.bus.kafka_security import diagnose, security_options
 from shared.config import kafka_from_env, s3_from_env
 from shared.events import CopyWeight, ModelConsolidated, encode
 from shared.security.principals import DEADLETTER, PRINCIPALS, SERVICE_PRINCIPALS
@@ -148,3 +149,40 @@ async def test_credential_files_are_owner_only_and_complete(secure_servers) -> N
         assert env_file.stat().st_mode & 0o077 == 0
         assert secure_servers.env[name]["HADAR_KAFKA_USERNAME"] == name
     await asyncio.sleep(0)
+
+
+@pytest.mark.slow
+def test_secure_init_from_docker_secret_files_rotates_a_password(secure_servers, tmp_path: Path) -> None:
+    """The stack's init service path: ``hadar infra secure-init`` as admin, secrets from files."""
+    env = secure_servers.env
+
+    def secure_init(profiler_password: str) -> subprocess.CompletedProcess:
+        secrets_dir = tmp_path / "run-secrets"
+        secrets_dir.mkdir(exist_ok=True)
+        for name in SERVICE_PRINCIPALS:
+            password = profiler_password if name == "profiler" else env[name]["HADAR_KAFKA_PASSWORD"]
+            (secrets_dir / f"kafka-{name}-password").write_text(password + "\n")
+            if PRINCIPALS[name].uses_s3:
+                (secrets_dir / f"s3-{name}-secret-key").write_text(env[name]["HADAR_S3_SECRET_KEY"] + "\n")
+        return subprocess.run([sys.executable, "-m", "services.cli.main", "infra", "secure-init",
+                               "--secrets-dir", str(secrets_dir)],
+                              env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **env["admin"]},
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    old = env["profiler"]["HADAR_KAFKA_PASSWORD"]
+    try:
+        done = secure_init("rotated-" + old[:8])
+        assert done.returncode == 0, done.stderr
+        assert not any(secret in done.stdout + done.stderr for secret in secure_servers.secrets)
+        assert asyncio.run(diagnose_login(env["profiler"], "rotated-" + old[:8])) is None
+        assert "HADAR_KAFKA_PASSWORD" in (asyncio.run(diagnose_login(env["profiler"], old)) or "")
+    finally:
+        assert secure_init(old).returncode == 0
+
+
+async def diagnose_login(env: dict[str, str], password: str) -> str | None:
+    """``None`` if ``password`` logs in as ``env``'s user, else the one-line reason.
+    (secure-init returns only once every new credential logs in.)"""
+    settings = kafka_from_env({**env, "HADAR_KAFKA_PASSWORD": password})
+    assert settings is not None
+    return await diagnose(settings.bootstrap, settings.security)
