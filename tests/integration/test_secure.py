@@ -9,6 +9,7 @@ fails fast with one line naming the setting.
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -124,6 +125,18 @@ def test_a_wrong_password_or_an_untrusted_ca_fails_fast_with_one_line(secure_ser
     assert "Traceback" not in done.stderr
     assert time.monotonic() - began < 45   # no hang: bounded well below the client's retry loop
     assert not any(secret in done.stderr + done.stdout for secret in secure_servers.secrets)
+
+
+def test_a_service_with_a_wrong_password_exits_with_one_log_line(secure_servers) -> None:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **secure_servers.env["profiler"],
+           "HADAR_KAFKA_PASSWORD": "not-the-password"}
+    done = subprocess.run([sys.executable, "-m", "services.cli.main", "serve", "profiler", "--http-port", "0"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    output = done.stdout + done.stderr
+    failed = [json.loads(line) for line in output.splitlines() if '"service.failed"' in line]
+    assert len(failed) == 1 and failed[0]["error"].startswith("HADAR_KAFKA_USERNAME/HADAR_KAFKA_PASSWORD"), output
+    assert "Traceback" not in output and "not-the-password" not in output
 
 
 def test_no_secret_on_any_command_line(secure_servers) -> None:
