@@ -69,10 +69,10 @@ def test_a_job_completes_with_every_service_as_its_own_principal(secure_servers,
     try:
         submitted = subprocess.run(
             [*HADAR, "submit", "--id", job_id, "--model", "resnet", "--dataset", "diabetes", "--workers", "1",
-             "--iterations", "30", "--batch-size", "32"],
+             "--iterations", "20", "--batch-size", "32"],
             env=principal_env(secure_servers, "cli"), cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert submitted.returncode == 0, submitted.stderr
-        serve("scheduler", "--round-s", "8", "--heartbeat-s", "1", "--consolidation-wait-s", "20")
+        serve("scheduler", "--round-s", "4", "--heartbeat-s", "1", "--consolidation-wait-s", "20")
         serve("tracker")
         serve("profiler")
         serve("agent", "--node-id", "secure-a", "--emulate", "t4:1", "--heartbeat-s", "1", "--progress-s", "1")
