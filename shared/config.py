@@ -11,8 +11,15 @@ Environment variables:
   ``HADAR_S3_ACCESS_KEY_FILE`` / ``HADAR_S3_SECRET_KEY_FILE`` naming files that hold them
   (docker secrets).
 * ``HADAR_S3_BUCKET`` -- bucket (default ``hadar``).
+* ``HADAR_KAFKA_SECURITY_PROTOCOL`` -- ``PLAINTEXT`` (default), ``SSL``, ``SASL_PLAINTEXT``
+  or ``SASL_SSL``; ``HADAR_KAFKA_SASL_MECHANISM`` -- ``SCRAM-SHA-512`` (default),
+  ``SCRAM-SHA-256`` or ``PLAIN``; ``HADAR_KAFKA_USERNAME`` / ``HADAR_KAFKA_PASSWORD`` (or
+  ``*_FILE`` naming a docker secret); ``HADAR_KAFKA_CA_FILE`` (PEM CAs to trust; default:
+  the system's), ``HADAR_KAFKA_CERT_FILE`` / ``HADAR_KAFKA_KEY_FILE`` (PEM client
+  certificate and key, for brokers that ask for one).
 
-``hadar infra up`` prints exactly these lines for a development Kafka and MinIO.
+``hadar infra up`` writes these lines for a development Kafka and MinIO to an env file
+(owner-only) and prints only the non-secret ones.
 """
 
 from __future__ import annotations
@@ -25,9 +32,14 @@ from urllib.parse import urlsplit
 
 from shared.errors import UsageError
 
-__all__ = ["KafkaSettings", "S3Settings", "ConfigError", "kafka_from_env", "s3_from_env"]
+__all__ = [
+    "KafkaSettings", "KafkaSecurity", "S3Settings", "ConfigError", "kafka_from_env", "kafka_security_from_env",
+    "s3_from_env", "SECURITY_PROTOCOLS", "SASL_MECHANISMS",
+]
 
 DEFAULT_BUCKET = "hadar"
+SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+SASL_MECHANISMS = ("SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN")
 
 
 class ConfigError(UsageError):
@@ -35,11 +47,67 @@ class ConfigError(UsageError):
 
 
 @dataclass(frozen=True, kw_only=True)
+class KafkaSecurity:
+    """How a client authenticates to Kafka and which certificates it trusts.
+
+    Guarantees: a SASL protocol has a username and a password; a TLS protocol's files are
+    named only with TLS; a client key comes with a client certificate. Each error is one
+    line naming the environment variable (``HADAR_KAFKA_...``) that sets the value. The
+    password is not in repr.
+    """
+
+    protocol: str = "PLAINTEXT"
+    mechanism: str = "SCRAM-SHA-512"
+    username: str = ""
+    password: str = field(default="", repr=False)
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+
+    def __post_init__(self) -> None:
+        if self.protocol not in SECURITY_PROTOCOLS:
+            raise ConfigError(f"HADAR_KAFKA_SECURITY_PROTOCOL: expected one of {', '.join(SECURITY_PROTOCOLS)}, "
+                              f"got {self.protocol!r}")
+        if self.mechanism not in SASL_MECHANISMS:
+            raise ConfigError(f"HADAR_KAFKA_SASL_MECHANISM: expected one of {', '.join(SASL_MECHANISMS)}, "
+                              f"got {self.mechanism!r}")
+        if self.sasl:
+            if not self.username:
+                raise ConfigError(f"HADAR_KAFKA_USERNAME: required with security protocol {self.protocol}")
+            if not self.password:
+                raise ConfigError(f"HADAR_KAFKA_PASSWORD: required with security protocol {self.protocol} "
+                                  "(or HADAR_KAFKA_PASSWORD_FILE naming a file that holds it)")
+        if not self.tls:
+            for name, value in (("CA_FILE", self.ca_file), ("CERT_FILE", self.cert_file),
+                                ("KEY_FILE", self.key_file)):
+                if value:
+                    raise ConfigError(f"HADAR_KAFKA_{name}: only used with SSL or SASL_SSL, "
+                                      f"but the security protocol is {self.protocol}")
+        if self.key_file and not self.cert_file:
+            raise ConfigError("HADAR_KAFKA_KEY_FILE: given without HADAR_KAFKA_CERT_FILE")
+
+    @property
+    def sasl(self) -> bool:
+        return self.protocol.startswith("SASL_")
+
+    @property
+    def tls(self) -> bool:
+        return self.protocol.endswith("SSL")
+
+    def describe(self) -> str:
+        """A one-line, secret-free description: ``SASL_SSL as scheduler (SCRAM-SHA-512)``."""
+        if self.sasl:
+            return f"{self.protocol} as {self.username} ({self.mechanism})"
+        return self.protocol
+
+
+@dataclass(frozen=True, kw_only=True)
 class KafkaSettings:
-    """Where the Kafka cluster is, and how many partitions new topics get."""
+    """Where the Kafka cluster is, how to authenticate, and how many partitions new topics get."""
 
     bootstrap: str
     partitions: int = 3
+    security: KafkaSecurity = field(default_factory=KafkaSecurity)
 
     def __post_init__(self) -> None:
         if not self.bootstrap or any(not _is_host_port(part) for part in self.bootstrap.split(",")):
@@ -78,11 +146,39 @@ class S3Settings:
 
 
 def kafka_from_env(env: Mapping[str, str] = os.environ) -> KafkaSettings | None:
-    """Kafka settings from ``HADAR_BOOTSTRAP``; ``None`` when it is unset or empty."""
+    """Kafka settings from ``HADAR_BOOTSTRAP`` and ``HADAR_KAFKA_*``; ``None`` when the
+    bootstrap is unset or empty."""
     bootstrap = env.get("HADAR_BOOTSTRAP", "").strip()
     if not bootstrap:
         return None
-    return KafkaSettings(bootstrap=bootstrap)
+    return KafkaSettings(bootstrap=bootstrap, security=kafka_security_from_env(env))
+
+
+def kafka_security_from_env(env: Mapping[str, str] = os.environ,
+                            overrides: Mapping[str, str | None] | None = None) -> KafkaSecurity:
+    """:class:`KafkaSecurity` from ``HADAR_KAFKA_*`` (module docstring).
+
+    ``overrides`` maps a variable name (``HADAR_KAFKA_USERNAME``, ...,
+    ``HADAR_KAFKA_PASSWORD_FILE``) to a flag's value, which wins over the environment;
+    ``None`` means the flag was not given. A ``*_FILE`` given by a flag wins over the
+    plain variable from the environment.
+    """
+    merged = {k: v for k, v in env.items() if k.startswith("HADAR_KAFKA_")}
+    for name, value in (overrides or {}).items():
+        if value is not None and value != "":
+            merged[name] = value
+            if name.endswith("_FILE") and name.removesuffix("_FILE") in ("HADAR_KAFKA_USERNAME",
+                                                                           "HADAR_KAFKA_PASSWORD"):
+                merged.pop(name.removesuffix("_FILE"), None)
+    return KafkaSecurity(
+        protocol=merged.get("HADAR_KAFKA_SECURITY_PROTOCOL", "").strip().upper() or "PLAINTEXT",
+        mechanism=merged.get("HADAR_KAFKA_SASL_MECHANISM", "").strip().upper() or "SCRAM-SHA-512",
+        username=_secret(merged, "HADAR_KAFKA_USERNAME", "HADAR_KAFKA_USERNAME_FILE"),
+        password=_secret(merged, "HADAR_KAFKA_PASSWORD", "HADAR_KAFKA_PASSWORD_FILE"),
+        ca_file=merged.get("HADAR_KAFKA_CA_FILE", "").strip(),
+        cert_file=merged.get("HADAR_KAFKA_CERT_FILE", "").strip(),
+        key_file=merged.get("HADAR_KAFKA_KEY_FILE", "").strip(),
+    )
 
 
 def s3_from_env(env: Mapping[str, str] = os.environ) -> S3Settings | None:

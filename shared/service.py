@@ -12,6 +12,8 @@ reconnect and retry by themselves; ``/healthz`` reports ``bus_reachable: false``
 200). Past the deadline the service truly cannot work: ``/healthz`` answers 503, the
 service is drained and ``run_service`` returns 1, so the process exits non-zero and swarm
 restarts it. A clean stop returns 0.
+
+HTTP binds ``http_host`` (default loopback; the operator chooses, the stack uses 0.0.0.0).
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ class HttpEndpoint:
     """aiohttp server exposing one service's health and metrics (its registry plus
     ``process_*`` and ``hadar_<service>_build_info``, :mod:`shared.metrics`)."""
 
-    def __init__(self, service: Service, *, host: str = "0.0.0.0", port: int = 0,
+    def __init__(self, service: Service, *, host: str = "127.0.0.1", port: int = 0,
                  watchdog: BusWatchdog | None = None) -> None:
         register_standard(service.registry, service.name)
         self._service = service
@@ -132,7 +134,7 @@ class HttpEndpoint:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-async def run_service(service: Service, *, http_host: str = "0.0.0.0", http_port: int | None = 0,
+async def run_service(service: Service, *, http_host: str = "127.0.0.1", http_port: int | None = 0,
                       drain_timeout_s: float = 30.0, stop_event: asyncio.Event | None = None,
                       bus: Bus | None = None, bus_check_s: float = BUS_CHECK_S,
                       bus_deadline_s: float = BUS_DEADLINE_S) -> int:
@@ -156,7 +158,7 @@ async def run_service(service: Service, *, http_host: str = "0.0.0.0", http_port
     try:
         if http is not None:
             await http.start()
-            log.info("http.listening", port=http.port)
+            log.info("http.listening", host=http_host, port=http.port)
         await service.start()
         log.info("service.started")
         if watchdog is not None:

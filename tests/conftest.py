@@ -1,7 +1,9 @@
 """Session fixtures for the real Kafka and S3 server, and the object stores.
 
 ``kafka_bootstrap`` and ``s3_settings`` use ``HADAR_BOOTSTRAP`` / ``HADAR_S3_*`` when set
-(``make test`` sets them after ``hadar infra up``). Otherwise each starts its server once
+(``make test`` sets them after ``hadar infra up``). ``secure_servers`` always starts its own
+secured broker and MinIO (``hadar infra up --secure``) in a private run directory, only
+in sessions that run a test using it. Otherwise each starts its server once
 per session through :mod:`shared.infra`, in a private run directory, and stops it at the
 end. A server that cannot start fails the test when ``CI=true`` (never a skip there) and
 skips it elsewhere, with the reason.
@@ -13,7 +15,7 @@ import asyncio
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -21,7 +23,9 @@ import pytest
 from minio import Minio
 
 from shared.config import S3Settings, kafka_from_env, s3_from_env
-from shared.infra import InfraError, InfraPaths, ensure_kafka, ensure_minio, stop_server
+from shared.errors import HadarError
+from shared.infra import InfraError, InfraPaths, down, ensure_kafka, ensure_minio, stop_server, up
+from shared.infra.secured import apply
 from shared.store import LocalStore, MinioStore, ObjectStore
 
 
@@ -73,6 +77,32 @@ def s3_settings(request: pytest.FixtureRequest) -> Iterator[S3Settings]:
                          secret_key=server.secret_key)
     finally:
         stop_server(paths, "minio")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SecureServers:
+    """A secured broker and MinIO, and each principal's ``HADAR_*`` settings (from its env file)."""
+
+    paths: InfraPaths
+    env: dict[str, dict[str, str]] = field(repr=False)
+    secrets: frozenset[str] = field(repr=False)
+
+
+@pytest.fixture(scope="session")
+def secure_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureServers]:
+    """``hadar infra up --secure`` in a private run directory, for the whole session."""
+    paths = InfraPaths(cache=InfraPaths.from_env().cache, run=tmp_path_factory.mktemp("secure") / "run")
+    try:
+        written = apply(paths, up(paths, secure=True))
+    except (InfraError, HadarError) as exc:
+        down(paths)
+        unavailable(f"secured kafka/minio could not start: {exc}")
+    env = {name: dict(line.split("=", 1) for line in path.read_text().splitlines()) for name, path in written.items()}
+    secrets = frozenset(v for e in env.values() for k, v in e.items() if k.endswith(("PASSWORD", "SECRET_KEY")))
+    try:
+        yield SecureServers(paths=paths, env=env, secrets=secrets)
+    finally:
+        down(paths)
 
 
 @pytest.fixture

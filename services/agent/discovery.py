@@ -5,6 +5,11 @@
   profiler will have no hardware figures for it until it measures). Each device's
   ``CUDA_VISIBLE_DEVICES`` value for its worker honours the agent's own
   ``CUDA_VISIBLE_DEVICES`` (index i is the i-th GPU the agent sees).
+  Under docker swarm the GPUs the task was assigned (generic resources) arrive as
+  ``DOCKER_RESOURCE_<KIND>`` (e.g. ``DOCKER_RESOURCE_NVIDIA-GPU=GPU-1a2b...,GPU-3c4d...``);
+  when ``CUDA_VISIBLE_DEVICES`` is not set, :func:`assigned_gpus` makes them the agent's
+  ``CUDA_VISIBLE_DEVICES`` (CUDA takes GPU UUIDs there), so the agent uses exactly the
+  GPUs swarm reserved for it even where the runtime exposes every GPU.
 * No CUDA: one device of type ``cpu``.
 * ``--emulate``: see :mod:`services.agent.emulation`.
 
@@ -100,13 +105,29 @@ def gpu_type_of(device_name: str) -> str:
     return (cleaned or "unknown-gpu")[:32]
 
 
+def assigned_gpus(env: Mapping[str, str] = os.environ) -> str | None:
+    """The GPUs swarm assigned this task (``DOCKER_RESOURCE_*GPU*``), comma-separated;
+    ``None`` outside swarm. Several GPU kinds are joined in the variables' name order."""
+    found = [env[name] for name in sorted(env) if name.startswith("DOCKER_RESOURCE_") and "GPU" in name.upper()
+             and env[name].strip()]
+    return ",".join(found) if found else None
+
+
+def apply_assigned_gpus(env: dict[str, str]) -> None:
+    """Set ``CUDA_VISIBLE_DEVICES`` in ``env`` to the swarm-assigned GPUs unless it is set."""
+    assigned = assigned_gpus(env)
+    if assigned and not env.get("CUDA_VISIBLE_DEVICES"):
+        env["CUDA_VISIBLE_DEVICES"] = assigned
+
+
 def discover(env: Mapping[str, str] = os.environ) -> NodeDevices:
     """Devices of this machine, queried through torch (creates a CUDA context if CUDA exists)."""
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         return cpu_devices()
-    parent = [v.strip() for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    parent = [v.strip() for v in (env.get("CUDA_VISIBLE_DEVICES") or assigned_gpus(env) or "").split(",")
+              if v.strip()]
     gpus, visible = [], {}
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)
@@ -131,4 +152,5 @@ async def discover_in_subprocess(python: str = sys.executable, timeout_s: float 
 
 
 if __name__ == "__main__":
+    apply_assigned_gpus(os.environ)   # before torch initialises CUDA
     print(discover().to_json())

@@ -1,7 +1,10 @@
 """``hadar infra up|restart|status|down``: the development Kafka and MinIO on 127.0.0.1.
 
-``up`` prints shell-ready ``HADAR_*=...`` lines on stdout (and writes them to
-``--env-file``); progress and timings go to stderr. A server that crashed (or was stopped
+``up`` prints shell-ready ``HADAR_*=...`` lines on stdout without secret values (those
+are named by ``*_FILE`` paths; ``--env-file`` gets the full lines, owner-only); progress
+and timings go to stderr. ``up --secure`` starts Kafka with SASL_SSL, SCRAM users and ACLs
+and MinIO with a user per service, and writes ``$HADAR_RUN_DIR/credentials/<principal>.env``
+(see :mod:`shared.infra.secured`); ``secure-init`` applies the same to a running stack. A server that crashed (or was stopped
 with ``down --keep-data``) comes back from ``up`` or ``restart NAME`` with its data, port
 and credentials, so the ``HADAR_*`` settings stay valid and running services reconnect.
 ``status`` exits 0 only when both servers are up and answering, and names the command
@@ -15,7 +18,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from shared.infra import InfraError, InfraPaths, down, env_lines, restart, status, up, write_env_file
+from services.cli.infra_secure import register_secure_init
+from shared.errors import HadarError
+from shared.infra import InfraError, InfraPaths, down, restart, status, up, write_env_file
+from shared.infra.secured import apply, credentials_dir, public_lines
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -27,7 +33,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     start = actions.add_parser("up", help="fetch/build if needed, start, print HADAR_* settings")
-    start.add_argument("--env-file", type=Path, help="also write the HADAR_* lines to this file")
+    start.add_argument("--env-file", type=Path,
+                       help="also write the HADAR_* lines, secrets included, to this file (mode 0600)")
+    start.add_argument("--secure", action="store_true",
+                       help="Kafka with SASL_SSL, SCRAM users and ACLs; MinIO with a user per service; "
+                            "credentials in $HADAR_RUN_DIR/credentials/<principal>.env")
     start.set_defaults(func=_up)
     again = actions.add_parser(
         "restart", help="restart one server with its data, port and credentials",
@@ -36,6 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     again.add_argument("server", choices=("kafka", "minio"))
     again.set_defaults(func=_restart)
     actions.add_parser("status", help="say whether each server is up").set_defaults(func=_status)
+    register_secure_init(actions)
     stop = actions.add_parser(
         "down", help="stop both servers and DELETE their data (unless --keep-data)",
         description="Stop both servers and delete their run directories: every topic, record, bucket "
@@ -47,15 +58,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def _up(args: argparse.Namespace) -> int:
+    paths = InfraPaths.from_env()
     try:
-        servers = up(InfraPaths.from_env(), report=_progress)
-        if args.env_file is not None:
+        servers = up(paths, report=_progress, secure=args.secure)
+        if args.secure:
+            written = apply(paths, servers)
+            _progress(f"infra up: users, ACLs and policies applied; credentials in {credentials_dir(paths)}")
+            if args.env_file is not None:
+                write_env_file_secure(args.env_file, written["cli"])
+        elif args.env_file is not None:
             write_env_file(args.env_file, servers)
-    except InfraError as exc:
+        lines = public_lines(paths, servers)
+    except HadarError as exc:
         return _fail(exc)
-    for line in env_lines(servers):
+    for line in lines:
         print(line)
     return 0
+
+
+def write_env_file_secure(path: Path, source: Path) -> None:
+    """The CLI principal's env file, copied owner-only to ``path``."""
+    from shared.infra.common import write_private
+    write_private(path, source.read_text())
 
 
 def _restart(args: argparse.Namespace) -> int:
@@ -87,6 +111,6 @@ def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _fail(exc: InfraError) -> int:
+def _fail(exc: HadarError) -> int:
     print(f"hadar infra: error: {exc}", file=sys.stderr)
     return 1

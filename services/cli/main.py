@@ -10,6 +10,9 @@ the process logs (structlog's, the standard library's) goes to stderr, warnings 
 only, so ``hadar status J --json | jq`` never reads a log line. Their exit codes: 0 done,
 2 bad usage (or no such job), 3 the broker or object store failed (one line on stderr,
 never a traceback), and ``watch``'s 1 for a cancelled job; any other 1 is a crash.
+A service (``serve``) that the broker refuses for good (a non-retriable HadarError: wrong
+password, untrusted certificate, denied by an ACL) logs one ``service.failed`` line and
+exits 1; a retriable error still crashes with its traceback, for swarm to restart.
 """
 
 from __future__ import annotations
@@ -84,7 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except HadarError as exc:   # BusError, StoreError...: services let these crash, for swarm to restart
         if args.command not in USER_COMMANDS:
-            raise
+            if exc.retriable:
+                raise
+            # Refused for good (a wrong password, an untrusted CA, an ACL): one log line naming
+            # the cause, no traceback; exit 1 all the same, so swarm still sees a failure.
+            structlog.get_logger("hadar").critical("service.failed", error=str(exc).splitlines()[0][:500])
+            return 1
         print(f"hadar {args.command}: error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
               file=sys.stderr)
         return EXIT_UNAVAILABLE

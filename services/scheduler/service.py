@@ -96,7 +96,7 @@ class SchedulerService:
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self._fold_lock = asyncio.Lock()   # held while the state is folded or planned from
-        self._last_error: str | None = None
+        self._last_error: str | None = None   # logged in full; /healthz shows only its kind
         self._log = get_logger(service=self.name, policy=self.config.policy)
         self.registry = CollectorRegistry()
         self._m_rounds = Counter("hadar_scheduler_rounds", "Rounds planned", registry=self.registry)
@@ -142,7 +142,7 @@ class SchedulerService:
         failed = [t.get_name() for t in self._tasks if t.done() and not t.cancelled()]
         return {"ok": not failed and bool(self._tasks), "round": self.next_round - 1,
                 "active_jobs": len(self.state.active_jobs()), "nodes": len(self.state.nodes), "failed": failed,
-                "last_round_error": self._last_error}
+                "last_round_error": self._last_error.split(":", 1)[0] if self._last_error else None}
 
     # ------------------------------------------------------------------ recovery
 

@@ -171,7 +171,8 @@ class TrackerService:
         tasks_ok = all(t is not None and not t.done() for t in (self._consumer, self._worker, self._janitor_task))
         return {"ok": self._replayed and (tasks_ok or self._stopping), "replayed": self._replayed,
                 "jobs": self.state.jobs(), "open_rounds": self.state.open_rounds(),
-                "last_error": self._last_error}
+                # stage and exception type only: an exception's text may carry a URL or a key
+                "last_error": ": ".join(self._last_error.split(": ", 2)[:2]) if self._last_error else None}
 
     # ------------------------------------------------------------------ consuming
 

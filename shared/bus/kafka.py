@@ -40,7 +40,9 @@ from shared.bus.base import (
     replay_order, start_ms, topic_list,
 )
 from shared.bus.kafka_group import KafkaSubscription
+from shared.bus.kafka_security import diagnose, security_options
 from shared.clock import Clock, SystemClock
+from shared.config import KafkaSecurity
 from shared.events import Event, InvalidEvent, decode, encode
 from shared.retention import topic_configs
 from shared.topics import ALL_TOPICS
@@ -55,6 +57,7 @@ __all__ = ["KafkaBus", "KeyPartitioner"]
 log = structlog.get_logger(__name__)
 TOPIC_ALREADY_EXISTS = 36
 UNKNOWN_TOPIC = 3
+TOPIC_AUTHORIZATION_FAILED = 29
 
 
 class KafkaBus(Bus):
@@ -63,6 +66,9 @@ class KafkaBus(Bus):
     ``partitions``/``replication_factor`` apply to topics this bus creates.
     ``linger_ms`` makes the producer wait that long for more records before a batch
     goes out (0: batches form only while a request is in flight; see the module doc).
+    ``security`` says how every client of this bus authenticates (default PLAINTEXT);
+    a start that fails for a security reason raises a non-retriable BusError whose one
+    line names the setting (:mod:`shared.bus.kafka_security`).
 
     Its consumer-group members (:class:`~shared.bus.kafka_group.KafkaSubscription`) use
     only :attr:`is_started`, :meth:`ensure_known`, :meth:`client_options`,
@@ -73,10 +79,13 @@ class KafkaBus(Bus):
 
     def __init__(self, bootstrap: str, *, partitions: int = 3, replication_factor: int = 1,
                  clock: Clock | None = None, source: str = "bus", linger_ms: int = 0,
-                 commit_interval_s: float = 0.2, request_timeout_ms: int = 30_000) -> None:
+                 commit_interval_s: float = 0.2, request_timeout_ms: int = 30_000,
+                 security: KafkaSecurity | None = None) -> None:
         if partitions < 1 or replication_factor < 1:
             raise ValueError("partitions and replication_factor must be >= 1")
         self.bootstrap = bootstrap
+        self.security = security or KafkaSecurity()
+        self._security_options = security_options(self.security)
         self.partitions = partitions
         self.replication_factor = replication_factor
         self.commit_interval_s = commit_interval_s
@@ -91,7 +100,7 @@ class KafkaBus(Bus):
 
     @classmethod
     def from_settings(cls, settings: KafkaSettings, **options: Any) -> KafkaBus:
-        return cls(settings.bootstrap, partitions=settings.partitions, **options)
+        return cls(settings.bootstrap, partitions=settings.partitions, security=settings.security, **options)
 
     async def start(self) -> None:
         if self._producer is not None:
@@ -100,7 +109,7 @@ class KafkaBus(Bus):
             bootstrap_servers=self.bootstrap, client_id=f"hadar-{self.source}",
             enable_idempotence=True, acks="all", linger_ms=self._linger_ms,
             max_batch_size=256 * 1024, compression_type=None,
-            request_timeout_ms=self.request_timeout_ms, partitioner=KeyPartitioner())
+            request_timeout_ms=self.request_timeout_ms, partitioner=KeyPartitioner(), **self._security_options)
         admin = AIOKafkaAdminClient(**self.client_options("admin"))
         try:
             await producer.start()
@@ -108,7 +117,11 @@ class KafkaBus(Bus):
         except (KafkaError, OSError, asyncio.TimeoutError) as exc:
             await producer.stop()
             await admin.close()
-            raise bus_error(f"cannot connect to kafka at {self.bootstrap}", exc) from exc
+            reason = await diagnose(self.bootstrap, self.security) if self.security.protocol != "PLAINTEXT" else None
+            if reason is not None:
+                raise BusError(reason, retriable=False) from None
+            raise bus_error(f"cannot connect to kafka at {self.bootstrap} ({self.security.describe()})",
+                            exc) from exc
         self._producer, self._admin = producer, admin
 
     async def stop(self) -> None:
@@ -141,6 +154,18 @@ class KafkaBus(Bus):
         except (KafkaError, OSError, asyncio.TimeoutError) as exc:
             raise bus_error("create topics", exc) from exc
         for topic, code, message in (e[:3] for e in response.topic_errors):
+            if code == TOPIC_AUTHORIZATION_FAILED:
+                exists = await self._exists(topic)
+                if exists is None:
+                    # Not even visible to this principal: nothing to ensure. Using it anyway
+                    # fails at the broker (TopicAuthorizationFailedError on publish/read).
+                    log.debug("bus.topic_not_visible", topic=topic, principal=self.security.describe())
+                    continue
+                if exists:
+                    continue   # only an admin creates topics (least privilege); it did
+                raise BusError(f"create topic {topic}: not authorized as {self.security.describe()} and the "
+                               "topic does not exist (an admin creates topics: `hadar infra secure-init`)",
+                               retriable=False)
             if code not in (0, TOPIC_ALREADY_EXISTS):
                 error = for_code(code)
                 raise BusError(f"create topic {topic}: {error.__name__}: {message}",
@@ -171,6 +196,17 @@ class KafkaBus(Bus):
         except (KafkaError, OSError, asyncio.TimeoutError) as exc:
             raise bus_error(f"publish to {topic}", exc) from exc
         return _durable(topic, future)
+
+    async def _exists(self, topic: str) -> bool | None:
+        """Whether ``topic`` exists; ``None`` when this principal may not even describe it."""
+        assert self._admin is not None
+        try:
+            (described,) = await self._admin.describe_topics([topic])
+        except (KafkaError, OSError, asyncio.TimeoutError):
+            return False
+        if described["error_code"] == TOPIC_AUTHORIZATION_FAILED:
+            return None
+        return not described["error_code"] and bool(described["partitions"])
 
     def subscribe(self, topics: str | Iterable[str], group: str) -> KafkaSubscription:
         if not group:
@@ -218,7 +254,7 @@ class KafkaBus(Bus):
     def client_options(self, role: str) -> dict[str, Any]:
         """Connection options for an aiokafka client of this bus; ``role`` ends its client id."""
         return {"bootstrap_servers": self.bootstrap, "client_id": f"hadar-{self.source}-{role}",
-                "request_timeout_ms": self.request_timeout_ms}
+                "request_timeout_ms": self.request_timeout_ms, **self._security_options}
 
     def register(self, sub: KafkaSubscription) -> None:
         """Track a started member, so that :meth:`stop` stops it."""

@@ -7,6 +7,8 @@ It counts as ready when its port accepts and a Metadata request lists a broker.
 
 A new broker gets free ports and a new cluster id; a restarted one (:func:`restart_kafka`)
 gets the recorded ones and its existing storage, so clients find it where it was.
+``secure=True`` starts it with a SASL_SSL listener, SCRAM users and the StandardAuthorizer
+(:mod:`shared.infra.kafka_secure`); a restart keeps the mode it was recorded with.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from shared.config import KafkaSecurity
 from shared.infra.common import (
     Clock,
     InfraError,
@@ -45,6 +48,9 @@ from shared.infra.common import (
     stop_group,
     wait_for,
     write_private,
+)
+from shared.infra.kafka_secure import (
+    BrokerSecurity, admin_security, listener_properties, prepare, scram_args, write_argfile,
 )
 
 __all__ = [
@@ -86,6 +92,7 @@ class KafkaServer:
     controller_port: int
     run_dir: str
     cluster_id: str
+    secure: bool = False
 
     @property
     def bootstrap(self) -> str:
@@ -126,8 +133,10 @@ def extra_properties(run: Path) -> dict[str, str]:
 
 
 def kafka_properties(*, port: int, controller_port: int, data_dir: Path,
+                     security: BrokerSecurity | None = None,
                      extra: Mapping[str, str] | None = None) -> str:
-    """The broker config: one combined KRaft node with a static quorum, tuned for tests;
+    """The broker config: one combined KRaft node with a static quorum, tuned for tests
+    (with ``security``: a SASL_SSL client listener and ACLs, see :mod:`.kafka_secure`);
     ``extra`` entries are added last and win."""
     settings = {
         "process.roles": "broker,controller",
@@ -149,6 +158,9 @@ def kafka_properties(*, port: int, controller_port: int, data_dir: Path,
         "group.initial.rebalance.delay.ms": "0",
         "auto.create.topics.enable": "true",
     }
+    if security is not None:
+        settings.update(listener_properties(security, port=port, controller_port=controller_port))
+        settings["auto.create.topics.enable"] = "false"
     settings.update(extra or {})
     lines = ["# Written by `hadar infra up` for development and tests."]
     lines += [f"{name}={value}" for name, value in settings.items()]
@@ -228,12 +240,14 @@ def load_kafka(paths: InfraPaths) -> KafkaServer | None:
 
 
 def kafka_healthy(server: KafkaServer, timeout: float = 5.0) -> bool:
-    """Whether the broker's port accepts and a Metadata request lists at least one broker."""
-    return port_accepts(server.port) and _metadata_lists_broker(server.bootstrap, timeout)
+    """Whether the broker's port accepts and a Metadata request lists at least one broker
+    (as the admin, for a secured broker)."""
+    security = admin_security(Path(server.run_dir).parent) if server.secure else None
+    return port_accepts(server.port) and _metadata_lists_broker(server.bootstrap, timeout, security)
 
 
 def start_kafka(paths: InfraPaths, lib: Path, java: str, *, clock: Clock = time.monotonic,
-                attempts: int = 3) -> KafkaServer:
+                attempts: int = 3, secure: bool = False) -> KafkaServer:
     """Format fresh storage and start a new broker; return once it is ready (state recorded).
 
     Retries with new ports when one was taken between choosing it and binding it. Refuses
@@ -247,7 +261,7 @@ def start_kafka(paths: InfraPaths, lib: Path, java: str, *, clock: Clock = time.
                          "cluster id; `hadar infra down` deletes it")
     for attempt in range(1, attempts + 1):
         try:
-            return _start_fresh(paths, lib, java, clock=clock)
+            return _start_fresh(paths, lib, java, clock=clock, secure=secure)
         except InfraError as exc:
             if attempt == attempts or "Address already in use" not in str(exc):
                 raise
@@ -272,10 +286,11 @@ def restart_kafka(paths: InfraPaths, lib: Path, java: str, recorded: KafkaServer
     run_dir = Path(recorded.run_dir)
     formatted = (run_dir / "data" / "meta.properties").exists()
     return _launch(paths, lib, java, port=recorded.port, controller_port=recorded.controller_port,
-                   cluster_id=recorded.cluster_id, format_storage=not formatted, clock=clock)
+                   cluster_id=recorded.cluster_id, format_storage=not formatted, clock=clock,
+                   secure=recorded.secure)
 
 
-def _start_fresh(paths: InfraPaths, lib: Path, java: str, *, clock: Clock) -> KafkaServer:
+def _start_fresh(paths: InfraPaths, lib: Path, java: str, *, clock: Clock, secure: bool) -> KafkaServer:
     run_dir = paths.server_dir(NAME)
     remove_tree(run_dir)
     port, controller_port = free_port(), free_port()
@@ -283,7 +298,7 @@ def _start_fresh(paths: InfraPaths, lib: Path, java: str, *, clock: Clock) -> Ka
         controller_port = free_port()
     try:
         return _launch(paths, lib, java, port=port, controller_port=controller_port,
-                       cluster_id=new_cluster_id(), format_storage=True, clock=clock)
+                       cluster_id=new_cluster_id(), format_storage=True, clock=clock, secure=secure)
     except InfraError:
         # Nothing of value was stored yet; keep the logs, forget the rest.
         paths.state_file(NAME).unlink(missing_ok=True)
@@ -292,25 +307,27 @@ def _start_fresh(paths: InfraPaths, lib: Path, java: str, *, clock: Clock) -> Ka
 
 
 def _launch(paths: InfraPaths, lib: Path, java: str, *, port: int, controller_port: int,
-            cluster_id: str, format_storage: bool, clock: Clock) -> KafkaServer:
+            cluster_id: str, format_storage: bool, clock: Clock, secure: bool = False) -> KafkaServer:
     run_dir = paths.server_dir(NAME)
     data_dir = run_dir / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / "server.properties"
-    config.write_text(kafka_properties(port=port, controller_port=controller_port, data_dir=data_dir,
-                                       extra=extra_properties(paths.run)))
+    security = prepare(paths.run) if secure else None
+    write_private(config, kafka_properties(port=port, controller_port=controller_port, data_dir=data_dir,
+                                           security=security, extra=extra_properties(paths.run)))
     log4j = run_dir / "log4j2.properties"
     log4j.write_text(LOG4J2_PROPERTIES)
     jvm = [java, *JVM_HEAP, "-XX:+UseG1GC", "-Djava.awt.headless=true",
            f"-Dlog4j2.configurationFile=file:{log4j}", f"-Dkafka.logs.dir={run_dir}",
            "-cp", f"{lib}/*"]
     if format_storage:
-        _format(jvm, cluster_id, config, run_dir / "format.log")
+        _format(jvm, cluster_id, config, run_dir / "format.log",
+                extra=scram_args(security) if security is not None else [])
     log = run_dir / "kafka.log"
     keep_previous(log)
     pid = spawn([*jvm, "kafka.Kafka", str(config)], log=log, cwd=run_dir)
     server = KafkaServer(pid=pid, port=port, controller_port=controller_port,
-                         run_dir=str(run_dir), cluster_id=cluster_id)
+                         run_dir=str(run_dir), cluster_id=cluster_id, secure=secure)
     write_private(paths.state_file(NAME), json.dumps(asdict(server), indent=2) + "\n")
     try:
         wait_for(lambda: _ready_or_bind_failure(server), what="kafka", timeout=READY_TIMEOUT_S,
@@ -322,16 +339,21 @@ def _launch(paths: InfraPaths, lib: Path, java: str, *, port: int, controller_po
     return server
 
 
-def _format(jvm: list[str], cluster_id: str, config: Path, format_log: Path) -> None:
+def _format(jvm: list[str], cluster_id: str, config: Path, format_log: Path, *, extra: list[str]) -> None:
+    # The tool's arguments go in a Java @argfile: SCRAM passwords must not be on a command line.
+    argfile = write_argfile(config.with_name(".format.args"),
+                            ["kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config), *extra])
     try:
         with open(format_log, "wb") as out:
             formatted = subprocess.run(
-                [*jvm, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config)],
+                [*jvm, f"@{argfile}"],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, check=False, timeout=180,
             )
     except subprocess.TimeoutExpired:
         raise InfraError(f"kafka storage format timed out after 180s (log: {format_log})",
                          retriable=True) from None
+    finally:
+        argfile.unlink(missing_ok=True)
     if formatted.returncode != 0:
         raise InfraError(f"kafka storage format failed: {log_tail(format_log)} (log: {format_log})")
 
@@ -343,23 +365,26 @@ def _ready_or_bind_failure(server: KafkaServer) -> bool:
     return kafka_healthy(server, timeout=3.0)
 
 
-def _metadata_lists_broker(bootstrap: str, timeout: float) -> bool:
+def _metadata_lists_broker(bootstrap: str, timeout: float, security: KafkaSecurity | None = None) -> bool:
     # aiokafka is async; run it on a private loop in a worker thread so this works whether
     # or not the caller is inside an event loop.
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         try:
-            return pool.submit(asyncio.run, _metadata_request(bootstrap, timeout)).result(timeout + 5)
+            return pool.submit(asyncio.run, _metadata_request(bootstrap, timeout, security)).result(timeout + 5)
         except Exception:  # noqa: BLE001 -- any failure means "not ready yet"
             return False
 
 
-async def _metadata_request(bootstrap: str, timeout: float) -> bool:
+async def _metadata_request(bootstrap: str, timeout: float, security: KafkaSecurity | None) -> bool:
     from aiokafka.client import AIOKafkaClient
+
+    from shared.bus.kafka_security import security_options
 
     quiet = logging.getLogger("aiokafka")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # a broker still starting refuses; that is expected here
-    client = AIOKafkaClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout * 1000))
+    client = AIOKafkaClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout * 1000),
+                            **(security_options(security) if security is not None else {}))
     try:
         await asyncio.wait_for(client.bootstrap(), timeout)
         return bool(client.cluster.brokers())

@@ -10,7 +10,8 @@ with everything it had stored. Only ``down`` deletes data (and not with ``keep_d
 Anything ``up`` started is stopped again (its data kept) if a later step of the same
 ``up`` fails.
 ``down`` is idempotent. Calls on one run directory are serialised with a file lock, so
-two ``up``s never race.
+two ``up``s never race. ``up(secure=True)`` starts (or finds) a secured broker and applies
+:mod:`shared.infra.secured`; a run directory holds one mode, ``down`` first to switch.
 """
 
 from __future__ import annotations
@@ -61,7 +62,12 @@ class DevServers:
     minio: MinioServer
 
     @property
+    def secure(self) -> bool:
+        return self.kafka.secure
+
+    @property
     def kafka_settings(self) -> KafkaSettings:
+        """PLAINTEXT settings of a plain broker; a secured one's are in its credential files."""
         return KafkaSettings(bootstrap=self.kafka.bootstrap)
 
     @property
@@ -98,7 +104,8 @@ class ServerStatus:
 
 
 def env_lines(servers: DevServers) -> list[str]:
-    """The shell-ready ``NAME=value`` lines that point Hadar at ``servers``."""
+    """The shell-ready ``NAME=value`` lines that point Hadar at plain ``servers`` (with the
+    S3 secret: for owner-only files, not for stdout -- see :func:`shared.infra.secured.public_lines`)."""
     return [
         f"HADAR_BOOTSTRAP={servers.kafka.bootstrap}",
         f"HADAR_S3_ENDPOINT={servers.minio.endpoint}",
@@ -112,11 +119,17 @@ def write_env_file(path: Path, servers: DevServers) -> None:
     write_private(path, "\n".join(env_lines(servers)) + "\n")
 
 
-def up(paths: InfraPaths, *, report: Report = lambda _: None) -> DevServers:
+def up(paths: InfraPaths, *, report: Report = lambda _: None, secure: bool = False) -> DevServers:
     """Ensure both servers run and answer: reuse what runs, restart what is recorded but
     gone (same data, ports, credentials), and start anew only what is not recorded.
-    Fetches and builds whatever is missing first, and reports how long each phase took."""
+    Fetches and builds whatever is missing first, and reports how long each phase took.
+    ``secure``: the broker is (or becomes) the secured one; see the module doc."""
     with file_lock(paths.run / ".lock"):
+        recorded = load_kafka(paths)
+        if recorded is not None and recorded.secure != secure:
+            mode = "secured" if recorded.secure else "plain"
+            raise InfraError(f"kafka: {paths.run} holds a {mode} broker; `hadar infra down` before "
+                             f"`hadar infra up{' --secure' if secure else ''}`")
         began = time.monotonic()
         kafka, minio = _running_kafka(paths, report), _running_minio(paths, report)
         if kafka is not None and minio is not None:
@@ -126,7 +139,7 @@ def up(paths: InfraPaths, *, report: Report = lambda _: None) -> DevServers:
         minio_binary = None if minio is not None else build_minio(paths, report=report)
         prepared = time.monotonic()
         if kafka_needs is not None:
-            kafka = _start_kafka(paths, *kafka_needs, report)
+            kafka = _start_kafka(paths, *kafka_needs, report, secure=secure)
         try:
             if minio_binary is not None:
                 minio = _start_minio(paths, minio_binary, report)
@@ -202,7 +215,11 @@ def down(paths: InfraPaths, *, keep_data: bool = False) -> list[str]:
     every topic, record, bucket and object -- unless ``keep_data``, in which case ``up``
     or ``restart`` brings them back as they were."""
     with file_lock(paths.run / ".lock"):
-        return [_stop(paths, name, keep_data=keep_data) for name in SERVERS]
+        said = [_stop(paths, name, keep_data=keep_data) for name in SERVERS]
+        if not keep_data:   # a secured setup's secrets and every credential file go with the data
+            remove_tree(paths.run / "secure")
+            remove_tree(paths.run / "credentials")
+        return said
 
 
 def stop_server(paths: InfraPaths, name: ServerName) -> str:
@@ -227,7 +244,7 @@ def _running_minio(paths: InfraPaths, report: Report) -> MinioServer | None:
     return None
 
 
-def _start_kafka(paths: InfraPaths, java: str, lib: Path, report: Report) -> KafkaServer:
+def _start_kafka(paths: InfraPaths, java: str, lib: Path, report: Report, *, secure: bool = False) -> KafkaServer:
     """Restart the recorded broker if there is one (its process must be gone), else start anew."""
     began = time.monotonic()
     recorded = load_kafka(paths)
@@ -235,7 +252,7 @@ def _start_kafka(paths: InfraPaths, java: str, lib: Path, report: Report) -> Kaf
         server = restart_kafka(paths, lib, java, recorded)
         report(f"kafka: restarted at {server.bootstrap} with its data in {time.monotonic() - began:.1f}s")
     else:
-        server = start_kafka(paths, lib, java)
+        server = start_kafka(paths, lib, java, secure=secure)
         report(f"kafka: started at {server.bootstrap} in {time.monotonic() - began:.1f}s")
     return server
 

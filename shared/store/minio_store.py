@@ -124,8 +124,16 @@ class MinioStore:
     # -- blocking helpers (run in a worker thread) ----------------------------------------
 
     def _ensure_bucket(self) -> None:
-        if self._client.bucket_exists(self.bucket):
-            return
+        try:
+            if self._client.bucket_exists(self.bucket):
+                return
+        except S3Error as exc:
+            # A least-privilege user (shared/security/principals.py) may list only its own
+            # prefixes, so it cannot ask about the bucket itself: the setup that made the
+            # user made the bucket, and a missing one fails the first operation (NoSuchBucket).
+            if exc.code == "AccessDenied":
+                return
+            raise
         try:
             self._client.make_bucket(self.bucket)
         except S3Error as exc:

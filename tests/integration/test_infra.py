@@ -60,12 +60,19 @@ def test_servers_answer_and_status_reports_them(
     if all(started_here.values()):
         code, out, err = hadar_infra("up", capsys=capsys)
         assert code == 0, err
+        credentials = infra_paths.run / "credentials"
         assert out.splitlines() == [
             f"HADAR_BOOTSTRAP={kafka_bootstrap}",
             f"HADAR_S3_ENDPOINT={s3_settings.endpoint}",
-            f"HADAR_S3_ACCESS_KEY={s3_settings.access_key}",
-            f"HADAR_S3_SECRET_KEY={s3_settings.secret_key}",
+            f"HADAR_S3_ACCESS_KEY_FILE={credentials / 's3-access-key'}",
+            f"HADAR_S3_SECRET_KEY_FILE={credentials / 's3-secret-key'}",
         ]
+        assert s3_settings.secret_key not in out + err   # the secret is only in an owner-only file
+        secret_file = credentials / "s3-secret-key"
+        assert secret_file.read_text().strip() == s3_settings.secret_key
+        assert secret_file.stat().st_mode & 0o077 == 0
+        loaded = s3_from_env(dict(line.split("=", 1) for line in out.splitlines()))
+        assert loaded is not None and loaded.secret_key == s3_settings.secret_key
         assert "infra up: already running" in err
 
 

@@ -55,8 +55,10 @@ def start(paths: InfraPaths, capsys: pytest.CaptureFixture[str]) -> dict[str, st
 
 
 def settings(out: str) -> dict[str, str]:
-    """The ``HADAR_*`` lines that ``up`` printed."""
-    return dict(line.split("=", 1) for line in out.splitlines())
+    """The ``HADAR_*`` settings that ``up`` printed, ``*_FILE`` ones read from their files."""
+    printed = dict(line.split("=", 1) for line in out.splitlines())
+    return {name.removesuffix("_FILE"): Path(value).read_text().strip() if name.endswith("_FILE") else value
+            for name, value in printed.items()}
 
 
 def masked(env: dict[str, str]) -> dict[str, str]:

@@ -237,3 +237,15 @@ def test_fallback_rejects_unknown_types(table: ThroughputModel) -> None:
 def test_workloads_module_lists_figures_per_family() -> None:
     assert set(workloads.FAMILIES) == {"ResNet-18", "ResNet-50", "Transformer", "LM", "Recommendation",
                                        "A3C", "CycleGAN"}
+
+
+def test_the_gpus_swarm_assigned_become_the_visible_devices() -> None:
+    from services.agent.discovery import apply_assigned_gpus, assigned_gpus
+    assert assigned_gpus({"PATH": "/bin"}) is None
+    assert assigned_gpus({"DOCKER_RESOURCE_NVIDIA-GPU": "GPU-a1,GPU-b2", "DOCKER_RESOURCE_CPU": "x"}) == "GPU-a1,GPU-b2"
+    env = {"DOCKER_RESOURCE_NVIDIA-GPU": "GPU-a1"}
+    apply_assigned_gpus(env)
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-a1"
+    env = {"DOCKER_RESOURCE_NVIDIA-GPU": "GPU-a1", "CUDA_VISIBLE_DEVICES": "3"}   # an explicit choice stays
+    apply_assigned_gpus(env)
+    assert env["CUDA_VISIBLE_DEVICES"] == "3"

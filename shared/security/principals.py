@@ -1,0 +1,136 @@
+"""The one declarative table of Hadar's principals and what each may do.
+
+Every principal (one per service, plus the CLI and an admin) has a Kafka user and --
+where it touches the object store -- a MinIO user. The dev broker (``hadar infra up
+--secure``), the stack's init service (``hadar infra secure-init``) and the tests all
+derive their ACLs and policies from :data:`PRINCIPALS`; nothing else lists them.
+
+Kafka (``User:<name>``):
+
+* ``writes``: WRITE (+ DESCRIBE) on those topics; everyone also writes
+  :data:`~shared.topics.DEADLETTER`.
+* ``reads``: READ (+ DESCRIBE) on those topics -- the service's input topics (and the
+  dead-letter topic for the services that count dead letters).
+* ``groups``: READ on consumer groups whose id starts with the prefix (PREFIXED), so an
+  agent's ``hadar-agent-<node>`` works and nothing else does; the CLI gets no group.
+* ``admin`` is a super user: it creates topics and ACLs. No service runs as admin.
+
+MinIO (``hadar-<name>``): ``s3_read``/``s3_write`` are key prefixes of
+:mod:`shared.layout`; write includes delete (the tracker prunes old checkpoints and
+models). The root user only sets this up.
+
+Guarantee: :func:`kafka_acls` and :func:`s3_policy` are pure functions of this table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from shared.layout import CHECKPOINTS as _CHECKPOINTS
+from shared.layout import MODELS as _MODELS
+from shared.topics import DEADLETTER, JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
+
+__all__ = [
+    "Principal", "PRINCIPALS", "SERVICE_PRINCIPALS", "ADMIN", "KafkaAcl", "kafka_acls", "s3_policy",
+    "s3_user", "CHECKPOINTS", "MODELS_PREFIX",
+]
+
+CHECKPOINTS = f"{_CHECKPOINTS}/"
+MODELS_PREFIX = f"{_MODELS}/"
+ADMIN = "admin"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Principal:
+    """One identity on the bus and (optionally) the store."""
+
+    name: str
+    writes: tuple[str, ...] = ()
+    reads: tuple[str, ...] = ()
+    group_prefix: str = ""
+    s3_read: tuple[str, ...] = ()
+    s3_write: tuple[str, ...] = ()
+
+    @property
+    def uses_s3(self) -> bool:
+        return bool(self.s3_read or self.s3_write)
+
+
+PRINCIPALS: dict[str, Principal] = {p.name: p for p in (
+    Principal(name="cli", writes=(JOBS,),
+              reads=(JOBS, NODES, THROUGHPUT, PROGRESS, PLACEMENTS, MODELS, DEADLETTER),
+              s3_read=(MODELS_PREFIX,)),   # CLI reads never join a group (services/cli/follow.py)
+    Principal(name="scheduler", writes=(PLACEMENTS,),
+              reads=(JOBS, NODES, THROUGHPUT, PROGRESS, MODELS, DEADLETTER), group_prefix="hadar-scheduler"),
+    Principal(name="agent", writes=(NODES, PROGRESS), reads=(PLACEMENTS, JOBS), group_prefix="hadar-agent",
+              s3_read=(CHECKPOINTS, MODELS_PREFIX), s3_write=(CHECKPOINTS,)),
+    Principal(name="tracker", writes=(MODELS,), reads=(JOBS, PLACEMENTS, MODELS, PROGRESS, DEADLETTER),
+              group_prefix="hadar-tracker", s3_read=(CHECKPOINTS, MODELS_PREFIX),
+              s3_write=(CHECKPOINTS, MODELS_PREFIX)),
+    Principal(name="profiler", writes=(THROUGHPUT,), reads=(JOBS, PROGRESS, MODELS, DEADLETTER),
+              group_prefix="hadar-profiler"),
+    Principal(name=ADMIN),
+)}
+SERVICE_PRINCIPALS: tuple[str, ...] = tuple(n for n in PRINCIPALS if n != ADMIN)
+
+# Kafka's enum codes (org.apache.kafka.common.acl / resource), as the wire carries them.
+TOPIC, GROUP = 2, 3
+LITERAL, PREFIXED = 3, 4
+READ, WRITE, DESCRIBE = 3, 4, 8
+ALLOW = 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class KafkaAcl:
+    """One ALLOW binding: ``principal`` may ``operation`` on a resource, from any host."""
+
+    resource_type: int
+    resource_name: str
+    pattern_type: int
+    principal: str
+    operation: int
+
+
+def kafka_acls(principal: Principal) -> list[KafkaAcl]:
+    """Every ALLOW binding ``principal`` gets (none for admin, a super user)."""
+    if principal.name == ADMIN:
+        return []
+    user = f"User:{principal.name}"
+    acls: list[KafkaAcl] = []
+    for topic in sorted({*principal.writes, DEADLETTER}):
+        acls += [KafkaAcl(resource_type=TOPIC, resource_name=topic, pattern_type=LITERAL, principal=user,
+                          operation=op) for op in (WRITE, DESCRIBE)]
+    for topic in sorted(principal.reads):
+        acls += [KafkaAcl(resource_type=TOPIC, resource_name=topic, pattern_type=LITERAL, principal=user,
+                          operation=op) for op in (READ, DESCRIBE)]
+    if principal.group_prefix:
+        acls.append(KafkaAcl(resource_type=GROUP, resource_name=principal.group_prefix, pattern_type=PREFIXED,
+                             principal=user, operation=READ))
+    return acls
+
+
+def s3_user(principal: Principal) -> str:
+    """The MinIO access key of ``principal``."""
+    return f"hadar-{principal.name}"
+
+
+def s3_policy(principal: Principal, bucket: str) -> dict[str, Any]:
+    """The MinIO (IAM) policy document of ``principal`` on ``bucket``."""
+    def objects(prefixes: tuple[str, ...]) -> list[str]:
+        return [f"arn:aws:s3:::{bucket}/{p}*" for p in prefixes]
+
+    listable = sorted({*principal.s3_read, *principal.s3_write})
+    statements: list[dict[str, Any]] = [
+        {"Effect": "Allow", "Action": ["s3:GetBucketLocation"], "Resource": [f"arn:aws:s3:::{bucket}"]},
+        {"Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": [f"arn:aws:s3:::{bucket}"],
+         "Condition": {"StringLike": {"s3:prefix": [f"{p}*" for p in listable]}}},
+    ]
+    if principal.s3_read:
+        statements.append({"Effect": "Allow", "Action": ["s3:GetObject"],
+                           "Resource": objects(principal.s3_read)})
+    if principal.s3_write:
+        statements.append({"Effect": "Allow", "Action": ["s3:PutObject", "s3:DeleteObject",
+                                                         "s3:AbortMultipartUpload"],
+                           "Resource": objects(principal.s3_write)})
+    return {"Version": "2012-10-17", "Statement": statements}

@@ -1,0 +1,201 @@
+"""Least privilege on the real secured broker and MinIO (``hadar infra up --secure``).
+
+Each principal can do what :mod:`shared.security.principals` grants and the broker or
+MinIO refuses the rest: an agent cannot publish a ModelConsolidated, the CLI cannot read
+with an agent's group, an agent cannot write a model; a wrong password or an untrusted CA
+fails fast with one line naming the setting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import TopicAuthorizationFailedError
+from minio import Minio
+from minio.error import S3Error
+
+from shared.bus import KafkaBus
+from shared.bus.base import BusError
+from shared.bus.kafka_security import diagnose, security_options
+from shared.config import kafka_from_env, s3_from_env
+from shared.events import CopyWeight, ModelConsolidated, encode
+from shared.security.principals import DEADLETTER, PRINCIPALS, SERVICE_PRINCIPALS
+from shared.store import MinioStore
+from shared.topics import JOBS, MODELS
+
+pytestmark = [pytest.mark.kafka, pytest.mark.s3]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def bus_of(secure_servers, principal: str, **env: str) -> KafkaBus:
+    settings = kafka_from_env({**secure_servers.env[principal], **env})
+    assert settings is not None
+    return KafkaBus.from_settings(settings, source=f"test-{principal}", request_timeout_ms=10_000)
+
+
+def model_event() -> ModelConsolidated:
+    return ModelConsolidated(job_id="secure-j", round=0, key="models/secure-j/0.safetensors", total_steps=1,
+                             copies=(CopyWeight(copy=0, steps=1, weight=1.0),), ts=1.0, source="test")
+
+
+async def test_each_service_principal_writes_its_topics_and_the_dead_letters(secure_servers) -> None:
+    for name in SERVICE_PRINCIPALS:
+        bus = bus_of(secure_servers, name)
+        await bus.start()
+        try:
+            for topic in (*PRINCIPALS[name].writes, DEADLETTER):
+                await bus.publish_raw(topic, "k", b"allowed")
+        finally:
+            await bus.stop()
+
+
+async def test_the_broker_refuses_a_model_published_with_the_agent_credentials(secure_servers) -> None:
+    security = kafka_from_env(secure_servers.env["agent"]).security
+    producer = AIOKafkaProducer(bootstrap_servers=secure_servers.env["agent"]["HADAR_BOOTSTRAP"],
+                                request_timeout_ms=10_000, **security_options(security))
+    await producer.start()
+    try:
+        with pytest.raises(TopicAuthorizationFailedError):
+            await producer.send_and_wait(MODELS, encode(model_event()), key=b"secure-j")
+    finally:
+        await producer.stop()
+    bus = bus_of(secure_servers, "agent")
+    await bus.start()
+    try:
+        with pytest.raises(BusError, match="TopicAuthorizationFailed") as refused:
+            await bus.publish(MODELS, "secure-j", model_event())
+        assert not refused.value.retriable
+    finally:
+        await bus.stop()
+
+
+async def test_the_cli_cannot_read_jobs_with_an_agent_group(secure_servers) -> None:
+    bus = bus_of(secure_servers, "cli")
+    await bus.start()
+    try:
+        with pytest.raises(BusError, match="GroupAuthorizationFailed"):
+            async with bus.subscribe(JOBS, "hadar-agent-node-a") as sub:
+                async for _ in sub:
+                    break
+        await bus.publish_raw(JOBS, "k", b"the cli may write jobs")
+    finally:
+        await bus.stop()
+
+
+async def test_the_agent_s3_keys_write_checkpoints_but_not_models(secure_servers) -> None:
+    settings = s3_from_env(secure_servers.env["agent"])
+    assert settings is not None
+    store = MinioStore(settings)
+    await store.start()   # a user that may not list the bucket's root still starts
+    try:
+        await store.put("checkpoints/secure-j/0/0.safetensors", b"w")
+        assert await store.list("checkpoints/secure-j/") == ["checkpoints/secure-j/0/0.safetensors"]
+        with pytest.raises(S3Error) as denied:
+            await store.put("models/secure-j/0.safetensors", b"w")
+        assert denied.value.code == "AccessDenied"
+    finally:
+        await store.stop()
+    cli = s3_from_env(secure_servers.env["cli"])
+    assert cli is not None
+    reader = Minio(cli.host_port, access_key=cli.access_key, secret_key=cli.secret_key, secure=cli.secure)
+    with pytest.raises(S3Error) as denied:
+        reader.get_object(cli.bucket, "checkpoints/secure-j/0/0.safetensors")
+    assert denied.value.code == "AccessDenied"
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"HADAR_KAFKA_PASSWORD": "not-the-password"}, "HADAR_KAFKA_USERNAME/HADAR_KAFKA_PASSWORD"),
+    ({"HADAR_KAFKA_CA_FILE": ""}, "HADAR_KAFKA_CA_FILE"),
+])
+def test_a_wrong_password_or_an_untrusted_ca_fails_fast_with_one_line(secure_servers, change, named) -> None:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **secure_servers.env["cli"], **change}
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "services.cli.main", "jobs"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("hadar jobs: error:")]
+    assert done.returncode == 3, done.stderr
+    assert len(lines) == 1 and named in lines[0], done.stderr
+    assert "Traceback" not in done.stderr
+    assert time.monotonic() - began < 45   # no hang: bounded well below the client's retry loop
+    assert not any(secret in done.stderr + done.stdout for secret in secure_servers.secrets)
+
+
+def test_a_service_with_a_wrong_password_exits_with_one_log_line(secure_servers) -> None:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **secure_servers.env["profiler"],
+           "HADAR_KAFKA_PASSWORD": "not-the-password"}
+    done = subprocess.run([sys.executable, "-m", "services.cli.main", "serve", "profiler", "--http-port", "0"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    output = done.stdout + done.stderr
+    failed = [json.loads(line) for line in output.splitlines() if '"service.failed"' in line]
+    assert len(failed) == 1 and failed[0]["error"].startswith("HADAR_KAFKA_USERNAME/HADAR_KAFKA_PASSWORD"), output
+    assert "Traceback" not in output and "not-the-password" not in output
+
+
+def test_no_secret_on_any_command_line(secure_servers) -> None:
+    assert secure_servers.secrets
+    assert not [pid for pid, line in command_lines().items() if any(s in line for s in secure_servers.secrets)]
+
+
+def command_lines() -> dict[str, str]:
+    found = {}
+    for path in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            found[path.parent.name] = path.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+    return found
+
+
+async def test_credential_files_are_owner_only_and_complete(secure_servers) -> None:
+    directory = secure_servers.paths.run / "credentials"
+    assert directory.stat().st_mode & 0o077 == 0
+    for name in PRINCIPALS:
+        env_file = directory / f"{name}.env"
+        assert env_file.stat().st_mode & 0o077 == 0
+        assert secure_servers.env[name]["HADAR_KAFKA_USERNAME"] == name
+    await asyncio.sleep(0)
+
+
+@pytest.mark.slow
+def test_secure_init_from_docker_secret_files_rotates_a_password(secure_servers, tmp_path: Path) -> None:
+    """The stack's init service path: ``hadar infra secure-init`` as admin, secrets from files."""
+    env = secure_servers.env
+
+    def secure_init(profiler_password: str) -> subprocess.CompletedProcess:
+        secrets_dir = tmp_path / "run-secrets"
+        secrets_dir.mkdir(exist_ok=True)
+        for name in SERVICE_PRINCIPALS:
+            password = profiler_password if name == "profiler" else env[name]["HADAR_KAFKA_PASSWORD"]
+            (secrets_dir / f"kafka-{name}-password").write_text(password + "\n")
+            if PRINCIPALS[name].uses_s3:
+                (secrets_dir / f"s3-{name}-secret-key").write_text(env[name]["HADAR_S3_SECRET_KEY"] + "\n")
+        return subprocess.run([sys.executable, "-m", "services.cli.main", "infra", "secure-init",
+                               "--secrets-dir", str(secrets_dir)],
+                              env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **env["admin"]},
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    old = env["profiler"]["HADAR_KAFKA_PASSWORD"]
+    try:
+        done = secure_init("rotated-" + old[:8])
+        assert done.returncode == 0, done.stderr
+        assert not any(secret in done.stdout + done.stderr for secret in secure_servers.secrets)
+        assert asyncio.run(diagnose_login(env["profiler"], "rotated-" + old[:8])) is None
+        assert "HADAR_KAFKA_PASSWORD" in (asyncio.run(diagnose_login(env["profiler"], old)) or "")
+    finally:
+        assert secure_init(old).returncode == 0
+
+
+async def diagnose_login(env: dict[str, str], password: str) -> str | None:
+    """``None`` if ``password`` logs in as ``env``'s user, else the one-line reason.
+    (secure-init returns only once every new credential logs in.)"""
+    settings = kafka_from_env({**env, "HADAR_KAFKA_PASSWORD": password})
+    assert settings is not None
+    return await diagnose(settings.bootstrap, settings.security)
