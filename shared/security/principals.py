@@ -17,7 +17,8 @@ Kafka (``User:<name>``):
 
 MinIO (``hadar-<name>``): ``s3_read``/``s3_write`` are key prefixes of
 :mod:`shared.layout`; write includes delete (the tracker prunes old checkpoints and
-models). The root user only sets this up.
+models; scheduler and profiler prune their own state snapshots, which live under
+``snapshots/<group id>/`` and so under their group prefix). The root user only sets this up.
 
 Guarantee: :func:`kafka_acls` and :func:`s3_policy` are pure functions of this table.
 """
@@ -29,6 +30,7 @@ from typing import Any
 
 from shared.layout import CHECKPOINTS as _CHECKPOINTS
 from shared.layout import MODELS as _MODELS
+from shared.layout import SNAPSHOTS as _SNAPSHOTS
 from shared.topics import DEADLETTER, JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
 
 __all__ = [
@@ -39,6 +41,10 @@ __all__ = [
 CHECKPOINTS = f"{_CHECKPOINTS}/"
 MODELS_PREFIX = f"{_MODELS}/"
 ADMIN = "admin"
+
+
+def _own_snapshots(group_prefix: str) -> tuple[str, ...]:
+    return (f"{_SNAPSHOTS}/{group_prefix}",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,14 +68,16 @@ PRINCIPALS: dict[str, Principal] = {p.name: p for p in (
               reads=(JOBS, NODES, THROUGHPUT, PROGRESS, PLACEMENTS, MODELS, DEADLETTER),
               s3_read=(MODELS_PREFIX,)),   # CLI reads never join a group (services/cli/follow.py)
     Principal(name="scheduler", writes=(PLACEMENTS,),
-              reads=(JOBS, NODES, THROUGHPUT, PROGRESS, MODELS, DEADLETTER), group_prefix="hadar-scheduler"),
+              reads=(JOBS, NODES, THROUGHPUT, PROGRESS, MODELS, DEADLETTER), group_prefix="hadar-scheduler",
+              s3_read=_own_snapshots("hadar-scheduler"), s3_write=_own_snapshots("hadar-scheduler")),
     Principal(name="agent", writes=(NODES, PROGRESS), reads=(PLACEMENTS, JOBS), group_prefix="hadar-agent",
               s3_read=(CHECKPOINTS, MODELS_PREFIX), s3_write=(CHECKPOINTS,)),
     Principal(name="tracker", writes=(MODELS,), reads=(JOBS, PLACEMENTS, MODELS, PROGRESS, DEADLETTER),
               group_prefix="hadar-tracker", s3_read=(CHECKPOINTS, MODELS_PREFIX),
               s3_write=(CHECKPOINTS, MODELS_PREFIX)),
     Principal(name="profiler", writes=(THROUGHPUT,), reads=(JOBS, PROGRESS, MODELS, DEADLETTER),
-              group_prefix="hadar-profiler"),
+              group_prefix="hadar-profiler",
+              s3_read=_own_snapshots("hadar-profiler"), s3_write=_own_snapshots("hadar-profiler")),
     Principal(name=ADMIN),
 )}
 SERVICE_PRINCIPALS: tuple[str, ...] = tuple(n for n in PRINCIPALS if n != ADMIN)

@@ -113,8 +113,7 @@ def test_the_scrape_config_finds_every_service_of_the_stack_where_it_serves():
     config = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}
     for service in HADAR_SERVICES:
-        command = stack["services"][service]["command"]
-        port = int(command[command.index("--http-port") + 1])
+        port = int(stack["services"][service]["environment"]["HADAR_HTTP_PORT"])
         (sd,) = jobs[service]["dns_sd_configs"]
         assert sd["names"] == [f"tasks.{service}"] and sd["port"] == port and sd["type"] == "A"
 
@@ -126,7 +125,8 @@ def test_the_monitoring_stack_validates_with_the_main_stack():
             pytest.fail("the docker client is needed to validate deploy/monitoring/stack.yml")
         pytest.skip("docker client not installed")
     out = subprocess.run([docker, "stack", "config", "-c", str(ROOT / "deploy" / "stack.yml"),
-                          "-c", str(MONITORING / "stack.yml")], capture_output=True, text=True, timeout=60)
+                          "-c", str(MONITORING / "stack.yml")], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "HADAR_IMAGE": "registry.example/hadar:1.0"})
     assert out.returncode == 0, out.stderr
     merged = yaml.safe_load(out.stdout)
     assert {"prometheus", "grafana", "scheduler", "agent"} <= set(merged["services"])

@@ -94,6 +94,9 @@ def test_each_service_logs_in_as_its_own_principal_with_secrets_from_files():
         else:
             assert not any(name.startswith("HADAR_S3_ACCESS") or name.startswith("HADAR_S3_SECRET") for name in env)
         assert mounted == wanted, service   # no service holds another's secret, none the root's
+        # s3_from_env refuses an endpoint without credentials: a service given the endpoint
+        # must be given its keys too, or it exits at start.
+        assert ("HADAR_S3_ENDPOINT" not in env) or principal.uses_s3, service
         assert env["HADAR_KAFKA_PASSWORD_FILE"] == f"/run/secrets/kafka-{service}-password"
         assert not any("PASSWORD" in n and not n.endswith("_FILE") for n in env), service
 
@@ -116,7 +119,7 @@ def test_secure_init_runs_our_cli_as_admin_with_every_principals_secret():
         for target in targets:
             (P(tmp) / target).write_text("x\n")
         kafka, s3 = read_secrets(P(tmp))
-    assert set(kafka) == set(SERVICE_PRINCIPALS) and set(s3) == {"agent", "tracker", "cli"}
+    assert set(kafka) == set(SERVICE_PRINCIPALS) and set(s3) == {"agent", "tracker", "cli", "scheduler", "profiler"}
     assert set(config["secrets"]) >= {s["source"] for svc in config["services"].values()
                                       for s in svc.get("secrets", [])}
 

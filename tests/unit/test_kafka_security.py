@@ -172,5 +172,7 @@ def test_store_policies_follow_the_layout_prefixes() -> None:
     assert actions("agent", "s3:GetObject") == {"checkpoints/*", "models/*"}
     assert actions("tracker", "s3:PutObject") == {"checkpoints/*", "models/*"}
     assert actions("cli", "s3:GetObject") == {"models/*"} and actions("cli", "s3:PutObject") == set()
-    assert not PRINCIPALS["scheduler"].uses_s3 and not PRINCIPALS["profiler"].uses_s3
+    for service in ("scheduler", "profiler"):   # their own state snapshots, nothing else
+        own = {f"snapshots/hadar-{service}*"}
+        assert actions(service, "s3:GetObject") == own and actions(service, "s3:PutObject") == own
     assert s3_user(PRINCIPALS["agent"]) == "hadar-agent"
