@@ -51,6 +51,7 @@ __all__ = ["ProfilerConfig", "ProfilerService", "Estimator"]
 
 Estimator = Callable[[JobSpec], dict[str, float]]
 INPUT_TOPICS: tuple[str, ...] = (JOBS, PROGRESS, MODELS)
+RECOVERY_TOPICS: tuple[str, ...] = (THROUGHPUT, JOBS)   # read at start-up: its own estimates, the jobs
 MAX_WORKERS = 64  # ThroughputEstimate.workers range
 
 
@@ -121,7 +122,7 @@ class ProfilerService:
         await self.bus.ensure_topics((*INPUT_TOPICS, THROUGHPUT, DEADLETTER))
         snapshot = await self._load_snapshot()
         records = 0
-        for topic in (THROUGHPUT, JOBS):
+        for topic in RECOVERY_TOPICS:
             start = snapshot.partition_offsets(topic) if snapshot is not None else None
             async for delivery in self.bus.read(topic, start=start):
                 records += 1

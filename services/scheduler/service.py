@@ -51,6 +51,7 @@ from shared.store import ObjectStore
 from shared.topics import ALL_TOPICS, DEADLETTER, JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
 
 INPUT_TOPICS = (JOBS, NODES, THROUGHPUT, PROGRESS, MODELS)
+RECOVERY_TOPICS = (*INPUT_TOPICS, PLACEMENTS)   # read from the start (or a snapshot) at start-up
 RETRY_BASE_S = 0.05
 MAX_RETRY_S = 5.0
 
@@ -150,7 +151,7 @@ class SchedulerService:
         t0 = time.perf_counter()
         resume = await self._load_snapshot()
         log: list[LoggedEvent] = []
-        for topic in (*INPUT_TOPICS, PLACEMENTS):
+        for topic in RECOVERY_TOPICS:
             # From the offsets the snapshot covers (a partition it does not name: from the start).
             start = resume[0].partition_offsets(topic) if resume is not None else None
             async for d in self.bus.read(topic, start=start):

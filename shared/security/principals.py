@@ -9,8 +9,9 @@ Kafka (``User:<name>``):
 
 * ``writes``: WRITE (+ DESCRIBE) on those topics; everyone also writes
   :data:`~shared.topics.DEADLETTER`.
-* ``reads``: READ (+ DESCRIBE) on those topics -- the service's input topics (and the
-  dead-letter topic for the services that count dead letters).
+* ``reads``: READ (+ DESCRIBE) on those topics -- the service's input topics, the topics it
+  rebuilds its state from at start (the scheduler its own placements, the profiler its own
+  estimates) and the dead-letter topic for the services that count dead letters.
 * ``groups``: READ on consumer groups whose id starts with the prefix (PREFIXED), so an
   agent's ``hadar-agent-<node>`` works and nothing else does; the CLI gets no group.
 * ``admin`` is a super user: it creates topics and ACLs. No service runs as admin.
@@ -68,14 +69,15 @@ PRINCIPALS: dict[str, Principal] = {p.name: p for p in (
               reads=(JOBS, NODES, THROUGHPUT, PROGRESS, PLACEMENTS, MODELS, DEADLETTER),
               s3_read=(MODELS_PREFIX,)),   # CLI reads never join a group (services/cli/follow.py)
     Principal(name="scheduler", writes=(PLACEMENTS,),
-              reads=(JOBS, NODES, THROUGHPUT, PROGRESS, MODELS, DEADLETTER), group_prefix="hadar-scheduler",
+              reads=(JOBS, NODES, THROUGHPUT, PROGRESS, MODELS, PLACEMENTS, DEADLETTER),
+              group_prefix="hadar-scheduler",
               s3_read=_own_snapshots("hadar-scheduler"), s3_write=_own_snapshots("hadar-scheduler")),
     Principal(name="agent", writes=(NODES, PROGRESS), reads=(PLACEMENTS, JOBS), group_prefix="hadar-agent",
               s3_read=(CHECKPOINTS, MODELS_PREFIX), s3_write=(CHECKPOINTS,)),
     Principal(name="tracker", writes=(MODELS,), reads=(JOBS, PLACEMENTS, MODELS, PROGRESS, DEADLETTER),
               group_prefix="hadar-tracker", s3_read=(CHECKPOINTS, MODELS_PREFIX),
               s3_write=(CHECKPOINTS, MODELS_PREFIX)),
-    Principal(name="profiler", writes=(THROUGHPUT,), reads=(JOBS, PROGRESS, MODELS, DEADLETTER),
+    Principal(name="profiler", writes=(THROUGHPUT,), reads=(JOBS, PROGRESS, MODELS, THROUGHPUT, DEADLETTER),
               group_prefix="hadar-profiler",
               s3_read=_own_snapshots("hadar-profiler"), s3_write=_own_snapshots("hadar-profiler")),
     Principal(name=ADMIN),
