@@ -59,7 +59,7 @@ class EmbeddedSystem:
         c = self.config
         self.scheduler = SchedulerService(bus=self.bus, config=SchedulerConfig(
             policy=c.policy, policy_options=c.policy_options, round_s=c.round_s, heartbeat_s=c.heartbeat_s,
-            consolidation_wait_s=c.consolidation_wait_s, seed=c.seed, group=c.scheduler_group))
+            late_copy_s=c.copy_finish_timeout_s, consolidation_wait_s=c.consolidation_wait_s, seed=c.seed, group=c.scheduler_group))
         self.tracker = TrackerService(bus=self.bus, store=self.store,
                                       config=TrackerConfig(finish_timeout_s=c.copy_finish_timeout_s, tick_s=0.2))
         self.profiler = ProfilerService(bus=self.bus, config=ProfilerConfig())

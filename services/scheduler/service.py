@@ -15,9 +15,12 @@ Guarantees:
   carried state, e.g. Hadar's ledger) and continues with the next round number. Started
   with another policy or options than the last round recorded, it logs the change and
   plans the next round afresh.
-* A round starts no earlier than the previous one's end, and (up to
-  ``consolidation_wait_s``) only after the tracker announced the models of the jobs that ran
-  in it, so copies of the next round start from the averaged model.
+* A round starts no earlier than the previous one's end, and only after the tracker
+  announced the models of the jobs that ran in it, so copies of the next round start from
+  the averaged model -- or, if it never does, once the previous round's deadline plus
+  ``late_copy_s`` plus ``consolidation_wait_s`` has passed (``shared.deadline``, the rule
+  the tracker decides a late round by), so it never plans past a round the tracker may
+  still decide.
 * A node not heard from for 3 heartbeat periods leaves the cluster at the next round; a
   cancelled job is dropped at the next round boundary.
 """
@@ -37,6 +40,7 @@ from services.scheduler.rounds import RoundTiming, build_snapshot, plan_to_event
 from services.scheduler.state import SchedulerState
 from shared.bus import Bus, BusError, Delivery
 from shared.clock import Clock, SystemClock
+from shared.deadline import next_round_gives_up_at
 from shared.errors import HadarError
 from shared.events import Assignment, Event
 from shared.logging import get_logger
@@ -219,6 +223,17 @@ class SchedulerService:
                 pass
         return True
 
+    def wait_left(self, round_: int, *, now: float) -> float:
+        """Seconds the next round may still wait for ``round_``'s models at ``now``: until
+        :func:`shared.deadline.next_round_gives_up_at` of its deadline (0 for a round not
+        in memory)."""
+        record = self.state.rounds.get(round_)
+        if record is None:
+            return 0.0
+        until = next_round_gives_up_at(record.started.ends_at, late_copy_s=self.config.late_copy_s,
+                                       consolidation_wait_s=self.config.consolidation_wait_s)
+        return max(0.0, until - now)
+
     async def _rounds(self) -> None:
         next_start = self.clock.time()
         failures = 0
@@ -226,7 +241,7 @@ class SchedulerService:
             await self.clock.sleep(next_start - self.clock.time())
             previous_round = self.next_round - 1
             if not await self._wait_for(lambda: not self.state.awaiting_consolidation(previous_round),
-                                        self.config.consolidation_wait_s):
+                                        self.wait_left(previous_round, now=self.clock.time())):
                 self._log.warning("round.consolidation_timeout", round=previous_round,
                                   jobs=self.state.awaiting_consolidation(previous_round))
             if not self.state.active_jobs():
