@@ -37,7 +37,7 @@ from services.scheduler.config import DecisionSettings, SchedulerConfig
 from services.scheduler.policy import Plan, Policy, Snapshot
 from services.scheduler.rerun import LoggedEvent, rerun
 from services.scheduler.rounds import RoundTiming, build_snapshot, plan_to_events
-from services.scheduler.state import SchedulerState
+from services.scheduler.state import SchedulerState, stuck_reason
 from shared.bus import Bus, BusError, Delivery
 from shared.clock import Clock, SystemClock
 from shared.deadline import next_round_gives_up_at
@@ -95,6 +95,8 @@ class SchedulerService:
         self._m_decision = Histogram("hadar_scheduler_decision_seconds", "Time in policy.plan()",
                                      registry=self.registry, buckets=(.001, .01, .05, .1, .5, 1, 5, 30))
         self._m_queue = Gauge("hadar_scheduler_queue_length", "Active jobs left waiting", registry=self.registry)
+        self._m_stuck = Gauge("hadar_scheduler_jobs_stuck",
+                              "Active jobs without consolidated progress for several rounds", registry=self.registry)
         self._m_busy = Gauge("hadar_scheduler_gpus_busy", "GPUs assigned this round", ["gpu_type"],
                              registry=self.registry)
         self._m_in = Counter("hadar_events_in", "Events folded", ["type"], registry=self.registry)
@@ -305,6 +307,10 @@ class SchedulerService:
         self._m_rounds.inc()
         self._m_decision.observe(seconds)
         self._m_queue.set(len(plan.waiting))
+        stuck = {j.spec.job_id: r for j in self.state.active_jobs() if (r := stuck_reason(j)) is not None}
+        self._m_stuck.set(len(stuck))
+        for job_id, reason in sorted(stuck.items())[:10]:
+            self._log.warning("job.stuck", job=job_id, round=timing.round, reason=reason)
         busy: dict[str, int] = {}
         for e in events:
             if isinstance(e, Assignment):

@@ -60,6 +60,9 @@ class JobRecord:
     rounds_run: int = 0
     first_round: int | None = None
     last_round: int | None = None
+    progress_round: int = -1            # latest round whose model added steps
+    runs_since_progress: int = 0        # rounds run after ``progress_round``
+    last_outcome: str = ""              # why the latest decided round added nothing ("" if it did)
 
     @property
     def active(self) -> bool:
@@ -71,7 +74,9 @@ class JobRecord:
             return "completed"
         if self.cancelled:
             return "cancelled"
-        return "running" if self.last_round is not None else "waiting"
+        if self.last_round is None:
+            return "waiting"
+        return "stuck" if stuck_reason(self) is not None else "running"
 
     def progress_steps(self) -> int:
         """Consolidated steps plus what copies reported since, in job steps: a copy on k of
@@ -100,6 +105,7 @@ WEIGHT_TOLERANCE = 1e-6
 FINISHED_KEPT = 1024    # completed or cancelled jobs whose records stay in memory (views, the demo)
 SEEN_WINDOW = 65_536   # event ids remembered for dedupe (~8 MB): far more than one commit interval
 ROUNDS_KEPT = 64       # rounds kept in memory; older ones live on in the log only
+STUCK_AFTER_ROUNDS = 3  # rounds run without consolidated progress before a job is reported stuck
 
 
 class SchedulerState:
@@ -224,6 +230,8 @@ class SchedulerState:
         if job.last_round != e.round:
             job.rounds_run += 1
             job.last_round = e.round
+            if e.round > job.progress_round:
+                job.runs_since_progress += 1
         if job.first_round is None:
             job.first_round = e.round
 
@@ -252,6 +260,12 @@ class SchedulerState:
     def _on_ModelConsolidated(self, e: ModelConsolidated) -> None:
         job = self.jobs.get(e.job_id)
         if job is not None and e.round >= job.consolidated_round:
+            if e.total_steps > job.steps_done:
+                job.progress_round = e.round
+                job.runs_since_progress = int(job.last_round is not None and job.last_round > e.round)
+                job.last_outcome = ""
+            else:
+                job.last_outcome = f"round {e.round}'s model added no steps"
             job.consolidated_round = e.round
             job.decided_round = max(job.decided_round, e.round)
             job.steps_done = e.total_steps
@@ -263,6 +277,7 @@ class SchedulerState:
         if job is not None:
             job.decided_round = max(job.decided_round, e.round)
             job.live_steps = {k: v for k, v in job.live_steps.items() if k[0] != e.round}
+            job.last_outcome = f"round {e.round} abandoned: {e.reason[:200]}"
 
     def _on_JobCompleted(self, e: JobCompleted) -> None:
         job = self.jobs.get(e.job_id)
@@ -361,6 +376,26 @@ class SchedulerState:
         ran = {a.job_id for a in record.assignments}
         return sorted(j for j in ran if j in self.jobs and self.jobs[j].active
                       and self.jobs[j].decided_round < round_)
+
+
+def stuck_reason(job: JobRecord, rounds: int = STUCK_AFTER_ROUNDS) -> str | None:
+    """Why an active job is stuck -- ``rounds`` or more rounds it ran in, over (decided, or
+    followed by a later round), without its consolidated steps growing -- or None.
+
+    The round in flight is not counted; a round the scheduler moved past without a model
+    counts as one without progress. The reason names the rounds, the steps and the latest
+    cause (a round abandoned and why, a model that added nothing, no model announced)."""
+    if not job.active or job.last_round is None:
+        return None
+    in_flight = int(job.decided_round < job.last_round)
+    idle = job.runs_since_progress - in_flight
+    if idle < rounds:
+        return None
+    if job.decided_round < job.last_round - in_flight:
+        cause = f"no model announced for rounds {job.decided_round + 1}..{job.last_round - in_flight}"
+    else:
+        cause = job.last_outcome or "no model added steps"
+    return f"no progress in {idle} rounds (at {job.steps_done} of {job.spec.iterations} steps): {cause}"
 
 
 def merge_rates(rates: dict[tuple[str, str, int], tuple[str, float]], e: ThroughputEstimate) -> None:
