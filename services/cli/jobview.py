@@ -12,7 +12,8 @@ from collections.abc import Collection, Mapping
 from datetime import datetime, timezone
 from typing import Any
 
-from services.scheduler.state import JobRecord, SchedulerState, stuck_reason
+from services.scheduler.state import JobRecord, SchedulerState
+from services.scheduler.stuck import stuck_reason
 from shared.errors import UsageError
 
 __all__ = ["JOB_STATES", "NO_ESTIMATE", "job_doc", "jobs_table", "select_jobs", "parse_since",

@@ -37,7 +37,8 @@ from services.scheduler.config import DecisionSettings, SchedulerConfig
 from services.scheduler.policy import Plan, Policy, Snapshot
 from services.scheduler.rerun import LoggedEvent, rerun
 from services.scheduler.rounds import RoundTiming, build_snapshot, plan_to_events
-from services.scheduler.state import SchedulerState, stuck_reason
+from services.scheduler.state import SchedulerState
+from services.scheduler.stuck import stuck_reason
 from shared.bus import Bus, BusError, Delivery
 from shared.clock import Clock, SystemClock
 from shared.deadline import next_round_gives_up_at

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from services.scheduler.stuck import stuck_reason
 from shared.dispatch import HandlerTable
 from shared.layout import final_key, model_key
 from shared.rejection import Rejected
@@ -105,7 +106,6 @@ WEIGHT_TOLERANCE = 1e-6
 FINISHED_KEPT = 1024    # completed or cancelled jobs whose records stay in memory (views, the demo)
 SEEN_WINDOW = 65_536   # event ids remembered for dedupe (~8 MB): far more than one commit interval
 ROUNDS_KEPT = 64       # rounds kept in memory; older ones live on in the log only
-STUCK_AFTER_ROUNDS = 3  # rounds run without consolidated progress before a job is reported stuck
 
 
 class SchedulerState:
@@ -376,26 +376,6 @@ class SchedulerState:
         ran = {a.job_id for a in record.assignments}
         return sorted(j for j in ran if j in self.jobs and self.jobs[j].active
                       and self.jobs[j].decided_round < round_)
-
-
-def stuck_reason(job: JobRecord, rounds: int = STUCK_AFTER_ROUNDS) -> str | None:
-    """Why an active job is stuck -- ``rounds`` or more rounds it ran in, over (decided, or
-    followed by a later round), without its consolidated steps growing -- or None.
-
-    The round in flight is not counted; a round the scheduler moved past without a model
-    counts as one without progress. The reason names the rounds, the steps and the latest
-    cause (a round abandoned and why, a model that added nothing, no model announced)."""
-    if not job.active or job.last_round is None:
-        return None
-    in_flight = int(job.decided_round < job.last_round)
-    idle = job.runs_since_progress - in_flight
-    if idle < rounds:
-        return None
-    if job.decided_round < job.last_round - in_flight:
-        cause = f"no model announced for rounds {job.decided_round + 1}..{job.last_round - in_flight}"
-    else:
-        cause = job.last_outcome or "no model added steps"
-    return f"no progress in {idle} rounds (at {job.steps_done} of {job.spec.iterations} steps): {cause}"
 
 
 def merge_rates(rates: dict[tuple[str, str, int], tuple[str, float]], e: ThroughputEstimate) -> None:

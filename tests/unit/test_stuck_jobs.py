@@ -9,7 +9,8 @@ consolidated (copies' reports counted before any model was).
 from __future__ import annotations
 
 from services.cli.jobview import job_doc, jobs_table, progress_line
-from services.scheduler.state import STUCK_AFTER_ROUNDS, fold_log, stuck_reason
+from services.scheduler.state import fold_log
+from services.scheduler.stuck import STUCK_AFTER_ROUNDS, stuck_reason
 from shared.events import (
     Assignment, CopyWeight, JobSpec, JobSubmitted, ModelConsolidated, Progress, RoundAbandoned, RoundStarted,
 )
