@@ -22,7 +22,7 @@ Figures (per scenario):
 * ``rounds_lost_max``: per job, rounds it ran in whose model did not add steps (abandoned,
   undecided, or a model without progress); the maximum over jobs.
 * ``recovery_s``: from the end of the fault (restart, SIGCONT; the kill when left dead) to
-  the next model that added steps.
+  the next model that added steps or job completed (None if none came after it).
 * ``service_crashes``: service processes that exited without the harness stopping them.
 """
 
@@ -47,7 +47,7 @@ from shared.events import (
     Assignment, CopyFinished, Event, JobCompleted, JobSubmitted, ModelConsolidated, NodeRegistered, RoundAbandoned,
     RoundStarted,
 )
-from shared.infra import InfraPaths, restart, stop_server, up
+from shared.infra import InfraPaths, down, restart, up
 from shared.infra.common import is_running
 from shared.layout import checkpoint_key, final_key
 from shared.store import MinioStore
@@ -128,11 +128,10 @@ class Cluster:
     def __exit__(self, *exc: object) -> None:
         for svc in self.services.values():
             self._terminate(svc)
-        for name in ("kafka", "minio"):
-            try:
-                stop_server(self.paths, name)   # type: ignore[arg-type]
-            except Exception:   # noqa: BLE001 -- best effort at the end of a run
-                pass
+        try:   # the servers' data and logs stay in the run directory, for a post-mortem
+            down(self.paths, keep_data=True)
+        except Exception:   # noqa: BLE001 -- best effort at the end of a run
+            pass
 
     def _define(self, name: str, args: list[str]) -> None:
         self.services[name] = Service(name=name, argv=HADAR + ["serve", *args, "--http-port", "0"])
@@ -226,8 +225,11 @@ class Cluster:
             return []
 
     def completed(self, records: list[tuple[str, Event]]) -> set[str]:
-        return {e.job_id for _, e in records if isinstance(e, JobCompleted) and e.job_id in self.job_ids
-                and e.id not in self.forged_ids and e.final_key == final_key(e.job_id)}
+        return {e.job_id for e in self.completions(records)}
+
+    def completions(self, records: list[tuple[str, Event]]) -> list[JobCompleted]:
+        return [e for _, e in records if isinstance(e, JobCompleted) and e.job_id in self.job_ids
+                and e.id not in self.forged_ids and e.final_key == final_key(e.job_id)]
 
     def wait(self, predicate, *, timeout_s: float, poll_s: float = 2.0) -> list[tuple[str, Event]]:
         """Poll the log until ``predicate(records)``; the last records read (raises on timeout)."""
