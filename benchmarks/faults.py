@@ -35,6 +35,7 @@ from benchmarks.fault_harness import (  # noqa: E402
     Cluster, Workload, events_lost, progress_times, rounds_lost, verify_models,
 )
 from shared.bus import KafkaBus  # noqa: E402
+from shared.logging import configure_logging  # noqa: E402
 from shared.events import (  # noqa: E402
     Assignment, CopyFinished, CopyWeight, Event, JobCompleted, ModelConsolidated, NodeHeartbeat, Progress,
     RoundStarted, ThroughputEstimate,
@@ -276,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     jobs = tuple((m, d, max(1, round(n * args.scale))) for m, d, n in Workload.jobs)
     workload = Workload(jobs=jobs, round_s=args.round_s, timeout_s=args.timeout_s)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="hadar-faults-"))
+    out.mkdir(parents=True, exist_ok=True)
+    # The harness's own log (e.g. every junk record its log reads skip) goes to a file.
+    configure_logging("faults", level="INFO", stream=open(out / "harness.log", "a", encoding="utf-8"))
     results: dict[str, dict] = {}
     for name in args.scenarios:
         began = time.monotonic()
