@@ -12,9 +12,9 @@ Figures (per scenario):
 
 * ``jobs_completed``/``jobs_total``: jobs with a JobCompleted the harness did not forge.
 * ``models_verified``/``models_total``: ModelConsolidated events whose stored model equals
-  the samples-weighted average (steps x the copy's workers) recomputed from the stored
-  replicas (integer tensors: the copy with the most steps), as ``services/tracker/average.py``
-  defines it.
+  the samples-weighted average (steps x the copy's workers; uniform if no copy trained a
+  step) recomputed from the stored replicas (integer tensors: the copy with the most
+  steps), as ``services/tracker/consolidate.py`` and ``average.py`` define it.
 * ``events_lost``: results produced but never consumed, followed along their chain: a
   JobSubmitted never placed nor listed waiting; a CopyFinished (not failed) of a round
   the tracker decided whose copy is in neither the model, its rejections nor a
@@ -341,6 +341,7 @@ async def verify_models(s3: S3Settings, models: list[ModelConsolidated], records
 
 
 async def _verify_one(store: MinioStore, m: ModelConsolidated, workers: dict, scratch: Path) -> bool:
+    scratch.mkdir(parents=True, exist_ok=True)
     await store.get_file(m.key, scratch / "model.safetensors")
     model = load_file(str(scratch / "model.safetensors"))
     replicas = []
@@ -349,16 +350,19 @@ async def _verify_one(store: MinioStore, m: ModelConsolidated, workers: dict, sc
         await store.get_file(checkpoint_key(m.job_id, m.round, c.copy), path)
         k = workers.get((m.job_id, m.round, c.copy), 1)
         replicas.append((c.copy, c.steps, c.steps * k, load_file(str(path))))
-    total = sum(r[2] for r in replicas)
-    if total <= 0:
+    if not replicas:
         return False
+    total = sum(r[2] for r in replicas)
+    # The tracker's weights (services/tracker/consolidate.py): samples over their total, or
+    # uniform when no copy trained a step (copies that started too late to train).
+    weights = [r[2] / total if total else 1 / len(replicas) for r in replicas]
     most = min(replicas, key=lambda r: (-r[1], r[0]))[3]
     for name, value in model.items():
         if np.issubdtype(value.dtype, np.integer):
             if not np.array_equal(value, most[name]):
                 return False
             continue
-        expected = sum(r[3][name].astype(np.float64) * (r[2] / total) for r in replicas)
+        expected = sum(r[3][name].astype(np.float64) * w for r, w in zip(replicas, weights))
         if not np.allclose(value.astype(np.float64), expected, rtol=1e-5, atol=1e-6):
             return False
     return True

@@ -60,3 +60,30 @@ def test_rounds_lost_are_rounds_run_without_a_model_that_added_steps():
            _assign(2, 0), _assign(3, 0), _model(3, 30, (0,), 50.0)]
     assert rounds_lost(log, ["j"], set()) == {"j": 2}          # round 1 added nothing, round 2 undecided
     assert progress_times([e for _, e in log if isinstance(e, ModelConsolidated)]) == [20.0, 50.0]
+
+
+def test_a_model_is_verified_against_its_replicas_uniformly_when_no_copy_trained(tmp_path):
+    """The tracker averages copies uniformly when none trained a step (consolidate._weights);
+    the verifier must recompute the same, and refuse a model that is not the average."""
+    import asyncio
+
+    import numpy as np
+    from safetensors.numpy import save
+
+    from benchmarks.fault_harness import _verify_one
+    from shared.store import LocalStore
+
+    async def check(model: np.ndarray, steps: tuple[int, int]) -> bool:
+        store = LocalStore(tmp_path / f"store-{steps}-{float(model[0])}")
+        await store.start()
+        await store.put(checkpoint_key("j", 0, 0), save({"w": np.array([1.0, 3.0], dtype=np.float32)}))
+        await store.put(checkpoint_key("j", 0, 1), save({"w": np.array([3.0, 5.0], dtype=np.float32)}))
+        await store.put(model_key("j", 0), save({"w": model.astype(np.float32)}))
+        event = ModelConsolidated(ts=1.0, source="t", job_id="j", round=0, key=model_key("j", 0), total_steps=0,
+                                  copies=(CopyWeight(copy=0, steps=steps[0], weight=0.5),
+                                          CopyWeight(copy=1, steps=steps[1], weight=0.5)))
+        return await _verify_one(store, event, {}, tmp_path / "scratch")
+
+    assert asyncio.run(check(np.array([2.0, 4.0]), (0, 0)))          # uniform: no copy trained
+    assert not asyncio.run(check(np.array([1.0, 3.0]), (0, 0)))
+    assert asyncio.run(check(np.array([2.5, 4.5]), (1, 3)))          # 1/4 and 3/4 by samples
