@@ -95,7 +95,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     bus = MemoryBus(source="bench")
     await bus.start()
     await feed(bus, args, time.time())
-    config = SchedulerConfig(policy=args.policy, round_s=360.0, heartbeat_s=1e6, consolidation_wait_s=0)
+    config = SchedulerConfig(policy=args.policy, round_s=360.0, heartbeat_s=1e6, late_copy_s=0, consolidation_wait_s=0)
     service = SchedulerService(bus=bus, config=config, run_rounds=False)
     http = HttpEndpoint(service, host="127.0.0.1", port=0)
     await http.start()

@@ -57,11 +57,13 @@ class EmbeddedSystem:
 
     def __post_init__(self) -> None:
         c = self.config
+        # The tracker's config first: a bad copy_finish_timeout_s is named as the tracker's field.
+        tracker_config = TrackerConfig(finish_timeout_s=c.copy_finish_timeout_s, tick_s=0.2)
         self.scheduler = SchedulerService(bus=self.bus, config=SchedulerConfig(
             policy=c.policy, policy_options=c.policy_options, round_s=c.round_s, heartbeat_s=c.heartbeat_s,
-            consolidation_wait_s=c.consolidation_wait_s, seed=c.seed, group=c.scheduler_group), store=self.store)
-        self.tracker = TrackerService(bus=self.bus, store=self.store,
-                                      config=TrackerConfig(finish_timeout_s=c.copy_finish_timeout_s, tick_s=0.2))
+            late_copy_s=c.copy_finish_timeout_s, consolidation_wait_s=c.consolidation_wait_s, seed=c.seed,
+            group=c.scheduler_group), store=self.store)
+        self.tracker = TrackerService(bus=self.bus, store=self.store, config=tracker_config)
         self.profiler = ProfilerService(bus=self.bus, config=ProfilerConfig(), store=self.store)
         agents = [AgentConfig(node_id=node_id, heartbeat_s=c.heartbeat_s, progress_s=c.progress_s,
                               threads=c.threads_per_worker, spare_workers=c.spare_workers, stop_timeout_s=10.0,

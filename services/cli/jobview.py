@@ -14,12 +14,13 @@ from typing import Any
 
 from services.cli.joblog import TrainingLog
 from services.scheduler.state import JobRecord, SchedulerState
+from services.scheduler.stuck import stuck_reason
 from shared.errors import UsageError
 
 __all__ = ["JOB_STATES", "NO_ESTIMATE", "job_doc", "jobs_table", "select_jobs", "parse_since",
            "progress_line", "waiting_reason", "elapsed_s", "format_duration"]
 
-JOB_STATES: tuple[str, ...] = ("waiting", "running", "completed", "cancelled")
+JOB_STATES: tuple[str, ...] = ("waiting", "running", "stuck", "completed", "cancelled")
 # Shown instead of the scheduler's reason while the profiler has not estimated the job yet:
 # until then the policy sees no rate on any GPU type and calls the job "infeasible", which
 # reads as permanent when it is only early.
@@ -43,9 +44,13 @@ def _gpus(state: SchedulerState, job: JobRecord) -> dict[str, int]:
 
 def waiting_reason(state: SchedulerState, job: JobRecord) -> str | None:
     """Why an active job is not running: :data:`NO_ESTIMATE` for a job never placed with no
-    throughput estimate yet, else the latest round's reason (``code: detail``); None if none."""
+    throughput estimate yet, why it is stuck (:func:`~services.scheduler.state.stuck_reason`),
+    else the latest round's reason (``code: detail``); None if none."""
     if not job.active:
         return None
+    stuck = stuck_reason(job)
+    if stuck is not None:
+        return stuck
     if job.last_round is None and not any(k[0] == job.spec.job_id for k in state.rates):
         return NO_ESTIMATE
     if state.last_round < 0 or state.last_round not in state.rounds:
@@ -74,7 +79,10 @@ def job_doc(state: SchedulerState, job_id: str, *, now: float,
     """The JSON document of one job; :class:`UsageError` if the log has no such job.
 
     Times are unix seconds (floats), durations seconds; ``waiting`` is null unless the
-    job is active and waits; ``gpus`` maps GPU type to count in its last round. With
+    job is active and waits (or is stuck); ``stuck`` is null unless the job made no
+    consolidated progress for several rounds, and then says why; ``steps`` counts what
+    copies reported since the last model too, ``consolidated_steps`` only what models hold;
+    ``gpus`` maps GPU type to count in its last round. With
     ``training``: ``loss`` (``{"round", "value"}``, the newest round's copies' last reported
     training loss, averaged) and ``metric`` (``{"round", "name", "value"}``, the latest
     model's held-out metric), each null until reported.
@@ -91,6 +99,7 @@ def job_doc(state: SchedulerState, job_id: str, *, now: float,
         "submitted_at": job.submitted_at, "finished_at": finished_at(job, cancels),
         "elapsed_s": None if elapsed is None else round(elapsed, 3),
         "last_round": job.last_round, "gpus": _gpus(state, job), "waiting": waiting_reason(state, job),
+        "stuck": stuck_reason(job),
         "rounds_run": job.rounds_run, "attained_gpu_s": round(job.attained_gpu_s, 1),
         "latest_model": job.model_key, "final_model": job.final_key,
         "jct_s": None if job.completed_at is None else round(job.completed_at - job.submitted_at, 3),
@@ -137,6 +146,8 @@ def _utc_minute(ts: float) -> str:
 def jobs_table(state: SchedulerState, *, include_done: bool, now: float | None = None,
                cancelled_at: Mapping[str, float] | None = None, jobs: list[JobRecord] | None = None) -> str:
     """The ``hadar jobs`` table: ``jobs`` (default: :func:`select_jobs` with ``include_done``).
+    PROGRESS is consolidated progress (what the job's models hold); a stuck job's state is
+    ``stuck`` and its reason is in the last column.
 
     ``now`` defaults to the latest submission or completion in the log, so elapsed times
     of a replayed or simulated log stay meaningful.
@@ -149,7 +160,7 @@ def jobs_table(state: SchedulerState, *, include_done: bool, now: float | None =
     rows = [("JOB", "USER", "STATE", "PROGRESS", "GPUS", "ROUND", "SUBMITTED", "ELAPSED", "WAITING")]
     for job in picked:
         gpus = _gpus(state, job)
-        pct = 100.0 * job.progress_steps() / job.spec.iterations
+        pct = 100.0 * min(job.steps_done, job.spec.iterations) / job.spec.iterations
         rows.append((job.spec.job_id, job.spec.user, job.state, f"{pct:5.1f}%",
                      ",".join(f"{t}x{n}" for t, n in sorted(gpus.items())) or "-",
                      "-" if job.last_round is None else str(job.last_round), _utc_minute(job.submitted_at),
@@ -188,8 +199,9 @@ def parse_instant(text: str) -> float | None:
 
 
 def progress_line(job: JobRecord, rate: float, width: int = 30, waiting: str | None = None) -> str:
-    """One line: bar, percent, steps, rate, ETA and state (with the waiting reason, if any)."""
-    done = job.progress_steps()
+    """One line: bar, percent, consolidated steps, rate, ETA and state (with the waiting
+    or stuck reason, if any)."""
+    done = min(job.steps_done, job.spec.iterations)
     frac = done / job.spec.iterations
     bar = "#" * int(frac * width)
     eta_text = f"{(job.spec.iterations - done) / rate:5.0f}s" if rate > 0 else "--"

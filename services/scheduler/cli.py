@@ -47,8 +47,11 @@ def add_scheduler_parser(services: argparse._SubParsersAction,
     parser.add_argument("--round-s", type=float, default=None, help="round length in seconds (default: 360)")
     parser.add_argument("--heartbeat-s", type=float, default=None,
                         help="agents' heartbeat period; a node missing 3 leaves the cluster (default: 5)")
+    parser.add_argument("--late-copy-s", type=float, default=None,
+                        help="how long after a round's deadline its missing copies may still finish; keep it "
+                             "equal to the tracker's --finish-timeout-s (default: 120)")
     parser.add_argument("--consolidation-wait-s", type=float, default=None,
-                        help="how long a round waits for the previous round's models (default: 60)")
+                        help="how long after that a round waits for the previous round's models (default: 60)")
     parser.add_argument("--seed", type=int, default=None, help="seed passed to the policy, recorded per round")
     parser.add_argument("--group", default=None, help="consumer group id (default: hadar-scheduler)")
     add_store_args(parser)
@@ -66,7 +69,8 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     """The SchedulerConfig of these flags, ``HADAR_SCHEDULER_*`` and ``--config``; UsageError if invalid."""
     options = policy_options(args) or None
     flags = {"policy": args.policy, "policy_options": options, "round_s": args.round_s,
-             "heartbeat_s": args.heartbeat_s, "consolidation_wait_s": args.consolidation_wait_s,
+             "heartbeat_s": args.heartbeat_s, "late_copy_s": args.late_copy_s,
+             "consolidation_wait_s": args.consolidation_wait_s,
              "seed": args.seed, "group": args.group, "snapshot_every": args.snapshot_every,
              "snapshots_kept": args.snapshots_kept}
     return load_config(SchedulerConfig, flags=flags, env=os.environ, env_prefix=ENV_PREFIX, file=args.config)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.scheduler.policies import POLICY_NAMES, PolicyChoice, UnknownPolicy
+from shared.deadline import CONSOLIDATION_WAIT_S, LATE_COPY_S
 from shared.events import RoundStarted
 from shared.settings import FieldError
 
@@ -48,7 +49,9 @@ class SchedulerConfig:
     :func:`shared.settings.load_config` (flags, ``HADAR_SCHEDULER_*``, ``--config`` file).
 
     ``policy_options``: keyword options of the policy's constructor (JSON values).
-    ``consolidation_wait_s``: how long a round waits for the previous round's models.
+    ``late_copy_s`` and ``consolidation_wait_s``: the next round waits for the previous
+    round's models until its deadline plus both (``shared.deadline``, the rule the tracker
+    decides late rounds by with its ``finish_timeout_s``: keep ``late_copy_s`` equal to it).
     ``group``: consumer group id (also the owner of its snapshots). ``source``: the events'
     ``source``. ``snapshot_every``: with an object store, write a state snapshot after every
     this many rounds (0: never); ``snapshots_kept``: how many of them to keep. An invalid
@@ -58,7 +61,8 @@ class SchedulerConfig:
     policy_options: dict[str, Any] = field(default_factory=dict)
     round_s: float = 360.0
     heartbeat_s: float = 5.0
-    consolidation_wait_s: float = 60.0
+    late_copy_s: float = LATE_COPY_S
+    consolidation_wait_s: float = CONSOLIDATION_WAIT_S
     seed: int = 0
     group: str = "hadar-scheduler"
     source: str = "scheduler"
@@ -74,8 +78,10 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise FieldError(name, f"must be a finite number > 0, got {value}")
-        if not (math.isfinite(self.consolidation_wait_s) and self.consolidation_wait_s >= 0):
-            raise FieldError("consolidation_wait_s", f"must be a finite number >= 0, got {self.consolidation_wait_s}")
+        for name in ("late_copy_s", "consolidation_wait_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise FieldError(name, f"must be a finite number >= 0, got {value}")
         if not 0 <= self.seed < 2**63:
             raise FieldError("seed", f"must be in 0..2**63-1, got {self.seed}")
         for name in ("group", "source"):

@@ -18,9 +18,12 @@ Guarantees:
   another policy or options than the last round recorded, it logs the change and plans the
   next round afresh. Every ``snapshot_every`` rounds it writes a snapshot; a failed write
   is logged and counted, never fatal (the next one covers it).
-* A round starts no earlier than the previous one's end, and (up to
-  ``consolidation_wait_s``) only after the tracker announced the models of the jobs that ran
-  in it, so copies of the next round start from the averaged model.
+* A round starts no earlier than the previous one's end, and only after the tracker
+  announced the models of the jobs that ran in it, so copies of the next round start from
+  the averaged model -- or, if it never does, once the previous round's deadline plus
+  ``late_copy_s`` plus ``consolidation_wait_s`` has passed (``shared.deadline``, the rule
+  the tracker decides a late round by), so it never plans past a round the tracker may
+  still decide.
 * A node not heard from for 3 heartbeat periods leaves the cluster at the next round; a
   cancelled job is dropped at the next round boundary.
 """
@@ -40,8 +43,10 @@ from services.scheduler.rounds import RoundTiming, build_snapshot, plan_to_event
 from services.scheduler.snapshot import SERVICE, capture, input_offsets, restore
 from services.scheduler.state import SchedulerState
 from services.scheduler.telemetry import SchedulerTelemetry
+from services.scheduler.stuck import stuck_reason
 from shared.bus import Bus, BusError, Delivery
 from shared.clock import Clock, SystemClock
+from shared.deadline import next_round_gives_up_at
 from shared.errors import HadarError
 from shared.events import DeadLetter, Event
 from shared.logging import get_logger
@@ -104,6 +109,8 @@ class SchedulerService:
         self._m_decision = Histogram("hadar_scheduler_decision_seconds", "Time in policy.plan()",
                                      registry=self.registry, buckets=(.001, .01, .05, .1, .5, 1, 5, 30))
         self._m_queue = Gauge("hadar_scheduler_queue_length", "Active jobs left waiting", registry=self.registry)
+        self._m_stuck = Gauge("hadar_scheduler_jobs_stuck",
+                              "Active jobs without consolidated progress for several rounds", registry=self.registry)
         self._m_in = Counter("hadar_scheduler_events_in", "Events folded", ["type"], registry=self.registry)
         self._m_out = Counter("hadar_scheduler_events_out", "Events published", ["type"], registry=self.registry)
         self._m_failures = Counter("hadar_scheduler_round_failures", "Round attempts that failed, by stage",
@@ -302,6 +309,17 @@ class SchedulerService:
                 pass
         return True
 
+    def wait_left(self, round_: int, *, now: float) -> float:
+        """Seconds the next round may still wait for ``round_``'s models at ``now``: until
+        :func:`shared.deadline.next_round_gives_up_at` of its deadline (0 for a round not
+        in memory)."""
+        record = self.state.rounds.get(round_)
+        if record is None:
+            return 0.0
+        until = next_round_gives_up_at(record.started.ends_at, late_copy_s=self.config.late_copy_s,
+                                       consolidation_wait_s=self.config.consolidation_wait_s)
+        return max(0.0, until - now)
+
     async def _rounds(self) -> None:
         next_start = self.clock.time()
         failures = 0
@@ -309,7 +327,7 @@ class SchedulerService:
             await self.clock.sleep(next_start - self.clock.time())
             previous_round = self.next_round - 1
             if not await self._wait_for(lambda: not self.state.awaiting_consolidation(previous_round),
-                                        self.config.consolidation_wait_s):
+                                        self.wait_left(previous_round, now=self.clock.time())):
                 self._log.warning("round.consolidation_timeout", round=previous_round,
                                   jobs=self.state.awaiting_consolidation(previous_round))
             if not self.state.active_jobs():
@@ -375,6 +393,10 @@ class SchedulerService:
         self._m_decision.observe(seconds)
         self._m_queue.set(len(plan.waiting))
         self.telemetry.round_started(timing.started_at)
+        stuck = {j.spec.job_id: r for j in self.state.active_jobs() if (r := stuck_reason(j)) is not None}
+        self._m_stuck.set(len(stuck))
+        for job_id, reason in sorted(stuck.items())[:10]:
+            self._log.warning("job.stuck", job=job_id, round=timing.round, reason=reason)
         self._log.info("round.planned", round=timing.round, assignments=len(events) - 1,
                        waiting=len(plan.waiting), decision_ms=round(seconds * 1e3, 2))
         every = self.config.snapshot_every

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from services.scheduler.stuck import stuck_reason
 from shared.dispatch import HandlerTable
 from shared.layout import final_key, model_key
 from shared.rejection import Rejected
@@ -60,6 +61,9 @@ class JobRecord:
     rounds_run: int = 0
     first_round: int | None = None
     last_round: int | None = None
+    progress_round: int = -1            # latest round whose model added steps
+    runs_since_progress: int = 0        # rounds run after ``progress_round``
+    last_outcome: str = ""              # why the latest decided round added nothing ("" if it did)
 
     @property
     def active(self) -> bool:
@@ -71,7 +75,9 @@ class JobRecord:
             return "completed"
         if self.cancelled:
             return "cancelled"
-        return "running" if self.last_round is not None else "waiting"
+        if self.last_round is None:
+            return "waiting"
+        return "stuck" if stuck_reason(self) is not None else "running"
 
     def progress_steps(self) -> int:
         """Consolidated steps plus what copies reported since, in job steps: a copy on k of
@@ -224,6 +230,8 @@ class SchedulerState:
         if job.last_round != e.round:
             job.rounds_run += 1
             job.last_round = e.round
+            if e.round > job.progress_round:
+                job.runs_since_progress += 1
         if job.first_round is None:
             job.first_round = e.round
 
@@ -252,6 +260,12 @@ class SchedulerState:
     def _on_ModelConsolidated(self, e: ModelConsolidated) -> None:
         job = self.jobs.get(e.job_id)
         if job is not None and e.round >= job.consolidated_round:
+            if e.total_steps > job.steps_done:
+                job.progress_round = e.round
+                job.runs_since_progress = int(job.last_round is not None and job.last_round > e.round)
+                job.last_outcome = ""
+            else:
+                job.last_outcome = f"round {e.round}'s model added no steps"
             job.consolidated_round = e.round
             job.decided_round = max(job.decided_round, e.round)
             job.steps_done = e.total_steps
@@ -263,6 +277,7 @@ class SchedulerState:
         if job is not None:
             job.decided_round = max(job.decided_round, e.round)
             job.live_steps = {k: v for k, v in job.live_steps.items() if k[0] != e.round}
+            job.last_outcome = f"round {e.round} abandoned: {e.reason[:200]}"
 
     def _on_JobCompleted(self, e: JobCompleted) -> None:
         job = self.jobs.get(e.job_id)

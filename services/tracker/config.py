@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.deadline import LATE_COPY_S
 from shared.model_meta import Mode
 from shared.settings import FieldError
 
@@ -18,7 +19,8 @@ class TrackerConfig:
     :func:`shared.settings.load_config` (flags, ``HADAR_TRACKER_*``, ``--config`` file).
 
     ``mode``: weigh copies by the steps each did, or uniformly. ``finish_timeout_s``: how
-    long after a round's deadline missing copies are waited for. ``tick_s``: how often due
+    long after a round's deadline missing copies are waited for (``shared.deadline``: the
+    scheduler's ``late_copy_s``, same default). ``tick_s``: how often due
     rounds are checked, also the first retry's back-off. ``max_attempts``: attempts at
     consolidating a round (or completing a job) before it is given up; the default, 6,
     gives up about 31 s of back-off after the first failure (tick 1 s), within the
@@ -38,7 +40,7 @@ class TrackerConfig:
 
     group: str = "hadar-tracker"
     mode: Mode = "steps"
-    finish_timeout_s: float = 120.0
+    finish_timeout_s: float = LATE_COPY_S
     tick_s: float = 1.0
     max_attempts: int = 6
     chunk_bytes: int = 8 << 20

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from services.tracker.acceptance import CopyPlacement
 from services.tracker.work import CompletionWork, FinishedCopy, RoundWork
+from shared.deadline import copies_given_up_at
 from shared.events import Assignment, JobSpec
 
 __all__ = ["RoundRecord", "JobRecord", "FinishedJob"]
@@ -41,9 +42,10 @@ class RoundRecord:
     def work(self, job_id: str, number: int, *, placed: bool, now: float, timeout_s: float,
              prior_worker_steps: int, job_workers: int, spec: JobSpec | None = None) -> RoundWork | None:
         """This round as work, if it is due: every copy in (``placed``: all its Assignments
-        read), or ``timeout_s`` past its deadline."""
+        read), or once its missing copies are given up on (``shared.deadline``: ``timeout_s``
+        past its deadline)."""
         all_in = placed and self.copies.keys() <= self.finished.keys()
-        if not (all_in or now >= self.deadline + timeout_s):
+        if not (all_in or now >= copies_given_up_at(self.deadline, late_copy_s=timeout_s)):
             return None
         finished = [self.finished[c] for c in sorted(self.finished)]
         return RoundWork(

@@ -10,6 +10,7 @@ from shared.store.base import (
     InvalidKey,
     ObjectNotFound,
     ObjectStore,
+    StoreUnavailable,
     validate_key,
     validate_prefix,
 )
@@ -17,6 +18,6 @@ from shared.store.local import LocalStore
 from shared.store.minio_store import MinioStore
 
 __all__ = [
-    "ObjectStore", "LocalStore", "MinioStore", "ObjectNotFound", "InvalidKey",
+    "ObjectStore", "LocalStore", "MinioStore", "ObjectNotFound", "InvalidKey", "StoreUnavailable",
     "validate_key", "validate_prefix",
 ]

@@ -42,6 +42,14 @@ class ObjectNotFound(HadarError, KeyError):
         return f"no object {self.key!r}"
 
 
+class StoreUnavailable(HadarError):
+    """The store's server stayed away (or overloaded) longer than the store retries;
+    raised retriable: trying again later may succeed."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retriable=True)
+
+
 class InvalidKey(HadarError):
     """A key that breaks the key rules (see the module docstring). The message says which."""
 

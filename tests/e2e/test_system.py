@@ -131,7 +131,7 @@ def _run_system(policy: str, tmp: Path, paths: InfraPaths, s3: S3Settings) -> Ru
             assert done.returncode == 0, done.stderr
             job_ids.append(job_id)
         procs.append(_service(["scheduler", "--policy", policy, "--round-s", "15", "--heartbeat-s", "1",
-                               "--consolidation-wait-s", "30"], env, tmp / "scheduler.log"))
+                               "--late-copy-s", "120", "--consolidation-wait-s", "30"], env, tmp / "scheduler.log"))
         # Every round's model is checked below against its replicas, so nothing is deleted here
         # (deletion is covered by tests/integration/test_tracker_lifecycle.py, on MinIO too).
         procs.append(_service(["tracker", "--keep-checkpoints", "--keep-round-models", "1000000",

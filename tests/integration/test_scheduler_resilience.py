@@ -18,7 +18,7 @@ from shared.events import (
 )
 from shared.topics import ALL_TOPICS, PLACEMENTS
 
-FAST = SchedulerConfig(policy="yarn-cs", round_s=0.2, heartbeat_s=1000, consolidation_wait_s=0)
+FAST = SchedulerConfig(policy="yarn-cs", round_s=0.2, heartbeat_s=1000, late_copy_s=0, consolidation_wait_s=0)
 
 
 async def _seed(bus: MemoryBus, now: float, jobs: tuple[str, ...] = ("a", "b")) -> None:
@@ -96,7 +96,7 @@ async def test_a_publish_failure_is_retried_and_the_round_is_published_whole_onc
     await bus.start()
     await _seed(bus, time.time())
     service = SchedulerService(bus=bus, config=SchedulerConfig(policy="yarn-cs", round_s=5, heartbeat_s=1000,
-                                                               consolidation_wait_s=0))
+                                                               late_copy_s=0, consolidation_wait_s=0))
     await service.start()
     try:
         await _until(lambda: any(len(r.assignments) == 2 for r in service.state.rounds.values()))
@@ -117,7 +117,7 @@ async def test_a_forged_far_ahead_round_does_not_move_the_round_counter():
     await bus.start()
     clock = FakeClock()
     await _seed(bus, clock.time())
-    config = SchedulerConfig(policy="yarn-cs", round_s=10, heartbeat_s=1000, consolidation_wait_s=0)
+    config = SchedulerConfig(policy="yarn-cs", round_s=10, heartbeat_s=1000, late_copy_s=0, consolidation_wait_s=0)
     service = SchedulerService(bus=bus, config=config, clock=clock, run_rounds=False)
     await service.start()
     await _until(lambda: len(service.state.jobs) == 2 and len(service.state.rates) == 2)
@@ -150,7 +150,7 @@ async def test_a_forged_model_announcement_is_dead_lettered_and_the_loop_goes_on
     await bus.start()
     clock = FakeClock()
     await _seed(bus, clock.time())
-    config = SchedulerConfig(policy="yarn-cs", round_s=10, heartbeat_s=1000, consolidation_wait_s=0)
+    config = SchedulerConfig(policy="yarn-cs", round_s=10, heartbeat_s=1000, late_copy_s=0, consolidation_wait_s=0)
     service = SchedulerService(bus=bus, config=config, clock=clock, run_rounds=False)
     await service.start()
     try:

@@ -17,7 +17,7 @@ from shared.events import (
 from shared.topics import PLACEMENTS
 
 
-YARN = SchedulerConfig(policy="yarn-cs", round_s=10, heartbeat_s=1000, consolidation_wait_s=0)
+YARN = SchedulerConfig(policy="yarn-cs", round_s=10, heartbeat_s=1000, late_copy_s=0, consolidation_wait_s=0)
 
 
 async def _seed(bus: MemoryBus, clock: FakeClock) -> None:
@@ -110,7 +110,7 @@ async def test_rounds_describe_themselves_and_rerun_without_flags():
         await bus.emit(ThroughputEstimate(ts=now, source="profiler", job_id=job_id, basis="estimate",
                                           workers=workers, rates={"t4": 4.0}))
     strict = SchedulerConfig(policy="yarn-cs", policy_options={"skip_blocked_head": False}, seed=11,
-                             round_s=10, heartbeat_s=1000, consolidation_wait_s=0)
+                             round_s=10, heartbeat_s=1000, late_copy_s=0, consolidation_wait_s=0)
     service = SchedulerService(bus=bus, config=strict, clock=clock, run_rounds=False)
     await service.start()
     await _settle(lambda: len(service.state.jobs) == 3 and len(service.state.nodes) == 2)

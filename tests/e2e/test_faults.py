@@ -1,0 +1,40 @@
+"""The CI-sized subset of ``benchmarks/faults.py`` (issue 13 item 5): on its own Kafka and
+MinIO, with every service its own process, a small workload survives 1,000 junk and forged
+records across every topic (as soon as the jobs are submitted) and then, once a model is
+out, a SIGKILL of the scheduler mid-round (restarted), one fault after the other: every job completes, every round model equals the samples-weighted average of
+its stored replicas, no result is lost, no service exits, at most one round is lost per
+job per fault.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from benchmarks.fault_harness import Workload
+from benchmarks.faults import meets_targets, run_scenario
+from shared.infra import InfraError
+
+pytestmark = [pytest.mark.kafka, pytest.mark.s3, pytest.mark.slow]
+
+# Sized so that on a machine several times faster than the 2-core one it was tuned on the jobs
+# still run past the first model (the scheduler's kill needs a job left to run).
+CI_WORKLOAD = Workload(jobs=(("resnet", "diabetes", 1200), ("autoencoder", "synthetic-ratings", 5000)),
+                       round_s=15.0, late_copy_s=15.0, consolidation_wait_s=15.0, timeout_s=300.0)
+
+
+def test_junk_then_scheduler_kill_meet_the_targets(tmp_path):
+    try:
+        figures = run_scenario(["junk_at_start", "scheduler_kill"], CI_WORKLOAD, tmp_path)
+    except InfraError as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"servers could not start: {exc}")
+        pytest.skip(f"servers could not start: {exc}")
+    assert figures["faults"] == 2
+    assert figures["jobs_completed"] == figures["jobs_total"] == 2, figures
+    assert figures["models_verified"] == figures["models_total"] > 0, figures
+    assert figures["events_lost"] == 0 and figures["service_crashes"] == 0, figures
+    assert figures["rounds_lost_max"] <= 2, figures
+    assert figures["done_before_fault"] < 2, figures
+    assert meets_targets(figures), figures

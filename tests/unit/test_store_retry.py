@@ -1,0 +1,54 @@
+"""MinioStore rides out an S3 outage (issue 13 item 6): a write is retried with back-off
+across at least a minute of the server being away, then fails with a retriable error."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from shared.clock import FakeClock
+from shared.config import S3Settings
+from shared.infra.common import free_port
+from shared.store import MinioStore, StoreUnavailable
+from shared.store.minio_store import OUTAGE_RETRY_S, retry_delays
+
+
+def test_the_default_retry_window_spans_more_than_a_minute():
+    delays = retry_delays(OUTAGE_RETRY_S)
+    assert sum(delays) >= 60
+    assert sum(delays) <= OUTAGE_RETRY_S
+    assert delays == sorted(delays) and delays[0] < 1 and max(delays) <= 5
+
+
+def test_no_window_no_retry():
+    assert retry_delays(0) == []
+
+
+def _closed_store(clock: FakeClock, retry_for_s: float) -> MinioStore:
+    settings = S3Settings(endpoint=f"http://127.0.0.1:{free_port()}", access_key="k", secret_key="s" * 8,
+                          bucket="bucket")
+    return MinioStore(settings, retry_for_s=retry_for_s, clock=clock)
+
+
+def test_a_write_to_a_server_that_stays_away_is_retried_then_fails_retriably():
+    clock = FakeClock()
+    t0 = clock.time()
+    store = _closed_store(clock, 8.0)
+    with pytest.raises(StoreUnavailable) as caught:
+        asyncio.run(store.put("checkpoints/j/0/0.safetensors", b"x"))
+    assert caught.value.retriable
+    assert "put" in str(caught.value) and "checkpoints/j/0/0.safetensors" in str(caught.value)
+    assert clock.time() - t0 == pytest.approx(sum(retry_delays(8.0)))   # it did wait out the window
+    assert sum(retry_delays(8.0)) > 4
+
+
+def test_a_missing_object_is_not_an_outage():
+    """ObjectNotFound is an answer, not an outage: no retry (checked against a real
+    server in tests/contract/test_store.py); here only that the classification says so."""
+    from shared.store.minio_store import outage
+
+    from minio.error import S3Error
+    assert not outage(S3Error(None, "NoSuchKey", "gone", "r", "i", None))
+    assert outage(S3Error(None, "ServiceUnavailable", "busy", "r", "i", None))
+    assert outage(ConnectionRefusedError())
