@@ -10,8 +10,9 @@ the first scrape after a restart, not only after the next round:
   either, so ``allocated / capacity`` is the utilization by type.
 * ``hadar_scheduler_nodes{state="live"|"lost"}`` and
   ``hadar_scheduler_node_heartbeat_age_seconds{node}`` for every node ever registered.
-* ``hadar_scheduler_jobs{state="waiting"|"running"}`` -- active jobs not yet placed in any
-  round / placed at least once (finished jobs are counted by the tracker's
+* ``hadar_scheduler_jobs{state="waiting"|"running"|"stuck"}`` -- active jobs not yet placed
+  in any round / placed at least once / placed but without consolidated progress for several
+  rounds (``services/scheduler/stuck.py``; finished jobs are counted by the tracker's
   ``hadar_tracker_jobs_completed_total``).
 * ``hadar_scheduler_job_consolidated_steps{job}`` and ``hadar_scheduler_job_target_steps{job}``
   for active jobs: the last consolidated model's steps and the job's iterations.
@@ -76,7 +77,7 @@ class ClusterView:
     allocated: Mapping[str, int]         # gpu_type -> GPUs assigned in the current round
     nodes: Mapping[str, int]             # "live" / "lost" -> count
     heartbeat_age_s: Mapping[str, float]  # node -> seconds since last heard from
-    jobs: Mapping[str, int]              # "waiting" / "running" -> active jobs
+    jobs: Mapping[str, int]              # "waiting" / "running" / "stuck" -> active jobs
     consolidated_steps: Mapping[str, int]  # active job -> steps of its last model
     target_steps: Mapping[str, int]      # active job -> iterations asked for
     last_round_start: float | None
@@ -97,7 +98,7 @@ def cluster_view(state: SchedulerState, *, now: float, heartbeat_s: float) -> Cl
     for gpu_type in allocated:
         capacity.setdefault(gpu_type, 0)
     active = state.active_jobs()
-    jobs = {"waiting": 0, "running": 0}
+    jobs = {"waiting": 0, "running": 0, "stuck": 0}
     for job in active:
         jobs[job.state] += 1
     return ClusterView(
@@ -125,8 +126,8 @@ class _ViewCollector(Collector):
                       "or lost", "state", v.nodes)
         yield _family("hadar_scheduler_node_heartbeat_age_seconds", "Seconds since each registered node was "
                       "last heard from", "node", v.heartbeat_age_s)
-        yield _family("hadar_scheduler_jobs", "Active jobs: waiting (never placed) or running (placed at least once)",
-                      "state", v.jobs)
+        yield _family("hadar_scheduler_jobs", "Active jobs: waiting (never placed), running (placed), "
+                      "stuck (no consolidated progress)", "state", v.jobs)
         yield _family("hadar_scheduler_job_consolidated_steps", "Steps of the last consolidated model, per "
                       "active job", "job", v.consolidated_steps)
         yield _family("hadar_scheduler_job_target_steps", "Iterations the job asked for, per active job", "job",

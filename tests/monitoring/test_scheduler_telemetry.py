@@ -42,7 +42,7 @@ def test_capacity_and_allocation_by_type_count_live_nodes_and_the_current_round(
     assert view.allocated == {"v100": 2, "t4": 0}
     assert view.nodes == {"live": 2, "lost": 1}
     assert view.heartbeat_age_s == {"a": 5.0, "b": 5.0, "gone": 105.0}
-    assert view.jobs == {"waiting": 1, "running": 1}
+    assert view.jobs == {"waiting": 1, "running": 1, "stuck": 0}
     assert view.last_round_start == T0
 
 

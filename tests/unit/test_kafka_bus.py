@@ -24,7 +24,8 @@ def test_members_use_only_the_documented_interface() -> None:
 def test_client_options_name_the_client_after_the_bus_and_its_role() -> None:
     bus = KafkaBus("broker:9092", source="tracker", request_timeout_ms=1234)
     assert bus.client_options("tracker-group") == {
-        "bootstrap_servers": "broker:9092", "client_id": "hadar-tracker-tracker-group", "request_timeout_ms": 1234}
+        "bootstrap_servers": "broker:9092", "client_id": "hadar-tracker-tracker-group", "request_timeout_ms": 1234,
+        "security_protocol": "PLAINTEXT"}   # and the security settings, the same for every client
 
 
 async def test_a_member_of_a_bus_not_started_refuses_to_start() -> None:
