@@ -1,0 +1,181 @@
+"""HadarE's first-class forking: each round, how many copies of each job, on which nodes.
+
+A copy of job j runs on ONE node, on k <= W_j GPUs of one type there, at its own rate
+s = ``rate(job, type, k)``; it is credited c = s x k / W_j job steps per second
+(``shared.progress``). Copies add their credited rates; a job with n > 1 copies trains
+only ``round_s - cons(n)`` seconds of the round, ``cons`` being what consolidating them
+costs the live system (``shared.fork_cost.consolidation_s``: n uploads, n downloads and one
+write of weights + optimizer state through ``store_gbps``; model sizes from
+``shared.workloads``, 0 for a job type it does not know). So a set C of copies makes
+
+    steps(C) = min(R_j, sum_{c in C} c x (round_s - cons(|C|)))
+
+this round (R_j the job's remaining steps), and the marginal value of one more copy g is
+``gain(C, g) = steps(C + g) - steps(C)``: it can be negative (the consolidation slows
+every copy down) or zero (the job is already expected to finish).
+
+Rule (a price-guided greedy; one round at a time, no reservation of future rounds):
+
+1. Jobs are taken in Smith's order for the forked cluster: by R_j / (w_j x F_j)
+   ascending (w_j priority, F_j = the credited rate j would get with one copy on every
+   node, each on its best type), ties by arrival then job id. This is the weighted
+   shortest-remaining-processing-time rule on the pooled cluster, the order that
+   minimises weighted mean completion time when work is divisible -- which forking
+   makes it.
+2. Each job, in turn, adds copies one at a time: among the node/type groups with free
+   GPUs on nodes it has no copy on, the one with the largest gain per GPU, net of the
+   group's price (below); it stops when the best net gain is <= 0 or it has n copies
+   (n = the number of nodes). k = min(W_j, free GPUs of the group), then the fewest of
+   them that give the same gain.
+3. Value and price. A copy's value is w_j x gain / R_j per GPU: the share of the job's
+   remaining work it does this round (the unit in which jobs of different sizes compare;
+   Smith's rule values a job's work at w_j / R_j). The price of a GPU of type r is the
+   opportunity cost of taking it from the jobs after this one: ``PRICE_SHARE x`` the best
+   w_i x min(1, c_i(r, 1) x round_s / R_i) of any later job i (0 when none). A copy is
+   added only if its value per GPU exceeds that price, so a job at the head of the order
+   takes a GPU only when the jobs behind it would do relatively less of their work on it.
+4. Back-fill: a second pass of the same rule with every price 0 hands out what the
+   priced pass left idle, so no GPU idles while a copy would still gain (net of the
+   consolidation it adds) for some job.
+
+Guarantees: every copy is on one node, of one type, with 1..W_j GPUs that no other copy
+uses; a job has at most one copy per node, at most n copies, and none it is not expected to
+gain from; copy numbers are 0, 1, ... in the order added. Every active job is placed or
+waiting (PRIORITY: the GPUs went to jobs ahead of it; INFEASIBLE: no GPU type gives it a
+positive rate). Deterministic. Cost: O(J x copies x groups) per round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.scheduler.policy import JobState, Placement, Plan, Snapshot, Wait, WaitCode
+from shared import workloads
+from shared.fork_cost import DEFAULT_OPTIMIZER_SLOTS, DEFAULT_STORE_GBPS, consolidation_s
+from shared.progress import credited_steps
+
+EPS = 1e-9
+PRICE_SHARE = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class CopyCost:
+    """How consolidation is charged: the object store's bandwidth and the optimizer's state."""
+
+    store_gbps: float = DEFAULT_STORE_GBPS
+    optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS
+
+    def seconds(self, model_bytes: int, copies: int) -> float:
+        return consolidation_s(model_bytes, copies, store_gbps=self.store_gbps,
+                               optimizer_slots=self.optimizer_slots)
+
+
+def model_bytes_of(job_type: str) -> int:
+    """``shared.workloads.model_bytes``, or 0 for a job type it does not know (live job ids)."""
+    try:
+        return workloads.model_bytes(job_type)
+    except ValueError:
+        return 0
+
+
+@dataclass(kw_only=True)
+class _Job:
+    job: JobState
+    size: int                                  # model bytes
+    rates: list[float] = field(default_factory=list)   # credited rates of its copies so far
+    nodes: set[str] = field(default_factory=set)
+
+    def steps(self, rates: list[float], round_s: float, cost: CopyCost) -> float:
+        train = max(0.0, round_s - cost.seconds(self.size, len(rates)))
+        return min(self.job.remaining, sum(rates) * train)
+
+
+def plan_copies(snapshot: Snapshot, cost: CopyCost = CopyCost(), price_share: float = PRICE_SHARE) -> Plan:
+    """The round's copies by the module's rule (placements, waiting, explain; no state)."""
+    cluster, tp, round_s = snapshot.cluster, snapshot.throughput, snapshot.round_s
+    free: dict[tuple[str, str], list[int]] = {(n.node_id, t): list(n.indices_of(t))
+                                              for n in cluster.nodes for t in n.types}
+
+    def credited(job: JobState, gpu_type: str, k: int) -> float:
+        return credited_steps(tp.rate(job.job_type, gpu_type, k), copy_workers=k, job_workers=job.workers) if k else 0.0
+
+    def pooled(job: JobState) -> float:
+        return sum(max((credited(job, t, min(job.workers, len(n.indices_of(t)))) for t in n.types), default=0.0)
+                   for n in cluster.nodes)
+
+    jobs = sorted(snapshot.jobs, key=lambda j: (j.arrival_s, j.job_id))
+    speed = {j.job_id: pooled(j) for j in jobs}
+    runnable = [j for j in jobs if j.remaining > EPS and speed[j.job_id] > EPS]
+    order = sorted(runnable, key=lambda j: j.remaining / (max(j.priority, EPS) * speed[j.job_id]))
+    # best[r][i]: best credited steps per GPU-round on type r of the jobs from position i on
+    best: dict[str, list[float]] = {}
+    for r in cluster.types:
+        tail, acc = [0.0] * (len(order) + 1), 0.0
+        for i in range(len(order) - 1, -1, -1):
+            j = order[i]
+            acc = max(acc, max(j.priority, 0.0) * min(1.0, credited(j, r, 1) * round_s / j.remaining))
+            tail[i] = acc
+        best[r] = tail
+    placements: list[Placement] = []
+    explain: dict[str, dict[str, object]] = {}
+    limit = len(cluster.nodes)
+    states = [_Job(job=job, size=model_bytes_of(job.job_type)) for job in order]
+    for share in (price_share, 0.0):           # priced pass, then back-fill of what is left
+        for pos, state in enumerate(states):
+            job = state.job
+            while len(state.rates) < limit:
+                pick = _best_group(state, free, credited, best, pos, round_s, cost, share)
+                if pick is None:
+                    break
+                (node_id, gpu_type), k, rate = pick
+                gpus, free[(node_id, gpu_type)] = free[(node_id, gpu_type)][:k], free[(node_id, gpu_type)][k:]
+                placements.append(Placement(job_id=job.job_id, copy=len(state.rates), node_id=node_id,
+                                            gpus=tuple(gpus)))
+                state.rates.append(rate)
+                state.nodes.add(node_id)
+    for pos, state in enumerate(states):
+        if state.rates:
+            explain[state.job.job_id] = {"source": "fork-plan", "order": pos,
+                                         "forked_copies": len(state.rates) - 1,
+                                         "expected_steps": state.steps(state.rates, round_s, cost)}
+    placed = {p.job_id for p in placements}
+    waiting = []
+    for job in jobs:
+        if job.job_id in placed:
+            continue
+        if speed[job.job_id] <= EPS:
+            waiting.append(Wait(job_id=job.job_id, code=WaitCode.INFEASIBLE,
+                                detail="no GPU type of the cluster gives it a positive rate"))
+        else:
+            waiting.append(Wait(job_id=job.job_id, code=WaitCode.PRIORITY,
+                                detail="the GPUs went to jobs ahead of it (weighted shortest remaining first)"))
+        explain.setdefault(job.job_id, {})["source"] = "waiting"
+    return Plan(placements=tuple(placements), waiting=tuple(waiting), explain=explain)
+
+
+def _best_group(state: _Job, free: dict[tuple[str, str], list[int]], credited, best: dict[str, list[float]],
+                pos: int, round_s: float, cost: CopyCost,
+                price_share: float) -> tuple[tuple[str, str], int, float] | None:
+    """(group, GPUs, credited rate) of the job's best next copy, or None if none gains."""
+    job = state.job
+    now = state.steps(state.rates, round_s, cost)
+    found, found_score = None, 0.0
+    for (node_id, gpu_type), idle in free.items():
+        if not idle or node_id in state.nodes:
+            continue
+        k = min(job.workers, len(idle))
+        rate = credited(job, gpu_type, k)
+        if rate <= EPS:
+            continue
+        gain = state.steps(state.rates + [rate], round_s, cost) - now
+        # the fewest GPUs of the group that still reach that gain
+        while k > 1:
+            smaller = credited(job, gpu_type, k - 1)
+            if state.steps(state.rates + [smaller], round_s, cost) - now < gain - EPS:
+                break
+            k, rate = k - 1, smaller
+        price = price_share * best[gpu_type][pos + 1]
+        score = max(job.priority, 0.0) * gain / (job.remaining * k) - price
+        if gain > EPS and score > found_score + EPS:
+            found, found_score = ((node_id, gpu_type), k, rate), score
+    return found
