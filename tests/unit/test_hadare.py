@@ -201,3 +201,21 @@ def test_bad_options_are_refused():
     for bad in ({"fork": "sometimes"}, {"store_gbps": 0}, {"price_share": -1}):
         with pytest.raises(ValueError):
             make_policy("hadare", **bad)
+
+
+def test_makespan_split_keeps_the_slow_type_for_the_job_efficient_on_it():
+    # Recommendation runs about as fast on a K80 as on a V100; ResNet-50 ~6x slower there.
+    # Smith's order alone would let the short Recommendation job take the V100 first.
+    from services.scheduler.policies.hadare_split import type_split
+    cluster = one_gpu_nodes("v100", "k80")
+    rec, resnet = "Recommendation (batch size 8192)", "ResNet-50 (batch size 32)"
+    jobs = [JobState(job_id="rec", job_type=rec, workers=1, total_steps=int(TP.rate(rec, "k80", 1) * 3600 * 10)),
+            JobState(job_id="r50", job_type=resnet, workers=1, total_steps=int(TP.rate(resnet, "v100", 1) * 3600 * 20))]
+
+    def credited(job, gpu_type, k):
+        return TP.rate(job.job_type, gpu_type, k) * k / job.workers
+
+    split = type_split(jobs, cluster, credited)
+    assert split["rec"] == {"k80"} and "v100" in split["r50"]
+    plan = make_policy("hadare").plan(snap_of(cluster, jobs))
+    assert sorted((p.job_id, p.node_id) for p in plan.placements) == [("r50", "n0"), ("rec", "n1")]

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from services.scheduler.policies.hadar import Hadar
-from services.scheduler.policies.hadare_copies import PRICE_SHARE, CopyCost, plan_copies
+from services.scheduler.policies.hadare_copies import PRICE_SHARE, SPLIT_SLACK, CopyCost, plan_copies
 from services.scheduler.policy import Placement, Plan, Snapshot, copy_rate
 from shared.fork_cost import DEFAULT_OPTIMIZER_SLOTS, DEFAULT_STORE_GBPS
 
@@ -57,7 +57,7 @@ class HadarE:
 
     def __init__(self, *, fork: str = "first-class", store_gbps: float = DEFAULT_STORE_GBPS,
                  optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS, price_share: float = PRICE_SHARE,
-                 **options: Any) -> None:
+                 split_slack: float = SPLIT_SLACK, **options: Any) -> None:
         if fork not in FORK_MODES:
             raise ValueError(f"fork must be one of {', '.join(FORK_MODES)}")
         if not store_gbps > 0 or optimizer_slots < 0 or price_share < 0:
@@ -65,12 +65,13 @@ class HadarE:
         self.mode = fork
         self.cost = CopyCost(store_gbps=float(store_gbps), optimizer_slots=int(optimizer_slots))
         self.price_share = float(price_share)
+        self.split_slack = float(split_slack)
         self.primary = Hadar(**options) if fork == "leftover" else None
 
     def plan(self, snapshot: Snapshot) -> Plan:
         if self.primary is not None:
             return fork(snapshot, self.primary.plan(snapshot))
-        return plan_copies(snapshot, self.cost, self.price_share)
+        return plan_copies(snapshot, self.cost, self.price_share, self.split_slack)
 
 
 def fork(snapshot: Snapshot, base: Plan) -> Plan:

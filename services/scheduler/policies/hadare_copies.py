@@ -14,29 +14,32 @@ this round (R_j the job's remaining steps), and the marginal value of one more c
 ``gain(C, g) = steps(C + g) - steps(C)``: it can be negative (the consolidation slows
 every copy down) or zero (the job is already expected to finish).
 
-Rule (a price-guided greedy; one round at a time, no reservation of future rounds):
+Rule (one round at a time, no reservation of future rounds):
 
-1. Jobs are taken in Smith's order for the forked cluster: by R_j / (w_j x F_j)
+1. Order. Jobs are taken in Smith's order for the forked cluster: by R_j / (w_j x F_j)
    ascending (w_j priority, F_j = the credited rate j would get with one copy on every
-   node, each on its best type), ties by arrival then job id. This is the weighted
-   shortest-remaining-processing-time rule on the pooled cluster, the order that
-   minimises weighted mean completion time when work is divisible -- which forking
-   makes it.
-2. Each job, in turn, adds copies one at a time: among the node/type groups with free
-   GPUs on nodes it has no copy on, the one with the largest gain per GPU, net of the
-   group's price (below); it stops when the best net gain is <= 0 or it has n copies
-   (n = the number of nodes). k = min(W_j, free GPUs of the group), then the fewest of
-   them that give the same gain.
-3. Value and price. A copy's value is w_j x gain / R_j per GPU: the share of the job's
-   remaining work it does this round (the unit in which jobs of different sizes compare;
-   Smith's rule values a job's work at w_j / R_j). The price of a GPU of type r is the
-   opportunity cost of taking it from the jobs after this one: ``PRICE_SHARE x`` the best
-   w_i x min(1, c_i(r, 1) x round_s / R_i) of any later job i (0 when none). A copy is
-   added only if its value per GPU exceeds that price, so a job at the head of the order
-   takes a GPU only when the jobs behind it would do relatively less of their work on it.
-4. Back-fill: a second pass of the same rule with every price 0 hands out what the
-   priced pass left idle, so no GPU idles while a copy would still gain (net of the
-   consolidation it adds) for some job.
+   node, each on its best type), ties by arrival then job id: the weighted
+   shortest-remaining-processing-time rule on the pooled cluster, which minimises weighted
+   mean completion time when work is divisible -- as forking makes it.
+2. Types. A job may use, in the main pass, only the GPU types the makespan LP gives it
+   (``hadare_split.type_split``: the fork lower bound's LP on the remaining work, ties
+   broken toward giving the jobs first in line their fastest types, within
+   ``split_slack`` of the optimal makespan). Without this, short jobs that are as fast
+   on a slow type as on a fast one finish early on the fast GPUs, and the long jobs that
+   crawl on the slow type are left alone with it at the end (TTD 10-17% over the bound
+   on aws-5 / lab-5; with it, within 5%).
+3. Copies. Each job, in turn, adds copies one at a time: among the node/type groups it
+   may use with free GPUs, on nodes it has no copy on, the one with the largest value
+   per GPU net of the group's price (``price_share``, default 0: off); it stops when
+   no group gains (gain <= 0: the job is expected to finish, or consolidating one more
+   copy costs more than it trains) or it has n copies (n = the number of nodes).
+   k = min(W_j, free GPUs of the group), then the fewest of them that give the same gain.
+   Value: the copy's comparative efficiency c_j(r, k) / (k c_j(best type, 1)); price of
+   type r: ``price_share x`` the best such efficiency on r among the next n jobs in line
+   (an option, kept for experiments: on aws-5 / lab-5 it traded mean JCT for little TTD).
+4. Back-fill: a second pass of the same rule with every type allowed and every price 0
+   hands out what the main pass left idle, so no GPU idles while a copy would still gain
+   (net of the consolidation it adds) for some job.
 
 Guarantees: every copy is on one node, of one type, with 1..W_j GPUs that no other copy
 uses; a job has at most one copy per node, at most n copies, and none it is not expected to
@@ -49,13 +52,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.scheduler.policies.hadare_split import type_split
 from services.scheduler.policy import JobState, Placement, Plan, Snapshot, Wait, WaitCode
 from shared import workloads
 from shared.fork_cost import DEFAULT_OPTIMIZER_SLOTS, DEFAULT_STORE_GBPS, consolidation_s
 from shared.progress import credited_steps
 
 EPS = 1e-9
-PRICE_SHARE = 1.0
+PRICE_SHARE = 0.0
+SPLIT_SLACK = 0.01
+WINDOW = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,7 +96,8 @@ class _Job:
         return min(self.job.remaining, sum(rates) * train)
 
 
-def plan_copies(snapshot: Snapshot, cost: CopyCost = CopyCost(), price_share: float = PRICE_SHARE) -> Plan:
+def plan_copies(snapshot: Snapshot, cost: CopyCost = CopyCost(), price_share: float = PRICE_SHARE,
+                split_slack: float = SPLIT_SLACK) -> Plan:
     """The round's copies by the module's rule (placements, waiting, explain; no state)."""
     cluster, tp, round_s = snapshot.cluster, snapshot.throughput, snapshot.round_s
     free: dict[tuple[str, str], list[int]] = {(n.node_id, t): list(n.indices_of(t))
@@ -107,24 +114,26 @@ def plan_copies(snapshot: Snapshot, cost: CopyCost = CopyCost(), price_share: fl
     speed = {j.job_id: pooled(j) for j in jobs}
     runnable = [j for j in jobs if j.remaining > EPS and speed[j.job_id] > EPS]
     order = sorted(runnable, key=lambda j: j.remaining / (max(j.priority, EPS) * speed[j.job_id]))
-    # best[r][i]: best credited steps per GPU-round on type r of the jobs from position i on
+    # ratio on r: a job's credited rate per GPU on type r over its best type's (its comparative
+    # efficiency there); best[r][i]: the best ratio on r among the WINDOW x n jobs after position i
+    top = {j.job_id: max([EPS] + [credited(j, r, 1) for r in cluster.types]) for j in order}
+    window = max(1, int(WINDOW * len(cluster.nodes)))
     best: dict[str, list[float]] = {}
     for r in cluster.types:
-        tail, acc = [0.0] * (len(order) + 1), 0.0
-        for i in range(len(order) - 1, -1, -1):
-            j = order[i]
-            acc = max(acc, max(j.priority, 0.0) * min(1.0, credited(j, r, 1) * round_s / j.remaining))
-            tail[i] = acc
-        best[r] = tail
+        ratios = [credited(j, r, 1) / top[j.job_id] for j in order]
+        best[r] = [max(ratios[i + 1: i + 1 + window], default=0.0) for i in range(len(order))] + [0.0]
+    split = type_split(order, cluster, credited,
+                       urgency=[speed[j.job_id] / j.remaining for j in order], slack=split_slack)
     placements: list[Placement] = []
     explain: dict[str, dict[str, object]] = {}
     limit = len(cluster.nodes)
     states = [_Job(job=job, size=model_bytes_of(job.job_type)) for job in order]
-    for share in (price_share, 0.0):           # priced pass, then back-fill of what is left
+    for share, split_only in ((price_share, True), (0.0, False)):   # priced pass, then back-fill
         for pos, state in enumerate(states):
             job = state.job
             while len(state.rates) < limit:
-                pick = _best_group(state, free, credited, best, pos, round_s, cost, share)
+                pick = _best_group(state, free, credited, best, pos, round_s, cost, share, top[job.job_id],
+                                   split[job.job_id] if split_only else None)
                 if pick is None:
                     break
                 (node_id, gpu_type), k, rate = pick
@@ -155,13 +164,14 @@ def plan_copies(snapshot: Snapshot, cost: CopyCost = CopyCost(), price_share: fl
 
 def _best_group(state: _Job, free: dict[tuple[str, str], list[int]], credited, best: dict[str, list[float]],
                 pos: int, round_s: float, cost: CopyCost,
-                price_share: float) -> tuple[tuple[str, str], int, float] | None:
+                price_share: float, top: float,
+                allowed: set[str] | None = None) -> tuple[tuple[str, str], int, float] | None:
     """(group, GPUs, credited rate) of the job's best next copy, or None if none gains."""
     job = state.job
     now = state.steps(state.rates, round_s, cost)
     found, found_score = None, 0.0
     for (node_id, gpu_type), idle in free.items():
-        if not idle or node_id in state.nodes:
+        if not idle or node_id in state.nodes or (allowed is not None and gpu_type not in allowed):
             continue
         k = min(job.workers, len(idle))
         rate = credited(job, gpu_type, k)
@@ -174,8 +184,8 @@ def _best_group(state: _Job, free: dict[tuple[str, str], list[int]], credited, b
             if state.steps(state.rates + [smaller], round_s, cost) - now < gain - EPS:
                 break
             k, rate = k - 1, smaller
-        price = price_share * best[gpu_type][pos + 1]
-        score = max(job.priority, 0.0) * gain / (job.remaining * k) - price
-        if gain > EPS and score > found_score + EPS:
+        price = price_share * best[gpu_type][pos]
+        score = rate / (k * top) - price
+        if gain > EPS and score > -EPS and (found is None or score > found_score + EPS):
             found, found_score = ((node_id, gpu_type), k, rate), score
     return found
