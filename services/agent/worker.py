@@ -39,6 +39,7 @@ from services.agent.checkpoint import (
 )
 from services.agent.spec import StoreTarget, WorkerSpec, worker_line
 from services.agent.training import BatchSampler, LoopResult, StopCode, TrainingLoop
+from shared import local_sgd
 from shared.config import ConfigError
 from shared.logging import capture_prints, configure_logging
 from shared.store import ObjectStore
@@ -101,6 +102,7 @@ class Worker:
             optimizer = make_optimizer(spec.optimizer, list(model.parameters()), spec.lr)
             store = StoreClient(spec.store)
             round_steps, total = self._load_start(store, model, optimizer)
+            local_sgd.install(optimizer, spec.local_sgd, start_job_step=total)
             trained: nn.Module = model
             control = None
             if spec.rendezvous:   # DDP whenever there is a rendezvous, even for one rank
