@@ -50,6 +50,8 @@ positive rate). Deterministic. Cost: O(J x copies x groups) per round.
 
 from __future__ import annotations
 
+import bisect
+import functools
 from dataclasses import dataclass, field
 
 from services.scheduler.policies.hadare_split import type_split
@@ -100,15 +102,27 @@ def plan_copies(snapshot: Snapshot, cost: CopyCost = CopyCost(), price_share: fl
                 split_slack: float = SPLIT_SLACK) -> Plan:
     """The round's copies by the module's rule (placements, waiting, explain; no state)."""
     cluster, tp, round_s = snapshot.cluster, snapshot.throughput, snapshot.round_s
-    free: dict[tuple[str, str], list[int]] = {(n.node_id, t): list(n.indices_of(t))
-                                              for n in cluster.nodes for t in n.types}
+    free = _FreeGroups(cluster)
+
+    @functools.cache
+    def rate_of(job_type: str, workers: int, gpu_type: str, k: int) -> float:
+        return credited_steps(tp.rate(job_type, gpu_type, k), copy_workers=k, job_workers=workers) if k else 0.0
 
     def credited(job: JobState, gpu_type: str, k: int) -> float:
-        return credited_steps(tp.rate(job.job_type, gpu_type, k), copy_workers=k, job_workers=job.workers) if k else 0.0
+        return rate_of(job.job_type, job.workers, gpu_type, k)
+
+    shapes: dict[tuple[tuple[str, int], ...], int] = {}   # node composition -> how many nodes
+    for n in cluster.nodes:
+        shape = tuple((t, len(n.indices_of(t))) for t in n.types)
+        shapes[shape] = shapes.get(shape, 0) + 1
+
+    @functools.cache
+    def pooled_of(job_type: str, workers: int) -> float:
+        return sum(count * max((rate_of(job_type, workers, t, min(workers, c)) for t, c in shape), default=0.0)
+                   for shape, count in shapes.items())
 
     def pooled(job: JobState) -> float:
-        return sum(max((credited(job, t, min(job.workers, len(n.indices_of(t)))) for t in n.types), default=0.0)
-                   for n in cluster.nodes)
+        return pooled_of(job.job_type, job.workers)
 
     jobs = sorted(snapshot.jobs, key=lambda j: (j.arrival_s, j.job_id))
     speed = {j.job_id: pooled(j) for j in jobs}
@@ -119,7 +133,7 @@ def plan_copies(snapshot: Snapshot, cost: CopyCost = CopyCost(), price_share: fl
     top = {j.job_id: max([EPS] + [credited(j, r, 1) for r in cluster.types]) for j in order}
     window = max(1, int(WINDOW * len(cluster.nodes)))
     best: dict[str, list[float]] = {}
-    for r in cluster.types:
+    for r in cluster.types if price_share > 0 else ():
         ratios = [credited(j, r, 1) / top[j.job_id] for j in order]
         best[r] = [max(ratios[i + 1: i + 1 + window], default=0.0) for i in range(len(order))] + [0.0]
     split = type_split(order, cluster, credited,
@@ -137,7 +151,7 @@ def plan_copies(snapshot: Snapshot, cost: CopyCost = CopyCost(), price_share: fl
                 if pick is None:
                     break
                 (node_id, gpu_type), k, rate = pick
-                gpus, free[(node_id, gpu_type)] = free[(node_id, gpu_type)][:k], free[(node_id, gpu_type)][k:]
+                gpus = free.take(node_id, gpu_type, k)
                 placements.append(Placement(job_id=job.job_id, copy=len(state.rates), node_id=node_id,
                                             gpus=tuple(gpus)))
                 state.rates.append(rate)
@@ -162,18 +176,53 @@ def plan_copies(snapshot: Snapshot, cost: CopyCost = CopyCost(), price_share: fl
     return Plan(placements=tuple(placements), waiting=tuple(waiting), explain=explain)
 
 
-def _best_group(state: _Job, free: dict[tuple[str, str], list[int]], credited, best: dict[str, list[float]],
+class _FreeGroups:
+    """Idle GPUs by (node, type), indexed by (type, idle count) in cluster order, so a job's
+    candidates are the first group of each (type, count) not on a node it already uses."""
+
+    def __init__(self, cluster) -> None:
+        self.order = {n.node_id: i for i, n in enumerate(cluster.nodes)}
+        self.idle: dict[tuple[str, str], list[int]] = {}
+        self.buckets: dict[tuple[str, int], list[str]] = {}
+        for n in cluster.nodes:
+            for t in n.types:
+                self.idle[(n.node_id, t)] = list(n.indices_of(t))
+                self.buckets.setdefault((t, len(self.idle[(n.node_id, t)])), []).append(n.node_id)
+
+    def candidates(self, used: set[str], allowed: set[str] | None):
+        """(node, type, idle count) of the first group of each (type, count) off ``used``."""
+        for (t, count), nodes in self.buckets.items():
+            if allowed is not None and t not in allowed:
+                continue
+            for node_id in nodes:
+                if node_id not in used:
+                    yield node_id, t, count
+                    break
+
+    def take(self, node_id: str, gpu_type: str, k: int) -> list[int]:
+        idle = self.idle[(node_id, gpu_type)]
+        got, rest = idle[:k], idle[k:]
+        self.idle[(node_id, gpu_type)] = rest
+        old = self.buckets[(gpu_type, len(idle))]
+        old.remove(node_id)
+        if not old:
+            del self.buckets[(gpu_type, len(idle))]
+        if rest:
+            new = self.buckets.setdefault((gpu_type, len(rest)), [])
+            bisect.insort(new, node_id, key=self.order.__getitem__)
+        return got
+
+
+def _best_group(state: _Job, free: _FreeGroups, credited, best: dict[str, list[float]],
                 pos: int, round_s: float, cost: CopyCost,
                 price_share: float, top: float,
                 allowed: set[str] | None = None) -> tuple[tuple[str, str], int, float] | None:
     """(group, GPUs, credited rate) of the job's best next copy, or None if none gains."""
     job = state.job
     now = state.steps(state.rates, round_s, cost)
-    found, found_score = None, 0.0
-    for (node_id, gpu_type), idle in free.items():
-        if not idle or node_id in state.nodes or (allowed is not None and gpu_type not in allowed):
-            continue
-        k = min(job.workers, len(idle))
+    found, found_score, found_at = None, 0.0, 0
+    for node_id, gpu_type, idle in free.candidates(state.nodes, allowed):
+        k = min(job.workers, idle)
         rate = credited(job, gpu_type, k)
         if rate <= EPS:
             continue
@@ -184,8 +233,12 @@ def _best_group(state: _Job, free: dict[tuple[str, str], list[int]], credited, b
             if state.steps(state.rates + [smaller], round_s, cost) - now < gain - EPS:
                 break
             k, rate = k - 1, smaller
-        price = price_share * best[gpu_type][pos]
+        price = price_share * best[gpu_type][pos] if price_share > 0 else 0.0
         score = rate / (k * top) - price
-        if gain > EPS and score > -EPS and (found is None or score > found_score + EPS):
-            found, found_score = ((node_id, gpu_type), k, rate), score
+        at = free.order[node_id]
+        if gain <= EPS or score <= -EPS:
+            continue
+        if (found is None or score > found_score + EPS
+                or (score >= found_score - EPS and at < found_at)):   # ties: first node in cluster order
+            found, found_score, found_at = ((node_id, gpu_type), k, rate), score, at
     return found
