@@ -47,12 +47,16 @@ def type_split(jobs: Sequence[JobState], cluster: Cluster,
     n_j, n_r = len(jobs), len(types)
     if not n_j or not n_r:
         return {}
-    largest = {r: max((len(n.indices_of(r)) for n in cluster.nodes), default=0) for r in types}
+    largest = {r: max((len(n.indices_of(r)) for n in cluster.nodes), default=0) for r in types}   # O(nodes R)
     rho = np.array([[max((credited(j, r, k) / k for k in range(1, min(j.workers, largest[r]) + 1)), default=0.0)
                      for r in types] for j in jobs])
-    cap_f = np.array([[sum(min(j.workers, len(n.indices_of(r))) for n in cluster.nodes) for r in types]
-                      for j in jobs], dtype=float)
-    cap_g = np.array([sum(min(j.workers, n.size) for n in cluster.nodes) for j in jobs], dtype=float)
+    per_node = np.array([[sum(1 for g in n.gpus if g == r) for r in types] for n in cluster.nodes])   # (nodes, R)
+    sizes = np.array([n.size for n in cluster.nodes])
+    widths = sorted({j.workers for j in jobs})
+    cap_f_of = {w: np.minimum(w, per_node).sum(axis=0) for w in widths}
+    cap_g_of = {w: float(np.minimum(w, sizes).sum()) for w in widths}
+    cap_f = np.array([cap_f_of[j.workers] for j in jobs], dtype=float)
+    cap_g = np.array([cap_g_of[j.workers] for j in jobs], dtype=float)
     count = np.array([cluster.gpus_by_type.get(r, 0) for r in types], dtype=float)
     scale = max(float(np.max(rho)), 1e-12)
     rem = np.array([j.remaining for j in jobs]) / scale
