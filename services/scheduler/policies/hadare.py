@@ -1,6 +1,11 @@
-"""HadarE: Hadar plus forking jobs into copies that fill the GPUs Hadar leaves idle.
+"""HadarE: jobs forked into copies on different nodes, averaged at each round's end.
 
-The primary plan is Hadar's (``hadar.Hadar``: ledger, back-fill, copy 0 of each placed
+Default (``fork="first-class"``): copies are planned as units every round by
+``hadare_copies.plan_copies`` (its docstring has the rule: Smith's order on the pooled
+cluster, the makespan LP's type split from ``hadare_split``, marginal steps net of the
+consolidation cost of ``shared.fork_cost``, then a back-fill pass).
+
+``fork="leftover"`` (the earlier behaviour, kept for comparison): the primary plan is Hadar's (``hadar.Hadar``: ledger, back-fill, copy 0 of each placed
 job, the ledger as policy state). Then the GPUs still idle this round are handed out as
 extra copies:
 
