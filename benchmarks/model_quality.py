@@ -2,11 +2,16 @@
 
 Two jobs of the model zoo -- ``resnet`` on ``digits`` (classification, held-out accuracy)
 and ``resnet`` on ``diabetes`` (regression, held-out MSE of the standardised target) --
-each trained twice with the same batch size, optimizer, learning rate and job seed:
+each trained in up to three arms (``--arms``) with the same batch size, optimizer,
+learning rate and job seed:
 
 * single -- 1 copy, ``--steps / --rounds`` steps per round for ``--rounds`` rounds;
 * forked -- ``--copies`` copies per round, each ``--steps / (copies * rounds)`` steps, so
-  both arms do the same total number of steps.
+  it trains the same samples as single (every copy is a whole W = 1 job), under the
+  local-SGD recipe of ``shared.local_sgd`` -- the same ``LocalSgd`` / ``install`` hook the
+  agent's worker applies (``--scaling`` overrides its learning-rate scaling, to compare);
+* single_wall -- 1 copy, ``--steps / copies`` steps: the wall-clock the forked arm takes
+  (its copies run in parallel), so forked vs single_wall is the equal-wall-clock view.
 
 Everything runs through the project's own code, in this process, on a LocalStore in a
 temp directory: every copy of every round is one :class:`services.agent.worker.Worker`
@@ -31,6 +36,7 @@ Repeated for job seeds 0..``--seeds``-1 (model initialisation and data order); m
 sample standard deviation per arm are printed. Usage::
 
     python benchmarks/model_quality.py [--steps 1200] [--rounds 6] [--copies 4] [--seeds 3]
+        [--arms single,forked,single_wall] [--scaling none|sqrt|linear]
 
 Last output line: one JSON object ``{"classification": {"single_acc": a, "forked_acc": b,
 ...}, "regression": {"single_mse": c, "forked_mse": d, ...}, ...}`` (means over seeds;
@@ -62,10 +68,12 @@ from services.tracker.consolidate import DEFAULT_CHUNK_BYTES, Replica, plan_cons
 from services.tracker.model_output import RoundOutputs, write_round_outputs  # noqa: E402
 from services.tracker.store_reader import StoreRangeReader  # noqa: E402
 from shared.layout import checkpoint_key, model_key, optim_key  # noqa: E402
+from shared.local_sgd import DEFAULT_SCALING, SCALINGS, LocalSgd  # noqa: E402
 from shared.store import LocalStore  # noqa: E402
 from shared.zoo import build_model, evaluate, load_dataset  # noqa: E402
 
 DEADLINE_S = 24 * 3600.0   # rounds end by step budget, never by the clock
+ARMS = ("single", "forked", "single_wall")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,15 +100,31 @@ class Training:
     steps: int        # total steps of every arm
     rounds: int
     threads: int
+    scaling: str = DEFAULT_SCALING   # the recipe's (shared.local_sgd); other values for experiments
 
 
 @dataclass(frozen=True, kw_only=True)
 class Arm:
+    """One way to train the job: ``copies`` copies per round, ``share`` of ``--steps`` job steps
+    in all (every copy is one whole W = 1 job, so job steps = samples / batch), with or
+    without the local-SGD recipe (``shared.local_sgd``)."""
+
     name: str
     copies: int
+    share: float = 1.0      # fraction of --steps this arm trains
+    recipe: bool = False
+
+    def job_steps(self, training: Training) -> int:
+        return round(training.steps * self.share)
 
     def steps_per_copy_round(self, training: Training) -> int:
-        return training.steps // (self.copies * training.rounds)
+        return self.job_steps(training) // (self.copies * training.rounds)
+
+    def local_sgd(self, training: Training) -> LocalSgd:
+        if not self.recipe:
+            return LocalSgd()
+        return LocalSgd(fork_workers=self.copies, job_workers=1, job_steps=self.job_steps(training),
+                        scaling=training.scaling)
 
 
 def run_copy(spec: WorkerSpec) -> int:
@@ -158,10 +182,10 @@ def train_job(root: Path, task: Task, arm: Arm, seed: int, training: Training, s
                 lr=training.lr, seed=seed, rank=0, world_size=1, rendezvous=None, device="cpu",
                 step_budget=budget, deadline=time.time() + DEADLINE_S, start_from=start_from,
                 checkpoint=checkpoint_key(job_id, round_, copy), store=StoreTarget.local(root),
-                threads=training.threads)
+                threads=training.threads, local_sgd=arm.local_sgd(training))
             steps.append(run_copy(spec))
         total = asyncio.run(consolidate_round(store, job_id, round_, steps, total, scratch))
-    if total != budget * arm.copies * training.rounds:
+    if total != budget * arm.copies * training.rounds:   # equal to arm.job_steps(training) by the checks in main
         raise RuntimeError(f"{job_id}: consolidated {total} steps, expected {budget * arm.copies * training.rounds}")
     return model_key(job_id, training.rounds - 1)
 
@@ -182,8 +206,17 @@ def summary(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def run(training: Training, copies: int, seeds: int) -> dict[str, object]:
-    arms = (Arm(name="single", copies=1), Arm(name="forked", copies=copies))
+def arms_for(copies: int, names: tuple[str, ...]) -> tuple[Arm, ...]:
+    every = {
+        "single": Arm(name="single", copies=1),
+        "forked": Arm(name="forked", copies=copies, recipe=True),
+        "single_wall": Arm(name="single_wall", copies=1, share=1.0 / copies),
+    }
+    return tuple(every[n] for n in names)
+
+
+def run(training: Training, copies: int, seeds: int, names: tuple[str, ...] = ARMS) -> dict[str, object]:
+    arms = arms_for(copies, names)
     result: dict[str, object] = {}
     with tempfile.TemporaryDirectory(prefix="hadar-quality-") as tmp:
         root, scratch = Path(tmp) / "store", Path(tmp) / "scratch"
@@ -203,8 +236,10 @@ def run(training: Training, copies: int, seeds: int) -> dict[str, object]:
                 section[f"{arm.name}_{task.metric}_std"] = round(std, 4)
                 print(f"{task.key:14s} {arm.name:6s} mean {mean:.4f} std {std:.4f} over {seeds} seeds", flush=True)
             result[task.key] = section
-    result["settings"] = {"steps": training.steps, "rounds": training.rounds, "copies": copies, "seeds": seeds,
-                          "batch_size": training.batch_size, "optimizer": training.optimizer, "lr": training.lr}
+    result["settings"] = {"arms": list(names), "steps": training.steps, "rounds": training.rounds,
+                          "copies": copies, "seeds": seeds,
+                          "batch_size": training.batch_size, "optimizer": training.optimizer, "lr": training.lr,
+                          "scaling": training.scaling}
     return result
 
 
@@ -218,14 +253,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "adamw"))
     parser.add_argument("--lr", type=float, default=0.05, help="default: the job spec's default lr")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per copy")
+    parser.add_argument("--scaling", default=DEFAULT_SCALING, choices=tuple(SCALINGS),
+                        help="the forked arm's learning-rate scaling (default: the recipe's, as the agent)")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
     args = parser.parse_args(argv)
+    names = tuple(a for a in args.arms.split(",") if a)
+    if not names or set(names) - set(ARMS):
+        parser.error(f"--arms: choose from {','.join(ARMS)}")
     if args.copies < 1 or args.rounds < 1 or args.seeds < 1:
         parser.error("--copies, --rounds and --seeds must be >= 1")
-    if args.steps % (args.copies * args.rounds):
-        parser.error(f"--steps must be a multiple of copies x rounds = {args.copies * args.rounds}")
+    if args.steps % (args.copies * args.rounds) or (args.steps // args.copies) % args.rounds:
+        parser.error("--steps must be a multiple of copies x rounds, and steps / copies of rounds")
     training = Training(batch_size=args.batch_size, optimizer=args.optimizer, lr=args.lr, steps=args.steps,
-                        rounds=args.rounds, threads=args.threads)
-    print(json.dumps(run(training, args.copies, args.seeds)))
+                        rounds=args.rounds, threads=args.threads, scaling=args.scaling)
+    print(json.dumps(run(training, args.copies, args.seeds, names)))
     return 0
 
 

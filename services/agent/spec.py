@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from services.agent.validation import rendezvous_problem
 from shared.config import S3Settings
+from shared.local_sgd import LocalSgd
 from shared.store import LocalStore, MinioStore, ObjectStore
 
 __all__ = ["StoreTarget", "WorkerSpec", "worker_line", "parse_worker_line"]
@@ -89,6 +90,7 @@ class WorkerSpec:
     progress_s: float = 2.0
     threads: int = 1
     env: dict[str, str] = dataclasses.field(default_factory=dict)   # set before any CUDA call
+    local_sgd: LocalSgd = LocalSgd()  # forked copies' learning-rate recipe (shared/local_sgd.py)
 
     def __post_init__(self) -> None:
         if self.world_size > 1 and not self.rendezvous:
@@ -105,12 +107,14 @@ class WorkerSpec:
     def to_json(self) -> str:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["store"] = self.store.to_json()
+        data["local_sgd"] = dataclasses.asdict(self.local_sgd)
         return json.dumps(data)
 
     @classmethod
     def from_json(cls, text: str) -> WorkerSpec:
         data = json.loads(text)
         data["store"] = StoreTarget.from_json(data["store"])
+        data["local_sgd"] = LocalSgd.from_json(data.get("local_sgd"))
         return cls(**data)
 
 

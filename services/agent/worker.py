@@ -40,6 +40,7 @@ from services.agent.checkpoint import (
 )
 from services.agent.spec import StoreTarget, WorkerSpec, worker_line
 from services.agent.training import BatchSampler, LoopResult, StopCode, TrainingLoop
+from shared import local_sgd
 from shared.config import ConfigError
 from shared.layout import optim_key_of
 from shared.logging import capture_prints, configure_logging
@@ -103,6 +104,7 @@ class Worker:
             optimizer = make_optimizer(spec.optimizer, list(model.parameters()), spec.lr)
             store = StoreClient(spec.store)
             round_steps, total = self._load_start(store, model, optimizer)
+            local_sgd.install(optimizer, spec.local_sgd, start_job_step=total)
             trained: nn.Module = model
             control = None
             if spec.rendezvous:   # DDP whenever there is a rendezvous, even for one rank

@@ -22,8 +22,9 @@ Semantics (exact; metrics.py and the tests rely on them):
   second. A copy with more than W workers is an ``InvalidPlan``.
 * A copy whose set of (node, GPU) differs from the same copy's in the previous simulated
   round (including a copy that did not run then) first spends ``restart_s`` restarting. A
-  job with more than one copy this round (HadarE) spends ``consolidation_s = model_bytes /
-  (store_gbps * 1e9)`` at the round end averaging weights: every copy trains in
+  job with n > 1 copies this round (HadarE) spends ``shared.fork_cost.consolidation_s``
+  at the round end: (2 n + 1) checkpoints (weights and optimizer state: n uploads, n
+  downloads, one write) through ``store_gbps``; every copy trains in
   ``[restart, round_s - consolidation_s]``. Steps of a job = sum over copies of credited
   rate x training time, capped at what remains; ``RoundObservation.copy_steps`` has each
   copy's own steps, so that sum over copies of own steps x k = job steps x W (samples are
@@ -60,6 +61,7 @@ from services.scheduler.policy import (
 from services.scheduler.throughput import ThroughputModel
 from services.scheduler.traces import TraceJob
 from shared import workloads
+from shared.fork_cost import consolidation_s
 from shared.progress import credited_steps
 
 _DONE_EPS = 1e-9  # steps: a job this close to its total is complete (float sums of rate x time)
@@ -222,7 +224,7 @@ def _advance(job: _LiveJob, copies: Sequence[tuple[float, int, bool]], *, now: f
     Returns (job steps credited, seconds its GPUs are held, each copy's own steps).
     """
     round_s = options.round_s
-    consolidation = job.model_bytes / (options.store_gbps * 1e9) if len(copies) > 1 else 0.0
+    consolidation = consolidation_s(job.model_bytes, len(copies), store_gbps=options.store_gbps)
     train_end = max(0.0, round_s - consolidation)
     starts = [min(options.restart_s if again else 0.0, train_end) for _, _, again in copies]
     credit = [credited_steps(rate, copy_workers=k, job_workers=job.trace.workers) for rate, k, _ in copies]

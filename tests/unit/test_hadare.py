@@ -1,10 +1,11 @@
-"""HadarE: copies on the GPUs Hadar leaves idle, one per node, by remaining-work score."""
+"""HadarE: first-class copies (hadare_copies) and the leftover mode (Hadar + copies on idle GPUs)."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import replace
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -57,10 +58,11 @@ def snap_of(cluster: Cluster, jobs: list[JobState]) -> Snapshot:
     return Snapshot(round=0, now_s=0.0, round_s=360.0, cluster=cluster, jobs=tuple(jobs), throughput=TP)
 
 
-def test_lone_job_forks_onto_every_idle_node():
+@pytest.mark.parametrize("mode", ["first-class", "leftover"])
+def test_lone_job_forks_onto_every_idle_node(mode):
     cluster = Cluster(name="three", nodes=tuple(Node(node_id=f"n{i}", gpus=("v100", "v100")) for i in range(3)))
     snap = snap_of(cluster, [JobState(job_id="a", job_type=RESNET, workers=2, total_steps=10_000_000)])
-    plan = make_policy("hadare").plan(snap)
+    plan = make_policy("hadare", fork=mode).plan(snap)
     check_plan(snap, plan)
     copies = plan.copies()
     assert sorted(c for _, c in copies) == [0, 1, 2]
@@ -77,7 +79,7 @@ def test_copies_go_to_the_job_the_gpus_advance_most_relative_to_its_remaining_wo
     snap = snap_of(cluster, [big, small])
     base = Hadar().plan(snap)
     assert {p.job_id for p in base.placements} == {"big", "small"}
-    plan = make_policy("hadare").plan(snap)
+    plan = make_policy("hadare", fork="leftover").plan(snap)
     extra = [p for p in plan.placements if p.copy > 0]
     assert len(extra) == 1 and extra[0].job_id == "small"      # 1/19 of its rest beats 1/199 of big's
 
@@ -86,7 +88,7 @@ def test_copies_use_only_gpus_hadar_left_idle_and_fewest_that_finish():
     cluster = Cluster(name="one", nodes=(Node(node_id="a", gpus=("v100",) * 4), Node(node_id="b", gpus=("v100",) * 4)))
     tiny = JobState(job_id="tiny", job_type=RESNET, workers=4, total_steps=int(1.5 * TP.rate(RESNET, "v100", 4) * 360))
     snap = snap_of(cluster, [tiny])
-    plan = make_policy("hadare").plan(snap)
+    plan = make_policy("hadare", fork="leftover").plan(snap)
     check_plan(snap, plan)
     copies = plan.copies()
     primary = {p.node_id for p in copies[("tiny", 0)]}
@@ -101,7 +103,7 @@ def test_copies_use_only_gpus_hadar_left_idle_and_fewest_that_finish():
 def test_forked_plans_are_valid_and_extend_hadars(cluster, jobs):
     snap = snap_of(cluster, jobs)
     base = Hadar().plan(snap)
-    plan = make_policy("hadare").plan(snap)
+    plan = make_policy("hadare", fork="leftover").plan(snap)
     check_plan(snap, plan)
     assert set(base.placements) <= set(plan.placements)
     used = {(p.node_id, g) for p in base.placements for g in p.gpus}
@@ -127,3 +129,93 @@ def test_hadare_is_deterministic_over_rounds(cluster, jobs, seed):
         plan = make_policy("hadare").plan(nxt)
         check_plan(nxt, plan)
         assert plan.decision() == make_policy("hadare").plan(nxt).decision()
+
+
+# ---------------------------------------------------------------- first-class forking
+
+
+def one_gpu_nodes(*types: str) -> Cluster:
+    return Cluster(name="ones", nodes=tuple(Node(node_id=f"n{i}", gpus=(t,)) for i, t in enumerate(types)))
+
+
+@PROPS
+@given(cluster=clusters(), jobs=job_lists())
+def test_first_class_copies_never_overallocate_and_each_sits_on_one_node(cluster, jobs):
+    snap = snap_of(cluster, jobs)
+    plan = make_policy("hadare").plan(snap)
+    check_plan(snap, plan)      # no GPU twice, <= W workers per copy, copies of a job on distinct nodes
+    workers = {j.job_id: j.workers for j in jobs}
+    types = {n.node_id: n.gpus for n in cluster.nodes}
+    for (job_id, _), parts in plan.copies().items():
+        assert len(parts) == 1                                           # each copy on one node
+        (p,) = parts
+        assert 1 <= len(p.gpus) <= workers[job_id]
+        assert len({types[p.node_id][g] for g in p.gpus}) == 1          # of one GPU type
+    per_job = defaultdict(list)
+    for job_id, copy in plan.copies():
+        per_job[job_id].append(copy)
+    assert all(sorted(c) == list(range(len(c))) for c in per_job.values())   # copies 0..n-1
+
+
+def test_shortest_job_takes_every_node_first():
+    cluster = one_gpu_nodes("v100", "v100", "v100")
+    per_round = TP.rate(RESNET, "v100", 1) * 360.0
+    jobs = [JobState(job_id="long", job_type=RESNET, workers=1, total_steps=int(100 * per_round)),
+            JobState(job_id="short", job_type=RESNET, workers=1, total_steps=int(10 * per_round), arrival_s=1.0)]
+    plan = make_policy("hadare").plan(snap_of(cluster, jobs))
+    assert {p.job_id for p in plan.placements} == {"short"}
+    assert len(plan.placements) == 3
+    assert [w.job_id for w in plan.waiting] == ["long"]
+
+
+def test_a_job_that_one_copy_finishes_is_not_forked_until_leftovers():
+    cluster = one_gpu_nodes("v100", "v100")
+    per_round = TP.rate(RESNET, "v100", 1) * 360.0
+    jobs = [JobState(job_id="tiny", job_type=RESNET, workers=1, total_steps=int(0.5 * per_round)),
+            JobState(job_id="big", job_type=RESNET, workers=1, total_steps=int(50 * per_round))]
+    plan = make_policy("hadare").plan(snap_of(cluster, jobs))
+    assert sorted((p.job_id, p.copy) for p in plan.placements) == [("big", 0), ("tiny", 0)]
+
+
+def test_consolidation_cost_decides_how_many_copies():
+    # A store so slow that consolidating 2 copies would eat the round: one copy is worth more.
+    cluster = one_gpu_nodes("v100", "v100", "v100")
+    job = JobState(job_id="a", job_type=RESNET, workers=1, total_steps=10_000_000)
+    snap = snap_of(cluster, [job])
+    fast = make_policy("hadare", store_gbps=100.0).plan(snap)
+    slow = make_policy("hadare", store_gbps=1e-5).plan(snap)
+    assert len(fast.placements) == 3
+    assert [(p.job_id, p.copy) for p in slow.placements] == [("a", 0)]
+
+
+def test_fork_cost_is_n_uploads_n_downloads_one_write_with_optimizer_state():
+    from shared.fork_cost import consolidation_s
+    assert consolidation_s(10**9, 1) == 0.0
+    assert consolidation_s(10**9, 3, store_gbps=1.0, optimizer_slots=1) == pytest.approx(7 * 2.0)
+    assert consolidation_s(10**9, 2, store_gbps=2.0, optimizer_slots=2) == pytest.approx(5 * 3.0 / 2)
+    with pytest.raises(ValueError):
+        consolidation_s(1, 2, store_gbps=0)
+
+
+def test_bad_options_are_refused():
+    for bad in ({"fork": "sometimes"}, {"store_gbps": 0}, {"price_share": -1}):
+        with pytest.raises(ValueError):
+            make_policy("hadare", **bad)
+
+
+def test_makespan_split_keeps_the_slow_type_for_the_job_efficient_on_it():
+    # Recommendation runs about as fast on a K80 as on a V100; ResNet-50 ~6x slower there.
+    # Smith's order alone would let the short Recommendation job take the V100 first.
+    from services.scheduler.policies.hadare_split import type_split
+    cluster = one_gpu_nodes("v100", "k80")
+    rec, resnet = "Recommendation (batch size 8192)", "ResNet-50 (batch size 32)"
+    jobs = [JobState(job_id="rec", job_type=rec, workers=1, total_steps=int(TP.rate(rec, "k80", 1) * 3600 * 10)),
+            JobState(job_id="r50", job_type=resnet, workers=1, total_steps=int(TP.rate(resnet, "v100", 1) * 3600 * 20))]
+
+    def credited(job, gpu_type, k):
+        return TP.rate(job.job_type, gpu_type, k) * k / job.workers
+
+    split = type_split(jobs, cluster, credited)
+    assert split["rec"] == {"k80"} and "v100" in split["r50"]
+    plan = make_policy("hadare").plan(snap_of(cluster, jobs))
+    assert sorted((p.job_id, p.node_id) for p in plan.placements) == [("r50", "n0"), ("rec", "n1")]

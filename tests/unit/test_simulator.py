@@ -181,12 +181,13 @@ def test_two_job_example_metrics_are_exact() -> None:
 
 def test_forked_copies_pay_restart_once_and_consolidation_every_round() -> None:
     # Two single-V100 nodes, one job forked into 2 copies at rate 1 each, 200 steps, rounds of
-    # 100 s, restart 10 s, 50 GB model at 1 GB/s -> 50 s consolidation while forked.
+    # 100 s, restart 10 s, 5 GB model + 5 GB momentum at 1 GB/s -> 50 s consolidation while
+    # forked: 2 uploads, 2 downloads, 1 write of 10 GB (shared.fork_cost).
     # r0: copies train [10,50] -> 80 steps. r1: same GPUs, no restart, [0,50] -> 100 (180).
     # r2: 20 left at rate 2 -> T=10, completion 200 + 10 + 50 = 260, GPUs held 60 s each.
     model = tiny_model({("M", "v100", 1): 1.0})
     result = simulate(policy=ForkEverywhere(), cluster=parse_cluster("v100:2"), jobs=[job("m", 0, "M", 200)],
-                      throughput=model, model_bytes=lambda job_type: 50 * 10**9,
+                      throughput=model, model_bytes=lambda job_type: 5 * 10**9,
                       options=SimOptions(round_s=100, restart_s=10, store_gbps=1.0, check=True))
     (rec,) = result.jobs
     assert rec.completion_s == pytest.approx(260.0)

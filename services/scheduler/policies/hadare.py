@@ -1,6 +1,11 @@
-"""HadarE: Hadar plus forking jobs into copies that fill the GPUs Hadar leaves idle.
+"""HadarE: jobs forked into copies on different nodes, averaged at each round's end.
 
-The primary plan is Hadar's (``hadar.Hadar``: ledger, back-fill, copy 0 of each placed
+Default (``fork="first-class"``): copies are planned as units every round by
+``hadare_copies.plan_copies`` (its docstring has the rule: Smith's order on the pooled
+cluster, the makespan LP's type split from ``hadare_split``, marginal steps net of the
+consolidation cost of ``shared.fork_cost``, then a back-fill pass).
+
+``fork="leftover"`` (the earlier behaviour, kept for comparison): the primary plan is Hadar's (``hadar.Hadar``: ledger, back-fill, copy 0 of each placed
 job, the ledger as policy state). Then the GPUs still idle this round are handed out as
 extra copies:
 
@@ -33,21 +38,45 @@ from typing import Any
 import numpy as np
 
 from services.scheduler.policies.hadar import Hadar
+from services.scheduler.policies.hadare_copies import PRICE_SHARE, SPLIT_SLACK, CopyCost, plan_copies
 from services.scheduler.policy import Placement, Plan, Snapshot, copy_rate
+from shared.fork_cost import DEFAULT_OPTIMIZER_SLOTS, DEFAULT_STORE_GBPS
 
 EPS = 1e-9
 
 
+FORK_MODES = ("first-class", "leftover")
+
+
 class HadarE:
-    """The ``hadare`` policy; options are Hadar's (``hadar.Hadar``)."""
+    """The ``hadare`` policy.
+
+    Options: ``fork`` -- ``"first-class"`` (default): the copies of every job are planned as
+    units each round, leftovers back-filled by the same rule (``hadare_copies.plan_copies``);
+    ``"leftover"``: Hadar's plan (its options pass through) plus copies on the GPUs it
+    leaves idle, the earlier behaviour. ``store_gbps`` and ``optimizer_slots``: what
+    consolidation costs (``shared.fork_cost``; match ``hadar sim --store-gbps``).
+    """
 
     name = "hadare"
 
-    def __init__(self, **options: Any) -> None:
-        self.primary = Hadar(**options)
+    def __init__(self, *, fork: str = "first-class", store_gbps: float = DEFAULT_STORE_GBPS,
+                 optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS, price_share: float = PRICE_SHARE,
+                 split_slack: float = SPLIT_SLACK, **options: Any) -> None:
+        if fork not in FORK_MODES:
+            raise ValueError(f"fork must be one of {', '.join(FORK_MODES)}")
+        if not store_gbps > 0 or optimizer_slots < 0 or price_share < 0:
+            raise ValueError("store_gbps must be > 0, optimizer_slots >= 0, price_share >= 0")
+        self.mode = fork
+        self.cost = CopyCost(store_gbps=float(store_gbps), optimizer_slots=int(optimizer_slots))
+        self.price_share = float(price_share)
+        self.split_slack = float(split_slack)
+        self.primary = Hadar(**options) if fork == "leftover" else None
 
     def plan(self, snapshot: Snapshot) -> Plan:
-        return fork(snapshot, self.primary.plan(snapshot))
+        if self.primary is not None:
+            return fork(snapshot, self.primary.plan(snapshot))
+        return plan_copies(snapshot, self.cost, self.price_share, self.split_slack)
 
 
 def fork(snapshot: Snapshot, base: Plan) -> Plan:

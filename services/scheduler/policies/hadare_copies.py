@@ -1,0 +1,244 @@
+"""HadarE's first-class forking: each round, how many copies of each job, on which nodes.
+
+A copy of job j runs on ONE node, on k <= W_j GPUs of one type there, at its own rate
+s = ``rate(job, type, k)``; it is credited c = s x k / W_j job steps per second
+(``shared.progress``). Copies add their credited rates; a job with n > 1 copies trains
+only ``round_s - cons(n)`` seconds of the round, ``cons`` being what consolidating them
+costs the live system (``shared.fork_cost.consolidation_s``: n uploads, n downloads and one
+write of weights + optimizer state through ``store_gbps``; model sizes from
+``shared.workloads``, 0 for a job type it does not know). So a set C of copies makes
+
+    steps(C) = min(R_j, sum_{c in C} c x (round_s - cons(|C|)))
+
+this round (R_j the job's remaining steps), and the marginal value of one more copy g is
+``gain(C, g) = steps(C + g) - steps(C)``: it can be negative (the consolidation slows
+every copy down) or zero (the job is already expected to finish).
+
+Rule (one round at a time, no reservation of future rounds):
+
+1. Order. Jobs are taken in Smith's order for the forked cluster: by R_j / (w_j x F_j)
+   ascending (w_j priority, F_j = the credited rate j would get with one copy on every
+   node, each on its best type), ties by arrival then job id: the weighted
+   shortest-remaining-processing-time rule on the pooled cluster, which minimises weighted
+   mean completion time when work is divisible -- as forking makes it.
+2. Types. A job may use, in the main pass, only the GPU types the makespan LP gives it
+   (``hadare_split.type_split``: the fork lower bound's LP on the remaining work, ties
+   broken toward giving the jobs first in line their fastest types, within
+   ``split_slack`` of the optimal makespan). Without this, short jobs that are as fast
+   on a slow type as on a fast one finish early on the fast GPUs, and the long jobs that
+   crawl on the slow type are left alone with it at the end (TTD 10-17% over the bound
+   on aws-5 / lab-5; with it, within 5%).
+3. Copies. Each job, in turn, adds copies one at a time: among the node/type groups it
+   may use with free GPUs, on nodes it has no copy on, the one with the largest value
+   per GPU net of the group's price (``price_share``, default 0: off); it stops when
+   no group gains (gain <= 0: the job is expected to finish, or consolidating one more
+   copy costs more than it trains) or it has n copies (n = the number of nodes).
+   k = min(W_j, free GPUs of the group), then the fewest of them that give the same gain.
+   Value: the copy's comparative efficiency c_j(r, k) / (k c_j(best type, 1)); price of
+   type r: ``price_share x`` the best such efficiency on r among the next n jobs in line
+   (an option, kept for experiments: on aws-5 / lab-5 it traded mean JCT for little TTD).
+4. Back-fill: a second pass of the same rule with every type allowed and every price 0
+   hands out what the main pass left idle, so no GPU idles while a copy would still gain
+   (net of the consolidation it adds) for some job.
+
+Guarantees: every copy is on one node, of one type, with 1..W_j GPUs that no other copy
+uses; a job has at most one copy per node, at most n copies, and none it is not expected to
+gain from; copy numbers are 0, 1, ... in the order added. Every active job is placed or
+waiting (PRIORITY: the GPUs went to jobs ahead of it; INFEASIBLE: no GPU type gives it a
+positive rate). Deterministic. Cost: O(J x copies x groups) per round.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from dataclasses import dataclass, field
+
+from services.scheduler.policies.hadare_split import type_split
+from services.scheduler.policy import JobState, Placement, Plan, Snapshot, Wait, WaitCode
+from shared import workloads
+from shared.fork_cost import DEFAULT_OPTIMIZER_SLOTS, DEFAULT_STORE_GBPS, consolidation_s
+from shared.progress import credited_steps
+
+EPS = 1e-9
+PRICE_SHARE = 0.0
+SPLIT_SLACK = 0.01
+WINDOW = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class CopyCost:
+    """How consolidation is charged: the object store's bandwidth and the optimizer's state."""
+
+    store_gbps: float = DEFAULT_STORE_GBPS
+    optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS
+
+    def seconds(self, model_bytes: int, copies: int) -> float:
+        return consolidation_s(model_bytes, copies, store_gbps=self.store_gbps,
+                               optimizer_slots=self.optimizer_slots)
+
+
+def model_bytes_of(job_type: str) -> int:
+    """``shared.workloads.model_bytes``, or 0 for a job type it does not know (live job ids)."""
+    try:
+        return workloads.model_bytes(job_type)
+    except ValueError:
+        return 0
+
+
+@dataclass(kw_only=True)
+class _Job:
+    job: JobState
+    size: int                                  # model bytes
+    rates: list[float] = field(default_factory=list)   # credited rates of its copies so far
+    nodes: set[str] = field(default_factory=set)
+
+    def steps(self, rates: list[float], round_s: float, cost: CopyCost) -> float:
+        train = max(0.0, round_s - cost.seconds(self.size, len(rates)))
+        return min(self.job.remaining, sum(rates) * train)
+
+
+def plan_copies(snapshot: Snapshot, cost: CopyCost = CopyCost(), price_share: float = PRICE_SHARE,
+                split_slack: float = SPLIT_SLACK) -> Plan:
+    """The round's copies by the module's rule (placements, waiting, explain; no state)."""
+    cluster, tp, round_s = snapshot.cluster, snapshot.throughput, snapshot.round_s
+    free = _FreeGroups(cluster)
+
+    @functools.cache
+    def rate_of(job_type: str, workers: int, gpu_type: str, k: int) -> float:
+        return credited_steps(tp.rate(job_type, gpu_type, k), copy_workers=k, job_workers=workers) if k else 0.0
+
+    def credited(job: JobState, gpu_type: str, k: int) -> float:
+        return rate_of(job.job_type, job.workers, gpu_type, k)
+
+    shapes: dict[tuple[tuple[str, int], ...], int] = {}   # node composition -> how many nodes
+    for n in cluster.nodes:
+        shape = tuple((t, len(n.indices_of(t))) for t in n.types)
+        shapes[shape] = shapes.get(shape, 0) + 1
+
+    @functools.cache
+    def pooled_of(job_type: str, workers: int) -> float:
+        return sum(count * max((rate_of(job_type, workers, t, min(workers, c)) for t, c in shape), default=0.0)
+                   for shape, count in shapes.items())
+
+    def pooled(job: JobState) -> float:
+        return pooled_of(job.job_type, job.workers)
+
+    jobs = sorted(snapshot.jobs, key=lambda j: (j.arrival_s, j.job_id))
+    speed = {j.job_id: pooled(j) for j in jobs}
+    runnable = [j for j in jobs if j.remaining > EPS and speed[j.job_id] > EPS]
+    order = sorted(runnable, key=lambda j: j.remaining / (max(j.priority, EPS) * speed[j.job_id]))
+    # ratio on r: a job's credited rate per GPU on type r over its best type's (its comparative
+    # efficiency there); best[r][i]: the best ratio on r among the WINDOW x n jobs after position i
+    top = {j.job_id: max([EPS] + [credited(j, r, 1) for r in cluster.types]) for j in order}
+    window = max(1, int(WINDOW * len(cluster.nodes)))
+    best: dict[str, list[float]] = {}
+    for r in cluster.types if price_share > 0 else ():
+        ratios = [credited(j, r, 1) / top[j.job_id] for j in order]
+        best[r] = [max(ratios[i + 1: i + 1 + window], default=0.0) for i in range(len(order))] + [0.0]
+    split = type_split(order, cluster, credited,
+                       urgency=[speed[j.job_id] / j.remaining for j in order], slack=split_slack)
+    placements: list[Placement] = []
+    explain: dict[str, dict[str, object]] = {}
+    limit = len(cluster.nodes)
+    states = [_Job(job=job, size=model_bytes_of(job.job_type)) for job in order]
+    for share, split_only in ((price_share, True), (0.0, False)):   # priced pass, then back-fill
+        for pos, state in enumerate(states):
+            job = state.job
+            while len(state.rates) < limit:
+                pick = _best_group(state, free, credited, best, pos, round_s, cost, share, top[job.job_id],
+                                   split[job.job_id] if split_only else None)
+                if pick is None:
+                    break
+                (node_id, gpu_type), k, rate = pick
+                gpus = free.take(node_id, gpu_type, k)
+                placements.append(Placement(job_id=job.job_id, copy=len(state.rates), node_id=node_id,
+                                            gpus=tuple(gpus)))
+                state.rates.append(rate)
+                state.nodes.add(node_id)
+    for pos, state in enumerate(states):
+        if state.rates:
+            explain[state.job.job_id] = {"source": "fork-plan", "order": pos,
+                                         "forked_copies": len(state.rates) - 1,
+                                         "expected_steps": state.steps(state.rates, round_s, cost)}
+    placed = {p.job_id for p in placements}
+    waiting = []
+    for job in jobs:
+        if job.job_id in placed:
+            continue
+        if speed[job.job_id] <= EPS:
+            waiting.append(Wait(job_id=job.job_id, code=WaitCode.INFEASIBLE,
+                                detail="no GPU type of the cluster gives it a positive rate"))
+        else:
+            waiting.append(Wait(job_id=job.job_id, code=WaitCode.PRIORITY,
+                                detail="the GPUs went to jobs ahead of it (weighted shortest remaining first)"))
+        explain.setdefault(job.job_id, {})["source"] = "waiting"
+    return Plan(placements=tuple(placements), waiting=tuple(waiting), explain=explain)
+
+
+class _FreeGroups:
+    """Idle GPUs by (node, type), indexed by (type, idle count) in cluster order, so a job's
+    candidates are the first group of each (type, count) not on a node it already uses."""
+
+    def __init__(self, cluster) -> None:
+        self.order = {n.node_id: i for i, n in enumerate(cluster.nodes)}
+        self.idle: dict[tuple[str, str], list[int]] = {}
+        self.buckets: dict[tuple[str, int], list[str]] = {}
+        for n in cluster.nodes:
+            for t in n.types:
+                self.idle[(n.node_id, t)] = list(n.indices_of(t))
+                self.buckets.setdefault((t, len(self.idle[(n.node_id, t)])), []).append(n.node_id)
+
+    def candidates(self, used: set[str], allowed: set[str] | None):
+        """(node, type, idle count) of the first group of each (type, count) off ``used``."""
+        for (t, count), nodes in self.buckets.items():
+            if allowed is not None and t not in allowed:
+                continue
+            for node_id in nodes:
+                if node_id not in used:
+                    yield node_id, t, count
+                    break
+
+    def take(self, node_id: str, gpu_type: str, k: int) -> list[int]:
+        idle = self.idle[(node_id, gpu_type)]
+        got, rest = idle[:k], idle[k:]
+        self.idle[(node_id, gpu_type)] = rest
+        old = self.buckets[(gpu_type, len(idle))]
+        old.remove(node_id)
+        if not old:
+            del self.buckets[(gpu_type, len(idle))]
+        if rest:
+            new = self.buckets.setdefault((gpu_type, len(rest)), [])
+            bisect.insort(new, node_id, key=self.order.__getitem__)
+        return got
+
+
+def _best_group(state: _Job, free: _FreeGroups, credited, best: dict[str, list[float]],
+                pos: int, round_s: float, cost: CopyCost,
+                price_share: float, top: float,
+                allowed: set[str] | None = None) -> tuple[tuple[str, str], int, float] | None:
+    """(group, GPUs, credited rate) of the job's best next copy, or None if none gains."""
+    job = state.job
+    now = state.steps(state.rates, round_s, cost)
+    found, found_score, found_at = None, 0.0, 0
+    for node_id, gpu_type, idle in free.candidates(state.nodes, allowed):
+        k = min(job.workers, idle)
+        rate = credited(job, gpu_type, k)
+        if rate <= EPS:
+            continue
+        gain = state.steps(state.rates + [rate], round_s, cost) - now
+        # the fewest GPUs of the group that still reach that gain
+        while k > 1:
+            smaller = credited(job, gpu_type, k - 1)
+            if state.steps(state.rates + [smaller], round_s, cost) - now < gain - EPS:
+                break
+            k, rate = k - 1, smaller
+        price = price_share * best[gpu_type][pos] if price_share > 0 else 0.0
+        score = rate / (k * top) - price
+        at = free.order[node_id]
+        if gain <= EPS or score <= -EPS:
+            continue
+        if (found is None or score > found_score + EPS
+                or (score >= found_score - EPS and at < found_at)):   # ties: first node in cluster order
+            found, found_score, found_at = ((node_id, gpu_type), k, rate), score, at
+    return found
