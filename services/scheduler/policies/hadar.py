@@ -18,10 +18,14 @@ Primal:  max sum_j sum_s u_j(s) x_js   s.t.  sum_j sum_s g^s_hr(t) x_js <= C_hr 
 Dual:    min sum_j mu_j + sum_hrt C_hr k_hr(t)   s.t.  mu_j >= u_j(s) - sum_hrt g^s_hr(t) k_hr(t)
          (all j, s);  mu, k >= 0.
 
-Online algorithm, per job as it is planned. Jobs planned in the same round go in order of
-their best value per GPU-round (``order="density"``, the default: the greedy order for a
-batch of simultaneous arrivals; ties by arrival, then job id) or by arrival
-(``order="arrival"``):
+Online algorithm, per job as it is planned. First the *critical* jobs, those whose
+laxity against the target end round E has run out (``hadar_critical``: E is the makespan
+lower bound, max(longest job alone, LP capacity bound), plus a slack of CRITICAL_SLACK,
+fixed until new jobs arrive), longest first, re-planned every round on the otherwise empty
+ledger, so they run without a break on their fastest option and finish by about E. Then
+the other jobs, in order of their best value per GPU-round (``order="density"``, the
+default: the greedy order for a batch of simultaneous arrivals; ties by arrival, then job
+id) or by arrival (``order="arrival"``):
   1. prices k_hr(t) = k(z_hr(t) / C_hr),  k(zeta) = (L / eta) (eta^2 U / L)^zeta  (hadar_prices);
   2. dual subroutine (hadar_dp): s* = argmax_s u_j(s) - cost(s), cost(s) = sum g^s k;
   3. mu_j = payoff(s*). Positive: commit s* to the ledger (z rises, so prices rise).
@@ -47,7 +51,8 @@ Constants (all named in code):
   u_j(H + n_slow) / (W_j n_slow) (n_fast, n_slow: rounds at the fastest and slowest
   option), floored at VALUE_FLOOR; running min/max over every round seen.
   k(0) = L / eta is below every job's value per GPU-round, k(1) = eta U above all of them.
-  DRIFT_TOLERANCE = 0.5 rounds of planned steps; RATE_TOLERANCE = 0.05; RENEW_PARTIAL = 0.5.
+  DRIFT_TOLERANCE = 0.5 rounds of planned steps; RATE_TOLERANCE = 0.05; RENEW_PARTIAL = 0.5;
+  CRITICAL_SLACK = 0.05, CRITICAL_MARGIN = 1 round, CRITICAL_LIMIT = 64 (``hadar_critical``).
 
 Competitive bound (OASiS Thm. 2 style; not re-proved for this reconstruction). With
 alpha = max(1, ln(eta^2 U / L)), k'(zeta) = alpha k(zeta), so committing s* raises
@@ -62,7 +67,7 @@ for all chosen rounds, cheapest GPUs per round; committing the same rows in ever
 when such rows exist, to avoid migrations, may cost more than that optimum, and we accept
 it while the payoff stays positive); (d) D_0 = (L / eta) H sum C_hr <= OPT / 2; (e) jobs
 are taken one at a time and never released or re-planned (our within-round order, drift
-re-planning and back-fill are outside the analysis).
+re-planning, critical-first planning and back-fill are outside the analysis).
 
 Complexity per job, H slots, R GPU types, K <= 2R options, rows = (node, type) pairs:
 O(K H W) to read per-slot costs from the ledger's tables, O(K H) for the DP when the costs
@@ -80,6 +85,8 @@ from typing import Any
 
 import numpy as np
 
+from services.scheduler.policies.hadar_critical import (CRITICAL_SLACK, capacity_rounds, critical_jobs, rounds_needed,
+                                                        target_end)
 from services.scheduler.policies.hadar_dp import Choice, best_choice, pick_gpus, round_costs
 from services.scheduler.policies.hadar_ledger import Commitment, Ledger, LedgerState, RowLayout, remap
 from services.scheduler.policies.hadar_prices import (PRICE_SCALE, DensityInput, InverseSlowdown, PriceCurve,
@@ -105,12 +112,15 @@ class Hadar:
     def __init__(self, *, horizon: int = DEFAULT_HORIZON, price_scale: float = PRICE_SCALE,
                  utility: Utility | None = None, backfill: bool = True,
                  drift_tolerance: float = DRIFT_TOLERANCE, rate_tolerance: float = RATE_TOLERANCE,
-                 order: str = DEFAULT_ORDER, renew_partial: float = RENEW_PARTIAL) -> None:
+                 order: str = DEFAULT_ORDER, renew_partial: float = RENEW_PARTIAL,
+                 critical: bool = True, critical_slack: float = CRITICAL_SLACK) -> None:
         if horizon < 1:
             raise ValueError("horizon must be >= 1 round")
         if order not in ORDERS:
             raise ValueError(f"order must be one of {', '.join(ORDERS)}")
         self.order = order
+        self.critical = bool(critical)
+        self.critical_slack = float(critical_slack)
         self.renew_partial = float(renew_partial)
         self.horizon = int(horizon)
         self.price_scale = float(price_scale)
@@ -140,10 +150,44 @@ class _Round:
         self.waits: dict[str, Wait] = {}
         self.ledger = Ledger(layout=self.layout, horizon=cfg.horizon, round_=snap.round, curve=self._curve(),
                              max_workers=max((j.workers for j in self.jobs), default=1))
-        for job_id in self.ledger.load(self._carried()):
+        self.target, self.critical = self._critical()
+        carried = self._carried()
+        if self.critical:
+            first = set(self.critical)
+            by_id = {j.job_id: j for j in self.jobs}
+            for job_id in self.critical:
+                self.explain.setdefault(job_id, {})["critical"] = True
+                self._plan_job(by_id[job_id])
+            carried = [c for c in carried if c.job_id not in first]
+        for job_id in self.ledger.load(carried):
             self.explain.setdefault(job_id, {})["replanned"] = "capacity"
 
     # ------------------------------------------------------------------ set-up
+
+    def _critical(self) -> tuple[int, list[str]]:
+        """(target end round E, critical job ids in planning order): ``hadar_critical``."""
+        snap, cfg, prev = self.snap, self.cfg, self.prev
+        need = {j.job_id: rounds_needed(j, self.profiles[j.job_id], snap.round_s) for j in self.jobs}
+        previous = prev.target_end if prev is not None and prev.target_end >= 0 else None
+        new = [j.job_id for j in self.jobs if j.arrival_s > snap.now_s - snap.round_s]
+        capacity = self._capacity(need) if previous is None or new else 0.0
+        target = target_end(need, new, round_=snap.round, previous=previous, slack=cfg.critical_slack,
+                            capacity=capacity)
+        if not cfg.critical:
+            return target, []
+        return target, critical_jobs(self.jobs, need, round_=snap.round, target=target)
+
+    def _capacity(self, need: dict[str, int]) -> float:
+        """T_cap of ``hadar_critical.capacity_rounds`` over the jobs with work and an option."""
+        jobs = [j for j in self.jobs if need[j.job_id] > 0]
+        if not jobs:
+            return 0.0
+        per_worker = np.array([self.profiles[j.job_id].per_worker for j in jobs])
+        remaining = np.array([j.remaining for j in jobs])
+        with np.errstate(divide="ignore"):
+            gpu_rounds = np.where(per_worker > 0, remaining[:, None] / (per_worker * self.snap.round_s), np.inf)
+        capacity = np.bincount(self.layout.row_type, weights=self.layout.row_cap, minlength=len(self.layout.types))
+        return capacity_rounds(gpu_rounds, np.array([j.workers for j in jobs], dtype=float), capacity)
 
     def _curve(self) -> PriceCurve:
         snap = self.snap
@@ -198,7 +242,8 @@ class _Round:
 
     def run(self) -> Plan:
         by_density = sorted(self.jobs, key=self._density_key) if self.cfg.order == "density" else self.jobs
-        for job in [j for j in by_density if j.job_id not in self.ledger.commitments]:
+        planned = set(self.critical)
+        for job in [j for j in by_density if j.job_id not in self.ledger.commitments and j.job_id not in planned]:
             self._plan_job(job)
         slot0: list[tuple[str, RowCounts]] = []
         placed_by: dict[str, str] = {}
@@ -236,7 +281,7 @@ class _Round:
                             detail=f"schedule starts in round {start}; no idle GPUs fit it now")
             waiting.append(wait)
         return Plan(placements=tuple(placements), waiting=tuple(waiting),
-                    state=self.ledger.freeze(round_s=self.snap.round_s), explain=self.explain)
+                    state=self.ledger.freeze(round_s=self.snap.round_s, target_end=self.target), explain=self.explain)
 
     def _density_key(self, job: JobState) -> float:
         """Planning order within a round: highest best value per GPU-round first (sorting is

@@ -94,6 +94,7 @@ class LedgerState(PolicyState):
     committed: np.ndarray  # (horizon, HR) z after this round's planning, slot 0 = ``round``
     value_lo: float
     value_hi: float
+    target_end: int = -1   # E of ``hadar_critical`` (-1: none)
 
 
 class Ledger:
@@ -247,10 +248,10 @@ class Ledger:
     def free(self, slot: int) -> np.ndarray:
         return self.cap - self.z[slot]
 
-    def freeze(self, *, round_s: float) -> LedgerState:
+    def freeze(self, *, round_s: float, target_end: int = -1) -> LedgerState:
         return LedgerState(round=self.round, horizon=self.horizon, round_s=round_s, layout=self.layout,
                            commitments=dict(self.commitments), committed=self.z.copy(),
-                           value_lo=self.curve.value_lo, value_hi=self.curve.value_hi)
+                           value_lo=self.curve.value_lo, value_hi=self.curve.value_hi, target_end=target_end)
 
 
 def remap(c: Commitment, old: RowLayout, new: RowLayout, from_round: int) -> Commitment | None:
