@@ -110,3 +110,24 @@ def test_critical_planning_never_over_allocates(cluster, jobs, rounds, slack):
         snap = advance(snap, plan)
         if not snap.jobs:
             break
+
+
+@PROPS
+@given(rounds=st.lists(st.lists(st.one_of(st.floats(1, 500), st.just(math.inf)), min_size=3, max_size=3),
+                       min_size=1, max_size=6).filter(lambda g: all(any(math.isfinite(x) for x in r) for r in g)),
+       workers=st.lists(st.sampled_from((1, 2, 4)), min_size=6, max_size=6),
+       caps=st.lists(st.integers(1, 8), min_size=3, max_size=3))
+def test_capacity_rounds_lies_between_the_simple_bounds_and_any_assignment(rounds, workers, caps):
+    import numpy as np
+
+    from services.scheduler.policies.hadar_critical import capacity_rounds
+    g = np.array(rounds)
+    w = np.array(workers[: g.shape[0]], dtype=float)
+    c = np.array(caps)
+    got = capacity_rounds(g, w, c)
+    best = g.min(axis=1)
+    assert got >= (best / w).max() * (1 - 1e-6)                      # a job alone, on W GPUs of its best type
+    assert got >= best.sum() / c.sum() * (1 - 1e-6)                   # all GPU-rounds on all GPUs
+    choice = g.argmin(axis=1)                                         # every job on its best type
+    load = np.bincount(choice, weights=best, minlength=3) / c
+    assert got <= max(load.max(), (best / w).max()) * (1 + 1e-6)

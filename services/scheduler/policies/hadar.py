@@ -85,8 +85,8 @@ from typing import Any
 
 import numpy as np
 
-from services.scheduler.policies.hadar_critical import (CRITICAL_SLACK, capacity_rounds, critical_jobs, rounds_needed,
-                                                        target_end)
+from services.scheduler.policies.hadar_critical import (CRITICAL_SLACK, critical_jobs, job_capacity_rounds,
+                                                        rounds_needed, target_end)
 from services.scheduler.policies.hadar_dp import Choice, best_choice, pick_gpus, round_costs
 from services.scheduler.policies.hadar_ledger import Commitment, Ledger, LedgerState, RowLayout, remap
 from services.scheduler.policies.hadar_prices import (PRICE_SCALE, DensityInput, InverseSlowdown, PriceCurve,
@@ -157,7 +157,7 @@ class _Round:
             by_id = {j.job_id: j for j in self.jobs}
             for job_id in self.critical:
                 self.explain.setdefault(job_id, {})["critical"] = True
-                self._plan_job(by_id[job_id])
+                self._plan_job(by_id[job_id], critical=True)
             carried = [c for c in carried if c.job_id not in first]
         for job_id in self.ledger.load(carried):
             self.explain.setdefault(job_id, {})["replanned"] = "capacity"
@@ -170,24 +170,14 @@ class _Round:
         need = {j.job_id: rounds_needed(j, self.profiles[j.job_id], snap.round_s) for j in self.jobs}
         previous = prev.target_end if prev is not None and prev.target_end >= 0 else None
         new = [j.job_id for j in self.jobs if j.arrival_s > snap.now_s - snap.round_s]
-        capacity = self._capacity(need) if previous is None or new else 0.0
+        capacity = (job_capacity_rounds(self.jobs, self.profiles, need, types=self.layout.row_type,
+                                        caps=self.layout.row_cap, round_s=snap.round_s)
+                    if previous is None or new else 0.0)
         target = target_end(need, new, round_=snap.round, previous=previous, slack=cfg.critical_slack,
                             capacity=capacity)
         if not cfg.critical:
             return target, []
         return target, critical_jobs(self.jobs, need, round_=snap.round, target=target)
-
-    def _capacity(self, need: dict[str, int]) -> float:
-        """T_cap of ``hadar_critical.capacity_rounds`` over the jobs with work and an option."""
-        jobs = [j for j in self.jobs if need[j.job_id] > 0]
-        if not jobs:
-            return 0.0
-        per_worker = np.array([self.profiles[j.job_id].per_worker for j in jobs])
-        remaining = np.array([j.remaining for j in jobs])
-        with np.errstate(divide="ignore"):
-            gpu_rounds = np.where(per_worker > 0, remaining[:, None] / (per_worker * self.snap.round_s), np.inf)
-        capacity = np.bincount(self.layout.row_type, weights=self.layout.row_cap, minlength=len(self.layout.types))
-        return capacity_rounds(gpu_rounds, np.array([j.workers for j in jobs], dtype=float), capacity)
 
     def _curve(self) -> PriceCurve:
         snap = self.snap
@@ -292,7 +282,11 @@ class _Round:
         self.waits[job.job_id] = Wait(job_id=job.job_id, code=code, detail=detail)
         self.explain.setdefault(job.job_id, {}).update(info)
 
-    def _plan_job(self, job: JobState) -> None:
+    def _plan_job(self, job: JobState, *, critical: bool = False) -> None:
+        """Plan one job on the ledger. A critical job (``hadar_critical``) is planned on free
+        capacity alone (every free GPU costs 0 in its DP) and committed whatever its payoff at
+        the prices if its utility is positive: its value is the makespan, which its own
+        utility does not carry (one worth nothing is planned as any other job)."""
         prof = self.profiles[job.job_id]
         if not prof.feasible:
             self._wait(job, WaitCode.INFEASIBLE,
@@ -304,17 +298,22 @@ class _Round:
         snap = self.snap
         utility_at = self._utility_at(job)
         steps = np.array([o.rate for o in prof.options]) * snap.round_s
-        choice = best_choice(round_costs(self.ledger, prof), steps, job.remaining, utility_at)
+        costs = round_costs(self.ledger, prof)
+        if critical:
+            costs = np.where(np.isfinite(costs), 0.0, np.inf)
+        choice = best_choice(costs, steps, job.remaining, utility_at)
         if choice is None:
             self._wait(job, WaitCode.CAPACITY, f"no free GPUs for it in the next {self.cfg.horizon} rounds")
             return
-        if choice.payoff <= 0:
+        if critical and choice.utility <= 0:
+            return self._plan_job(job)                     # worth nothing: no reason to force it
+        if choice.payoff <= 0 and not critical:
             self._wait_payoff(job, prof, choice.payoff, choice.utility, choice.cost, prof.options[choice.option].label)
             return
-        commitment = self._materialize(job, prof, choice, utility_at)
+        commitment = self._materialize(job, prof, choice, utility_at, force=critical)
         if commitment is None:
             self._wait(job, WaitCode.CAPACITY, "no GPUs left for its chosen schedule")
-        elif commitment.utility - commitment.cost <= 0:
+        elif commitment.utility - (0.0 if critical else commitment.cost) <= 0:
             self._wait_payoff(job, prof, commitment.utility - commitment.cost, commitment.utility,
                               commitment.cost, commitment.option)
         else:
@@ -333,11 +332,12 @@ class _Round:
             return utility.values(job, iso, snap.now_s + np.asarray(tau, dtype=float) * snap.round_s)
         return at
 
-    def _materialize(self, job: JobState, prof: JobProfile, choice: Choice, utility_at) -> Commitment | None:
+    def _materialize(self, job: JobState, prof: JobProfile, choice: Choice, utility_at, *,
+                     force: bool = False) -> Commitment | None:
         """The chosen schedule on concrete rows: the same rows in every round if they exist
-        and keep the payoff positive, else the cheapest rows round by round."""
+        and keep the payoff positive (or ``force``), else the cheapest rows round by round."""
         commitment = self._commitment(job, prof, choice, utility_at, sticky=True)
-        if commitment is not None and commitment.utility - commitment.cost > 0:
+        if commitment is not None and (force or commitment.utility - commitment.cost > 0):
             return commitment
         return self._commitment(job, prof, choice, utility_at, sticky=False)
 
@@ -375,7 +375,7 @@ class _Round:
             rest = math.ceil((job.remaining - done[-1]) / per_round[-1])
             share = done[-1] / job.remaining
             utility = float(utility_at(np.array([float(self.cfg.horizon + rest)]))[0]) * share
-        cost = float((self.ledger.price[np.ix_(slots, rows)] * counts).sum())
+        cost = float((self.ledger.type_price[np.ix_(self.layout.row_type[rows], slots)].T * counts).sum())
         return Commitment(job_id=job.job_id, rounds=slots + snap.round, rows=rows, counts=counts,
                           steps=per_round, base_done=job.steps_done, finishes=finishes, signature=prof.signature,
                           option=option.label, utility=utility, cost=cost)

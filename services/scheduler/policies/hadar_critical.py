@@ -124,3 +124,18 @@ def capacity_rounds(gpu_rounds: np.ndarray, workers: np.ndarray, capacity: np.nd
     if res.status != 0:
         return 0.0       # no bound: the single-job bound stands alone
     return float(res.x[t_col])
+
+
+def job_capacity_rounds(jobs: Sequence[JobState], profiles: Mapping[str, JobProfile], need: Mapping[str, int], *,
+                        types: np.ndarray, caps: np.ndarray, round_s: float) -> float:
+    """``capacity_rounds`` for the jobs with ``need`` > 0, from their per-worker rates per
+    type (``JobProfile.per_worker``); ``types``/``caps``: each row's type index and GPUs."""
+    active = [j for j in jobs if need.get(j.job_id, 0) > 0]
+    if not active:
+        return 0.0
+    per_worker = np.array([profiles[j.job_id].per_worker for j in active])
+    remaining = np.array([j.remaining for j in active])
+    with np.errstate(divide="ignore"):
+        gpu_rounds = np.where(per_worker > 0, remaining[:, None] / (per_worker * round_s), np.inf)
+    capacity = np.bincount(types, weights=caps, minlength=per_worker.shape[1])
+    return capacity_rounds(gpu_rounds, np.array([j.workers for j in active], dtype=float), capacity)
