@@ -174,9 +174,12 @@ def test_incremental_ledger_tables_match_a_rebuild(cluster, seed):
         ledger.commit(Commitment(job_id=f"j{k}", rounds=rounds, rows=np.array([row]),
                                  counts=np.ones((rounds.size, 1), dtype=np.int64), steps=np.ones(rounds.size),
                                  base_done=0.0, finishes=True, signature=(), option="x", utility=1.0, cost=0.0))
-    kept = [a.copy() for a in (ledger.price, ledger.cum_price, ledger.hist, ledger.node_min, ledger.marginal)]
+    def tables():
+        return (ledger.price, ledger.cum_price, ledger.hist, ledger.node_min, ledger.marginal, ledger.Z,
+                ledger.cum_fill, ledger.cum_type_price())
+    kept = [a.copy() for a in tables()]
     ledger._refresh()
-    for before, after in zip(kept, (ledger.price, ledger.cum_price, ledger.hist, ledger.node_min, ledger.marginal)):
+    for before, after in zip(kept, tables()):
         assert np.allclose(before, after)
 
 

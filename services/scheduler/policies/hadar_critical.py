@@ -53,6 +53,7 @@ from services.scheduler.policy import JobState
 CRITICAL_SLACK = 0.05      # slack: share of the makespan bound given to shorter jobs
 CRITICAL_MARGIN = 1        # margin: rounds of laxity at which a job becomes critical
 CRITICAL_LIMIT = 64        # limit: at most this many critical jobs per round
+POOL_ABOVE = 256           # T_cap pools jobs by (type, W) above this many jobs
 
 
 def rounds_needed(job: JobState, profile: JobProfile, round_s: float) -> int:
@@ -129,13 +130,26 @@ def capacity_rounds(gpu_rounds: np.ndarray, workers: np.ndarray, capacity: np.nd
 def job_capacity_rounds(jobs: Sequence[JobState], profiles: Mapping[str, JobProfile], need: Mapping[str, int], *,
                         types: np.ndarray, caps: np.ndarray, round_s: float) -> float:
     """``capacity_rounds`` for the jobs with ``need`` > 0, from their per-worker rates per
-    type (``JobProfile.per_worker``); ``types``/``caps``: each row's type index and GPUs."""
+    type (``JobProfile.per_worker``); ``types``/``caps``: each row's type index and GPUs.
+
+    Above POOL_ABOVE jobs, the jobs of one (job type, W) are pooled into one job of their
+    summed work and summed W: a relaxation (any schedule of the jobs is one of the pool), so
+    still a lower bound, and the LP has at most one row per class (2,000 jobs: ~100 rows).
+    """
     active = [j for j in jobs if need.get(j.job_id, 0) > 0]
     if not active:
         return 0.0
-    per_worker = np.array([profiles[j.job_id].per_worker for j in active])
-    remaining = np.array([j.remaining for j in active])
+    if len(active) > POOL_ABOVE:
+        pools: dict[tuple[str, int], list[JobState]] = {}
+        for j in active:
+            pools.setdefault((j.job_type, j.workers), []).append(j)
+        groups = list(pools.values())
+    else:
+        groups = [[j] for j in active]
+    per_worker = np.array([profiles[g[0].job_id].per_worker for g in groups])
+    remaining = np.array([sum(j.remaining for j in g) for g in groups])
+    workers = np.array([sum(j.workers for j in g) for g in groups], dtype=float)
     with np.errstate(divide="ignore"):
         gpu_rounds = np.where(per_worker > 0, remaining[:, None] / (per_worker * round_s), np.inf)
     capacity = np.bincount(types, weights=caps, minlength=per_worker.shape[1])
-    return capacity_rounds(gpu_rounds, np.array([j.workers for j in active], dtype=float), capacity)
+    return capacity_rounds(gpu_rounds, workers, capacity)

@@ -195,7 +195,8 @@ def _runs(slots: np.ndarray) -> list[tuple[int, int]]:
 
 def _sticky(ledger: Ledger, profile: JobProfile, index: int,
             slots: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """One set of rows for all ``slots``: cheapest by summed price, free in every slot.
+    """One set of rows for all ``slots``: cheapest by summed price (rows of one type cost the
+    same: then the row with the least committed over the slots first), free in every slot.
 
     Candidate rows are examined cheapest first (ties in the profile's tie order), 4W at a
     time, until enough of them have the GPUs free in every slot.
@@ -204,9 +205,12 @@ def _sticky(ledger: Ledger, profile: JobProfile, index: int,
     w = profile.workers
     need_free = w if option.one_node else 1
     cand = profile.candidates[index]
-    cum = ledger.cum_type_price()[ledger.layout.row_type[cand]]       # (candidates, H + 1)
+    cum, fill = ledger.cum_type_price(), ledger.cum_fill
     runs = _runs(slots)
-    vals = sum(cum[:, hi] - cum[:, lo] for lo, hi in runs)
+    by_type = sum(cum[:, hi] - cum[:, lo] for lo, hi in runs)      # (R,) summed price of a GPU of each type
+    rank = np.unique(by_type, return_inverse=True)[1].reshape(-1)
+    share = sum(fill[hi, cand] - fill[lo, cand] for lo, hi in runs) / slots.size   # in [0, 1]
+    vals = 2.0 * rank[ledger.layout.row_type[cand]] + share   # by price, then emptiest row
     window = slice(runs[0][0], runs[0][1]) if len(runs) == 1 else slots
     take = min(cand.size, 4 * w)
     while take:

@@ -117,7 +117,8 @@ class Ledger:
     """The working ledger of one planning round (mutable; frozen into ``LedgerState``).
 
     Besides ``z`` and ``hist`` it keeps ``Z`` (committed GPU-rounds per type and block),
-    ``type_price[r, t]`` and, for gang sizes up to ``max_workers``, ``node_ok[r, t, w]`` (0 if
+    ``type_price[r, t]``, ``cum_fill`` (prefix sums over slots of each row's committed share,
+    to prefer emptier rows among equally priced ones) and, for gang sizes up to ``max_workers``, ``node_ok[r, t, w]`` (0 if
     some row of type r has >= w free GPUs at slot t, else +inf) and ``marg_ok[r, t, x]`` (0 if
     type r has >= x free GPUs at t, else +inf). All are updated for the touched rows, types,
     blocks and (type, slot) pairs on every commit and release.
@@ -145,7 +146,10 @@ class Ledger:
         self.block_len = np.bincount(self.block_of, minlength=int(self.block_of[-1]) + 1 if horizon else 0)
         self.type_cap = np.bincount(layout.row_type, weights=self.cap, minlength=ntypes)
         self.Z = np.zeros((ntypes, self.block_len.size), dtype=np.int64)
+        self._inv_block_cap = 1.0 / (np.maximum(self.type_cap, 1)[:, None] * self.block_len[None, :])
         self.type_price = np.empty((ntypes, horizon))
+        self._cum_type_price = np.zeros((ntypes, horizon + 1))
+        self.cum_fill = np.zeros((horizon + 1, layout.rows))   # prefix sums over slots of z / cap
         self.hist = np.empty((ntypes, horizon, len(pairs)), dtype=np.int64)
         self.node_ok = np.empty((ntypes, horizon, self.max_workers + 1))
         self.marg_ok = np.empty((ntypes, horizon, self.max_workers))
@@ -173,10 +177,8 @@ class Ledger:
         return self.cum_type_price()[self.layout.row_type].T
 
     def cum_type_price(self) -> np.ndarray:
-        """(R, H + 1): prefix sums of ``type_price`` over slots."""
-        out = np.zeros((self.type_price.shape[0], self.horizon + 1))
-        np.cumsum(self.type_price, axis=1, out=out[:, 1:])
-        return out
+        """(R, H + 1): prefix sums of ``type_price`` over slots (kept up to date; do not modify)."""
+        return self._cum_type_price
 
     @property
     def node_min(self) -> np.ndarray:
@@ -189,10 +191,9 @@ class Ledger:
         return self.marg_ok + self.type_price[:, :, None]
 
     def _reprice(self) -> None:
-        with np.errstate(invalid="ignore", divide="ignore"):
-            fill = self.Z / (self.type_cap[:, None] * self.block_len[None, :])
-        fill = np.nan_to_num(np.clip(fill, 0.0, 1.0), nan=1.0)   # a type with no GPUs: full
-        self.type_price[:] = self.curve.price(fill)[:, self.block_of]
+        fill = np.minimum(self.Z * self._inv_block_cap, 1.0)
+        self.type_price[:] = (self.curve.floor * (self.curve.ceiling / self.curve.floor) ** fill)[:, self.block_of]
+        np.cumsum(self.type_price, axis=1, out=self._cum_type_price[:, 1:])
 
     # ------------------------------------------------------------------ bulk
 
@@ -222,6 +223,7 @@ class Ledger:
         nb = self.hist.shape[2]
         index = (self.layout.row_type[None, :] * self.horizon + t) * nb + buckets
         self.hist[:] = np.bincount(index.ravel(), minlength=self.hist.size).reshape(self.hist.shape)
+        np.cumsum(self.z / np.maximum(cap, 1), axis=0, out=self.cum_fill[1:])
         flat = self.hist.reshape(-1, nb)
         node_ok, marg_ok = self._tables(flat)
         self.node_ok[:] = node_ok.reshape(self.node_ok.shape)
@@ -289,6 +291,9 @@ class Ledger:
         self.z[slots, rows] = new
         np.add.at(self.Z, (types, self.block_of[slots]), sign * delta)
         self._reprice()
+        first = int(window[0])
+        self.cum_fill[first + 1:, c.rows] = (self.cum_fill[first, c.rows]
+                                            + np.cumsum(self.z[first:, c.rows] / self.cap[c.rows], axis=0))
         used_types = np.array(sorted(set(self.layout.row_type[c.rows].tolist())))
         pairs = (used_types[:, None] * h + window[None, :]).ravel()   # every touched (type, slot), maybe more
         node_ok, marg_ok = self._tables(self.hist.reshape(-1, nb)[pairs])
