@@ -15,8 +15,12 @@ is non-increasing in the completion tau (pluggable, ``hadar_prices.Utility``; de
 
 Primal:  max sum_j sum_s u_j(s) x_js   s.t.  sum_j sum_s g^s_hr(t) x_js <= C_hr  (all h,r,t);
          sum_s x_js <= 1 (all j);  x in {0,1}.
-Dual:    min sum_j mu_j + sum_hrt C_hr k_hr(t)   s.t.  mu_j >= u_j(s) - sum_hrt g^s_hr(t) k_hr(t)
-         (all j, s);  mu, k >= 0.
+Priced relaxation: the capacity rows are summed per GPU type r and block b of B slots
+(``hadar_ledger``): sum_j sum_s G^s_rb x_js <= C_r |b|, with G^s_rb = sum over h and t in b
+of g^s_hr(t) and C_r the GPUs of type r. Its optimum is >= the primal's; nodes and single
+slots remain feasibility constraints of every committed schedule (placement detail).
+Dual (of the relaxation):  min sum_j mu_j + sum_rb C_r |b| k_rb
+         s.t.  mu_j >= u_j(s) - sum_rb G^s_rb k_rb  (all j, s);  mu, k >= 0.
 
 Online algorithm, per job as it is planned. First the *critical* jobs, those whose
 laxity against the target end round E has run out (``hadar_critical``: E is the makespan
@@ -26,8 +30,11 @@ ledger, so they run without a break on their fastest option and finish by about 
 the other jobs, in order of their best value per GPU-round (``order="density"``, the
 default: the greedy order for a batch of simultaneous arrivals; ties by arrival, then job
 id) or by arrival (``order="arrival"``):
-  1. prices k_hr(t) = k(z_hr(t) / C_hr),  k(zeta) = (L / eta) (eta^2 U / L)^zeta  (hadar_prices);
-  2. dual subroutine (hadar_dp): s* = argmax_s u_j(s) - cost(s), cost(s) = sum g^s k;
+  1. prices k_rb = k(Z_rb / (C_r |b|)),  k(zeta) = (L / eta) (eta^2 U / L)^zeta  (hadar_prices),
+     Z_rb = GPU-rounds of type r committed in block b; every GPU of type r at a slot of b
+     costs k_rb;
+  2. dual subroutine (hadar_dp): s* = argmax_s u_j(s) - cost(s), cost(s) = sum G^s k, over
+     schedules whose GPUs are free in every row and slot they use;
   3. mu_j = payoff(s*). Positive: commit s* to the ledger (z rises, so prices rise).
      Otherwise the job waits: PAYOFF with its best payoff, or CAPACITY if no schedule
      fits the horizon, or INFEASIBLE if no placement can ever run it.
@@ -46,7 +53,7 @@ waiting jobs are planned every round. The plan is slot 0 of the ledger plus back
 of the GPUs it leaves idle (``hadar_slot``), which is not committed.
 
 Constants (all named in code):
-  H = ``horizon`` (DEFAULT_HORIZON = 64 rounds); eta = PRICE_SCALE = 2.
+  H = ``horizon`` (DEFAULT_HORIZON = 64 rounds); eta = PRICE_SCALE = 2; B = PRICE_BLOCK = 8.
   U = max over jobs of u_j(earliest) / (W_j n_fast),   L = min over jobs of
   u_j(H + n_slow) / (W_j n_slow) (n_fast, n_slow: rounds at the fastest and slowest
   option), floored at VALUE_FLOOR; running min/max over every round seen.
@@ -58,24 +65,33 @@ Competitive bound (OASiS Thm. 2 style; not re-proved for this reconstruction). W
 alpha = max(1, ln(eta^2 U / L)), k'(zeta) = alpha k(zeta), so committing s* raises
 sum C k by about alpha cost(s*), and the dual grows by mu_j + alpha cost <= alpha u_j
 (since cost < u_j); prices only rise, so the final (mu, k) are dual-feasible, and weak
-duality gives OPT <= alpha ALG + D_0, hence OPT <= 2 alpha ALG if D_0 <= OPT / 2. It
-assumes: (a) every job's value per GPU-round lies in [L, U] and L, U are known up front
-(we use running extremes); (b) a job's GPUs on one row are small against C_hr (with
-W ~ C the marginal-price step is coarse and the bound is only indicative); (c) the
+duality gives OPT_relaxed <= alpha ALG + D_0, hence OPT <= 2 alpha ALG if D_0 <= OPT / 2.
+Where it holds: only where (b) and (f) below do, i.e. on clusters with many GPUs per type
+against a job's gang (gavel-108: C_r = 36, W <= 8; the 1,000-node benchmark), with loads
+spread over each block. On aws-5 / lab-5 (C_r = 2 or 1) it does not: the price there is a
+graded signal (C_r B + 1 values per block; per (node, type) row it had two, free or full)
+but no competitive guarantee. It assumes: (a) every job's value per GPU-round lies in
+[L, U] and L, U are known up front (we use running extremes); (b) a job's use of a
+(type, block) is small against C_r |b| (with W ~ C_r the marginal-price step is coarse);
+(f) a schedule the prices allow is never blocked by a single full slot or row while its
+block still has room (the relaxation's optimum is then reachable; else a job can be
+refused with its dual constraint unmet); (c) the
 subroutine is an exact best response (ours is exact over its schedule family: one option
 for all chosen rounds, cheapest GPUs per round; committing the same rows in every round
 when such rows exist, to avoid migrations, may cost more than that optimum, and we accept
 it while the payoff stays positive); (d) D_0 = (L / eta) H sum C_hr <= OPT / 2; (e) jobs
 are taken one at a time and never released or re-planned (our within-round order, drift
-re-planning, critical-first planning and back-fill are outside the analysis).
+re-planning, critical-first planning, which commits critical jobs whatever the price, and
+back-fill are outside the analysis).
 
 Complexity per job, H slots, R GPU types, K <= 2R options, rows = (node, type) pairs:
 O(K H W) to read per-slot costs from the ledger's tables, O(K H) for the DP when the costs
 are monotone in t (O(K H^2 log H) otherwise), O(rows) for the sticky GPU choice (windowed
 prefix sums; O(m rows) for the per-round fallback), and O(m k + P B) to commit m rounds on
-k rows (P touched (type, slot) pairs, B <= (C_max + 1)(C_max + 2) / 2 price buckets). Per
-round: that times the jobs planned, plus O(H rows + commitments) to rebuild the ledger.
-No LP solver.
+k rows (P touched (type, slot) pairs, (C_max + 1)(C_max + 2) / 2 fill buckets). Per
+round: that times the jobs planned, plus O(H rows + commitments) to rebuild the ledger,
+plus, in rounds with arrivals, one LP (HiGHS) of at most one row per job (per (type, W)
+class above 256 jobs) for the makespan target.
 """
 
 from __future__ import annotations
