@@ -23,6 +23,7 @@ whose TTD beat its bound (there must be none).
 
     python benchmarks/sweep.py --workers 1 --out sweep-out
     python benchmarks/sweep.py --clusters aws-5,lab-5 --jobs 20 --mixes single --arrivals zero
+    python benchmarks/sweep.py --from-rows a/rows.json,b/rows.json --out merged   # merge subsets
 """
 
 from __future__ import annotations
@@ -196,6 +197,8 @@ def main() -> None:
     parser.add_argument("--round-s", type=float, default=360.0)
     parser.add_argument("--workers", type=int, default=1, help="processes (1: run in this process)")
     parser.add_argument("--out", default="sweep-out", help="folder for sweep.md, rows.json and the PNGs")
+    parser.add_argument("--from-rows", default="", help="comma-separated rows.json files of earlier runs: "
+                        "summarize them together instead of running anything")
     args = parser.parse_args()
     policies = _list(args.policies)
     if "gavel" not in policies:
@@ -206,7 +209,15 @@ def main() -> None:
              for j in _list(args.jobs, int) for s in range(1, args.seeds + 1)]
     t0 = time.perf_counter()
     rows: list[dict] = []
-    if args.workers <= 1:
+    if args.from_rows:
+        tasks = []
+        for path in _list(args.from_rows):
+            with open(path) as f:
+                rows.extend(json.load(f))
+        rows = list({(r["cluster"], r["mix"], r["arrivals"], r["jobs"], r["seed"], r["policy"]): r
+                     for r in rows}.values())   # one row per run
+        policies = tuple(p for p in POLICIES if any(r["policy"] == p for r in rows))
+    elif args.workers <= 1:
         for task in tasks:
             rows.extend(run_task(task))
     else:
@@ -223,7 +234,8 @@ def main() -> None:
         json.dump(rows, f)
     plots = plot(cells, args.out, policies)
     print(table)
-    print(f"{len(tasks)} traces, {len(rows)} runs, {len(violations)} bound violations, plots: {len(plots)}")
+    traces = len({(r["cluster"], r["mix"], r["arrivals"], r["jobs"], r["seed"]) for r in rows})
+    print(f"{traces} traces, {len(rows)} runs, {len(violations)} bound violations, plots: {len(plots)}")
     print(json.dumps({"cells": cells, "violations": violations, "seconds": round(time.perf_counter() - t0, 1)},
                      separators=(",", ":")))
 
