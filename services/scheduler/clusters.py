@@ -10,6 +10,10 @@
     p2.xlarge (1x K80 each) and one g4dn.xlarge (1x T4) -- one GPU per instance, as those
     instance shapes have.
   - ``lab-5``: the paper's lab cluster, one node each of Titan RTX, T4, T400, RTX 3090, A2000.
+  - ``aws-5-multi``: aws-5's types on multi-GPU nodes, for multi-GPU job mixes: two
+    p3.8xlarge-like nodes of 4x V100, two p2.8xlarge of 8x K80 and one g4dn.12xlarge of 4x T4
+    (28 GPUs). Our choice, not the paper's.
+  - ``lab-5-multi``: lab-5's types, four of each per node (20 GPUs). Our choice.
 
 * a path to a YAML file ``{name, nodes: [{id, gpus: {type: count}}]}``; a node's GPUs are
   indexed in the order its mapping lists the types;
@@ -72,10 +76,21 @@ def lab_5() -> Cluster:
     return _typed_nodes("lab-5", [(t, 1, 1) for t in ("titanrtx", "t4", "t400", "rtx3090", "a2000")])
 
 
+def aws_5_multi() -> Cluster:
+    # p3.8xlarge x2 (4x V100), p2.8xlarge x2 (8x K80), g4dn.12xlarge x1 (4x T4).
+    return _typed_nodes("aws-5-multi", [("v100", 2, 4), ("k80", 2, 8), ("t4", 1, 4)])
+
+
+def lab_5_multi() -> Cluster:
+    return _typed_nodes("lab-5-multi", [(t, 1, 4) for t in ("titanrtx", "t4", "t400", "rtx3090", "a2000")])
+
+
 BUILTIN_CLUSTERS: Mapping[str, Callable[[], Cluster]] = {
     "gavel-108": gavel_108,
     "aws-5": aws_5,
     "lab-5": lab_5,
+    "aws-5-multi": aws_5_multi,
+    "lab-5-multi": lab_5_multi,
 }
 
 

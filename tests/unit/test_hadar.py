@@ -108,26 +108,51 @@ def test_price_is_non_decreasing_in_commitment_and_spans_the_values(lo, ratio, e
     assert curve.alpha == pytest.approx(max(1.0, math.log(eta * eta * ratio)))
 
 
+def _one_gpu(job_id: str, round_: int, row: int) -> Commitment:
+    return Commitment(job_id=job_id, rounds=np.array([round_]), rows=np.array([row]), counts=np.array([[1]]),
+                      steps=np.array([1.0]), base_done=0.0, finishes=True, signature=(), option="x",
+                      utility=1.0, cost=0.0)
+
+
 def test_ledger_prices_rise_with_each_commitment_and_fall_back_on_release():
     cluster = Cluster(name="one", nodes=(Node(node_id="a", gpus=("v100",) * 4),))
     layout = RowLayout.of(cluster)
-    ledger = Ledger(layout=layout, horizon=3, round_=0, curve=PriceCurve(value_lo=0.01, value_hi=1.0))
+    ledger = Ledger(layout=layout, horizon=4, round_=0, curve=PriceCurve(value_lo=0.01, value_hi=1.0), block=2)
     seen = [ledger.price[1, 0]]
     for k in range(4):
-        ledger.commit(Commitment(job_id=f"j{k}", rounds=np.array([1]), rows=np.array([0]), counts=np.array([[1]]),
-                                 steps=np.array([1.0]), base_done=0.0, finishes=True, signature=(), option="x",
-                                 utility=1.0, cost=0.0))
+        ledger.commit(_one_gpu(f"j{k}", 1, 0))
         seen.append(ledger.price[1, 0])
-        assert ledger.price[0, 0] == ledger.price[2, 0] == seen[0]   # other rounds untouched
+        assert ledger.price[0, 0] == seen[-1]                          # same block, same price
+        assert ledger.price[2, 0] == ledger.price[3, 0] == seen[0]     # other block untouched
     assert all(b > a for a, b in zip(seen, seen[1:]))
     with pytest.raises(LedgerError):
-        ledger.commit(Commitment(job_id="over", rounds=np.array([1]), rows=np.array([0]), counts=np.array([[1]]),
-                                 steps=np.array([1.0]), base_done=0.0, finishes=True, signature=(), option="x",
-                                 utility=1.0, cost=0.0))
+        ledger.commit(_one_gpu("over", 1, 0))
     for k in range(4):
         ledger.release(f"j{k}")
     assert ledger.price[1, 0] == seen[0] and (ledger.z == 0).all()
     assert (ledger.hist.sum(axis=2) == 1).all()
+
+
+@pytest.mark.parametrize("block", [1, 3])
+def test_price_on_one_gpu_nodes_rises_with_every_gpu_of_the_type_committed(block):
+    """Issue 11 finding 4: priced per row, a one-GPU row is either free (floor) or full.
+    Priced per type and block, each committed GPU-round of the type raises the price of all
+    its GPUs in the block, and rows of other types keep theirs."""
+    cluster = single_gpu_nodes(v100=4, k80=2)
+    layout = RowLayout.of(cluster)
+    ledger = Ledger(layout=layout, horizon=3, round_=0, curve=PriceCurve(value_lo=0.01, value_hi=1.0), block=block)
+    v100 = [r for r in range(layout.rows) if layout.types[layout.row_type[r]] == "v100"]
+    k80 = [r for r in range(layout.rows) if layout.types[layout.row_type[r]] == "k80"]
+    seen = [ledger.price[0, v100[0]]]
+    for k, row in enumerate(v100):
+        ledger.commit(_one_gpu(f"j{k}", 0, row))
+        prices = ledger.price[0]
+        assert np.unique(prices[v100]).size == 1 and prices[v100[0]] > seen[-1]
+        assert (prices[k80] == ledger.curve.floor).all()
+        seen.append(prices[v100[0]])
+    assert len(set(seen)) == len(v100) + 1
+    if block == 1:
+        assert seen[-1] == pytest.approx(ledger.curve.ceiling)   # the type is full in that round
 
 
 @PROPS
@@ -149,9 +174,12 @@ def test_incremental_ledger_tables_match_a_rebuild(cluster, seed):
         ledger.commit(Commitment(job_id=f"j{k}", rounds=rounds, rows=np.array([row]),
                                  counts=np.ones((rounds.size, 1), dtype=np.int64), steps=np.ones(rounds.size),
                                  base_done=0.0, finishes=True, signature=(), option="x", utility=1.0, cost=0.0))
-    kept = [a.copy() for a in (ledger.price, ledger.cum_price, ledger.hist, ledger.node_min, ledger.marginal)]
+    def tables():
+        return (ledger.price, ledger.cum_price, ledger.hist, ledger.node_min, ledger.marginal, ledger.Z,
+                ledger.cum_fill, ledger.cum_type_price())
+    kept = [a.copy() for a in tables()]
     ledger._refresh()
-    for before, after in zip(kept, (ledger.price, ledger.cum_price, ledger.hist, ledger.node_min, ledger.marginal)):
+    for before, after in zip(kept, tables()):
         assert np.allclose(before, after)
 
 

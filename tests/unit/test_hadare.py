@@ -77,7 +77,7 @@ def test_copies_go_to_the_job_the_gpus_advance_most_relative_to_its_remaining_wo
     big = JobState(job_id="big", job_type=RESNET, workers=1, total_steps=int(200 * per_round))
     small = JobState(job_id="small", job_type=RESNET, workers=1, total_steps=int(20 * per_round))
     snap = snap_of(cluster, [big, small])
-    base = Hadar().plan(snap)
+    base = Hadar(critical=False).plan(snap)   # HadarE's primary (no critical-first planning)
     assert {p.job_id for p in base.placements} == {"big", "small"}
     plan = make_policy("hadare", fork="leftover").plan(snap)
     extra = [p for p in plan.placements if p.copy > 0]
@@ -102,7 +102,7 @@ def test_copies_use_only_gpus_hadar_left_idle_and_fewest_that_finish():
 @given(cluster=clusters(), jobs=job_lists())
 def test_forked_plans_are_valid_and_extend_hadars(cluster, jobs):
     snap = snap_of(cluster, jobs)
-    base = Hadar().plan(snap)
+    base = Hadar(critical=False).plan(snap)   # leftover mode's primary (no critical-first planning)
     plan = make_policy("hadare", fork="leftover").plan(snap)
     check_plan(snap, plan)
     assert set(base.placements) <= set(plan.placements)

@@ -15,15 +15,26 @@ is non-increasing in the completion tau (pluggable, ``hadar_prices.Utility``; de
 
 Primal:  max sum_j sum_s u_j(s) x_js   s.t.  sum_j sum_s g^s_hr(t) x_js <= C_hr  (all h,r,t);
          sum_s x_js <= 1 (all j);  x in {0,1}.
-Dual:    min sum_j mu_j + sum_hrt C_hr k_hr(t)   s.t.  mu_j >= u_j(s) - sum_hrt g^s_hr(t) k_hr(t)
-         (all j, s);  mu, k >= 0.
+Priced relaxation: the capacity rows are summed per GPU type r and block b of B slots
+(``hadar_ledger``): sum_j sum_s G^s_rb x_js <= C_r |b|, with G^s_rb = sum over h and t in b
+of g^s_hr(t) and C_r the GPUs of type r. Its optimum is >= the primal's; nodes and single
+slots remain feasibility constraints of every committed schedule (placement detail).
+Dual (of the relaxation):  min sum_j mu_j + sum_rb C_r |b| k_rb
+         s.t.  mu_j >= u_j(s) - sum_rb G^s_rb k_rb  (all j, s);  mu, k >= 0.
 
-Online algorithm, per job as it is planned. Jobs planned in the same round go in order of
-their best value per GPU-round (``order="density"``, the default: the greedy order for a
-batch of simultaneous arrivals; ties by arrival, then job id) or by arrival
-(``order="arrival"``):
-  1. prices k_hr(t) = k(z_hr(t) / C_hr),  k(zeta) = (L / eta) (eta^2 U / L)^zeta  (hadar_prices);
-  2. dual subroutine (hadar_dp): s* = argmax_s u_j(s) - cost(s), cost(s) = sum g^s k;
+Online algorithm, per job as it is planned. First the *critical* jobs, those whose
+laxity against the target end round E has run out (``hadar_critical``: E is the makespan
+lower bound, max(longest job alone, LP capacity bound), plus a slack of CRITICAL_SLACK,
+fixed until new jobs arrive), longest first, re-planned every round on the otherwise empty
+ledger, so they run without a break on their fastest option and finish by about E. Then
+the other jobs, in order of their best value per GPU-round (``order="density"``, the
+default: the greedy order for a batch of simultaneous arrivals; ties by arrival, then job
+id) or by arrival (``order="arrival"``):
+  1. prices k_rb = k(Z_rb / (C_r |b|)),  k(zeta) = (L / eta) (eta^2 U / L)^zeta  (hadar_prices),
+     Z_rb = GPU-rounds of type r committed in block b; every GPU of type r at a slot of b
+     costs k_rb;
+  2. dual subroutine (hadar_dp): s* = argmax_s u_j(s) - cost(s), cost(s) = sum G^s k, over
+     schedules whose GPUs are free in every row and slot they use;
   3. mu_j = payoff(s*). Positive: commit s* to the ledger (z rises, so prices rise).
      Otherwise the job waits: PAYOFF with its best payoff, or CAPACITY if no schedule
      fits the horizon, or INFEASIBLE if no placement can ever run it.
@@ -42,35 +53,45 @@ waiting jobs are planned every round. The plan is slot 0 of the ledger plus back
 of the GPUs it leaves idle (``hadar_slot``), which is not committed.
 
 Constants (all named in code):
-  H = ``horizon`` (DEFAULT_HORIZON = 64 rounds); eta = PRICE_SCALE = 2.
+  H = ``horizon`` (DEFAULT_HORIZON = 64 rounds); eta = PRICE_SCALE = 2; B = PRICE_BLOCK = 8.
   U = max over jobs of u_j(earliest) / (W_j n_fast),   L = min over jobs of
   u_j(H + n_slow) / (W_j n_slow) (n_fast, n_slow: rounds at the fastest and slowest
   option), floored at VALUE_FLOOR; running min/max over every round seen.
   k(0) = L / eta is below every job's value per GPU-round, k(1) = eta U above all of them.
-  DRIFT_TOLERANCE = 0.5 rounds of planned steps; RATE_TOLERANCE = 0.05; RENEW_PARTIAL = 0.5.
+  DRIFT_TOLERANCE = 0.5 rounds of planned steps; RATE_TOLERANCE = 0.05; RENEW_PARTIAL = 0.5;
+  CRITICAL_SLACK = 0.05, CRITICAL_MARGIN = 1 round, CRITICAL_LIMIT = 64 (``hadar_critical``).
 
 Competitive bound (OASiS Thm. 2 style; not re-proved for this reconstruction). With
 alpha = max(1, ln(eta^2 U / L)), k'(zeta) = alpha k(zeta), so committing s* raises
 sum C k by about alpha cost(s*), and the dual grows by mu_j + alpha cost <= alpha u_j
 (since cost < u_j); prices only rise, so the final (mu, k) are dual-feasible, and weak
-duality gives OPT <= alpha ALG + D_0, hence OPT <= 2 alpha ALG if D_0 <= OPT / 2. It
-assumes: (a) every job's value per GPU-round lies in [L, U] and L, U are known up front
-(we use running extremes); (b) a job's GPUs on one row are small against C_hr (with
-W ~ C the marginal-price step is coarse and the bound is only indicative); (c) the
+duality gives OPT_relaxed <= alpha ALG + D_0, hence OPT <= 2 alpha ALG if D_0 <= OPT / 2.
+Where it holds: only where (b) and (f) below do, i.e. on clusters with many GPUs per type
+against a job's gang (gavel-108: C_r = 36, W <= 8; the 1,000-node benchmark), with loads
+spread over each block. On aws-5 / lab-5 (C_r = 2 or 1) it does not: the price there is a
+graded signal (C_r B + 1 values per block; per (node, type) row it had two, free or full)
+but no competitive guarantee. It assumes: (a) every job's value per GPU-round lies in
+[L, U] and L, U are known up front (we use running extremes); (b) a job's use of a
+(type, block) is small against C_r |b| (with W ~ C_r the marginal-price step is coarse);
+(f) a schedule the prices allow is never blocked by a single full slot or row while its
+block still has room (the relaxation's optimum is then reachable; else a job can be
+refused with its dual constraint unmet); (c) the
 subroutine is an exact best response (ours is exact over its schedule family: one option
 for all chosen rounds, cheapest GPUs per round; committing the same rows in every round
 when such rows exist, to avoid migrations, may cost more than that optimum, and we accept
 it while the payoff stays positive); (d) D_0 = (L / eta) H sum C_hr <= OPT / 2; (e) jobs
 are taken one at a time and never released or re-planned (our within-round order, drift
-re-planning and back-fill are outside the analysis).
+re-planning, critical-first planning, which commits critical jobs whatever the price, and
+back-fill are outside the analysis).
 
 Complexity per job, H slots, R GPU types, K <= 2R options, rows = (node, type) pairs:
 O(K H W) to read per-slot costs from the ledger's tables, O(K H) for the DP when the costs
 are monotone in t (O(K H^2 log H) otherwise), O(rows) for the sticky GPU choice (windowed
 prefix sums; O(m rows) for the per-round fallback), and O(m k + P B) to commit m rounds on
-k rows (P touched (type, slot) pairs, B <= (C_max + 1)(C_max + 2) / 2 price buckets). Per
-round: that times the jobs planned, plus O(H rows + commitments) to rebuild the ledger.
-No LP solver.
+k rows (P touched (type, slot) pairs, (C_max + 1)(C_max + 2) / 2 fill buckets). Per
+round: that times the jobs planned, plus O(H rows + commitments) to rebuild the ledger,
+plus, in rounds with arrivals, one LP (HiGHS) of at most one row per job (per (type, W)
+class above 256 jobs) for the makespan target.
 """
 
 from __future__ import annotations
@@ -80,6 +101,8 @@ from typing import Any
 
 import numpy as np
 
+from services.scheduler.policies.hadar_critical import (CRITICAL_SLACK, critical_jobs, job_capacity_rounds,
+                                                        rounds_needed, target_end)
 from services.scheduler.policies.hadar_dp import Choice, best_choice, pick_gpus, round_costs
 from services.scheduler.policies.hadar_ledger import Commitment, Ledger, LedgerState, RowLayout, remap
 from services.scheduler.policies.hadar_prices import (PRICE_SCALE, DensityInput, InverseSlowdown, PriceCurve,
@@ -105,12 +128,15 @@ class Hadar:
     def __init__(self, *, horizon: int = DEFAULT_HORIZON, price_scale: float = PRICE_SCALE,
                  utility: Utility | None = None, backfill: bool = True,
                  drift_tolerance: float = DRIFT_TOLERANCE, rate_tolerance: float = RATE_TOLERANCE,
-                 order: str = DEFAULT_ORDER, renew_partial: float = RENEW_PARTIAL) -> None:
+                 order: str = DEFAULT_ORDER, renew_partial: float = RENEW_PARTIAL,
+                 critical: bool = True, critical_slack: float = CRITICAL_SLACK) -> None:
         if horizon < 1:
             raise ValueError("horizon must be >= 1 round")
         if order not in ORDERS:
             raise ValueError(f"order must be one of {', '.join(ORDERS)}")
         self.order = order
+        self.critical = bool(critical)
+        self.critical_slack = float(critical_slack)
         self.renew_partial = float(renew_partial)
         self.horizon = int(horizon)
         self.price_scale = float(price_scale)
@@ -140,10 +166,34 @@ class _Round:
         self.waits: dict[str, Wait] = {}
         self.ledger = Ledger(layout=self.layout, horizon=cfg.horizon, round_=snap.round, curve=self._curve(),
                              max_workers=max((j.workers for j in self.jobs), default=1))
-        for job_id in self.ledger.load(self._carried()):
+        self.target, self.critical = self._critical()
+        carried = self._carried()
+        if self.critical:
+            first = set(self.critical)
+            by_id = {j.job_id: j for j in self.jobs}
+            for job_id in self.critical:
+                self.explain.setdefault(job_id, {})["critical"] = True
+                self._plan_job(by_id[job_id], critical=True)
+            carried = [c for c in carried if c.job_id not in first]
+        for job_id in self.ledger.load(carried):
             self.explain.setdefault(job_id, {})["replanned"] = "capacity"
 
     # ------------------------------------------------------------------ set-up
+
+    def _critical(self) -> tuple[int, list[str]]:
+        """(target end round E, critical job ids in planning order): ``hadar_critical``."""
+        snap, cfg, prev = self.snap, self.cfg, self.prev
+        need = {j.job_id: rounds_needed(j, self.profiles[j.job_id], snap.round_s) for j in self.jobs}
+        previous = prev.target_end if prev is not None and prev.target_end >= 0 else None
+        new = [j.job_id for j in self.jobs if j.arrival_s > snap.now_s - snap.round_s]
+        capacity = (job_capacity_rounds(self.jobs, self.profiles, need, types=self.layout.row_type,
+                                        caps=self.layout.row_cap, round_s=snap.round_s)
+                    if previous is None or new else 0.0)
+        target = target_end(need, new, round_=snap.round, previous=previous, slack=cfg.critical_slack,
+                            capacity=capacity)
+        if not cfg.critical:
+            return target, []
+        return target, critical_jobs(self.jobs, need, round_=snap.round, target=target)
 
     def _curve(self) -> PriceCurve:
         snap = self.snap
@@ -198,7 +248,8 @@ class _Round:
 
     def run(self) -> Plan:
         by_density = sorted(self.jobs, key=self._density_key) if self.cfg.order == "density" else self.jobs
-        for job in [j for j in by_density if j.job_id not in self.ledger.commitments]:
+        planned = set(self.critical)
+        for job in [j for j in by_density if j.job_id not in self.ledger.commitments and j.job_id not in planned]:
             self._plan_job(job)
         slot0: list[tuple[str, RowCounts]] = []
         placed_by: dict[str, str] = {}
@@ -236,7 +287,7 @@ class _Round:
                             detail=f"schedule starts in round {start}; no idle GPUs fit it now")
             waiting.append(wait)
         return Plan(placements=tuple(placements), waiting=tuple(waiting),
-                    state=self.ledger.freeze(round_s=self.snap.round_s), explain=self.explain)
+                    state=self.ledger.freeze(round_s=self.snap.round_s, target_end=self.target), explain=self.explain)
 
     def _density_key(self, job: JobState) -> float:
         """Planning order within a round: highest best value per GPU-round first (sorting is
@@ -247,7 +298,11 @@ class _Round:
         self.waits[job.job_id] = Wait(job_id=job.job_id, code=code, detail=detail)
         self.explain.setdefault(job.job_id, {}).update(info)
 
-    def _plan_job(self, job: JobState) -> None:
+    def _plan_job(self, job: JobState, *, critical: bool = False) -> None:
+        """Plan one job on the ledger. A critical job (``hadar_critical``) is planned on free
+        capacity alone (every free GPU costs 0 in its DP) and committed whatever its payoff at
+        the prices if its utility is positive: its value is the makespan, which its own
+        utility does not carry (one worth nothing is planned as any other job)."""
         prof = self.profiles[job.job_id]
         if not prof.feasible:
             self._wait(job, WaitCode.INFEASIBLE,
@@ -259,17 +314,22 @@ class _Round:
         snap = self.snap
         utility_at = self._utility_at(job)
         steps = np.array([o.rate for o in prof.options]) * snap.round_s
-        choice = best_choice(round_costs(self.ledger, prof), steps, job.remaining, utility_at)
+        costs = round_costs(self.ledger, prof)
+        if critical:
+            costs = np.where(np.isfinite(costs), 0.0, np.inf)
+        choice = best_choice(costs, steps, job.remaining, utility_at)
         if choice is None:
             self._wait(job, WaitCode.CAPACITY, f"no free GPUs for it in the next {self.cfg.horizon} rounds")
             return
-        if choice.payoff <= 0:
+        if critical and choice.utility <= 0:
+            return self._plan_job(job)                     # worth nothing: no reason to force it
+        if choice.payoff <= 0 and not critical:
             self._wait_payoff(job, prof, choice.payoff, choice.utility, choice.cost, prof.options[choice.option].label)
             return
-        commitment = self._materialize(job, prof, choice, utility_at)
+        commitment = self._materialize(job, prof, choice, utility_at, force=critical)
         if commitment is None:
             self._wait(job, WaitCode.CAPACITY, "no GPUs left for its chosen schedule")
-        elif commitment.utility - commitment.cost <= 0:
+        elif commitment.utility - (0.0 if critical else commitment.cost) <= 0:
             self._wait_payoff(job, prof, commitment.utility - commitment.cost, commitment.utility,
                               commitment.cost, commitment.option)
         else:
@@ -288,11 +348,12 @@ class _Round:
             return utility.values(job, iso, snap.now_s + np.asarray(tau, dtype=float) * snap.round_s)
         return at
 
-    def _materialize(self, job: JobState, prof: JobProfile, choice: Choice, utility_at) -> Commitment | None:
+    def _materialize(self, job: JobState, prof: JobProfile, choice: Choice, utility_at, *,
+                     force: bool = False) -> Commitment | None:
         """The chosen schedule on concrete rows: the same rows in every round if they exist
-        and keep the payoff positive, else the cheapest rows round by round."""
+        and keep the payoff positive (or ``force``), else the cheapest rows round by round."""
         commitment = self._commitment(job, prof, choice, utility_at, sticky=True)
-        if commitment is not None and commitment.utility - commitment.cost > 0:
+        if commitment is not None and (force or commitment.utility - commitment.cost > 0):
             return commitment
         return self._commitment(job, prof, choice, utility_at, sticky=False)
 
@@ -330,7 +391,7 @@ class _Round:
             rest = math.ceil((job.remaining - done[-1]) / per_round[-1])
             share = done[-1] / job.remaining
             utility = float(utility_at(np.array([float(self.cfg.horizon + rest)]))[0]) * share
-        cost = float((self.ledger.price[np.ix_(slots, rows)] * counts).sum())
+        cost = float((self.ledger.type_price[np.ix_(self.layout.row_type[rows], slots)].T * counts).sum())
         return Commitment(job_id=job.job_id, rounds=slots + snap.round, rows=rows, counts=counts,
                           steps=per_round, base_done=job.steps_done, finishes=finishes, signature=prof.signature,
                           option=option.label, utility=utility, cost=cost)

@@ -5,9 +5,10 @@ Three steps (notation of ``hadar.py``'s docstring):
 1. ``round_costs``: for each option o of the job and slot t, kappa_o(t) = the cost of the
    cheapest W GPUs the option may use at slot t (+inf if none), read from the ledger's
    tables (``hadar_ledger.Ledger``, kept up to date on every commit). Node option of type
-   r: W x node_min[r, t, W], the price of the cheapest row of type r with >= W free GPUs.
-   Spread option: the sum of the W smallest of marginal[r, t, 1..W] over the eligible
-   types r (marginal[r, t, x] = price of the x-th cheapest free GPU of type r).
+   r: W x node_min[r, t, W], the price of a GPU of type r at t if a row of type r has >= W
+   free GPUs. Spread option: the sum of the W smallest of marginal[r, t, 1..W] over the
+   eligible types r (marginal[r, t, x] = type r's price if it has >= x free GPUs at t).
+   Prices are per type and block of slots (``hadar_ledger``).
    O(K x H x R x W) for K options, H slots, R types.
 2. ``best_choice``: the DP over rounds. For option o the job needs n_o = ceil(R / s_o)
    rounds (R remaining steps, s_o steps per round). D_o[tau][m], the least cost of m
@@ -194,7 +195,8 @@ def _runs(slots: np.ndarray) -> list[tuple[int, int]]:
 
 def _sticky(ledger: Ledger, profile: JobProfile, index: int,
             slots: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """One set of rows for all ``slots``: cheapest by summed price, free in every slot.
+    """One set of rows for all ``slots``: cheapest by summed price (rows of one type cost the
+    same: then the row with the least committed over the slots first), free in every slot.
 
     Candidate rows are examined cheapest first (ties in the profile's tie order), 4W at a
     time, until enough of them have the GPUs free in every slot.
@@ -202,10 +204,13 @@ def _sticky(ledger: Ledger, profile: JobProfile, index: int,
     option = profile.options[index]
     w = profile.workers
     need_free = w if option.one_node else 1
-    cum = ledger.cum_price
     cand = profile.candidates[index]
+    cum, fill = ledger.cum_type_price(), ledger.cum_fill
     runs = _runs(slots)
-    vals = sum(cum[hi, cand] - cum[lo, cand] for lo, hi in runs)
+    by_type = sum(cum[:, hi] - cum[:, lo] for lo, hi in runs)      # (R,) summed price of a GPU of each type
+    rank = np.unique(by_type, return_inverse=True)[1].reshape(-1)
+    share = sum(fill[hi, cand] - fill[lo, cand] for lo, hi in runs) / slots.size   # in [0, 1]
+    vals = 2.0 * rank[ledger.layout.row_type[cand]] + share   # by price, then emptiest row
     window = slice(runs[0][0], runs[0][1]) if len(runs) == 1 else slots
     take = min(cand.size, 4 * w)
     while take:
@@ -248,10 +253,11 @@ def pick_gpus(ledger: Ledger, profile: JobProfile, index: int, slots: np.ndarray
     if found is not None:
         rows, counts = found
         return rows, np.repeat(counts[None, :], slots.size, axis=0), True
-    allowed = option.eligible[ledger.layout.row_type]
+    row_type = ledger.layout.row_type
+    allowed = option.eligible[row_type]
     per_slot = []
     for t in slots:
-        got = select_rows(ledger.price[t], ledger.free(int(t)), allowed, profile.workers, profile.tie_order,
+        got = select_rows(ledger.type_price[row_type, t], ledger.free(int(t)), allowed, profile.workers, profile.tie_order,
                           option.one_node)
         if got is None:
             return None

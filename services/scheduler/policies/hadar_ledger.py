@@ -2,12 +2,25 @@
 
 Rows are the (node, type) pairs of the cluster, in cluster order then type order. Slot 0 of
 the horizon is the round being planned. ``z[t, row]`` counts committed GPUs (never above
-``cap[row]``), ``price[t, row] = k(z / cap)`` (``hadar_prices.PriceCurve``), and
-``hist[r, t, b]`` counts the rows of type r whose (cap, z) falls in bucket b at slot t.
-Buckets are the (cap, z) pairs ordered by price; from ``hist`` the ledger keeps, per
-(type, slot), the price of the cheapest row with >= w free GPUs and the prices of the
-cheapest x free GPUs (x, w up to the largest gang), so ``hadar_dp.round_costs`` reads "the
-cheapest W GPUs of some types at slot t" from small tables, never scanning nodes.
+``cap[row]``): that is the feasibility constraint, per row and slot. ``hist[r, t, b]``
+counts the rows of type r whose (cap, z) falls in bucket b at slot t; from it the ledger
+knows, per (type, slot), whether some row has >= w free GPUs and how many GPUs are free
+(w, x up to the largest gang), so ``hadar_dp.round_costs`` reads "the cheapest W GPUs of
+some types at slot t" from small tables, never scanning nodes.
+
+Prices are per GPU type and block of slots, nodes being placement detail. Slots are cut
+into blocks of ``block`` consecutive slots (PRICE_BLOCK; the last block may be shorter);
+the priced resource (r, b) holds ``C_r x |b|`` GPU-rounds (C_r: GPUs of type r in the
+cluster), ``Z[r, b]`` of them committed, and every GPU of type r at a slot of block b costs
+``k(Z[r, b] / (C_r |b|))`` (``hadar_prices.PriceCurve``). A row priced alone (``C`` GPUs of
+one node) gives a price with C + 1 values: two on clusters of one GPU per (node, type)
+(aws-5, lab-5, gavel-108), where it said nothing; per type and block it takes
+``C_r |b| + 1`` values (lab-5 with 8-slot blocks: 9; gavel-108: 289).
+
+``price[t, row]`` (its type's price at t), ``cum_price`` (prefix sums over slots),
+``node_min[r, t, w]`` (price of a GPU of type r at t if some row of type r has >= w free
+GPUs, else +inf) and ``marginal[r, t, x]`` (the same if type r has >= x free GPUs at t) are
+derived from those tables on demand.
 
 A ``Commitment`` is one job's committed schedule: per absolute round, GPUs per row, and the
 steps it is expected to make. The ledger is rebuilt from the surviving commitments at the
@@ -27,6 +40,9 @@ from services.scheduler.cluster import Cluster
 from services.scheduler.policies.hadar_prices import PriceCurve
 from services.scheduler.policy import PolicyState
 from shared.errors import HadarError
+
+
+PRICE_BLOCK = 8   # slots per priced block of a GPU type's capacity
 
 
 class LedgerError(HadarError):
@@ -94,20 +110,22 @@ class LedgerState(PolicyState):
     committed: np.ndarray  # (horizon, HR) z after this round's planning, slot 0 = ``round``
     value_lo: float
     value_hi: float
+    target_end: int = -1   # E of ``hadar_critical`` (-1: none)
 
 
 class Ledger:
     """The working ledger of one planning round (mutable; frozen into ``LedgerState``).
 
-    Besides ``z``, ``price`` and ``hist`` it keeps, for gang sizes up to ``max_workers``:
-    ``cum_price[t, row]`` = sum of price[:t, row] (window sums in O(rows)); ``node_min[r, t, w]``
-    = price of the cheapest row of type r with >= w free GPUs at slot t; ``marginal[r, t, x]``
-    = price of the x-th cheapest free GPU of type r at slot t (+inf when absent). All are
-    updated for the touched rows and (type, slot) pairs on every commit and release.
+    Besides ``z`` and ``hist`` it keeps ``Z`` (committed GPU-rounds per type and block),
+    ``type_price[r, t]``, ``cum_fill`` (prefix sums over slots of each row's committed share,
+    to prefer emptier rows among equally priced ones) and, for gang sizes up to ``max_workers``, ``node_ok[r, t, w]`` (0 if
+    some row of type r has >= w free GPUs at slot t, else +inf) and ``marg_ok[r, t, x]`` (0 if
+    type r has >= x free GPUs at t, else +inf). All are updated for the touched rows, types,
+    blocks and (type, slot) pairs on every commit and release.
     """
 
     def __init__(self, *, layout: RowLayout, horizon: int, round_: int, curve: PriceCurve,
-                 max_workers: int = 8) -> None:
+                 max_workers: int = 8, block: int = PRICE_BLOCK) -> None:
         self.layout = layout
         self.horizon = horizon
         self.round = round_
@@ -122,14 +140,19 @@ class Ledger:
         for b, (_, c, z) in enumerate(pairs):
             self.bucket_id[c, z] = b
         self.bucket_free = np.array([c - z for _, c, z in pairs], dtype=np.int64)
-        self.bucket_price = np.array([curve.price(f) for f, _, _ in pairs], dtype=float)
-        self.price_table = curve.table(max_cap)
         ntypes = len(layout.types)
-        self.price = np.empty((horizon, layout.rows))
-        self.cum_price = np.zeros((horizon + 1, layout.rows))
+        self.block = max(1, int(block))
+        self.block_of = np.arange(horizon) // self.block
+        self.block_len = np.bincount(self.block_of, minlength=int(self.block_of[-1]) + 1 if horizon else 0)
+        self.type_cap = np.bincount(layout.row_type, weights=self.cap, minlength=ntypes)
+        self.Z = np.zeros((ntypes, self.block_len.size), dtype=np.int64)
+        self._inv_block_cap = 1.0 / (np.maximum(self.type_cap, 1)[:, None] * self.block_len[None, :])
+        self.type_price = np.empty((ntypes, horizon))
+        self._cum_type_price = np.zeros((ntypes, horizon + 1))
+        self.cum_fill = np.zeros((horizon + 1, layout.rows))   # prefix sums over slots of z / cap
         self.hist = np.empty((ntypes, horizon, len(pairs)), dtype=np.int64)
-        self.node_min = np.empty((ntypes, horizon, self.max_workers + 1))
-        self.marginal = np.empty((ntypes, horizon, self.max_workers))
+        self.node_ok = np.empty((ntypes, horizon, self.max_workers + 1))
+        self.marg_ok = np.empty((ntypes, horizon, self.max_workers))
         # constants of ``_tables``: row i of a batch is shifted by i * step, past any running value
         pairs_max = ntypes * horizon
         x = np.arange(self.max_workers + 1)
@@ -138,8 +161,39 @@ class Ledger:
         self._marg_query = x[None, 1:] + self._shift
         self._node_query = x[None, :] + self._shift
         self._base = len(pairs) * np.arange(pairs_max)[:, None]
-        self._priced = np.append(self.bucket_price, np.inf)
+        self._found = np.append(np.zeros(len(pairs)), np.inf)
         self._refresh()
+
+    # ------------------------------------------------------------------ prices
+
+    @property
+    def price(self) -> np.ndarray:
+        """(H, rows): the price of one GPU of each row at each slot (its type's price)."""
+        return self.type_price[self.layout.row_type].T
+
+    @property
+    def cum_price(self) -> np.ndarray:
+        """(H + 1, rows): ``cum_price[t, row]`` = sum of price[:t, row]."""
+        return self.cum_type_price()[self.layout.row_type].T
+
+    def cum_type_price(self) -> np.ndarray:
+        """(R, H + 1): prefix sums of ``type_price`` over slots (kept up to date; do not modify)."""
+        return self._cum_type_price
+
+    @property
+    def node_min(self) -> np.ndarray:
+        """(R, H, W + 1): price of a GPU of type r at t if a row of type r has >= w free, else inf."""
+        return self.node_ok + self.type_price[:, :, None]
+
+    @property
+    def marginal(self) -> np.ndarray:
+        """(R, H, W): price of the x-th free GPU of type r at t (+inf when fewer are free)."""
+        return self.marg_ok + self.type_price[:, :, None]
+
+    def _reprice(self) -> None:
+        fill = np.minimum(self.Z * self._inv_block_cap, 1.0)
+        self.type_price[:] = (self.curve.floor * (self.curve.ceiling / self.curve.floor) ** fill)[:, self.block_of]
+        np.cumsum(self.type_price, axis=1, out=self._cum_type_price[:, 1:])
 
     # ------------------------------------------------------------------ bulk
 
@@ -160,20 +214,23 @@ class Ledger:
 
     def _refresh(self) -> None:
         cap = self.cap[None, :]
-        self.price[:] = self.price_table[cap, self.z]
-        np.cumsum(self.price, axis=0, out=self.cum_price[1:])
-        buckets = self.bucket_id[cap, self.z]
         t = np.arange(self.horizon)[:, None]
+        self.Z[:] = 0
+        np.add.at(self.Z, (np.broadcast_to(self.layout.row_type[None, :], self.z.shape),
+                           np.broadcast_to(self.block_of[:, None], self.z.shape)), self.z)
+        self._reprice()
+        buckets = self.bucket_id[cap, self.z]
         nb = self.hist.shape[2]
         index = (self.layout.row_type[None, :] * self.horizon + t) * nb + buckets
         self.hist[:] = np.bincount(index.ravel(), minlength=self.hist.size).reshape(self.hist.shape)
+        np.cumsum(self.z / np.maximum(cap, 1), axis=0, out=self.cum_fill[1:])
         flat = self.hist.reshape(-1, nb)
-        node_min, marginal = self._tables(flat)
-        self.node_min[:] = node_min.reshape(self.node_min.shape)
-        self.marginal[:] = marginal.reshape(self.marginal.shape)
+        node_ok, marg_ok = self._tables(flat)
+        self.node_ok[:] = node_ok.reshape(self.node_ok.shape)
+        self.marg_ok[:] = marg_ok.reshape(self.marg_ok.shape)
 
     def _tables(self, hist: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(node_min, marginal) rows for histogram rows ``hist`` (P, B).
+        """(node_ok, marg_ok) rows (0 found, +inf not) for histogram rows ``hist`` (P, B).
 
         Both are "first bucket where a running quantity reaches x" per row, found with one
         ``searchsorted`` over the rows laid end to end, each shifted past the one before.
@@ -187,7 +244,7 @@ class Ledger:
         marg = np.searchsorted((cum_free + shift).ravel(), self._marg_query[:p].ravel()).reshape(p, -1)
         node = np.searchsorted((run_max + shift).ravel(), self._node_query[:p].ravel()).reshape(p, -1)
         base = self._base[:p]
-        return self._priced[node - base], self._priced[marg - base]
+        return self._found[node - base], self._found[marg - base]
 
     # ------------------------------------------------------------------ incremental
 
@@ -232,25 +289,26 @@ class Ledger:
         np.subtract.at(flat_hist, base + self.bucket_id[caps, old], 1)
         np.add.at(flat_hist, base + self.bucket_id[caps, new], 1)
         self.z[slots, rows] = new
-        self.price[slots, rows] = self.price_table[caps, new]
+        np.add.at(self.Z, (types, self.block_of[slots]), sign * delta)
+        self._reprice()
         first = int(window[0])
-        self.cum_price[first + 1:, c.rows] = (self.cum_price[first, c.rows]
-                                             + np.cumsum(self.price[first:, c.rows], axis=0))
+        self.cum_fill[first + 1:, c.rows] = (self.cum_fill[first, c.rows]
+                                            + np.cumsum(self.z[first:, c.rows] / self.cap[c.rows], axis=0))
         used_types = np.array(sorted(set(self.layout.row_type[c.rows].tolist())))
         pairs = (used_types[:, None] * h + window[None, :]).ravel()   # every touched (type, slot), maybe more
-        node_min, marginal = self._tables(self.hist.reshape(-1, nb)[pairs])
-        self.node_min.reshape(-1, self.max_workers + 1)[pairs] = node_min
-        self.marginal.reshape(-1, self.max_workers)[pairs] = marginal
+        node_ok, marg_ok = self._tables(self.hist.reshape(-1, nb)[pairs])
+        self.node_ok.reshape(-1, self.max_workers + 1)[pairs] = node_ok
+        self.marg_ok.reshape(-1, self.max_workers)[pairs] = marg_ok
 
     # ------------------------------------------------------------------ queries
 
     def free(self, slot: int) -> np.ndarray:
         return self.cap - self.z[slot]
 
-    def freeze(self, *, round_s: float) -> LedgerState:
+    def freeze(self, *, round_s: float, target_end: int = -1) -> LedgerState:
         return LedgerState(round=self.round, horizon=self.horizon, round_s=round_s, layout=self.layout,
                            commitments=dict(self.commitments), committed=self.z.copy(),
-                           value_lo=self.curve.value_lo, value_hi=self.curve.value_hi)
+                           value_lo=self.curve.value_lo, value_hi=self.curve.value_hi, target_end=target_end)
 
 
 def remap(c: Commitment, old: RowLayout, new: RowLayout, from_round: int) -> Commitment | None:
