@@ -49,6 +49,9 @@ def add_scheduler_parser(services: argparse._SubParsersAction,
                         help="agents' heartbeat period; a node missing 3 leaves the cluster (default: 5)")
     parser.add_argument("--consolidation-wait-s", type=float, default=None,
                         help="how long a round waits for the previous round's models (default: 60)")
+    parser.add_argument("--round-overhead-factor", type=float, default=None,
+                        help="rounds are at least this times the measured start-up + consolidation overhead "
+                             "(0: off; default: 3)")
     parser.add_argument("--seed", type=int, default=None, help="seed passed to the policy, recorded per round")
     parser.add_argument("--group", default=None, help="consumer group id (default: hadar-scheduler)")
     parser.add_argument("--record", default=None, metavar="FILE",
@@ -62,7 +65,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     options = policy_options(args) or None
     flags = {"policy": args.policy, "policy_options": options, "round_s": args.round_s,
              "heartbeat_s": args.heartbeat_s, "consolidation_wait_s": args.consolidation_wait_s,
-             "seed": args.seed, "group": args.group}
+             "round_overhead_factor": args.round_overhead_factor, "seed": args.seed, "group": args.group}
     return load_config(SchedulerConfig, flags=flags, env=os.environ, env_prefix=ENV_PREFIX, file=args.config)
 
 

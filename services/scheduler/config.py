@@ -49,6 +49,8 @@ class SchedulerConfig:
 
     ``policy_options``: keyword options of the policy's constructor (JSON values).
     ``consolidation_wait_s``: how long a round waits for the previous round's models.
+    ``round_overhead_factor``: a round is never shorter than this times the measured
+    start-up + consolidation overhead (:mod:`services.scheduler.round_length`; 0: off).
     ``group``: consumer group id. ``source``: the events' ``source``. An invalid value
     raises :class:`~shared.settings.FieldError` naming the field."""
 
@@ -57,6 +59,7 @@ class SchedulerConfig:
     round_s: float = 360.0
     heartbeat_s: float = 5.0
     consolidation_wait_s: float = 60.0
+    round_overhead_factor: float = 3.0
     seed: int = 0
     group: str = "hadar-scheduler"
     source: str = "scheduler"
@@ -68,6 +71,8 @@ class SchedulerConfig:
                 raise FieldError(name, f"must be a finite number > 0, got {value}")
         if not (math.isfinite(self.consolidation_wait_s) and self.consolidation_wait_s >= 0):
             raise FieldError("consolidation_wait_s", f"must be a finite number >= 0, got {self.consolidation_wait_s}")
+        if not (math.isfinite(self.round_overhead_factor) and self.round_overhead_factor >= 0):
+            raise FieldError("round_overhead_factor", f"must be a finite number >= 0, got {self.round_overhead_factor}")
         if not 0 <= self.seed < 2**63:
             raise FieldError("seed", f"must be in 0..2**63-1, got {self.seed}")
         for name in ("group", "source"):
