@@ -8,8 +8,9 @@ So the live scheduler never plans a round shorter than
 
     round_s = max(configured_round_s, factor x overhead_s)
 
-where ``overhead_s`` is the largest measured overhead of the last ``WINDOW`` (3) rounds
-that had one, and a round's overhead is its start-up plus its consolidation:
+where ``overhead_s`` is the measured overhead of the latest round that had one (``WINDOW``
+rounds, the largest counts; one, so that a first start's spawn does not stretch the warm
+rounds after it), and a round's overhead is its start-up plus its consolidation:
 
 * start-up: per copy, from the round's start to its first training step, estimated from
   the copy's first Progress report of the round as
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 
 __all__ = ["RoundCosts", "Stretch", "stretched_round_s", "copy_startup_s", "WINDOW"]
 
-WINDOW = 3        # rounds whose overhead counts
+WINDOW = 1        # rounds whose overhead counts: the latest measured
 KEPT = 16         # rounds remembered
 
 
