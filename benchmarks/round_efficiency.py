@@ -11,7 +11,9 @@ measures, over those rounds:
   last one -- each round's start-up, training, checkpoint, consolidation and planning;
 * samples/s of a bare torch loop (same model, data, batch, optimizer, one thread), in a
   subprocess of its own for ``--bare-s`` before and after each round-length run, with
-  nothing else of ours running (the mean of the two);
+  nothing else of ours running (the mean of the two); or, with ``--beside``, running
+  alongside the system over exactly the measured rounds, so that on a machine loaded by
+  other work both see the same load (on a 2-core machine the two then share the cores);
 * efficiency = the first over the second.
 
 Then the start of a copy that *moves* to another device (a fresh or spare process loads
@@ -66,6 +68,44 @@ def job_spec(args: argparse.Namespace, job_id: str) -> JobSpec:
                    workers=1, iterations=10**8, hyper=Hyperparameters(optimizer=args.optimizer, lr=args.lr))
 
 
+class BareLoop:
+    """The bare loop in its own process, reporting (time, steps) every 0.5 s."""
+
+    def __init__(self, args: argparse.Namespace, devices: NodeDevices) -> None:
+        self.args, self.devices = args, devices
+        self.samples: list[tuple[float, int]] = []
+        self._proc: asyncio.subprocess.Process | None = None
+        self._reader: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        a = self.args
+        self._proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(Path(__file__).with_name("agent_overhead.py")), "--bare-loop", "--model", a.model,
+            "--dataset", a.dataset, "--batch-size", str(a.batch_size), "--optimizer", a.optimizer,
+            "--lr", str(a.lr), "--device", a.device, "--report-s", "0.5", stdout=asyncio.subprocess.PIPE,
+            env=child_env({"CUDA_VISIBLE_DEVICES": self.devices.visible.get(self.devices.gpus[0].index, "")}))
+        self._reader = asyncio.create_task(self._read())
+        while not self.samples:
+            await asyncio.sleep(0.1)
+
+    async def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        async for line in self._proc.stdout:
+            t, steps = json.loads(line)
+            self.samples.append((float(t), int(steps)))
+
+    def rate(self, start: float, end: float) -> float:
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        return (inside[-1][1] - inside[0][1]) * self.args.batch_size / (inside[-1][0] - inside[0][0])
+
+    async def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            await self._proc.wait()
+        if self._reader is not None:
+            await asyncio.gather(self._reader, return_exceptions=True)
+
+
 async def bare_rate(args: argparse.Namespace, devices: NodeDevices, seconds: float) -> float:
     """Samples/s of the bare loop over ``seconds`` after its first report (imports excluded)."""
     proc = await asyncio.create_subprocess_exec(
@@ -85,8 +125,10 @@ async def bare_rate(args: argparse.Namespace, devices: NodeDevices, seconds: flo
     return (last[1] - first[1]) * args.batch_size / (last[0] - first[0])
 
 
-async def rounds_run(args: argparse.Namespace, devices: NodeDevices, round_s: float) -> dict:
-    """One system, one job, ``1 + --rounds`` rounds of ``round_s``; the measured rounds' numbers."""
+async def rounds_run(args: argparse.Namespace, devices: NodeDevices, round_s: float,
+                     beside: BareLoop | None = None) -> dict:
+    """One system, one job, ``1 + --rounds`` rounds of ``round_s``; the measured rounds' numbers
+    (and, with ``beside``, the bare loop's rate over the same wall-clock interval)."""
     bus = MemoryBus(source="bench")
     await bus.start()
     with tempfile.TemporaryDirectory(prefix="hadar-bench-rounds-") as root:
@@ -158,7 +200,8 @@ async def rounds_run(args: argparse.Namespace, devices: NodeDevices, round_s: fl
             "first_round_s": starts[1] - starts[0], "first_round_steps": steps.get(0, 0),
             "round_wall_s_median": statistics.median(lengths), "steps_per_round": [steps.get(r, 0) for r in
                                                                                   range(last)],
-            "slots": spawned, "waiting": {r: w for r, w in waits.items() if r <= last}}
+            "slots": spawned, "waiting": {r: w for r, w in waits.items() if r <= last},
+            "bare_beside_samples_s": beside.rate(starts[1], starts[last]) if beside is not None else None}
 
 
 async def move_start(args: argparse.Namespace) -> dict:
@@ -210,10 +253,19 @@ async def main_async(args: argparse.Namespace, devices: NodeDevices) -> dict:
     result: dict = {"rounds": args.rounds, "model": args.model, "dataset": args.dataset,
                     "batch_size": args.batch_size, "device": args.device}
     for round_s in args.round_s:
-        before = await bare_rate(args, devices, args.bare_s)
-        run = await rounds_run(args, devices, round_s)
-        after = await bare_rate(args, devices, args.bare_s)
-        bare = (before + after) / 2
+        if args.beside:
+            bare_loop = BareLoop(args, devices)
+            await bare_loop.start()
+            try:
+                run = await rounds_run(args, devices, round_s, bare_loop)
+            finally:
+                await bare_loop.stop()
+            before = after = bare = run["bare_beside_samples_s"]
+        else:
+            before = await bare_rate(args, devices, args.bare_s)
+            run = await rounds_run(args, devices, round_s)
+            after = await bare_rate(args, devices, args.bare_s)
+            bare = (before + after) / 2
         efficiency = run["samples_per_s"] / bare
         key = f"{round_s:g}s"
         result[f"efficiency_{key}"] = round(efficiency, 4)
@@ -232,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10, help="rounds measured (after the first)")
     parser.add_argument("--round-s", type=float, nargs="+", default=[60.0, 15.0], help="round lengths to run")
     parser.add_argument("--bare-s", type=float, default=20.0, help="seconds of each bare-loop measurement")
+    parser.add_argument("--beside", action="store_true",
+                        help="run the bare loop beside the system, over the same rounds (a machine shared with "
+                             "other work: both see the same load), instead of before and after")
     parser.add_argument("--move-steps", type=int, default=50, help="steps per round of the move measurement")
     parser.add_argument("--model", default="resnet")
     parser.add_argument("--dataset", default="digits")
