@@ -112,7 +112,9 @@ async def agent_checks(root):
         resnet = spec("gc-resnet", "resnet", "digits")
         transformer = spec("gc-transformer", "transformer", "synthetic-text")
         t = time.time()
+        # one after the other: a node runs one copy per GPU, and a second on a busy GPU is refused
         await bus.emit(assign(resnet, 0, 10**9, 25))
+        await wait([("gc-resnet", 0)])
         await bus.emit(assign(transformer, 0, 10**9, 25))
         await wait([("gc-resnet", 0), ("gc-transformer", 0)])
         for job in ("gc-resnet", "gc-transformer"):

@@ -30,9 +30,15 @@ rules); this shell carries the verdicts out:
   mid-round gets it again and its workers resume from the copy's own checkpoint.
 * **The consumer loop never ends on a handler error**, nor on a retriable fetch error (it
   backs off and reads on); only a non-retriable bus error ends it, which ``/healthz`` shows.
+* **Warm workers.** Each GPU slot's worker outlives the round (:mod:`services.agent.slots`):
+  a copy whose job stays on the same GPU next round is not preempted -- its worker
+  checkpoints at the deadline, reports, and takes the next round's spec, reloading the
+  consolidated model in place. A new process starts only on first use, for another job or
+  model, for a copy with a rendezvous, or after a crash (reported, counted, respawned).
 * ``stop()`` drains: stops taking work, preempts every copy, waits for their workers (killed
-  ``stop_timeout_s`` after SIGTERM), gives undelivered results ``stop_timeout_s`` more, then
-  leaves their Assignments un-acked for the next run.
+  ``stop_timeout_s`` after the stop if they have not reported), retires the warm workers,
+  gives undelivered results ``stop_timeout_s`` more, then leaves their Assignments
+  un-acked for the next run.
 
 Only this process holds a bus connection; workers talk to the store themselves.
 """
@@ -52,7 +58,7 @@ from services.agent.config import AgentConfig
 from services.agent.delivery import Outcome, RetryPolicy, deliver, result_abandoned
 from services.agent.discovery import NodeDevices
 from services.agent.metrics import AgentMetrics
-from services.agent.process import WorkerPool
+from services.agent.process import WorkerPool, WorkerSlots
 from services.agent.runner import CopyRun, RunContext
 from services.agent.spec import StoreTarget
 from shared.bus import Bus, BusError, Delivery, Subscription
@@ -84,7 +90,8 @@ class AgentDaemon:
         self.registry = registry or CollectorRegistry()
         self.metrics = AgentMetrics(self.registry, node_id=config.node_id, emulated=devices.emulated)
         self.pool = WorkerPool(python=config.python, spares=config.spare_workers)
-        self.ctx = RunContext(node_id=config.node_id, devices=devices, store=store, pool=self.pool,
+        self.slots = WorkerSlots(self.pool)
+        self.ctx = RunContext(node_id=config.node_id, devices=devices, store=store, pool=self.pool, slots=self.slots,
                               clock=self.clock, publish=self._publish, metrics=self.metrics,
                               progress_s=config.progress_s, threads=config.threads,
                               stop_timeout_s=config.stop_timeout_s, deadline_grace_s=config.deadline_grace_s)
@@ -160,6 +167,7 @@ class AgentDaemon:
                 await asyncio.gather(task, return_exceptions=True)
         if self._sub is not None:
             await self._sub.stop()
+        await self.slots.close()
         await self.pool.close()
         self.log.info("agent.stopped")
 

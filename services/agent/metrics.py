@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 __all__ = ["AgentMetrics"]
 
@@ -38,8 +38,17 @@ class AgentMetrics:
                                     (*_BASE, "reason"), registry=registry)
         self._latest_round = Gauge("hadar_agent_latest_round", "The newest round this agent believes",
                                    _BASE, registry=registry)
+        self._slots = Counter("hadar_agent_worker_slots", "Worker slot decisions for a copy's rank: reuse "
+                              "(warm worker), spawn, respawn", (*_BASE, "action"), registry=registry)
+        self._crashes = Counter("hadar_agent_slot_crashes", "Workers that ended without a clean report "
+                                "(their slot is respawned)", _BASE, registry=registry)
+        self._start = Histogram("hadar_agent_copy_start_seconds", "From the round's start (the Assignment's ts) "
+                                "to a copy's first training step, by warm (reused worker) or cold",
+                                (*_BASE, "warm"), registry=registry,
+                                buckets=(0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120))
         self._rates: dict[tuple[str, int, int], float] = {}
-        for series in (self._copies_running, self._steps_per_s, self._steps, self._failures, self._retries):
+        for series in (self._copies_running, self._steps_per_s, self._steps, self._failures, self._retries,
+                       self._crashes):
             series.labels(**self._labels)   # exported as 0 from the start, not only once it moves
 
     def copies_running(self, n: int) -> None:
@@ -80,3 +89,12 @@ class AgentMetrics:
 
     def latest_round(self, round_: int) -> None:
         self._latest_round.labels(**self._labels).set(round_)
+
+    def slot(self, action: str) -> None:
+        self._slots.labels(**self._labels, action=action).inc()
+
+    def slot_crash(self) -> None:
+        self._crashes.labels(**self._labels).inc()
+
+    def copy_start(self, seconds: float, *, warm: bool) -> None:
+        self._start.labels(**self._labels, warm="true" if warm else "false").observe(max(0.0, seconds))

@@ -1,8 +1,16 @@
-"""Worker subprocesses: spawning, talking to them, signalling them, and keeping spares warm.
+"""Worker subprocesses: spawning, talking to them, signalling them, keeping them warm.
 
 A worker process imports torch before it reads its spec (seconds on a busy machine), so
 the daemon keeps ``spares`` processes started ahead of need: an assignment takes a warm
-one and a replacement starts in the background. That is safe for GPUs because a worker
+one and a replacement starts in the background. Once a worker has taken a spec it belongs
+to a GPU's slot (:class:`WorkerSlots`, rules in :mod:`services.agent.slots`) and, for a
+single-rank copy, outlives the round: it takes the next round's spec on its stdin and
+reloads the consolidated weights in place.
+
+The control channel is the worker's stdin, one JSON object a line: a spec, or
+``{"stop": [job, round, copy]}`` (finish the step, checkpoint, report, stay warm). Closing
+stdin tells an idle worker to exit. SIGTERM still means "stop, checkpoint, exit" (a
+one-shot worker, or a worker whose control channel is gone). That is safe for GPUs because a worker
 sets the spec's environment (``CUDA_VISIBLE_DEVICES``) before its first CUDA call, and
 importing torch makes none. Workers run in their own session, so a terminal's Ctrl-C
 reaches only the daemon, which then drains them.
@@ -19,12 +27,16 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from services.agent.spec import WorkerSpec, parse_worker_line
+import structlog
 
-__all__ = ["PROJECT_ROOT", "child_env", "WorkerProcess", "WorkerPool"]
+from services.agent.slots import EMPTY, Decision, Slot, on_assign, on_done, warm_key
+from services.agent.spec import WorkerSpec, parse_worker_line, stop_line
+
+__all__ = ["PROJECT_ROOT", "child_env", "WorkerProcess", "WorkerPool", "WorkerSlots"]
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 LINE_LIMIT = 1 << 20
+RETIRE_WAIT_S = 5.0   # an idle worker told to exit (stdin closed) is killed after this
 
 
 def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -59,15 +71,40 @@ class WorkerProcess:
     def alive(self) -> bool:
         return self.proc.returncode is None
 
-    async def send(self, spec: WorkerSpec) -> None:
-        """Hand the worker its spec (then close its stdin)."""
+    async def send(self, spec: WorkerSpec, *, keep_open: bool = False) -> None:
+        """Hand the worker its spec; close its stdin unless it is to stay warm for the next one."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(spec.to_json().encode() + b"\n")
         await self.proc.stdin.drain()
-        self.proc.stdin.close()
+        if not keep_open:
+            self.proc.stdin.close()
+
+    def stop(self, copy: tuple[str, int, int]) -> bool:
+        """Ask the worker to stop ``copy`` (checkpoint, report, stay warm); False if the
+        control channel is closed (the caller signals instead)."""
+        stdin = self.proc.stdin
+        if stdin is None or stdin.is_closing() or not self.alive:
+            return False
+        try:
+            stdin.write(stop_line(copy).encode() + b"\n")
+        except (ConnectionError, RuntimeError):
+            return False
+        return True
+
+    async def retire(self) -> None:
+        """End an idle worker: close its control channel, SIGKILL it if it lingers."""
+        stdin = self.proc.stdin
+        if stdin is not None and not stdin.is_closing():
+            stdin.close()
+        try:
+            await asyncio.wait_for(self.proc.wait(), RETIRE_WAIT_S)
+        except asyncio.TimeoutError:
+            self.kill()
+            await self.proc.wait()
 
     async def messages(self) -> AsyncIterator[dict[str, Any]]:
-        """Protocol messages until the worker closes its stdout; other lines are skipped."""
+        """Protocol messages until the worker closes its stdout (a warm worker does not
+        between specs: stop reading at its final message); other lines are skipped."""
         assert self.proc.stdout is not None
         while True:
             try:
@@ -151,3 +188,59 @@ async def _discard(worker: WorkerProcess) -> None:
     """End an idle spare. It holds no work, so SIGKILL is safe and does not wait for its imports."""
     worker.kill()
     await worker.wait()
+
+
+class WorkerSlots:
+    """The worker process of each GPU slot of this node, kept across rounds.
+
+    :meth:`take` gives the process that runs a spec on a slot (the same one as last round
+    when the slot's rules say ``reuse``; a spare or a new one otherwise, after retiring the
+    old); :meth:`release` hands it back when its spec ended. The decisions are
+    :func:`services.agent.slots.on_assign` / :func:`~services.agent.slots.on_done`.
+    """
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+        self._slots: dict[int, Slot] = {}
+        self._procs: dict[int, WorkerProcess] = {}
+        self.log = structlog.get_logger()
+
+    def slot(self, index: int) -> Slot:
+        return self._slots.get(index, EMPTY)
+
+    def process(self, index: int) -> WorkerProcess | None:
+        return self._procs.get(index)
+
+    async def take(self, index: int, spec: WorkerSpec) -> tuple[WorkerProcess, Decision]:
+        slot, proc = self.slot(index), self._procs.get(index)
+        if slot.state == "idle" and (proc is None or not proc.alive):
+            code = None if proc is None else proc.proc.returncode
+            self.log.warning("slot.crashed", gpu=index, while_="idle", exit_code=code,
+                             note="the slot's warm worker died between rounds; respawning")
+            slot = Slot(generation=slot.generation)
+        decision = on_assign(slot, warm_key(spec))
+        if decision.action != "reuse":
+            old = self._procs.pop(index, None)
+            if old is not None:
+                await old.retire()
+            proc = await self.pool.acquire()
+        assert proc is not None
+        self._slots[index], self._procs[index] = decision.slot, proc
+        return proc, decision
+
+    def release(self, index: int, *, reported: bool) -> bool:
+        """The slot's spec ended (``reported``: with a clean ``finished``); True if crashed."""
+        proc = self._procs.get(index)
+        done = on_done(self.slot(index), reported=reported, alive=proc is not None and proc.alive)
+        self._slots[index] = done.slot
+        if done.slot.state == "empty" and proc is not None:
+            self._procs.pop(index, None)
+            if proc.alive:
+                proc.kill()   # its state is unknown (or it is a one-shot worker that lingers)
+        return done.crashed
+
+    async def close(self) -> None:
+        """Retire every idle worker (the daemon stops only after every copy run ended)."""
+        procs, self._procs = list(self._procs.values()), {}
+        self._slots.clear()
+        await asyncio.gather(*(p.retire() for p in procs), return_exceptions=True)

@@ -1,15 +1,21 @@
 """One job copy's work on this node for one round: its worker processes and its events.
 
-A :class:`CopyRun` starts one worker per assigned GPU (one DDP rank each), relays rank
-0's progress as :class:`Progress` events, and ends with one :class:`CopyFinished`:
+A :class:`CopyRun` runs one worker per assigned GPU (one DDP rank each) -- the GPU slot's
+warm worker when it still holds this job (:mod:`services.agent.slots`), else a spare or a
+new process -- relays rank 0's progress as :class:`Progress` events, and ends with one
+:class:`CopyFinished`:
 
 * ``failed`` (from whichever node saw it) if any local worker failed, could not start,
   or exited without reporting -- with the first reason;
 * otherwise ``ok``/``preempted`` with the checkpoint key, from the node that hosts rank 0
   (other nodes of a copy spanning nodes stay silent: the copy has one checkpoint).
 
-Stopping: :meth:`CopyRun.preempt` sends SIGTERM (finish the step, checkpoint, exit) and
-SIGKILL ``stop_timeout_s`` later to any worker still alive. A watchdog preempts workers
+Stopping: :meth:`CopyRun.preempt` asks each worker to stop the copy (finish the step,
+checkpoint, report; on the control channel, so a warm worker stays warm, else SIGTERM)
+and sends SIGKILL ``stop_timeout_s`` later to any worker that has not reported by then.
+The run ends when every worker reported (a warm one does not exit); a worker that ended
+any other way is a crash: the copy fails with the reason, the slot is emptied, logged
+(``slot.crashed``) and counted, and its next assignment spawns a fresh process. A watchdog preempts workers
 still running ``deadline_grace_s`` after the round deadline (a hung peer, a stuck
 store). A copy preempted before its workers started (while it waited for its GPUs) starts
 none and ends ``failed``: it trained nothing and has no checkpoint.
@@ -31,7 +37,8 @@ import structlog
 
 from services.agent.discovery import NodeDevices
 from services.agent.metrics import AgentMetrics
-from services.agent.process import WorkerPool, WorkerProcess
+from services.agent.process import WorkerPool, WorkerProcess, WorkerSlots
+from services.agent.slots import warm_key
 from services.agent.spec import StoreTarget, WorkerSpec
 from shared.clock import Clock
 from shared.events import Assignment, CopyFinished, Event, Progress
@@ -57,6 +64,11 @@ class RunContext:
     threads: int
     stop_timeout_s: float
     deadline_grace_s: float
+    slots: WorkerSlots = None   # type: ignore[assignment]   # None: one over ``pool``
+
+    def __post_init__(self) -> None:
+        if self.slots is None:
+            object.__setattr__(self, "slots", WorkerSlots(self.pool))
 
     @property
     def source(self) -> str:
@@ -75,6 +87,8 @@ class CopyRun:
         self.a = assignment
         self.key: CopyKey = (assignment.job_id, assignment.round, assignment.copy)
         self.workers: list[WorkerProcess] = []
+        self.reported: set[int] = set()    # pids of workers that sent their final message
+        self.startup: dict[str, Any] = {}   # rank 0's "started" report: warm, setup_s, ready_at
         self.stop_reason = ""
         self.steps_round = 0
         self.first_failure = ""
@@ -83,6 +97,8 @@ class CopyRun:
                                                round=assignment.round, copy=assignment.copy)
         self._kill_timer: asyncio.TimerHandle | None = None
         self._stopping = False
+        self._slots: list[int] = []          # the GPU slot of each of ``workers``
+        self._failed: set[int] = set()       # pids that reported ``failed``
 
     @property
     def reports(self) -> bool:
@@ -97,13 +113,17 @@ class CopyRun:
         self.stop_reason = reason
         self.log.info("copy.preempt", reason=reason)
         for worker in self.workers:
-            worker.terminate()
+            self._stop(worker)
         loop = asyncio.get_running_loop()
         self._kill_timer = loop.call_later(self.ctx.stop_timeout_s, self._kill_all)
 
+    def _stop(self, worker: WorkerProcess) -> None:
+        if worker.pid not in self.reported and not worker.stop(self.key):
+            worker.terminate()
+
     def _kill_all(self) -> None:
         for worker in self.workers:
-            if worker.alive:
+            if worker.alive and worker.pid not in self.reported:
                 self.log.warning("copy.kill", pid=worker.pid, after_s=self.ctx.stop_timeout_s)
                 worker.kill()
 
@@ -140,14 +160,21 @@ class CopyRun:
             if self._stopping:
                 raise RuntimeError(f"preempted before its workers started ({self.stop_reason})")
             specs = self._specs()
-            for spec in specs:
-                worker = await self.ctx.pool.acquire()
+            decisions = []
+            for gpu, spec in zip(self.a.gpus, specs, strict=True):
+                worker, decision = await self.ctx.slots.take(gpu, spec)
                 self.workers.append(worker)
-                await worker.send(spec)
+                self._slots.append(gpu)
+                decisions.append(decision.action)
+                self.ctx.metrics.slot(decision.action)
+                if decision.action != "spawn" or decision.slot.generation > 1:
+                    self.log.info(f"slot.{decision.action}", gpu=gpu, reason=decision.reason, pid=worker.pid,
+                                  generation=decision.slot.generation, specs=decision.slot.specs)
+                await worker.send(spec, keep_open=warm_key(spec) is not None)
                 if self._stopping:
-                    worker.terminate()
+                    self._stop(worker)
             self.log.info("copy.started", pids=[w.pid for w in self.workers], world_size=self.a.world_size,
-                          ranks=list(self.a.ranks))
+                          ranks=list(self.a.ranks), slots=decisions)
             watchdog = asyncio.create_task(self._watchdog())
             finals = list(await asyncio.gather(*(self._follow(w, s) for w, s in zip(self.workers, specs))))
         except asyncio.CancelledError:
@@ -165,9 +192,20 @@ class CopyRun:
                 watchdog.cancel()
             if self._kill_timer is not None:
                 self._kill_timer.cancel()
+            self._release()
         self.ctx.metrics.copy_rate(self.key, None)
         self.ctx.pool.refill()
         return self._finish(finals, failure)
+
+    def _release(self) -> None:
+        """Hand every slot back; a worker that did not finish cleanly is a crash (module doc)."""
+        for gpu, worker in zip(self._slots, self.workers):
+            clean = worker.pid in self.reported and worker.pid not in self._failed
+            if self.ctx.slots.release(gpu, reported=clean):
+                self.ctx.metrics.slot_crash()
+                self.log.warning("slot.crashed", gpu=gpu, pid=worker.pid, exit_code=worker.proc.returncode,
+                                 note="the slot's next assignment starts a fresh worker")
+        self._slots = []
 
     async def _watchdog(self) -> None:
         late = self.a.deadline + self.ctx.deadline_grace_s - self.ctx.clock.time()
@@ -177,11 +215,17 @@ class CopyRun:
     async def _follow(self, worker: WorkerProcess, spec: WorkerSpec) -> dict[str, Any] | None:
         """Relay one worker's messages; return its final message with its exit code."""
         final: dict[str, Any] | None = None
+        warm = warm_key(spec) is not None
         async for message in worker.messages():
             kind = message["event"]
             if kind == "started":
                 self._started += 1
-                self.log.info("worker.started", rank=spec.rank, pid=message.get("pid"),
+                if spec.rank == 0:
+                    self.startup = message
+                    if isinstance(message.get("ready_at"), (int, float)):
+                        self.ctx.metrics.copy_start(float(message["ready_at"]) - self.a.ts,
+                                                    warm=bool(message.get("warm")))
+                self.log.info("worker.started", rank=spec.rank, pid=message.get("pid"), warm=message.get("warm"),
                               setup_s=message.get("setup_s"), spare_wait_s=message.get("spec_wait_s"),
                               steps_total=message.get("steps_total"))
                 if self._started == len(self.a.gpus):
@@ -190,7 +234,12 @@ class CopyRun:
                 await self._progress(message)
             elif kind in ("finished", "failed"):
                 final = message
-        code = await worker.wait()
+                self.reported.add(worker.pid)
+                if kind == "failed":
+                    self._failed.add(worker.pid)
+                if warm and kind == "finished":
+                    break   # a warm worker stays, waiting for its slot's next spec
+        code = 0 if final is not None and warm and final["event"] == "finished" else await worker.wait()
         if final is None:
             how = f"signal {-code}" if code < 0 else f"code {code}"
             final = {"event": "failed", "reason": f"worker rank {spec.rank} exited with {how} without reporting"

@@ -1,10 +1,13 @@
 """What the daemon tells a worker subprocess, and what the worker tells it back.
 
-The daemon writes one :class:`WorkerSpec` as JSON to the worker's stdin (stdin, not argv:
-it carries the store's secret, and argv is visible to every user of the machine). The
+The daemon writes a :class:`WorkerSpec` as one JSON line to the worker's stdin (stdin, not
+argv: it carries the store's secret, and argv is visible to every user of the machine).
+A warm worker (single rank) keeps reading: its next spec, or a stop line
+(:func:`stop_line`) for the copy it runs; stdin closed means exit. For each spec the
 worker writes one JSON object per line to its stdout: ``started``, ``progress`` (about
-every ``progress_s``), then exactly one of ``finished`` or ``failed``. Nothing else is
-written there (the worker moves library output on fd 1 to stderr).
+every ``progress_s``), then exactly one of ``finished`` or ``failed`` (after ``failed``
+the process exits). Nothing else is written there (the worker moves library output on
+fd 1 to stderr).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from shared.config import S3Settings
 from shared.local_sgd import LocalSgd
 from shared.store import LocalStore, MinioStore, ObjectStore
 
-__all__ = ["StoreTarget", "WorkerSpec", "worker_line", "parse_worker_line"]
+__all__ = ["StoreTarget", "WorkerSpec", "worker_line", "parse_worker_line", "stop_line", "parse_stop_line"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,3 +135,23 @@ def parse_worker_line(line: str | bytes) -> dict[str, Any] | None:
     if not isinstance(data, dict) or data.get("event") not in ("started", "progress", "finished", "failed"):
         return None
     return data
+
+
+def stop_line(copy: tuple[str, int, int]) -> str:
+    """The control line asking a worker to stop ``copy`` (job, round, copy)."""
+    return json.dumps({"stop": list(copy)})
+
+
+def parse_stop_line(line: str) -> tuple[str, int, int] | None:
+    """The copy a stop line names, or None if the line is not one (then it is a spec)."""
+    try:
+        data = json.loads(line)
+    except ValueError:
+        return None
+    stop = data.get("stop") if isinstance(data, dict) else None
+    if not (isinstance(stop, list) and len(stop) == 3):
+        return None
+    job, round_, copy = stop
+    if not (isinstance(job, str) and isinstance(round_, int) and isinstance(copy, int)):
+        return None
+    return job, round_, copy

@@ -1,17 +1,27 @@
-"""The training subprocess: ``python -m services.agent.worker`` with a WorkerSpec on stdin.
+"""The training subprocess: ``python -m services.agent.worker``, WorkerSpecs on stdin.
 
-One process per DDP rank of a job copy. It builds the model from the zoo, starts from
-(in this order) its own checkpoint of this round if one exists (an agent that restarted
-mid-round resumes where it stopped), else the ``start_from`` model (waiting for it to
-appear until the deadline: the tracker may still be writing it), else the job's seed;
-trains until the step budget, the deadline or SIGTERM; then rank 0 writes the
-checkpoint and every rank reports. It talks to the object store itself and reports to
-the daemon only through its stdout (see :mod:`services.agent.spec`); it never holds a
-bus connection.
+One process per DDP rank of a job copy. For each spec it starts from (in this order) its
+own checkpoint of this round if one exists (an agent that restarted mid-round resumes
+where it stopped), else the ``start_from`` model (waiting for it to appear until the
+deadline: the tracker may still be writing it), else the job's seed; trains until the
+step budget, the deadline or a stop; then rank 0 writes the checkpoint and every rank
+reports. It talks to the object store itself and reports to the daemon only through its
+stdout (see :mod:`services.agent.spec`); it never holds a bus connection.
 
-SIGTERM (or SIGINT) finishes the current step, checkpoints and exits with status
-``preempted``. Any exception -- a bad checkpoint, a model the zoo lacks, out of memory,
-a lost DDP peer -- is reported as ``failed`` with the reason, exit code 1.
+**Warm.** A single-rank worker outlives its spec (:mod:`services.agent.slots`): it keeps
+the interpreter, torch, the device, the data set on it, the built model and the store
+client (:class:`Session`), and takes the next spec of the same job from stdin. The start
+state of a spec never depends on what the process did before: the weights are loaded
+strictly from the start file (every tensor of the model), the optimizer is made afresh
+and loaded from the file's state when it has one, and a spec with nothing to start from
+rebuilds the model from the seed -- so a warm worker computes exactly what a fresh one
+would. A spec for another job, model or device is refused (the daemon never sends one).
+
+A stop line for the running copy finishes the current step, checkpoints and reports
+``preempted`` (a warm worker then waits for its next spec); SIGTERM (or SIGINT) does the
+same and exits. A deadline reached mid-interval still checkpoints the steps done. Any
+exception -- a bad checkpoint, a model the zoo lacks, out of memory, a lost DDP peer --
+is reported as ``failed`` with the reason and the process exits with code 1.
 """
 
 from __future__ import annotations
@@ -23,9 +33,12 @@ PROCESS_START = time.time()   # before the heavy imports: "setup_s" in reports i
 import asyncio  # noqa: E402
 import math
 import os
+import queue
 import signal
 import sys
 import tempfile
+import threading
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
@@ -38,14 +51,15 @@ from services.agent.checkpoint import (
     CheckpointError, CheckpointMeta, read_checkpoint, read_total_steps, restore, save_checkpoint,
     with_optimizer_state,
 )
-from services.agent.spec import StoreTarget, WorkerSpec, worker_line
+from services.agent.slots import WarmKey, warm_key
+from services.agent.spec import StoreTarget, WorkerSpec, parse_stop_line, worker_line
 from services.agent.training import BatchSampler, LoopResult, StopCode, TrainingLoop
 from shared import local_sgd
 from shared.config import ConfigError
 from shared.layout import optim_key_of
 from shared.logging import capture_prints, configure_logging
 from shared.store import ObjectStore
-from shared.zoo import Metric, build_model, evaluate, load_dataset, make_optimizer
+from shared.zoo import Dataset, Metric, build_model, evaluate, load_dataset, make_optimizer
 
 START_POLL_S = 0.25
 STATUS = {StopCode.BUDGET: "ok", StopCode.DEADLINE: "ok", StopCode.PREEMPTED: "preempted"}
@@ -75,11 +89,39 @@ class StoreClient:
             self._loop.close()
 
 
+@dataclass(kw_only=True)
+class Session:
+    """What a warm worker keeps between specs of one job (built by the first)."""
+
+    key: WarmKey | None
+    device: torch.device
+    data: Dataset
+    model: nn.Module
+    store: StoreClient
+    store_target: str
+    trained: bool = False     # the model has moved away from the seed's weights
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _on_device(data: Dataset, device: torch.device) -> Dataset:
+    """The data set with its training tensors moved to ``device`` once, not every round."""
+    if device.type == "cpu":
+        return data
+    return Dataset(info=data.info, train_x=data.train_x.to(device), train_y=data.train_y.to(device),
+                   test_x=data.test_x, test_y=data.test_y)
+
+
 class Worker:
-    def __init__(self, spec: WorkerSpec, out: TextIO, spec_wait_s: float = 0.0) -> None:
+    """Runs one spec, in a fresh or a warm :class:`Session` (module rules)."""
+
+    def __init__(self, spec: WorkerSpec, out: TextIO, spec_wait_s: float = 0.0,
+                 session: Session | None = None) -> None:
         self.spec = spec
-        self.spec_wait_s = spec_wait_s   # how long this process waited as a warm spare
+        self.spec_wait_s = spec_wait_s   # how long this process waited for the spec (spare or warm)
         self.out = out
+        self.session = session
         self.stop_requested = False
         self.loop: TrainingLoop | None = None
 
@@ -92,17 +134,35 @@ class Worker:
         if self.loop is not None:
             self.loop.preempted = True
 
+    def _session(self) -> tuple[Session, bool]:
+        """The session to run in (a new one unless the warm one fits) and whether it is warm."""
+        spec, old = self.spec, self.session
+        key, target = warm_key(spec), spec.store.to_json().__repr__()
+        if old is not None:
+            if old.key is None or old.key != key:
+                raise ValueError("this worker holds another job's state; a spec for "
+                                 f"{spec.job_id}/{spec.model} needs a fresh worker")
+            if old.store_target != target:
+                old.store.close()
+                old.store, old.store_target = StoreClient(spec.store), target
+            return old, True
+        torch.set_num_threads(spec.threads)
+        device = self._device()
+        data = _on_device(load_dataset(spec.dataset), device)
+        model = build_model(spec.model, data.info, seed=spec.seed).to(device)
+        session = Session(key=key, device=device, data=data, model=model, store=StoreClient(spec.store),
+                          store_target=target)
+        self.session = session
+        return session, False
+
     def run(self) -> int:
         spec = self.spec
-        store: StoreClient | None = None
+        received = time.time()
         distributed = False
         try:
-            torch.set_num_threads(spec.threads)
-            device = self._device()
-            data = load_dataset(spec.dataset)
-            model = build_model(spec.model, data.info, seed=spec.seed).to(device)
-            optimizer = make_optimizer(spec.optimizer, list(model.parameters()), spec.lr)
-            store = StoreClient(spec.store)
+            session, warm = self._session()
+            model, device, data, store = session.model, session.device, session.data, session.store
+            optimizer = make_optimizer(spec.optimizer, list(model.parameters()), spec.lr)   # never carried over
             round_steps, total = self._load_start(store, model, optimizer)
             local_sgd.install(optimizer, spec.local_sgd, start_job_step=total)
             trained: nn.Module = model
@@ -110,14 +170,17 @@ class Worker:
             if spec.rendezvous:   # DDP whenever there is a rendezvous, even for one rank
                 distributed = True
                 trained, control = self._init_distributed(model, device)
-            self.emit("started", steps_round=round_steps, steps_total=total, pid=os.getpid(),
-                      setup_s=round(time.time() - PROCESS_START, 3), spec_wait_s=round(self.spec_wait_s, 3))
+            ready = time.time()
+            self.emit("started", steps_round=round_steps, steps_total=total, pid=os.getpid(), warm=warm,
+                      setup_s=round(ready - (received if warm else PROCESS_START), 3), ready_at=ready,
+                      spec_wait_s=round(self.spec_wait_s, 3))
             sampler = BatchSampler(len(data.train_x), spec.batch_size, (spec.seed, spec.copy, spec.rank), device)
             self.loop = TrainingLoop(model=trained, optimizer=optimizer, data=data, sampler=sampler,
                                      device=device, world_size=spec.world_size, slowdown=spec.slowdown,
                                      progress_s=spec.progress_s, control_group=control)
             self.loop.preempted = self.stop_requested
             report = self._progress if spec.rank == 0 else None
+            session.trained = True
             result = self.loop.run(start_round_steps=round_steps, start_total=total,
                                    budget=spec.step_budget, deadline=spec.deadline, on_progress=report)
             key, metric = None, None
@@ -135,8 +198,6 @@ class Worker:
         finally:
             if distributed:
                 _destroy_process_group()
-            if store is not None:
-                store.close()
 
     def _device(self) -> torch.device:
         if self.spec.device == "cuda":
@@ -148,6 +209,15 @@ class Worker:
     def _progress(self, steps_round: int, steps_total: int, samples_per_s: float, loss: float) -> None:
         self.emit("progress", steps_round=steps_round, steps_total=steps_total,
                   samples_per_s=samples_per_s, loss=loss)
+
+    def _from_seed(self, model: nn.Module) -> None:
+        """Reset a warm model to the seed's weights (a fresh process would build exactly these)."""
+        session = self.session
+        if session is not None and session.trained:
+            spec = self.spec
+            fresh = build_model(spec.model, session.data.info, seed=spec.seed)
+            model.load_state_dict(fresh.state_dict(), strict=True)
+            session.trained = False
 
     def _load_start(self, store: StoreClient, model: nn.Module,
                     optimizer: torch.optim.Optimizer) -> tuple[int, int]:
@@ -161,6 +231,7 @@ class Worker:
             restore(model, optimizer, tensors)
             return own.steps, own.total_steps
         if spec.start_from is None:
+            self._from_seed(model)
             return 0, 0
         while not store.exists(spec.start_from):
             if self.stop_requested:
@@ -234,42 +305,106 @@ def _prewarm() -> None:
     import torch.distributed  # noqa: F401
 
 
-def main() -> int:
-    out = _claim_stdout()
-    pending: list[Worker] = []
-    stop_signalled = False
+class Control:
+    """The worker's stdin, read by a thread: specs queue up, stop lines take effect at once.
 
-    def on_signal(*_: Any) -> None:  # installed first: a SIGTERM before the spec is not lost
-        nonlocal stop_signalled
-        stop_signalled = True
-        for worker in pending:
+    A stop names its copy, so one meant for a spec not yet taken is kept for it and one for
+    a copy already finished changes nothing: no stop is lost or misapplied, however the
+    lines and the specs interleave.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self.specs: queue.Queue[str | None] = queue.Queue()
+        self.stopped: set[tuple[str, int, int]] = set()
+        self.current: Worker | None = None
+        self.terminated = False
+        self._stream = stream
+        threading.Thread(target=self._read, name="control", daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self._stream:
+            text = line.strip()
+            if not text:
+                continue
+            copy = parse_stop_line(text)
+            if copy is None:
+                self.specs.put(text)
+                continue
+            self.stopped.add(copy)
+            worker = self.current
+            if worker is not None and (worker.spec.job_id, worker.spec.round, worker.spec.copy) == copy:
+                worker.request_stop()
+        self.specs.put(None)   # end of input: exit once idle
+
+    def terminate(self) -> None:
+        """SIGTERM/SIGINT: stop the running spec and exit after it."""
+        self.terminated = True
+        if self.current is not None:
+            self.current.request_stop()
+
+    def next_spec(self) -> str | None:
+        """The next spec's text; None once stdin is closed or the process was told to end."""
+        while not self.terminated:
+            try:
+                return self.specs.get(timeout=0.5)
+            except queue.Empty:
+                continue
+        return None
+
+    def begin(self, worker: Worker) -> None:
+        spec = worker.spec
+        self.current = worker
+        if self.terminated or (spec.job_id, spec.round, spec.copy) in self.stopped:
             worker.request_stop()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    configure_logging("worker")   # stderr, which the agent's log shares
-    capture_prints()
-    _prewarm()
-    ready = time.time()
-    text = sys.stdin.read()
-    if not text.strip():   # a spare the daemon no longer needs
-        return 0
-    try:
-        spec = WorkerSpec.from_json(text)
+
+def _parse_spec(text: str, first: WorkerSpec | None) -> WorkerSpec:
+    spec = WorkerSpec.from_json(text)
+    if first is None:
         if torch.cuda.is_initialized():   # too late for CUDA_VISIBLE_DEVICES to take effect
             raise ValueError("CUDA was initialised before the spec's environment could be applied")
         os.environ.update(spec.env)
-        structlog.contextvars.bind_contextvars(node=spec.node_id, job=spec.job_id, round=spec.round,
-                                               copy=spec.copy, rank=spec.rank)
-    except (ValueError, KeyError, TypeError, ConfigError) as exc:  # ConfigError: bad S3 settings
-        out.write(worker_line("failed", reason=f"bad worker spec: {exc}"[:500]) + "\n")
-        out.flush()
-        return 1
-    worker = Worker(spec, out, spec_wait_s=time.time() - ready)
-    pending.append(worker)
-    if stop_signalled:
-        worker.request_stop()
-    return worker.run()
+    elif spec.env != first.env:
+        raise ValueError("a warm worker cannot change its environment (CUDA_VISIBLE_DEVICES)")
+    structlog.contextvars.bind_contextvars(node=spec.node_id, job=spec.job_id, round=spec.round,
+                                           copy=spec.copy, rank=spec.rank)
+    return spec
+
+
+def main() -> int:
+    out = _claim_stdout()
+    control = Control(sys.stdin)
+    # installed before the imports: a SIGTERM before the first spec is not lost
+    signal.signal(signal.SIGTERM, lambda *_: control.terminate())
+    signal.signal(signal.SIGINT, lambda *_: control.terminate())
+    configure_logging("worker")   # stderr, which the agent's log shares
+    capture_prints()
+    _prewarm()
+    first: WorkerSpec | None = None
+    session: Session | None = None
+    try:
+        while True:
+            idle = time.time()
+            text = control.next_spec()
+            if text is None:   # stdin closed (a spare not needed, or a warm worker retired)
+                return 0
+            try:
+                spec = _parse_spec(text, first)
+            except (ValueError, KeyError, TypeError, ConfigError) as exc:  # ConfigError: bad S3 settings
+                out.write(worker_line("failed", reason=f"bad worker spec: {exc}"[:500]) + "\n")
+                out.flush()
+                return 1
+            first = first or spec
+            worker = Worker(spec, out, spec_wait_s=time.time() - idle, session=session)
+            control.begin(worker)
+            code = worker.run()
+            control.current = None
+            session = worker.session
+            if code != 0 or control.terminated or warm_key(spec) is None:
+                return code
+    finally:
+        if session is not None:
+            session.close()
 
 
 if __name__ == "__main__":

@@ -52,6 +52,9 @@ def add_scheduler_parser(services: argparse._SubParsersAction,
                              "equal to the tracker's --finish-timeout-s (default: 120)")
     parser.add_argument("--consolidation-wait-s", type=float, default=None,
                         help="how long after that a round waits for the previous round's models (default: 60)")
+    parser.add_argument("--round-overhead-factor", type=float, default=None,
+                        help="rounds are at least this times the measured start-up + consolidation overhead "
+                             "(0: off; default: 3)")
     parser.add_argument("--seed", type=int, default=None, help="seed passed to the policy, recorded per round")
     parser.add_argument("--group", default=None, help="consumer group id (default: hadar-scheduler)")
     add_store_args(parser)
@@ -71,6 +74,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     flags = {"policy": args.policy, "policy_options": options, "round_s": args.round_s,
              "heartbeat_s": args.heartbeat_s, "late_copy_s": args.late_copy_s,
              "consolidation_wait_s": args.consolidation_wait_s,
+             "round_overhead_factor": args.round_overhead_factor,
              "seed": args.seed, "group": args.group, "snapshot_every": args.snapshot_every,
              "snapshots_kept": args.snapshots_kept}
     return load_config(SchedulerConfig, flags=flags, env=os.environ, env_prefix=ENV_PREFIX, file=args.config)

@@ -52,6 +52,8 @@ class SchedulerConfig:
     ``late_copy_s`` and ``consolidation_wait_s``: the next round waits for the previous
     round's models until its deadline plus both (``shared.deadline``, the rule the tracker
     decides late rounds by with its ``finish_timeout_s``: keep ``late_copy_s`` equal to it).
+    ``round_overhead_factor``: a round is never shorter than this times the measured
+    start-up + consolidation overhead (:mod:`services.scheduler.round_length`; 0: off).
     ``group``: consumer group id (also the owner of its snapshots). ``source``: the events'
     ``source``. ``snapshot_every``: with an object store, write a state snapshot after every
     this many rounds (0: never); ``snapshots_kept``: how many of them to keep. An invalid
@@ -63,6 +65,7 @@ class SchedulerConfig:
     heartbeat_s: float = 5.0
     late_copy_s: float = LATE_COPY_S
     consolidation_wait_s: float = CONSOLIDATION_WAIT_S
+    round_overhead_factor: float = 3.0
     seed: int = 0
     group: str = "hadar-scheduler"
     source: str = "scheduler"
@@ -78,7 +81,7 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise FieldError(name, f"must be a finite number > 0, got {value}")
-        for name in ("late_copy_s", "consolidation_wait_s"):
+        for name in ("late_copy_s", "consolidation_wait_s", "round_overhead_factor"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise FieldError(name, f"must be a finite number >= 0, got {value}")

@@ -24,6 +24,10 @@ Guarantees:
   ``late_copy_s`` plus ``consolidation_wait_s`` has passed (``shared.deadline``, the rule
   the tracker decides a late round by), so it never plans past a round the tracker may
   still decide.
+* A round is never shorter than ``round_overhead_factor`` x the measured start-up +
+  consolidation overhead of recent rounds (:mod:`services.scheduler.round_length`), so a
+  slow start cannot leave rounds without progress; a stretched round is logged
+  (``round.stretched``) and records its length in its RoundStarted.
 * A node not heard from for 3 heartbeat periods leaves the cluster at the next round; a
   cancelled job is dropped at the next round boundary.
 """
@@ -39,6 +43,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from services.scheduler.config import DecisionSettings, SchedulerConfig
 from services.scheduler.policy import Plan, Policy, Snapshot
 from services.scheduler.rerun import LoggedEvent, rerun
+from services.scheduler.round_length import RoundCosts, copy_startup_s, stretched_round_s
 from services.scheduler.rounds import RoundTiming, build_snapshot, plan_to_events
 from services.scheduler.snapshot import SERVICE, capture, input_offsets, restore
 from services.scheduler.state import SchedulerState
@@ -48,7 +53,7 @@ from shared.bus import Bus, BusError, Delivery
 from shared.clock import Clock, SystemClock
 from shared.deadline import next_round_gives_up_at
 from shared.errors import HadarError
-from shared.events import DeadLetter, Event
+from shared.events import DeadLetter, Event, Progress
 from shared.logging import get_logger
 from shared.rejection import Rejected, dead_letter_delivery
 from shared.snapshot import SnapshotCorrupt, SnapshotStore, dump
@@ -93,6 +98,8 @@ class SchedulerService:
         self.state = SchedulerState()
         self.previous: Plan | None = None
         self.next_round = 0
+        self.costs = RoundCosts()
+        self._round_s = self.settings.round_s   # the length of the last round planned
         self._folded: dict[str, int] = {}
         self._placed: dict[int, int] = {}   # placements partition -> next offset after our rounds
         self.snapshots = (SnapshotStore(store, owner=self.config.group, service=SERVICE,
@@ -293,6 +300,16 @@ class SchedulerService:
             return
         if applied:
             self._m_in.labels(type=event.TYPE).inc()
+            if isinstance(event, Progress):
+                self._measure_startup(event)
+
+    def _measure_startup(self, e: Progress) -> None:
+        record, job = self.state.rounds.get(e.round), self.state.jobs.get(e.job_id)
+        if record is None or job is None:
+            return
+        self.costs.startup(e.round, e.job_id, e.copy, copy_startup_s(
+            ts=e.ts, started_at=record.started.started_at, steps_round=e.steps_round,
+            samples_per_s=e.samples_per_s, batch_size=job.spec.batch_size, workers=e.workers))
 
     # ------------------------------------------------------------------ rounds
 
@@ -330,6 +347,9 @@ class SchedulerService:
                                         self.wait_left(previous_round, now=self.clock.time())):
                 self._log.warning("round.consolidation_timeout", round=previous_round,
                                   jobs=self.state.awaiting_consolidation(previous_round))
+            ended = self.state.rounds.get(previous_round)
+            if ended is not None and ended.assignments:
+                self.costs.consolidation(previous_round, self.clock.time() - ended.started.ends_at)
             if not self.state.active_jobs():
                 self.telemetry.went_idle()
                 await self._wait_for(lambda: bool(self.state.active_jobs()), 1.0)
@@ -349,7 +369,7 @@ class SchedulerService:
                 continue
             failures = 0
             self._last_error = None
-            next_start = self.clock.time() + self.settings.round_s
+            next_start = self.clock.time() + self._round_s
 
     async def plan_round(self) -> None:
         """Plan and publish round ``next_round`` now; raise :class:`RoundFailed` if it cannot.
@@ -362,8 +382,14 @@ class SchedulerService:
         under the same number).
         """
         settings = self.settings
+        stretch = stretched_round_s(settings.round_s, self.costs.overheads(), self.config.round_overhead_factor)
+        if stretch.stretched:
+            self._log.warning("round.stretched", round=self.next_round, round_s=round(stretch.round_s, 3),
+                              configured_s=stretch.configured_s, overhead_s=round(stretch.overhead_s or 0.0, 3),
+                              factor=self.config.round_overhead_factor,
+                              note="start-up + consolidation would leave too little of the round for training")
         async with self._fold_lock:
-            timing = RoundTiming(round=self.next_round, started_at=self.clock.time(), round_s=settings.round_s,
+            timing = RoundTiming(round=self.next_round, started_at=self.clock.time(), round_s=stretch.round_s,
                                  heartbeat_s=settings.heartbeat_s)
             inputs = dict(self._folded)
             snapshot = build_snapshot(self.state, timing, self.previous, settings.seed)
@@ -389,6 +415,7 @@ class SchedulerService:
             if published:
                 self.previous = plan
                 self.next_round += 1
+                self._round_s = timing.round_s
         self._m_rounds.inc()
         self._m_decision.observe(seconds)
         self._m_queue.set(len(plan.waiting))

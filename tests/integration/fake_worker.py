@@ -1,10 +1,13 @@
 """A stand-in for ``python -m services.agent.worker`` that speaks the worker protocol without torch.
 
-Reads one WorkerSpec (JSON) from stdin, reports ``started``, "trains" one step every
-``STEP_S`` seconds (reporting ``progress`` every ``progress_s``) until the step budget, the
-deadline or SIGTERM, then reports ``finished`` (``ok``/``preempted``) with the spec's
-checkpoint key; it writes no checkpoint. A spec whose model is ``crash`` exits with code 3
-without reporting. Starts in tens of milliseconds, so agent tests can run many copies.
+Reads WorkerSpecs (JSON lines) from stdin until it closes; for each, reports ``started``,
+"trains" one step every ``STEP_S`` seconds (reporting ``progress`` every ``progress_s``)
+until the step budget, the deadline, a stop line for its copy or SIGTERM, then reports
+``finished`` (``ok``/``preempted``) with the spec's checkpoint key; it writes no
+checkpoint. Like the real worker it stays for the next spec of a single-rank copy and
+exits after SIGTERM or a copy with a rendezvous. A spec whose model is ``crash`` exits
+with code 3 without reporting. Starts in tens of milliseconds, so agent tests can run
+many copies.
 
 Run through an executable wrapper (see ``fake_python`` in the tests): the daemon starts it
 as ``PYTHON -m services.agent.worker`` and the wrapper ignores those arguments.
@@ -13,18 +16,37 @@ as ``PYTHON -m services.agent.worker`` and the wrapper ignores those arguments.
 from __future__ import annotations
 
 import json
+import queue
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
 STEP_S = 0.01
 stop = False
+terminated = False
+current: tuple[str, int, int] | None = None
+stopped: set[tuple[str, int, int]] = set()
+specs: queue.Queue[str | None] = queue.Queue()
 
 
 def on_term(*_: Any) -> None:
+    global stop, terminated
+    stop = terminated = True
+
+
+def read_control() -> None:
     global stop
-    stop = True
+    for line in sys.stdin:
+        data = json.loads(line) if line.strip() else None
+        if isinstance(data, dict) and "stop" in data:
+            stopped.add(tuple(data["stop"]))
+            if tuple(data["stop"]) == current:
+                stop = True
+        elif data is not None:
+            specs.put(line)
+    specs.put(None)
 
 
 def emit(kind: str, **fields: Any) -> None:
@@ -33,11 +55,26 @@ def emit(kind: str, **fields: Any) -> None:
 
 
 def main() -> int:
+    global current, stop
     signal.signal(signal.SIGTERM, on_term)
-    text = sys.stdin.read()
-    if not text.strip():
-        return 0
-    spec = json.loads(text)
+    threading.Thread(target=read_control, daemon=True).start()
+    while not terminated:
+        try:
+            text = specs.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if text is None:
+            return 0
+        spec = json.loads(text)
+        current = (spec["job_id"], spec["round"], spec["copy"])
+        stop = terminated or current in stopped
+        code = run(spec)
+        if code != 0 or terminated or spec["rendezvous"] is not None or spec["world_size"] != 1:
+            return code
+    return 0
+
+
+def run(spec: dict[str, Any]) -> int:
     if spec["model"] == "crash":
         return 3
     emit("started", steps_round=0, steps_total=0, pid=0, setup_s=0.0, spec_wait_s=0.0)
