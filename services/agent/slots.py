@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from services.agent.spec import WorkerSpec
+from shared.errors import HadarError
 
 __all__ = ["WarmKey", "Slot", "SlotBusy", "Decision", "warm_key", "on_assign", "on_done", "EMPTY"]
 
@@ -37,8 +38,8 @@ State = Literal["empty", "idle", "busy"]
 Action = Literal["spawn", "reuse", "respawn"]
 
 
-class SlotBusy(RuntimeError):
-    """A spec was assigned to a slot whose worker still runs one."""
+class SlotBusy(HadarError):
+    """A spec was assigned to a slot whose worker still runs one (a bug in the caller: not retriable)."""
 
 
 @dataclass(frozen=True, kw_only=True)
