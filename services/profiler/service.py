@@ -2,9 +2,12 @@
 
 * On JobSubmitted: the job's steps/s on every catalog GPU type (``estimator``, by default
   :func:`services.profiler.estimate.catalog_rates`, run off the event loop) published as
-  ThroughputEstimate with ``basis="estimate"`` and ``workers`` = the job's W. A job whose
+  ThroughputEstimate with ``basis="estimate"`` and ``workers`` = the job's W, with the
+  job's checkpoint size (``model_bytes``, ``optimizer_slots``:
+  :func:`~services.profiler.estimate.checkpoint_size`, 0 bytes if unknown), which the
+  live HadarE charges for consolidating forked copies. A job whose
   model has no figures gets no estimate (logged, counted); the scheduler then relies on
-  its own table or on measurements.
+  its own table or on measurements. Measurements state no size (``model_bytes`` 0).
 * On Progress: :class:`~services.profiler.state.ProfilerState` decides; a moved rate is
   published with ``basis="measured"`` (the scheduler prefers measured values). Progress
   from emulated agents is counted under ``emulated="true"`` in the metrics, and a rate
@@ -29,12 +32,13 @@ from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry, Counter
 
-from services.profiler.estimate import catalog_rates, emulated_rates
+from services.profiler.estimate import catalog_rates, checkpoint_size, emulated_rates
 from services.profiler.snapshot import SERVICE, capture, restore
 from services.profiler.state import DEFAULT_ALPHA, DEFAULT_THRESHOLD, ProfilerState
 from shared.bus import Bus, BusError, Delivery
 from shared.clock import Clock, SystemClock
 from shared.dispatch import HandlerTable
+from shared.fork_cost import DEFAULT_OPTIMIZER_SLOTS, MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS
 from shared.events import (
     CopyFinished, Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated, Progress,
     RoundAbandoned, ThroughputEstimate,
@@ -198,6 +202,7 @@ class ProfilerService:
         log = self._log.bind(job=spec.job_id)
         try:
             rates = await asyncio.to_thread(self.estimator, spec)
+            model_bytes, slots = await asyncio.to_thread(_size_or_unknown, spec)
         except ValueError as exc:
             self._m_no_figures.inc()
             self.state.mark_estimated(spec.job_id)
@@ -205,7 +210,8 @@ class ProfilerService:
             return
         await self._publish(ThroughputEstimate(ts=self.clock.time(), source=self.config.source,
                                                job_id=spec.job_id, basis="estimate", workers=spec.workers,
-                                               rates=rates), emulated=False)
+                                               rates=rates, model_bytes=model_bytes, optimizer_slots=slots),
+                            emulated=False)
         self.state.mark_estimated(spec.job_id)
         log.info("estimate.published", workers=spec.workers, gpu_types=len(rates))
 
@@ -287,3 +293,15 @@ class ProfilerService:
         JobSubmitted: _on_submitted, Progress: _measure,
         JobCompleted: _on_finished, JobCancelled: _on_finished,
     }, topics=INPUT_TOPICS, ignore=(CopyFinished, ModelConsolidated, RoundAbandoned))
+
+
+def _size_or_unknown(spec: JobSpec) -> tuple[int, int]:
+    """The job's checkpoint size, or 0 bytes (charged nothing) for a model without figures
+    whose rates a custom estimator still gave, or one beyond the event's bounds."""
+    try:
+        model_bytes, slots = checkpoint_size(spec)
+    except ValueError:
+        return 0, DEFAULT_OPTIMIZER_SLOTS
+    if not (0 <= model_bytes <= MAX_MODEL_BYTES and 0 <= slots <= MAX_OPTIMIZER_SLOTS):
+        return 0, DEFAULT_OPTIMIZER_SLOTS
+    return model_bytes, slots
