@@ -4,7 +4,8 @@
   :func:`services.profiler.estimate.catalog_rates`, run off the event loop) published as
   ThroughputEstimate with ``basis="estimate"`` and ``workers`` = the job's W, with the
   job's checkpoint size (``model_bytes``, ``optimizer_slots``:
-  :func:`~services.profiler.estimate.checkpoint_size`, 0 bytes if unknown), which the
+  ``sizer``, by default :func:`~services.profiler.estimate.checkpoint_size`; 0 bytes if
+  unknown), which the
   live HadarE charges for consolidating forked copies. A job whose
   model has no figures gets no estimate (logged, counted); the scheduler then relies on
   its own table or on measurements. Measurements state no size (``model_bytes`` 0).
@@ -51,9 +52,10 @@ from shared.snapshot import SnapshotStore, dump
 from shared.store import ObjectStore
 from shared.topics import DEADLETTER, JOBS, MODELS, PROGRESS, THROUGHPUT
 
-__all__ = ["ProfilerConfig", "ProfilerService", "Estimator"]
+__all__ = ["ProfilerConfig", "ProfilerService", "Estimator", "Sizer"]
 
 Estimator = Callable[[JobSpec], dict[str, float]]
+Sizer = Callable[[JobSpec], tuple[int, int]]   # (model_bytes, optimizer_slots); ValueError: unknown
 INPUT_TOPICS: tuple[str, ...] = (JOBS, PROGRESS, MODELS)
 RECOVERY_TOPICS: tuple[str, ...] = (THROUGHPUT, JOBS)   # read at start-up: its own estimates, the jobs
 MAX_WORKERS = 64  # ThroughputEstimate.workers range
@@ -94,12 +96,13 @@ class ProfilerService:
 
     def __init__(self, *, bus: Bus, config: ProfilerConfig | None = None, clock: Clock | None = None,
                  registry: CollectorRegistry | None = None, estimator: Estimator = catalog_rates,
-                 store: ObjectStore | None = None) -> None:
+                 store: ObjectStore | None = None, sizer: Sizer = checkpoint_size) -> None:
         self.bus = bus
         self.config = config or ProfilerConfig()
         self.clock = clock or SystemClock()
         self.registry = registry or CollectorRegistry()
         self.estimator = estimator
+        self.sizer = sizer
         self.state = ProfilerState(alpha=self.config.alpha, threshold=self.config.threshold)
         self._log = get_logger(service=self.name)
         self._consumer: asyncio.Task[None] | None = None
@@ -202,7 +205,7 @@ class ProfilerService:
         log = self._log.bind(job=spec.job_id)
         try:
             rates = await asyncio.to_thread(self.estimator, spec)
-            model_bytes, slots = await asyncio.to_thread(_size_or_unknown, spec)
+            model_bytes, slots = await asyncio.to_thread(_size_or_unknown, self.sizer, spec)
         except ValueError as exc:
             self._m_no_figures.inc()
             self.state.mark_estimated(spec.job_id)
@@ -295,11 +298,11 @@ class ProfilerService:
     }, topics=INPUT_TOPICS, ignore=(CopyFinished, ModelConsolidated, RoundAbandoned))
 
 
-def _size_or_unknown(spec: JobSpec) -> tuple[int, int]:
+def _size_or_unknown(sizer: Sizer, spec: JobSpec) -> tuple[int, int]:
     """The job's checkpoint size, or 0 bytes (charged nothing) for a model without figures
     whose rates a custom estimator still gave, or one beyond the event's bounds."""
     try:
-        model_bytes, slots = checkpoint_size(spec)
+        model_bytes, slots = sizer(spec)
     except ValueError:
         return 0, DEFAULT_OPTIMIZER_SLOTS
     if not (0 <= model_bytes <= MAX_MODEL_BYTES and 0 <= slots <= MAX_OPTIMIZER_SLOTS):
