@@ -33,6 +33,7 @@ import numpy as np  # noqa: E402
 from services.scheduler.cluster import Cluster, Node  # noqa: E402
 from services.scheduler.policies import make_policy  # noqa: E402
 from services.scheduler.policy import JobState, Snapshot, check_plan  # noqa: E402
+from services.scheduler.simulator import default_model_bytes  # noqa: E402
 from services.scheduler.throughput import ThroughputModel  # noqa: E402
 
 GPU_TYPES = ("k80", "p100", "v100")
@@ -55,7 +56,7 @@ def gavel_jobs(n: int, throughput: ThroughputModel, rng: np.random.Generator) ->
             duration = 60 * 10 ** rng.uniform(3, 4)
         steps = max(1, int(duration * throughput.rate(job_type, "v100", scale)))
         jobs.append(JobState(job_id=f"job{i:05d}", job_type=job_type, workers=scale, total_steps=steps,
-                             arrival_s=float(rng.uniform(0, 3600))))
+                             arrival_s=float(rng.uniform(0, 3600)), model_bytes=default_model_bytes(job_type)))
     return tuple(jobs)
 
 

@@ -50,7 +50,8 @@ async def feed(bus: MemoryBus, args: argparse.Namespace, now: float) -> None:
         await bus.emit(JobSubmitted(ts=now, source="bench", job=spec, submitted_at=now - job.arrival_s))
         rates = {t: table.rate(job.job_type, t, job.workers) for t in ("k80", "p100", "v100")}
         await bus.emit(ThroughputEstimate(ts=now, source="bench", job_id=job.job_id, basis="estimate",
-                                          workers=job.workers, rates={t: r for t, r in rates.items() if r > 0}))
+                                          workers=job.workers, rates={t: r for t, r in rates.items() if r > 0},
+                                          model_bytes=job.model_bytes))
 
 
 def poll(url: str, stop, out) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from shared.events import DEADLETTER_RAW_LIMIT, EVENT_TYPES, Event
+from shared.fork_cost import MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS
 from shared.records import JOB_ID_RE, NODE_ID_RE, Record, to_wire
 from shared.topics import TOPIC_OF_TYPE
 
@@ -65,6 +66,8 @@ CONSTRAINTS: dict[tuple[str, str], dict[str, Any]] = {
     ("ThroughputEstimate", "job_id"): _JOB_ID,
     ("ThroughputEstimate", "workers"): {"minimum": 1, "maximum": 64},
     ("ThroughputEstimate", "rates"): {"additionalProperties": {"type": "number", "minimum": 0}},
+    ("ThroughputEstimate", "model_bytes"): {"minimum": 0, "maximum": MAX_MODEL_BYTES},
+    ("ThroughputEstimate", "optimizer_slots"): {"minimum": 0, "maximum": MAX_OPTIMIZER_SLOTS},
     ("RoundStarted", "round"): _NONNEG,
     ("RoundStarted", "policy_options"): {"maxLength": 4096, "pattern": "^\\{"},
     ("RoundStarted", "seed"): _NONNEG,

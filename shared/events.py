@@ -39,6 +39,7 @@ from typing import Any, ClassVar, Literal, NoReturn, cast
 import msgpack
 
 from shared.bounded_msgpack import COST_PER_BYTE, UNCHARGED_MAX, TooCostly, unpack
+from shared.fork_cost import DEFAULT_OPTIMIZER_SLOTS, MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS
 from shared.record_codec import codec
 from shared.records import (
     JOB_ID_RE, NODE_ID_RE, CopyWeight, GpuInfo, Hyperparameters, InvalidEvent, JobSpec, Record, Rejection,
@@ -132,18 +133,27 @@ class NodeHeartbeat(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class ThroughputEstimate(Event):
-    """Whole-job steps/s on ``workers`` GPUs of each type in ``rates``."""
+    """Whole-job steps/s on ``workers`` GPUs of each type in ``rates``.
+
+    ``model_bytes``: the job's FP32 weights in bytes and ``optimizer_slots`` the state
+    tensors per parameter its optimizer keeps (``shared.fork_cost``), what HadarE charges
+    for consolidating forked copies; ``model_bytes`` 0 states no size (a measurement, or a
+    record written before sizes were carried), and the scheduler keeps the last size stated."""
 
     TYPE: ClassVar[str] = "ThroughputEstimate"
     job_id: str
     basis: Literal["estimate", "measured"]
     workers: int
     rates: dict[str, float]
+    model_bytes: int = 0
+    optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS
 
     def _check(self) -> None:
         check_job_id(self.job_id, self.TYPE)
         require(1 <= self.workers <= 64, "ThroughputEstimate.workers: must be in 1..64")
         require(all(r >= 0 for r in self.rates.values()), "ThroughputEstimate.rates: must be >= 0")
+        require(0 <= self.model_bytes <= MAX_MODEL_BYTES, "ThroughputEstimate.model_bytes: must be in 0..2^42")
+        require(0 <= self.optimizer_slots <= MAX_OPTIMIZER_SLOTS, "ThroughputEstimate.optimizer_slots: must be in 0..2")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,7 +18,7 @@ import math
 from shared import gpus, workloads, zoo
 from shared.events import JobSpec
 
-__all__ = ["catalog_rates", "emulated_rates", "job_figures_for"]
+__all__ = ["catalog_rates", "checkpoint_size", "emulated_rates", "job_figures_for"]
 
 
 def job_figures_for(spec: JobSpec) -> workloads.JobFigures:
@@ -30,6 +30,15 @@ def job_figures_for(spec: JobSpec) -> workloads.JobFigures:
             return workloads.figures_for(spec.job_type)
         except ValueError:
             raise ValueError(f"no figures for model {spec.model!r}: {zoo_error}"[:300]) from None
+
+
+def checkpoint_size(spec: JobSpec) -> tuple[int, int]:
+    """``(model_bytes, optimizer_slots)`` of ``spec``'s checkpoint, what HadarE charges for
+    consolidating its forked copies (``shared.fork_cost``): FP32 weights, 4 bytes per
+    parameter as ``shared.workloads.model_bytes`` counts them for the simulator, and the
+    optimizer's state tensors per parameter. ``ValueError`` as :func:`job_figures_for`."""
+    figures = job_figures_for(spec)
+    return figures.params * 4, figures.optimizer_slots
 
 
 def catalog_rates(spec: JobSpec) -> dict[str, float]:

@@ -2,9 +2,13 @@
 
 * On JobSubmitted: the job's steps/s on every catalog GPU type (``estimator``, by default
   :func:`services.profiler.estimate.catalog_rates`, run off the event loop) published as
-  ThroughputEstimate with ``basis="estimate"`` and ``workers`` = the job's W. A job whose
+  ThroughputEstimate with ``basis="estimate"`` and ``workers`` = the job's W, with the
+  job's checkpoint size (``model_bytes``, ``optimizer_slots``:
+  ``sizer``, by default :func:`~services.profiler.estimate.checkpoint_size`; 0 bytes if
+  unknown), which the
+  live HadarE charges for consolidating forked copies. A job whose
   model has no figures gets no estimate (logged, counted); the scheduler then relies on
-  its own table or on measurements.
+  its own table or on measurements. Measurements state no size (``model_bytes`` 0).
 * On Progress: :class:`~services.profiler.state.ProfilerState` decides; a moved rate is
   published with ``basis="measured"`` (the scheduler prefers measured values). Progress
   from emulated agents is counted under ``emulated="true"`` in the metrics, and a rate
@@ -29,12 +33,13 @@ from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry, Counter
 
-from services.profiler.estimate import catalog_rates, emulated_rates
+from services.profiler.estimate import catalog_rates, checkpoint_size, emulated_rates
 from services.profiler.snapshot import SERVICE, capture, restore
 from services.profiler.state import DEFAULT_ALPHA, DEFAULT_THRESHOLD, ProfilerState
 from shared.bus import Bus, BusError, Delivery
 from shared.clock import Clock, SystemClock
 from shared.dispatch import HandlerTable
+from shared.fork_cost import DEFAULT_OPTIMIZER_SLOTS, MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS
 from shared.events import (
     CopyFinished, Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated, Progress,
     RoundAbandoned, ThroughputEstimate,
@@ -47,9 +52,10 @@ from shared.snapshot import SnapshotStore, dump
 from shared.store import ObjectStore
 from shared.topics import DEADLETTER, JOBS, MODELS, PROGRESS, THROUGHPUT
 
-__all__ = ["ProfilerConfig", "ProfilerService", "Estimator"]
+__all__ = ["ProfilerConfig", "ProfilerService", "Estimator", "Sizer"]
 
 Estimator = Callable[[JobSpec], dict[str, float]]
+Sizer = Callable[[JobSpec], tuple[int, int]]   # (model_bytes, optimizer_slots); ValueError: unknown
 INPUT_TOPICS: tuple[str, ...] = (JOBS, PROGRESS, MODELS)
 RECOVERY_TOPICS: tuple[str, ...] = (THROUGHPUT, JOBS)   # read at start-up: its own estimates, the jobs
 MAX_WORKERS = 64  # ThroughputEstimate.workers range
@@ -90,12 +96,13 @@ class ProfilerService:
 
     def __init__(self, *, bus: Bus, config: ProfilerConfig | None = None, clock: Clock | None = None,
                  registry: CollectorRegistry | None = None, estimator: Estimator = catalog_rates,
-                 store: ObjectStore | None = None) -> None:
+                 store: ObjectStore | None = None, sizer: Sizer = checkpoint_size) -> None:
         self.bus = bus
         self.config = config or ProfilerConfig()
         self.clock = clock or SystemClock()
         self.registry = registry or CollectorRegistry()
         self.estimator = estimator
+        self.sizer = sizer
         self.state = ProfilerState(alpha=self.config.alpha, threshold=self.config.threshold)
         self._log = get_logger(service=self.name)
         self._consumer: asyncio.Task[None] | None = None
@@ -198,6 +205,7 @@ class ProfilerService:
         log = self._log.bind(job=spec.job_id)
         try:
             rates = await asyncio.to_thread(self.estimator, spec)
+            model_bytes, slots = await asyncio.to_thread(_size_or_unknown, self.sizer, spec)
         except ValueError as exc:
             self._m_no_figures.inc()
             self.state.mark_estimated(spec.job_id)
@@ -205,7 +213,8 @@ class ProfilerService:
             return
         await self._publish(ThroughputEstimate(ts=self.clock.time(), source=self.config.source,
                                                job_id=spec.job_id, basis="estimate", workers=spec.workers,
-                                               rates=rates), emulated=False)
+                                               rates=rates, model_bytes=model_bytes, optimizer_slots=slots),
+                            emulated=False)
         self.state.mark_estimated(spec.job_id)
         log.info("estimate.published", workers=spec.workers, gpu_types=len(rates))
 
@@ -287,3 +296,15 @@ class ProfilerService:
         JobSubmitted: _on_submitted, Progress: _measure,
         JobCompleted: _on_finished, JobCancelled: _on_finished,
     }, topics=INPUT_TOPICS, ignore=(CopyFinished, ModelConsolidated, RoundAbandoned))
+
+
+def _size_or_unknown(sizer: Sizer, spec: JobSpec) -> tuple[int, int]:
+    """The job's checkpoint size, or 0 bytes (charged nothing) for a model without figures
+    whose rates a custom estimator still gave, or one beyond the event's bounds."""
+    try:
+        model_bytes, slots = sizer(spec)
+    except ValueError:
+        return 0, DEFAULT_OPTIMIZER_SLOTS
+    if not (0 <= model_bytes <= MAX_MODEL_BYTES and 0 <= slots <= MAX_OPTIMIZER_SLOTS):
+        return 0, DEFAULT_OPTIMIZER_SLOTS
+    return model_bytes, slots

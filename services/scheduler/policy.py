@@ -38,6 +38,12 @@ class JobState:
     arrival_s: float = 0.0
     priority: float = 1.0
     attained_gpu_s: float = 0.0  # GPU-seconds of service received so far (Tiresias)
+    # The job's checkpoint, what consolidating forked copies moves (shared.fork_cost): FP32
+    # weights in bytes (0: unknown, charged nothing) and optimizer state tensors per parameter
+    # (None: the policy's own default). Live: stated by the profiler; simulated: the trace's
+    # workload (shared.workloads.model_bytes).
+    model_bytes: int = 0
+    optimizer_slots: int | None = None
 
     @property
     def remaining(self) -> float:

@@ -62,18 +62,27 @@ def throughput_from_state(state: SchedulerState) -> ThroughputModel:
 
 def build_snapshot(state: SchedulerState, timing: RoundTiming, previous: Plan | None, seed: int,
                    nodes: tuple[str, ...] | None = None) -> Snapshot:
-    """The policy's input for the round ``timing`` describes (``nodes``: see cluster_from_state)."""
+    """The policy's input for the round ``timing`` describes (``nodes``: see cluster_from_state).
+
+    A job's ``model_bytes``/``optimizer_slots`` are the last size its estimates stated
+    (0 and None while none has: charged nothing, as the simulator charges a workload it
+    does not know)."""
     jobs = tuple(
         JobState(
             job_id=j.spec.job_id, job_type=j.spec.job_id, workers=j.spec.workers,
             total_steps=j.spec.iterations, steps_done=float(j.steps_done), arrival_s=j.submitted_at,
             priority=j.spec.priority, attained_gpu_s=j.attained_gpu_s,
+            **_size(state.sizes.get(j.spec.job_id)),
         )
         for j in state.active_jobs()
     )
     return Snapshot(round=timing.round, now_s=timing.started_at, round_s=timing.round_s,
                     cluster=cluster_from_state(state, timing, nodes), jobs=jobs,
                     throughput=throughput_from_state(state), previous=previous, seed=seed)
+
+
+def _size(size: tuple[int, int] | None) -> dict[str, int]:
+    return {} if size is None else {"model_bytes": size[0], "optimizer_slots": size[1]}
 
 
 def _workers(parts: list[Placement]) -> int:

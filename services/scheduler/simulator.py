@@ -10,8 +10,9 @@ Semantics (exact; metrics.py and the tests rely on them):
   positive rate at any worker count 1..W, so no placement of any policy can move it.
 * Each simulated round builds a ``Snapshot`` (the policy's previous ``Plan``, the seed, and
   one ``JobState`` per active job in arrival order, with steps done and attained
-  GPU-seconds; the simulator itself keeps each job's ``model_bytes`` from
-  ``shared.workloads.model_bytes``, 0 for a type it does not know), times
+  GPU-seconds, and ``model_bytes``: the simulator keeps each job's from
+  ``shared.workloads.model_bytes``, 0 for a type it does not know, and hands it to the
+  policy as the live scheduler hands it the profiler's), times
   ``policy.plan`` with ``time.perf_counter`` -- the one clock read here, reported only --
   and, with ``check=True``, validates the plan with ``policy.check_plan``.
 * Work is counted in samples (``shared.progress``, docs/architecture.md "Work
@@ -160,7 +161,7 @@ class _LiveJob:
             self._state = JobState(
                 job_id=t.job_id, job_type=t.job_type, workers=t.workers, total_steps=t.total_steps,
                 steps_done=self.steps_done, arrival_s=t.arrival_s, priority=t.priority,
-                attained_gpu_s=self.attained_gpu_s)
+                attained_gpu_s=self.attained_gpu_s, model_bytes=self.model_bytes)
         return self._state
 
     @property

@@ -79,6 +79,9 @@ def restore(snapshot: StateSnapshot) -> SchedulerSnapshot:
     key = body.previous_key
     if key is not None and not (isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, str) for k in key)):
         raise SnapshotCorrupt("malformed policy key")
+    # A snapshot written before sizes were folded: no job's size is known yet (the estimates
+    # before it are not replayed), so HadarE charges those jobs nothing, as it did then.
+    vars(body.state).setdefault("sizes", {})
     return body
 
 

@@ -14,7 +14,8 @@ A well-formed event is still checked against what the state knows, and refused w
   round's ``start_from`` at another object nor freeze a job's model with a far-future round.
 * JobCompleted: the key is the layout's ``final_key(job)``.
 * ThroughputEstimate: every rate is 0 ("cannot run there") or in [MIN_RATE, MAX_RATE]
-  steps/s; a rate of 5e-324 made Gavel's LP fail every round.
+  steps/s; a rate of 5e-324 made Gavel's LP fail every round. (Its model size is bounded
+  by the event itself; the last size stated, ``model_bytes > 0``, is the job's.)
 * A NodeRegistered with other devices than the node's current ones starts a new
   incarnation (counted); the old devices are gone.
 """
@@ -125,6 +126,9 @@ class SchedulerState:
         self.nodes: dict[str, NodeRecord] = {}
         # (job_id, gpu_type, workers) -> (basis, steps/s); a measured value is never replaced by an estimate
         self.rates: dict[tuple[str, str, int], tuple[str, float]] = {}
+        # job_id -> (model_bytes, optimizer_slots): the last size a ThroughputEstimate stated
+        # (HadarE's consolidation cost); like rates, it may come before the job and goes with it
+        self.sizes: dict[str, tuple[int, int]] = {}
         self.rounds: dict[int, RoundRecord] = {}
         self.last_round: int = -1
         self.events_applied = 0
@@ -181,6 +185,7 @@ class SchedulerState:
         job.live_steps = {}
         for key in [k for k in self.rates if k[0] == job.spec.job_id]:
             del self.rates[key]
+        self.sizes.pop(job.spec.job_id, None)
         self._finished_order.append(job.spec.job_id)
         while len(self._finished_order) > self._finished_kept:
             old = self._finished_order.popleft()
@@ -202,6 +207,8 @@ class SchedulerState:
 
     def _on_ThroughputEstimate(self, e: ThroughputEstimate) -> None:
         merge_rates(self.rates, e)
+        if e.model_bytes > 0:
+            self.sizes[e.job_id] = (e.model_bytes, e.optimizer_slots)
 
     def _on_RoundStarted(self, e: RoundStarted) -> None:
         if e.round <= self.last_round - self._rounds_kept:

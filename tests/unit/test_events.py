@@ -23,6 +23,7 @@ from shared.events import (
     GpuInfo, InvalidEvent, JobCancelled, JobSpec, JobSubmitted, NodeHeartbeat, NodeRegistered, Progress, Record,
     RoundStarted, decode, encode,
 )
+from shared.fork_cost import MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS
 
 INT64 = (-(2**63), 2**63 - 1)  # what msgpack can carry
 # Twelve types times ROUND_TRIP examples: kept small so the suite stays fast on 2 cores.
@@ -72,6 +73,8 @@ FIELDS: dict[tuple[str, str], st.SearchStrategy[Any]] = {
     ("GpuInfo", "type"): text(1, 32),
     ("ThroughputEstimate", "workers"): st.integers(1, 64),
     ("ThroughputEstimate", "rates"): st.dictionaries(text(), floats(0), max_size=4),
+    ("ThroughputEstimate", "model_bytes"): st.integers(0, MAX_MODEL_BYTES),
+    ("ThroughputEstimate", "optimizer_slots"): st.integers(0, MAX_OPTIMIZER_SLOTS),
     ("Assignment", "copy"): st.integers(0, 1023),
     ("Assignment", "step_budget"): non_negative,
     ("ModelConsolidated", "total_steps"): non_negative,

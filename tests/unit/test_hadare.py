@@ -14,6 +14,7 @@ from services.scheduler.policies import make_policy
 from services.scheduler.policies.hadar import Hadar
 from services.scheduler.policy import JobState, Snapshot, check_plan, copy_rate
 from services.scheduler.throughput import ThroughputModel
+from shared import workloads
 
 TP = ThroughputModel.from_gavel_table()
 RESNET = "ResNet-18 (batch size 64)"
@@ -180,12 +181,28 @@ def test_a_job_that_one_copy_finishes_is_not_forked_until_leftovers():
 def test_consolidation_cost_decides_how_many_copies():
     # A store so slow that consolidating 2 copies would eat the round: one copy is worth more.
     cluster = one_gpu_nodes("v100", "v100", "v100")
-    job = JobState(job_id="a", job_type=RESNET, workers=1, total_steps=10_000_000)
+    job = JobState(job_id="a", job_type=RESNET, workers=1, total_steps=10_000_000,
+                   model_bytes=workloads.model_bytes(RESNET))
     snap = snap_of(cluster, [job])
     fast = make_policy("hadare", store_gbps=100.0).plan(snap)
     slow = make_policy("hadare", store_gbps=1e-5).plan(snap)
     assert len(fast.placements) == 3
     assert [(p.job_id, p.copy) for p in slow.placements] == [("a", 0)]
+
+
+def test_a_jobs_own_optimizer_slots_override_the_policys_default():
+    # ResNet-18's 45 MB of weights at 2 MB/s: with no optimizer state two or three copies
+    # pay (consolidating 3 takes 164 s of the 360 s round); with Adam's two slots one does.
+    cluster = one_gpu_nodes("v100", "v100", "v100")
+    size = workloads.model_bytes(RESNET)
+
+    def copies(slots: int | None, **options) -> int:
+        job = JobState(job_id="a", job_type=RESNET, workers=1, total_steps=10_000_000, model_bytes=size,
+                       optimizer_slots=slots)
+        return len(make_policy("hadare", store_gbps=0.002, **options).plan(snap_of(cluster, [job])).placements)
+
+    assert copies(0) == 3 and copies(2) == 1
+    assert copies(None, optimizer_slots=0) == 3 and copies(None, optimizer_slots=2) == 1
 
 
 def test_fork_cost_is_n_uploads_n_downloads_one_write_with_optimizer_state():

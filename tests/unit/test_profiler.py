@@ -7,13 +7,13 @@ import time
 
 import pytest
 
-from services.profiler.estimate import catalog_rates, emulated_rates
+from services.profiler.estimate import catalog_rates, checkpoint_size, emulated_rates, job_figures_for
 from services.profiler.service import ProfilerConfig, ProfilerService
 from services.profiler.state import ProfilerState
-from shared import gpus
+from shared import gpus, workloads
 from shared.bus import MemoryBus
 from shared.clock import FakeClock
-from shared.events import JobSpec, JobSubmitted, Progress, ThroughputEstimate
+from shared.events import Hyperparameters, JobSpec, JobSubmitted, Progress, ThroughputEstimate
 from shared.topics import THROUGHPUT
 
 T0 = 1_700_000_000.0
@@ -123,15 +123,15 @@ async def test_service_publishes_estimates_then_measurements_and_survives_a_rest
         return {"v100": 12.5, "k80": 2.0}
 
     service = ProfilerService(bus=bus, config=ProfilerConfig(group="prof"), clock=FakeClock(T0),
-                              estimator=estimator)
+                              estimator=estimator, sizer=lambda spec: (1000, 2))
     await service.start()
     try:
         await bus.emit(JobSubmitted(ts=T0, source="cli", job=SPEC, submitted_at=T0))
         await bus.emit(progress(T0 + 1, 0, emulated=True))
         await bus.emit(progress(T0 + 11, 80, emulated=True))
         found = await _estimates(bus, lambda es: len(es) >= 3)
-        assert [(e.basis, e.workers, e.rates) for e in found[:2]] == [
-            ("estimate", 2, {"v100": 12.5, "k80": 2.0}), ("measured", 2, {"v100": pytest.approx(8.0)})]
+        assert [(e.basis, e.workers, e.rates, e.model_bytes) for e in found[:2]] == [
+            ("estimate", 2, {"v100": 12.5, "k80": 2.0}, 1000), ("measured", 2, {"v100": pytest.approx(8.0)}, 0)]
         # Measured on an emulated V100: every other type re-estimated by the emulation's slowdowns.
         derived = found[2]
         assert derived.basis == "estimate" and "v100" not in derived.rates
@@ -176,6 +176,58 @@ async def test_service_counts_a_job_it_cannot_estimate() -> None:
     finally:
         await service.stop()
         await bus.stop()
+
+
+async def test_service_publishes_the_checkpoint_size_with_the_estimate() -> None:
+    # The live HadarE charges consolidation by the job's checkpoint: the profiler states it.
+    bus = MemoryBus(clock=FakeClock(T0))
+    await bus.start()
+    adam = JobSpec(job_id="j2", user="u", model="resnet", dataset="digits", batch_size=32, workers=1,
+                   iterations=10, hyper=Hyperparameters(optimizer="adam"))
+    service = ProfilerService(bus=bus, config=ProfilerConfig(group="prof"), clock=FakeClock(T0),
+                              estimator=lambda spec: {"v100": 3.0})
+    await service.start()
+    try:
+        await bus.emit(JobSubmitted(ts=T0, source="cli", job=adam, submitted_at=T0))
+        await bus.emit(progress(T0 + 1, 0, job="j2", workers=1))
+        await bus.emit(progress(T0 + 11, 40, job="j2", workers=1))
+        # the default sizer counts the zoo model's figures (seconds on a loaded machine)
+        found = await _estimates(bus, lambda es: len(es) >= 2, timeout_s=60.0)
+        figures = job_figures_for(adam)
+        assert checkpoint_size(adam) == (figures.params * 4, 2)
+        assert [(e.basis, e.model_bytes, e.optimizer_slots) for e in found[:2]] == [
+            ("estimate", figures.params * 4, 2), ("measured", 0, 1)]   # a measurement states no size
+    finally:
+        await service.stop()
+        await bus.stop()
+
+
+@pytest.mark.parametrize("size", [ValueError("no figures"), (2**50, 1), (10, 7), (-1, 1)])
+async def test_an_unknown_or_implausible_size_is_published_as_none(size) -> None:
+    bus = MemoryBus(clock=FakeClock(T0))
+    await bus.start()
+
+    def sizer(spec: JobSpec) -> tuple[int, int]:
+        if isinstance(size, Exception):
+            raise size
+        return size
+
+    service = ProfilerService(bus=bus, config=ProfilerConfig(group="prof"), clock=FakeClock(T0),
+                              estimator=lambda spec: {"v100": 3.0}, sizer=sizer)
+    await service.start()
+    try:
+        await bus.emit(JobSubmitted(ts=T0, source="cli", job=SPEC, submitted_at=T0))
+        found = await _estimates(bus, lambda es: len(es) >= 1)
+        assert [(e.rates, e.model_bytes) for e in found] == [({"v100": 3.0}, 0)]
+    finally:
+        await service.stop()
+        await bus.stop()
+
+
+def test_checkpoint_size_of_a_table_workload_is_the_simulators():
+    spec = JobSpec(job_id="j", user="u", model="ResNet-50", dataset="imagenet", batch_size=32, workers=1,
+                   iterations=10)
+    assert checkpoint_size(spec) == (workloads.model_bytes(spec.job_type), 1)
 
 
 def test_a_rate_measured_on_an_emulated_gpu_re_estimates_every_other_type():

@@ -5,8 +5,10 @@ s = ``rate(job, type, k)``; it is credited c = s x k / W_j job steps per second
 (``shared.progress``). Copies add their credited rates; a job with n > 1 copies trains
 only ``round_s - cons(n)`` seconds of the round, ``cons`` being what consolidating them
 costs the live system (``shared.fork_cost.consolidation_s``: n uploads, n downloads and one
-write of weights + optimizer state through ``store_gbps``; model sizes from
-``shared.workloads``, 0 for a job type it does not know). So a set C of copies makes
+write of weights + optimizer state through ``store_gbps``; the job's ``JobState.model_bytes``
+and ``optimizer_slots`` -- stated by the profiler live, taken from the workload in the
+simulator, so both charge the same -- with the policy's ``optimizer_slots`` where the job
+states none; a job of unknown size, 0 bytes, is charged nothing). So a set C of copies makes
 
     steps(C) = min(R_j, sum_{c in C} c x (round_s - cons(|C|)))
 
@@ -56,7 +58,6 @@ from dataclasses import dataclass, field
 
 from services.scheduler.policies.hadare_split import type_split
 from services.scheduler.policy import JobState, Placement, Plan, Snapshot, Wait, WaitCode
-from shared import workloads
 from shared.fork_cost import DEFAULT_OPTIMIZER_SLOTS, DEFAULT_STORE_GBPS, consolidation_s
 from shared.progress import credited_steps
 
@@ -73,28 +74,21 @@ class CopyCost:
     store_gbps: float = DEFAULT_STORE_GBPS
     optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS
 
-    def seconds(self, model_bytes: int, copies: int) -> float:
-        return consolidation_s(model_bytes, copies, store_gbps=self.store_gbps,
-                               optimizer_slots=self.optimizer_slots)
-
-
-def model_bytes_of(job_type: str) -> int:
-    """``shared.workloads.model_bytes``, or 0 for a job type it does not know (live job ids)."""
-    try:
-        return workloads.model_bytes(job_type)
-    except ValueError:
-        return 0
+    def seconds(self, model_bytes: int, copies: int, optimizer_slots: int | None = None) -> float:
+        """Consolidating ``copies`` copies of a ``model_bytes`` model; ``optimizer_slots``
+        None: this cost's own."""
+        slots = self.optimizer_slots if optimizer_slots is None else optimizer_slots
+        return consolidation_s(model_bytes, copies, store_gbps=self.store_gbps, optimizer_slots=slots)
 
 
 @dataclass(kw_only=True)
 class _Job:
     job: JobState
-    size: int                                  # model bytes
     rates: list[float] = field(default_factory=list)   # credited rates of its copies so far
     nodes: set[str] = field(default_factory=set)
 
     def steps(self, rates: list[float], round_s: float, cost: CopyCost) -> float:
-        train = max(0.0, round_s - cost.seconds(self.size, len(rates)))
+        train = max(0.0, round_s - cost.seconds(self.job.model_bytes, len(rates), self.job.optimizer_slots))
         return min(self.job.remaining, sum(rates) * train)
 
 
@@ -141,7 +135,7 @@ def plan_copies(snapshot: Snapshot, cost: CopyCost = CopyCost(), price_share: fl
     placements: list[Placement] = []
     explain: dict[str, dict[str, object]] = {}
     limit = len(cluster.nodes)
-    states = [_Job(job=job, size=model_bytes_of(job.job_type)) for job in order]
+    states = [_Job(job=job) for job in order]
     for share, split_only in ((price_share, True), (0.0, False)):   # priced pass, then back-fill
         for pos, state in enumerate(states):
             job = state.job
