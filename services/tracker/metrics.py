@@ -47,3 +47,7 @@ class TrackerMetrics:
                                             "Completions abandoned after max_attempts failures", registry=r)
         self.entries = Gauge("hadar_tracker_state_entries", "What the tracker's state holds, per kind", ["kind"],
                              registry=r)
+        self.snapshots = Counter("hadar_tracker_snapshots", "State snapshots written, by outcome", ["outcome"],
+                                 registry=r)
+        for outcome in ("written", "failed"):
+            self.snapshots.labels(outcome=outcome)

@@ -1,12 +1,16 @@
 """The tracker service: follows copies' progress, consolidates each round, completes jobs.
 
 A thin shell around :class:`~services.tracker.state.TrackerState` (what is due, what is
-refused) and :mod:`services.tracker.consolidate` (the averaging). On start it replays, from
-the beginning, every RoundStarted, then hadar.jobs, hadar.placements, hadar.models and
-hadar.progress, to rebuild its state -- placements before the events checked against
-them, and every RoundStarted first because its partition is not its Assignments' -- then
-follows them in consumer group ``config.group``; a worker consolidates due rounds one at
-a time, off the event loop.
+refused) and :mod:`services.tracker.consolidate` (the averaging). On start it loads its
+newest valid state snapshot (:mod:`services.tracker.snapshot`; a damaged one falls back to
+the one before, none: the log start) and replays, from the offsets it covers, every
+RoundStarted, then hadar.jobs, hadar.placements, hadar.models and hadar.progress, to
+rebuild its state -- placements before the events checked against them, and every
+RoundStarted first because its partition is not its Assignments' -- then follows them in
+consumer group ``config.group``; a worker consolidates due rounds one at a time, off the
+event loop, and after every ``snapshot_every`` rounds it decided writes a snapshot (the
+newest ``snapshots_kept`` are kept; a failed write is logged, counted in
+``hadar_tracker_snapshots{outcome}`` and tried again ``snapshot_every`` rounds later).
 
 Guarantees:
 
@@ -57,13 +61,15 @@ from services.tracker.config import MAX_RETRY_S, TrackerConfig
 from services.tracker.lifecycle import ObjectJanitor, ObjectLifecycle
 from services.tracker.metrics import TrackerMetrics
 from services.tracker.produce import AnnouncementRefused, RoundProducer
+from services.tracker.snapshot import SERVICE, Position, capture, restore
 from services.tracker.state import CompletionWork, RoundWork, TrackerState
 from shared.bus import Bus, Delivery
 from shared.clock import Clock, SystemClock
-from shared.events import Event, JobCompleted, RoundAbandoned, RoundStarted
+from shared.events import Event, JobCancelled, JobCompleted, ModelConsolidated, RoundAbandoned, RoundStarted
 from shared.layout import model_key
 from shared.logging import get_logger
 from shared.rejection import dead_letter_delivery
+from shared.snapshot import SnapshotCorrupt, SnapshotStore, StateSnapshot, dump
 from shared.store import ObjectStore
 from shared.topics import DEADLETTER, JOBS, MODELS, PLACEMENTS, PROGRESS
 
@@ -101,17 +107,33 @@ class TrackerService:
         self._m = TrackerMetrics(r)
         self._produce = RoundProducer(store=store, config=self.config, clock=self.clock, metrics=self._m,
                                       log=self._log)
+        self.snapshots = (SnapshotStore(store, owner=self.config.group, service=SERVICE,
+                                        keep=self.config.snapshots_kept) if self.config.snapshot_every else None)
+        self._folded: dict[str, int] = {}        # "topic:partition" -> next offset not folded
+        self._snapshot_seq = 0
+        self._decided = 0                        # rounds decided here since the last snapshot
+        self._closed_unannounced: set[str] = set()   # jobs whose latest close is not on the bus
+        self.recovery: dict[str, Any] = {}       # how the last start recovered (snapshot, records, seconds)
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         await self.bus.ensure_topics((*INPUT_TOPICS, DEADLETTER))
-        async for delivery in self.bus.read(PLACEMENTS):
+        t0 = time.perf_counter()
+        snapshot = await self._load_snapshot()
+        records = 0
+        # From the offsets the snapshot covers (a partition it does not name: from the start).
+        async for delivery in self.bus.read(PLACEMENTS, start=_start(snapshot, PLACEMENTS)):
             if isinstance(delivery.event, RoundStarted):
                 self._fold(delivery.event)
         for topic in INPUT_TOPICS:
-            async for delivery in self.bus.read(topic):
-                self._fold(delivery.event)   # no origin: refused during replay, counted, not dead-lettered
+            async for delivery in self.bus.read(topic, start=_start(snapshot, topic)):
+                # a Position, not a Delivery: refused during replay, counted, not dead-lettered
+                self._fold(delivery.event, Position(topic=delivery.topic, partition=delivery.partition,
+                                                    offset=delivery.offset))
+                self._note(delivery)
+                records += 1
+        self.recovery.update(records=records, seconds=round(time.perf_counter() - t0, 4))
         refused = await self._handle_refusals()
         self._replayed = True
         self._log.info("tracker.replayed", jobs=self.state.jobs(), open_rounds=self.state.open_rounds(),
@@ -147,15 +169,22 @@ class TrackerService:
                 self._m.events_in.labels(type=delivery.event.TYPE).inc()
                 if self._fold(delivery.event, origin=delivery):
                     self._wake.set()
+                self._note(delivery)
                 await self._handle_refusals()
-                # State is rebuilt from the topics on start, so acking once folded is safe.
+                # State is rebuilt from the topics (after a snapshot) on start: acking once folded is safe.
                 await delivery.ack()
 
     def _fold(self, event: Event, origin: object = None) -> bool:
         """Fold into the state; what it accepted also into the object lifecycle."""
         if changed := self.state.apply(event, origin):
             self.lifecycle.observe(event, time.monotonic())
+            if isinstance(event, (ModelConsolidated, RoundAbandoned, JobCompleted, JobCancelled)):
+                self._closed_unannounced.discard(event.job_id)   # a decision on the bus supersedes it
         return changed
+
+    def _note(self, delivery: Delivery) -> None:
+        tp = f"{delivery.topic}:{delivery.partition}"
+        self._folded[tp] = max(self._folded.get(tp, 0), delivery.offset + 1)
 
     async def _handle_refusals(self) -> dict[str, int]:
         """Count, log and (for events read live) dead-letter what the state refused."""
@@ -224,6 +253,9 @@ class TrackerService:
                 if self._failed("complete", exc, key, job=completion.job_id):
                     self.state.give_up_completion(completion.job_id)
                     self._m.completions_given_up.inc()
+        every = self.config.snapshot_every
+        if self.snapshots is not None and self._decided >= every and not self._stopping:
+            await self._write_snapshot()
         self._m.open.set(self.state.open_rounds())
         for kind, size in self.state.sizes().items():
             self._m.entries.labels(kind=kind).set(size)
@@ -238,6 +270,7 @@ class TrackerService:
             self._log.error("round.abandon_publish_failed", job=work.job_id, round=work.round,
                             error=f"{type(exc).__name__}: {exc}"[:300])
             self.state.abandon(work.job_id, work.round)
+            self._closed_unannounced.add(work.job_id)   # no snapshot may keep it closed (snapshot.py)
             await self._handle_refusals()
 
     def _failed(self, stage: str, exc: Exception, key: tuple[str, str, int], **bound: Any) -> bool:
@@ -257,6 +290,59 @@ class TrackerService:
         self._m.events_out.labels(type=event.TYPE).inc()
         self._fold(event)
         await self._handle_refusals()   # reports still held for a round this decided
+
+    # ------------------------------------------------------------------ snapshots
+
+    async def _load_snapshot(self) -> StateSnapshot | None:
+        """The newest valid snapshot, adopted into the state and the lifecycle; None without one."""
+        if self.snapshots is None:
+            return None
+        try:
+            stored = await self.snapshots.keys()
+            loaded = await self.snapshots.newest()
+        except Exception as exc:   # a store that is away: recover from the whole log instead
+            self._log.warning("tracker.snapshot_unavailable", error=f"{type(exc).__name__}: {exc}"[:300])
+            return None
+        self._snapshot_seq = stored[0][0] if stored else 0   # the next one is newer than any stored
+        for key, reason in loaded.skipped:
+            self._log.warning("tracker.snapshot_skipped", key=key, reason=reason[:300])
+        self.recovery.update(snapshot=loaded.key, skipped=[key for key, _ in loaded.skipped])
+        if loaded.snapshot is None:
+            return None
+        try:
+            restore(loaded.snapshot, self.state, self.lifecycle, wall_now=self.clock.time(),
+                    mono_now=time.monotonic())
+        except SnapshotCorrupt as exc:
+            self._log.warning("tracker.snapshot_skipped", key=loaded.key, reason=exc.reason)
+            self.recovery.update(snapshot=None)
+            return None
+        self._folded = dict(loaded.snapshot.offsets)
+        self._log.info("tracker.snapshot_loaded", key=loaded.key, jobs=self.state.jobs())
+        return loaded.snapshot
+
+    async def _write_snapshot(self) -> None:
+        """Snapshot the state now (captured and encoded without yielding, so nothing is folded
+        meanwhile); never raises. Deferred while a job's latest close is not on the bus."""
+        assert self.snapshots is not None
+        if self._closed_unannounced:
+            self._log.info("tracker.snapshot_deferred", jobs=sorted(self._closed_unannounced)[:10])
+            return
+        snap = capture(self.state, self.lifecycle, self._folded, seq=self._snapshot_seq + 1,
+                       wall_now=self.clock.time(), mono_now=time.monotonic())
+        if snap is None:
+            self._log.warning("tracker.snapshot_deferred", reason="a held report has no position")
+            return
+        try:
+            data = dump(snap)
+            key = await self.snapshots.save(snap, data)
+        except Exception as exc:
+            self._m.snapshots.labels(outcome="failed").inc()
+            self._decided = 0   # tried again after snapshot_every more rounds, not every tick
+            self._log.warning("tracker.snapshot_failed", error=f"{type(exc).__name__}: {exc}"[:300])
+            return
+        self._snapshot_seq, self._decided = snap.seq, 0
+        self._m.snapshots.labels(outcome="written").inc()
+        self._log.info("tracker.snapshot_written", key=key, bytes=len(data), offsets=len(snap.offsets))
 
     # ------------------------------------------------------------------ rounds
 
@@ -279,6 +365,7 @@ class TrackerService:
             log.info("round.consolidated", key=key, total_steps=event.total_steps,
                      copies=[c.copy for c in event.copies], rejected=[r.copy for r in event.rejected],
                      missing=list(event.missing), seconds=round(event.seconds, 3))
+        self._decided += 1
         self._m.failed.inc(len(work.failed))     # once per round decided, not per attempt
         self._m.missing.inc(len(work.missing))
 
@@ -297,3 +384,7 @@ class TrackerService:
         self._m.completed.inc()
         self._log.info("job.completed", job=work.job_id, final_key=key, total_steps=work.total_steps,
                        jct_s=round(event.jct_s, 3))
+
+
+def _start(snapshot: StateSnapshot | None, topic: str) -> dict[int, int] | None:
+    return snapshot.partition_offsets(topic) if snapshot is not None else None
