@@ -264,8 +264,8 @@ class TrackerService:
         """After the last failed attempt: announce the round as abandoned if the bus takes it;
         either way the round is closed here, so later rounds of the job come due."""
         try:
-            await self._publish(self._produce.abandonment(work, f"gave up after {self._attempts.max_attempts} attempts: "
-                                                        f"{self._last_error or 'unknown error'}"))
+            reason = f"gave up after {self._attempts.max_attempts} attempts: {self._last_error or 'unknown error'}"
+            await self._publish(self._produce.abandonment(work, reason))
         except Exception as exc:   # the bus may be the reason it failed: close the round anyway
             self._log.error("round.abandon_publish_failed", job=work.job_id, round=work.round,
                             error=f"{type(exc).__name__}: {exc}"[:300])

@@ -22,10 +22,12 @@ import pytest
 from safetensors.numpy import load
 
 from services.tracker.service import TrackerConfig, TrackerService
-from shared.bus import Bus, KafkaBus, MemoryBus
+from shared.bus import Bus, BusError, KafkaBus, MemoryBus
 from shared.clock import FakeClock
 from shared.config import S3Settings
-from shared.events import Assignment, JobCompleted, JobSubmitted, ModelConsolidated, RoundStarted
+from shared.events import (
+    Assignment, CopyFinished, JobCompleted, JobSubmitted, ModelConsolidated, RoundAbandoned, RoundStarted,
+)
 from shared.layout import final_key, model_key
 from shared.snapshot import SnapshotStore
 from shared.store import LocalStore, MinioStore, ObjectStore
@@ -195,3 +197,42 @@ async def test_kafka_and_minio_restart_from_a_snapshot(tmp_path: Any, kafka_boot
         await asyncio.to_thread(_remove_bucket, settings)
     assert_same(reference, restarted)
     assert restarted["recovery"]["snapshot"] is not None
+
+
+class AbandonmentsLost(MemoryBus):
+    """A MemoryBus that refuses every RoundAbandoned, as a broker away at that moment would."""
+
+    async def emit(self, event: Any) -> tuple[int, int]:
+        if isinstance(event, RoundAbandoned):
+            raise BusError("broker away", retriable=True)
+        return await super().emit(event)
+
+
+async def test_no_snapshot_keeps_a_round_closed_that_the_log_does_not_close(local_store: LocalStore) -> None:
+    bus = AbandonmentsLost(clock=FakeClock(T0))
+    await bus.start()
+    config = TrackerConfig(group="tracker-unannounced", tick_s=0.05, finish_timeout_s=3600.0, chunk_bytes=256,
+                           max_attempts=1, snapshot_every=1)
+    service = TrackerService(bus=bus, store=local_store, config=config, clock=FakeClock(T0 + 1000))
+    await service.start()
+    snapshots = SnapshotStore(local_store, owner="tracker-unannounced", service="tracker")
+    try:
+        await started(bus, 0, 2)
+        await assign(bus, "x", 10_000, 0, 0)
+        await assign(bus, "y", 10_000, 0, 1)
+        await bus.emit(CopyFinished(ts=T0 + 300, source="agent/n0", job_id="x", round=0, copy=0, node_id="n0",
+                                    status="failed", steps_round=0, checkpoint=None, reason="oom"))
+        await until("x's round closed here", lambda: asyncio.sleep(0, service.state.open_rounds() <= 1))
+        await finish(bus, local_store, "y", 0, 1, steps=STEPS)
+        await until("y's round", lambda: consolidated(bus, "y", 0))
+        await asyncio.sleep(0.3)   # a few ticks: y's decision would have been snapshot
+        assert await snapshots.keys() == [] and written(service) == 0
+        # x's next round is announced: the log now closes round 0 too, and snapshots resume.
+        await started(bus, 1, 1)
+        await assign(bus, "x", 10_000, 1, 0)
+        await finish(bus, local_store, "x", 1, 0, steps=STEPS)
+        await until("a snapshot", lambda: asyncio.sleep(0, written(service) >= 1))
+        assert len(await snapshots.keys()) == 1
+    finally:
+        await service.stop()
+        await bus.stop()
