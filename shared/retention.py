@@ -10,10 +10,11 @@ topic              cleanup.policy  retention.ms           why
 =================  ==============  =====================  ===================================
 hadar.jobs         delete          -1 (forever)           tracker and profiler rebuild
 hadar.placements   delete          -1 (forever)           state by replaying these from
-hadar.models       delete          -1 (forever)           the start (only the scheduler
-hadar.throughput   delete          -1 (forever)           snapshots yet): a deleted record
-hadar.nodes        delete          -1 (forever)           is a forgotten job, round, model,
-                                                          rate or node
+hadar.models       delete          -1 (forever)           the start when they have no valid
+hadar.throughput   delete          -1 (forever)           snapshot, and replay --rerun reads
+hadar.nodes        delete          -1 (forever)           them whole: a deleted record is a
+                                                          forgotten job, round, model, rate
+                                                          or node
 hadar.deadletter   delete          -1 (forever)           rare; the evidence of what was refused
 hadar.progress     delete          86400000 (1 day),      advisory: matters only while its
                                    segment.ms 3600000     round is open (rounds last minutes)
@@ -37,9 +38,10 @@ longer than a day loses its copies' reports and is redone (the models it consoli
 on hadar.models, kept forever). Kafka deletes whole closed segments only, so the segment
 rolls hourly to make one day mean about one day.
 
-The scheduler restarts from a state snapshot (shared/snapshot.py) and reads only records
-after it, so for the scheduler alone any retention longer than its snapshot interval would
-do (tests/integration/test_topic_retention.py deletes the segments of older rounds on a
+The scheduler, the tracker and the profiler restart from state snapshots (shared/snapshot.py)
+and read only records after them (the tracker: after its oldest report still held, at most
+ROUND_HISTORY rounds back), so with a valid snapshot any retention longer than the snapshot
+interval would do (tests/integration/test_topic_retention.py deletes the segments of older rounds on a
 real broker and checks that its decisions do not change).
 
 Records are timestamped with the publishing bus's clock (CreateTime): a fake clock far in

@@ -53,6 +53,10 @@ def add_tracker_parser(services: argparse._SubParsersAction,
     parser.add_argument("--straggler-sweep-s", type=float, default=None,
                         help="sweep a completed job's objects again this long after, for late uploads "
                              "(default: 600; 0: never)")
+    parser.add_argument("--snapshot-every", type=int, default=None,
+                        help="write a state snapshot after every N rounds decided (default: 10; 0: never)")
+    parser.add_argument("--snapshots-kept", type=int, default=None,
+                        help="state snapshots kept, the newest (default: 3)")
     parser.set_defaults(func=run_tracker)
     return parser
 
@@ -65,7 +69,8 @@ def tracker_config(args: argparse.Namespace) -> TrackerConfig:
              "tick_s": args.tick_s, "max_attempts": args.max_attempts, "temp_dir": args.temp_dir,
              "keep_round_models": args.keep_round_models, "delete_checkpoints": args.delete_checkpoints,
              "delete_completed_models": args.delete_completed_models,
-             "straggler_sweep_s": args.straggler_sweep_s}
+             "straggler_sweep_s": args.straggler_sweep_s, "snapshot_every": args.snapshot_every,
+             "snapshots_kept": args.snapshots_kept}
     return load_config(TrackerConfig, flags=flags, env=os.environ, env_prefix=ENV_PREFIX, file=args.config)
 
 

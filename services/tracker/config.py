@@ -36,6 +36,10 @@ class TrackerConfig:
     model of a completed job (its final model is a copy of the latest). ``straggler_sweep_s``:
     how long after a job completed its objects are swept once more, for checkpoints
     uploaded late (0: no second sweep).
+
+    State snapshots (:mod:`services.tracker.snapshot`): ``snapshot_every``: write one after
+    every this many rounds the tracker decided itself (0: never; restarts read the whole
+    log); ``snapshots_kept``: how many are kept (the newest).
     """
 
     group: str = "hadar-tracker"
@@ -49,6 +53,8 @@ class TrackerConfig:
     delete_checkpoints: bool = True
     delete_completed_models: bool = True
     straggler_sweep_s: float = 600.0
+    snapshot_every: int = 10
+    snapshots_kept: int = 3
     source: str = "tracker"
 
     def __post_init__(self) -> None:
@@ -66,3 +72,7 @@ class TrackerConfig:
             raise FieldError("keep_round_models", f"must be in 1..1000000, got {self.keep_round_models}")
         if not 0 <= self.straggler_sweep_s <= 1e9:
             raise FieldError("straggler_sweep_s", f"must be in 0..1e9, got {self.straggler_sweep_s}")
+        if not 0 <= self.snapshot_every <= 1_000_000:
+            raise FieldError("snapshot_every", f"must be in 0..1000000 rounds, got {self.snapshot_every}")
+        if not 1 <= self.snapshots_kept <= 1000:
+            raise FieldError("snapshots_kept", f"must be in 1..1000, got {self.snapshots_kept}")

@@ -1,12 +1,16 @@
 """The tracker service: follows copies' progress, consolidates each round, completes jobs.
 
 A thin shell around :class:`~services.tracker.state.TrackerState` (what is due, what is
-refused) and :mod:`services.tracker.consolidate` (the averaging). On start it replays, from
-the beginning, every RoundStarted, then hadar.jobs, hadar.placements, hadar.models and
-hadar.progress, to rebuild its state -- placements before the events checked against
-them, and every RoundStarted first because its partition is not its Assignments' -- then
-follows them in consumer group ``config.group``; a worker consolidates due rounds one at
-a time, off the event loop.
+refused) and :mod:`services.tracker.consolidate` (the averaging). On start it loads its
+newest valid state snapshot (:mod:`services.tracker.snapshot`; a damaged one falls back to
+the one before, none: the log start) and replays, from the offsets it covers, every
+RoundStarted, then hadar.jobs, hadar.placements, hadar.models and hadar.progress, to
+rebuild its state -- placements before the events checked against them, and every
+RoundStarted first because its partition is not its Assignments' -- then follows them in
+consumer group ``config.group``; a worker consolidates due rounds one at a time, off the
+event loop, and after every ``snapshot_every`` rounds it decided writes a snapshot (the
+newest ``snapshots_kept`` are kept; a failed write is logged, counted in
+``hadar_tracker_snapshots{outcome}`` and tried again ``snapshot_every`` rounds later).
 
 Guarantees:
 
@@ -46,32 +50,27 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
-from services.tracker.acceptance import REFUSAL_REASONS, Refusal
+from services.tracker.acceptance import Refusal
 from services.tracker.attempts import Attempts
 from services.tracker.config import MAX_RETRY_S, TrackerConfig
-from services.tracker.consolidate import NoUsableReplica, Rejected, Replica, plan_consolidation
 from services.tracker.lifecycle import ObjectJanitor, ObjectLifecycle
-from services.tracker.model_output import RoundOutputs, held_out_metric, write_round_outputs
-from services.tracker.safetensors_format import InvalidSafetensors, read_header
+from services.tracker.metrics import TrackerMetrics
+from services.tracker.produce import AnnouncementRefused, RoundProducer
+from services.tracker.snapshot import SERVICE, Position, capture, restore
 from services.tracker.state import CompletionWork, RoundWork, TrackerState
-from services.tracker.store_reader import StoreRangeReader
 from shared.bus import Bus, Delivery
 from shared.clock import Clock, SystemClock
-from shared.errors import HadarError
-from shared.events import Event, JobCompleted, ModelConsolidated, Rejection, RoundAbandoned, RoundStarted
-from shared.layout import final_key, model_key, optim_key
+from shared.events import Event, JobCancelled, JobCompleted, ModelConsolidated, RoundAbandoned, RoundStarted
+from shared.layout import model_key
 from shared.logging import get_logger
-from shared.model_meta import InvalidModelMetadata, ModelMetadata
 from shared.rejection import dead_letter_delivery
-from shared.store import InvalidKey, ObjectNotFound, ObjectStore
+from shared.snapshot import SnapshotCorrupt, SnapshotStore, StateSnapshot, dump
+from shared.store import ObjectStore
 from shared.topics import DEADLETTER, JOBS, MODELS, PLACEMENTS, PROGRESS
 
 __all__ = ["TrackerConfig", "TrackerService", "INPUT_TOPICS", "MAX_RETRY_S"]
@@ -105,49 +104,36 @@ class TrackerService:
         r = self.registry
         self.lifecycle = ObjectLifecycle.of(self.config)
         self._janitor = ObjectJanitor(store, self.lifecycle, registry=r, log=self._log)
-        self._m_seconds = Histogram("hadar_tracker_consolidation_seconds", "Time to consolidate one round",
-                                    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
-                                    registry=r)
-        self._m_models = Counter("hadar_tracker_models_written_total", "Round models written", registry=r)
-        self._m_rejected = Counter("hadar_tracker_replicas_rejected_total",
-                                   "Replicas left out of a consolidation (bad, mismatched, absent)", registry=r)
-        self._m_failed = Counter("hadar_tracker_copies_failed_total", "Copies that reported failure", registry=r)
-        self._m_missing = Counter("hadar_tracker_copies_missing_total", "Assigned copies that never finished",
-                                  registry=r)
-        self._m_abandoned = Counter("hadar_tracker_rounds_without_model_total", "Rounds with nothing to average",
-                                    registry=r)
-        self._m_completed = Counter("hadar_tracker_jobs_completed_total", "Jobs completed", registry=r)
-        self._m_errors = Counter("hadar_tracker_errors_total", "Consolidation or completion attempts that failed",
-                                 ["stage"], registry=r)
-        for stage in ("consolidate", "complete"):
-            self._m_errors.labels(stage=stage)   # exported as 0, so increase() sees the first failure
-        self._m_bytes = Counter("hadar_tracker_replica_read_bytes_total", "Replica bytes read for averaging",
-                                registry=r)
-        self._m_in = Counter("hadar_tracker_events_in_total", "Events consumed", ["type"], registry=r)
-        self._m_out = Counter("hadar_tracker_events_out_total", "Events published", ["type"], registry=r)
-        self._m_open = Gauge("hadar_tracker_open_rounds", "Rounds not consolidated yet", registry=r)
-        self._m_refused = Counter("hadar_tracker_events_rejected_total",
-                                  "Events refused (changed nothing; dead-lettered when read live)", ["reason"],
-                                  registry=r)
-        for reason in REFUSAL_REASONS:
-            self._m_refused.labels(reason=reason)
-        self._m_given_up = Counter("hadar_tracker_rounds_given_up_total",
-                                   "Rounds abandoned after max_attempts failed consolidations", registry=r)
-        self._m_completions_given_up = Counter("hadar_tracker_completions_given_up_total",
-                                               "Completions abandoned after max_attempts failures", registry=r)
-        self._m_entries = Gauge("hadar_tracker_state_entries", "What the tracker's state holds, per kind", ["kind"],
-                                registry=r)
+        self._m = TrackerMetrics(r)
+        self._produce = RoundProducer(store=store, config=self.config, clock=self.clock, metrics=self._m,
+                                      log=self._log)
+        self.snapshots = (SnapshotStore(store, owner=self.config.group, service=SERVICE,
+                                        keep=self.config.snapshots_kept) if self.config.snapshot_every else None)
+        self._folded: dict[str, int] = {}        # "topic:partition" -> next offset not folded
+        self._snapshot_seq = 0
+        self._decided = 0                        # rounds decided here since the last snapshot
+        self._closed_unannounced: set[str] = set()   # jobs whose latest close is not on the bus
+        self.recovery: dict[str, Any] = {}       # how the last start recovered (snapshot, records, seconds)
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         await self.bus.ensure_topics((*INPUT_TOPICS, DEADLETTER))
-        async for delivery in self.bus.read(PLACEMENTS):
+        t0 = time.perf_counter()
+        snapshot = await self._load_snapshot()
+        records = 0
+        # From the offsets the snapshot covers (a partition it does not name: from the start).
+        async for delivery in self.bus.read(PLACEMENTS, start=_start(snapshot, PLACEMENTS)):
             if isinstance(delivery.event, RoundStarted):
                 self._fold(delivery.event)
         for topic in INPUT_TOPICS:
-            async for delivery in self.bus.read(topic):
-                self._fold(delivery.event)   # no origin: refused during replay, counted, not dead-lettered
+            async for delivery in self.bus.read(topic, start=_start(snapshot, topic)):
+                # a Position, not a Delivery: refused during replay, counted, not dead-lettered
+                self._fold(delivery.event, Position(topic=delivery.topic, partition=delivery.partition,
+                                                    offset=delivery.offset))
+                self._note(delivery)
+                records += 1
+        self.recovery.update(records=records, seconds=round(time.perf_counter() - t0, 4))
         refused = await self._handle_refusals()
         self._replayed = True
         self._log.info("tracker.replayed", jobs=self.state.jobs(), open_rounds=self.state.open_rounds(),
@@ -180,25 +166,32 @@ class TrackerService:
         # hadar.deadletter is not read here: the scheduler counts bad records, once each.
         async with self.bus.subscribe(INPUT_TOPICS, self.config.group) as sub:
             async for delivery in sub:
-                self._m_in.labels(type=delivery.event.TYPE).inc()
+                self._m.events_in.labels(type=delivery.event.TYPE).inc()
                 if self._fold(delivery.event, origin=delivery):
                     self._wake.set()
+                self._note(delivery)
                 await self._handle_refusals()
-                # State is rebuilt from the topics on start, so acking once folded is safe.
+                # State is rebuilt from the topics (after a snapshot) on start: acking once folded is safe.
                 await delivery.ack()
 
     def _fold(self, event: Event, origin: object = None) -> bool:
         """Fold into the state; what it accepted also into the object lifecycle."""
         if changed := self.state.apply(event, origin):
             self.lifecycle.observe(event, time.monotonic())
+            if isinstance(event, (ModelConsolidated, RoundAbandoned, JobCompleted, JobCancelled)):
+                self._closed_unannounced.discard(event.job_id)   # a decision on the bus supersedes it
         return changed
+
+    def _note(self, delivery: Delivery) -> None:
+        tp = f"{delivery.topic}:{delivery.partition}"
+        self._folded[tp] = max(self._folded.get(tp, 0), delivery.offset + 1)
 
     async def _handle_refusals(self) -> dict[str, int]:
         """Count, log and (for events read live) dead-letter what the state refused."""
         counts: dict[str, int] = {}
         for refusal in self.state.drain_refusals():
             counts[refusal.reason] = counts.get(refusal.reason, 0) + 1
-            self._m_refused.labels(reason=refusal.reason).inc()
+            self._m.refused.labels(reason=refusal.reason).inc()
             origin = refusal.origin
             if isinstance(origin, Delivery):
                 self._log_refusal(refusal, origin, "event.rejected")
@@ -248,7 +241,7 @@ class TrackerService:
             except Exception as exc:
                 if self._failed("consolidate", exc, key, job=work.job_id, round=work.round):
                     await self._give_up(work)
-                    self._m_given_up.inc()
+                    self._m.given_up.inc()
         for completion in self.state.due_completions():
             key = ("complete", completion.job_id, 0)
             if self._stopping or self._attempts.waiting(key, time.monotonic()):
@@ -259,31 +252,31 @@ class TrackerService:
             except Exception as exc:
                 if self._failed("complete", exc, key, job=completion.job_id):
                     self.state.give_up_completion(completion.job_id)
-                    self._m_completions_given_up.inc()
-        self._m_open.set(self.state.open_rounds())
+                    self._m.completions_given_up.inc()
+        every = self.config.snapshot_every
+        if self.snapshots is not None and self._decided >= every and not self._stopping:
+            await self._write_snapshot()
+        self._m.open.set(self.state.open_rounds())
         for kind, size in self.state.sizes().items():
-            self._m_entries.labels(kind=kind).set(size)
-
-    def _abandonment(self, work: RoundWork, reason: str, *, rejected: tuple[Rejection, ...] = ()) -> RoundAbandoned:
-        return RoundAbandoned(ts=self.clock.time(), source=self.config.source, job_id=work.job_id, round=work.round,
-                              reason=reason[:1024], rejected=rejected, missing=work.missing)
+            self._m.entries.labels(kind=kind).set(size)
 
     async def _give_up(self, work: RoundWork) -> None:
         """After the last failed attempt: announce the round as abandoned if the bus takes it;
         either way the round is closed here, so later rounds of the job come due."""
         try:
-            await self._publish(self._abandonment(work, f"gave up after {self._attempts.max_attempts} attempts: "
-                                                        f"{self._last_error or 'unknown error'}"))
+            reason = f"gave up after {self._attempts.max_attempts} attempts: {self._last_error or 'unknown error'}"
+            await self._publish(self._produce.abandonment(work, reason))
         except Exception as exc:   # the bus may be the reason it failed: close the round anyway
             self._log.error("round.abandon_publish_failed", job=work.job_id, round=work.round,
                             error=f"{type(exc).__name__}: {exc}"[:300])
             self.state.abandon(work.job_id, work.round)
+            self._closed_unannounced.add(work.job_id)   # no snapshot may keep it closed (snapshot.py)
             await self._handle_refusals()
 
     def _failed(self, stage: str, exc: Exception, key: tuple[str, str, int], **bound: Any) -> bool:
         """Count and log a failed attempt; True if it was the last one allowed (give it up)."""
         delay = self._attempts.failed(key, time.monotonic())
-        self._m_errors.labels(stage=stage).inc()
+        self._m.errors.labels(stage=stage).inc()
         self._last_error = f"{stage}: {type(exc).__name__}: {exc}"[:300]
         if delay is None:
             self._log.error(f"tracker.{stage}_given_up", error=self._last_error,
@@ -294,9 +287,62 @@ class TrackerService:
 
     async def _publish(self, event: Event) -> None:
         await self.bus.emit(event)
-        self._m_out.labels(type=event.TYPE).inc()
+        self._m.events_out.labels(type=event.TYPE).inc()
         self._fold(event)
         await self._handle_refusals()   # reports still held for a round this decided
+
+    # ------------------------------------------------------------------ snapshots
+
+    async def _load_snapshot(self) -> StateSnapshot | None:
+        """The newest valid snapshot, adopted into the state and the lifecycle; None without one."""
+        if self.snapshots is None:
+            return None
+        try:
+            stored = await self.snapshots.keys()
+            loaded = await self.snapshots.newest()
+        except Exception as exc:   # a store that is away: recover from the whole log instead
+            self._log.warning("tracker.snapshot_unavailable", error=f"{type(exc).__name__}: {exc}"[:300])
+            return None
+        self._snapshot_seq = stored[0][0] if stored else 0   # the next one is newer than any stored
+        for key, reason in loaded.skipped:
+            self._log.warning("tracker.snapshot_skipped", key=key, reason=reason[:300])
+        self.recovery.update(snapshot=loaded.key, skipped=[key for key, _ in loaded.skipped])
+        if loaded.snapshot is None:
+            return None
+        try:
+            restore(loaded.snapshot, self.state, self.lifecycle, wall_now=self.clock.time(),
+                    mono_now=time.monotonic())
+        except SnapshotCorrupt as exc:
+            self._log.warning("tracker.snapshot_skipped", key=loaded.key, reason=exc.reason)
+            self.recovery.update(snapshot=None)
+            return None
+        self._folded = dict(loaded.snapshot.offsets)
+        self._log.info("tracker.snapshot_loaded", key=loaded.key, jobs=self.state.jobs())
+        return loaded.snapshot
+
+    async def _write_snapshot(self) -> None:
+        """Snapshot the state now (captured and encoded without yielding, so nothing is folded
+        meanwhile); never raises. Deferred while a job's latest close is not on the bus."""
+        assert self.snapshots is not None
+        if self._closed_unannounced:
+            self._log.info("tracker.snapshot_deferred", jobs=sorted(self._closed_unannounced)[:10])
+            return
+        snap = capture(self.state, self.lifecycle, self._folded, seq=self._snapshot_seq + 1,
+                       wall_now=self.clock.time(), mono_now=time.monotonic())
+        if snap is None:
+            self._log.warning("tracker.snapshot_deferred", reason="a held report has no position")
+            return
+        try:
+            data = dump(snap)
+            key = await self.snapshots.save(snap, data)
+        except Exception as exc:
+            self._m.snapshots.labels(outcome="failed").inc()
+            self._decided = 0   # tried again after snapshot_every more rounds, not every tick
+            self._log.warning("tracker.snapshot_failed", error=f"{type(exc).__name__}: {exc}"[:300])
+            return
+        self._snapshot_seq, self._decided = snap.seq, 0
+        self._m.snapshots.labels(outcome="written").inc()
+        self._log.info("tracker.snapshot_written", key=key, bytes=len(data), offsets=len(snap.offsets))
 
     # ------------------------------------------------------------------ rounds
 
@@ -305,12 +351,12 @@ class TrackerService:
         key = model_key(work.job_id, work.round)
         event = None
         if await self.store.exists(key):
-            event = await self._announcement_of_existing(work, key, log)
+            event = await self._produce.existing(work, key, log, self.state.check_announcement)
         if event is None:
-            event = await self._consolidate(work, key, log)
+            event = await self._produce.consolidate(work, key, log)
         if isinstance(event, RoundAbandoned):
             await self._publish(event)   # folding it closes the round; held reports are refused
-            self._m_abandoned.inc()
+            self._m.abandoned.inc()
         else:
             refusal = self.state.check_announcement(event)
             if refusal is not None:   # never for a model this tracker computed: its plan obeys the same rules
@@ -319,94 +365,14 @@ class TrackerService:
             log.info("round.consolidated", key=key, total_steps=event.total_steps,
                      copies=[c.copy for c in event.copies], rejected=[r.copy for r in event.rejected],
                      missing=list(event.missing), seconds=round(event.seconds, 3))
-        self._m_failed.inc(len(work.failed))     # once per round decided, not per attempt
-        self._m_missing.inc(len(work.missing))
-
-    async def _consolidate(self, work: RoundWork, key: str, log: Any) -> ModelConsolidated | RoundAbandoned:
-        started = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        rejected = [Rejected(copy=f.copy, reason=f"copy failed: {f.reason or 'no reason given'}"[:240])
-                    for f in work.failed]
-        replicas = []
-        for copy in work.usable:
-            assert copy.checkpoint is not None
-            try:
-                size = await self.store.size(copy.checkpoint)
-            except (ObjectNotFound, InvalidKey) as exc:
-                rejected.append(Rejected(copy=copy.copy, reason=f"checkpoint {copy.checkpoint!r}: {exc}"[:240]))
-                continue
-            replicas.append(Replica(copy=copy.copy, steps=copy.steps, max_steps=copy.budget,
-                                    workers=copy.workers, reader=StoreRangeReader(self.store, copy.checkpoint, size, loop)))
-        tmp_dir = Path(tempfile.mkdtemp(prefix="hadar-tracker-", dir=self.config.temp_dir))
-        try:
-            try:
-                outputs, metric = await asyncio.to_thread(self._write, work, replicas, rejected, tmp_dir)
-            except NoUsableReplica as exc:
-                self._m_rejected.inc(len(exc.rejected) - len(work.failed))
-                log.warning("round.no_usable_replica", reason=str(exc)[:500], missing=list(work.missing))
-                return self._abandonment(work, "no usable replica",
-                                         rejected=tuple(Rejection(copy=r.copy, reason=r.reason) for r in exc.rejected))
-            if outputs.optim_path is not None:   # first: a copy that finds the model finds its optimizer state
-                await self.store.put_file(optim_key(work.job_id, work.round), outputs.optim_path)
-            await self.store.put_file(key, outputs.model_path)
-        finally:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-        seconds = time.perf_counter() - started
-        self._m_seconds.observe(seconds)
-        self._m_models.inc()
-        self._m_bytes.inc(outputs.stats.bytes_read)
-        self._m_rejected.inc(len(outputs.plan.rejected) - len(work.failed))
-        return _announcement(outputs.meta, key, self.clock.time(), self.config.source, seconds=seconds,
-                             metric=metric)
-
-    def _write(self, work: RoundWork, replicas: list[Replica], rejected: list[Rejected],
-               tmp_dir: Path) -> tuple[RoundOutputs, tuple[str, float] | None]:
-        # The plan bounds each copy's steps and the job's total. Writing may reject replicas
-        # holding NaN or inf: the files' metadata and the announcement are those of the plan
-        # actually written (model_output.py).
-        plan = plan_consolidation(replicas, mode=self.config.mode, rejected=rejected,
-                                  prior_worker_steps=work.prior_worker_steps, job_workers=work.job_workers,
-                                  limit_worker_steps=work.limit_worker_steps)
-        outputs = write_round_outputs(plan, tmp_dir, job_id=work.job_id, round_=work.round, missing=work.missing,
-                                      spec=work.spec, chunk_bytes=self.config.chunk_bytes)
-        metric, why_not = held_out_metric(outputs.model_path, work.spec)
-        if metric is None:
-            self._log.info("round.no_metric", job=work.job_id, round=work.round, reason=why_not)
-        return outputs, metric
-
-    async def _announcement_of_existing(self, work: RoundWork, key: str, log: Any) -> ModelConsolidated | None:
-        """The ModelConsolidated of a model an earlier run wrote but did not announce."""
-        size = await self.store.size(key)
-        reader = StoreRangeReader(self.store, key, size, asyncio.get_running_loop())
-        try:
-            header = await asyncio.to_thread(read_header, reader)
-            meta = ModelMetadata.from_metadata(header.metadata)
-        except (InvalidSafetensors, InvalidModelMetadata) as exc:
-            log.warning("round.existing_model_unusable", key=key, error=str(exc)[:300])
-            return None  # not ours or unreadable, and never announced: recompute over it
-        if (meta.job, meta.round) != (work.job_id, work.round):
-            log.warning("round.existing_model_unusable", key=key,
-                        error=f"metadata names job {meta.job!r} round {meta.round}")
-            return None
-        event = _announcement(meta, key, self.clock.time(), self.config.source)
-        refusal = self.state.check_announcement(event)
-        if refusal is not None:
-            log.warning("round.existing_model_unusable", key=key, error=f"{refusal.reason}: {refusal.detail}"[:300])
-            return None
-        log.info("round.existing_model_announced", key=key)
-        return event
+        self._decided += 1
+        self._m.failed.inc(len(work.failed))     # once per round decided, not per attempt
+        self._m.missing.inc(len(work.missing))
 
     # ------------------------------------------------------------------ completion
 
     async def _complete(self, work: CompletionWork) -> None:
-        key = final_key(work.job_id)
-        tmp_dir = Path(tempfile.mkdtemp(prefix="hadar-tracker-", dir=self.config.temp_dir))
-        try:
-            path = tmp_dir / "final.safetensors"
-            await self.store.get_file(work.model_key, path)
-            await self.store.put_file(key, path)
-        finally:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
+        key = await self._produce.store_final(work)
         now = self.clock.time()
         event = JobCompleted(ts=now, source=self.config.source, job_id=work.job_id, final_key=key,
                              total_steps=work.total_steps, jct_s=max(0.0, now - work.submitted_at),
@@ -415,21 +381,10 @@ class TrackerService:
         if refusal is not None:
             raise AnnouncementRefused(f"{refusal.reason}: {refusal.detail}")
         await self._publish(event)
-        self._m_completed.inc()
+        self._m.completed.inc()
         self._log.info("job.completed", job=work.job_id, final_key=key, total_steps=work.total_steps,
                        jct_s=round(event.jct_s, 3))
 
 
-class AnnouncementRefused(HadarError):
-    """An announcement of the tracker's own that its state would refuse: a bug, counted as a
-    failed attempt like any other."""
-
-
-def _announcement(meta: ModelMetadata, key: str, ts: float, source: str, *, seconds: float = 0.0,
-                  metric: tuple[str, float] | None = None) -> ModelConsolidated:
-    """The ModelConsolidated of the model at ``key``: what it says about itself, and its
-    held-out metric when it was just evaluated."""
-    name, value = metric if metric is not None else ("", None)
-    return ModelConsolidated(ts=ts, source=source, job_id=meta.job, round=meta.round, key=key,
-                             total_steps=meta.total_steps, copies=meta.copies, rejected=meta.rejected,
-                             missing=meta.missing, seconds=seconds, metric_name=name, metric_value=value)
+def _start(snapshot: StateSnapshot | None, topic: str) -> dict[int, int] | None:
+    return snapshot.partition_offsets(topic) if snapshot is not None else None

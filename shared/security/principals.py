@@ -18,7 +18,7 @@ Kafka (``User:<name>``):
 
 MinIO (``hadar-<name>``): ``s3_read``/``s3_write`` are key prefixes of
 :mod:`shared.layout`; write includes delete (the tracker prunes old checkpoints and
-models; scheduler and profiler prune their own state snapshots, which live under
+models; scheduler, tracker and profiler prune their own state snapshots, which live under
 ``snapshots/<group id>/`` and so under their group prefix). The root user only sets this up.
 
 Guarantee: :func:`kafka_acls` and :func:`s3_policy` are pure functions of this table.
@@ -75,8 +75,8 @@ PRINCIPALS: dict[str, Principal] = {p.name: p for p in (
     Principal(name="agent", writes=(NODES, PROGRESS), reads=(PLACEMENTS, JOBS), group_prefix="hadar-agent",
               s3_read=(CHECKPOINTS, MODELS_PREFIX), s3_write=(CHECKPOINTS,)),
     Principal(name="tracker", writes=(MODELS,), reads=(JOBS, PLACEMENTS, MODELS, PROGRESS, DEADLETTER),
-              group_prefix="hadar-tracker", s3_read=(CHECKPOINTS, MODELS_PREFIX),
-              s3_write=(CHECKPOINTS, MODELS_PREFIX)),
+              group_prefix="hadar-tracker", s3_read=(CHECKPOINTS, MODELS_PREFIX, *_own_snapshots("hadar-tracker")),
+              s3_write=(CHECKPOINTS, MODELS_PREFIX, *_own_snapshots("hadar-tracker"))),
     Principal(name="profiler", writes=(THROUGHPUT,), reads=(JOBS, PROGRESS, MODELS, THROUGHPUT, DEADLETTER),
               group_prefix="hadar-profiler",
               s3_read=_own_snapshots("hadar-profiler"), s3_write=_own_snapshots("hadar-profiler")),

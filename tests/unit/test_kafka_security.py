@@ -176,7 +176,8 @@ def test_store_policies_follow_the_layout_prefixes() -> None:
                 for r in s["Resource"]}
     assert actions("agent", "s3:PutObject") == {"checkpoints/*"}
     assert actions("agent", "s3:GetObject") == {"checkpoints/*", "models/*"}
-    assert actions("tracker", "s3:PutObject") == {"checkpoints/*", "models/*"}
+    own_tracker = {"checkpoints/*", "models/*", "snapshots/hadar-tracker*"}   # and its own state snapshots
+    assert actions("tracker", "s3:PutObject") == own_tracker and actions("tracker", "s3:GetObject") == own_tracker
     assert actions("cli", "s3:GetObject") == {"models/*"} and actions("cli", "s3:PutObject") == set()
     for service in ("scheduler", "profiler"):   # their own state snapshots, nothing else
         own = {f"snapshots/hadar-{service}*"}

@@ -35,6 +35,8 @@ INVALID: list[tuple[type, str, dict[str, Any], str, Any]] = [
     (TrackerConfig, "HADAR_TRACKER_", {}, "max_attempts", 0),
     (TrackerConfig, "HADAR_TRACKER_", {}, "keep_round_models", 0),
     (TrackerConfig, "HADAR_TRACKER_", {}, "straggler_sweep_s", -1.0),
+    (TrackerConfig, "HADAR_TRACKER_", {}, "snapshot_every", -1),
+    (TrackerConfig, "HADAR_TRACKER_", {}, "snapshots_kept", 0),
     (ProfilerConfig, "HADAR_PROFILER_", {}, "alpha", 0.0),
     (ProfilerConfig, "HADAR_PROFILER_", {}, "alpha", 1.5),
     (ProfilerConfig, "HADAR_PROFILER_", {}, "threshold", -0.1),
