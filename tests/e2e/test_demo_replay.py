@@ -71,7 +71,11 @@ def test_replay_timeline_and_explain(recorded):
     explained = hadar("replay", "--file", str(log), "--explain", job, "--round", str(placed_round))
     assert explained.returncode == 0, explained.stderr
     view = json.loads(explained.stdout)
-    assert view["decision"] == "ran" and view["policy_view"]["payoff"] > 0
+    assert view["decision"] == "ran"
+    # The demo runs HadarE, whose first-class fork plan says why a job ran: its place in the
+    # queue and the steps its copies were expected to add after the consolidation cost.
+    assert summary["policy"] == "hadare"
+    assert view["policy_view"]["source"] == "fork-plan" and view["policy_view"]["expected_steps"] > 0
 
 
 def test_a_tampered_log_is_reported_as_different(recorded, tmp_path):
