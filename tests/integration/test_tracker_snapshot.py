@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from safetensors.numpy import load
+from safetensors.numpy import load, save
 
 from services.tracker.service import TrackerConfig, TrackerService
 from shared.bus import Bus, BusError, KafkaBus, MemoryBus
@@ -32,7 +32,8 @@ from shared.layout import final_key, model_key
 from shared.snapshot import SnapshotStore
 from shared.store import LocalStore, MinioStore, ObjectStore
 from shared.topics import PLACEMENTS
-from tests.integration.test_tracker_service import T0, _remove_bucket, finish, models_events, spec
+from tests.integration.test_tracker_service import T0, _remove_bucket, models_events, spec, tensors
+from tests.integration.test_tracker_service import finish as finish_copy
 
 PLAIN_ROUNDS = 4                   # rounds of job A before the one decided with a report held
 STEPS = 100                        # A's steps per round; it completes after PLAIN_ROUNDS + 2 rounds
@@ -83,6 +84,13 @@ async def scenario(bus: Bus, store: ObjectStore, *, restart: bool, damage: bool 
                    default=-1)
     tag = uuid.uuid4().hex[:8]
     a, b = f"a-{tag}", f"b-{tag}"
+
+    async def finish(bus: Bus, store: ObjectStore, job_id: str, round_: int, copy: int, steps: int) -> None:
+        # Weights by the round's place in the scenario, not its number: a shared broker starts
+        # the scenario at a later round than a fresh bus, and both runs must store equal models.
+        weights = tensors(seed=100 * (round_ - base) + copy)
+        await finish_copy(bus, store, job_id, round_, copy, steps=steps, data=save(weights))
+
     a_iterations = STEPS * (PLAIN_ROUNDS + 2)
     group = f"tracker-snap-{tag}"
     for job_id, iterations in ((a, a_iterations), (b, 10_000)):
@@ -223,14 +231,14 @@ async def test_no_snapshot_keeps_a_round_closed_that_the_log_does_not_close(loca
         await bus.emit(CopyFinished(ts=T0 + 300, source="agent/n0", job_id="x", round=0, copy=0, node_id="n0",
                                     status="failed", steps_round=0, checkpoint=None, reason="oom"))
         await until("x's round closed here", lambda: asyncio.sleep(0, service.state.open_rounds() <= 1))
-        await finish(bus, local_store, "y", 0, 1, steps=STEPS)
+        await finish_copy(bus, local_store, "y", 0, 1, steps=STEPS)
         await until("y's round", lambda: consolidated(bus, "y", 0))
         await asyncio.sleep(0.3)   # a few ticks: y's decision would have been snapshot
         assert await snapshots.keys() == [] and written(service) == 0
         # x's next round is announced: the log now closes round 0 too, and snapshots resume.
         await started(bus, 1, 1)
         await assign(bus, "x", 10_000, 1, 0)
-        await finish(bus, local_store, "x", 1, 0, steps=STEPS)
+        await finish_copy(bus, local_store, "x", 1, 0, steps=STEPS)
         await until("a snapshot", lambda: asyncio.sleep(0, written(service) >= 1))
         assert len(await snapshots.keys()) == 1
     finally:
