@@ -38,16 +38,17 @@ import asyncio
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
 from services.scheduler.config import DecisionSettings, SchedulerConfig
 from services.scheduler.policy import Plan, Policy, Snapshot
-from services.scheduler.rerun import LoggedEvent, rerun
+from services.scheduler.recovery import resume
+from services.scheduler.rerun import LoggedEvent
 from services.scheduler.round_length import RoundCosts, copy_startup_s, stretched_round_s
 from services.scheduler.rounds import RoundTiming, build_snapshot, plan_to_events
 from services.scheduler.snapshot import SERVICE, capture, input_offsets, restore
 from services.scheduler.state import SchedulerState
-from services.scheduler.telemetry import SchedulerTelemetry
+from services.scheduler.telemetry import SchedulerCounters, SchedulerTelemetry
 from services.scheduler.stuck import stuck_reason
 from shared.bus import Bus, BusError, Delivery
 from shared.clock import Clock, SystemClock
@@ -112,24 +113,9 @@ class SchedulerService:
         self._last_error: str | None = None   # logged in full; /healthz shows only its kind
         self._log = get_logger(service=self.name, policy=self.config.policy)
         self.registry = CollectorRegistry()
-        self._m_rounds = Counter("hadar_scheduler_rounds", "Rounds planned", registry=self.registry)
-        self._m_decision = Histogram("hadar_scheduler_decision_seconds", "Time in policy.plan()",
-                                     registry=self.registry, buckets=(.001, .01, .05, .1, .5, 1, 5, 30))
-        self._m_queue = Gauge("hadar_scheduler_queue_length", "Active jobs left waiting", registry=self.registry)
-        self._m_stuck = Gauge("hadar_scheduler_jobs_stuck",
-                              "Active jobs without consolidated progress for several rounds", registry=self.registry)
-        self._m_in = Counter("hadar_scheduler_events_in", "Events folded", ["type"], registry=self.registry)
-        self._m_out = Counter("hadar_scheduler_events_out", "Events published", ["type"], registry=self.registry)
-        self._m_failures = Counter("hadar_scheduler_round_failures", "Round attempts that failed, by stage",
-                                   ["stage"], registry=self.registry)
-        self._m_publish_retries = Counter("hadar_scheduler_publish_retries", "Publishes retried after a bus error",
-                                          registry=self.registry)
-        self._m_rejected = Counter("hadar_scheduler_events_rejected", "Events refused and dead-lettered",
-                                   ["type"], registry=self.registry)
+        self.counters = SchedulerCounters(self.registry)
         self.telemetry = SchedulerTelemetry(self.registry, state=lambda: self.state, now=self.clock.time,
                                             round_s=self.settings.round_s, heartbeat_s=self.settings.heartbeat_s)
-        self._m_snapshots = Counter("hadar_scheduler_snapshots", "State snapshots written, by outcome",
-                                    ["outcome"], registry=self.registry)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -163,11 +149,11 @@ class SchedulerService:
 
     async def _recover(self) -> None:
         t0 = time.perf_counter()
-        resume = await self._load_snapshot()
+        snapshot = await self._load_snapshot()
         log: list[LoggedEvent] = []
         for topic in RECOVERY_TOPICS:
             # From the offsets the snapshot covers (a partition it does not name: from the start).
-            start = resume[0].partition_offsets(topic) if resume is not None else None
+            start = snapshot[0].partition_offsets(topic) if snapshot is not None else None
             async for d in self.bus.read(topic, start=start):
                 log.append(LoggedEvent(topic=d.topic, partition=d.partition, offset=d.offset, event=d.event))
                 if topic == PLACEMENTS:
@@ -175,32 +161,21 @@ class SchedulerService:
                 else:
                     tp = f"{d.topic}:{d.partition}"
                     self._folded[tp] = max(self._folded.get(tp, 0), d.offset + 1)
-        body = resume[1] if resume is not None else None
-        checks = list(rerun(log, state=self.state, first_round=body.next_round if body else None,
-                            previous=body.previous if body else None,
-                            previous_key=body.previous_key if body else None))
-        ignored = [c.round for c in checks if not c.in_sequence]
-        if ignored:
-            self._log.warning("scheduler.rounds_out_of_sequence", rounds=ignored[:10], count=len(ignored))
-        checks = [c for c in checks if c.in_sequence]
-        self.recovery.update(records=len(log), rounds_rederived=len(checks),
-                             differing_rounds=[c.round for c in checks if not c.matches][:10])
-        if checks:
-            last = checks[-1]
-            self.next_round = last.round + 1
-            self._log.info("scheduler.recovered", rounds=len(checks), next_round=self.next_round,
+        body = snapshot[1] if snapshot is not None else None
+        resumed = resume(log, state=self.state, body=body, configured=self.settings.choice)
+        if resumed.out_of_sequence:
+            self._log.warning("scheduler.rounds_out_of_sequence", rounds=list(resumed.out_of_sequence[:10]),
+                              count=len(resumed.out_of_sequence))
+        self.recovery.update(records=len(log), rounds_rederived=resumed.rederived,
+                             differing_rounds=list(resumed.differing_rounds[:10]))
+        if resumed.next_round is not None:
+            self.next_round = resumed.next_round
+        if resumed.rederived:
+            self._log.info("scheduler.recovered", rounds=resumed.rederived, next_round=self.next_round,
                            differing_rounds=self.recovery["differing_rounds"], records=len(log))
-            recorded_key = last.settings.choice.key if last.settings is not None else None
-            plan, described = last.plan, (last.settings.choice.describe() if last.settings is not None else last.error)
-        elif body is not None:
-            self.next_round = body.next_round
-            recorded_key, plan, described = body.previous_key, body.previous, str(body.previous_key)
-        else:
-            recorded_key = None
-        if recorded_key is not None and recorded_key == self.settings.choice.key:
-            self.previous = plan
-        elif checks or body is not None:
-            self._log.warning("scheduler.policy_changed", recorded=described,
+        self.previous = resumed.previous
+        if resumed.policy_changed_from is not None:
+            self._log.warning("scheduler.policy_changed", recorded=resumed.policy_changed_from,
                               configured=self.settings.choice.describe(), next_round=self.next_round)
         self.recovery["seconds"] = round(time.perf_counter() - t0, 4)
         async for d in self.bus.read(DEADLETTER):
@@ -244,11 +219,11 @@ class SchedulerService:
                 data = await asyncio.to_thread(dump, snap)
             key = await self.snapshots.save(snap, data)
         except Exception as exc:
-            self._m_snapshots.labels(outcome="failed").inc()
+            self.counters.snapshots.labels(outcome="failed").inc()
             self._log.warning("scheduler.snapshot_failed", round=self.next_round - 1,
                               error=f"{type(exc).__name__}: {exc}"[:300])
             return
-        self._m_snapshots.labels(outcome="written").inc()
+        self.counters.snapshots.labels(outcome="written").inc()
         self._log.info("scheduler.snapshot_written", key=key, round=self.next_round - 1, bytes=len(data))
 
     async def _publish(self, event: Event, *, deadline: float, round_: int) -> None:
@@ -261,7 +236,7 @@ class SchedulerService:
             except BusError as exc:
                 if not exc.retriable or self._stopping or self.clock.time() + delay > deadline:
                     raise RoundFailed(f"publish {event.TYPE}: {exc}", stage="publish", round=round_) from exc
-                self._m_publish_retries.inc()
+                self.counters.publish_retries.inc()
                 self._log.warning("round.publish_retry", round=round_, event_type=event.TYPE, error=str(exc)[:200],
                                   retry_in_s=delay)
                 await self.clock.sleep(delay)
@@ -292,14 +267,14 @@ class SchedulerService:
                 applied = self.state.apply(event)
         except Exception as exc:   # Rejected, or a bug a hostile event found: never stop consuming
             reason = str(exc) if isinstance(exc, Rejected) else f"scheduler: {type(exc).__name__}: {exc}"
-            self._m_rejected.labels(type=event.TYPE).inc()
+            self.counters.rejected.labels(type=event.TYPE).inc()
             self._log.warning("event.rejected", topic=delivery.topic, offset=delivery.offset, event_type=event.TYPE,
                               job=getattr(event, "job_id", None), node=getattr(event, "node_id", None),
                               round=getattr(event, "round", None), reason=reason[:300])
             await dead_letter_delivery(self.bus, delivery, reason, ts=self.clock.time(), source=self.config.source)
             return
         if applied:
-            self._m_in.labels(type=event.TYPE).inc()
+            self.counters.events_in.labels(type=event.TYPE).inc()
             if isinstance(event, Progress):
                 self._measure_startup(event)
 
@@ -361,7 +336,7 @@ class SchedulerService:
                 failures += 1
                 stage = exc.stage if isinstance(exc, RoundFailed) else "internal"
                 delay = min(self.settings.round_s, RETRY_BASE_S * 2 ** min(failures - 1, 10))
-                self._m_failures.labels(stage=stage).inc()
+                self.counters.failures.labels(stage=stage).inc()
                 self._last_error = f"{type(exc).__name__}: {exc}"[:300]
                 self._log.error("round.failed", round=self.next_round, stage=stage, error=self._last_error,
                                 retry_in_s=delay, consecutive=failures, exc_info=stage == "internal")
@@ -407,7 +382,7 @@ class SchedulerService:
                 await self._publish(event, deadline=timing.ends_at, round_=timing.round)
                 async with self._fold_lock:
                     self.state.apply(event)
-                self._m_out.labels(type=event.TYPE).inc()
+                self.counters.events_out.labels(type=event.TYPE).inc()
                 published += 1
                 if published % 64 == 0:
                     await asyncio.sleep(0)   # a bus that never blocks must not starve /healthz
@@ -416,12 +391,12 @@ class SchedulerService:
                 self.previous = plan
                 self.next_round += 1
                 self._round_s = timing.round_s
-        self._m_rounds.inc()
-        self._m_decision.observe(seconds)
-        self._m_queue.set(len(plan.waiting))
+        self.counters.rounds.inc()
+        self.counters.decision.observe(seconds)
+        self.counters.queue.set(len(plan.waiting))
         self.telemetry.round_started(timing.started_at)
         stuck = {j.spec.job_id: r for j in self.state.active_jobs() if (r := stuck_reason(j)) is not None}
-        self._m_stuck.set(len(stuck))
+        self.counters.stuck.set(len(stuck))
         for job_id, reason in sorted(stuck.items())[:10]:
             self._log.warning("job.stuck", job=job_id, round=timing.round, reason=reason)
         self._log.info("round.planned", round=timing.round, assignments=len(events) - 1,

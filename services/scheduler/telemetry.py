@@ -33,14 +33,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from services.scheduler.state import SchedulerState
 from shared.events import DeadLetter
 
-__all__ = ["ClusterView", "DeadLetterTally", "SchedulerTelemetry", "cluster_view"]
+__all__ = ["ClusterView", "DeadLetterTally", "SchedulerCounters", "SchedulerTelemetry", "cluster_view"]
 
 MISSED_HEARTBEATS = 3   # as SchedulerState.live_nodes: a node silent this many periods is lost
 
@@ -185,3 +185,27 @@ class SchedulerTelemetry:
 def _round_buckets(round_s: float) -> tuple[float, ...]:
     """Around the configured length: a round that starts late shows in the upper buckets."""
     return tuple(round(round_s * f, 6) for f in (0.5, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0))
+
+
+class SchedulerCounters:
+    """The scheduler service's own counters and gauges, updated as it folds, plans and
+    publishes (the cluster view above is computed at scrape time instead)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.rounds = Counter("hadar_scheduler_rounds", "Rounds planned", registry=r)
+        self.decision = Histogram("hadar_scheduler_decision_seconds", "Time in policy.plan()",
+                                  registry=r, buckets=(.001, .01, .05, .1, .5, 1, 5, 30))
+        self.queue = Gauge("hadar_scheduler_queue_length", "Active jobs left waiting", registry=r)
+        self.stuck = Gauge("hadar_scheduler_jobs_stuck",
+                           "Active jobs without consolidated progress for several rounds", registry=r)
+        self.events_in = Counter("hadar_scheduler_events_in", "Events folded", ["type"], registry=r)
+        self.events_out = Counter("hadar_scheduler_events_out", "Events published", ["type"], registry=r)
+        self.failures = Counter("hadar_scheduler_round_failures", "Round attempts that failed, by stage",
+                                ["stage"], registry=r)
+        self.publish_retries = Counter("hadar_scheduler_publish_retries", "Publishes retried after a bus error",
+                                       registry=r)
+        self.rejected = Counter("hadar_scheduler_events_rejected", "Events refused and dead-lettered",
+                                ["type"], registry=r)
+        self.snapshots = Counter("hadar_scheduler_snapshots", "State snapshots written, by outcome",
+                                 ["outcome"], registry=r)
