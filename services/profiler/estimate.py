@@ -14,11 +14,15 @@ as :func:`shared.workloads.calibrated_fallback` does (docs/architecture.md "Work
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from shared import gpus, workloads, zoo
 from shared.events import JobSpec
+from shared.fork_cost import DEFAULT_OPTIMIZER_SLOTS, MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS
 
-__all__ = ["catalog_rates", "checkpoint_size", "emulated_rates", "job_figures_for"]
+__all__ = ["Sizer", "catalog_rates", "checkpoint_size", "emulated_rates", "job_figures_for", "size_or_unknown"]
+
+Sizer = Callable[[JobSpec], tuple[int, int]]   # (model_bytes, optimizer_slots); ValueError: unknown
 
 
 def job_figures_for(spec: JobSpec) -> workloads.JobFigures:
@@ -39,6 +43,18 @@ def checkpoint_size(spec: JobSpec) -> tuple[int, int]:
     optimizer's state tensors per parameter. ``ValueError`` as :func:`job_figures_for`."""
     figures = job_figures_for(spec)
     return figures.params * 4, figures.optimizer_slots
+
+
+def size_or_unknown(sizer: Sizer, spec: JobSpec) -> tuple[int, int]:
+    """The job's checkpoint size, or 0 bytes (charged nothing) for a model without figures
+    whose rates a custom estimator still gave, or one beyond the event's bounds."""
+    try:
+        model_bytes, slots = sizer(spec)
+    except ValueError:
+        return 0, DEFAULT_OPTIMIZER_SLOTS
+    if not (0 <= model_bytes <= MAX_MODEL_BYTES and 0 <= slots <= MAX_OPTIMIZER_SLOTS):
+        return 0, DEFAULT_OPTIMIZER_SLOTS
+    return model_bytes, slots
 
 
 def catalog_rates(spec: JobSpec) -> dict[str, float]:

@@ -33,13 +33,12 @@ from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry, Counter
 
-from services.profiler.estimate import catalog_rates, checkpoint_size, emulated_rates
+from services.profiler.estimate import Sizer, catalog_rates, checkpoint_size, emulated_rates, size_or_unknown
 from services.profiler.snapshot import SERVICE, capture, restore
 from services.profiler.state import DEFAULT_ALPHA, DEFAULT_THRESHOLD, ProfilerState
 from shared.bus import Bus, BusError, Delivery
 from shared.clock import Clock, SystemClock
 from shared.dispatch import HandlerTable
-from shared.fork_cost import DEFAULT_OPTIMIZER_SLOTS, MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS
 from shared.events import (
     CopyFinished, Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated, Progress,
     RoundAbandoned, ThroughputEstimate,
@@ -55,7 +54,6 @@ from shared.topics import DEADLETTER, JOBS, MODELS, PROGRESS, THROUGHPUT
 __all__ = ["ProfilerConfig", "ProfilerService", "Estimator", "Sizer"]
 
 Estimator = Callable[[JobSpec], dict[str, float]]
-Sizer = Callable[[JobSpec], tuple[int, int]]   # (model_bytes, optimizer_slots); ValueError: unknown
 INPUT_TOPICS: tuple[str, ...] = (JOBS, PROGRESS, MODELS)
 RECOVERY_TOPICS: tuple[str, ...] = (THROUGHPUT, JOBS)   # read at start-up: its own estimates, the jobs
 MAX_WORKERS = 64  # ThroughputEstimate.workers range
@@ -205,7 +203,7 @@ class ProfilerService:
         log = self._log.bind(job=spec.job_id)
         try:
             rates = await asyncio.to_thread(self.estimator, spec)
-            model_bytes, slots = await asyncio.to_thread(_size_or_unknown, self.sizer, spec)
+            model_bytes, slots = await asyncio.to_thread(size_or_unknown, self.sizer, spec)
         except ValueError as exc:
             self._m_no_figures.inc()
             self.state.mark_estimated(spec.job_id)
@@ -297,14 +295,3 @@ class ProfilerService:
         JobCompleted: _on_finished, JobCancelled: _on_finished,
     }, topics=INPUT_TOPICS, ignore=(CopyFinished, ModelConsolidated, RoundAbandoned))
 
-
-def _size_or_unknown(sizer: Sizer, spec: JobSpec) -> tuple[int, int]:
-    """The job's checkpoint size, or 0 bytes (charged nothing) for a model without figures
-    whose rates a custom estimator still gave, or one beyond the event's bounds."""
-    try:
-        model_bytes, slots = sizer(spec)
-    except ValueError:
-        return 0, DEFAULT_OPTIMIZER_SLOTS
-    if not (0 <= model_bytes <= MAX_MODEL_BYTES and 0 <= slots <= MAX_OPTIMIZER_SLOTS):
-        return 0, DEFAULT_OPTIMIZER_SLOTS
-    return model_bytes, slots
