@@ -7,6 +7,13 @@ Guarantees (the service's docstring states them for the whole tracker):
   round model (temp file, then an atomic ``put_file``), and only then returns the
   ModelConsolidated that announces it; with no usable replica it stores nothing and
   returns a RoundAbandoned with the rejections.
+* A consolidation cancelled while it averages (a drain cut short: ``run_service``'s
+  ``drain_timeout_s``) stops its worker thread at the replicas' next chunk
+  (:class:`~services.tracker.store_reader.ConsolidationStopped`), waits for it up to
+  :data:`STOP_WAIT_S` and removes its staging directory: no read of the store, no write
+  and no upload follows, and nothing is announced; the round stays unannounced and the
+  next tracker consolidates it. Cancelled during an upload, the upload may still complete
+  (an object appears whole or not at all); the next tracker then announces it as stored.
 * :meth:`RoundProducer.existing` announces a model an earlier run stored but did not
   announce, from the model's own metadata, so a restart never publishes a different model;
   a model that is not this round's, unreadable, or whose announcement ``check`` refuses
@@ -20,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +39,7 @@ from services.tracker.consolidate import NoUsableReplica, Rejected, Replica, pla
 from services.tracker.metrics import TrackerMetrics
 from services.tracker.model_output import RoundOutputs, held_out_metric, write_round_outputs
 from services.tracker.safetensors_format import InvalidSafetensors, read_header
-from services.tracker.store_reader import StoreRangeReader
+from services.tracker.store_reader import ConsolidationStopped, StoreRangeReader
 from services.tracker.work import CompletionWork, RoundWork
 from shared.clock import Clock
 from shared.errors import HadarError
@@ -40,7 +48,9 @@ from shared.layout import final_key, optim_key
 from shared.model_meta import InvalidModelMetadata, ModelMetadata
 from shared.store import InvalidKey, ObjectNotFound, ObjectStore
 
-__all__ = ["RoundProducer", "AnnouncementRefused", "announcement"]
+__all__ = ["RoundProducer", "AnnouncementRefused", "announcement", "STOP_WAIT_S"]
+
+STOP_WAIT_S = 5.0   # how long a cancelled consolidation waits for its worker thread to stop
 
 
 class AnnouncementRefused(HadarError):
@@ -69,6 +79,7 @@ class RoundProducer:
         loop = asyncio.get_running_loop()
         rejected = [Rejected(copy=f.copy, reason=f"copy failed: {f.reason or 'no reason given'}"[:240])
                     for f in work.failed]
+        stop = threading.Event()
         replicas = []
         for copy in work.usable:
             assert copy.checkpoint is not None
@@ -78,11 +89,13 @@ class RoundProducer:
                 rejected.append(Rejected(copy=copy.copy, reason=f"checkpoint {copy.checkpoint!r}: {exc}"[:240]))
                 continue
             replicas.append(Replica(copy=copy.copy, steps=copy.steps, max_steps=copy.budget,
-                                    workers=copy.workers, reader=StoreRangeReader(self.store, copy.checkpoint, size, loop)))
+                                    workers=copy.workers,
+                                    reader=StoreRangeReader(self.store, copy.checkpoint, size, loop, stop=stop)))
         tmp_dir = Path(tempfile.mkdtemp(prefix="hadar-tracker-", dir=self.config.temp_dir))
         try:
             try:
-                outputs, metric = await asyncio.to_thread(self._write, work, replicas, rejected, tmp_dir)
+                outputs, metric = await self._in_thread(stop, log, self._write, work, replicas, rejected,
+                                                        tmp_dir, stop)
             except NoUsableReplica as exc:
                 self._m.rejected.inc(len(exc.rejected) - len(work.failed))
                 log.warning("round.no_usable_replica", reason=str(exc)[:500], missing=list(work.missing))
@@ -101,8 +114,24 @@ class RoundProducer:
         return announcement(outputs.meta, key, self.clock.time(), self.config.source, seconds=seconds,
                             metric=metric)
 
+    @staticmethod
+    async def _in_thread(stop: threading.Event, log: Any, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in a worker thread. Cancelled, it sets ``stop`` (which ``fn`` obeys
+        at its next chunk) and waits up to :data:`STOP_WAIT_S` for the thread to return
+        before the cancellation goes on, so nothing it does outlives the round's attempt."""
+        task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())   # retrieved: never logged as lost
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            stop.set()
+            await asyncio.wait({task}, timeout=STOP_WAIT_S)
+            stopped = task.done() and (task.cancelled() or isinstance(task.exception(), ConsolidationStopped))
+            log.warning("round.consolidation_stopped", stopped=stopped, thread_running=not task.done())
+            raise
+
     def _write(self, work: RoundWork, replicas: list[Replica], rejected: list[Rejected],
-               tmp_dir: Path) -> tuple[RoundOutputs, tuple[str, float] | None]:
+               tmp_dir: Path, stop: threading.Event) -> tuple[RoundOutputs, tuple[str, float] | None]:
         # The plan bounds each copy's steps and the job's total. Writing may reject replicas
         # holding NaN or inf: the files' metadata and the announcement are those of the plan
         # actually written (model_output.py).
@@ -111,6 +140,8 @@ class RoundProducer:
                                   limit_worker_steps=work.limit_worker_steps)
         outputs = write_round_outputs(plan, tmp_dir, job_id=work.job_id, round_=work.round, missing=work.missing,
                                       spec=work.spec, chunk_bytes=self.config.chunk_bytes)
+        if stop.is_set():   # the evaluation cannot be stopped midway: do not start it
+            raise ConsolidationStopped(f"{work.job_id} round {work.round}: consolidation stopped")
         metric, why_not = held_out_metric(outputs.model_path, work.spec)
         if metric is None:
             self._log.info("round.no_metric", job=work.job_id, round=work.round, reason=why_not)

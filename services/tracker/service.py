@@ -143,7 +143,11 @@ class TrackerService:
         self._janitor_task = asyncio.create_task(self._janitor.run(self.config.tick_s), name="tracker-objects")
 
     async def stop(self) -> None:
-        """Stop consuming, let the round in progress finish and be published, then return."""
+        """Stop consuming, let the round in progress finish and be published, then return.
+
+        Cancelled (``run_service``'s drain timeout), the round in progress is abandoned
+        cleanly: its averaging thread stops, nothing is stored or announced, and the next
+        tracker consolidates it (:mod:`services.tracker.produce`)."""
         self._stopping = True
         self._wake.set()
         for task in (self._consumer, self._janitor_task):
