@@ -58,8 +58,8 @@ async def memory_bus() -> AsyncIterator[MemoryBus]:
     await bus.stop()
 
 
-def tracker(bus: MemoryBus, store: object, staging: Path) -> TrackerService:
-    config = TrackerConfig(group="tracker-drain", tick_s=0.05, finish_timeout_s=3600.0, chunk_bytes=CHUNK_BYTES,
+def tracker(bus: MemoryBus, store: object, staging: Path, chunk_bytes: int = CHUNK_BYTES) -> TrackerService:
+    config = TrackerConfig(group="tracker-drain", tick_s=0.05, finish_timeout_s=3600.0, chunk_bytes=chunk_bytes,
                            temp_dir=str(staging), snapshot_every=0)
     return TrackerService(bus=bus, store=store, config=config, clock=FakeClock(T0 + 1000))  # type: ignore[arg-type]
 
@@ -100,7 +100,7 @@ async def test_a_drain_cut_short_stops_the_averaging_and_the_next_tracker_consol
         if not stopped:
             await first.stop()
 
-    second = tracker(memory_bus, local_store, staging)
+    second = tracker(memory_bus, local_store, staging, chunk_bytes=1 << 20)
     await second.start()
     try:
         events = await wait_for(memory_bus, "j-drain", lambda es: bool(consolidations(es)))
