@@ -59,7 +59,7 @@ HADAR = [sys.executable, "-m", "services.cli.main"]
 STEPS = (120, 60, 20)              # the three copies' steps: the job's iterations are their sum
 ELEMENTS = 512 << 10               # float32 elements per replica (2 MiB)
 CHUNK_BYTES = 16 << 10             # each ranged read from MinIO: 128 reads per replica, 1-2 s on an idle machine
-MIDWAY_BYTES = 64 << 10             # the staged model is this far written: averaging is under way
+MIDWAY_BYTES = 64 << 10            # the staged model is this far written: averaging is under way
 START_S = 120.0                    # a tracker process's start (torch import, replay) on a loaded machine
 
 
@@ -99,7 +99,7 @@ async def feed(bus: Bus, store: ObjectStore, elements: int = ELEMENTS) -> Round:
     await bus.emit(RoundStarted(ts=now, source="scheduler", round=r, policy="hadare", started_at=now,
                                 ends_at=now + 3600, assignments=len(STEPS)))
     replicas = []
-    for copy, steps in enumerate(STEPS):
+    for copy in range(len(STEPS)):
         await bus.emit(Assignment(ts=now, source="scheduler", round=r, job=job, copy=copy, node_id=f"n{copy}",
                                   gpus=(0,), gpu_type="V100", world_size=1, ranks=(0,), step_budget=1_000,
                                   deadline=now + 3600))
@@ -146,7 +146,7 @@ async def models_events(bus: Bus, job_id: str) -> list[Event]:
     return [d.event async for d in bus.read(MODELS) if getattr(d.event, "job_id", None) == job_id]
 
 
-async def until(what: str, probe, timeout_s: float, proc: TrackerProcess | None = None):
+async def until(what: str, probe, timeout_s: float, proc: TrackerProcess | None = None, *, poll_s: float = 0.05):
     deadline = time.monotonic() + timeout_s
     while True:
         found = await probe()
@@ -156,7 +156,7 @@ async def until(what: str, probe, timeout_s: float, proc: TrackerProcess | None 
             raise AssertionError(f"tracker exited {proc.proc.returncode} waiting for {what}:\n{proc.tail()}")
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}" + (f":\n{proc.tail()}" if proc else ""))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(poll_s)
 
 
 def staged_model_bytes(staging: Path) -> int:
@@ -226,7 +226,7 @@ async def sigterm_midway(tracker: TrackerProcess, bus: KafkaBus, store: MinioSto
         async def midway() -> bool:
             return staged_model_bytes(staging) >= MIDWAY_BYTES
 
-        await until("the round's model to be partly written", midway, START_S, tracker)
+        await until("the round's model to be partly written", midway, START_S, tracker, poll_s=0.01)
         seconds = tracker.terminate()
     finally:
         tracker.kill()
