@@ -31,8 +31,8 @@ except ImportError:  # pragma: no cover - depends on the installation
 from services.tracker.safetensors_format import FLOAT_DTYPES, TensorInfo, bf16_to_f32, encode_header, f32_to_bf16
 from shared.errors import HadarError
 
-if TYPE_CHECKING:  # consolidate imports this module; the plan types are only annotations here
-    from services.tracker.consolidate import AcceptedReplica, ConsolidationPlan
+if TYPE_CHECKING:  # the plan types are only annotations here
+    from services.tracker.plan import AcceptedReplica, ConsolidationPlan
 
 __all__ = ["NonFinite", "ReadTally", "single_threaded_blas", "write_average"]
 
