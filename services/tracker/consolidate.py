@@ -24,12 +24,18 @@ re-exported here). The arithmetic is in :mod:`services.tracker.average`. Guarant
   ``k + 1`` times.
 * Memory: tensors are processed in chunks of at most ``chunk_bytes`` of accumulator, one
   replica at a time, so extra memory is a few chunks (never more than about 3x the largest
-  tensor) however large the model or however many replicas. Local files are read through
+  tensor) however large the model or however many replicas. With ``threads`` > 1 each
+  thread has its own few chunks, and two windows of output (``window_bytes`` each, or
+  one chunk per thread if more) are staged so that one is written while the next is
+  averaged: about ``2 x window_bytes + threads x 3 x chunk_bytes``, still independent of
+  the model's size and the number of replicas. Local files are read through
   read-only mappings of ``window_bytes`` per replica (page cache, not allocations), other
   readers chunk by chunk. The output is written header first, then tensor by tensor, to
   a caller-supplied seekable binary file.
-* Deterministic: the same replicas, steps and mode give byte-identical output. One replica
-  gives that replica's tensors back exactly.
+* Deterministic: the same replicas, steps and mode give byte-identical output, whatever
+  ``threads``, ``window_bytes`` and reader kind (threads split a tensor's chunks, never an
+  element's sum: each element is ``w0*x0``, then ``+ wi*xi`` in copy order, by the same
+  kernels). One replica gives that replica's tensors back exactly.
 """
 
 from __future__ import annotations
@@ -73,7 +79,7 @@ class WriteStats:
 def write_consolidated(plan: ConsolidationPlan, out: BinaryIO, *,
                        metadata: Mapping[str, str] | None = None,
                        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                       window_bytes: int = DEFAULT_WINDOW_BYTES) -> WriteStats:
+                       window_bytes: int = DEFAULT_WINDOW_BYTES, threads: int = 1) -> WriteStats:
     """Stream the average described by ``plan`` into ``out`` (header first, then tensors).
 
     ``metadata`` (str -> str) is added to the plan's own (mode, steps, copies, weights,
@@ -83,16 +89,20 @@ def write_consolidated(plan: ConsolidationPlan, out: BinaryIO, *,
     rejected, ``out`` truncated back to where it started and rewritten without it; the
     returned ``WriteStats.plan`` is the plan actually written. Raises
     :class:`NoUsableReplica` if that leaves nothing to average, ``OSError`` if a replica
-    cannot be read to the end; ``out`` is then incomplete.
+    cannot be read to the end; ``out`` is then incomplete. ``threads`` > 1 averages on
+    that many threads, with the same bytes as a result (readers are then read from
+    several threads at once).
     """
     if chunk_bytes < 8 or window_bytes < 8:
         raise ValueError("chunk_bytes and window_bytes must be >= 8")
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
     start = out.tell()
     tally = ReadTally()
     with single_threaded_blas():
         while True:
             try:
-                written = write_average(plan, out, metadata, chunk_bytes, window_bytes, tally)
+                written = write_average(plan, out, metadata, chunk_bytes, window_bytes, tally, threads)
                 return WriteStats(bytes_read=tally.read, bytes_written=written, tensors=len(plan.layout),
                                   plan=plan)
             except NonFinite as bad:
@@ -104,7 +114,8 @@ def write_consolidated(plan: ConsolidationPlan, out: BinaryIO, *,
 
 def consolidate_local(inputs: Sequence[tuple[str | os.PathLike[str], int]], out_path: str | os.PathLike[str],
                       *, mode: Mode = "steps", metadata: Mapping[str, str] | None = None,
-                      chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[ConsolidationPlan, WriteStats]:
+                      chunk_bytes: int = DEFAULT_CHUNK_BYTES, threads: int = 1
+                      ) -> tuple[ConsolidationPlan, WriteStats]:
     """Average local files ``(path, steps)`` into ``out_path``, atomically (temp + rename).
 
     Copy ids are the inputs' positions. Returns the plan actually written (see
@@ -121,7 +132,7 @@ def consolidate_local(inputs: Sequence[tuple[str | os.PathLike[str], int]], out_
                                         dir=out_path.parent or Path("."))
         try:
             with os.fdopen(fd, "wb") as out:
-                stats = write_consolidated(plan, out, metadata=metadata, chunk_bytes=chunk_bytes)
+                stats = write_consolidated(plan, out, metadata=metadata, chunk_bytes=chunk_bytes, threads=threads)
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(tmp_name, out_path)
