@@ -134,13 +134,14 @@ def _average_tensor(tensor: TensorInfo, readers: Sequence[AcceptedReplica], out:
 
 def _average_chunk(tensor: TensorInfo, readers: Sequence[AcceptedReplica], mapped: Sequence[np.ndarray | None],
                    window_first: int, first: int, count: int, acc_dtype: np.dtype, bufs: _Buffers,
-                   tally: ReadTally) -> np.ndarray:
+                   tally: ReadTally, release_gil: bool = False) -> np.ndarray:
     """Elements [first, first + count) of the average, in the stored dtype (a view of
-    ``bufs``). Raises :class:`NonFinite` if an input's chunk holds NaN or inf."""
+    ``bufs``). Raises :class:`NonFinite` if an input's chunk holds NaN or inf.
+    ``release_gil``: other threads average other chunks meanwhile."""
     acc = bufs.array("acc", acc_dtype, count)
     for i, (replica, view) in enumerate(zip(readers, mapped)):
         raw = _chunk(replica, view, tensor, first - window_first, first, count, bufs)
-        _accumulate(acc, raw, replica.weight, tensor.dtype, bufs, first=i == 0)
+        _accumulate(acc, raw, replica.weight, tensor.dtype, bufs, first=i == 0, release_gil=release_gil)
     tally.read += count * FLOAT_DTYPES[tensor.dtype].itemsize * len(readers)
     if not np.isfinite(acc, out=bufs.array("finite", np.dtype(np.bool_), count)).all():
         _raise_if_an_input_is_non_finite(tensor, readers, mapped, window_first, first, count, bufs, tally)
@@ -173,7 +174,7 @@ class _Window:
             count = min(self.step, self.window_first + self.window_count - first)
             try:
                 result = _average_chunk(self.tensor, self.readers, self.mapped, self.window_first, first, count,
-                                        self.acc_dtype, bufs, tally)
+                                        self.acc_dtype, bufs, tally, release_gil=True)
                 np.copyto(self.staging[k * self.step * size:(k * self.step + count) * size], result.view(np.uint8))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller by raise_first
                 self.errors[k] = exc
@@ -288,7 +289,7 @@ def _mapped(replica: AcceptedReplica, tensor: TensorInfo, first: int, count: int
 
 
 def _accumulate(acc: np.ndarray, raw: np.ndarray, weight: float, dtype: str, bufs: _Buffers,
-                *, first: bool) -> None:
+                *, first: bool, release_gil: bool) -> None:
     """acc = weight * raw (first replica) or acc += weight * raw, in the accumulator's dtype."""
     if dtype == "BF16":
         values = bf16_to_f32(raw, bufs.array("wide", np.dtype(np.float32), raw.size))
@@ -300,7 +301,7 @@ def _accumulate(acc: np.ndarray, raw: np.ndarray, weight: float, dtype: str, buf
     if first:
         np.multiply(values, weight, out=acc, dtype=acc.dtype)
         return
-    axpy(values, acc, weight)
+    axpy(values, acc, weight, release_gil=release_gil)
 
 
 def _stored_bytes(acc: np.ndarray, dtype: str, bufs: _Buffers) -> np.ndarray:

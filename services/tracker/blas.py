@@ -10,7 +10,9 @@ Guarantees: ``y`` (float32 or float64, C-contiguous, writable) becomes ``y + a *
 element-wise exactly as ``scipy.linalg.blas.?axpy(x, y, a=a)`` computes it (``a`` is
 rounded to ``y``'s dtype first, as scipy does); ``x`` must have ``y``'s dtype and size
 and be C-contiguous. Sizes above 2**31-1 elements (BLAS's ``int``) are done in pieces.
-Anything else raises ``ValueError``.
+Anything else raises ``ValueError``. A ctypes call costs about 4 us against scipy's
+0.3 us, so ``release_gil=False`` (one thread) goes through scipy's wrapper instead: the
+same kernel, the same result.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import ctypes
 from collections.abc import Callable
 
 import numpy as np
+from scipy.linalg.blas import daxpy, saxpy
 
 __all__ = ["axpy"]
 
@@ -46,14 +49,20 @@ _KERNELS = {np.dtype(np.float32): (_kernel("saxpy", ctypes.c_float), ctypes.c_fl
 _ONE = ctypes.c_int(1)
 
 
-def axpy(x: np.ndarray, y: np.ndarray, a: float) -> None:
-    """``y += a * x`` in place (see the module's guarantees)."""
+def axpy(x: np.ndarray, y: np.ndarray, a: float, *, release_gil: bool = True) -> None:
+    """``y += a * x`` in place (see the module's guarantees); ``release_gil``: let other
+    threads run Python while the kernel runs."""
     entry = _KERNELS.get(y.dtype)
     if entry is None or x.dtype != y.dtype or x.size != y.size:
         raise ValueError(f"axpy needs two float32 or float64 arrays of one size, got {x.dtype}[{x.size}] "
                          f"and {y.dtype}[{y.size}]")
     if not (x.flags.c_contiguous and y.flags.c_contiguous and y.flags.writeable):
         raise ValueError("axpy needs C-contiguous arrays and a writable y")
+    if not release_gil:
+        result = (daxpy if y.dtype == np.float64 else saxpy)(x, y, a=a)
+        if result is not y:  # the wrapper made a copy: keep y in place
+            y[...] = result
+        return
     kernel, real = entry
     weight = ctypes.byref(real(a))
     item = y.itemsize

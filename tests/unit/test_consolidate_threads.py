@@ -147,3 +147,20 @@ def test_axpy_kernels_are_called_without_the_gil() -> None:
 
     for kernel, _ in blas._KERNELS.values():
         assert not kernel._flags_ & ctypes._FUNCFLAG_PYTHONAPI
+
+
+def test_cli_consolidate_threads_writes_the_same_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from services.cli.main import main as hadar_main
+
+    layout = [("w", "F32", (70_000,)), ("h", "F16", (999,))]
+    args = []
+    for i in range(3):
+        path = tmp_path / f"copy{i}.safetensors"
+        path.write_bytes(_replica_bytes(layout, i))
+        args.append(f"{path}:{i + 1}")
+    assert hadar_main(["consolidate", "--threads", "1", "--out", str(tmp_path / "one.safetensors"), *args]) == 0
+    assert hadar_main(["consolidate", "--threads", "3", "--out", str(tmp_path / "three.safetensors"), *args]) == 0
+    assert (tmp_path / "three.safetensors").read_bytes() == (tmp_path / "one.safetensors").read_bytes()
+    capsys.readouterr()
+    assert hadar_main(["consolidate", "--threads", "0", "--out", str(tmp_path / "x.safetensors"), *args]) == 2
+    assert "--threads" in capsys.readouterr().err
