@@ -134,11 +134,13 @@ def _average_tensor(tensor: TensorInfo, readers: Sequence[AcceptedReplica], out:
 
 def _average_chunk(tensor: TensorInfo, readers: Sequence[AcceptedReplica], mapped: Sequence[np.ndarray | None],
                    window_first: int, first: int, count: int, acc_dtype: np.dtype, bufs: _Buffers,
-                   tally: ReadTally, release_gil: bool = False) -> np.ndarray:
+                   tally: ReadTally, release_gil: bool = False, acc: np.ndarray | None = None) -> np.ndarray:
     """Elements [first, first + count) of the average, in the stored dtype (a view of
-    ``bufs``). Raises :class:`NonFinite` if an input's chunk holds NaN or inf.
-    ``release_gil``: other threads average other chunks meanwhile."""
-    acc = bufs.array("acc", acc_dtype, count)
+    ``bufs``, or ``acc`` itself when given and of the stored dtype). Raises
+    :class:`NonFinite` if an input's chunk holds NaN or inf. ``release_gil``: other
+    threads average other chunks meanwhile."""
+    if acc is None:
+        acc = bufs.array("acc", acc_dtype, count)
     for i, (replica, view) in enumerate(zip(readers, mapped)):
         raw = _chunk(replica, view, tensor, first - window_first, first, count, bufs)
         _accumulate(acc, raw, replica.weight, tensor.dtype, bufs, first=i == 0, release_gil=release_gil)
@@ -160,6 +162,8 @@ class _Window:
         self.tensor, self.readers, self.mapped = tensor, readers, mapped
         self.window_first, self.window_count, self.step, self.acc_dtype = window_first, window_count, step, acc_dtype
         self.staging = staging
+        # F32 and F64 are accumulated in place in the staging buffer (no copy); others are rounded into it
+        self.in_place = FLOAT_DTYPES[tensor.dtype] == acc_dtype
         self.chunks = -(-window_count // step)
         self.errors: dict[int, BaseException] = {}
         self._claims = itertools.count()
@@ -172,10 +176,13 @@ class _Window:
                 return
             first = self.window_first + k * self.step
             count = min(self.step, self.window_first + self.window_count - first)
+            target = self.staging[k * self.step * size:(k * self.step + count) * size]
             try:
+                acc = target.view(self.acc_dtype) if self.in_place else None
                 result = _average_chunk(self.tensor, self.readers, self.mapped, self.window_first, first, count,
-                                        self.acc_dtype, bufs, tally, release_gil=True)
-                np.copyto(self.staging[k * self.step * size:(k * self.step + count) * size], result.view(np.uint8))
+                                        self.acc_dtype, bufs, tally, release_gil=True, acc=acc)
+                if acc is None:
+                    np.copyto(target, result.view(np.uint8))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller by raise_first
                 self.errors[k] = exc
                 return
