@@ -18,7 +18,9 @@ then, in this order:
   (default min(4, usable CPUs)), timed in the same repeats right after the one-thread run,
   per CPU-second of the whole process (``time.process_time``: every averaging thread);
   ``speedup`` = gbps_threads / gbps; ``identical``: its output is the one-thread output,
-  byte for byte; ``peak_extra_mb_threads``: its peak traced allocation;
+  byte for byte; ``peak_extra_mb_threads``: its peak traced allocation; ``cores_busy`` /
+  ``cores_busy_threads``: the most cores each run got (CPU seconds over wall seconds), which
+  says whether the threads found cores to run on at all on a shared machine;
 * with ``--hogs K``, K processes spinning on the CPU run beside every timed run (started
   before the first memcpy, stopped at the end), so the loaded figure is measured the same
   way every time; ``load_avg``: the 1-minute load average when the timed runs start, and
@@ -253,6 +255,8 @@ def main() -> None:
         hogs = start_hogs(args.hogs)
         memcpy = memcpy_cpu = gbps = gbps_cpu = gbps_threads = gbps_threads_cpu = 0.0
         rss_extra = 0
+        busy: list[float] = []          # cores the one-thread run got (CPU s / wall s), per repeat
+        busy_threads: list[float] = []  # cores the multi-thread run got
         for attempt in range(args.repeat):  # best of N for each, interleaved: the machine is shared
             copy_wall, copy_cpu = memcpy_gbps()
             with RssPeak() as rss:
@@ -261,6 +265,7 @@ def main() -> None:
             memcpy, memcpy_cpu = max(memcpy, copy_wall), max(memcpy_cpu, copy_cpu)
             gbps, gbps_cpu = max(gbps, run_gbps), max(gbps_cpu, run_cpu)
             rss_extra = max(rss_extra, rss.extra)
+            busy.append(cpu_seconds / seconds)
             line = (f"run {attempt + 1}: memcpy (1 core) {copy_wall:.2f} GB/s ({copy_cpu:.2f} per CPU s); "
                     f"1 thread {stats.bytes_read / 1e9:.2f} GB in {seconds:.2f} s = {run_gbps:.2f} GB/s "
                     f"({run_cpu:.2f} per CPU s), RSS +{rss.extra / MIB:.1f} MiB")
@@ -268,6 +273,7 @@ def main() -> None:
                 stats_t, seconds_t, _, process_seconds = timed(inputs, threads_out, args.threads)
                 run_t, run_t_cpu = stats_t.bytes_read / seconds_t / 1e9, stats_t.bytes_read / process_seconds / 1e9
                 gbps_threads, gbps_threads_cpu = max(gbps_threads, run_t), max(gbps_threads_cpu, run_t_cpu)
+                busy_threads.append(process_seconds / seconds_t)
                 line += f"; {args.threads} threads {seconds_t:.2f} s = {run_t:.2f} GB/s ({run_t_cpu:.2f} per CPU s)"
             print(line, file=sys.stderr)
         stop_hogs(hogs)
@@ -304,6 +310,8 @@ def main() -> None:
             "ratio_threads_wall": round(gbps_threads / memcpy, 3) if multi else None,
             "speedup": round(gbps_threads / gbps, 3) if multi else None,
             "identical": identical,
+            "cores_busy": round(max(busy), 2),
+            "cores_busy_threads": round(max(busy_threads), 2) if multi else None,
             "peak_extra_mb_threads": round(peak_threads / MIB, 2) if multi else None,
             "hogs": args.hogs, "load_avg": round(load_avg, 2), "cpus": usable_cpus(),
             "replicas": args.replicas, "size_mb": args.size_mb,
