@@ -198,8 +198,9 @@ class _Parallel:
     the same bytes.
 
     A tensor goes window by window (at least one chunk per thread); a window's chunks are
-    claimed by the threads and their results copied into a staging buffer, written to
-    ``out`` in order while the next window is averaged (two staging buffers alternate).
+    claimed by the threads and averaged into a staging buffer at their place (in place for
+    F32/F64, rounded into it for F16/BF16), which is written to ``out`` in order while the
+    next window is averaged (two staging buffers alternate).
     Extra memory: two windows of stored bytes (``window_bytes`` each, or ``threads`` chunks
     if more) plus each thread's chunk buffers (a few chunks), so about ``2 x window_bytes +
     threads x 3 x chunk_bytes`` whatever the model's size.
