@@ -14,24 +14,38 @@ then, in this order:
 * gbps_per_cpu_s / memcpy_gbps_per_cpu_s: the same two rates per CPU-second of the
   working thread (``time.thread_time``), which other processes on a shared machine
   disturb much less than the wall clock;
+* gbps_threads / gbps_threads_per_cpu_s: the same consolidation on ``--threads`` threads
+  (default min(4, usable CPUs)), timed in the same repeats right after the one-thread run,
+  per CPU-second of the whole process (``time.process_time``: every averaging thread);
+  ``speedup`` = gbps_threads / gbps; ``identical``: its output is the one-thread output,
+  byte for byte; ``peak_extra_mb_threads``: its peak traced allocation; ``cores_busy`` /
+  ``cores_busy_threads``: the most cores each run got (CPU seconds over wall seconds), which
+  says whether the threads found cores to run on at all on a shared machine;
+* with ``--hogs K``, K processes spinning on the CPU run beside every timed run (started
+  before the first memcpy, stopped at the end), so the loaded figure is measured the same
+  way every time; ``load_avg``: the 1-minute load average when the timed runs start, and
+  ``cpus``: the CPUs this process may use;
 * naive_gbps / naive_peak_extra_mb: ``safetensors.numpy.load_file`` of every replica,
   a weighted sum per tensor, ``save_file`` -- the same bytes per second, and its peak RSS
   growth (sampled every 5 ms; its buffers come from Rust, invisible to tracemalloc);
 * max_abs_diff: largest difference between the two outputs (a correctness check).
 
 The files sit in the page cache, so both read at memory speed: the comparison is of the
-averaging, not of the disk. Targets: gbps >= 0.5 x memcpy_gbps, peak_extra_mb <= 3 x
-largest_tensor_mb. Last output line: one JSON object.
-Run: ``.venv/bin/python benchmarks/consolidate.py --replicas 8 --size-mb 1024``.
+averaging, not of the disk. Targets (one core): gbps >= 0.5 x memcpy_gbps, peak_extra_mb
+<= 3 x largest_tensor_mb. The multi-core figure is reported beside them, not as a target.
+Last output line: one JSON object.
+Run: ``.venv/bin/python benchmarks/consolidate.py --replicas 8 --size-mb 1024 [--threads 2] [--hogs 2]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import filecmp
 import gc
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -133,7 +147,23 @@ class RssPeak:
         return self.peak - self.base
 
 
-def streamed(inputs: list[tuple[Path, int]], out: Path) -> WriteStats:
+def usable_cpus() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def start_hogs(count: int) -> list[subprocess.Popen]:
+    """``count`` processes that keep a CPU busy until :func:`stop_hogs`."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+
+
+def stop_hogs(hogs: list[subprocess.Popen]) -> None:
+    for hog in hogs:
+        hog.kill()
+    for hog in hogs:
+        hog.wait()
+
+
+def streamed(inputs: list[tuple[Path, int]], out: Path, threads: int = 1) -> WriteStats:
     """The tracker's consolidation of local files (as ``consolidate_local``, without its fsync:
     neither way is timed with a flush to disk)."""
     readers = [FileRangeReader(path) for path, _ in inputs]
@@ -141,7 +171,7 @@ def streamed(inputs: list[tuple[Path, int]], out: Path) -> WriteStats:
         plan = plan_consolidation([Replica(copy=i, steps=steps, reader=reader)
                                    for i, (reader, (_, steps)) in enumerate(zip(readers, inputs))])
         with open(out, "wb") as f:
-            return write_consolidated(plan, f)
+            return write_consolidated(plan, f, threads=threads)
     finally:
         for reader in readers:
             reader.close()
@@ -172,6 +202,22 @@ def max_abs_diff(a: Path, b: Path) -> float:
     return worst
 
 
+def timed(inputs: list[tuple[Path, int]], out: Path, threads: int) -> tuple[WriteStats, float, float, float]:
+    """One streaming run: (stats, wall s, CPU s of this thread, CPU s of the process)."""
+    start, cpu_start, process_start = time.perf_counter(), time.thread_time(), time.process_time()
+    stats = streamed(inputs, out, threads)
+    return (stats, time.perf_counter() - start, time.thread_time() - cpu_start,
+            time.process_time() - process_start)
+
+
+def traced_peak(inputs: list[tuple[Path, int]], out: Path, threads: int) -> int:
+    tracemalloc.start()
+    streamed(inputs, out, threads)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return peak
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=8)
@@ -179,12 +225,17 @@ def main() -> None:
     parser.add_argument("--tensor-mb", type=int, default=64, help="MiB of the largest tensors")
     parser.add_argument("--dir", default=None, help="where the replicas are written (a temp dir inside)")
     parser.add_argument("--repeat", type=int, default=3, help="timed streaming runs (best counts)")
+    parser.add_argument("--threads", type=int, default=min(4, usable_cpus()),
+                        help="threads of the multi-core run, beside the one-thread run (default: min(4, CPUs); "
+                             "1: no multi-core run)")
+    parser.add_argument("--hogs", type=int, default=0, help="busy processes kept running beside the timed runs")
     parser.add_argument("--skip-naive", action="store_true", help="do not run the load-everything baseline")
     args = parser.parse_args()
-    if min(args.replicas, args.size_mb, args.tensor_mb, args.repeat) < 1:
-        parser.error("--replicas, --size-mb, --tensor-mb and --repeat must be >= 1")
+    if min(args.replicas, args.size_mb, args.tensor_mb, args.repeat, args.threads) < 1 or args.hogs < 0:
+        parser.error("--replicas, --size-mb, --tensor-mb, --repeat and --threads must be >= 1, --hogs >= 0")
 
     work = Path(tempfile.mkdtemp(prefix="hadar-bench-consolidate-", dir=args.dir))
+    hogs: list[subprocess.Popen] = []
     try:
         tensors = layout(args.size_mb, args.tensor_mb)
         largest = max(int(np.prod(s)) * 4 for _, _, s in tensors)
@@ -198,27 +249,40 @@ def main() -> None:
               f"({len(tensors)} tensors, largest {largest / MIB:.0f} MiB) under {work}", file=sys.stderr)
 
         os.sync()  # the replicas' write-back must not compete with the timed runs
-        streamed_out = work / "streamed.safetensors"
-        memcpy = memcpy_cpu = gbps = gbps_cpu = 0.0
+        streamed_out, threads_out = work / "streamed.safetensors", work / "threads.safetensors"
+        multi = args.threads > 1
+        load_avg = os.getloadavg()[0]
+        hogs = start_hogs(args.hogs)
+        memcpy = memcpy_cpu = gbps = gbps_cpu = gbps_threads = gbps_threads_cpu = 0.0
         rss_extra = 0
-        for attempt in range(args.repeat):  # best of N for both, interleaved: the machine is shared
+        busy: list[float] = []          # cores the one-thread run got (CPU s / wall s), per repeat
+        busy_threads: list[float] = []  # cores the multi-thread run got
+        for attempt in range(args.repeat):  # best of N for each, interleaved: the machine is shared
             copy_wall, copy_cpu = memcpy_gbps()
             with RssPeak() as rss:
-                start, cpu_start = time.perf_counter(), time.thread_time()
-                stats = streamed(inputs, streamed_out)
-                seconds, cpu_seconds = time.perf_counter() - start, time.thread_time() - cpu_start
+                stats, seconds, cpu_seconds, _ = timed(inputs, streamed_out, 1)
             run_gbps, run_cpu = stats.bytes_read / seconds / 1e9, stats.bytes_read / cpu_seconds / 1e9
             memcpy, memcpy_cpu = max(memcpy, copy_wall), max(memcpy_cpu, copy_cpu)
             gbps, gbps_cpu = max(gbps, run_gbps), max(gbps_cpu, run_cpu)
             rss_extra = max(rss_extra, rss.extra)
-            print(f"run {attempt + 1}: memcpy (1 core) {copy_wall:.2f} GB/s ({copy_cpu:.2f} per CPU s); "
-                  f"streaming {stats.bytes_read / 1e9:.2f} GB in {seconds:.2f} s = {run_gbps:.2f} GB/s "
-                  f"({run_cpu:.2f} per CPU s), RSS +{rss.extra / MIB:.1f} MiB", file=sys.stderr)
-        tracemalloc.start()
-        streamed(inputs, streamed_out)
-        _, traced_peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-        print(f"streaming peak traced allocation: {traced_peak / MIB:.1f} MiB", file=sys.stderr)
+            busy.append(cpu_seconds / seconds)
+            line = (f"run {attempt + 1}: memcpy (1 core) {copy_wall:.2f} GB/s ({copy_cpu:.2f} per CPU s); "
+                    f"1 thread {stats.bytes_read / 1e9:.2f} GB in {seconds:.2f} s = {run_gbps:.2f} GB/s "
+                    f"({run_cpu:.2f} per CPU s), RSS +{rss.extra / MIB:.1f} MiB")
+            if multi:
+                stats_t, seconds_t, _, process_seconds = timed(inputs, threads_out, args.threads)
+                run_t, run_t_cpu = stats_t.bytes_read / seconds_t / 1e9, stats_t.bytes_read / process_seconds / 1e9
+                gbps_threads, gbps_threads_cpu = max(gbps_threads, run_t), max(gbps_threads_cpu, run_t_cpu)
+                busy_threads.append(process_seconds / seconds_t)
+                line += f"; {args.threads} threads {seconds_t:.2f} s = {run_t:.2f} GB/s ({run_t_cpu:.2f} per CPU s)"
+            print(line, file=sys.stderr)
+        stop_hogs(hogs)
+        hogs = []
+        identical = filecmp.cmp(streamed_out, threads_out, shallow=False) if multi else None
+        peak = traced_peak(inputs, streamed_out, 1)
+        peak_threads = traced_peak(inputs, threads_out, args.threads) if multi else None
+        print(f"streaming peak traced allocation: {peak / MIB:.1f} MiB (1 thread)"
+              + (f", {peak_threads / MIB:.1f} MiB ({args.threads} threads)" if multi else ""), file=sys.stderr)
 
         naive_gbps = naive_extra = diff = None
         if not args.skip_naive:
@@ -235,15 +299,27 @@ def main() -> None:
 
         result = {
             "gbps": round(gbps, 3), "naive_gbps": None if naive_gbps is None else round(naive_gbps, 3),
-            "memcpy_gbps": round(memcpy, 3), "peak_extra_mb": round(traced_peak / MIB, 2),
+            "memcpy_gbps": round(memcpy, 3), "peak_extra_mb": round(peak / MIB, 2),
             "largest_tensor_mb": round(largest / MIB, 2), "rss_extra_mb": round(rss_extra / MIB, 1),
             "naive_peak_extra_mb": naive_extra, "max_abs_diff": diff,
             "gbps_per_cpu_s": round(gbps_cpu, 3), "memcpy_gbps_per_cpu_s": round(memcpy_cpu, 3),
+            "ratio_wall": round(gbps / memcpy, 3), "ratio_per_cpu_s": round(gbps_cpu / memcpy_cpu, 3),
+            "threads": args.threads,
+            "gbps_threads": round(gbps_threads, 3) if multi else None,
+            "gbps_threads_per_cpu_s": round(gbps_threads_cpu, 3) if multi else None,
+            "ratio_threads_wall": round(gbps_threads / memcpy, 3) if multi else None,
+            "speedup": round(gbps_threads / gbps, 3) if multi else None,
+            "identical": identical,
+            "cores_busy": round(max(busy), 2),
+            "cores_busy_threads": round(max(busy_threads), 2) if multi else None,
+            "peak_extra_mb_threads": round(peak_threads / MIB, 2) if multi else None,
+            "hogs": args.hogs, "load_avg": round(load_avg, 2), "cpus": usable_cpus(),
             "replicas": args.replicas, "size_mb": args.size_mb,
-            "targets_met": gbps >= 0.5 * memcpy and traced_peak <= 3 * largest,
+            "targets_met": gbps >= 0.5 * memcpy and peak <= 3 * largest,
         }
         print(json.dumps(result))
     finally:
+        stop_hogs(hogs)
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -1,8 +1,9 @@
 """``hadar consolidate``: the tracker's weight averaging, offline, on local files.
 
-    hadar consolidate --out OUT.safetensors IN1.safetensors:STEPS IN2.safetensors:STEPS ... [--uniform]
+    hadar consolidate --out OUT.safetensors IN1.safetensors:STEPS IN2.safetensors:STEPS ... [--uniform] [--threads N]
 
-Copy ids are the inputs' positions (0, 1, ...). Replicas that cannot be averaged are
+Copy ids are the inputs' positions (0, 1, ...). ``--threads`` (default min(4, CPUs)) only
+changes the speed: the output is the same bytes whatever it is. Replicas that cannot be averaged are
 named on stderr and left out; if none can be, or an argument is bad, one line and exit 2.
 The output is written to a temporary file beside OUT and renamed over it when complete.
 """
@@ -14,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from services.tracker.config import default_consolidation_threads
 from services.tracker.consolidate import NoUsableReplica, consolidate_local
 from shared.errors import UsageError
 
@@ -26,6 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                         "(or uniformly), streaming one tensor at a time.")
     parser.add_argument("--out", required=True, type=Path, help="output .safetensors file")
     parser.add_argument("--uniform", action="store_true", help="weigh every replica equally")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="threads that average (default: min(4, CPUs); the output is the same whatever it is)")
     parser.add_argument("inputs", nargs="+", metavar="IN:STEPS",
                         help="a replica file and the steps it trained, e.g. copy0.safetensors:1200")
     parser.set_defaults(func=run)
@@ -49,13 +53,17 @@ def parse_input(text: str) -> tuple[Path, int]:
 
 def run(args: argparse.Namespace) -> int:
     inputs = [parse_input(text) for text in args.inputs]
+    threads = default_consolidation_threads() if args.threads is None else args.threads
+    if threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {threads}")
     out: Path = args.out
     if out.is_dir() or not (out.parent if str(out.parent) else Path(".")).is_dir():
         raise UsageError(f"--out {out}: not a file in an existing directory")
     if any(out.resolve() == path.resolve() for path, _ in inputs):
         raise UsageError(f"--out {out}: must not overwrite an input")
     try:
-        plan, stats = consolidate_local(inputs, out, mode="uniform" if args.uniform else "steps")
+        plan, stats = consolidate_local(inputs, out, mode="uniform" if args.uniform else "steps",
+                                        threads=threads)
     except NoUsableReplica as exc:
         raise UsageError(" ".join(str(exc).split())) from None
     except OSError as exc:

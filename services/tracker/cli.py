@@ -43,6 +43,8 @@ def add_tracker_parser(services: argparse._SubParsersAction,
     parser.add_argument("--max-attempts", type=int, default=None,
                         help="attempts at consolidating a round or completing a job before giving it up (default: 6)")
     parser.add_argument("--temp-dir", default=None, help="where consolidated models are staged")
+    parser.add_argument("--consolidation-threads", type=int, default=None,
+                        help="threads that average a round's replicas (default: min(4, CPUs); 1: one thread)")
     parser.add_argument("--keep-round-models", type=int, default=None,
                         help="round models kept per running job, the latest ones (default: 2, at least 1)")
     parser.add_argument("--keep-checkpoints", dest="delete_checkpoints", action="store_const", const=False,
@@ -67,6 +69,7 @@ def tracker_config(args: argparse.Namespace) -> TrackerConfig:
 
     flags = {"group": args.group, "mode": args.mode, "finish_timeout_s": args.finish_timeout_s,
              "tick_s": args.tick_s, "max_attempts": args.max_attempts, "temp_dir": args.temp_dir,
+             "consolidation_threads": args.consolidation_threads,
              "keep_round_models": args.keep_round_models, "delete_checkpoints": args.delete_checkpoints,
              "delete_completed_models": args.delete_completed_models,
              "straggler_sweep_s": args.straggler_sweep_s, "snapshot_every": args.snapshot_every,

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from shared.deadline import LATE_COPY_S
 from shared.model_meta import Mode
 from shared.settings import FieldError
 
-__all__ = ["TrackerConfig", "MAX_RETRY_S"]
+__all__ = ["TrackerConfig", "MAX_RETRY_S", "default_consolidation_threads"]
 
 MAX_RETRY_S = 60.0      # the longest back-off between two attempts at a round or a completion
+MAX_CONSOLIDATION_THREADS = 256
+
+
+def default_consolidation_threads() -> int:
+    """min(4, the CPUs this process may run on): averaging is memory-bound, so a few cores
+    reach most of a socket's bandwidth, and the tracker shares its machine."""
+    return min(4, len(os.sched_getaffinity(0)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,7 +33,9 @@ class TrackerConfig:
     consolidating a round (or completing a job) before it is given up; the default, 6,
     gives up about 31 s of back-off after the first failure (tick 1 s), within the
     scheduler's default ``consolidation_wait_s`` of 60 s. ``chunk_bytes``: accumulator
-    chunk, also the size of each ranged read from the store. ``temp_dir``: where
+    chunk, also the size of each ranged read from the store. ``consolidation_threads``:
+    threads that average a round's chunks (1..256; default min(4, usable CPUs); 1: one
+    thread; the model is the same bytes whatever the number). ``temp_dir``: where
     consolidated models are staged (None: the system's). An invalid value raises
     :class:`~shared.settings.FieldError` naming the field.
 
@@ -48,6 +58,7 @@ class TrackerConfig:
     tick_s: float = 1.0
     max_attempts: int = 6
     chunk_bytes: int = 8 << 20
+    consolidation_threads: int = field(default_factory=default_consolidation_threads)
     temp_dir: str | None = None
     keep_round_models: int = 2
     delete_checkpoints: bool = True
@@ -68,6 +79,9 @@ class TrackerConfig:
             raise FieldError("max_attempts", f"must be in 1..1000, got {self.max_attempts}")
         if self.chunk_bytes < 8:
             raise FieldError("chunk_bytes", f"must be >= 8, got {self.chunk_bytes}")
+        if not 1 <= self.consolidation_threads <= MAX_CONSOLIDATION_THREADS:
+            raise FieldError("consolidation_threads",
+                             f"must be in 1..{MAX_CONSOLIDATION_THREADS}, got {self.consolidation_threads}")
         if not 1 <= self.keep_round_models <= 1_000_000:
             raise FieldError("keep_round_models", f"must be in 1..1000000, got {self.keep_round_models}")
         if not 0 <= self.straggler_sweep_s <= 1e9:

@@ -57,8 +57,10 @@ def _describe(spec: JobSpec | None, plan: ConsolidationPlan) -> ModelDescription
 
 
 def write_round_outputs(plan: ConsolidationPlan, tmp_dir: Path, *, job_id: str, round_: int,
-                        missing: tuple[int, ...], spec: JobSpec | None, chunk_bytes: int) -> RoundOutputs:
-    """Write the round's model (weights only) and its optimizer state into ``tmp_dir``."""
+                        missing: tuple[int, ...], spec: JobSpec | None, chunk_bytes: int,
+                        threads: int = 1) -> RoundOutputs:
+    """Write the round's model (weights only) and its optimizer state into ``tmp_dir``,
+    averaging on ``threads`` threads."""
     weights = tuple(t for t in plan.layout if not t.name.startswith(OPTIM_PREFIX))
     optim = tuple(t for t in plan.layout if t.name.startswith(OPTIM_PREFIX))
     if not weights:   # not a model's checkpoint at all: keep every tensor in the model file
@@ -69,12 +71,13 @@ def write_round_outputs(plan: ConsolidationPlan, tmp_dir: Path, *, job_id: str, 
         description = _describe(spec, plan)
         extra = {**static, **(description.to_metadata() if description else {})}
         with open(model_path, "wb") as out:
-            stats = write_consolidated(replace(plan, layout=weights), out, metadata=extra, chunk_bytes=chunk_bytes)
+            stats = write_consolidated(replace(plan, layout=weights), out, metadata=extra, chunk_bytes=chunk_bytes,
+                                       threads=threads)
         plan = replace(stats.plan, layout=plan.layout)
         if not optim:
             break
         with open(optim_path, "wb") as out:
-            written = write_consolidated(replace(plan, layout=optim), out, chunk_bytes=chunk_bytes,
+            written = write_consolidated(replace(plan, layout=optim), out, chunk_bytes=chunk_bytes, threads=threads,
                                          metadata={**static, "format": OPTIM_FORMAT})
         if len(written.plan.accepted) == len(plan.accepted):
             break

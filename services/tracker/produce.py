@@ -139,7 +139,8 @@ class RoundProducer:
                                   prior_worker_steps=work.prior_worker_steps, job_workers=work.job_workers,
                                   limit_worker_steps=work.limit_worker_steps)
         outputs = write_round_outputs(plan, tmp_dir, job_id=work.job_id, round_=work.round, missing=work.missing,
-                                      spec=work.spec, chunk_bytes=self.config.chunk_bytes)
+                                      spec=work.spec, chunk_bytes=self.config.chunk_bytes,
+                                      threads=self.config.consolidation_threads)
         if stop.is_set():   # the evaluation cannot be stopped midway: do not start it
             raise ConsolidationStopped(f"{work.job_id} round {work.round}: consolidation stopped")
         metric, why_not = held_out_metric(outputs.model_path, work.spec)

@@ -33,6 +33,7 @@ import math
 import mmap
 import os
 import struct
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,7 +123,8 @@ class RangeReader(Protocol):
     def size(self) -> int: ...
 
     def read_into(self, offset: int, out: memoryview) -> None:
-        """Fill ``out`` with the bytes at ``offset``; raise ``OSError`` if it cannot."""
+        """Fill ``out`` with the bytes at ``offset``; raise ``OSError`` if it cannot. May be
+        called from several threads at once (averaging on threads)."""
 
 
 class FileRangeReader:
@@ -136,11 +138,13 @@ class FileRangeReader:
         self.path = Path(path)
         self.name = str(path)
         self._fd: int | None = None
+        self._lock = threading.Lock()   # threads that read at once open the file once
 
     def _open(self) -> int:
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY)
-        return self._fd
+        with self._lock:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_RDONLY)
+            return self._fd
 
     def size(self) -> int:
         return os.fstat(self._open()).st_size

@@ -6,6 +6,7 @@ Built directly (the embedded demo), or by ``hadar serve`` from flags, the enviro
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ INVALID: list[tuple[type, str, dict[str, Any], str, Any]] = [
     (TrackerConfig, "HADAR_TRACKER_", {}, "finish_timeout_s", -1.0),
     (TrackerConfig, "HADAR_TRACKER_", {}, "tick_s", 0.0),
     (TrackerConfig, "HADAR_TRACKER_", {}, "chunk_bytes", 4),
+    (TrackerConfig, "HADAR_TRACKER_", {}, "consolidation_threads", 0),
+    (TrackerConfig, "HADAR_TRACKER_", {}, "consolidation_threads", 257),
     (TrackerConfig, "HADAR_TRACKER_", {}, "mode", "mean"),
     (TrackerConfig, "HADAR_TRACKER_", {}, "max_attempts", 0),
     (TrackerConfig, "HADAR_TRACKER_", {}, "keep_round_models", 0),
@@ -79,6 +82,7 @@ def test_an_invalid_value_is_refused_whatever_its_source(cls: type, prefix: str,
 
 def test_the_defaults_are_valid() -> None:
     assert TrackerConfig() and ProfilerConfig() and AgentConfig(node_id="n1").emulation == ()
+    assert TrackerConfig().consolidation_threads == min(4, len(os.sched_getaffinity(0)))
     assert AgentConfig(node_id="n1", emulate="v100:2, k80:1").emulation == (("v100", 2), ("k80", 1))
 
 
@@ -100,6 +104,9 @@ def test_serve_builds_each_config_from_flags_env_and_file(tmp_path: Path, monkey
             lifecycle.straggler_sweep_s) == (3, False, False, 5.0)
     monkeypatch.setenv("HADAR_TRACKER_DELETE_CHECKPOINTS", "false")
     assert tracker_config(_args("tracker")).delete_checkpoints is False
+    assert tracker_config(_args("tracker", "--consolidation-threads", "3")).consolidation_threads == 3
+    monkeypatch.setenv("HADAR_TRACKER_CONSOLIDATION_THREADS", "1")
+    assert tracker_config(_args("tracker")).consolidation_threads == 1
 
     monkeypatch.setenv("HADAR_PROFILER_ALPHA", "0.5")
     assert profiler_config(_args("profiler", "--threshold", "0.1")) == ProfilerConfig(alpha=0.5, threshold=0.1)
