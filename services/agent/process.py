@@ -31,7 +31,7 @@ from typing import Any
 
 import structlog
 
-from services.agent.slots import EMPTY, Decision, Slot, on_assign_copy, on_copy_done, warm_key
+from services.agent.slots import EMPTY, Decision, Slot, on_assign_copy, on_copy_done, stale_peers, warm_key
 from services.agent.spec import WorkerSpec, parse_worker_line, stop_line
 
 __all__ = ["PROJECT_ROOT", "child_env", "WorkerProcess", "WorkerPool", "WorkerSlots"]
@@ -230,7 +230,13 @@ class WorkerSlots:
         """The processes for one copy's specs (one per slot in ``indices``), with the decisions."""
         slots = [self._checked(i) for i in indices]
         decisions = on_assign_copy(slots, [warm_key(spec) for spec in specs])
-        retiring = [self._procs.pop(i) for i, d in zip(indices, decisions) if d.action != "reuse" and i in self._procs]
+        replaced = [i for i, d in zip(indices, decisions) if d.action != "reuse" and i in self._procs]
+        stale = stale_peers(self._slots, replaced)
+        for index in stale:
+            self.log.info("slot.retired", gpu=index, pid=self._procs[index].pid,
+                          note="a peer rank of its process group was replaced")
+            self._slots[index] = Slot(generation=self._slots[index].generation)
+        retiring = [self._procs.pop(i) for i in replaced + stale]
         await asyncio.gather(*(old.retire() for old in retiring))   # a group's ranks end together
         taken = []
         for index, decision in zip(indices, decisions, strict=True):

@@ -26,6 +26,9 @@ The rules (:func:`on_assign_copy`, :func:`on_copy_done`, built on the one-slot
   rank reuses its process or none does -- a rank whose process must be replaced takes its
   peers' processes with it (``respawn``, "a peer rank needs a new process"), because a
   fresh process cannot join a group that already exists.
+* **A group is kept whole or not at all** (:func:`stale_peers`): when a DDP rank's process
+  is replaced, the idle processes of its copy's other ranks here (bound to the same group)
+  can never be used again and are retired too, not left holding memory.
 * **A crash empties the slot** and is reported: a worker that exited, failed or was
   killed, or whose spec ended any other way than a clean ``finished`` report, is never
   reused (its state is unknown); the next assignment spawns. ``on_done`` says ``crashed``
@@ -42,7 +45,7 @@ The rules (:func:`on_assign_copy`, :func:`on_copy_done`, built on the one-slot
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -50,7 +53,7 @@ from services.agent.spec import WorkerSpec
 from shared.errors import HadarError
 
 __all__ = ["WarmKey", "Slot", "SlotBusy", "Decision", "Done", "warm_key", "on_assign", "on_done",
-           "on_assign_copy", "on_copy_done", "EMPTY"]
+           "on_assign_copy", "on_copy_done", "stale_peers", "EMPTY"]
 
 State = Literal["empty", "idle", "busy"]
 Action = Literal["spawn", "reuse", "respawn"]
@@ -188,3 +191,23 @@ def on_copy_done(slots: Sequence[Slot], *, reported: Sequence[bool], alive: Sequ
         return done
     return [d if d.slot.state != "idle" else Done(slot=Slot(generation=d.slot.generation), crashed=False,
                                                    torn_down=True) for d in done]
+
+
+def stale_peers(slots: Mapping[int, Slot], replaced: Sequence[int]) -> list[int]:
+    """The idle slots whose process is in the same process group as one of the processes
+    being replaced in ``replaced`` (module rules): those must be retired with them."""
+    stale = []
+    for index in replaced:
+        key = slots[index].key if index in slots else None
+        if key is None or key.world_size == 1:
+            continue
+        for gpu, _ in key.local:
+            other = slots.get(gpu)
+            if (gpu not in replaced and gpu not in stale and other is not None and other.state == "idle"
+                    and other.key is not None and _same_group(other.key, key)):
+                stale.append(gpu)
+    return sorted(stale)
+
+
+def _same_group(a: WarmKey, b: WarmKey) -> bool:
+    return (a.job_id, a.world_size, a.local, a.peers) == (b.job_id, b.world_size, b.local, b.peers)

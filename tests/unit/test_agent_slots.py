@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.agent.slots import (
-    EMPTY, Slot, SlotBusy, on_assign, on_assign_copy, on_copy_done, on_done, warm_key,
+    EMPTY, Slot, SlotBusy, on_assign, on_assign_copy, on_copy_done, on_done, stale_peers, warm_key,
 )
 from services.agent.spec import StoreTarget, WorkerSpec
 
@@ -110,6 +110,20 @@ def test_a_peer_rank_that_must_be_replaced_takes_the_others_with_it() -> None:
     assert [(d.action, d.reason) for d in decisions] == [
         ("respawn", "a peer rank needs a new process (a group cannot be rejoined)"), ("spawn", "slot was empty")]
     assert all(d.slot.state == "busy" and d.slot.specs == 1 for d in decisions)
+
+
+def test_replacing_one_rank_of_a_kept_group_retires_its_idle_peers_here() -> None:
+    pair = kept([ddp(0), ddp(1)])
+    single = kept([SPEC])[0]
+    slots = {0: pair[0], 1: pair[1], 2: single}
+    # next round the copy runs on GPU 1 alone: GPU 0's process is left in a group that lost a member
+    assert stale_peers(slots, [1]) == [0]
+    assert stale_peers(slots, [0, 1]) == []          # both replaced already
+    assert stale_peers(slots, [2]) == []             # a single-rank process has no group
+    other_job = kept([ddp(0, job_id="j2"), ddp(1, job_id="j2")])
+    assert stale_peers({0: other_job[0], 1: pair[1]}, [1]) == []   # GPU 0 holds another group
+    busy = on_assign(pair[0], pair[0].key).slot
+    assert stale_peers({0: busy, 1: pair[1]}, [1]) == []             # only idle processes are retired here
 
 
 @pytest.mark.parametrize(("reported", "alive"), [([True, False], [True, False]), ([True, False], [True, True]),
