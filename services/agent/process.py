@@ -239,11 +239,19 @@ class WorkerSlots:
         retiring = [self._procs.pop(i) for i in replaced + stale]
         await asyncio.gather(*(old.retire() for old in retiring))   # a group's ranks end together
         taken = []
-        for index, decision in zip(indices, decisions, strict=True):
-            proc = self._procs.get(index) if decision.action == "reuse" else await self.pool.acquire()
-            assert proc is not None
-            self._slots[index], self._procs[index] = decision.slot, proc
-            taken.append((proc, decision))
+        try:
+            for index, decision in zip(indices, decisions, strict=True):
+                proc = self._procs.get(index) if decision.action == "reuse" else await self.pool.acquire()
+                assert proc is not None
+                self._slots[index], self._procs[index] = decision.slot, proc
+                taken.append((proc, decision))
+        except BaseException:   # could not start a rank: none of the copy's slots stays taken
+            for index in indices:
+                proc = self._procs.pop(index, None)
+                if proc is not None:
+                    proc.kill()
+                self._slots[index] = Slot(generation=self.slot(index).generation)
+            raise
         return taken
 
     def release(self, indices: list[int], *, reported: list[bool]) -> list[bool]:

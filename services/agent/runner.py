@@ -2,8 +2,8 @@
 
 A :class:`CopyRun` runs one worker per assigned GPU (one DDP rank each) -- the GPU slots'
 warm workers when they still hold this job and rank set, process group included
-(:mod:`services.agent.slots`), else spares or new processes -- relays rank 0's progress as :class:`Progress` events, and ends with one
-:class:`CopyFinished`:
+(:mod:`services.agent.slots`), else spares or new processes -- relays rank 0's progress
+as :class:`Progress` events, and ends with one :class:`CopyFinished`:
 
 * ``failed`` (from whichever node saw it) if any local worker failed, could not start,
   or exited without reporting -- with the first reason;
@@ -19,9 +19,9 @@ any other way is a crash: the copy fails with the reason, the slot is emptied, l
 copy's other ranks here are torn down with it (``slot.torn_down``): a group that lost a
 member is never kept. A rank that fails makes the run preempt the others, and a rank
 blocked in a collective with a lost peer is killed ``stop_timeout_s`` later, so no
-collective hangs past that. A watchdog preempts workers
-still running ``deadline_grace_s`` after the round deadline (a hung peer, a stuck
-store). A copy preempted before its workers started (while it waited for its GPUs) starts
+collective hangs past that. A watchdog preempts workers still running
+``deadline_grace_s`` after the round deadline (a hung peer, a stuck store). A copy
+preempted before its workers started (while it waited for its GPUs) starts
 none and ends ``failed``: it trained nothing and has no checkpoint.
 
 :meth:`CopyRun.run` never raises (but for cancellation): every failure becomes the result.

@@ -130,3 +130,55 @@ async def test_a_ddp_copy_kept_on_its_slots_keeps_its_processes_and_every_rank_r
     assert crashed[0].status == "failed"
     assert agent.registry.get_sample_value("hadar_agent_slot_crashes_total",
                                            {"node": node, "emulated": "false"}) >= 1
+
+
+@pytest.mark.slow
+async def test_a_copy_spanning_two_agents_keeps_its_group_while_its_peers_stay(tmp_path: Path) -> None:
+    """Two agents (one device each) on one bus run ranks 0 and 1 of a copy that spans them;
+    with the same peers next round both keep their process; each rank reloads in place."""
+    from services.agent.discovery import cpu_devices
+    from services.agent.runner import free_port
+    from shared.bus import MemoryBus
+    from shared.events import Assignment
+
+    bus = MemoryBus()
+    await bus.start()
+    store = StoreTarget.local(tmp_path)
+    job_id, nodes = "span1", ("na", "nb")
+    spec = job(job_id, workers=2)
+    agents = [await start_agent(bus, store, cpu_devices(1), node=n) for n in nodes]
+    rendezvous = f"127.0.0.1:{free_port()}"
+    pids: list[tuple[int, int]] = []
+    seed_state = build_model("resnet", load_dataset("digits").info, seed=7).state_dict()
+    starts = {0: state_digest(seed_state)}
+    try:
+        with capture_logs() as logs:
+            start_from = None
+            for r in (0, 1):
+                await bus.emit(RoundStarted(ts=time.time(), source="test", round=r, policy="hadar",
+                                            started_at=time.time(), ends_at=time.time() + 120))
+                for rank, node in enumerate(nodes):
+                    await bus.emit(Assignment(
+                        ts=time.time(), source="test", round=r, job=spec, copy=0, node_id=node, gpus=(0,),
+                        gpu_type="cpu", world_size=2, ranks=(rank,), step_budget=STEPS, deadline=time.time() + 120,
+                        start_from=start_from, rendezvous=rendezvous, peers=nodes))
+                done = await agents[0][1].finished(job_id, r)
+                assert (done.status, done.steps_round) == ("ok", STEPS), done.reason
+                pids.append(tuple(a.slots.process(0).pid for a, _ in agents))  # type: ignore[misc, union-attr]
+                tensors, _ = read_checkpoint(tmp_path / (done.checkpoint or ""))
+                weights, meta = averaged_with_seed(tensors, seed_state, total_steps=STEPS * (r + 1))
+                (tmp_path / model_key(job_id, r)).parent.mkdir(parents=True, exist_ok=True)
+                save_file(weights, str(tmp_path / model_key(job_id, r)), metadata=meta)
+                start_from = model_key(job_id, r)
+                starts[r + 1] = state_digest({k: v for k, v in weights.items() if not k.startswith("optim.")})
+        # rank 1's agent reports nothing (rank 0's node reports the copy) but its worker started warm
+        for r in (0, 1):
+            ranks = started(logs, job_id, r)
+            assert sorted(ranks) == [0, 1] and [bool(ranks[k]["warm"]) for k in (0, 1)] == [r == 1] * 2
+            assert [ranks[k]["weights"] for k in (0, 1)] == [starts[r]] * 2, f"round {r}: not the start model"
+    finally:
+        for agent, watch in agents:
+            await agent.stop()
+            await watch.stop()
+        await bus.stop()
+    assert pids[0] == pids[1], f"respawned: {pids}"
