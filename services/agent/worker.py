@@ -96,7 +96,7 @@ class Worker:
         key, target = warm_key(spec), spec.store.to_json().__repr__()
         if old is not None:
             if old.key is None or old.key != key:
-                raise ValueError("this worker holds another job's state; a spec for "
+                raise ValueError("this worker holds another job's or rank set's state; a spec for "
                                  f"{spec.job_id}/{spec.model} needs a fresh worker")
             if old.store_target != target:
                 old.store.close()
