@@ -19,8 +19,12 @@ The rules (:func:`on_assign_copy`, :func:`on_copy_done`, built on the one-slot
   reason). An empty slot spawns (``spawn``, "first use").
 * **The rendezvous address is not in the key.** It is used only to form a group; a kept
   group never rendezvouses again, so the agent may pick a new port every round. The
-  peers are: two nodes that computed equal keys from one round's assignments hold the
-  same group. A copy whose ranks' nodes are not known (a spanning copy whose Assignment
+  peers are: every node of a spanning copy reads the same ``peers`` from the round's
+  Assignments, so all of them keep their ranks' processes or all replace them -- unless
+  one node lost its processes (a crash, an agent restart): then it spawns while the
+  others reuse, the kept ranks fail their start check (bounded, see
+  :mod:`services.agent.session`), the round is lost for the copy, and next round every
+  node spawns. A copy whose ranks' nodes are not known (a spanning copy whose Assignment
   names no ``peers``) has no key: its processes exit after the spec, as before.
 * **A copy's ranks on this node move together** (:func:`on_assign_copy`): either every
   rank reuses its process or none does -- a rank whose process must be replaced takes its
