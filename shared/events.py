@@ -196,8 +196,11 @@ class Assignment(Event):
     """One job copy's work on one node for one round.
 
     ``ranks`` are this node's DDP ranks within the copy's ``world_size`` workers; a copy
-    spanning nodes (Hadar's task-level placement) names ``rendezvous`` (host:port of rank 0).
-    ``start_from`` is the store key of the model to start from (None: initialise from seed).
+    spanning nodes (Hadar's task-level placement) names ``rendezvous`` (host:port of rank 0)
+    and ``peers``, the node of every rank in rank order (its agents keep the ranks' worker
+    processes and process group across rounds while the peers stay the same; without
+    ``peers`` they start new ones every round). ``start_from`` is the store key of the
+    model to start from (None: initialise from seed).
     """
 
     TYPE: ClassVar[str] = "Assignment"
@@ -213,6 +216,7 @@ class Assignment(Event):
     deadline: float
     start_from: str | None = None
     rendezvous: str | None = None
+    peers: tuple[str, ...] = ()
 
     def _check(self) -> None:
         check_node_id(self.node_id, self.TYPE)
@@ -225,6 +229,12 @@ class Assignment(Event):
         require(self.step_budget >= 0, "Assignment.step_budget: must be >= 0")
         require(self.world_size == len(self.ranks) or bool(self.rendezvous),
                  "Assignment.rendezvous: required when the copy spans nodes")
+        if self.peers:
+            require(len(self.peers) == self.world_size, "Assignment.peers: one node per rank")
+            for peer in self.peers:
+                check_node_id(peer, f"{self.TYPE}.peers")
+            require(all(self.peers[r] == self.node_id for r in self.ranks),
+                    "Assignment.peers: this node's ranks must name this node")
 
     @property
     def job_id(self) -> str:

@@ -31,10 +31,12 @@ rules); this shell carries the verdicts out:
 * **The consumer loop never ends on a handler error**, nor on a retriable fetch error (it
   backs off and reads on); only a non-retriable bus error ends it, which ``/healthz`` shows.
 * **Warm workers.** Each GPU slot's worker outlives the round (:mod:`services.agent.slots`):
-  a copy whose job stays on the same GPU next round is not preempted -- its worker
-  checkpoints at the deadline, reports, and takes the next round's spec, reloading the
-  consolidated model in place. A new process starts only on first use, for another job or
-  model, for a copy with a rendezvous, or after a crash (reported, counted, respawned).
+  a copy whose job stays on the same GPUs with the same rank set next round is not
+  preempted -- its workers checkpoint at the deadline, report, and take the next round's
+  spec, reloading the consolidated model in place (a DDP copy's ranks keep their process
+  group). A new process starts only on first use, for another job, model, GPU or rank set,
+  for a spanning copy whose Assignment names no peers, or after a crash (reported,
+  counted, respawned).
 * ``stop()`` drains: stops taking work, preempts every copy, waits for their workers (killed
   ``stop_timeout_s`` after the stop if they have not reported), retires the warm workers,
   gives undelivered results ``stop_timeout_s`` more, then leaves their Assignments

@@ -4,8 +4,10 @@ A worker process imports torch before it reads its spec (seconds on a busy machi
 the daemon keeps ``spares`` processes started ahead of need: an assignment takes a warm
 one and a replacement starts in the background. Once a worker has taken a spec it belongs
 to a GPU's slot (:class:`WorkerSlots`, rules in :mod:`services.agent.slots`) and, for a
-single-rank copy, outlives the round: it takes the next round's spec on its stdin and
-reloads the consolidated weights in place.
+copy whose rank layout is known (every single-rank copy, every DDP copy within this node, a
+spanning copy whose Assignment names its peers), outlives the round: it takes the next
+round's spec on its stdin and reloads the consolidated weights in place, keeping its
+process group.
 
 The control channel is the worker's stdin, one JSON object a line: a spec, or
 ``{"stop": [job, round, copy]}`` (finish the step, checkpoint, report, stay warm). Closing
@@ -29,7 +31,7 @@ from typing import Any
 
 import structlog
 
-from services.agent.slots import EMPTY, Decision, Slot, on_assign, on_done, warm_key
+from services.agent.slots import EMPTY, Decision, Slot, on_assign_copy, on_copy_done, stale_peers, warm_key
 from services.agent.spec import WorkerSpec, parse_worker_line, stop_line
 
 __all__ = ["PROJECT_ROOT", "child_env", "WorkerProcess", "WorkerPool", "WorkerSlots"]
@@ -193,10 +195,12 @@ async def _discard(worker: WorkerProcess) -> None:
 class WorkerSlots:
     """The worker process of each GPU slot of this node, kept across rounds.
 
-    :meth:`take` gives the process that runs a spec on a slot (the same one as last round
-    when the slot's rules say ``reuse``; a spare or a new one otherwise, after retiring the
-    old); :meth:`release` hands it back when its spec ended. The decisions are
-    :func:`services.agent.slots.on_assign` / :func:`~services.agent.slots.on_done`.
+    :meth:`take` gives the processes that run one copy's specs on its slots (the same ones
+    as last round when the slots' rules say ``reuse``; spares or new ones otherwise, after
+    retiring the old); :meth:`release` hands them back when their specs ended. The
+    decisions are :func:`services.agent.slots.on_assign_copy` /
+    :func:`~services.agent.slots.on_copy_done`: a DDP copy's ranks are kept or replaced
+    together.
     """
 
     def __init__(self, pool: WorkerPool) -> None:
@@ -211,33 +215,60 @@ class WorkerSlots:
     def process(self, index: int) -> WorkerProcess | None:
         return self._procs.get(index)
 
-    async def take(self, index: int, spec: WorkerSpec) -> tuple[WorkerProcess, Decision]:
+    def _checked(self, index: int) -> Slot:
+        """The slot, emptied (and logged) if its idle worker died between rounds."""
         slot, proc = self.slot(index), self._procs.get(index)
         if slot.state == "idle" and (proc is None or not proc.alive):
             code = None if proc is None else proc.proc.returncode
             self.log.warning("slot.crashed", gpu=index, while_="idle", exit_code=code,
                              note="the slot's warm worker died between rounds; respawning")
-            slot = Slot(generation=slot.generation)
-        decision = on_assign(slot, warm_key(spec))
-        if decision.action != "reuse":
-            old = self._procs.pop(index, None)
-            if old is not None:
-                await old.retire()
-            proc = await self.pool.acquire()
-        assert proc is not None
-        self._slots[index], self._procs[index] = decision.slot, proc
-        return proc, decision
-
-    def release(self, index: int, *, reported: bool) -> bool:
-        """The slot's spec ended (``reported``: with a clean ``finished``); True if crashed."""
-        proc = self._procs.get(index)
-        done = on_done(self.slot(index), reported=reported, alive=proc is not None and proc.alive)
-        self._slots[index] = done.slot
-        if done.slot.state == "empty" and proc is not None:
             self._procs.pop(index, None)
-            if proc.alive:
-                proc.kill()   # its state is unknown (or it is a one-shot worker that lingers)
-        return done.crashed
+            slot = self._slots[index] = Slot(generation=slot.generation)
+        return slot
+
+    async def take(self, indices: list[int], specs: list[WorkerSpec]) -> list[tuple[WorkerProcess, Decision]]:
+        """The processes for one copy's specs (one per slot in ``indices``), with the decisions."""
+        slots = [self._checked(i) for i in indices]
+        decisions = on_assign_copy(slots, [warm_key(spec) for spec in specs])
+        replaced = [i for i, d in zip(indices, decisions) if d.action != "reuse" and i in self._procs]
+        stale = stale_peers(self._slots, replaced)
+        for index in stale:
+            self.log.info("slot.retired", gpu=index, pid=self._procs[index].pid,
+                          note="a peer rank of its process group was replaced")
+            self._slots[index] = Slot(generation=self._slots[index].generation)
+        retiring = [self._procs.pop(i) for i in replaced + stale]
+        await asyncio.gather(*(old.retire() for old in retiring))   # a group's ranks end together
+        taken = []
+        try:
+            for index, decision in zip(indices, decisions, strict=True):
+                proc = self._procs.get(index) if decision.action == "reuse" else await self.pool.acquire()
+                assert proc is not None
+                self._slots[index], self._procs[index] = decision.slot, proc
+                taken.append((proc, decision))
+        except BaseException:   # could not start a rank: none of the copy's slots stays taken
+            for index in indices:
+                proc = self._procs.pop(index, None)
+                if proc is not None:
+                    proc.kill()
+                self._slots[index] = Slot(generation=self.slot(index).generation)
+            raise
+        return taken
+
+    def release(self, indices: list[int], *, reported: list[bool]) -> list[bool]:
+        """One copy's specs ended (``reported``: with a clean ``finished``); which crashed."""
+        procs = [self._procs.get(i) for i in indices]
+        done = on_copy_done([self.slot(i) for i in indices], reported=reported,
+                            alive=[p is not None and p.alive for p in procs])
+        for index, proc, result in zip(indices, procs, done, strict=True):
+            self._slots[index] = result.slot
+            if result.slot.state == "empty" and proc is not None:
+                self._procs.pop(index, None)
+                if result.torn_down:
+                    self.log.warning("slot.torn_down", gpu=index, pid=proc.pid,
+                                     note="a peer rank of its copy did not finish cleanly; respawning next time")
+                if proc.alive:
+                    proc.kill()   # its state is unknown (or a one-shot worker that lingers, or a torn-down peer)
+        return [d.crashed for d in done]
 
     async def close(self) -> None:
         """Retire every idle worker (the daemon stops only after every copy run ended)."""

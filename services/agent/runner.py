@@ -1,9 +1,9 @@
 """One job copy's work on this node for one round: its worker processes and its events.
 
-A :class:`CopyRun` runs one worker per assigned GPU (one DDP rank each) -- the GPU slot's
-warm worker when it still holds this job (:mod:`services.agent.slots`), else a spare or a
-new process -- relays rank 0's progress as :class:`Progress` events, and ends with one
-:class:`CopyFinished`:
+A :class:`CopyRun` runs one worker per assigned GPU (one DDP rank each) -- the GPU slots'
+warm workers when they still hold this job and rank set, process group included
+(:mod:`services.agent.slots`), else spares or new processes -- relays rank 0's progress
+as :class:`Progress` events, and ends with one :class:`CopyFinished`:
 
 * ``failed`` (from whichever node saw it) if any local worker failed, could not start,
   or exited without reporting -- with the first reason;
@@ -15,9 +15,13 @@ checkpoint, report; on the control channel, so a warm worker stays warm, else SI
 and sends SIGKILL ``stop_timeout_s`` later to any worker that has not reported by then.
 The run ends when every worker reported (a warm one does not exit); a worker that ended
 any other way is a crash: the copy fails with the reason, the slot is emptied, logged
-(``slot.crashed``) and counted, and its next assignment spawns a fresh process. A watchdog preempts workers
-still running ``deadline_grace_s`` after the round deadline (a hung peer, a stuck
-store). A copy preempted before its workers started (while it waited for its GPUs) starts
+(``slot.crashed``) and counted, and its next assignment spawns a fresh process; a DDP
+copy's other ranks here are torn down with it (``slot.torn_down``): a group that lost a
+member is never kept. A rank that fails makes the run preempt the others, and a rank
+blocked in a collective with a lost peer is killed ``stop_timeout_s`` later, so no
+collective hangs past that. A watchdog preempts workers still running
+``deadline_grace_s`` after the round deadline (a hung peer, a stuck store). A copy
+preempted before its workers started (while it waited for its GPUs) starts
 none and ends ``failed``: it trained nothing and has no checkpoint.
 
 :meth:`CopyRun.run` never raises (but for cancellation): every failure becomes the result.
@@ -136,7 +140,8 @@ class CopyRun:
                              f"(it has {sorted(by_index)})")
         rendezvous = a.rendezvous
         if rendezvous is None and a.world_size > 1:
-            rendezvous = f"127.0.0.1:{free_port()}"
+            rendezvous = f"127.0.0.1:{free_port()}"   # only a fresh group uses it (a kept one never meets again)
+        peers = a.peers or ((self.ctx.node_id,) * a.world_size if a.world_size == len(a.ranks) else ())
         specs = []
         for gpu, rank in zip(a.gpus, a.ranks, strict=True):
             env = {"CUDA_VISIBLE_DEVICES": devices.visible.get(gpu, "")}
@@ -148,7 +153,8 @@ class CopyRun:
                 device=devices.worker_device, step_budget=a.step_budget, deadline=a.deadline,
                 start_from=a.start_from, checkpoint=checkpoint_key(a.job_id, a.round, a.copy),
                 store=self.ctx.store, slowdown=devices.slowdown.get(gpu, 1.0), emulated=devices.emulated,
-                progress_s=self.ctx.progress_s, threads=self.ctx.threads, env=env))
+                progress_s=self.ctx.progress_s, threads=self.ctx.threads, env=env,
+                local_gpus=a.gpus, local_ranks=a.ranks, peers=peers))
         return specs
 
     async def run(self) -> CopyFinished | None:
@@ -161,8 +167,7 @@ class CopyRun:
                 raise RuntimeError(f"preempted before its workers started ({self.stop_reason})")
             specs = self._specs()
             decisions = []
-            for gpu, spec in zip(self.a.gpus, specs, strict=True):
-                worker, decision = await self.ctx.slots.take(gpu, spec)
+            for gpu, (worker, decision) in zip(self.a.gpus, await self.ctx.slots.take(list(self.a.gpus), specs)):
                 self.workers.append(worker)
                 self._slots.append(gpu)
                 decisions.append(decision.action)
@@ -170,6 +175,7 @@ class CopyRun:
                 if decision.action != "spawn" or decision.slot.generation > 1:
                     self.log.info(f"slot.{decision.action}", gpu=gpu, reason=decision.reason, pid=worker.pid,
                                   generation=decision.slot.generation, specs=decision.slot.specs)
+            for worker, spec in zip(self.workers, specs, strict=True):
                 await worker.send(spec, keep_open=warm_key(spec) is not None)
                 if self._stopping:
                     self._stop(worker)
@@ -198,10 +204,12 @@ class CopyRun:
         return self._finish(finals, failure)
 
     def _release(self) -> None:
-        """Hand every slot back; a worker that did not finish cleanly is a crash (module doc)."""
-        for gpu, worker in zip(self._slots, self.workers):
-            clean = worker.pid in self.reported and worker.pid not in self._failed
-            if self.ctx.slots.release(gpu, reported=clean):
+        """Hand every slot back; a worker that did not finish cleanly is a crash (module doc),
+        and the copy's other ranks here are torn down with it."""
+        clean = [w.pid in self.reported and w.pid not in self._failed for w in self.workers]
+        crashed = self.ctx.slots.release(self._slots, reported=clean)
+        for gpu, worker, crash in zip(self._slots, self.workers, crashed, strict=True):
+            if crash:
                 self.ctx.metrics.slot_crash()
                 self.log.warning("slot.crashed", gpu=gpu, pid=worker.pid, exit_code=worker.proc.returncode,
                                  note="the slot's next assignment starts a fresh worker")
@@ -227,6 +235,7 @@ class CopyRun:
                                                     warm=bool(message.get("warm")))
                 self.log.info("worker.started", rank=spec.rank, pid=message.get("pid"), warm=message.get("warm"),
                               setup_s=message.get("setup_s"), spare_wait_s=message.get("spec_wait_s"),
+                              weights=message.get("weights"),
                               steps_total=message.get("steps_total"))
                 if self._started == len(self.a.gpus):
                     self.ctx.pool.refill()

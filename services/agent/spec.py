@@ -2,7 +2,7 @@
 
 The daemon writes a :class:`WorkerSpec` as one JSON line to the worker's stdin (stdin, not
 argv: it carries the store's secret, and argv is visible to every user of the machine).
-A warm worker (single rank) keeps reading: its next spec, or a stop line
+A warm worker keeps reading: its next spec, or a stop line
 (:func:`stop_line`) for the copy it runs; stdin closed means exit. For each spec the
 worker writes one JSON object per line to its stdout: ``started``, ``progress`` (about
 every ``progress_s``), then exactly one of ``finished`` or ``failed`` (after ``failed``
@@ -94,6 +94,10 @@ class WorkerSpec:
     threads: int = 1
     env: dict[str, str] = dataclasses.field(default_factory=dict)   # set before any CUDA call
     local_sgd: LocalSgd = LocalSgd()  # forked copies' learning-rate recipe (shared/local_sgd.py)
+    # the copy's layout, which a warm DDP rank is bound to (services/agent/slots.py):
+    local_gpus: tuple[int, ...] = ()  # this node's GPUs of the copy, one per entry of local_ranks
+    local_ranks: tuple[int, ...] = ()  # this node's ranks of the copy
+    peers: tuple[str, ...] = ()       # the node of every rank, in rank order (empty: not known)
 
     def __post_init__(self) -> None:
         if self.world_size > 1 and not self.rendezvous:
@@ -106,6 +110,8 @@ class WorkerSpec:
             raise ValueError(f"WorkerSpec.slowdown: must be >= 1, got {self.slowdown}")
         if self.threads < 1 or self.progress_s <= 0:
             raise ValueError("WorkerSpec.threads must be >= 1 and progress_s > 0")
+        if len(self.local_gpus) != len(self.local_ranks) or (self.peers and len(self.peers) != self.world_size):
+            raise ValueError("WorkerSpec.local_gpus/local_ranks/peers: one GPU per local rank, one node per rank")
 
     def to_json(self) -> str:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -118,6 +124,8 @@ class WorkerSpec:
         data = json.loads(text)
         data["store"] = StoreTarget.from_json(data["store"])
         data["local_sgd"] = LocalSgd.from_json(data.get("local_sgd"))
+        for name in ("local_gpus", "local_ranks", "peers"):
+            data[name] = tuple(data.get(name, ()))
         return cls(**data)
 
 

@@ -8,14 +8,19 @@ step budget, the deadline or a stop; then rank 0 writes the checkpoint and every
 reports. It talks to the object store itself and reports to the daemon only through its
 stdout (see :mod:`services.agent.spec`); it never holds a bus connection.
 
-**Warm.** A single-rank worker outlives its spec (:mod:`services.agent.slots`): it keeps
-the interpreter, torch, the device, the data set on it, the built model and the store
-client (:class:`Session`), and takes the next spec of the same job from stdin. The start
-state of a spec never depends on what the process did before: the weights are loaded
-strictly from the start file (every tensor of the model), the optimizer is made afresh
-and loaded from the file's state when it has one, and a spec with nothing to start from
-rebuilds the model from the seed -- so a warm worker computes exactly what a fresh one
-would. A spec for another job, model or device is refused (the daemon never sends one).
+**Warm.** A worker outlives its spec when the spec has a warm key
+(:mod:`services.agent.slots`): it keeps the interpreter, torch, the device, the data set on
+it, the built model, the store client and -- for a DDP rank -- its process group
+(:class:`services.agent.session.Session`), and takes the next spec of the same job and
+rank set from stdin. The start state of a spec never depends on what the process did
+before: the weights are loaded strictly from the start file (every tensor of the model),
+the optimizer is made afresh and loaded from the file's state when it has one, and a spec
+with nothing to start from rebuilds the model from the seed -- so a warm worker computes
+exactly what a fresh one would. Every rank of a DDP copy loads the start file itself
+(in place, under the kept DDP wrapper), and all ranks check together that they run the
+same spec from the same weights before the first step
+(:func:`services.agent.session.agree_start`). A spec for another job, model, device or
+rank set is refused (the daemon never sends one).
 
 A stop line for the running copy finishes the current step, checkpoints and reports
 ``preempted`` (a warm worker then waits for its next spec); SIGTERM (or SIGINT) does the
@@ -30,16 +35,13 @@ import time
 
 PROCESS_START = time.time()   # before the heavy imports: "setup_s" in reports includes them
 
-import asyncio  # noqa: E402
-import math
+import math  # noqa: E402
 import os
 import queue
 import signal
 import sys
 import tempfile
 import threading
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -51,66 +53,20 @@ from services.agent.checkpoint import (
     CheckpointError, CheckpointMeta, read_checkpoint, read_total_steps, restore, save_checkpoint,
     with_optimizer_state,
 )
-from services.agent.slots import WarmKey, warm_key
-from services.agent.spec import StoreTarget, WorkerSpec, parse_stop_line, worker_line
+from services.agent.session import (
+    Session, StoreClient, agree_start, close_group, on_device, open_group, state_digest,
+)
+from services.agent.slots import warm_key
+from services.agent.spec import WorkerSpec, parse_stop_line, worker_line
 from services.agent.training import BatchSampler, LoopResult, StopCode, TrainingLoop
 from shared import local_sgd
 from shared.config import ConfigError
 from shared.layout import optim_key_of
 from shared.logging import capture_prints, configure_logging
-from shared.store import ObjectStore
-from shared.zoo import Dataset, Metric, build_model, evaluate, load_dataset, make_optimizer
+from shared.zoo import Metric, build_model, evaluate, load_dataset, make_optimizer
 
 START_POLL_S = 0.25
 STATUS = {StopCode.BUDGET: "ok", StopCode.DEADLINE: "ok", StopCode.PREEMPTED: "preempted"}
-
-
-class StoreClient:
-    """Blocking façade over the async store, for this synchronous process."""
-
-    def __init__(self, target: StoreTarget) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._store: ObjectStore = target.open()
-        self._loop.run_until_complete(self._store.start())
-
-    def exists(self, key: str) -> bool:
-        return self._loop.run_until_complete(self._store.exists(key))
-
-    def get_file(self, key: str, path: Path) -> None:
-        self._loop.run_until_complete(self._store.get_file(key, path))
-
-    def put_file(self, key: str, path: Path) -> None:
-        self._loop.run_until_complete(self._store.put_file(key, path))
-
-    def close(self) -> None:
-        try:
-            self._loop.run_until_complete(self._store.stop())
-        finally:
-            self._loop.close()
-
-
-@dataclass(kw_only=True)
-class Session:
-    """What a warm worker keeps between specs of one job (built by the first)."""
-
-    key: WarmKey | None
-    device: torch.device
-    data: Dataset
-    model: nn.Module
-    store: StoreClient
-    store_target: str
-    trained: bool = False     # the model has moved away from the seed's weights
-
-    def close(self) -> None:
-        self.store.close()
-
-
-def _on_device(data: Dataset, device: torch.device) -> Dataset:
-    """The data set with its training tensors moved to ``device`` once, not every round."""
-    if device.type == "cpu":
-        return data
-    return Dataset(info=data.info, train_x=data.train_x.to(device), train_y=data.train_y.to(device),
-                   test_x=data.test_x, test_y=data.test_y)
 
 
 class Worker:
@@ -140,7 +96,7 @@ class Worker:
         key, target = warm_key(spec), spec.store.to_json().__repr__()
         if old is not None:
             if old.key is None or old.key != key:
-                raise ValueError("this worker holds another job's state; a spec for "
+                raise ValueError("this worker holds another job's or rank set's state; a spec for "
                                  f"{spec.job_id}/{spec.model} needs a fresh worker")
             if old.store_target != target:
                 old.store.close()
@@ -148,7 +104,7 @@ class Worker:
             return old, True
         torch.set_num_threads(spec.threads)
         device = self._device()
-        data = _on_device(load_dataset(spec.dataset), device)
+        data = on_device(load_dataset(spec.dataset), device)
         model = build_model(spec.model, data.info, seed=spec.seed).to(device)
         session = Session(key=key, device=device, data=data, model=model, store=StoreClient(spec.store),
                           store_target=target)
@@ -158,7 +114,6 @@ class Worker:
     def run(self) -> int:
         spec = self.spec
         received = time.time()
-        distributed = False
         try:
             session, warm = self._session()
             model, device, data, store = session.model, session.device, session.data, session.store
@@ -166,14 +121,17 @@ class Worker:
             round_steps, total = self._load_start(store, model, optimizer)
             local_sgd.install(optimizer, spec.local_sgd, start_job_step=total)
             trained: nn.Module = model
-            control = None
+            control, digest = None, None
             if spec.rendezvous:   # DDP whenever there is a rendezvous, even for one rank
-                distributed = True
-                trained, control = self._init_distributed(model, device)
+                digest = state_digest(model.state_dict())
+                if session.group is None:
+                    session.group = open_group(spec, model, device, time.time())
+                agree_start(spec, session.group, digest, time.time())
+                trained, control = session.group.ddp, session.group.control
             ready = time.time()
             self.emit("started", steps_round=round_steps, steps_total=total, pid=os.getpid(), warm=warm,
                       setup_s=round(ready - (received if warm else PROCESS_START), 3), ready_at=ready,
-                      spec_wait_s=round(self.spec_wait_s, 3))
+                      spec_wait_s=round(self.spec_wait_s, 3), weights=digest)
             sampler = BatchSampler(len(data.train_x), spec.batch_size, (spec.seed, spec.copy, spec.rank), device)
             self.loop = TrainingLoop(model=trained, optimizer=optimizer, data=data, sampler=sampler,
                                      device=device, world_size=spec.world_size, slowdown=spec.slowdown,
@@ -194,10 +152,7 @@ class Worker:
         except BaseException as exc:  # report every failure, including KeyboardInterrupt
             reason = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:500]
             self.emit("failed", reason=reason)
-            return 1
-        finally:
-            if distributed:
-                _destroy_process_group()
+            return 1   # the process exits: its group (if any) is left in main()
 
     def _device(self) -> torch.device:
         if self.spec.device == "cuda":
@@ -257,20 +212,6 @@ class Worker:
             except CheckpointError as exc:
                 raise CheckpointError(f"bad checkpoint {key}: {exc}") from None
 
-    def _init_distributed(self, model: nn.Module, device: torch.device) -> tuple[nn.Module, object | None]:
-        import torch.distributed as dist
-        from torch.nn.parallel import DistributedDataParallel
-
-        spec = self.spec
-        assert spec.rendezvous is not None
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        wait_s = max(60.0, spec.deadline - time.time() + 60.0)
-        dist.init_process_group(backend, init_method=f"tcp://{spec.rendezvous}", rank=spec.rank,
-                                world_size=spec.world_size, timeout=timedelta(seconds=wait_s))
-        control = dist.new_group(backend="gloo") if backend == "nccl" else None
-        wrapped = DistributedDataParallel(model, device_ids=[0] if device.type == "cuda" else None)
-        return wrapped, control
-
     def _checkpoint(self, store: StoreClient, model: nn.Module, optimizer: torch.optim.Optimizer,
                     data: Any, result: LoopResult) -> tuple[str, Metric]:
         spec = self.spec
@@ -283,13 +224,6 @@ class Worker:
             save_checkpoint(path, model, optimizer, meta)
             store.put_file(spec.checkpoint, path)   # atomic: readers never see a partial object
         return spec.checkpoint, metric
-
-
-def _destroy_process_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _claim_stdout() -> TextIO:
@@ -405,6 +339,7 @@ def main() -> int:
     finally:
         if session is not None:
             session.close()
+        close_group()   # a group formed by a spec whose session was not kept
 
 
 if __name__ == "__main__":

@@ -137,10 +137,11 @@ def plan_to_events(plan: Plan, snapshot: Snapshot, state: SchedulerState, timing
         world = _workers(parts)
         budget = _budget(remaining, share, copy_workers=world, job_workers=record.spec.workers)
         first_node = state.nodes[parts[0].node_id].registered
-        rendezvous = None
+        rendezvous, peers = None, ()
         if len(parts) > 1:
             host = first_node.address or parts[0].node_id
             rendezvous = f"{host}:{rendezvous_port(job_id, copy)}"
+            peers = tuple(p.node_id for p in parts for _ in p.gpus)   # each rank's node, in rank order
         rank = 0
         for part in parts:
             registered = state.nodes[part.node_id].registered
@@ -152,6 +153,6 @@ def plan_to_events(plan: Plan, snapshot: Snapshot, state: SchedulerState, timing
             events.append(Assignment(
                 ts=ts, source=source, round=timing.round, job=record.spec, copy=copy, node_id=part.node_id,
                 gpus=gpus, gpu_type="+".join(types), world_size=world, ranks=ranks, step_budget=budget,
-                deadline=timing.ends_at, start_from=record.model_key, rendezvous=rendezvous,
+                deadline=timing.ends_at, start_from=record.model_key, rendezvous=rendezvous, peers=peers,
             ))
     return events

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +15,8 @@ from hypothesis import strategies as st
 
 from services.agent.discovery import NodeDevices, cpu_devices, emulated_devices, gpu_type_of
 from services.agent.emulation import parse_emulation
+from services.agent.process import WorkerPool, WorkerSlots
+from services.agent.session import state_digest
 from services.agent.spec import StoreTarget, WorkerSpec, parse_worker_line, worker_line
 from services.agent.training import BatchSampler, DivergedError, StopCode, TrainingLoop
 from shared.config import S3Settings
@@ -131,11 +137,53 @@ def test_worker_spec_round_trips_without_leaking_the_secret_in_repr() -> None:
                       batch_size=8, optimizer="sgd", lr=0.1, seed=1, rank=1, world_size=2,
                       rendezvous="127.0.0.1:1234", device="cpu", step_budget=5, deadline=1.0, start_from=None,
                       checkpoint="checkpoints/j/1/0.safetensors", store=StoreTarget.remote(s3),
-                      env={"CUDA_VISIBLE_DEVICES": ""})
-    assert WorkerSpec.from_json(spec.to_json()) == spec
+                      env={"CUDA_VISIBLE_DEVICES": ""}, local_gpus=(3,), local_ranks=(1,), peers=("m", "n"))
+    assert WorkerSpec.from_json(spec.to_json()) == spec   # the layout comes back as tuples (warm keys compare it)
     assert "very-secret" not in repr(spec)
     with pytest.raises(ValueError, match="rendezvous"):
         WorkerSpec.from_json(spec.to_json().replace('"127.0.0.1:1234"', "null"))
+
+
+def test_state_digest_is_equal_exactly_when_names_dtypes_shapes_and_bytes_are() -> None:
+    state = {"a.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3), "a.steps": torch.tensor(3)}
+    same = state_digest({k: v.clone() for k, v in reversed(list(state.items()))})
+    assert state_digest(state) == same
+    nudged = state["a.weight"].clone()
+    nudged[1, 2] = torch.nextafter(nudged[1, 2], torch.tensor(100.0))
+    for other in ({**state, "a.weight": nudged}, {**state, "a.weight": state["a.weight"].double()},
+                  {**state, "a.weight": state["a.weight"].reshape(3, 2)}, {"b.weight": state["a.weight"],
+                                                                          "a.steps": state["a.steps"]}):
+        assert state_digest(other) != same
+
+
+async def test_a_copy_whose_second_rank_cannot_start_leaves_no_slot_taken(tmp_path: Path) -> None:
+    base = WorkerSpec(job_id="j", round=1, copy=0, node_id="n", gpu_type="cpu", model="resnet", dataset="digits",
+                      batch_size=8, optimizer="sgd", lr=0.1, seed=1, rank=0, world_size=2,
+                      rendezvous="127.0.0.1:1234", device="cpu", step_budget=5, deadline=1.0, start_from=None,
+                      checkpoint="checkpoints/j/1/0.safetensors", store=StoreTarget.local(tmp_path),
+                      local_gpus=(0, 1), local_ranks=(0, 1), peers=("n", "n"))
+    sleeper = tmp_path / "python"   # a process that starts (the first rank's spare) and does nothing
+    sleeper.write_text("#!/bin/sh\nexec sleep 60\n")
+    sleeper.chmod(0o755)
+    pool = WorkerPool(python=str(sleeper), spares=1)
+    pool.start()
+    for _ in range(200):
+        if pool._ready:
+            break
+        await asyncio.sleep(0.05)
+    spare = pool._ready[0]
+    pool.python = str(tmp_path / "missing")   # every later start fails
+    slots = WorkerSlots(pool)
+    specs = [base, dataclasses.replace(base, rank=1)]
+    try:
+        for _ in range(2):   # the second try meets empty slots again, not SlotBusy
+            with pytest.raises(OSError):
+                await slots.take([0, 1], specs)
+            assert [slots.slot(g).state for g in (0, 1)] == ["empty", "empty"]
+            assert slots.process(0) is None and slots.process(1) is None
+        assert await spare.wait() == -signal.SIGKILL   # the first rank's process did not linger
+    finally:
+        await pool.close()
 
 
 def test_protocol_lines() -> None:

@@ -138,8 +138,13 @@ def _assignment_kwargs(draw: st.DrawFn) -> dict[str, Any]:
                           unique=True))
     spans_nodes = world_size != len(gpus)
     rendezvous = draw(text(1, 30)) if spans_nodes else draw(st.none() | text(0, 30))
+    peers: tuple[str, ...] = ()
+    if draw(st.booleans()):   # each rank's node; this node's ranks name it
+        others = draw(st.lists(node_ids, min_size=world_size,
+                               max_size=world_size))
+        peers = tuple(kwargs["node_id"] if r in ranks else other for r, other in enumerate(others))
     return dict(kwargs, gpus=tuple(gpus), world_size=world_size, ranks=tuple(ranks),
-                rendezvous=rendezvous)
+                rendezvous=rendezvous, peers=peers)
 
 
 def _joint(kwargs: dict[str, Any], cls: type[Record]) -> dict[str, Any]:
@@ -322,6 +327,26 @@ def test_bytes_that_are_not_msgpack_say_so() -> None:
 def test_invalid_events_cannot_be_constructed(make: Any, reason: str) -> None:
     with pytest.raises(InvalidEvent) as err:
         make()
+    assert err.value.reason.startswith(reason)
+
+
+def _spanning(**change: Any) -> Assignment:
+    fields: dict[str, Any] = dict(ts=1.0, source="s", round=1, job=JobSpec(**_spec(workers=3)), copy=0,
+                                  node_id="n2", gpus=(0,), gpu_type="v100", world_size=3, ranks=(2,),
+                                  step_budget=5, deadline=2.0, rendezvous="n1:29500", peers=("n1", "n1", "n2"))
+    return Assignment(**{**fields, **change})
+
+
+@pytest.mark.parametrize("peers, reason", [
+    (("n1", "n2"), "Assignment.peers: one node per rank"),
+    (("n1", "n1", "n1"), "Assignment.peers: this node's ranks must name this node"),
+    (("n1", "bad/node", "n2"), "Assignment.peers.node_id: 'bad/node'"),
+], ids=["length", "not this node", "bad id"])
+def test_an_assignments_peers_name_one_valid_node_per_rank_and_this_node_for_its_ranks(peers: tuple,
+                                                                                       reason: str) -> None:
+    assert _spanning().peers == ("n1", "n1", "n2") and _spanning(peers=()).peers == ()
+    with pytest.raises(InvalidEvent) as err:
+        _spanning(peers=peers)
     assert err.value.reason.startswith(reason)
 
 

@@ -104,7 +104,7 @@ def test_snapshot_reflects_state():
     assert snap.seed == 3 and snap.now_s == T0 + 5
 
 
-def test_plan_to_events_spanning_copy_gets_ranks_and_rendezvous():
+def test_plan_to_events_spanning_copy_gets_ranks_rendezvous_and_peers():
     state = _state_with_cluster()
     timing = RoundTiming(round=4, started_at=T0 + 5, round_s=10, heartbeat_s=5)
     snap = build_snapshot(state, timing, None, seed=0)
@@ -124,6 +124,7 @@ def test_plan_to_events_spanning_copy_gets_ranks_and_rendezvous():
     assert (a1.node_id, a1.ranks, a2.node_id, a2.ranks) == ("n1", (0, 1), "n2", (2,))
     assert a1.world_size == a2.world_size == 3
     assert a1.rendezvous == a2.rendezvous and a1.rendezvous.startswith("n1.lan:")
+    assert a1.peers == a2.peers == ("n1", "n1", "n2")   # what the agents' warm groups are bound to
     assert a1.step_budget == 90 and a1.deadline == T0 + 15
 
 
