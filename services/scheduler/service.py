@@ -57,7 +57,7 @@ from shared.errors import HadarError
 from shared.events import DeadLetter, Event, Progress
 from shared.logging import get_logger
 from shared.rejection import Rejected, dead_letter_delivery
-from shared.snapshot import SnapshotCorrupt, SnapshotStore, dump
+from shared.snapshot import SnapshotStore
 from shared.store import ObjectStore
 from shared.topics import ALL_TOPICS, DEADLETTER, JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
 
@@ -103,15 +103,15 @@ class SchedulerService:
         self._round_s = self.settings.round_s   # the length of the last round planned
         self._folded: dict[str, int] = {}
         self._placed: dict[int, int] = {}   # placements partition -> next offset after our rounds
-        self.snapshots = (SnapshotStore(store, owner=self.config.group, service=SERVICE,
-                                        keep=self.config.snapshots_kept) if store is not None else None)
         self.recovery: dict[str, Any] = {}
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
-        self._fold_lock = asyncio.Lock()   # held while the state is folded or planned from
+        self._fold_lock = asyncio.Lock()   # held while the state is folded, planned from or snapshot
         self._last_error: str | None = None   # logged in full; /healthz shows only its kind
         self._log = get_logger(service=self.name, policy=self.config.policy)
+        self.snapshots = (SnapshotStore(store, owner=self.config.group, service=SERVICE,
+                                        keep=self.config.snapshots_kept, log=self._log) if store is not None else None)
         self.registry = CollectorRegistry()
         self.counters = SchedulerCounters(self.registry)
         self.telemetry = SchedulerTelemetry(self.registry, state=lambda: self.state, now=self.clock.time,
@@ -186,45 +186,33 @@ class SchedulerService:
         """The newest valid snapshot and its body, adopted into this service; None without one."""
         if self.snapshots is None:
             return None
-        try:
-            loaded = await self.snapshots.newest()
-        except Exception as exc:   # a store that is away: recover from the whole log instead
-            self._log.warning("scheduler.snapshot_unavailable", error=f"{type(exc).__name__}: {exc}"[:300])
+        found = await self.snapshots.recover(restore)
+        self.recovery.update(found.recovery())
+        if found.snapshot is None:
             return None
-        for key, reason in loaded.skipped:
-            self._log.warning("scheduler.snapshot_skipped", key=key, reason=reason[:300])
-        self.recovery.update(snapshot=loaded.key, skipped=[key for key, _ in loaded.skipped])
-        if loaded.snapshot is None:
-            return None
-        try:
-            body = restore(loaded.snapshot)
-        except SnapshotCorrupt as exc:
-            self._log.warning("scheduler.snapshot_skipped", key=loaded.key, reason=exc.reason)
-            self.recovery.update(snapshot=None)
-            return None
-        self.state = body.state
-        folded, placed = input_offsets(loaded.snapshot)
+        self.state = found.value.state
+        folded, placed = input_offsets(found.snapshot)
         self._folded, self._placed = dict(folded), dict(placed)
-        self._log.info("scheduler.snapshot_loaded", key=loaded.key, next_round=body.next_round)
-        return loaded.snapshot, body
+        self._log.info("scheduler.snapshot_loaded", key=found.key, next_round=found.value.next_round)
+        return found.snapshot, found.value
 
     async def _write_snapshot(self) -> None:
-        """Snapshot the state now (folding paused while it is encoded); never raises."""
+        """Snapshot the state now (folding paused while it is captured and encoded); never raises."""
         assert self.snapshots is not None
+
+        def take():
+            return capture(state=self.state, previous=self.previous, previous_key=self.settings.choice.key,
+                           next_round=self.next_round, folded=dict(self._folded), placed=dict(self._placed),
+                           created_at=self.clock.time())
         try:
-            async with self._fold_lock:
-                snap = capture(state=self.state, previous=self.previous, previous_key=self.settings.choice.key,
-                               next_round=self.next_round, folded=dict(self._folded), placed=dict(self._placed),
-                               created_at=self.clock.time())
-                data = await asyncio.to_thread(dump, snap)
-            key = await self.snapshots.save(snap, data)
+            saved = await self.snapshots.save(take, hold=self._fold_lock)
         except Exception as exc:
             self.counters.snapshots.labels(outcome="failed").inc()
             self._log.warning("scheduler.snapshot_failed", round=self.next_round - 1,
                               error=f"{type(exc).__name__}: {exc}"[:300])
             return
         self.counters.snapshots.labels(outcome="written").inc()
-        self._log.info("scheduler.snapshot_written", key=key, round=self.next_round - 1, bytes=len(data))
+        self._log.info("scheduler.snapshot_written", key=saved.key, round=self.next_round - 1, bytes=saved.bytes)
 
     async def _publish(self, event: Event, *, deadline: float, round_: int) -> None:
         delay = RETRY_BASE_S

@@ -1,7 +1,7 @@
 """What the scheduler saves in a state snapshot, and how a restart resumes from it.
 
-A scheduler snapshot (``shared.snapshot`` format, service ``"scheduler"``) holds, after
-round ``seq = next_round - 1`` was published:
+A scheduler snapshot (``shared.snapshot`` format, service ``"scheduler"``; numbered by the
+store like every snapshot) holds, after round ``next_round - 1`` was published:
 
 * ``state``: the whole :class:`SchedulerState` (jobs, nodes, rates, kept rounds, the
   event-id window used for dedupe),
@@ -65,8 +65,7 @@ def capture(*, state: SchedulerState, previous: Plan | None, previous_key: tuple
     offsets = dict(folded)
     offsets.update({f"{PLACEMENTS}:{p}": o for p, o in placed.items()})
     body = SchedulerSnapshot(state=state, previous=previous, previous_key=previous_key, next_round=next_round)
-    return StateSnapshot(service=SERVICE, seq=max(next_round - 1, 0), created_at=created_at, offsets=offsets,
-                         body=body)
+    return StateSnapshot(service=SERVICE, created_at=created_at, offsets=offsets, body=body)
 
 
 def restore(snapshot: StateSnapshot) -> SchedulerSnapshot:
