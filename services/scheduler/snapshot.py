@@ -8,19 +8,25 @@ store like every snapshot) holds, after round ``next_round - 1`` was published:
 * ``previous``: the last plan, with the policy's carried state (Hadar's ledger, Gavel's
   books, ...) and ``previous_key``, the policy configuration that made it,
 * ``next_round``,
-* offsets: for every input topic-partition the next record not folded, and for every
-  partition of ``hadar.placements`` the next record after the scheduler's own rounds.
+* ``dead_letters``: the origins (topic, partition, offset) of the bad records counted in
+  ``hadar_scheduler_dead_letters`` (None in a snapshot written before they were kept),
+* offsets: for every input topic-partition the next record not folded, for every
+  partition of ``hadar.placements`` the next record after the scheduler's own rounds, and
+  for every partition of ``hadar.deadletter`` the next letter not counted.
 
 Restarting from it (:func:`resume`) replays only the records from those offsets: recorded
 rounds from ``next_round`` on are re-derived exactly as a whole-log restart re-derives them
-(``rerun``, same checks), earlier rounds are not read at all. Because the snapshot is the
-live state itself and the inputs after it are folded by the same rule, the plans after a
-restart are the ones an uninterrupted scheduler makes (``tests/unit/test_scheduler_snapshot.py``,
+(``rerun``, same checks), earlier rounds are not read at all, and ``hadar.deadletter`` is
+read only after the letters ``dead_letters`` already count (from its start for a snapshot
+without them). Because the snapshot is the live state itself and the inputs after it are
+folded by the same rule, the plans after a restart are the ones an uninterrupted scheduler
+makes (``tests/unit/test_scheduler_snapshot.py``,
 ``benchmarks/recovery.py``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from services.scheduler.cluster import Cluster, Node
@@ -33,9 +39,9 @@ from services.scheduler.state import JobRecord, NodeRecord, RoundRecord, Schedul
 from shared.records import CopyWeight, GpuInfo, Hyperparameters, JobSpec, Rejection, Waiting
 from shared.snapshot import SnapshotCorrupt, StateSnapshot
 from shared.snapshot_codec import register
-from shared.topics import PLACEMENTS
+from shared.topics import DEADLETTER, PLACEMENTS
 
-__all__ = ["SERVICE", "SchedulerSnapshot", "capture", "restore"]
+__all__ = ["SERVICE", "SchedulerSnapshot", "capture", "restore", "input_offsets", "dead_letter_start"]
 
 SERVICE = "scheduler"
 
@@ -48,6 +54,7 @@ class SchedulerSnapshot:
     previous: Plan | None
     previous_key: tuple[str, str] | None
     next_round: int
+    dead_letters: tuple[tuple[str, int, int], ...] | None = None   # None: written before they were kept
 
 
 register(
@@ -59,12 +66,15 @@ register(
 
 
 def capture(*, state: SchedulerState, previous: Plan | None, previous_key: tuple[str, str] | None,
-            next_round: int, folded: dict[str, int], placed: dict[int, int], created_at: float) -> StateSnapshot:
-    """A snapshot of the scheduler after round ``next_round - 1`` (it is not copied: dump it
-    before the state changes)."""
+            next_round: int, folded: dict[str, int], placed: dict[int, int], created_at: float,
+            dead_letters: Iterable[tuple[str, int, int]] = (), lettered: dict[int, int] | None = None) -> StateSnapshot:
+    """A snapshot of the scheduler after round ``next_round - 1`` (``state`` is not copied:
+    dump it before the state changes; ``dead_letters`` and ``lettered`` are)."""
     offsets = dict(folded)
     offsets.update({f"{PLACEMENTS}:{p}": o for p, o in placed.items()})
-    body = SchedulerSnapshot(state=state, previous=previous, previous_key=previous_key, next_round=next_round)
+    offsets.update({f"{DEADLETTER}:{p}": o for p, o in (lettered or {}).items()})
+    body = SchedulerSnapshot(state=state, previous=previous, previous_key=previous_key, next_round=next_round,
+                             dead_letters=tuple(sorted(dead_letters)))
     return StateSnapshot(service=SERVICE, created_at=created_at, offsets=offsets, body=body)
 
 
@@ -78,6 +88,11 @@ def restore(snapshot: StateSnapshot) -> SchedulerSnapshot:
     key = body.previous_key
     if key is not None and not (isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, str) for k in key)):
         raise SnapshotCorrupt("malformed policy key")
+    letters = body.dead_letters
+    if letters is not None and not (isinstance(letters, tuple) and all(
+            isinstance(o, tuple) and len(o) == 3 and isinstance(o[0], str) and isinstance(o[1], int)
+            and isinstance(o[2], int) for o in letters)):
+        raise SnapshotCorrupt("malformed dead-letter origins")
     # A snapshot written before sizes were folded: no job's size is known yet (the estimates
     # before it are not replayed), so HadarE charges those jobs nothing, as it did then.
     vars(body.state).setdefault("sizes", {})
@@ -86,6 +101,12 @@ def restore(snapshot: StateSnapshot) -> SchedulerSnapshot:
 
 def input_offsets(snapshot: StateSnapshot) -> tuple[dict[str, int], dict[int, int]]:
     """(folded input offsets as ``"topic:partition" -> offset``, placements ``partition -> offset``)."""
-    prefix = f"{PLACEMENTS}:"
-    folded = {tp: o for tp, o in snapshot.offsets.items() if not tp.startswith(prefix)}
+    own = (f"{PLACEMENTS}:", f"{DEADLETTER}:")
+    folded = {tp: o for tp, o in snapshot.offsets.items() if not tp.startswith(own)}
     return folded, snapshot.partition_offsets(PLACEMENTS)
+
+
+def dead_letter_start(snapshot: StateSnapshot, body: SchedulerSnapshot) -> dict[int, int] | None:
+    """Where to read ``hadar.deadletter`` from after restoring ``body``: past the letters its
+    ``dead_letters`` count, or from the start (None) if it does not carry them."""
+    return snapshot.partition_offsets(DEADLETTER) if body.dead_letters is not None else None

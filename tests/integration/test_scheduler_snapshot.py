@@ -16,12 +16,13 @@ from services.scheduler.rerun import assignment_decision
 from services.scheduler.service import SchedulerService
 from services.scheduler.synthetic import ScriptedCluster
 from shared.bus import MemoryBus
+from shared.bus.base import dead_letter
 from shared.clock import FakeClock
 from shared.events import Assignment
 from shared.layout import snapshot_key
 from shared.snapshot import MAGIC, SnapshotStore, dump, load
 from shared.store import LocalStore
-from shared.topics import PLACEMENTS
+from shared.topics import JOBS, PLACEMENTS
 
 ROUND_S = 60.0
 # With snapshot_every=3 and a stop after round 7, snapshots were taken after rounds 2 and 5:
@@ -206,3 +207,37 @@ async def test_a_failing_snapshot_write_is_counted_and_the_rounds_go_on(tmp_path
     failed = service.registry.get_sample_value("hadar_scheduler_snapshots_total", {"outcome": "failed"})
     assert failed == 3
     await service.stop()
+
+
+async def test_a_restart_counts_dead_letters_from_the_snapshot_not_from_the_topic_start(tmp_path):
+    """The snapshot carries the dead-letter origins counted and the hadar.deadletter offsets
+    they cover: a restart reads only the letters after them, and still counts each bad
+    record once (a letter after the snapshot naming an origin counted before adds nothing)."""
+    bus, clock, store = MemoryBus(), FakeClock(), LocalStore(tmp_path)
+    await bus.start()
+    await store.start()
+
+    def letter(offset: int, group: str):
+        return dead_letter(topic=JOBS, partition=0, offset=offset, reason="bad", raw=b"x", ts=clock.time(),
+                           source=f"bus/{group}")
+
+    def counted(service: SchedulerService) -> float | None:
+        return service.registry.get_sample_value("hadar_scheduler_dead_letters", {"topic": JOBS})
+
+    for offset, group in ((1, "a"), (2, "a"), (1, "b")):
+        await bus.emit(letter(offset, group))
+    first = SchedulerService(bus=bus, config=config("yarn-cs", snapshot_every=1), clock=clock, run_rounds=False,
+                             store=store)
+    await first.start()
+    assert first.recovery["dead_letters"] == 3 and counted(first) == 2
+    await play(first, contended(bus, clock), clock, range(1))     # a snapshot after round 0
+    await first.stop()
+    for offset, group in ((2, "b"), (3, "a")):
+        await bus.emit(letter(offset, group))
+    again = SchedulerService(bus=bus, config=config("yarn-cs", snapshot_every=1), clock=clock, run_rounds=False,
+                             store=store)
+    await again.start()
+    assert again.recovery["snapshot"] == snapshot_key("sched-snap", 1)
+    assert again.recovery["dead_letters"] == 2                    # not all 5 of the topic
+    assert counted(again) == 3                                    # origins 1, 2, 3 of hadar.jobs
+    await again.stop()
