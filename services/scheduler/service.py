@@ -46,7 +46,8 @@ from services.scheduler.recovery import resume
 from services.scheduler.rerun import LoggedEvent
 from services.scheduler.round_length import RoundCosts, copy_startup_s, stretched_round_s
 from services.scheduler.rounds import RoundTiming, build_snapshot, plan_to_events
-from services.scheduler.snapshot import SERVICE, SchedulerSnapshot, capture, dead_letter_start, input_offsets, restore
+from services.scheduler.snapshot import (SERVICE, SchedulerSnapshot, capture, dead_letter_origins,
+                                         dead_letter_start, input_offsets, restore)
 from services.scheduler.state import SchedulerState
 from services.scheduler.telemetry import SchedulerCounters, SchedulerTelemetry
 from services.scheduler.stuck import stuck_reason
@@ -192,8 +193,7 @@ class SchedulerService:
         if found.snapshot is not None and found.value is not None:
             self.state = found.value.state
             self._folded, self._placed = input_offsets(found.snapshot)
-            for origin in found.value.dead_letters or ():
-                self.telemetry.dead_letters.add_origin(origin)
+            self.telemetry.dead_letters.extend(dead_letter_origins(found.value))
             self._lettered = dead_letter_start(found.snapshot, found.value) or {}
             self._log.info("scheduler.snapshot_loaded", key=found.key, next_round=found.value.next_round)
         return found

@@ -8,8 +8,9 @@ store like every snapshot) holds, after round ``next_round - 1`` was published:
 * ``previous``: the last plan, with the policy's carried state (Hadar's ledger, Gavel's
   books, ...) and ``previous_key``, the policy configuration that made it,
 * ``next_round``,
-* ``dead_letters``: the origins (topic, partition, offset) of the bad records counted in
-  ``hadar_scheduler_dead_letters`` (None in a snapshot written before they were kept),
+* ``dead_letters``: the origins of the bad records counted in ``hadar_scheduler_dead_letters``,
+  as ``"topic:partition" -> [offset, ...]`` (plain msgpack: cheap for many; None in a
+  snapshot written before they were kept),
 * offsets: for every input topic-partition the next record not folded, for every
   partition of ``hadar.placements`` the next record after the scheduler's own rounds, and
   for every partition of ``hadar.deadletter`` the next letter not counted.
@@ -26,7 +27,7 @@ makes (``tests/unit/test_scheduler_snapshot.py``,
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from services.scheduler.cluster import Cluster, Node
@@ -41,7 +42,8 @@ from shared.snapshot import SnapshotCorrupt, StateSnapshot
 from shared.snapshot_codec import register
 from shared.topics import DEADLETTER, PLACEMENTS
 
-__all__ = ["SERVICE", "SchedulerSnapshot", "capture", "restore", "input_offsets", "dead_letter_start"]
+__all__ = ["SERVICE", "SchedulerSnapshot", "capture", "restore", "input_offsets", "dead_letter_origins",
+           "dead_letter_start"]
 
 SERVICE = "scheduler"
 
@@ -54,7 +56,7 @@ class SchedulerSnapshot:
     previous: Plan | None
     previous_key: tuple[str, str] | None
     next_round: int
-    dead_letters: tuple[tuple[str, int, int], ...] | None = None   # None: written before they were kept
+    dead_letters: dict[str, list[int]] | None = None   # None: written before they were kept
 
 
 register(
@@ -73,8 +75,11 @@ def capture(*, state: SchedulerState, previous: Plan | None, previous_key: tuple
     offsets = dict(folded)
     offsets.update({f"{PLACEMENTS}:{p}": o for p, o in placed.items()})
     offsets.update({f"{DEADLETTER}:{p}": o for p, o in (lettered or {}).items()})
+    letters: dict[str, list[int]] = {}
+    for topic, partition, offset in dead_letters:
+        letters.setdefault(f"{topic}:{partition}", []).append(offset)
     body = SchedulerSnapshot(state=state, previous=previous, previous_key=previous_key, next_round=next_round,
-                             dead_letters=tuple(sorted(dead_letters)))
+                             dead_letters={tp: sorted(found) for tp, found in sorted(letters.items())})
     return StateSnapshot(service=SERVICE, created_at=created_at, offsets=offsets, body=body)
 
 
@@ -89,9 +94,9 @@ def restore(snapshot: StateSnapshot) -> SchedulerSnapshot:
     if key is not None and not (isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, str) for k in key)):
         raise SnapshotCorrupt("malformed policy key")
     letters = body.dead_letters
-    if letters is not None and not (isinstance(letters, tuple) and all(
-            isinstance(o, tuple) and len(o) == 3 and isinstance(o[0], str) and isinstance(o[1], int)
-            and isinstance(o[2], int) for o in letters)):
+    if letters is not None and not (isinstance(letters, dict) and all(
+            isinstance(tp, str) and tp.rpartition(":")[2].isdigit() and isinstance(offsets, list)
+            and all(type(o) is int for o in offsets) for tp, offsets in letters.items())):
         raise SnapshotCorrupt("malformed dead-letter origins")
     # A snapshot written before sizes were folded: no job's size is known yet (the estimates
     # before it are not replayed), so HadarE charges those jobs nothing, as it did then.
@@ -104,6 +109,14 @@ def input_offsets(snapshot: StateSnapshot) -> tuple[dict[str, int], dict[int, in
     own = (f"{PLACEMENTS}:", f"{DEADLETTER}:")
     folded = {tp: o for tp, o in snapshot.offsets.items() if not tp.startswith(own)}
     return folded, snapshot.partition_offsets(PLACEMENTS)
+
+
+def dead_letter_origins(body: SchedulerSnapshot) -> Iterator[tuple[str, int, int]]:
+    """(topic, partition, offset) of every bad record ``body`` counted (none if it did not keep them)."""
+    for tp, offsets in (body.dead_letters or {}).items():
+        topic, _, partition = tp.rpartition(":")
+        for offset in offsets:
+            yield topic, int(partition), offset
 
 
 def dead_letter_start(snapshot: StateSnapshot, body: SchedulerSnapshot) -> dict[int, int] | None:

@@ -30,7 +30,7 @@ later than ``previous start + round_s`` the latest round started, e.g. waiting f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -69,6 +69,11 @@ class DeadLetterTally:
         self._origins.add(origin)
         self._by_topic[origin[0]] = self._by_topic.get(origin[0], 0) + 1
         return True
+
+    def extend(self, origins: Iterable[tuple[str, int, int]]) -> None:
+        """Count every origin of ``origins`` not seen before (what a snapshot restores)."""
+        for origin in origins:
+            self.add_origin(origin)
 
     def by_topic(self) -> dict[str, int]:
         return dict(self._by_topic)

@@ -149,11 +149,14 @@ async def test_without_a_valid_snapshot_the_whole_log_is_replayed(tmp_path):
 
 
 async def _old_names(store):
-    """Rename the snapshots as the scheduler named them before one numbering scheme: by the
-    round they follow (the number in the file too)."""
+    """Rewrite the snapshots as the scheduler wrote them before one numbering scheme: named
+    by the round they follow (the number in the file too), without dead-letter origins or
+    hadar.deadletter offsets."""
     for _, key in await SnapshotStore(store, owner="sched-snap", service="scheduler").keys():
         snap = load(await store.get(key), service="scheduler")
-        by_round = replace(snap, seq=snap.body.next_round - 1)
+        offsets = {tp: o for tp, o in snap.offsets.items() if not tp.startswith("hadar.deadletter:")}
+        by_round = replace(snap, seq=snap.body.next_round - 1, offsets=offsets,
+                           body=replace(snap.body, dead_letters=None))
         await store.put(snapshot_key("sched-snap", by_round.seq), dump(by_round))
         await store.delete(key)
 
