@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import struct
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 import numpy as np
@@ -213,3 +213,21 @@ async def test_save_captures_and_encodes_while_the_hold_is_held(tmp_path) -> Non
     assert held == [True] and not lock.locked() and saved is not None
     assert await snaps.save(lambda: None, hold=lock) is None                 # nothing to write now
     assert [seq for seq, _ in await snaps.keys()] == [1]
+
+
+def test_scheduler_dead_letter_origins_round_trip_and_malformed_ones_are_refused() -> None:
+    from services.scheduler.snapshot import capture, dead_letter_origins, dead_letter_start, restore
+    from services.scheduler.state import SchedulerState
+
+    origins = [("hadar.jobs", 0, 7), ("hadar.progress", 2, 1), ("hadar.jobs", 0, 3), ("hadar.jobs", 1, 0)]
+    snap = capture(state=SchedulerState(), previous=None, previous_key=None, next_round=4, folded={"hadar.jobs:0": 9},
+                   placed={0: 5}, created_at=1.0, dead_letters=origins, lettered={0: 12, 2: 3})
+    body = restore(load(dump(snap), service="scheduler"))
+    assert body.dead_letters == {"hadar.jobs:0": [3, 7], "hadar.jobs:1": [0], "hadar.progress:2": [1]}
+    assert sorted(dead_letter_origins(body)) == sorted(origins)
+    assert dead_letter_start(snap, body) == {0: 12, 2: 3}
+    old = restore(StateSnapshot(service="scheduler", created_at=1.0, body=replace(body, dead_letters=None)))   # written before
+    assert list(dead_letter_origins(old)) == [] and dead_letter_start(snap, old) is None
+    for bad in ({"hadar.jobs": [1]}, {"hadar.jobs:0": [1.5]}, {"hadar.jobs:0": (1,)}, [("hadar.jobs", 0, 1)]):
+        with pytest.raises(SnapshotCorrupt, match="dead-letter"):
+            restore(StateSnapshot(service="scheduler", created_at=1.0, body=replace(body, dead_letters=bad)))
