@@ -43,6 +43,7 @@ from safetensors.numpy import load_file
 
 from shared.bus import KafkaBus
 from shared.config import S3Settings
+from shared.eventlog import fetch_log
 from shared.events import (
     Assignment, CopyFinished, Event, JobCompleted, JobSubmitted, ModelConsolidated, NodeRegistered, RoundAbandoned,
     RoundStarted,
@@ -51,7 +52,6 @@ from shared.infra import InfraPaths, down, restart, up
 from shared.infra.common import is_running
 from shared.layout import checkpoint_key, final_key
 from shared.store import MinioStore
-from shared.topics import ALL_TOPICS
 
 ROOT = Path(__file__).resolve().parents[1]
 HADAR = [sys.executable, "-m", "services.cli.main"]
@@ -249,16 +249,8 @@ class Cluster:
 
 
 async def _read_log(bootstrap: str) -> list[tuple[str, Event]]:
-    bus = KafkaBus(bootstrap, source="faults-harness", request_timeout_ms=10_000)
-    await bus.start()
-    try:
-        records = []
-        for topic in ALL_TOPICS:
-            async for d in bus.read(topic):
-                records.append((topic, d.event))
-        return records
-    finally:
-        await bus.stop()
+    records = await fetch_log(KafkaBus(bootstrap, source="faults-harness", request_timeout_ms=10_000))
+    return [(r.topic, r.event) for r in records]
 
 
 # ---------------------------------------------------------------------- figures

@@ -10,7 +10,10 @@ without a stop; the *restarted* one writes a snapshot to a LocalStore every
 (``identical``). The restart ends at a round that is not a snapshot's, so the rounds after
 the newest snapshot are re-derived and checked too (``rederived``, ``differing``).
 ``--baseline`` also times a restart without snapshots (the whole log re-derived, as
-before snapshots existed).
+before snapshots existed). ``--dead-letters N`` puts N dead letters (N distinct bad
+records) on the restarted side's ``hadar.deadletter`` before the history: a restart from a
+snapshot reads none of them again (``dead_letters_replayed``; before snapshots carried the
+count, every start read them all) and still counts N (``dead_letters_counted``).
 
 Goal (issue 13): ``restart_s`` < 5 s with 10,000 rounds of history, ``identical`` true.
 Last line: one JSON object. The real-Kafka path is exercised by
@@ -38,10 +41,11 @@ from services.scheduler.rerun import assignment_decision
 from services.scheduler.service import SchedulerService
 from services.scheduler.synthetic import ScriptedCluster
 from shared.bus import MemoryBus
+from shared.bus.base import dead_letter
 from shared.clock import FakeClock
 from shared.events import Assignment
 from shared.store import LocalStore
-from shared.topics import PLACEMENTS
+from shared.topics import JOBS, PLACEMENTS
 
 ROUND_S = 60.0
 
@@ -91,6 +95,10 @@ async def run(args: argparse.Namespace) -> dict:
         reference, restarted = Side(config(0), None), Side(config(args.snapshot_every), store)
         for side in (reference, restarted):
             await side.bus.start()
+        for i in range(args.dead_letters):
+            await restarted.bus.emit(dead_letter(topic=JOBS, partition=0, offset=i, reason="bench", raw=b"x",
+                                                 ts=restarted.clock.time(), source="bus/bench"))
+        for side in (reference, restarted):
             await side.start()
         t0 = time.perf_counter()
         for lo in range(0, args.rounds, 100):   # in lock-step, so neither side's bus grows alone
@@ -115,6 +123,9 @@ async def run(args: argparse.Namespace) -> dict:
             "records_replayed": recovery.get("records"), "input_records_total": restarted.cluster.published,
             "snapshot": recovery.get("snapshot"), "snapshots_kept": len(snapshots),
             "snapshot_bytes": snapshot_bytes,
+            "dead_letters_replayed": recovery.get("dead_letters"),
+            "dead_letters_counted": restarted.service.registry.get_sample_value(
+                "hadar_scheduler_dead_letters", {"topic": JOBS}) or 0,
             "history_build_s": round(history_s, 1),
         }
         for side in (reference, restarted):
@@ -136,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--snapshot-every", type=int, default=100)
     parser.add_argument("--policy", default="hadare")
     parser.add_argument("--baseline", action="store_true", help="also time a restart that re-derives the whole log")
+    parser.add_argument("--dead-letters", type=int, default=0, help="dead letters on the topic before the history")
     args = parser.parse_args(argv)
     if args.rounds % args.snapshot_every == 0:
         args.rounds += args.snapshot_every // 2   # end between snapshots: later rounds are re-derived

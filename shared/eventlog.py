@@ -1,4 +1,8 @@
-"""Event logs on disk, for replay without a broker.
+"""Event logs read whole from a bus, and on disk for replay without a broker.
+
+:func:`read_bus` / :func:`fetch_log` are the one way to read every record of some topics
+into a list (the CLI's replay, ``hadar demo --record``, the fault harness, the end-to-end
+tests).
 
 A log file is a stream of msgpack maps, one per record:
 ``{"topic", "partition", "offset", "ts_ms", "value"}`` where ``value`` is the record's
@@ -67,11 +71,27 @@ def read_log(path: str | Path) -> Iterator[LogRecord]:
             raise EventLogError(f"{path}: not an event log ({exc})") from None
 
 
-async def dump_bus(bus: Bus, path: str | Path, topics: Iterable[str] = ALL_TOPICS) -> int:
-    """Write every record of ``topics`` currently on ``bus`` to ``path``."""
+async def read_bus(bus: Bus, topics: Iterable[str] = ALL_TOPICS) -> list[LogRecord]:
+    """Every record of ``topics`` on a started ``bus`` now, as a list: topic after topic in
+    the order given, each topic as :meth:`Bus.read` replays it from its start (records
+    appended meanwhile are not waited for; undecodable ones are skipped)."""
     records: list[LogRecord] = []
     for topic in topics:
         async for d in bus.read(topic):
             records.append(LogRecord(topic=d.topic, partition=d.partition, offset=d.offset,
                                      ts_ms=d.timestamp_ms, event=d.event))
-    return write_log(path, records)
+    return records
+
+
+async def fetch_log(bus: Bus, topics: Iterable[str] = ALL_TOPICS) -> list[LogRecord]:
+    """:func:`read_bus` on a bus of its own: starts ``bus``, reads, and stops it (on error too)."""
+    await bus.start()
+    try:
+        return await read_bus(bus, topics)
+    finally:
+        await bus.stop()
+
+
+async def dump_bus(bus: Bus, path: str | Path, topics: Iterable[str] = ALL_TOPICS) -> int:
+    """Write every record of ``topics`` currently on ``bus`` to ``path``."""
+    return write_log(path, await read_bus(bus, topics))

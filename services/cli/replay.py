@@ -21,7 +21,7 @@ from services.scheduler.rerun import LoggedEvent, rerun
 from shared.connect import add_bus_args, make_bus
 from shared.dispatch import HandlerTable
 from shared.errors import UsageError
-from shared.eventlog import EventLogError, LogRecord, read_log
+from shared.eventlog import EventLogError, LogRecord, fetch_log, read_log
 from shared.events import (
     Assignment, CopyFinished, DeadLetter, Event, JobCancelled, JobCompleted, JobSubmitted,
     ModelConsolidated, NodeHeartbeat, NodeRegistered, Progress, RoundAbandoned, RoundStarted,
@@ -72,27 +72,13 @@ def _within(record: LogRecord, start: int | float | None, end: int | float | Non
     return True
 
 
-async def _read_kafka(args: argparse.Namespace) -> list[LogRecord]:
-    bus = make_bus(args, source="replay")
-    await bus.start()
-    try:
-        records = []
-        for topic in ALL_TOPICS:
-            async for d in bus.read(topic):
-                records.append(LogRecord(topic=d.topic, partition=d.partition, offset=d.offset,
-                                         ts_ms=d.timestamp_ms, event=d.event))
-        return records
-    finally:
-        await bus.stop()
-
-
 def load_records(args: argparse.Namespace) -> list[LogRecord]:
     if args.file:
         try:
             return list(read_log(args.file))
         except EventLogError as exc:
             raise UsageError(str(exc)) from None
-    return asyncio.run(_read_kafka(args))
+    return asyncio.run(fetch_log(make_bus(args, source="replay")))
 
 
 def _when(ts: float) -> str:

@@ -47,7 +47,7 @@ from shared.gpus import GPU_TYPES
 from shared.logging import get_logger
 from shared.rejection import dead_letter_delivery
 from shared.settings import FieldError
-from shared.snapshot import SnapshotStore, dump
+from shared.snapshot import SnapshotStore
 from shared.store import ObjectStore
 from shared.topics import DEADLETTER, JOBS, MODELS, PROGRESS, THROUGHPUT
 
@@ -108,8 +108,9 @@ class ProfilerService:
         self._stopping = False
         self._busy = False
         self.snapshots = (SnapshotStore(store, owner=self.config.group, service=SERVICE,
-                                        keep=self.config.snapshots_kept) if store is not None else None)
+                                        keep=self.config.snapshots_kept, log=self._log) if store is not None else None)
         self._covered: dict[str, int] = {}   # "topic:partition" -> next offset the state covers
+        self._fold_lock = asyncio.Lock()     # held while a delivery is handled or the state is snapshot
         self._last_snapshot = 0.0
         self.recovery: dict[str, Any] = {}
         r = self.registry
@@ -159,9 +160,10 @@ class ProfilerService:
             async for delivery in sub:
                 self._busy = True
                 try:
-                    await self._handle_safely(delivery)
-                    if delivery.topic == JOBS:
-                        self._cover(JOBS, delivery.partition, delivery.offset)
+                    async with self._fold_lock:
+                        await self._handle_safely(delivery)
+                        if delivery.topic == JOBS:
+                            self._cover(JOBS, delivery.partition, delivery.offset)
                     await delivery.ack()
                     await self._maybe_snapshot()
                 finally:
@@ -252,24 +254,18 @@ class ProfilerService:
         self._covered[tp] = max(self._covered.get(tp, 0), offset + 1)
 
     async def _load_snapshot(self):
+        """The newest valid snapshot, its state adopted; None without one."""
         if self.snapshots is None:
             return None
-        try:
-            loaded = await self.snapshots.newest()
-            for key, reason in loaded.skipped:
-                self._log.warning("profiler.snapshot_skipped", key=key, reason=reason[:300])
-            self.recovery.update(snapshot=None, skipped=[k for k, _ in loaded.skipped])
-            if loaded.snapshot is None:
-                return None
-            state = restore(loaded.snapshot, alpha=self.config.alpha, threshold=self.config.threshold)
-        except Exception as exc:   # a corrupt body, or a store that is away: replay the whole topics
-            self._log.warning("profiler.snapshot_unavailable", error=f"{type(exc).__name__}: {exc}"[:300])
+        found = await self.snapshots.recover(
+            lambda snap: restore(snap, alpha=self.config.alpha, threshold=self.config.threshold))
+        self.recovery.update(found.recovery())
+        if found.snapshot is None:
             return None
-        self.state = state
-        self._covered = dict(loaded.snapshot.offsets)
-        self.recovery.update(snapshot=loaded.key)
-        self._log.info("profiler.snapshot_loaded", key=loaded.key)
-        return loaded.snapshot
+        self.state = found.value
+        self._covered = dict(found.snapshot.offsets)
+        self._log.info("profiler.snapshot_loaded", key=found.key)
+        return found.snapshot
 
     async def _maybe_snapshot(self) -> None:
         interval = self.config.snapshot_interval_s
@@ -277,18 +273,17 @@ class ProfilerService:
             await self.write_snapshot()
 
     async def write_snapshot(self) -> None:
-        """Snapshot the state now (between two deliveries); a failure is logged, never raised."""
+        """Snapshot the state now, between two deliveries (none is handled while it is captured
+        and encoded, off the event loop); a failure is logged, never raised."""
         assert self.snapshots is not None
         self._last_snapshot = self.clock.time()
-        seq = int(self.clock.time() * 1000)
         try:
-            snap = capture(self.state, self._covered, seq=seq, created_at=self.clock.time())
-            data = dump(snap)
-            key = await self.snapshots.save(snap, data)
+            saved = await self.snapshots.save(
+                lambda: capture(self.state, self._covered, created_at=self.clock.time()), hold=self._fold_lock)
         except Exception as exc:
             self._log.warning("profiler.snapshot_failed", error=f"{type(exc).__name__}: {exc}"[:300])
             return
-        self._log.info("profiler.snapshot_written", key=key, bytes=len(data))
+        self._log.info("profiler.snapshot_written", key=saved.key, bytes=saved.bytes)
 
     HANDLERS: ClassVar[HandlerTable[Callable[[ProfilerService, Any], Awaitable[None]]]] = HandlerTable({
         JobSubmitted: _on_submitted, Progress: _measure,

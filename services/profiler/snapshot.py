@@ -36,10 +36,10 @@ class ProfilerSnapshot:
 register(ProfilerSnapshot, ProfilerState, _Last, JobSpec, Hyperparameters)
 
 
-def capture(state: ProfilerState, offsets: dict[str, int], *, seq: int, created_at: float) -> StateSnapshot:
+def capture(state: ProfilerState, offsets: dict[str, int], *, created_at: float) -> StateSnapshot:
     """A snapshot of ``state`` covering ``offsets`` (``"topic:partition" -> next offset``); dump
-    it before the state changes."""
-    return StateSnapshot(service=SERVICE, seq=seq, created_at=created_at, offsets=dict(offsets),
+    it before the state changes (the store numbers it)."""
+    return StateSnapshot(service=SERVICE, created_at=created_at, offsets=dict(offsets),
                          body=ProfilerSnapshot(state=state))
 
 

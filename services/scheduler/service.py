@@ -46,7 +46,8 @@ from services.scheduler.recovery import resume
 from services.scheduler.rerun import LoggedEvent
 from services.scheduler.round_length import RoundCosts, copy_startup_s, stretched_round_s
 from services.scheduler.rounds import RoundTiming, build_snapshot, plan_to_events
-from services.scheduler.snapshot import SERVICE, capture, input_offsets, restore
+from services.scheduler.snapshot import (SERVICE, SchedulerSnapshot, capture, dead_letter_origins,
+                                         dead_letter_start, input_offsets, restore)
 from services.scheduler.state import SchedulerState
 from services.scheduler.telemetry import SchedulerCounters, SchedulerTelemetry
 from services.scheduler.stuck import stuck_reason
@@ -57,7 +58,7 @@ from shared.errors import HadarError
 from shared.events import DeadLetter, Event, Progress
 from shared.logging import get_logger
 from shared.rejection import Rejected, dead_letter_delivery
-from shared.snapshot import SnapshotCorrupt, SnapshotStore, dump
+from shared.snapshot import Recovered, SnapshotStore
 from shared.store import ObjectStore
 from shared.topics import ALL_TOPICS, DEADLETTER, JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
 
@@ -103,15 +104,16 @@ class SchedulerService:
         self._round_s = self.settings.round_s   # the length of the last round planned
         self._folded: dict[str, int] = {}
         self._placed: dict[int, int] = {}   # placements partition -> next offset after our rounds
-        self.snapshots = (SnapshotStore(store, owner=self.config.group, service=SERVICE,
-                                        keep=self.config.snapshots_kept) if store is not None else None)
+        self._lettered: dict[int, int] = {}   # deadletter partition -> next offset not counted
         self.recovery: dict[str, Any] = {}
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
-        self._fold_lock = asyncio.Lock()   # held while the state is folded or planned from
+        self._fold_lock = asyncio.Lock()   # held while the state is folded, planned from or snapshot
         self._last_error: str | None = None   # logged in full; /healthz shows only its kind
         self._log = get_logger(service=self.name, policy=self.config.policy)
+        self.snapshots = (SnapshotStore(store, owner=self.config.group, service=SERVICE,
+                                        keep=self.config.snapshots_kept, log=self._log) if store is not None else None)
         self.registry = CollectorRegistry()
         self.counters = SchedulerCounters(self.registry)
         self.telemetry = SchedulerTelemetry(self.registry, state=lambda: self.state, now=self.clock.time,
@@ -149,20 +151,18 @@ class SchedulerService:
 
     async def _recover(self) -> None:
         t0 = time.perf_counter()
-        snapshot = await self._load_snapshot()
+        found = await self._load_snapshot()
         log: list[LoggedEvent] = []
         for topic in RECOVERY_TOPICS:
             # From the offsets the snapshot covers (a partition it does not name: from the start).
-            start = snapshot[0].partition_offsets(topic) if snapshot is not None else None
-            async for d in self.bus.read(topic, start=start):
+            async for d in self.bus.read(topic, start=found.start(topic)):
                 log.append(LoggedEvent(topic=d.topic, partition=d.partition, offset=d.offset, event=d.event))
                 if topic == PLACEMENTS:
                     self._placed[d.partition] = max(self._placed.get(d.partition, 0), d.offset + 1)
                 else:
                     tp = f"{d.topic}:{d.partition}"
                     self._folded[tp] = max(self._folded.get(tp, 0), d.offset + 1)
-        body = snapshot[1] if snapshot is not None else None
-        resumed = resume(log, state=self.state, body=body, configured=self.settings.choice)
+        resumed = resume(log, state=self.state, body=found.value, configured=self.settings.choice)
         if resumed.out_of_sequence:
             self._log.warning("scheduler.rounds_out_of_sequence", rounds=list(resumed.out_of_sequence[:10]),
                               count=len(resumed.out_of_sequence))
@@ -178,53 +178,44 @@ class SchedulerService:
             self._log.warning("scheduler.policy_changed", recorded=resumed.policy_changed_from,
                               configured=self.settings.choice.describe(), next_round=self.next_round)
         self.recovery["seconds"] = round(time.perf_counter() - t0, 4)
-        async for d in self.bus.read(DEADLETTER):
-            if isinstance(d.event, DeadLetter):
-                self.telemetry.dead_letters.add(d.event)
+        letters = 0   # past the letters the snapshot counts (all of them without a snapshot that does)
+        async for d in self.bus.read(DEADLETTER, start=dict(self._lettered)):
+            letters += 1
+            self._count_letter(d)
+        self.recovery["dead_letters"] = letters
 
-    async def _load_snapshot(self):
-        """The newest valid snapshot and its body, adopted into this service; None without one."""
+    async def _load_snapshot(self) -> Recovered[SchedulerSnapshot]:
+        """The newest valid snapshot and its body, adopted into this service (none: empty)."""
         if self.snapshots is None:
-            return None
-        try:
-            loaded = await self.snapshots.newest()
-        except Exception as exc:   # a store that is away: recover from the whole log instead
-            self._log.warning("scheduler.snapshot_unavailable", error=f"{type(exc).__name__}: {exc}"[:300])
-            return None
-        for key, reason in loaded.skipped:
-            self._log.warning("scheduler.snapshot_skipped", key=key, reason=reason[:300])
-        self.recovery.update(snapshot=loaded.key, skipped=[key for key, _ in loaded.skipped])
-        if loaded.snapshot is None:
-            return None
-        try:
-            body = restore(loaded.snapshot)
-        except SnapshotCorrupt as exc:
-            self._log.warning("scheduler.snapshot_skipped", key=loaded.key, reason=exc.reason)
-            self.recovery.update(snapshot=None)
-            return None
-        self.state = body.state
-        folded, placed = input_offsets(loaded.snapshot)
-        self._folded, self._placed = dict(folded), dict(placed)
-        self._log.info("scheduler.snapshot_loaded", key=loaded.key, next_round=body.next_round)
-        return loaded.snapshot, body
+            return Recovered()
+        found = await self.snapshots.recover(restore)
+        self.recovery.update(found.recovery())
+        if found.snapshot is not None and found.value is not None:
+            self.state = found.value.state
+            self._folded, self._placed = input_offsets(found.snapshot)
+            self.telemetry.dead_letters.extend(dead_letter_origins(found.value))
+            self._lettered = dead_letter_start(found.snapshot, found.value) or {}
+            self._log.info("scheduler.snapshot_loaded", key=found.key, next_round=found.value.next_round)
+        return found
 
     async def _write_snapshot(self) -> None:
-        """Snapshot the state now (folding paused while it is encoded); never raises."""
+        """Snapshot the state now (folding paused while it is captured and encoded); never raises."""
         assert self.snapshots is not None
+
+        def take():
+            return capture(state=self.state, previous=self.previous, previous_key=self.settings.choice.key,
+                           next_round=self.next_round, folded=dict(self._folded), placed=dict(self._placed),
+                           created_at=self.clock.time(), dead_letters=self.telemetry.dead_letters.origins(),
+                           lettered=self._lettered)
         try:
-            async with self._fold_lock:
-                snap = capture(state=self.state, previous=self.previous, previous_key=self.settings.choice.key,
-                               next_round=self.next_round, folded=dict(self._folded), placed=dict(self._placed),
-                               created_at=self.clock.time())
-                data = await asyncio.to_thread(dump, snap)
-            key = await self.snapshots.save(snap, data)
+            saved = await self.snapshots.save(take, hold=self._fold_lock)
         except Exception as exc:
             self.counters.snapshots.labels(outcome="failed").inc()
             self._log.warning("scheduler.snapshot_failed", round=self.next_round - 1,
                               error=f"{type(exc).__name__}: {exc}"[:300])
             return
         self.counters.snapshots.labels(outcome="written").inc()
-        self._log.info("scheduler.snapshot_written", key=key, round=self.next_round - 1, bytes=len(data))
+        self._log.info("scheduler.snapshot_written", key=saved.key, round=self.next_round - 1, bytes=saved.bytes)
 
     async def _publish(self, event: Event, *, deadline: float, round_: int) -> None:
         delay = RETRY_BASE_S
@@ -248,15 +239,19 @@ class SchedulerService:
         async with self.bus.subscribe(list(INPUT_TOPICS) + [DEADLETTER], self.config.group) as sub:
             async for delivery in sub:
                 if delivery.topic == DEADLETTER:
-                    if isinstance(delivery.event, DeadLetter):
-                        self.telemetry.dead_letters.add(delivery.event)
+                    self._count_letter(delivery)
                 else:
                     await self._fold(delivery)
-                tp = f"{delivery.topic}:{delivery.partition}"
-                if delivery.topic != DEADLETTER:
+                    tp = f"{delivery.topic}:{delivery.partition}"
                     self._folded[tp] = max(self._folded.get(tp, 0), delivery.offset + 1)
                 await delivery.ack()
                 self._changed.set()
+
+    def _count_letter(self, delivery: Delivery) -> None:
+        """Count a record of hadar.deadletter (once per origin) and the offset it covers."""
+        if isinstance(delivery.event, DeadLetter):
+            self.telemetry.dead_letters.add(delivery.event)
+        self._lettered[delivery.partition] = max(self._lettered.get(delivery.partition, 0), delivery.offset + 1)
 
     async def _fold(self, delivery: Delivery) -> None:
         """Fold one event; one the state refuses, or whose fold fails, is dead-lettered with

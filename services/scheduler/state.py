@@ -6,18 +6,10 @@ restarts rebuilds exactly this state by reading its topics from the start. Nothi
 reads a clock: times come from the events themselves.
 
 A well-formed event is still checked against what the state knows, and refused with
-:class:`~shared.rejection.Rejected` (changing nothing) when it cannot be true:
-
-* ModelConsolidated: the job is known, the round has started (``round <= last_round``),
-  the key is the layout's ``model_key(job, round)``, every weight is finite in [0, 1] and
-  they sum to 1 (within 1e-6). So a forged announcement can neither point the next
-  round's ``start_from`` at another object nor freeze a job's model with a far-future round.
-* JobCompleted: the key is the layout's ``final_key(job)``.
-* ThroughputEstimate: every rate is 0 ("cannot run there") or in [MIN_RATE, MAX_RATE]
-  steps/s; a rate of 5e-324 made Gavel's LP fail every round. (Its model size is bounded
-  by the event itself; the last size stated, ``model_bytes > 0``, is the job's.)
-* A NodeRegistered with other devices than the node's current ones starts a new
-  incarnation (counted); the old devices are gone.
+:class:`~shared.rejection.Rejected` (changing nothing) when it cannot be true -- a forged
+announcement, an implausible rate: the rules are in :mod:`services.scheduler.acceptance`.
+A NodeRegistered with other devices than the node's current ones starts a new
+incarnation (counted); the old devices are gone.
 """
 
 from __future__ import annotations
@@ -28,9 +20,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from services.scheduler.acceptance import CHECKS
 from services.scheduler.stuck import stuck_reason
 from shared.dispatch import HandlerTable
-from shared.layout import final_key, model_key
 from shared.rejection import Rejected
 from shared.events import (
     Assignment, CopyFinished, Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted,
@@ -101,9 +93,6 @@ class RoundRecord:
     placed: set[tuple[str, int, str]] = field(default_factory=set)   # (job, copy, node) of ``assignments``
 
 
-MIN_RATE = 1e-9         # steps/s: below this a positive rate is noise or forged
-MAX_RATE = 1e6          # steps/s: far above any job on any GPU
-WEIGHT_TOLERANCE = 1e-6
 FINISHED_KEPT = 1024    # completed or cancelled jobs whose records stay in memory (views, the demo)
 SEEN_WINDOW = 65_536   # event ids remembered for dedupe (~8 MB): far more than one commit interval
 ROUNDS_KEPT = 64       # rounds kept in memory; older ones live on in the log only
@@ -145,6 +134,15 @@ class SchedulerState:
     @property
     def remembered_ids(self) -> int:
         return len(self._seen)
+
+    @property
+    def rounds_in_order(self) -> bool:
+        """False for a viewer reading topics concurrently (``__init__``)."""
+        return self._rounds_in_order
+
+    def forgotten(self, job_id: str) -> bool:
+        """True for a finished job whose record was dropped (its id is never reused)."""
+        return job_id in self._forgotten
 
     # ------------------------------------------------------------------ fold
 
@@ -301,47 +299,7 @@ class SchedulerState:
             job.steps_done = max(job.steps_done, e.total_steps)
             self._finished(job)
 
-    # ------------------------------------------------------------------ checks (None: accept)
-
-    def _check_ModelConsolidated(self, e: ModelConsolidated) -> str | None:
-        if e.job_id in self._forgotten:
-            return None   # late news of a job long finished: harmless, and nothing to update
-        if e.job_id not in self.jobs:
-            return f"ModelConsolidated: unknown job {e.job_id!r}"
-        if e.round > self.last_round and self._rounds_in_order:
-            return f"ModelConsolidated: round {e.round} has not started (latest round {self.last_round})"
-        if e.key != model_key(e.job_id, e.round):
-            return f"ModelConsolidated: key {e.key[:120]!r} is not {model_key(e.job_id, e.round)!r}"
-        weights = [c.weight for c in e.copies]
-        if not weights or any(not 0.0 <= w <= 1.0 for w in weights) or abs(sum(weights) - 1.0) > WEIGHT_TOLERANCE:
-            return f"ModelConsolidated: weights {weights[:8]} are not in [0, 1] summing to 1"
-        return None
-
-    def _check_RoundAbandoned(self, e: RoundAbandoned) -> str | None:
-        if e.job_id in self._forgotten:
-            return None
-        if e.job_id not in self.jobs:
-            return f"RoundAbandoned: unknown job {e.job_id!r}"
-        if e.round > self.last_round and self._rounds_in_order:
-            return f"RoundAbandoned: round {e.round} has not started (latest round {self.last_round})"
-        return None
-
-    def _check_JobCompleted(self, e: JobCompleted) -> str | None:
-        if e.job_id in self.jobs and e.final_key != final_key(e.job_id):
-            return f"JobCompleted: final key {e.final_key[:120]!r} is not {final_key(e.job_id)!r}"
-        return None
-
-    def _check_ThroughputEstimate(self, e: ThroughputEstimate) -> str | None:
-        bad = {t: r for t, r in e.rates.items() if r != 0.0 and not MIN_RATE <= r <= MAX_RATE}
-        if bad:
-            return f"ThroughputEstimate: implausible rate {dict(list(bad.items())[:4])} steps/s"
-        return None
-
-    CHECKS: ClassVar[dict[type, Callable[[SchedulerState, Any], str | None]]] = {
-        ModelConsolidated: _check_ModelConsolidated, RoundAbandoned: _check_RoundAbandoned,
-        JobCompleted: _check_JobCompleted,
-        ThroughputEstimate: _check_ThroughputEstimate,
-    }
+    CHECKS: ClassVar[dict[type, Callable[[SchedulerState, Any], str | None]]] = CHECKS   # acceptance.py
 
     HANDLERS: ClassVar[HandlerTable[Callable[[SchedulerState, Any], None]]] = HandlerTable({
         JobSubmitted: _on_JobSubmitted, JobCancelled: _on_JobCancelled,

@@ -30,7 +30,7 @@ later than ``previous start + round_s`` the latest round started, e.g. waiting f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -60,15 +60,27 @@ class DeadLetterTally:
 
     def add(self, letter: DeadLetter) -> bool:
         """True if ``letter`` names a bad record not seen before."""
-        origin = (letter.topic, letter.partition, letter.offset)
+        return self.add_origin((letter.topic, letter.partition, letter.offset))
+
+    def add_origin(self, origin: tuple[str, int, int]) -> bool:
+        """True if ``origin`` (topic, partition, offset) is a bad record not seen before."""
         if origin in self._origins:
             return False
         self._origins.add(origin)
-        self._by_topic[letter.topic] = self._by_topic.get(letter.topic, 0) + 1
+        self._by_topic[origin[0]] = self._by_topic.get(origin[0], 0) + 1
         return True
+
+    def extend(self, origins: Iterable[tuple[str, int, int]]) -> None:
+        """Count every origin of ``origins`` not seen before (what a snapshot restores)."""
+        for origin in origins:
+            self.add_origin(origin)
 
     def by_topic(self) -> dict[str, int]:
         return dict(self._by_topic)
+
+    def origins(self) -> list[tuple[str, int, int]]:
+        """Every origin counted (a copy: what a snapshot keeps, so a restart need not re-read them)."""
+        return list(self._origins)
 
 
 @dataclass(frozen=True, kw_only=True)

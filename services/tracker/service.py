@@ -69,7 +69,7 @@ from shared.events import Event, JobCancelled, JobCompleted, ModelConsolidated, 
 from shared.layout import model_key
 from shared.logging import get_logger
 from shared.rejection import dead_letter_delivery
-from shared.snapshot import SnapshotCorrupt, SnapshotStore, StateSnapshot, dump
+from shared.snapshot import SnapshotStore, StateSnapshot
 from shared.store import ObjectStore
 from shared.topics import DEADLETTER, JOBS, MODELS, PLACEMENTS, PROGRESS
 
@@ -107,10 +107,10 @@ class TrackerService:
         self._m = TrackerMetrics(r)
         self._produce = RoundProducer(store=store, config=self.config, clock=self.clock, metrics=self._m,
                                       log=self._log)
-        self.snapshots = (SnapshotStore(store, owner=self.config.group, service=SERVICE,
-                                        keep=self.config.snapshots_kept) if self.config.snapshot_every else None)
+        self.snapshots = (SnapshotStore(store, owner=self.config.group, service=SERVICE, keep=self.config.snapshots_kept,
+                                        log=self._log) if self.config.snapshot_every else None)
         self._folded: dict[str, int] = {}        # "topic:partition" -> next offset not folded
-        self._snapshot_seq = 0
+        self._fold_lock = asyncio.Lock()         # the consumer folds, or a snapshot is taken
         self._decided = 0                        # rounds decided here since the last snapshot
         self._closed_unannounced: set[str] = set()   # jobs whose latest close is not on the bus
         self.recovery: dict[str, Any] = {}       # how the last start recovered (snapshot, records, seconds)
@@ -171,10 +171,11 @@ class TrackerService:
         async with self.bus.subscribe(INPUT_TOPICS, self.config.group) as sub:
             async for delivery in sub:
                 self._m.events_in.labels(type=delivery.event.TYPE).inc()
-                if self._fold(delivery.event, origin=delivery):
-                    self._wake.set()
-                self._note(delivery)
-                await self._handle_refusals()
+                async with self._fold_lock:   # not while a snapshot is captured and encoded
+                    if self._fold(delivery.event, origin=delivery):
+                        self._wake.set()
+                    self._note(delivery)
+                    await self._handle_refusals()
                 # State is rebuilt from the topics (after a snapshot) on start: acking once folded is safe.
                 await delivery.ack()
 
@@ -301,52 +302,39 @@ class TrackerService:
         """The newest valid snapshot, adopted into the state and the lifecycle; None without one."""
         if self.snapshots is None:
             return None
-        try:
-            stored = await self.snapshots.keys()
-            loaded = await self.snapshots.newest()
-        except Exception as exc:   # a store that is away: recover from the whole log instead
-            self._log.warning("tracker.snapshot_unavailable", error=f"{type(exc).__name__}: {exc}"[:300])
+        found = await self.snapshots.recover(
+            lambda snap: restore(snap, self.state, self.lifecycle, wall_now=self.clock.time(),
+                                 mono_now=time.monotonic()))
+        self.recovery.update(found.recovery())
+        if found.snapshot is None:
             return None
-        self._snapshot_seq = stored[0][0] if stored else 0   # the next one is newer than any stored
-        for key, reason in loaded.skipped:
-            self._log.warning("tracker.snapshot_skipped", key=key, reason=reason[:300])
-        self.recovery.update(snapshot=loaded.key, skipped=[key for key, _ in loaded.skipped])
-        if loaded.snapshot is None:
-            return None
-        try:
-            restore(loaded.snapshot, self.state, self.lifecycle, wall_now=self.clock.time(),
-                    mono_now=time.monotonic())
-        except SnapshotCorrupt as exc:
-            self._log.warning("tracker.snapshot_skipped", key=loaded.key, reason=exc.reason)
-            self.recovery.update(snapshot=None)
-            return None
-        self._folded = dict(loaded.snapshot.offsets)
-        self._log.info("tracker.snapshot_loaded", key=loaded.key, jobs=self.state.jobs())
-        return loaded.snapshot
+        self._folded = dict(found.snapshot.offsets)
+        self._log.info("tracker.snapshot_loaded", key=found.key, jobs=self.state.jobs())
+        return found.snapshot
 
     async def _write_snapshot(self) -> None:
-        """Snapshot the state now (captured and encoded without yielding, so nothing is folded
-        meanwhile); never raises. Deferred while a job's latest close is not on the bus."""
+        """Snapshot the state now (captured and encoded, off the event loop, while the consumer
+        folds nothing); never raises. Deferred while a job's latest close is not on the bus."""
         assert self.snapshots is not None
         if self._closed_unannounced:
             self._log.info("tracker.snapshot_deferred", jobs=sorted(self._closed_unannounced)[:10])
             return
-        snap = capture(self.state, self.lifecycle, self._folded, seq=self._snapshot_seq + 1,
-                       wall_now=self.clock.time(), mono_now=time.monotonic())
-        if snap is None:
-            self._log.warning("tracker.snapshot_deferred", reason="a held report has no position")
-            return
         try:
-            data = dump(snap)
-            key = await self.snapshots.save(snap, data)
+            saved = await self.snapshots.save(
+                lambda: capture(self.state, self.lifecycle, self._folded, wall_now=self.clock.time(),
+                                mono_now=time.monotonic()), hold=self._fold_lock)
         except Exception as exc:
             self._m.snapshots.labels(outcome="failed").inc()
             self._decided = 0   # tried again after snapshot_every more rounds, not every tick
             self._log.warning("tracker.snapshot_failed", error=f"{type(exc).__name__}: {exc}"[:300])
             return
-        self._snapshot_seq, self._decided = snap.seq, 0
+        if saved is None:
+            self._log.warning("tracker.snapshot_deferred", reason="a held report has no position")
+            return
+        self._decided = 0
         self._m.snapshots.labels(outcome="written").inc()
-        self._log.info("tracker.snapshot_written", key=key, bytes=len(data), offsets=len(snap.offsets))
+        self._log.info("tracker.snapshot_written", key=saved.key, bytes=saved.bytes,
+                       offsets=len(saved.snapshot.offsets))
 
     # ------------------------------------------------------------------ rounds
 

@@ -90,10 +90,10 @@ def covered_offsets(folded: dict[str, int], held: Iterable[object]) -> dict[str,
     return offsets
 
 
-def capture(state: TrackerState, lifecycle: ObjectLifecycle, folded: dict[str, int], *, seq: int,
+def capture(state: TrackerState, lifecycle: ObjectLifecycle, folded: dict[str, int], *,
             wall_now: float, mono_now: float) -> StateSnapshot | None:
-    """A snapshot of the tracker now (not copied: dump it before the state changes), or None
-    if a held report cannot be re-read (see :func:`covered_offsets`)."""
+    """A snapshot of the tracker now (not copied: dump it before the state changes; the store
+    numbers it), or None if a held report cannot be re-read (see :func:`covered_offsets`)."""
     held = list(state._pending)   # the one reader of the state's internals besides the state
     offsets = covered_offsets(folded, (h.origin for h in held))
     if offsets is None:
@@ -104,7 +104,7 @@ def capture(state: TrackerState, lifecycle: ObjectLifecycle, folded: dict[str, i
     body = TrackerSnapshot(jobs=state._jobs, finished=list(state._finished.items()), index=state._index,
                            ids=[i for i in state._ids if i not in held_ids], sweeps=sweeps,
                            swept_finished=list(lifecycle._finished))
-    return StateSnapshot(service=SERVICE, seq=seq, created_at=wall_now, offsets=offsets, body=body)
+    return StateSnapshot(service=SERVICE, created_at=wall_now, offsets=offsets, body=body)
 
 
 def restore(snapshot: StateSnapshot, state: TrackerState, lifecycle: ObjectLifecycle, *, wall_now: float,

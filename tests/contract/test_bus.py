@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from shared.bus import AckTracker, Bus, BusError, Delivery, KafkaBus, MemoryBus, Subscription
 from shared.clock import FakeClock
+from shared.eventlog import fetch_log, read_bus
 from shared.events import CopyFinished, DeadLetter, JobCancelled, Progress, encode
 from shared.topics import DEADLETTER, JOBS
 
@@ -374,3 +375,27 @@ async def test_read_starts_each_partition_at_its_own_offset(bus_kind, clock) -> 
         assert not await read_all(bus, topic, start={p: 100 for p in partitions})
         with pytest.raises(ValueError):
             await read_all(bus, topic, start={named: -1})
+
+
+async def test_a_log_read_collects_every_record_of_the_topics_in_the_order_asked(bus_kind, clock) -> None:
+    """``read_bus`` (a started bus) and ``fetch_log`` (starts and stops it): what the CLI's
+    replay, the fault harness and the end-to-end tests read a whole log with."""
+    async with open_bus(bus_kind, clock) as bus:
+        first, second = unique("logread-a"), unique("logread-b")
+        await bus.ensure_topics([first, second])
+        landed = {}
+        for i in range(8):
+            event = progress(f"job-{i % 3}", i)
+            topic = first if i % 2 else second
+            landed[(topic, *await bus.publish(topic, event.job_id, event))] = event
+        records = await read_bus(bus, [second, first])
+        assert [r.topic for r in records] == [second] * 4 + [first] * 4
+        assert {(r.topic, r.partition, r.offset): r.event for r in records} == landed
+        assert {r.ts_ms for r in records} == {int(clock.time() * 1000)}
+        name, bootstrap = bus_kind
+        fresh = (KafkaBus(bootstrap, clock=clock, source="contract") if name == "kafka" else bus)
+        if name == "memory":
+            await bus.stop()
+        assert await fetch_log(fresh, [second, first]) == records
+        with pytest.raises(BusError):   # stopped again once read
+            await read_all(fresh, first)

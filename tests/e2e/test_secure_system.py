@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from shared.bus import KafkaBus
 from shared.config import kafka_from_env
 from shared.events import JobCompleted
 from shared.topics import MODELS
+from tests.e2e.processes import stop_services
 
 pytestmark = [pytest.mark.kafka, pytest.mark.s3, pytest.mark.slow]
 
@@ -91,14 +91,7 @@ def test_a_job_completes_with_every_service_as_its_own_principal(secure_servers,
         assert got.returncode == 0, got.stderr
         assert out.stat().st_size > 0
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        stop_services(procs)
     assert not leaks, f"a secret was on the command line of {sorted(set(leaks))}"
     for log in tmp_path.glob("*.log"):
         text = log.read_text(errors="replace")

@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -29,13 +28,14 @@ from safetensors.torch import load_file as load_torch_file
 from services.scheduler.state import fold_log
 from shared.bus import KafkaBus
 from shared.config import S3Settings
+from shared.eventlog import fetch_log
 from shared.events import Assignment, JobCompleted, ModelConsolidated
 from shared.infra import InfraError, InfraPaths, ensure_kafka, stop_server
 from shared.layout import checkpoint_key
 from shared.logging import STABLE_KEYS
 from shared.store import MinioStore
 from shared.zoo import build_from_metadata
-from shared.topics import ALL_TOPICS
+from tests.e2e.processes import stop_services
 
 pytestmark = [pytest.mark.kafka, pytest.mark.s3, pytest.mark.slow]
 
@@ -76,16 +76,7 @@ def _service(args: list[str], env: dict[str, str], log: Path) -> subprocess.Pope
 
 
 async def _read_log(bootstrap: str) -> list:
-    bus = KafkaBus(bootstrap, source="e2e-test")
-    await bus.start()
-    try:
-        records = []
-        for topic in ALL_TOPICS:
-            async for d in bus.read(topic):
-                records.append((topic, d.event))
-        return records
-    finally:
-        await bus.stop()
+    return [(r.topic, r.event) for r in await fetch_log(KafkaBus(bootstrap, source="e2e-test"))]
 
 
 def _completed(records: list, job_ids: list[str]) -> set[str]:
@@ -152,14 +143,7 @@ def _run_system(policy: str, tmp: Path, paths: InfraPaths, s3: S3Settings) -> Ru
                 break
         assert _completed(records, job_ids) == set(job_ids), f"jobs did not complete in time; logs in {tmp}"
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        stop_services(procs)
         records = asyncio.run(_read_log(kafka.bootstrap))
         stop_server(paths, "kafka")
     bad = _not_json_lines(tmp)

@@ -5,6 +5,7 @@ and a damaged snapshot falls back to the whole topics."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -12,6 +13,8 @@ from services.profiler.service import ProfilerConfig, ProfilerService
 from shared.bus import MemoryBus
 from shared.clock import FakeClock
 from shared.events import JobSpec, JobSubmitted, Progress, ThroughputEstimate
+from shared.layout import snapshot_key
+from shared.snapshot import dump, load
 from shared.store import LocalStore
 from shared.topics import THROUGHPUT
 
@@ -96,3 +99,21 @@ async def test_a_damaged_snapshot_falls_back_to_the_whole_topics(tmp_path):
     assert again.recovery["records"] >= 8          # 3 estimates, a measured rate, 4 jobs
     assert await estimates(bus) == {"a": 1, "b": 1, "c": 1, "d": 1}
     assert rate == pytest.approx(15.0)             # the last published rate, seeded from the topic
+
+
+async def test_a_snapshot_named_by_the_old_scheme_still_loads_and_new_ones_come_after(tmp_path):
+    old_key = snapshot_key("prof-snap", 1_764_612_345_678)
+
+    async def old_name(store):   # as the profiler named it before one scheme: by clock milliseconds
+        (key,) = await store.list("snapshots/")
+        snap = load(await store.get(key), service="profiler")
+        await store.put(old_key, dump(replace(snap, seq=1_764_612_345_678)))
+        await store.delete(key)
+
+    again, bus, rate = await run_and_restart(tmp_path, damage=old_name)
+    assert again.recovery["snapshot"] == old_key and again.recovery["records"] == 1
+    assert await estimates(bus) == {"a": 1, "b": 1, "c": 1, "d": 1}
+    assert rate == pytest.approx(15.0)
+    await again.write_snapshot()
+    keys = [key for _, key in await again.snapshots.keys()]
+    assert keys == [snapshot_key("prof-snap", 1_764_612_345_679), old_key]   # the new one is the newest

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import struct
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 
@@ -15,14 +16,18 @@ from services.scheduler.rerun import assignment_decision
 from services.scheduler.service import SchedulerService
 from services.scheduler.synthetic import ScriptedCluster
 from shared.bus import MemoryBus
+from shared.bus.base import dead_letter
 from shared.clock import FakeClock
 from shared.events import Assignment
 from shared.layout import snapshot_key
-from shared.snapshot import MAGIC
+from shared.snapshot import MAGIC, SnapshotStore, dump, load
 from shared.store import LocalStore
-from shared.topics import PLACEMENTS
+from shared.topics import JOBS, PLACEMENTS
 
 ROUND_S = 60.0
+# With snapshot_every=3 and a stop after round 7, snapshots were taken after rounds 2 and 5:
+# the store numbers them 1 and 2.
+AFTER_ROUND_2, AFTER_ROUND_5 = snapshot_key("sched-snap", 1), snapshot_key("sched-snap", 2)
 
 
 def config(policy: str, **extra) -> SchedulerConfig:
@@ -97,7 +102,7 @@ async def interrupted(policy: str, rounds: int, stop_after: int, tmp_path, damag
 async def test_restart_from_a_snapshot_replays_only_what_follows_and_decides_identically(policy, tmp_path):
     # Snapshots after rounds 2 and 5; stopped after round 7: rounds 6 and 7 are re-derived.
     again, got, _ = await interrupted(policy, 14, 8, tmp_path, snapshot_every=3)
-    assert again.recovery["snapshot"] == snapshot_key("sched-snap", 5)
+    assert again.recovery["snapshot"] == AFTER_ROUND_5
     assert again.recovery["rounds_rederived"] == 2 and again.recovery["differing_rounds"] == []
     reference = await uninterrupted(policy, 14)
     assert got == reference
@@ -105,20 +110,20 @@ async def test_restart_from_a_snapshot_replays_only_what_follows_and_decides_ide
 
 
 async def _truncate(store):
-    key = snapshot_key("sched-snap", 5)
+    key = AFTER_ROUND_5
     data = await store.get(key)
     await store.put(key, data[: len(data) - 7])
 
 
 async def _flip(store):
-    key = snapshot_key("sched-snap", 5)
+    key = AFTER_ROUND_5
     data = bytearray(await store.get(key))
     data[len(data) // 2] ^= 0x40
     await store.put(key, bytes(data))
 
 
 async def _version(store):
-    key = snapshot_key("sched-snap", 5)
+    key = AFTER_ROUND_5
     data = await store.get(key)
     await store.put(key, MAGIC + struct.pack(">H", 99) + data[10:])
 
@@ -126,8 +131,8 @@ async def _version(store):
 @pytest.mark.parametrize("damage", [_truncate, _flip, _version], ids=["truncated", "flipped", "version"])
 async def test_a_damaged_snapshot_falls_back_to_the_previous_one(damage, tmp_path):
     again, got, _ = await interrupted("hadar", 12, 8, tmp_path, damage=damage, snapshot_every=3)
-    assert again.recovery["snapshot"] == snapshot_key("sched-snap", 2)
-    assert again.recovery["skipped"] == [snapshot_key("sched-snap", 5)]
+    assert again.recovery["snapshot"] == AFTER_ROUND_2
+    assert again.recovery["skipped"] == [AFTER_ROUND_5]
     assert again.recovery["rounds_rederived"] == 5 and again.recovery["differing_rounds"] == []
     assert got == await uninterrupted("hadar", 12)
 
@@ -143,9 +148,33 @@ async def test_without_a_valid_snapshot_the_whole_log_is_replayed(tmp_path):
     assert got == await uninterrupted("gavel", 9)
 
 
+async def _old_names(store):
+    """Rewrite the snapshots as the scheduler wrote them before one numbering scheme: named
+    by the round they follow (the number in the file too), without dead-letter origins or
+    hadar.deadletter offsets."""
+    for _, key in await SnapshotStore(store, owner="sched-snap", service="scheduler").keys():
+        snap = load(await store.get(key), service="scheduler")
+        offsets = {tp: o for tp, o in snap.offsets.items() if not tp.startswith("hadar.deadletter:")}
+        by_round = replace(snap, seq=snap.body.next_round - 1, offsets=offsets,
+                           body=replace(snap.body, dead_letters=None))
+        await store.put(snapshot_key("sched-snap", by_round.seq), dump(by_round))
+        await store.delete(key)
+
+
+async def test_a_store_named_by_the_old_scheme_still_loads(tmp_path):
+    again, got, store = await interrupted("hadare", 12, 8, tmp_path, damage=_old_names, snapshot_every=3)
+    assert again.recovery["snapshot"] == snapshot_key("sched-snap", 5) and again.recovery["skipped"] == []
+    assert again.recovery["rounds_rederived"] == 2 and again.recovery["differing_rounds"] == []
+    assert got == await uninterrupted("hadare", 12)
+    # Snapshots written after it (rounds 8 and 11) are numbered past the old names: newest.
+    keys = [key for _, key in await SnapshotStore(store, owner="sched-snap", service="scheduler").keys()]
+    assert keys == [snapshot_key("sched-snap", 7), snapshot_key("sched-snap", 6), snapshot_key("sched-snap", 5)]
+
+
 async def test_snapshots_kept_are_bounded(tmp_path):
     _, _, store = await interrupted("yarn-cs", 12, 6, tmp_path, snapshot_every=1, snapshots_kept=2)
-    assert sorted(await store.list("snapshots/")) == [snapshot_key("sched-snap", 10), snapshot_key("sched-snap", 11)]
+    # One a round, rounds 0-11: numbered 1-12, the newest two kept.
+    assert sorted(await store.list("snapshots/")) == [snapshot_key("sched-snap", 11), snapshot_key("sched-snap", 12)]
 
 
 async def test_a_restart_under_another_policy_keeps_the_state_but_not_the_plan(tmp_path):
@@ -161,7 +190,7 @@ async def test_a_restart_under_another_policy_keeps_the_state_but_not_the_plan(t
     again = SchedulerService(bus=bus, config=config("gavel", snapshot_every=3), clock=clock, run_rounds=False,
                              store=store)
     await again.start()
-    assert again.recovery["snapshot"] == snapshot_key("sched-snap", 5) and again.next_round == 6
+    assert again.recovery["snapshot"] == AFTER_ROUND_5 and again.next_round == 6
     assert again.previous is None                 # Hadar's ledger means nothing to Gavel
     assert set(again.state.jobs) == set(first.state.jobs)
     await play(again, cluster, clock, range(6, 8))
@@ -181,3 +210,37 @@ async def test_a_failing_snapshot_write_is_counted_and_the_rounds_go_on(tmp_path
     failed = service.registry.get_sample_value("hadar_scheduler_snapshots_total", {"outcome": "failed"})
     assert failed == 3
     await service.stop()
+
+
+async def test_a_restart_counts_dead_letters_from_the_snapshot_not_from_the_topic_start(tmp_path):
+    """The snapshot carries the dead-letter origins counted and the hadar.deadletter offsets
+    they cover: a restart reads only the letters after them, and still counts each bad
+    record once (a letter after the snapshot naming an origin counted before adds nothing)."""
+    bus, clock, store = MemoryBus(), FakeClock(), LocalStore(tmp_path)
+    await bus.start()
+    await store.start()
+
+    def letter(offset: int, group: str):
+        return dead_letter(topic=JOBS, partition=0, offset=offset, reason="bad", raw=b"x", ts=clock.time(),
+                           source=f"bus/{group}")
+
+    def counted(service: SchedulerService) -> float | None:
+        return service.registry.get_sample_value("hadar_scheduler_dead_letters", {"topic": JOBS})
+
+    for offset, group in ((1, "a"), (2, "a"), (1, "b")):
+        await bus.emit(letter(offset, group))
+    first = SchedulerService(bus=bus, config=config("yarn-cs", snapshot_every=1), clock=clock, run_rounds=False,
+                             store=store)
+    await first.start()
+    assert first.recovery["dead_letters"] == 3 and counted(first) == 2
+    await play(first, contended(bus, clock), clock, range(1))     # a snapshot after round 0
+    await first.stop()
+    for offset, group in ((2, "b"), (3, "a")):
+        await bus.emit(letter(offset, group))
+    again = SchedulerService(bus=bus, config=config("yarn-cs", snapshot_every=1), clock=clock, run_rounds=False,
+                             store=store)
+    await again.start()
+    assert again.recovery["snapshot"] == snapshot_key("sched-snap", 1)
+    assert again.recovery["dead_letters"] == 2                    # not all 5 of the topic
+    assert counted(again) == 3                                    # origins 1, 2, 3 of hadar.jobs
+    await again.stop()

@@ -3,9 +3,10 @@ its own, and the store falls back past corrupt snapshots and keeps a bounded num
 
 from __future__ import annotations
 
+import asyncio
 import struct
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 import numpy as np
@@ -124,25 +125,109 @@ def test_snapshot_keys_round_trip_and_refuse_bad_owners() -> None:
         assert parse_snapshot_key(key) is None
 
 
-async def test_store_keeps_the_newest_and_falls_back_past_corrupt_ones(tmp_path) -> None:
+def _taken(snapshot: StateSnapshot):
+    return lambda: snapshot
+
+
+def _accept(snapshot: StateSnapshot) -> StateSnapshot:
+    return snapshot
+
+
+async def test_store_numbers_past_every_stored_snapshot_and_keeps_the_newest(tmp_path) -> None:
     store = LocalStore(tmp_path)
     await store.start()
     snaps = SnapshotStore(store, owner="grp", service="scheduler", keep=3)
-    for seq in (1, 2, 3, 10, 20):
-        await snaps.save(_snapshot(seq))
-    assert [seq for seq, _ in await snaps.keys()] == [20, 10, 3]          # bounded: older ones deleted
+    saved = [await snaps.save(_taken(_snapshot(99))) for _ in range(5)]   # the capture's seq is not the number
+    assert [s.seq for s in saved] == [1, 2, 3, 4, 5] and saved[-1].key == snapshot_key("grp", 5)
+    assert [seq for seq, _ in await snaps.keys()] == [5, 4, 3]              # bounded: older ones deleted
     other = SnapshotStore(store, owner="grp2", service="scheduler")
-    await other.save(_snapshot(99))                                        # another owner is not ours
-    assert (await snaps.newest()).snapshot.seq == 20
+    assert (await other.save(_taken(_snapshot()))).seq == 1                 # another owner is not ours
+    found = await snaps.recover(_accept)
+    assert found.key == snapshot_key("grp", 5) and found.value.seq == 5 and found.skipped == ()
+    assert load(await store.get(found.key), service="scheduler").seq == 5   # the file says its number too
 
-    good = dump(_snapshot(20))
-    await store.put(snapshot_key("grp", 20), good[: len(good) // 2])       # partial
-    await store.put(snapshot_key("grp", 10), _flip(dump(_snapshot(10)), 100))   # a flipped byte
-    found = await snaps.newest()
-    assert found.snapshot is not None and found.snapshot.seq == 3
-    assert [k for k, _ in found.skipped] == [snapshot_key("grp", 20), snapshot_key("grp", 10)]
+
+async def test_store_falls_back_past_corrupt_and_refused_snapshots(tmp_path) -> None:
+    store = LocalStore(tmp_path)
+    await store.start()
+    snaps = SnapshotStore(store, owner="grp", service="scheduler", keep=5)
+    for _ in range(4):
+        await snaps.save(_taken(_snapshot()))
+    good = dump(_snapshot(4))
+    await store.put(snapshot_key("grp", 4), good[: len(good) // 2])                    # partial
+    await store.put(snapshot_key("grp", 3), _flip(dump(_snapshot(3)), 100))           # a flipped byte
+    found = await snaps.recover(_accept)
+    assert found.value is not None and found.value.seq == 2
+    assert [k for k, _ in found.skipped] == [snapshot_key("grp", 4), snapshot_key("grp", 3)]
     assert "partial" in found.skipped[0][1] and "checksum" in found.skipped[1][1]
+    assert found.recovery() == {"snapshot": snapshot_key("grp", 2),
+                                "skipped": [snapshot_key("grp", 4), snapshot_key("grp", 3)]}
+    assert found.start("hadar.placements") == {1: 9} and found.start("hadar.nodes") == {}
 
-    await store.put(snapshot_key("grp", 3), MAGIC + struct.pack(">H", 2) + good[10:])   # wrong version
-    none = await snaps.newest()
-    assert none.snapshot is None and len(none.skipped) == 3 and "version 2" in none.skipped[2][1]
+    def refuse_two(snapshot: StateSnapshot) -> int:   # a body the service cannot take: the one before
+        if snapshot.seq == 2:
+            raise SnapshotCorrupt("not a scheduler snapshot body")
+        return snapshot.seq
+
+    found = await snaps.recover(refuse_two)
+    assert found.value == 1 and found.key == snapshot_key("grp", 1) and len(found.skipped) == 3
+
+    await store.put(snapshot_key("grp", 1), MAGIC + struct.pack(">H", 2) + good[10:])   # wrong version
+    none = await snaps.recover(refuse_two)
+    assert none.snapshot is None and none.value is None and none.unavailable is None
+    assert len(none.skipped) == 4 and "version 2" in none.skipped[3][1]
+    assert none.start("hadar.jobs") is None and none.recovery()["snapshot"] is None
+
+
+async def test_a_store_written_by_the_old_numbering_loads_and_new_snapshots_come_after(tmp_path) -> None:
+    """Before one scheme, the scheduler numbered its snapshots by round, the profiler by
+    clock milliseconds: the newest old one loads, and a new one is numbered past all."""
+    store = LocalStore(tmp_path)
+    await store.start()
+    old = {"sched": (2, 5), "prof": (1_764_612_345_678, 1_764_612_945_678)}
+    for owner, seqs in old.items():
+        for seq in seqs:   # exactly as the old SnapshotStore.save wrote them
+            await store.put(snapshot_key(owner, seq), dump(_snapshot(seq)))
+    for owner, (older, newest) in old.items():
+        snaps = SnapshotStore(store, owner=owner, service="scheduler", keep=2)
+        found = await snaps.recover(_accept)
+        assert found.key == snapshot_key(owner, newest) and found.value.body["plan"] == _sample()["plan"]
+        saved = await snaps.save(_taken(_snapshot()))
+        assert saved.seq == newest + 1
+        assert [k for _, k in await snaps.keys()] == [saved.key, snapshot_key(owner, newest)]   # the oldest pruned
+        assert (await snaps.recover(_accept)).key == saved.key
+
+
+async def test_save_captures_and_encodes_while_the_hold_is_held(tmp_path) -> None:
+    store = LocalStore(tmp_path)
+    await store.start()
+    snaps = SnapshotStore(store, owner="grp", service="scheduler")
+    lock = asyncio.Lock()
+    held: list[bool] = []
+
+    def capture() -> StateSnapshot:
+        held.append(lock.locked())
+        return _snapshot()
+
+    saved = await snaps.save(capture, hold=lock)
+    assert held == [True] and not lock.locked() and saved is not None
+    assert await snaps.save(lambda: None, hold=lock) is None                 # nothing to write now
+    assert [seq for seq, _ in await snaps.keys()] == [1]
+
+
+def test_scheduler_dead_letter_origins_round_trip_and_malformed_ones_are_refused() -> None:
+    from services.scheduler.snapshot import capture, dead_letter_origins, dead_letter_start, restore
+    from services.scheduler.state import SchedulerState
+
+    origins = [("hadar.jobs", 0, 7), ("hadar.progress", 2, 1), ("hadar.jobs", 0, 3), ("hadar.jobs", 1, 0)]
+    snap = capture(state=SchedulerState(), previous=None, previous_key=None, next_round=4, folded={"hadar.jobs:0": 9},
+                   placed={0: 5}, created_at=1.0, dead_letters=origins, lettered={0: 12, 2: 3})
+    body = restore(load(dump(snap), service="scheduler"))
+    assert body.dead_letters == {"hadar.jobs:0": [3, 7], "hadar.jobs:1": [0], "hadar.progress:2": [1]}
+    assert sorted(dead_letter_origins(body)) == sorted(origins)
+    assert dead_letter_start(snap, body) == {0: 12, 2: 3}
+    old = restore(StateSnapshot(service="scheduler", created_at=1.0, body=replace(body, dead_letters=None)))   # written before
+    assert list(dead_letter_origins(old)) == [] and dead_letter_start(snap, old) is None
+    for bad in ({"hadar.jobs": [1]}, {"hadar.jobs:0": [1.5]}, {"hadar.jobs:0": (1,)}, [("hadar.jobs", 0, 1)]):
+        with pytest.raises(SnapshotCorrupt, match="dead-letter"):
+            restore(StateSnapshot(service="scheduler", created_at=1.0, body=replace(body, dead_letters=bad)))

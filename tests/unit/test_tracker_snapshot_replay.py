@@ -49,7 +49,7 @@ def test_covered_offsets_stop_at_the_first_held_report_of_each_partition() -> No
 @pytest.mark.parametrize("cut", range(len(LOG) + 1))
 def test_a_snapshot_at_any_point_then_its_replay_equals_the_whole_log(cut: int) -> None:
     state = folded(list(enumerate(LOG[:cut])), TrackerState())
-    snap = capture(state, ObjectLifecycle(), {TP: cut}, seq=1, wall_now=T0, mono_now=5.0)
+    snap = capture(state, ObjectLifecycle(), {TP: cut}, wall_now=T0, mono_now=5.0)
     assert snap is not None
     if 3 <= cut <= 6:                      # copy 1's report is held: it is not covered
         assert snap.offsets == {TP: 3}
@@ -73,7 +73,7 @@ def test_lifecycle_sweeps_keep_their_wall_clock_time_and_given_up_completions_ar
     assert state.due_completions() == []
     lifecycle = ObjectLifecycle()
     lifecycle.observe(LOG[13], now_s=100.0)          # due at monotonic 100 = wall T0 + 40 below
-    snap = capture(state, lifecycle, {TP: 14}, seq=3, wall_now=T0 + 40, mono_now=100.0)
+    snap = capture(state, lifecycle, {TP: 14}, wall_now=T0 + 40, mono_now=100.0)
     assert snap is not None
     resumed, later = TrackerState(), ObjectLifecycle()
     restore(load(dump(snap), service="tracker"), resumed, later, wall_now=T0 + 70, mono_now=2.0)
