@@ -205,7 +205,8 @@ async def _fetch(store: MinioStore, key: str, path: Path) -> Path:
 
 async def _check_average(store: MinioStore, event: ModelConsolidated, workers: dict[int, int],
                          tmp: Path) -> None:
-    """Recompute the samples-weighted average (steps x the copy's ``workers``) from the stored
+    """Recompute the samples-weighted average (steps x the copy's ``workers``; equal weights
+    when every copy did 0 steps, as ``services/tracker/plan.py`` states) from the stored
     replicas; compare with the model."""
     model = load_file(str(await _fetch(store, event.key, tmp / "model.safetensors")))
     replicas = []
@@ -214,7 +215,9 @@ async def _check_average(store: MinioStore, event: ModelConsolidated, workers: d
         replicas.append((c.steps, c.steps * workers[c.copy],
                          load_file(str(await _fetch(store, key, tmp / f"{c.copy}.safetensors")))))
     total = sum(samples for _, samples, _ in replicas)
-    assert total > 0
+    if total == 0:  # every copy did 0 steps (a slow start): the tracker's rule is equal weights
+        replicas = [(steps, 1, tensors) for steps, _, tensors in replicas]
+        total = len(replicas)
     most = min(zip(event.copies, replicas), key=lambda cr: (-cr[1][0], cr[0].copy))[1][2]
     for name, value in model.items():
         if np.issubdtype(value.dtype, np.integer):
