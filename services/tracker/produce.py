@@ -142,7 +142,8 @@ class RoundProducer:
                                       spec=work.spec, chunk_bytes=self.config.chunk_bytes,
                                       threads=self.config.consolidation_threads)
         if stop.is_set():   # the evaluation cannot be stopped midway: do not start it
-            raise ConsolidationStopped(f"{work.job_id} round {work.round}: consolidation stopped")
+            raise ConsolidationStopped(f"{work.job_id} round {work.round}: consolidation stopped",
+                                       retriable=True)
         metric, why_not = held_out_metric(outputs.model_path, work.spec)
         if metric is None:
             self._log.info("round.no_metric", job=work.job_id, round=work.round, reason=why_not)

@@ -28,9 +28,8 @@ POLL_S = 0.05     # how often a read waiting for the store looks at its stop eve
 
 
 class ConsolidationStopped(HadarError):
-    """The consolidation reading this replica was stopped (the tracker is shutting down)."""
-
-    retriable = True
+    """The consolidation reading this replica was stopped (the tracker is shutting down); the
+    round stays unannounced for the next tracker, so each raise says ``retriable=True``."""
 
 
 class StoreRangeReader:
@@ -79,4 +78,4 @@ class StoreRangeReader:
 
     def _check_stop(self) -> None:
         if self._stop is not None and self._stop.is_set():
-            raise ConsolidationStopped(f"{self._key}: consolidation stopped")
+            raise ConsolidationStopped(f"{self._key}: consolidation stopped", retriable=True)
