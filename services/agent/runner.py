@@ -43,8 +43,9 @@ from services.agent.spec import StoreTarget, WorkerSpec
 from shared.clock import Clock
 from shared.events import Assignment, CopyFinished, Event, Progress
 from shared.layout import checkpoint_key
+from shared.local_sgd import LocalSgd
 
-__all__ = ["RunContext", "CopyRun", "CopyKey", "free_port"]
+__all__ = ["RunContext", "CopyRun", "CopyKey", "free_port", "local_sgd_recipe"]
 
 CopyKey = tuple[str, int, int]   # (job, round, copy)
 
@@ -73,6 +74,14 @@ class RunContext:
     @property
     def source(self) -> str:
         return f"agent/{self.node_id}"
+
+
+def local_sgd_recipe(a: Assignment) -> LocalSgd:
+    """The local-SGD recipe every worker of copy ``a`` trains with (``shared/local_sgd.py``):
+    K = the workers of all the job's copies this round, as the scheduler stated it
+    (``Assignment.fork_workers``; 0, unstated, trains as one whole copy), W and the job's
+    total steps from its spec. Every copy of the job gets the same recipe."""
+    return LocalSgd(fork_workers=a.fork_workers, job_workers=a.job.workers, job_steps=a.job.iterations)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -137,6 +146,7 @@ class CopyRun:
         rendezvous = a.rendezvous
         if rendezvous is None and a.world_size > 1:
             rendezvous = f"127.0.0.1:{free_port()}"
+        recipe = local_sgd_recipe(a)
         specs = []
         for gpu, rank in zip(a.gpus, a.ranks, strict=True):
             env = {"CUDA_VISIBLE_DEVICES": devices.visible.get(gpu, "")}
@@ -148,7 +158,7 @@ class CopyRun:
                 device=devices.worker_device, step_budget=a.step_budget, deadline=a.deadline,
                 start_from=a.start_from, checkpoint=checkpoint_key(a.job_id, a.round, a.copy),
                 store=self.ctx.store, slowdown=devices.slowdown.get(gpu, 1.0), emulated=devices.emulated,
-                progress_s=self.ctx.progress_s, threads=self.ctx.threads, env=env))
+                progress_s=self.ctx.progress_s, threads=self.ctx.threads, env=env, local_sgd=recipe))
         return specs
 
     async def run(self) -> CopyFinished | None:

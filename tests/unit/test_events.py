@@ -77,6 +77,7 @@ FIELDS: dict[tuple[str, str], st.SearchStrategy[Any]] = {
     ("ThroughputEstimate", "optimizer_slots"): st.integers(0, MAX_OPTIMIZER_SLOTS),
     ("Assignment", "copy"): st.integers(0, 1023),
     ("Assignment", "step_budget"): non_negative,
+    ("Assignment", "copies"): st.integers(1, 1024),
     ("ModelConsolidated", "total_steps"): non_negative,
     ("ModelConsolidated", "metric_name"): text(0, 32),
     ("Progress", "samples_per_s"): floats(0),
@@ -138,8 +139,9 @@ def _assignment_kwargs(draw: st.DrawFn) -> dict[str, Any]:
                           unique=True))
     spans_nodes = world_size != len(gpus)
     rendezvous = draw(text(1, 30)) if spans_nodes else draw(st.none() | text(0, 30))
+    fork_workers = draw(st.just(0) | st.integers(world_size, 65536))
     return dict(kwargs, gpus=tuple(gpus), world_size=world_size, ranks=tuple(ranks),
-                rendezvous=rendezvous)
+                rendezvous=rendezvous, fork_workers=fork_workers)
 
 
 def _joint(kwargs: dict[str, Any], cls: type[Record]) -> dict[str, Any]:
