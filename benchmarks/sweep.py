@@ -4,10 +4,11 @@ Grid (each axis a flag, so a subset can be run): policies gavel, gavel-makespan,
 yarn-cs, hadar, hadare; job counts 5/10/20/40; job mixes ``single`` (every job 1 GPU) and
 ``multi`` (Gavel's scale factors 1/2/4/8 w.p. .70/.10/.15/.05); arrivals ``zero`` (all at
 t=0, the paper's batch) and ``spread`` (Poisson, ``--rate`` jobs per hour); clusters aws-5,
-lab-5, aws-5-multi, lab-5-multi (``services/scheduler/clusters.py``) and gavel-108; seeds
-1..``--seeds``. One task = one (cluster, mix, arrivals, jobs, seed) trace, run under every
-policy, with its LP lower bounds (``services/scheduler/bounds.py``); tasks run in a process
-pool of ``--workers``.
+lab-5, aws-5-multi, lab-5-multi (``services/scheduler/clusters.py``) and gavel-108;
+``--seeds`` seeds from ``--first-seed`` (1). One task = one (cluster, mix, arrivals, jobs,
+seed) trace, run under every policy (``--policy-option`` passes constructor options), with
+its LP lower bounds (``services/scheduler/bounds.py``); tasks run in a process pool of
+``--workers``.
 
 Per cell (cluster, mix, arrivals, jobs, policy), over the seeds:
 * ``ttd_x``, ``jct_x``: gavel's TTD (mean JCT) / the policy's, mean over the seeds where both
@@ -24,6 +25,7 @@ whose TTD beat its bound (there must be none).
     python benchmarks/sweep.py --workers 1 --out sweep-out
     python benchmarks/sweep.py --clusters aws-5,lab-5 --jobs 20 --mixes single --arrivals zero
     python benchmarks/sweep.py --from-rows a/rows.json,b/rows.json --out merged   # merge subsets
+    python benchmarks/sweep.py --policies hadar --policy-option hadar:critical_slack=0.03 ...
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import time
 from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+
+from services.scheduler.policies import parse_policy_option
 
 POLICIES = ("gavel", "gavel-makespan", "tiresias", "yarn-cs", "hadar", "hadare")
 CLUSTERS = ("aws-5", "lab-5", "aws-5-multi", "lab-5-multi", "gavel-108")
@@ -55,6 +59,7 @@ class Task:
     rate: float
     round_s: float
     policies: tuple[str, ...]
+    options: tuple[tuple[str, str, object], ...] = ()   # (policy, option, value) from --policy-option
 
     @property
     def trace(self) -> str:
@@ -78,7 +83,8 @@ def run_task(task: Task) -> list[dict]:
     rows = []
     for name in task.policies:
         t0 = time.process_time()
-        result = simulate(policy=make_policy(name), cluster=cluster, jobs=jobs, throughput=throughput,
+        opts = {key: value for policy, key, value in task.options if policy == name}
+        result = simulate(policy=make_policy(name, **opts), cluster=cluster, jobs=jobs, throughput=throughput,
                           options=SimOptions(round_s=task.round_s))
         m = compute_metrics(result, throughput)
         kind, bound = bound_for(name, bounds, gangs_only=result.gangs_only)
@@ -192,21 +198,30 @@ def main() -> None:
     parser.add_argument("--jobs", default=",".join(map(str, JOBS)))
     parser.add_argument("--mixes", default=",".join(MIXES))
     parser.add_argument("--arrivals", default=",".join(ARRIVALS))
-    parser.add_argument("--seeds", type=int, default=5, help="seeds 1..N")
+    parser.add_argument("--seeds", type=int, default=5, help="seeds FIRST..FIRST+N-1")
+    parser.add_argument("--first-seed", type=int, default=1, help="FIRST (default 1)")
     parser.add_argument("--rate", type=float, default=2.0, help="jobs per hour for spread arrivals")
     parser.add_argument("--round-s", type=float, default=360.0)
     parser.add_argument("--workers", type=int, default=1, help="processes (1: run in this process)")
     parser.add_argument("--out", default="sweep-out", help="folder for sweep.md, rows.json and the PNGs")
+    parser.add_argument("--policy-option", action="append", default=[], metavar="POLICY:KEY=VALUE",
+                        help="an option for one policy's constructor, e.g. hadar:critical_slack=0.03 "
+                        "(repeatable; VALUE is JSON when it parses)")
     parser.add_argument("--from-rows", default="", help="comma-separated rows.json files of earlier runs: "
                         "summarize them together instead of running anything")
     args = parser.parse_args()
     policies = _list(args.policies)
+    options = []
+    for text in args.policy_option:
+        name, _, option = text.partition(":")
+        key, value = parse_policy_option(option)
+        options.append((name.strip(), key, value))
     if "gavel" not in policies:
         policies = ("gavel",) + policies     # every ratio is against gavel
     tasks = [Task(cluster=c, mix=m, arrivals=a, jobs=j, seed=s, rate=args.rate, round_s=args.round_s,
-                  policies=policies)
+                  policies=policies, options=tuple(options))
              for c in _list(args.clusters) for m in _list(args.mixes) for a in _list(args.arrivals)
-             for j in _list(args.jobs, int) for s in range(1, args.seeds + 1)]
+             for j in _list(args.jobs, int) for s in range(args.first_seed, args.first_seed + args.seeds)]
     t0 = time.perf_counter()
     rows: list[dict] = []
     if args.from_rows:

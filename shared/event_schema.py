@@ -79,6 +79,8 @@ CONSTRAINTS: dict[tuple[str, str], dict[str, Any]] = {
     ("Assignment", "gpus"): {"minItems": 1},
     ("Assignment", "world_size"): {"minimum": 1, "maximum": 64},
     ("Assignment", "step_budget"): _NONNEG,
+    ("Assignment", "copies"): {"minimum": 1, "maximum": 1024},
+    ("Assignment", "fork_workers"): {"minimum": 0, "maximum": 65536},
     ("Progress", "job_id"): _JOB_ID,
     ("Progress", "round"): _NONNEG,
     ("Progress", "copy"): _NONNEG,

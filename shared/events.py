@@ -201,6 +201,10 @@ class Assignment(Event):
     processes and process group across rounds while the peers stay the same; without
     ``peers`` they start new ones every round). ``start_from`` is the store key of the
     model to start from (None: initialise from seed).
+    ``copies`` is how many copies of the job run this round (HadarE forks; 1 otherwise) and
+    ``fork_workers`` the workers of all of them together (K; 0: not stated, as in records
+    written before the field existed): what a copy's local-SGD recipe (``shared/local_sgd.py``)
+    scales by. With more than one copy K is at least this copy's ``world_size``.
     """
 
     TYPE: ClassVar[str] = "Assignment"
@@ -217,9 +221,15 @@ class Assignment(Event):
     start_from: str | None = None
     rendezvous: str | None = None
     peers: tuple[str, ...] = ()
+    copies: int = 1
+    fork_workers: int = 0
 
     def _check(self) -> None:
         check_node_id(self.node_id, self.TYPE)
+        require(1 <= self.copies <= 1024, "Assignment.copies: must be in 1..1024")
+        require(0 <= self.fork_workers <= 65536, "Assignment.fork_workers: must be in 0..65536")
+        require(self.fork_workers == 0 or self.fork_workers >= self.world_size,
+                "Assignment.fork_workers: below the copy's own world_size")
         require(self.round >= 0, "Assignment.round: must be >= 0")
         require(0 <= self.copy < 1024, "Assignment.copy: must be in 0..1023")
         require(len(self.gpus) >= 1, "Assignment.gpus: at least one GPU")

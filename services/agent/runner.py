@@ -47,8 +47,9 @@ from services.agent.spec import StoreTarget, WorkerSpec
 from shared.clock import Clock
 from shared.events import Assignment, CopyFinished, Event, Progress
 from shared.layout import checkpoint_key
+from shared.local_sgd import LocalSgd
 
-__all__ = ["RunContext", "CopyRun", "CopyKey", "free_port"]
+__all__ = ["RunContext", "CopyRun", "CopyKey", "free_port", "local_sgd_recipe"]
 
 CopyKey = tuple[str, int, int]   # (job, round, copy)
 
@@ -77,6 +78,14 @@ class RunContext:
     @property
     def source(self) -> str:
         return f"agent/{self.node_id}"
+
+
+def local_sgd_recipe(a: Assignment) -> LocalSgd:
+    """The local-SGD recipe every worker of copy ``a`` trains with (``shared/local_sgd.py``):
+    K = the workers of all the job's copies this round, as the scheduler stated it
+    (``Assignment.fork_workers``; 0, unstated, trains as one whole copy), W and the job's
+    total steps from its spec. Every copy of the job gets the same recipe."""
+    return LocalSgd(fork_workers=a.fork_workers, job_workers=a.job.workers, job_steps=a.job.iterations)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -142,6 +151,7 @@ class CopyRun:
         if rendezvous is None and a.world_size > 1:
             rendezvous = f"127.0.0.1:{free_port()}"   # only a fresh group uses it (a kept one never meets again)
         peers = a.peers or ((self.ctx.node_id,) * a.world_size if a.world_size == len(a.ranks) else ())
+        recipe = local_sgd_recipe(a)
         specs = []
         for gpu, rank in zip(a.gpus, a.ranks, strict=True):
             env = {"CUDA_VISIBLE_DEVICES": devices.visible.get(gpu, "")}
@@ -154,7 +164,7 @@ class CopyRun:
                 start_from=a.start_from, checkpoint=checkpoint_key(a.job_id, a.round, a.copy),
                 store=self.ctx.store, slowdown=devices.slowdown.get(gpu, 1.0), emulated=devices.emulated,
                 progress_s=self.ctx.progress_s, threads=self.ctx.threads, env=env,
-                local_gpus=a.gpus, local_ranks=a.ranks, peers=peers))
+                local_gpus=a.gpus, local_ranks=a.ranks, peers=peers, local_sgd=recipe))
         return specs
 
     async def run(self) -> CopyFinished | None:

@@ -128,6 +128,10 @@ def plan_to_events(plan: Plan, snapshot: Snapshot, state: SchedulerState, timing
         waiting=tuple(Waiting(job_id=w.job_id, code=w.code.value, detail=w.detail[:200]) for w in plan.waiting),
         decision_ms=decision_ms, inputs=dict(sorted(inputs.items())),
     )]
+    fork: dict[str, tuple[int, int]] = {}     # job -> (copies, workers of all its copies)
+    for (job_id, _), parts in copies.items():
+        n, k = fork.get(job_id, (0, 0))
+        fork[job_id] = (n + 1, k + _workers(parts))
     for (job_id, copy) in sorted(copies):
         parts = sorted(copies[(job_id, copy)], key=lambda p: p.node_id)
         record = state.jobs[job_id]
@@ -154,5 +158,6 @@ def plan_to_events(plan: Plan, snapshot: Snapshot, state: SchedulerState, timing
                 ts=ts, source=source, round=timing.round, job=record.spec, copy=copy, node_id=part.node_id,
                 gpus=gpus, gpu_type="+".join(types), world_size=world, ranks=ranks, step_budget=budget,
                 deadline=timing.ends_at, start_from=record.model_key, rendezvous=rendezvous, peers=peers,
+                copies=fork[job_id][0], fork_workers=fork[job_id][1],
             ))
     return events

@@ -77,6 +77,7 @@ FIELDS: dict[tuple[str, str], st.SearchStrategy[Any]] = {
     ("ThroughputEstimate", "optimizer_slots"): st.integers(0, MAX_OPTIMIZER_SLOTS),
     ("Assignment", "copy"): st.integers(0, 1023),
     ("Assignment", "step_budget"): non_negative,
+    ("Assignment", "copies"): st.integers(1, 1024),
     ("ModelConsolidated", "total_steps"): non_negative,
     ("ModelConsolidated", "metric_name"): text(0, 32),
     ("Progress", "samples_per_s"): floats(0),
@@ -143,8 +144,9 @@ def _assignment_kwargs(draw: st.DrawFn) -> dict[str, Any]:
         others = draw(st.lists(node_ids, min_size=world_size,
                                max_size=world_size))
         peers = tuple(kwargs["node_id"] if r in ranks else other for r, other in enumerate(others))
+    fork_workers = draw(st.just(0) | st.integers(world_size, 65536))
     return dict(kwargs, gpus=tuple(gpus), world_size=world_size, ranks=tuple(ranks),
-                rendezvous=rendezvous, peers=peers)
+                rendezvous=rendezvous, peers=peers, fork_workers=fork_workers)
 
 
 def _joint(kwargs: dict[str, Any], cls: type[Record]) -> dict[str, Any]:

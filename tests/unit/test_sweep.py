@@ -51,3 +51,20 @@ def test_a_tiny_grid_runs_and_ends_with_one_json_line(tmp_path, capsys, monkeypa
     out = json.loads(last)
     assert out["violations"] == [] and {c["policy"] for c in out["cells"]} == {"gavel", "hadar"}
     assert (tmp_path / "sweep.md").exists() and (tmp_path / "sweep_lab-5_single_zero.png").exists()
+
+
+def test_policy_options_reach_only_the_named_policy_and_seeds_start_where_asked(tmp_path, capsys, monkeypatch):
+    task = sweep.Task(cluster="lab-5", mix="single", arrivals="zero", jobs=3, seed=2, rate=0.0, round_s=360.0,
+                      policies=("gavel", "hadar"), options=(("hadar", "horizon", 0),))
+    with pytest.raises(ValueError, match="horizon"):     # the option got to Hadar's constructor
+        sweep.run_task(task)
+    args = ["sweep.py", "--clusters", "lab-5", "--jobs", "3", "--mixes", "single", "--arrivals", "zero",
+            "--seeds", "1", "--first-seed", "4", "--policies", "gavel,hadar",
+            "--policy-option", "hadar:critical_slack=0.1", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", args + ["--policy-option", "gavel:horizon=0"])
+    with pytest.raises(TypeError, match="horizon"):       # gavel's option goes to gavel alone
+        sweep.main()
+    monkeypatch.setattr(sys, "argv", args)
+    sweep.main()
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert {r["seed"] for r in rows} == {4} and {r["policy"] for r in rows} == {"gavel", "hadar"}

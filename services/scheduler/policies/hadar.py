@@ -49,8 +49,9 @@ reservation for half a horizon, then is re-planned so it extends as the horizon 
 1.0 re-plans partial schedules every round, which in our simulations gave better mean JCT
 but longer TTD);
 or a row it needs left the cluster (the ledger is rebuilt on the new node set). New and
-waiting jobs are planned every round. The plan is slot 0 of the ledger plus back-fill
-of the GPUs it leaves idle (``hadar_slot``), which is not committed.
+waiting jobs are planned every round. A chosen schedule becomes a commitment on concrete
+rows, with its steps, utility and cost, in ``hadar_commit``. The plan is slot 0 of the
+ledger plus back-fill of the GPUs it leaves idle (``hadar_slot``), which is not committed.
 
 Constants (all named in code):
   H = ``horizon`` (DEFAULT_HORIZON = 64 rounds); eta = PRICE_SCALE = 2; B = PRICE_BLOCK = 8.
@@ -103,14 +104,14 @@ import numpy as np
 
 from services.scheduler.policies.hadar_critical import (CRITICAL_SLACK, critical_jobs, job_capacity_rounds,
                                                         rounds_needed, target_end)
-from services.scheduler.policies.hadar_dp import Choice, best_choice, pick_gpus, round_costs
+from services.scheduler.policies.hadar_commit import build_commitment, next_round, slot_index
+from services.scheduler.policies.hadar_dp import Choice, best_choice, round_costs
 from services.scheduler.policies.hadar_ledger import Commitment, Ledger, LedgerState, RowLayout, remap
 from services.scheduler.policies.hadar_prices import (PRICE_SCALE, DensityInput, InverseSlowdown, PriceCurve,
                                                       Utility, density_bounds, value_densities)
 from services.scheduler.policies.hadar_profile import JobProfile, ProfileBook, signature_drifted
 from services.scheduler.policies.hadar_slot import RowCounts, assign_indices, backfill
 from services.scheduler.policy import JobState, Plan, Snapshot, Wait, WaitCode, previous_state
-from services.scheduler.throughput import Part
 
 DEFAULT_HORIZON = 64
 DRIFT_TOLERANCE = 0.5
@@ -255,7 +256,7 @@ class _Round:
         placed_by: dict[str, str] = {}
         for job in self.jobs:
             c = self.ledger.commitments.get(job.job_id)
-            i = _slot_index(c, self.snap.round) if c is not None else None
+            i = slot_index(c, self.snap.round) if c is not None else None
             if i is not None:
                 slot0.append((job.job_id, (c.rows, c.counts[i])))
                 placed_by[job.job_id] = "ledger"
@@ -276,13 +277,13 @@ class _Round:
             c = self.ledger.commitments.get(job.job_id)
             if c is not None:
                 info.update(option=c.option, utility=c.utility, cost=c.cost, payoff=c.utility - c.cost,
-                            start_round=_next_round(c, self.snap.round), rounds=int(c.rounds.size),
+                            start_round=next_round(c, self.snap.round), rounds=int(c.rounds.size),
                             end_round=int(c.rounds[-1]), finishes=c.finishes)
             if job.job_id in placed_by:
                 continue
             wait = self.waits.get(job.job_id)
             if wait is None:
-                start = _next_round(c, self.snap.round) if c is not None else -1
+                start = next_round(c, self.snap.round) if c is not None else -1
                 wait = Wait(job_id=job.job_id, code=WaitCode.CAPACITY,
                             detail=f"schedule starts in round {start}; no idle GPUs fit it now")
             waiting.append(wait)
@@ -352,61 +353,9 @@ class _Round:
                      force: bool = False) -> Commitment | None:
         """The chosen schedule on concrete rows: the same rows in every round if they exist
         and keep the payoff positive (or ``force``), else the cheapest rows round by round."""
-        commitment = self._commitment(job, prof, choice, utility_at, sticky=True)
+        args = dict(job=job, profile=prof, choice=choice, utility_at=utility_at, ledger=self.ledger, snap=self.snap,
+                    horizon=self.cfg.horizon)
+        commitment = build_commitment(**args, sticky=True)
         if commitment is not None and (force or commitment.utility - commitment.cost > 0):
             return commitment
-        return self._commitment(job, prof, choice, utility_at, sticky=False)
-
-    def _commitment(self, job: JobState, prof: JobProfile, choice: Choice, utility_at,
-                    *, sticky: bool) -> Commitment | None:
-        option = prof.options[choice.option]
-        got = pick_gpus(self.ledger, prof, choice.option, choice.slots, sticky=sticky)
-        if got is None:
-            return None
-        rows, counts, same_rows = got
-        snap = self.snap
-        if same_rows:
-            rate = snap.throughput.placement_rate(job.job_type, self._parts(rows, counts[0]))
-            per_round = np.full(choice.slots.size, rate * snap.round_s)
-        else:
-            rates: dict[bytes, float] = {}
-            per_round = np.empty(choice.slots.size)
-            for i in range(choice.slots.size):
-                key = counts[i].tobytes()
-                if key not in rates:
-                    rates[key] = snap.throughput.placement_rate(job.job_type, self._parts(rows, counts[i]))
-                per_round[i] = rates[key] * snap.round_s
-        done = np.cumsum(per_round)
-        slots = choice.slots
-        finishes = bool(done[-1] >= job.remaining - 1e-9)
-        if finishes:
-            keep = int(np.searchsorted(done, job.remaining - 1e-9)) + 1
-            slots, counts, per_round = slots[:keep], counts[:keep], per_round[:keep].copy()
-            per_round[-1] = job.remaining - (done[keep - 2] if keep >= 2 else 0.0)
-            if choice.finishes and keep == choice.slots.size:   # completes when the DP said
-                utility = choice.utility
-            else:
-                utility = float(utility_at(np.array([slots[-1] + 1.0]))[0])
-        else:
-            rest = math.ceil((job.remaining - done[-1]) / per_round[-1])
-            share = done[-1] / job.remaining
-            utility = float(utility_at(np.array([float(self.cfg.horizon + rest)]))[0]) * share
-        cost = float((self.ledger.type_price[np.ix_(self.layout.row_type[rows], slots)].T * counts).sum())
-        return Commitment(job_id=job.job_id, rounds=slots + snap.round, rows=rows, counts=counts,
-                          steps=per_round, base_done=job.steps_done, finishes=finishes, signature=prof.signature,
-                          option=option.label, utility=utility, cost=cost)
-
-    def _parts(self, rows: np.ndarray, counts: np.ndarray) -> list[Part]:
-        keys = self.layout.keys
-        return [Part(keys[r][0], keys[r][1], int(c)) for r, c in zip(rows.tolist(), counts.tolist()) if c > 0]
-
-
-def _slot_index(c: Commitment, round_: int) -> int | None:
-    """Index in ``c.rounds`` of ``round_``, or None if the schedule does not run then."""
-    i = int(np.searchsorted(c.rounds, round_))
-    return i if i < c.rounds.size and c.rounds[i] == round_ else None
-
-
-def _next_round(c: Commitment, round_: int) -> int:
-    later = c.rounds[c.rounds >= round_]
-    return int(later[0]) if later.size else -1
+        return build_commitment(**args, sticky=False)

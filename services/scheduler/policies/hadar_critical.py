@@ -26,7 +26,12 @@ re-planned every round, so their schedule always starts at slot 0 on the cheapes
 the (still empty) ledger offers: their fastest. Everyone else is planned by density as
 before and uses the fast GPUs until the long jobs' laxity runs out; the long jobs then
 run without a break and finish by about E. The ``slack`` is the share of the makespan
-bound the policy is willing to give up for mean JCT.
+bound the policy is willing to give up for mean JCT. Measured (README "Results", issue 11):
+no slack reaches TTD >= 1.17x and mean JCT >= 1.15x Gavel together on aws-5 / lab-5;
+``benchmarks/jct_frontier.py`` shows the best non-preemptive schedule at the makespan the
+TTD target needs keeps about 1.2x (aws-5) but only about 1.15x (lab-5). Packing the jobs
+backward from E by type (a contention-aware laxity) and an LP home type per job were
+tried and cost more JCT than they gained TTD.
 
 Assumptions: rates are the planned (lower-bound) rates, so a critical job running on its
 fastest option does not finish later than planned; critical jobs together fit the
