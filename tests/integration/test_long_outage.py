@@ -27,7 +27,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -121,7 +121,7 @@ async def _bring_back(paths: InfraPaths) -> tuple[float, float, float]:
     return minio_back, time.monotonic(), time.time()
 
 
-async def _until(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+async def _until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, f"{what} not reached within {timeout_s} s"
@@ -154,7 +154,7 @@ async def _across_outage(paths: InfraPaths, tmp_path: Path, python: str) -> None
         await observer_bus.emit(RoundStarted(ts=now, source="scheduler", round=0, policy="hadare",
                                              started_at=now, ends_at=now + 600))
         await observer_bus.emit(assign("long-outage", 0, budget=STEPS, deadline=now + 600))
-        await _until(lambda: len(consumed) >= 2, 60, "Progress before the outage")
+        await _until(lambda: len(consumed) >= 2, 120, "Progress before the outage")
         await asyncio.sleep(1.5)          # > the observer's commit interval: what it acked is committed
         before = {event_id for event_id, _, _ in consumed}
         await _kill_both(paths)
@@ -168,7 +168,7 @@ async def _across_outage(paths: InfraPaths, tmp_path: Path, python: str) -> None
 
         def result_seen() -> bool:
             return any(isinstance(e, CopyFinished) for _, _, e in consumed)
-        await _until(result_seen, 90, "the copy's CopyFinished, consumed")
+        await _until(result_seen, 120, "the copy's CopyFinished, consumed")
         await _until(lambda: set(agent_bus.produced) <= {i for i, _, _ in consumed}, 30,
                      "every produced Progress and CopyFinished, consumed")
         print(f"outage: MinIO down {minio_back - killed_at:.1f} s, Kafka down {back_at - killed_at:.1f} s "
