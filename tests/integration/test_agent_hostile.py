@@ -382,3 +382,31 @@ async def test_results_held_by_the_bus_do_not_hold_up_the_copy_and_arrive_in_ord
         await bus.release()
         await agent.stop()
         await bus.stop()
+
+
+async def test_past_the_progress_backlog_reports_are_dropped_and_counted_never_the_result(
+        tmp_path: Path, fake_python: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.agent import daemon
+    from tests.unit.test_bus_retry import HeldAcks
+
+    monkeypatch.setattr(daemon, "MAX_PENDING_PROGRESS", 2)
+    bus = HeldAcks()
+    await bus.start()
+    agent = await started_agent(bus, tmp_path, fake_python)
+    try:
+        await bus.emit(assign("backlog", 0, budget=100))
+        await until(lambda: _is(bool(bus.held)), what="a Progress held by the bus")
+        await until(lambda: _is(not agent.runs), what="the copy finished while the bus held its reports")
+        dropped = agent.registry.get_sample_value("hadar_agent_results_undelivered_total",
+                                                  {"node": NODE, "emulated": "false", "reason": "backlog"})
+        assert dropped is not None and dropped >= 1
+        while not await finished(bus, "backlog"):
+            await bus.release()
+            await asyncio.sleep(0.05)
+        mine = [d.event async for d in bus.read(PROGRESS) if getattr(d.event, "job_id", None) == "backlog"]
+        assert isinstance(mine[-1], CopyFinished) and mine[-1].status == "ok"
+        assert len(mine) == 3   # the two reports held within the bound, then the result
+    finally:
+        await bus.release()
+        await agent.stop()
+        await bus.stop()
