@@ -200,6 +200,6 @@ async def _across_outage(paths: InfraPaths, tmp_path: Path, python: str) -> None
         await store.stop()
 
 
-def test_kafka_down_a_minute_and_minio_seventy_seconds_lose_no_event_and_no_checkpoint(
+def test_kafka_and_minio_down_seventy_seconds_or_more_lose_no_event_and_no_checkpoint(
         private_servers: InfraPaths, tmp_path: Path, fake_python: str) -> None:
     asyncio.run(_across_outage(private_servers, tmp_path, fake_python))
