@@ -195,6 +195,9 @@ SCENARIOS: dict[str, Callable[..., float | None]] = {
     "profiler_kill": _kill_restart("profiler"),
     "kafka_outage": _server_outage("kafka", 20.0),
     "minio_outage": _server_outage("minio", 30.0),
+    # Long outages (issue 13 item 4): under the watchdog's 120 s and the store's 90 s retry.
+    "kafka_outage_75s": _server_outage("kafka", 75.0),
+    "minio_outage_70s": _server_outage("minio", 70.0),
     "junk": junk,
     "junk_at_start": lambda c, timeout_s: junk(c, timeout_s, wait=False),
 }

@@ -24,10 +24,15 @@ rules); this shell carries the verdicts out:
   logged with job, round and node, counted in ``hadar_agent_events_rejected_total{reason}``
   and acked. A handler that raises is treated the same way (reason ``handler_error``). Stale
   and duplicate assignments are acked and counted as skipped (replays produce them).
-* **Results.** A copy's CopyFinished is published with retries until the bus takes it, or
-  it is abandoned (:mod:`services.agent.delivery`: deadline + grace + ``result_ttl_s`` passed
-  and a newer round exists); its Assignment is acked only then, so an agent that restarts
-  mid-round gets it again and its workers resume from the copy's own checkpoint.
+* **Results.** A copy's Progress reports and its CopyFinished are published in order, each
+  with retries until the bus takes it, or it is abandoned (:mod:`services.agent.delivery`:
+  deadline + grace + ``result_ttl_s`` passed and a newer round exists). Publishing never
+  holds up the copy: a broker outage does not stall its runner, so a copy that finishes while
+  the broker is away has its result made then and delivered when the broker is back. At most
+  ``MAX_PENDING_PROGRESS`` reports wait at once; one past that is dropped, logged and counted
+  (``hadar_agent_results_undelivered_total{reason="backlog"}``). The Assignment is acked only
+  once the CopyFinished is delivered, so an agent that restarts mid-round gets it again and
+  its workers resume from the copy's own checkpoint.
 * **The consumer loop never ends on a handler error**, nor on a retriable fetch error (it
   backs off and reads on); only a non-retriable bus error ends it, which ``/healthz`` shows.
 * **Warm workers.** Each GPU slot's worker outlives the round (:mod:`services.agent.slots`):
@@ -57,17 +62,19 @@ from prometheus_client import CollectorRegistry
 
 from services.agent.admission import Admission, AdmissionLimits, CopyKey, Verdict
 from services.agent.config import AgentConfig
-from services.agent.delivery import Outcome, RetryPolicy, deliver, result_abandoned
+from services.agent.delivery import Outcome, RetryPolicy, publish_until, result_abandoned
 from services.agent.discovery import NodeDevices
 from services.agent.metrics import AgentMetrics
 from services.agent.process import WorkerPool, WorkerSlots
 from services.agent.runner import CopyRun, RunContext
 from services.agent.spec import StoreTarget
 from shared.bus import Bus, BusError, Delivery, Subscription
+from shared.bus.retry import bus_send
 from shared.clock import Clock, SystemClock
 from shared.dispatch import HandlerTable
 from shared.events import (
-    Assignment, CopyFinished, Event, JobCancelled, JobSubmitted, NodeHeartbeat, NodeRegistered, RoundStarted,
+    Assignment, CopyFinished, Event, JobCancelled, JobSubmitted, NodeHeartbeat, NodeRegistered, Progress,
+    RoundStarted,
 )
 from shared.rejection import dead_letter_delivery
 from shared.topics import JOBS, PLACEMENTS
@@ -76,6 +83,7 @@ __all__ = ["AgentConfig", "AgentDaemon"]
 
 TOPICS = (PLACEMENTS, JOBS)
 FETCH_RETRY_MAX_S = 5.0
+MAX_PENDING_PROGRESS = 1000   # Progress reports held for the bus at once, all copies together
 
 
 class AgentDaemon:
@@ -94,7 +102,7 @@ class AgentDaemon:
         self.pool = WorkerPool(python=config.python, spares=config.spare_workers)
         self.slots = WorkerSlots(self.pool)
         self.ctx = RunContext(node_id=config.node_id, devices=devices, store=store, pool=self.pool, slots=self.slots,
-                              clock=self.clock, publish=self._publish, metrics=self.metrics,
+                              clock=self.clock, publish=self._progress, metrics=self.metrics,
                               progress_s=config.progress_s, threads=config.threads,
                               stop_timeout_s=config.stop_timeout_s, deadline_grace_s=config.deadline_grace_s)
         self.admission = Admission(node_id=config.node_id, gpus=[g.index for g in devices.gpus],
@@ -105,6 +113,9 @@ class AgentDaemon:
         self.runs: dict[CopyKey, CopyRun] = {}
         self._run_tasks: dict[CopyKey, asyncio.Task[None]] = {}
         self._deliveries: set[asyncio.Task[None]] = set()
+        self._send = bus_send(bus)
+        self._outbox: dict[CopyKey, asyncio.Task[None]] = {}   # each copy's latest delivery, in order
+        self._pending_progress = 0
         self._sub: Subscription | None = None
         self._consumer: asyncio.Task[None] | None = None
         self._heartbeat: asyncio.Task[None] | None = None
@@ -154,7 +165,7 @@ class AgentDaemon:
         tasks = list(self._run_tasks.values())
         if tasks:
             await asyncio.wait(tasks)
-        if self._deliveries:   # registered by every run task before it ended
+        if self._deliveries:   # registered by every run task before it ended, and by Progress reports
             _, late = await asyncio.wait(set(self._deliveries), timeout=self.config.stop_timeout_s)
             for task in late:
                 task.cancel()
@@ -294,32 +305,85 @@ class AgentDaemon:
             self._run_tasks.pop(run.key, None)
             self.admission.exited(run.key)
             self.metrics.copies_running(len(self.runs))
-        task = asyncio.create_task(self._report(run.a, result, delivery))
+        self._report(run.a, result, delivery)
+
+    async def _progress(self, event: Event) -> None:
+        """Queue a copy's Progress behind its earlier events; returns at once (module docstring)."""
+        if not isinstance(event, Progress):
+            await self._publish(event)
+            return
+        if self._pending_progress >= MAX_PENDING_PROGRESS:
+            self.metrics.undelivered("backlog")
+            self.log.warning("progress.dropped", reason="backlog", pending=self._pending_progress,
+                             job=event.job_id, round=event.round, copy=event.copy)
+            return
+        key: CopyKey = (event.job_id, event.round, event.copy)
+        run = self.runs.get(key)
+        deadline = run.a.deadline if run is not None else self.clock.time()
+        self._pending_progress += 1
+
+        async def deliver() -> None:
+            try:
+                await self._deliver(event, deadline=deadline, round_=event.round,
+                                    log=self.log.bind(job=event.job_id, round=event.round, copy=event.copy))
+            finally:
+                self._pending_progress -= 1
+        self._chain(key, deliver)
+
+    def _chain(self, key: CopyKey, deliver: Callable[[], Any]) -> asyncio.Task[None]:
+        """Run ``deliver`` once the copy's previous delivery has ended, so its events keep their order."""
+        previous = self._outbox.get(key)
+
+        async def in_order() -> None:
+            if previous is not None:
+                await asyncio.wait({previous})
+            await deliver()
+
+        task = asyncio.create_task(in_order())
+        self._outbox[key] = task
         self._deliveries.add(task)
-        task.add_done_callback(self._deliveries.discard)
 
-    async def _report(self, a: Assignment, result: CopyFinished | None, delivery: Delivery) -> None:
-        """Deliver the copy's result (module rule), then ack its Assignment."""
-        if result is not None:
-            log = self.log.bind(job=a.job_id, round=a.round, copy=a.copy, status=result.status)
+        def done(t: asyncio.Task[None]) -> None:
+            self._deliveries.discard(t)
+            if self._outbox.get(key) is t:
+                del self._outbox[key]
+        task.add_done_callback(done)
+        return task
 
-            def abandon() -> bool:
-                return result_abandoned(now=self.clock.time(), deadline=a.deadline,
-                                        grace_s=self.config.deadline_grace_s, ttl_s=self.config.result_ttl_s,
-                                        latest_round=self.latest_round, round_=a.round)
+    async def _deliver(self, event: Event, *, deadline: float, round_: int, log: Any) -> Outcome:
+        """Publish one of a copy's events under :mod:`services.agent.delivery`'s rule; never raises
+        but for cancellation."""
+        def abandon() -> bool:
+            return result_abandoned(now=self.clock.time(), deadline=deadline, grace_s=self.config.deadline_grace_s,
+                                    ttl_s=self.config.result_ttl_s, latest_round=self.latest_round, round_=round_)
 
-            def retrying(error: BaseException, attempt: int, wait_s: float) -> None:
-                self.metrics.result_retry()
-                log.warning("result.publish_failed", attempt=attempt, retry_in_s=round(wait_s, 3),
-                            error=f"{type(error).__name__}: {error}"[:300])
+        def retrying(error: BaseException, attempt: int, wait_s: float) -> None:
+            self.metrics.result_retry()
+            log.warning("result.publish_failed", event_type=event.TYPE, attempt=attempt,
+                        retry_in_s=round(wait_s, 3), error=f"{type(error).__name__}: {error}"[:300])
 
-            def giving_up(error: BaseException, outcome: Outcome) -> None:
-                self.metrics.undelivered(outcome.value)
-                log.error("result.undelivered", outcome=outcome.value, error=f"{type(error).__name__}: {error}"[:300])
+        def giving_up(error: BaseException, outcome: Outcome) -> None:
+            self.metrics.undelivered(outcome.value)
+            log.error("result.undelivered", event_type=event.TYPE, outcome=outcome.value,
+                      note="the round is decided without it and its work re-planned",
+                      error=f"{type(error).__name__}: {error}"[:300])
 
-            await deliver(self._publish, result, policy=self.retry, abandon=abandon, on_retry=retrying,
-                          on_give_up=giving_up)
-        await delivery.ack()
+        outcome = await publish_until(self._send, event, policy=self.retry, give_up=abandon, on_retry=retrying,
+                                      on_give_up=giving_up)
+        if outcome is Outcome.PUBLISHED:
+            self.metrics.event(event.TYPE)
+        return outcome
+
+    def _report(self, a: Assignment, result: CopyFinished | None, delivery: Delivery) -> None:
+        """Deliver the copy's result after its Progress reports (module rule), then ack its Assignment."""
+        key: CopyKey = (a.job_id, a.round, a.copy)
+
+        async def deliver() -> None:
+            if result is not None:
+                await self._deliver(result, deadline=a.deadline, round_=a.round,
+                                    log=self.log.bind(job=a.job_id, round=a.round, copy=a.copy, status=result.status))
+            await delivery.ack()
+        self._chain(key, deliver)
 
 
 def _about(event: Event) -> dict[str, Any]:

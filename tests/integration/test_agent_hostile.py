@@ -72,15 +72,27 @@ class FlakyBus(MemoryBus):
         self.acked_at: dict[str, float] = {}        # job -> when its Assignment was acked
         self.failed_fetches = 0                     # fetches still to fail
 
-    async def publish(self, topic: str, key: str, event: Event) -> tuple[int, int]:
+    def _gate(self, event: Event) -> None:
         if isinstance(event, CopyFinished) and self.outage_s and self.down_until is None:
             self.down_until = time.monotonic() + self.outage_s
         if self.down_until is not None and time.monotonic() < self.down_until:
             raise BusError("broker away", retriable=True)
-        where = await super().publish(topic, key, event)
+
+    def _published(self, event: Event) -> None:
         if isinstance(event, CopyFinished):
             self.finished_at.setdefault(event.job_id, time.monotonic())
+
+    async def publish(self, topic: str, key: str, event: Event) -> tuple[int, int]:
+        self._gate(event)
+        where = await super().publish(topic, key, event)
+        self._published(event)
         return where
+
+    async def send(self, topic: str, key: str, event: Event) -> Awaitable[tuple[int, int]]:
+        self._gate(event)
+        ack = await super().send(topic, key, event)
+        self._published(event)
+        return ack
 
     def subscribe(self, topics: Any, group: str) -> MemorySubscription:
         bus = self
@@ -343,3 +355,58 @@ async def test_a_restarted_agent_believes_the_rounds_on_the_log(bus: MemoryBus, 
         assert not await letters(bus)
     finally:
         await agent.stop()
+
+
+async def test_results_held_by_the_bus_do_not_hold_up_the_copy_and_arrive_in_order(tmp_path: Path,
+                                                                                   fake_python: str) -> None:
+    """Kafka's producer holds a record through an outage without failing it: the copy must
+    finish meanwhile, and its Progress reports and CopyFinished arrive afterwards, in order."""
+    from tests.unit.test_bus_retry import HeldAcks
+
+    bus = HeldAcks()
+    await bus.start()
+    agent = await started_agent(bus, tmp_path, fake_python)
+    try:
+        await bus.emit(assign("held", 0, budget=100))
+        await until(lambda: _is(bool(bus.held)), what="a Progress held by the bus")
+        await until(lambda: _is(not agent.runs), what="the copy finished while the bus held its reports")
+        assert not await finished(bus, "held")
+        while not await finished(bus, "held"):
+            await bus.release()
+            await asyncio.sleep(0.05)
+        mine = [d.event async for d in bus.read(PROGRESS) if getattr(d.event, "job_id", None) == "held"]
+        assert isinstance(mine[-1], CopyFinished) and mine[-1].status == "ok"
+        assert len(mine) >= 3 and len({e.id for e in mine}) == len(mine)
+        assert [e.id for e in mine] == [e.id for e in bus.sent if getattr(e, "job_id", None) == "held"]
+    finally:
+        await bus.release()
+        await agent.stop()
+        await bus.stop()
+
+
+async def test_past_the_progress_backlog_reports_are_dropped_and_counted_never_the_result(
+        tmp_path: Path, fake_python: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.agent import daemon
+    from tests.unit.test_bus_retry import HeldAcks
+
+    monkeypatch.setattr(daemon, "MAX_PENDING_PROGRESS", 2)
+    bus = HeldAcks()
+    await bus.start()
+    agent = await started_agent(bus, tmp_path, fake_python)
+    try:
+        await bus.emit(assign("backlog", 0, budget=100))
+        await until(lambda: _is(bool(bus.held)), what="a Progress held by the bus")
+        await until(lambda: _is(not agent.runs), what="the copy finished while the bus held its reports")
+        dropped = agent.registry.get_sample_value("hadar_agent_results_undelivered_total",
+                                                  {"node": NODE, "emulated": "false", "reason": "backlog"})
+        assert dropped is not None and dropped >= 1
+        while not await finished(bus, "backlog"):
+            await bus.release()
+            await asyncio.sleep(0.05)
+        mine = [d.event async for d in bus.read(PROGRESS) if getattr(d.event, "job_id", None) == "backlog"]
+        assert isinstance(mine[-1], CopyFinished) and mine[-1].status == "ok"
+        assert len(mine) == 3   # the two reports held within the bound, then the result
+    finally:
+        await bus.release()
+        await agent.stop()
+        await bus.stop()

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from services.agent.admission import Admission, AdmissionLimits, CopyKey, Verdict
-from services.agent.delivery import Outcome, RetryPolicy, deliver, result_abandoned
+from services.agent.delivery import Outcome, RetryPolicy, publish_until, result_abandoned
 from services.agent.spec import StoreTarget, WorkerSpec
 from services.agent.validation import rendezvous_problem
 from shared.bus import BusError
@@ -218,7 +218,7 @@ def test_a_worker_spec_refuses_a_bad_rendezvous_too() -> None:
 # ---------------------------------------------------------------- results
 
 def _finished() -> Event:
-    return started(0)   # any event: deliver() does not look inside
+    return started(0)   # any event: publish_until() does not look inside
 
 
 async def test_delivery_retries_a_retriable_failure_until_it_goes_through() -> None:
@@ -230,11 +230,15 @@ async def test_delivery_retries_a_retriable_failure_until_it_goes_through() -> N
         if len(attempts) < 8:
             raise BusError("broker away", retriable=True)
 
-    async def sleep(seconds: float) -> None:
-        slept.append(seconds)
+    async def send(event: Event) -> Any:
+        return publish(event)   # fails once awaited, as a durable-ack awaitable does
 
-    outcome = await deliver(publish, _finished(), policy=RetryPolicy(first_s=0.5, max_s=5.0),
-                            abandon=lambda: False, sleep=sleep)
+    async def sleep(seconds: float) -> None:
+        await asyncio.sleep(0)
+
+    outcome = await publish_until(send, _finished(), policy=RetryPolicy(first_s=0.5, max_s=5.0),
+                                  give_up=lambda: False, sleep=sleep,
+                                  on_retry=lambda error, attempt, wait_s: slept.append(wait_s))
     assert outcome is Outcome.PUBLISHED and len(attempts) == 8
     assert slept == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0, 5.0]
 
@@ -242,23 +246,23 @@ async def test_delivery_retries_a_retriable_failure_until_it_goes_through() -> N
 async def test_delivery_gives_up_on_a_non_retriable_failure_or_an_abandoned_round() -> None:
     calls = 0
 
-    async def refuse(event: Event) -> None:
+    async def refuse(event: Event) -> Any:
         nonlocal calls
         calls += 1
         raise BusError("record too large", retriable=False)
 
-    async def away(event: Event) -> None:
-        raise BusError("broker away", retriable=True)
+    async def away(event: Event) -> Any:
+        raise BusError("broker away", retriable=True)   # not even accepted
 
     async def no_sleep(seconds: float) -> None:
         await asyncio.sleep(0)
 
     policy = RetryPolicy(first_s=0.1, max_s=0.1)
-    assert await deliver(refuse, _finished(), policy=policy, abandon=lambda: False, sleep=no_sleep) \
+    assert await publish_until(refuse, _finished(), policy=policy, give_up=lambda: False, sleep=no_sleep) \
         is Outcome.NOT_RETRIABLE
     assert calls == 1
     checks = iter([False, False, True])
-    assert await deliver(away, _finished(), policy=policy, abandon=lambda: next(checks), sleep=no_sleep) \
+    assert await publish_until(away, _finished(), policy=policy, give_up=lambda: next(checks), sleep=no_sleep) \
         is Outcome.ABANDONED
 
 
