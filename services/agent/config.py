@@ -30,6 +30,8 @@ class AgentConfig:
     progress_s: float = 2.0
     stop_timeout_s: float = 30.0    # SIGTERM -> SIGKILL for a preempted worker
     deadline_grace_s: float = 30.0  # a worker still running this long after its deadline is preempted
+    upload_grace_s: float = 120.0   # a worker uploading its checkpoint is not killed for this long
+    #                                 (the store retries an outage for 90 s: OUTAGE_RETRY_S)
     threads: int = 1                # torch threads per worker
     spare_workers: int = 1          # warm worker processes kept ready
     python: str = sys.executable
@@ -49,8 +51,9 @@ class AgentConfig:
         for name in ("heartbeat_s", "progress_s", "stop_timeout_s", "max_deadline_ahead_s", "result_retry_s"):
             if not getattr(self, name) > 0:
                 raise FieldError(name, f"must be > 0, got {getattr(self, name)}")
-        if not self.deadline_grace_s >= 0:
-            raise FieldError("deadline_grace_s", f"must be >= 0, got {self.deadline_grace_s}")
+        for name in ("deadline_grace_s", "upload_grace_s"):
+            if not getattr(self, name) >= 0:
+                raise FieldError(name, f"must be >= 0, got {getattr(self, name)}")
         if not self.result_retry_max_s >= self.result_retry_s:
             raise FieldError("result_retry_max_s", f"must be >= result_retry_s ({self.result_retry_s}), "
                                                    f"got {self.result_retry_max_s}")

@@ -104,7 +104,8 @@ class AgentDaemon:
         self.ctx = RunContext(node_id=config.node_id, devices=devices, store=store, pool=self.pool, slots=self.slots,
                               clock=self.clock, publish=self._progress, metrics=self.metrics,
                               progress_s=config.progress_s, threads=config.threads,
-                              stop_timeout_s=config.stop_timeout_s, deadline_grace_s=config.deadline_grace_s)
+                              stop_timeout_s=config.stop_timeout_s, deadline_grace_s=config.deadline_grace_s,
+                              upload_grace_s=config.upload_grace_s)
         self.admission = Admission(node_id=config.node_id, gpus=[g.index for g in devices.gpus],
                                    limits=AdmissionLimits(max_round_leap=config.max_round_leap,
                                                           max_deadline_ahead_s=config.max_deadline_ahead_s))

@@ -12,7 +12,11 @@ as :class:`Progress` events, and ends with one :class:`CopyFinished`:
 
 Stopping: :meth:`CopyRun.preempt` asks each worker to stop the copy (finish the step,
 checkpoint, report; on the control channel, so a warm worker stays warm, else SIGTERM)
-and sends SIGKILL ``stop_timeout_s`` later to any worker that has not reported by then.
+and sends SIGKILL ``stop_timeout_s`` later to any worker that has not reported by then --
+except one that reported ``uploading``: its training is over and its checkpoint is on its
+way to a store that may be retrying through an outage (90 s), so it is killed only
+``upload_grace_s`` after it began uploading, and a round's work is not thrown away because
+MinIO was away at the round's end.
 The run ends when every worker reported (a warm one does not exit); a worker that ended
 any other way is a crash: the copy fails with the reason, the slot is emptied, logged
 (``slot.crashed``) and counted, and its next assignment spawns a fresh process; a DDP
@@ -69,6 +73,7 @@ class RunContext:
     threads: int
     stop_timeout_s: float
     deadline_grace_s: float
+    upload_grace_s: float = 120.0
     slots: WorkerSlots = None   # type: ignore[assignment]   # None: one over ``pool``
 
     def __post_init__(self) -> None:
@@ -112,6 +117,7 @@ class CopyRun:
         self._stopping = False
         self._slots: list[int] = []          # the GPU slot of each of ``workers``
         self._failed: set[int] = set()       # pids that reported ``failed``
+        self._uploading: dict[int, float] = {}   # pid -> clock time its checkpoint upload may last until
 
     @property
     def reports(self) -> bool:
@@ -135,10 +141,19 @@ class CopyRun:
             worker.terminate()
 
     def _kill_all(self) -> None:
+        now, waits = self.ctx.clock.time(), []
         for worker in self.workers:
             if worker.alive and worker.pid not in self.reported:
-                self.log.warning("copy.kill", pid=worker.pid, after_s=self.ctx.stop_timeout_s)
+                until = self._uploading.get(worker.pid)
+                if until is not None and now < until:   # its training is over: its upload is the work
+                    waits.append(until - now)
+                    continue
+                self.log.warning("copy.kill", pid=worker.pid, after_s=self.ctx.stop_timeout_s,
+                                 uploading=until is not None)
                 worker.kill()
+        if waits:
+            self.log.info("copy.kill_deferred", reason="checkpoint upload in flight", for_s=round(min(waits), 1))
+            self._kill_timer = asyncio.get_running_loop().call_later(min(waits), self._kill_all)
 
     def _specs(self) -> list[WorkerSpec]:
         a, devices = self.a, self.ctx.devices
@@ -251,6 +266,9 @@ class CopyRun:
                     self.ctx.pool.refill()
             elif kind == "progress" and spec.rank == 0:
                 await self._progress(message)
+            elif kind == "uploading":
+                self._uploading[worker.pid] = self.ctx.clock.time() + self.ctx.upload_grace_s
+                self.log.info("copy.uploading", rank=spec.rank, key=message.get("key"))
             elif kind in ("finished", "failed"):
                 final = message
                 self.reported.add(worker.pid)

@@ -140,7 +140,7 @@ def parse_worker_line(line: str | bytes) -> dict[str, Any] | None:
         data = json.loads(line)
     except (ValueError, UnicodeDecodeError):
         return None
-    if not isinstance(data, dict) or data.get("event") not in ("started", "progress", "finished", "failed"):
+    if not isinstance(data, dict) or data.get("event") not in ("started", "progress", "uploading", "finished", "failed"):
         return None
     return data
 

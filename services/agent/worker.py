@@ -222,6 +222,7 @@ class Worker:
         with tempfile.TemporaryDirectory(prefix="hadar-ckpt-") as tmp:
             path = Path(tmp) / "checkpoint.safetensors"
             save_checkpoint(path, model, optimizer, meta)
+            self.emit("uploading", key=spec.checkpoint)   # the agent lets an upload outlast its stop timeout
             store.put_file(spec.checkpoint, path)   # atomic: readers never see a partial object
         return spec.checkpoint, metric
 

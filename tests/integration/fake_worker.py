@@ -6,7 +6,9 @@ until the step budget, the deadline, a stop line for its copy or SIGTERM, then r
 ``finished`` (``ok``/``preempted``) with the spec's checkpoint key; it writes no
 checkpoint. Like the real worker it stays for the next spec of a single-rank copy and
 exits after SIGTERM or a copy with a rendezvous. A spec whose model is ``crash`` exits
-with code 3 without reporting. Starts in tens of milliseconds, so agent tests can run
+with code 3 without reporting; one whose model is ``slow-upload`` reports ``uploading`` after
+training and takes ``UPLOAD_S`` to "upload" its checkpoint (a store retrying through an
+outage), ignoring stop requests and SIGTERM meanwhile, as the real worker does. Starts in tens of milliseconds, so agent tests can run
 many copies.
 
 Run through an executable wrapper (see ``fake_python`` in the tests): the daemon starts it
@@ -24,6 +26,7 @@ import time
 from typing import Any
 
 STEP_S = 0.01
+UPLOAD_S = 3.0
 stop = False
 terminated = False
 current: tuple[str, int, int] | None = None
@@ -86,6 +89,9 @@ def run(spec: dict[str, Any]) -> int:
         if spec["rank"] == 0 and time.time() - last >= spec["progress_s"]:
             last = time.time()
             emit("progress", steps_round=steps, steps_total=steps, samples_per_s=100.0, loss=1.0)
+    if spec["model"] == "slow-upload" and spec["rank"] == 0:
+        emit("uploading", key=spec["checkpoint"])
+        time.sleep(UPLOAD_S)
     emit("finished", status="preempted" if stop else "ok", steps_round=steps, steps_total=steps,
          samples_per_s=100.0, loss=1.0, checkpoint=spec["checkpoint"] if spec["rank"] == 0 else None,
          train_s=time.time() - began, metric=None)

@@ -39,9 +39,10 @@ def spec(job_id: str, model: str = "resnet") -> JobSpec:
 
 
 def assign(job_id: str, round_: int, *, budget: int = 5, gpus: tuple[int, ...] = (0,), copy: int = 0,
-           deadline: float | None = None, **fields: Any) -> Assignment:
+           deadline: float | None = None, model: str = "resnet", **fields: Any) -> Assignment:
     values: dict[str, Any] = {"world_size": len(gpus), "ranks": tuple(range(len(gpus))), **fields}
-    return Assignment(ts=time.time(), source="scheduler", round=round_, job=spec(job_id), copy=copy, node_id=NODE,
+    return Assignment(ts=time.time(), source="scheduler", round=round_, job=spec(job_id, model), copy=copy,
+                      node_id=NODE,
                       gpus=gpus, gpu_type="cpu", step_budget=budget,
                       deadline=time.time() + 60 if deadline is None else deadline, **values)
 
@@ -410,3 +411,31 @@ async def test_past_the_progress_backlog_reports_are_dropped_and_counted_never_t
         await bus.release()
         await agent.stop()
         await bus.stop()
+
+
+async def test_a_checkpoint_upload_outlasting_the_stop_timeout_is_not_killed(bus: MemoryBus, tmp_path: Path,
+                                                                           fake_python: str) -> None:
+    """MinIO away at the round's end: the worker's upload retries (90 s by default), longer than
+    ``deadline_grace_s`` + ``stop_timeout_s``. Killing it then threw the round's work away
+    (issue 13, the 70 s MinIO outage); within ``upload_grace_s`` it is left to finish."""
+    agent = await started_agent(bus, tmp_path, fake_python, deadline_grace_s=0.0, stop_timeout_s=1.0,
+                                upload_grace_s=30.0)
+    try:
+        await bus.emit(assign("upload1", 0, budget=10_000, deadline=time.time() + 2.0, model="slow-upload"))
+        done = await wait_finished(bus, "upload1", timeout_s=20.0)
+        assert done.status in ("ok", "preempted"), done.reason   # the watchdog's stop may land first
+        assert done.checkpoint is not None and done.steps_round > 0
+    finally:
+        await agent.stop()
+
+
+async def test_an_upload_past_its_allowance_is_killed_and_the_copy_fails(bus: MemoryBus, tmp_path: Path,
+                                                                        fake_python: str) -> None:
+    agent = await started_agent(bus, tmp_path, fake_python, deadline_grace_s=0.0, stop_timeout_s=1.0,
+                                upload_grace_s=0.5)
+    try:
+        await bus.emit(assign("upload2", 0, budget=10_000, deadline=time.time() + 2.0, model="slow-upload"))
+        done = await wait_finished(bus, "upload2", timeout_s=20.0)
+        assert done.status == "failed" and "signal 9" in done.reason, done.reason
+    finally:
+        await agent.stop()
