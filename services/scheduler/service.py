@@ -42,6 +42,7 @@ from prometheus_client import CollectorRegistry
 
 from services.scheduler.config import DecisionSettings, SchedulerConfig
 from services.scheduler.policy import Plan, Policy, Snapshot
+from services.scheduler.publish import PublishGivenUp, publish_by
 from services.scheduler.recovery import resume
 from services.scheduler.rerun import LoggedEvent
 from services.scheduler.round_length import RoundCosts, copy_startup_s, stretched_round_s
@@ -51,7 +52,7 @@ from services.scheduler.snapshot import (SERVICE, SchedulerSnapshot, capture, de
 from services.scheduler.state import SchedulerState
 from services.scheduler.telemetry import SchedulerCounters, SchedulerTelemetry
 from services.scheduler.stuck import stuck_reason
-from shared.bus import Bus, BusError, Delivery
+from shared.bus import Bus, Delivery
 from shared.clock import Clock, SystemClock
 from shared.deadline import next_round_gives_up_at
 from shared.errors import HadarError
@@ -65,7 +66,6 @@ from shared.topics import ALL_TOPICS, DEADLETTER, JOBS, MODELS, NODES, PLACEMENT
 INPUT_TOPICS = (JOBS, NODES, THROUGHPUT, PROGRESS, MODELS)
 RECOVERY_TOPICS = (*INPUT_TOPICS, PLACEMENTS)   # read from the start (or a snapshot) at start-up
 RETRY_BASE_S = 0.05
-MAX_RETRY_S = 5.0
 
 
 def _timed_plan(policy: Policy, snapshot: Snapshot) -> tuple[Plan, float]:
@@ -218,20 +218,20 @@ class SchedulerService:
         self._log.info("scheduler.snapshot_written", key=saved.key, round=self.next_round - 1, bytes=saved.bytes)
 
     async def _publish(self, event: Event, *, deadline: float, round_: int) -> None:
-        delay = RETRY_BASE_S
-        while True:
-            try:
-                partition, offset = await self.bus.emit(event)
-                self._placed[partition] = max(self._placed.get(partition, 0), offset + 1)
-                return
-            except BusError as exc:
-                if not exc.retriable or self._stopping or self.clock.time() + delay > deadline:
-                    raise RoundFailed(f"publish {event.TYPE}: {exc}", stage="publish", round=round_) from exc
-                self.counters.publish_retries.inc()
-                self._log.warning("round.publish_retry", round=round_, event_type=event.TYPE, error=str(exc)[:200],
-                                  retry_in_s=delay)
-                await self.clock.sleep(delay)
-                delay = min(2 * delay, MAX_RETRY_S)
+        """Publish ``event`` (:func:`~services.scheduler.publish.publish_by`) or raise
+        :class:`RoundFailed` once it cannot matter: refused, stopping, or past the round's end."""
+        def retried(error: BaseException, attempt: int, wait_s: float) -> None:
+            self.counters.publish_retries.inc()
+            self._log.warning("round.publish_retry", round=round_, event_type=event.TYPE, error=str(error)[:200],
+                              retry_in_s=wait_s)
+
+        def placed(partition: int, offset: int) -> None:
+            self._placed[partition] = max(self._placed.get(partition, 0), offset + 1)
+        try:
+            await publish_by(self.bus, event, give_up=lambda: self._stopping or self.clock.time() >= deadline,
+                             placed=placed, sleep=self.clock.sleep, on_retry=retried)
+        except PublishGivenUp as exc:
+            raise RoundFailed(str(exc), stage="publish", round=round_) from exc
 
     # ------------------------------------------------------------------ consuming
 

@@ -72,7 +72,7 @@ class RetryPolicy:
 
 
 class _NotAcknowledged(HadarError):
-    retriable = True
+    """The bus still holds the record (made ``retriable=True``: it may yet be written)."""
 
 
 def retriable(exc: BaseException) -> bool:
@@ -130,10 +130,11 @@ async def _acknowledged(ack: asyncio.Future[object], *, policy: RetryPolicy, giv
             tick.cancel()
         if ack.done():
             exc = ack.exception()
-            return (True, _NotAcknowledged()) if exc is None else (False, exc)
+            return (True, _NotAcknowledged(retriable=True)) if exc is None else (False, exc)
         if give_up():
             ack.add_done_callback(_consume)
-            return False, _NotAcknowledged("gave up waiting for the broker to acknowledge the record")
+            return False, _NotAcknowledged("gave up waiting for the broker to acknowledge the record",
+                                     retriable=True)
 
 
 def _consume(future: asyncio.Future[object]) -> None:

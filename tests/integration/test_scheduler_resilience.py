@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Awaitable
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.policy import Plan, Snapshot
@@ -65,11 +66,37 @@ class FlakyBus(MemoryBus):
         super().__init__()
         self.failures = failures
 
-    async def publish(self, topic: str, key: str, event: Event) -> tuple[int, int]:
+    def _gate(self, event: Event) -> None:
         if isinstance(event, Assignment) and self.failures > 0:
             self.failures -= 1
             raise BusError("publish: broker away", retriable=True)
+
+    async def publish(self, topic: str, key: str, event: Event) -> tuple[int, int]:
+        self._gate(event)
         return await super().publish(topic, key, event)
+
+    async def send(self, topic: str, key: str, event: Event) -> Awaitable[tuple[int, int]]:
+        self._gate(event)
+        return await super().send(topic, key, event)
+
+
+class HoldingBus(MemoryBus):
+    """Kafka's idempotent producer during an outage: Assignments are accepted and never
+    acknowledged (nor failed) while ``holding``; ``publish`` waits for ever likewise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holding = True
+        self.held = 0
+
+    async def publish(self, topic: str, key: str, event: Event) -> tuple[int, int]:
+        return await (await self.send(topic, key, event))
+
+    async def send(self, topic: str, key: str, event: Event) -> Awaitable[tuple[int, int]]:
+        if isinstance(event, Assignment) and self.holding:
+            self.held += 1
+            return asyncio.get_running_loop().create_future()   # never done
+        return await super().send(topic, key, event)
 
 
 async def test_a_failing_policy_does_not_kill_the_round_loop_and_runs_off_the_event_loop():
@@ -171,6 +198,29 @@ async def test_a_forged_model_announcement_is_dead_lettered_and_the_loop_goes_on
         assert service.registry.get_sample_value("hadar_scheduler_events_rejected_total",
                                                  {"type": "ModelConsolidated"}) == 1
         assert service.health()["ok"]
+    finally:
+        await service.stop()
+        await bus.stop()
+
+
+async def test_a_round_whose_publish_the_broker_holds_is_given_up_at_its_end_and_the_loop_goes_on():
+    """A broker away for minutes: the client holds the records, a publish neither fails nor
+    returns. The round is given up at its end (RoundFailed, stage publish) instead of
+    blocking the round loop until the broker is back; the loop plans again once it is."""
+    bus = HoldingBus()
+    await bus.start()
+    await _seed(bus, time.time())
+    service = SchedulerService(bus=bus, config=SchedulerConfig(policy="yarn-cs", round_s=0.5, heartbeat_s=1000,
+                                                               late_copy_s=0, consolidation_wait_s=0))
+    await service.start()
+    try:
+        def failures() -> float:
+            return service.registry.get_sample_value("hadar_scheduler_round_failures_total",
+                                                     {"stage": "publish"}) or 0.0
+        await _until(lambda: failures() >= 1, timeout_s=15.0)
+        bus.holding = False
+        await _until(lambda: any(len(r.assignments) == 2 for r in service.state.rounds.values()), timeout_s=15.0)
+        assert service.health()["ok"], service.health()
     finally:
         await service.stop()
         await bus.stop()
