@@ -78,10 +78,11 @@ class RoundFailed(HadarError):
     round loop logs it, counts it and tries again after a back-off (a plan failure may pass
     once the inputs change; a publish failure once the bus is back)."""
 
-    def __init__(self, message: str, *, stage: str, round: int) -> None:
+    def __init__(self, message: str, *, stage: str, round: int, maybe_written: bool = False) -> None:
         super().__init__(message, retriable=stage == "publish")
         self.stage = stage
         self.round = round
+        self.maybe_written = maybe_written   # a record given up while the client held it
 
 
 class SchedulerService:
@@ -231,7 +232,7 @@ class SchedulerService:
             await publish_by(self.bus, event, give_up=lambda: self._stopping or self.clock.time() >= deadline,
                              placed=placed, sleep=self.clock.sleep, on_retry=retried)
         except PublishGivenUp as exc:
-            raise RoundFailed(str(exc), stage="publish", round=round_) from exc
+            raise RoundFailed(str(exc), stage="publish", round=round_, maybe_written=exc.retriable) from exc
 
     # ------------------------------------------------------------------ consuming
 
@@ -371,10 +372,14 @@ class SchedulerService:
             events = await asyncio.to_thread(
                 plan_to_events, plan, snapshot, self.state, timing, choice=settings.choice, seed=settings.seed,
                 source=self.config.source, inputs=inputs, decision_ms=seconds * 1e3)
-        published = 0
+        published, spent = 0, False
         try:
             for event in events:
-                await self._publish(event, deadline=timing.ends_at, round_=timing.round)
+                try:
+                    await self._publish(event, deadline=timing.ends_at, round_=timing.round)
+                except RoundFailed as exc:
+                    spent = exc.maybe_written   # a held RoundStarted may yet appear: never reuse its number
+                    raise
                 async with self._fold_lock:
                     self.state.apply(event)
                 self.counters.events_out.labels(type=event.TYPE).inc()
@@ -382,7 +387,7 @@ class SchedulerService:
                 if published % 64 == 0:
                     await asyncio.sleep(0)   # a bus that never blocks must not starve /healthz
         finally:
-            if published:
+            if published or spent:
                 self.previous = plan
                 self.next_round += 1
                 self._round_s = timing.round_s

@@ -81,22 +81,29 @@ class FlakyBus(MemoryBus):
 
 
 class HoldingBus(MemoryBus):
-    """Kafka's idempotent producer during an outage: Assignments are accepted and never
-    acknowledged (nor failed) while ``holding``; ``publish`` waits for ever likewise."""
+    """Kafka's idempotent producer during an outage: records are accepted and neither
+    acknowledged nor failed while ``holding``; :meth:`release` writes what it held (the
+    broker is back) and acknowledges it. ``publish`` waits likewise."""
 
     def __init__(self) -> None:
         super().__init__()
         self.holding = True
-        self.held = 0
+        self.held: list[tuple[str, str, Event, asyncio.Future[tuple[int, int]]]] = []
 
     async def publish(self, topic: str, key: str, event: Event) -> tuple[int, int]:
         return await (await self.send(topic, key, event))
 
     async def send(self, topic: str, key: str, event: Event) -> Awaitable[tuple[int, int]]:
-        if isinstance(event, Assignment) and self.holding:
-            self.held += 1
-            return asyncio.get_running_loop().create_future()   # never done
+        if self.holding and topic == PLACEMENTS:
+            ack: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
+            self.held.append((topic, key, event, ack))
+            return ack
         return await super().send(topic, key, event)
+
+    async def release(self) -> None:
+        self.holding = False
+        for topic, key, event, ack in self.held:
+            ack.set_result(await (await super().send(topic, key, event)))
 
 
 async def test_a_failing_policy_does_not_kill_the_round_loop_and_runs_off_the_event_loop():
@@ -218,9 +225,15 @@ async def test_a_round_whose_publish_the_broker_holds_is_given_up_at_its_end_and
             return service.registry.get_sample_value("hadar_scheduler_round_failures_total",
                                                      {"stage": "publish"}) or 0.0
         await _until(lambda: failures() >= 1, timeout_s=15.0)
-        bus.holding = False
+        held_rounds = {e.round for _, _, e, _ in bus.held if isinstance(e, RoundStarted)}
+        await bus.release()
         await _until(lambda: any(len(r.assignments) == 2 for r in service.state.rounds.values()), timeout_s=15.0)
         assert service.health()["ok"], service.health()
+        # What the client held is written once the broker is back: a held round's number is
+        # never used again for another plan.
+        rounds = [e.round for e in await _placements(bus) if isinstance(e, RoundStarted)]
+        assert held_rounds and held_rounds <= set(rounds)
+        assert len(rounds) == len(set(rounds)), rounds
     finally:
         await service.stop()
         await bus.stop()
