@@ -41,14 +41,15 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
+from services.cli.jobs import submit as submit_job
 from shared.bus import KafkaBus
 from shared.config import S3Settings
 from shared.eventlog import fetch_log
 from shared.events import (
-    Assignment, CopyFinished, Event, JobCompleted, JobSubmitted, ModelConsolidated, NodeRegistered, RoundAbandoned,
-    RoundStarted,
+    Assignment, CopyFinished, Event, Hyperparameters, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated,
+    NodeRegistered, RoundAbandoned, RoundStarted,
 )
-from shared.infra import InfraPaths, down, restart, up
+from shared.infra import InfraError, InfraPaths, down, restart, up
 from shared.infra.common import is_running
 from shared.layout import checkpoint_key, final_key
 from shared.store import MinioStore
@@ -81,6 +82,7 @@ class Service:
     expected_exit: bool = False
     starts: int = 0
     crashes: list[int] = field(default_factory=list)
+    terminated: bool = False   # SIGTERM sent to the current process
 
 
 class Cluster:
@@ -98,12 +100,23 @@ class Cluster:
         self.s3: S3Settings | None = None
         self.bootstrap = ""
         self.last_fault_end = 0.0   # unix time the latest fault ended (scenarios wait for progress after it)
+        self.restart_failures: list[str] = []   # failed `infra restart` tries, with why
+        self.phases: dict[str, float] = {}   # seconds per phase of the run, in order (:meth:`phase`)
+        self._mark = time.monotonic()
+
+    def phase(self, name: str) -> None:
+        """Close the phase ``name``: the seconds since the previous one closed are added to it."""
+        now = time.monotonic()
+        self.phases[name] = round(self.phases.get(name, 0.0) + now - self._mark, 1)
+        self._mark = now
 
     # ------------------------------------------------------------------ start, stop
 
     def __enter__(self) -> Cluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self._mark = time.monotonic()
         servers = up(self.paths)
+        self.phase("servers_up")
         self.bootstrap = servers.kafka.bootstrap
         self.s3 = S3Settings(endpoint=servers.minio.endpoint, access_key=servers.minio.access_key,
                              secret_key=servers.minio.secret_key, bucket=f"faults-{secrets.token_hex(3)}")
@@ -126,12 +139,16 @@ class Cluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for svc in self.services.values():
+        running = [svc for svc in self.services.values() if svc.proc is not None and svc.proc.poll() is None]
+        for svc in running:   # all told at once, then waited for: their shutdowns overlap
+            self._terminate(svc, wait=False)
+        for svc in running:
             self._terminate(svc)
         try:   # the servers' data and logs stay in the run directory, for a post-mortem
             down(self.paths, keep_data=True)
         except Exception:   # noqa: BLE001 -- best effort at the end of a run
             pass
+        self.phase("stopped")
 
     def _define(self, name: str, args: list[str]) -> None:
         self.services[name] = Service(name=name, argv=HADAR + ["serve", *args, "--http-port", "0"])
@@ -143,6 +160,7 @@ class Cluster:
         svc.proc = subprocess.Popen(svc.argv, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         svc.expected_exit = False
+        svc.terminated = False
         svc.starts += 1
 
     def start_all(self) -> None:
@@ -156,16 +174,15 @@ class Cluster:
                   poll_s=1.0)
 
     def submit(self) -> None:
+        """Submit every job as ``hadar submit`` publishes one (:func:`services.cli.jobs.submit`),
+        from this process. The specs pass JobSpec's own checks; the model zoo's (which
+        imports torch: 12-20 s on the loaded 2-core machine) is left to the services."""
         token = secrets.token_hex(2)
-        for i, (model, dataset, iterations) in enumerate(self.workload.jobs):
-            job_id = f"f-{i}-{token}"
-            done = subprocess.run(HADAR + ["submit", "--id", job_id, "--model", model, "--dataset", dataset,
-                                           "--workers", "1", "--iterations", str(iterations), "--batch-size", "32",
-                                           "--optimizer", "adam", "--lr", "0.003"],
-                                  env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=120)
-            if done.returncode != 0:
-                raise RuntimeError(f"submit failed: {done.stderr.strip()}")
-            self.job_ids.append(job_id)
+        specs = [JobSpec(job_id=f"f-{i}-{token}", user="faults", model=model, dataset=dataset, batch_size=32,
+                         workers=1, iterations=iterations, hyper=Hyperparameters(optimizer="adam", lr=0.003))
+                 for i, (model, dataset, iterations) in enumerate(self.workload.jobs)]
+        asyncio.run(_submit(self.bootstrap, specs))
+        self.job_ids.extend(spec.job_id for spec in specs)
 
     # ------------------------------------------------------------------ faults
 
@@ -190,8 +207,25 @@ class Cluster:
         while is_running(server.pid, server.marker):
             time.sleep(0.05)
 
-    def restart_server(self, name: str) -> None:
-        restart(self.paths, name)   # type: ignore[arg-type]
+    def restart_server(self, name: str, *, attempts: int = 3) -> None:
+        """``hadar infra restart NAME`` as an operator would: a failed try is recorded in
+        :attr:`restart_failures` (with why: exit code and log lines) and tried again, up
+        to ``attempts`` times. Returns once the server answers -- for Kafka, once a metadata
+        request lists the broker and every topic can be read again -- so that the fault
+        ends when the server is back, and recovery counts from there."""
+        for attempt in range(1, attempts + 1):
+            try:
+                restart(self.paths, name)   # type: ignore[arg-type]
+                break
+            except InfraError as exc:
+                self.restart_failures.append(f"{name} attempt {attempt}: {exc}")
+                if attempt == attempts:
+                    raise
+                time.sleep(2)
+        if name == "kafka":
+            deadline = time.monotonic() + 60
+            while not self.log() and time.monotonic() < deadline:
+                time.sleep(0.5)
 
     def crashes(self) -> dict[str, int]:
         """Services that exited on their own so far, with their exit codes (recorded once)."""
@@ -201,13 +235,19 @@ class Cluster:
                 svc.expected_exit = True
         return {s.name: s.crashes[-1] for s in self.services.values() if s.crashes}
 
-    def _terminate(self, svc: Service) -> None:
+    def _terminate(self, svc: Service, *, wait: bool = True) -> None:
+        """SIGTERM a service (SIGCONT first, in case it is stopped) and, with ``wait``, wait
+        30 s for it to exit, then SIGKILL it."""
         if svc.proc is None or svc.proc.poll() is not None:
             return
         svc.expected_exit = True
         try:
-            os.killpg(svc.proc.pid, signal.SIGCONT)
-            os.killpg(svc.proc.pid, signal.SIGTERM)
+            if not svc.terminated:
+                os.killpg(svc.proc.pid, signal.SIGCONT)
+                os.killpg(svc.proc.pid, signal.SIGTERM)
+                svc.terminated = True
+            if not wait:
+                return
             svc.proc.wait(timeout=30)
         except (subprocess.TimeoutExpired, ProcessLookupError):
             try:
@@ -246,6 +286,16 @@ class Cluster:
     def models(self, records: list[tuple[str, Event]]) -> list[ModelConsolidated]:
         return [e for _, e in records if isinstance(e, ModelConsolidated) and e.job_id in self.job_ids
                 and e.id not in self.forged_ids]
+
+
+async def _submit(bootstrap: str, specs: list[JobSpec]) -> None:
+    bus = KafkaBus(bootstrap, source="cli")
+    await bus.start()
+    try:
+        for spec in specs:
+            await submit_job(bus, spec)
+    finally:
+        await bus.stop()
 
 
 async def _read_log(bootstrap: str) -> list[tuple[str, Event]]:

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -119,8 +120,13 @@ def tracker_kill_consolidating(c: Cluster, timeout_s: float) -> float:
 
 
 def _server_outage(name: str, down_s: float) -> Callable[[Cluster, float], float]:
+    """SIGKILL the server once the system made progress (mid-round), ``hadar infra restart``
+    it ``down_s`` later; the fault ends when it answers again. The outage must find jobs
+    running: one that comes after every job completed raises (a miss, not a pass)."""
     def scenario(c: Cluster, timeout_s: float) -> float:
         _first_progress(c, timeout_s)
+        if c.completed(c.log()) == set(c.job_ids):
+            raise RuntimeError(f"{name} outage: every job completed before it; run with a larger --scale")
         c.kill_server(name)
         time.sleep(down_s)
         c.restart_server(name)
@@ -203,6 +209,17 @@ SCENARIOS: dict[str, Callable[..., float | None]] = {
 }
 
 
+# Scenarios whose fault lasts long (a server down 20-30 s, then restarted) run jobs this many
+# times longer (on top of --scale): with the default jobs a quiet machine finished both
+# before MinIO came back, and the outage then tested nothing.
+SCENARIO_SCALE: dict[str, float] = {"kafka_outage": 3.0, "minio_outage": 3.0}
+
+
+def scaled(workload: Workload, scale: float) -> Workload:
+    """``workload`` with every job's iterations multiplied by ``scale`` (at least 1)."""
+    return replace(workload, jobs=tuple((m, d, max(1, round(n * scale))) for m, d, n in workload.jobs))
+
+
 def run_scenario(names: str | Sequence[str], workload: Workload, workdir: Path) -> dict[str, float | int | None]:
     """Run one scenario (or several faults one after the other, each once the system made
     progress after the previous one) in ``workdir`` and return its figures; ``recovery_s``
@@ -211,10 +228,13 @@ def run_scenario(names: str | Sequence[str], workload: Workload, workdir: Path) 
     with Cluster(workdir, workload) as c:
         c.start_all()
         c.wait_registered()
+        c.phase("services_registered")
         c.submit()
+        c.phase("submitted")
         ends = []
         for name in names:
             end = SCENARIOS[name](c, workload.timeout_s)
+            c.phase(f"fault:{name}")   # waiting for progress, then the fault and its end
             if end is not None:
                 c.last_fault_end = end
                 ends.append(end)
@@ -222,10 +242,12 @@ def run_scenario(names: str | Sequence[str], workload: Workload, workdir: Path) 
             records = c.wait(lambda r: c.completed(r) == set(c.job_ids), timeout_s=workload.timeout_s)
         except TimeoutError:
             records = c.log()
+        c.phase("jobs_completed")
         crashes = c.crashes()
         models = c.models(records)
         assert c.s3 is not None
         verified = asyncio.run(verify_models(c.s3, models, records, workdir / "verify"))
+        c.phase("verified")
         lost = rounds_lost(records, c.job_ids, c.forged_ids)
         times = sorted([*progress_times(models), *(e.ts for e in c.completions(records))])
         recoveries = [min((t - end for t in times if t >= end), default=None) for end in ends]
@@ -238,16 +260,18 @@ def run_scenario(names: str | Sequence[str], workload: Workload, workdir: Path) 
             "recovery_s": (None if not ends or None in recoveries
                            else round(max(r for r in recoveries if r is not None), 1)),
             "faults": len(ends),
-            # jobs already complete when the first fault ended: a scenario where every job was
-            # tested nothing (the workload is too small for the machine's speed at the time)
-            "done_before_fault": sum(1 for e in c.completions(records) if ends and e.ts <= ends[0]),
+            # jobs already complete when the last fault ended: a fault after which no job was
+            # left tested nothing (the workload is too small for the machine's speed at the time)
+            "done_before_fault": sum(1 for e in c.completions(records) if ends and e.ts <= ends[-1]),
+            "restart_failures": list(c.restart_failures),
             "crashed": sorted(crashes),
+            "phases": c.phases,   # the same dict: the cluster's exit adds "stopped"
         }
 
 
 def meets_targets(figures: dict) -> bool:
     """Every job completed, every model verified, nothing lost, no crash, at most one round
-    lost per job per fault; and a fault that came when every job was already done misses."""
+    lost per job per fault; and a fault that ended when every job was already done misses."""
     faults = figures.get("faults", 0)
     return (figures["jobs_completed"] == figures["jobs_total"] and figures["models_verified"] == figures["models_total"]
             and figures["models_total"] > 0 and figures["events_lost"] == 0 and figures["service_crashes"] == 0
@@ -257,13 +281,13 @@ def meets_targets(figures: dict) -> bool:
 
 def table(results: dict[str, dict]) -> str:
     head = ("scenario", "jobs", "models ok", "events lost", "crashes", "rounds lost", "recovery s", "done before",
-            "wall s")
+            "restart retries", "wall s")
     rows = [head]
     for name, f in results.items():
         rows.append((name, f"{f['jobs_completed']}/{f['jobs_total']}", f"{f['models_verified']}/{f['models_total']}",
                      str(f["events_lost"]), str(f["service_crashes"]), str(f["rounds_lost_max"]),
                      "-" if f["recovery_s"] is None else f"{f['recovery_s']:.1f}", str(f.get("done_before_fault", "-")),
-                     f"{f.get('wall_s', 0):.0f}"))
+                     str(len(f.get("restart_failures", []))), f"{f.get('wall_s', 0):.0f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
@@ -274,11 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="keep each scenario's logs here (default: a temporary directory)")
     p.add_argument("--round-s", type=float, default=Workload.round_s)
     p.add_argument("--timeout-s", type=float, default=Workload.timeout_s, help="per scenario, for the jobs")
-    p.add_argument("--scale", type=float, default=1.0, help="multiply every job's iterations (a faster machine "
+    p.add_argument("--scale", type=float, default=1.0, help="multiply every job's iterations (outage scenarios: "
+                   "x SCENARIO_SCALE more; a faster machine "
                    "finishes the default jobs before a fault)")
     args = p.parse_args(argv)
-    jobs = tuple((m, d, max(1, round(n * args.scale))) for m, d, n in Workload.jobs)
-    workload = Workload(jobs=jobs, round_s=args.round_s, timeout_s=args.timeout_s)
+    workload = scaled(Workload(round_s=args.round_s, timeout_s=args.timeout_s), args.scale)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="hadar-faults-"))
     out.mkdir(parents=True, exist_ok=True)
     # The harness's own log (e.g. every junk record its log reads skip) goes to a file.
@@ -287,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.scenarios:
         began = time.monotonic()
         try:
-            figures = run_scenario(name, workload, out / name)
+            figures = run_scenario(name, scaled(workload, SCENARIO_SCALE.get(name, 1.0)), out / name)
         except Exception as exc:   # noqa: BLE001 -- one broken scenario must not hide the others
             print(f"{name}: {type(exc).__name__}: {exc}", file=sys.stderr)
             figures = {k: 0 for k in FIELDS} | {"recovery_s": None, "jobs_total": len(workload.jobs),

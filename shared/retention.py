@@ -42,7 +42,9 @@ The scheduler, the tracker and the profiler restart from state snapshots (shared
 and read only records after them (the tracker: after its oldest report still held, at most
 ROUND_HISTORY rounds back), so with a valid snapshot any retention longer than the snapshot
 interval would do (tests/integration/test_topic_retention.py deletes the segments of older rounds on a
-real broker and checks that its decisions do not change).
+real broker and checks that the scheduler's decisions do not change;
+tests/integration/test_tracker_retention.py does the same for the tracker's announcements,
+models and credited steps).
 
 Records are timestamped with the publishing bus's clock (CreateTime): a fake clock far in
 the past makes hadar.progress records due for deletion at once (see shared/bus/base.py).

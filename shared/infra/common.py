@@ -19,6 +19,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -34,13 +35,17 @@ from shared.errors import HadarError
 __all__ = [
     "InfraError", "InfraPaths", "Clock", "free_port", "spawn", "is_running", "stop_group",
     "wait_for", "port_accepts", "file_lock", "write_private", "read_json", "log_tail",
-    "remove_tree", "keep_previous", "port_released",
+    "remove_tree", "keep_previous", "port_released", "exit_status", "failure_tail", "FAILURE_LINES",
 ]
 
 Clock = Callable[[], float]
 
 # Servers this process spawned, kept so they can be reaped (and so Popen does not warn).
 _CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
+# Exit codes of reaped children (negative: the signal), for the error that reports the exit.
+_EXITED: dict[int, int] = {}
+# How many of a dead server's last log lines an error shows (the cause is rarely the last).
+FAILURE_LINES = 5
 
 
 class InfraError(HadarError):
@@ -172,18 +177,42 @@ def stop_group(pid: int, marker: str, *, grace: float = 10.0, clock: Clock = tim
 
 def wait_for(ready: Callable[[], bool], *, what: str, timeout: float, alive: Callable[[], bool],
              log: Path, clock: Clock = time.monotonic,
-             sleep: Callable[[float], None] = time.sleep, interval: float = 0.2) -> None:
-    """Poll ``ready`` until it is true; raise :class:`InfraError` if the process dies or time runs out."""
+             sleep: Callable[[float], None] = time.sleep, interval: float = 0.2, pid: int | None = None) -> None:
+    """Poll ``ready`` until it is true; raise :class:`InfraError` if the process dies or time runs out.
+
+    The error is one line with why: the exit code or killing signal of ``pid`` (when this
+    process started it) and :func:`failure_tail` of ``log``, which holds the server's stdout
+    and stderr.
+    """
     deadline = clock() + timeout
     while True:
         if ready():
             return
         if not alive():
-            raise InfraError(f"{what} exited while starting: {log_tail(log)} (log: {log})")
+            status = f" ({exit_status(pid)})" if pid is not None else ""
+            raise InfraError(f"{what} exited while starting{status}: {failure_tail(log)} (log: {log})")
         if clock() >= deadline:
-            raise InfraError(f"{what} not ready after {timeout:.0f}s: {log_tail(log)} (log: {log})",
+            raise InfraError(f"{what} not ready after {timeout:.0f}s: {failure_tail(log)} (log: {log})",
                              retriable=True)
         sleep(interval)
+
+
+def exit_status(pid: int) -> str:
+    """How the server ``pid`` ended, in words: ``exit code N``, ``killed by SIGNAME``, or
+    unknown for a process this one did not start (its parent reaps it) or that still runs."""
+    process = _CHILDREN.get(pid)
+    code = process.poll() if process is not None else _EXITED.get(pid)
+    if process is not None and code is not None:
+        _reap(pid)
+    if code is None:
+        return ("exit status unknown: not started by this process" if process is None
+                else "exit status unknown: still running")
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def log_tail(log: Path, lines: int = 1) -> str:
@@ -194,6 +223,22 @@ def log_tail(log: Path, lines: int = 1) -> str:
         return "(no output)"
     kept = [line.strip() for line in text.splitlines() if line.strip()]
     return " | ".join(kept[-lines:]) if kept else "(no output)"
+
+
+def failure_tail(log: Path, lines: int = FAILURE_LINES) -> str:
+    """The last ``lines`` lines of ``log`` that say something, in one line: a Java stack
+    trace's frames (``at ...``, ``... 3 more``) are left out, so the exception's message
+    shows rather than the frames under it."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return "(no output)"
+    kept = [line.strip() for line in text.splitlines() if line.strip()]
+    said = [line for line in kept if not _STACK_FRAME.match(line)]
+    return " | ".join(said[-lines:]) if said else "(no output)"
+
+
+_STACK_FRAME = re.compile(r"^(at [\w$.<>/]+\(.*\)|\.\.\. \d+ more)")
 
 
 @contextlib.contextmanager
@@ -267,4 +312,5 @@ def _reap(pid: int) -> None:
     # until it is waited for; poll its Popen so the pid is really gone.
     process = _CHILDREN.get(pid)
     if process is not None and process.poll() is not None:
+        _EXITED[pid] = process.returncode
         del _CHILDREN[pid]

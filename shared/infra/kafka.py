@@ -332,7 +332,7 @@ def _launch(paths: InfraPaths, lib: Path, java: str, *, port: int, controller_po
     try:
         wait_for(lambda: _ready_or_bind_failure(server), what="kafka", timeout=READY_TIMEOUT_S,
                  alive=lambda: is_running(pid, server.marker), log=server.log, clock=clock,
-                 interval=0.25)
+                 interval=0.25, pid=pid)
     except InfraError:
         stop_group(pid, server.marker)
         raise

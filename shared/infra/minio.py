@@ -208,7 +208,7 @@ def _launch(paths: InfraPaths, binary: Path, server: MinioServer, *, clock: Cloc
     write_private(paths.state_file(NAME), json.dumps(asdict(server), indent=2) + "\n")
     try:
         wait_for(lambda: minio_healthy(server), what="minio", timeout=READY_TIMEOUT_S,
-                 alive=lambda: is_running(pid, server.marker), log=server.log, clock=clock)
+                 alive=lambda: is_running(pid, server.marker), log=server.log, clock=clock, pid=pid)
     except InfraError:
         stop_group(pid, server.marker)
         raise

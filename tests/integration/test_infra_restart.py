@@ -21,7 +21,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from minio import Minio
 
-from shared.infra import InfraError, InfraPaths, down, status
+from shared.infra import InfraError, InfraPaths, down, ensure_kafka, status
 from shared.infra.common import is_running
 from shared.infra.kafka import load_kafka, start_kafka
 from shared.infra.minio import load_minio, start_minio
@@ -194,3 +194,23 @@ def test_a_new_server_never_replaces_data_it_has_no_record_for(private_paths: In
         else:
             start_minio(private_paths, Path("/no/binary/needed"))
     assert (data / "kept").exists()
+
+
+def test_a_restart_that_fails_says_why_and_keeps_the_data(private_paths: InfraPaths,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    # A broker whose storage it cannot read exits at start: the error names the exit code and
+    # the lines of its log that say why, not the stack frames under them (issue 13: a failed
+    # `infra restart kafka` once said only "(no output)").
+    try:
+        server, _ = ensure_kafka(private_paths)
+    except InfraError as exc:
+        pytest.skip(f"kafka could not start: {exc}")
+    kill(server.pid, server.marker)
+    meta = Path(server.run_dir) / "data" / "meta.properties"
+    meta.write_text(f"version=7\nnode.id=1\ncluster.id={server.cluster_id}\n")
+    code, _, err = hadar_infra("restart", "kafka", capsys=capsys)
+    assert code == 1
+    error = err.splitlines()[-1]   # progress lines come first
+    assert error.startswith("hadar infra: error: kafka exited while starting (exit code 1): "), err
+    assert "Unknown meta.properties version number 7" in error and "\tat " not in error, err
+    assert meta.exists() and load_kafka(private_paths) is not None   # kept for the next try

@@ -87,3 +87,29 @@ def test_a_model_is_verified_against_its_replicas_uniformly_when_no_copy_trained
     assert asyncio.run(check(np.array([2.0, 4.0]), (0, 0)))          # uniform: no copy trained
     assert not asyncio.run(check(np.array([1.0, 3.0]), (0, 0)))
     assert asyncio.run(check(np.array([2.5, 4.5]), (1, 3)))          # 1/4 and 3/4 by samples
+
+
+def _figures(**changes) -> dict:
+    good = {"jobs_completed": 2, "jobs_total": 2, "models_verified": 5, "models_total": 5, "events_lost": 0,
+            "service_crashes": 0, "rounds_lost_max": 1, "recovery_s": 3.0, "faults": 1, "done_before_fault": 1}
+    return {**good, **changes}
+
+
+def test_a_fault_that_ended_after_every_job_was_done_misses_the_targets():
+    from benchmarks.faults import meets_targets
+
+    assert meets_targets(_figures())
+    assert not meets_targets(_figures(done_before_fault=2))       # the fault tested nothing
+    assert not meets_targets(_figures(rounds_lost_max=2))         # more than one round per fault
+    assert meets_targets(_figures(rounds_lost_max=2, faults=2))
+    assert not meets_targets(_figures(models_verified=4))
+
+
+def test_outage_scenarios_run_longer_jobs_than_the_others():
+    from benchmarks.fault_harness import Workload
+    from benchmarks.faults import SCENARIO_SCALE, scaled
+
+    base = Workload()
+    longer = scaled(base, SCENARIO_SCALE["minio_outage"])
+    assert [n for _, _, n in longer.jobs] == [round(n * 3) for _, _, n in base.jobs]
+    assert scaled(Workload(jobs=(("resnet", "digits", 1),)), 0.1).jobs == (("resnet", "digits", 1),)   # at least 1
