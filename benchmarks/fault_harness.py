@@ -124,6 +124,9 @@ class Cluster:
                     "HADAR_S3_ACCESS_KEY": self.s3.access_key, "HADAR_S3_SECRET_KEY": self.s3.secret_key,
                     "HADAR_S3_BUCKET": self.s3.bucket, "PYTHONPATH": str(ROOT), "HADAR_RUN_DIR": str(self.paths.run)}
         w = self.workload
+        # An upload at the round's end may ride out an outage until the tracker decides the
+        # round (deadline + late_copy_s), no longer: grace (late/2) + upload (late/2).
+        self.env["HADAR_AGENT_UPLOAD_GRACE_S"] = str(w.late_copy_s / 2)
         self._define("scheduler", ["scheduler", "--policy", w.policy, "--round-s", str(w.round_s),
                                    "--heartbeat-s", str(w.heartbeat_s), "--late-copy-s", str(w.late_copy_s),
                                    "--consolidation-wait-s", str(w.consolidation_wait_s)])

@@ -212,7 +212,8 @@ SCENARIOS: dict[str, Callable[..., float | None]] = {
 # Scenarios whose fault lasts long (a server down 20-30 s, then restarted) run jobs this many
 # times longer (on top of --scale): with the default jobs a quiet machine finished both
 # before MinIO came back, and the outage then tested nothing.
-SCENARIO_SCALE: dict[str, float] = {"kafka_outage": 3.0, "minio_outage": 3.0}
+SCENARIO_SCALE: dict[str, float] = {"kafka_outage": 3.0, "minio_outage": 3.0, "kafka_outage_75s": 3.0,
+                                     "minio_outage_70s": 3.0}
 
 
 def scaled(workload: Workload, scale: float) -> Workload:
