@@ -8,9 +8,11 @@ So the live scheduler never plans a round shorter than
 
     round_s = max(configured_round_s, factor x overhead_s)
 
-where ``overhead_s`` is the measured overhead of the latest round that had one (``WINDOW``
-rounds, the largest counts; one, so that a first start's spawn does not stretch the warm
-rounds after it), and a round's overhead is its start-up plus its consolidation:
+where ``overhead_s`` is the lower median of the measured overheads of the last ``WINDOW``
+(3) rounds that had one: a cost that lasts two rounds of three stretches the next round,
+a single outlier does not -- a first start's spawn before warm rounds, or one round whose
+consolidation waited out a broker outage (which once stretched the next round to 64 s
+with nothing assigned). A round's overhead is its start-up plus its consolidation:
 
 * start-up: per copy, from the round's start to its first training step, estimated from
   the copy's first Progress report of the round as
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 
 __all__ = ["RoundCosts", "Stretch", "stretched_round_s", "copy_startup_s", "WINDOW"]
 
-WINDOW = 1        # rounds whose overhead counts: the latest measured
+WINDOW = 3        # rounds whose overheads count (their lower median)
 KEPT = 16         # rounds remembered
 
 
@@ -55,10 +57,10 @@ class Stretch:
 
 
 def stretched_round_s(configured_s: float, overheads: list[float], factor: float) -> Stretch:
-    """``max(configured_s, factor x max(overheads))``; ``overheads`` of recent rounds."""
-    if not overheads or factor <= 0:
-        return Stretch(round_s=configured_s, configured_s=configured_s, overhead_s=max(overheads, default=None))
-    overhead = max(overheads)
+    """``max(configured_s, factor x lower_median(overheads))``; ``overheads`` of recent rounds."""
+    overhead = sorted(overheads)[(len(overheads) - 1) // 2] if overheads else None
+    if overhead is None or factor <= 0:
+        return Stretch(round_s=configured_s, configured_s=configured_s, overhead_s=overhead)
     return Stretch(round_s=max(configured_s, factor * overhead), configured_s=configured_s, overhead_s=overhead)
 
 

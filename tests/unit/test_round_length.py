@@ -15,9 +15,9 @@ from tests.unit.test_scheduler_state import T0, _round, node, spec
 
 def test_a_round_is_stretched_to_the_overhead_times_the_factor() -> None:
     quick = stretched_round_s(15.0, [1.0, 2.0], factor=3.0)
-    assert (quick.round_s, quick.stretched, quick.overhead_s) == (15.0, False, 2.0)
-    slow = stretched_round_s(15.0, [4.0, 12.0, 7.0], factor=3.0)
-    assert (slow.round_s, slow.stretched, slow.overhead_s) == (36.0, True, 12.0)
+    assert (quick.round_s, quick.stretched, quick.overhead_s) == (15.0, False, 1.0)
+    slow = stretched_round_s(15.0, [6.0, 12.0, 7.0], factor=3.0)
+    assert (slow.round_s, slow.stretched, slow.overhead_s) == (21.0, True, 7.0)
     assert stretched_round_s(15.0, [], factor=3.0).round_s == 15.0
     assert stretched_round_s(15.0, [100.0], factor=0.0).round_s == 15.0   # off
 
@@ -43,6 +43,28 @@ def test_costs_keep_the_slowest_copy_first_report_and_a_window_of_rounds() -> No
         costs.startup(r, "a", 0, 0.5)
         costs.consolidation(r, 0.5)
     assert costs.overheads() == [1.0] * WINDOW   # a slow start long ago no longer stretches rounds
+
+
+def test_one_slow_round_does_not_stretch_the_next_but_a_lasting_slowdown_does() -> None:
+    """A broker outage made one round's consolidation 21 s, and the next round was stretched
+    to 64 s with nothing assigned (issue 13, faults after an outage). One outlier among the
+    recent rounds is ignored (the lower median); two slow rounds of three are a lasting cost."""
+    costs = RoundCosts()
+    for r in range(3):
+        costs.startup(r, "a", 0, 1.0)
+        costs.consolidation(r, 1.0)
+    costs.startup(3, "a", 0, 1.0)
+    costs.consolidation(3, 21.0)     # the outage
+    assert stretched_round_s(15.0, costs.overheads(), factor=3.0).stretched is False
+    costs.startup(4, "a", 0, 10.0)   # the machine really is slower now
+    costs.consolidation(4, 2.0)
+    assert stretched_round_s(15.0, costs.overheads(), factor=3.0).round_s == 36.0
+    first = RoundCosts()             # a first start's spawn, then warm rounds
+    first.startup(0, "a", 0, 20.0)
+    first.consolidation(0, 1.0)
+    first.startup(1, "a", 0, 0.5)
+    first.consolidation(1, 1.0)
+    assert stretched_round_s(15.0, first.overheads(), factor=3.0).stretched is False
 
 
 def test_config_rejects_a_negative_factor() -> None:
