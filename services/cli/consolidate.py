@@ -2,7 +2,7 @@
 
     hadar consolidate --out OUT.safetensors IN1.safetensors:STEPS IN2.safetensors:STEPS ... [--uniform] [--threads N]
 
-Copy ids are the inputs' positions (0, 1, ...). ``--threads`` (default min(4, CPUs)) only
+Copy ids are the inputs' positions (0, 1, ...). ``--threads`` (default 1) only
 changes the speed: the output is the same bytes whatever it is. Replicas that cannot be averaged are
 named on stderr and left out; if none can be, or an argument is bad, one line and exit 2.
 The output is written to a temporary file beside OUT and renamed over it when complete.
@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", required=True, type=Path, help="output .safetensors file")
     parser.add_argument("--uniform", action="store_true", help="weigh every replica equally")
     parser.add_argument("--threads", type=int, default=None,
-                        help="threads that average (default: min(4, CPUs); the output is the same whatever it is)")
+                        help="threads that average (default: 1; the output is the same whatever it is)")
     parser.add_argument("inputs", nargs="+", metavar="IN:STEPS",
                         help="a replica file and the steps it trained, e.g. copy0.safetensors:1200")
     parser.set_defaults(func=run)

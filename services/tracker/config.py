@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from shared.deadline import LATE_COPY_S
@@ -16,9 +15,11 @@ MAX_CONSOLIDATION_THREADS = 256
 
 
 def default_consolidation_threads() -> int:
-    """min(4, the CPUs this process may run on): averaging is memory-bound, so a few cores
-    reach most of a socket's bandwidth, and the tracker shares its machine."""
-    return min(4, len(os.sched_getaffinity(0)))
+    """1. Averaging is memory-bound: on the 2-core development machine two threads gave
+    0.93-1.13x of one on a quiet machine (1.2x beside two CPU hogs) for +32 MiB of staging
+    (``benchmarks/consolidate.py --threads 2``), so more threads are an operator's choice
+    for a machine with more memory bandwidth, not the default."""
+    return 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,8 +35,8 @@ class TrackerConfig:
     gives up about 31 s of back-off after the first failure (tick 1 s), within the
     scheduler's default ``consolidation_wait_s`` of 60 s. ``chunk_bytes``: accumulator
     chunk, also the size of each ranged read from the store. ``consolidation_threads``:
-    threads that average a round's chunks (1..256; default min(4, usable CPUs); 1: one
-    thread; the model is the same bytes whatever the number). ``temp_dir``: where
+    threads that average a round's chunks (1..256; default 1, see
+    :func:`default_consolidation_threads`; the model is the same bytes whatever the number). ``temp_dir``: where
     consolidated models are staged (None: the system's). An invalid value raises
     :class:`~shared.settings.FieldError` naming the field.
 
