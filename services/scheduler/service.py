@@ -229,8 +229,10 @@ class SchedulerService:
         def placed(partition: int, offset: int) -> None:
             self._placed[partition] = max(self._placed.get(partition, 0), offset + 1)
         try:
+            # Waits are real time (a real broker's acks take real time), the deadline is the
+            # service clock's: a fake clock's sleep would jump it past the round's end at once.
             await publish_by(self.bus, event, give_up=lambda: self._stopping or self.clock.time() >= deadline,
-                             placed=placed, sleep=self.clock.sleep, on_retry=retried)
+                             placed=placed, sleep=asyncio.sleep, on_retry=retried)
         except PublishGivenUp as exc:
             raise RoundFailed(str(exc), stage="publish", round=round_, maybe_written=exc.retriable) from exc
 
