@@ -93,9 +93,18 @@ def agent_stop(c: Cluster, timeout_s: float) -> float:
     return time.time()
 
 
+def _training(c: Cluster, timeout_s: float) -> None:
+    """Wait until a copy of our jobs reports training steps after the last fault ended: a
+    round is under way. Unlike :func:`_first_progress` this does not wait for a whole round
+    and its model, which on a quiet machine left the CI subset's jobs done before the fault."""
+    c.wait(lambda r: any(isinstance(e, Progress) and e.job_id in c.job_ids and e.steps_round > 0
+                         and e.ts > c.last_fault_end for _, e in r), timeout_s=timeout_s, poll_s=1.0)
+
+
 def _kill_restart(name: str, pause_s: float = 2.0) -> Callable[[Cluster, float], float]:
+    """SIGKILL service ``name`` while a round's copies train, start it ``pause_s`` later."""
     def scenario(c: Cluster, timeout_s: float) -> float:
-        _first_progress(c, timeout_s)
+        _training(c, timeout_s)
         c.signal(name, signal.SIGKILL)
         time.sleep(pause_s)
         c.start(name)

@@ -1,7 +1,7 @@
 """The CI-sized subset of ``benchmarks/faults.py`` (issue 13 item 5): on its own Kafka and
 MinIO, with every service its own process, a small workload survives 1,000 junk and forged
-records across every topic (as soon as the jobs are submitted) and then, once a model is
-out, a SIGKILL of the scheduler mid-round (restarted), one fault after the other: every
+records across every topic (as soon as the jobs are submitted) and then, once a round's
+copies train, a SIGKILL of the scheduler mid-round (restarted), one fault after the other: every
 job completes, every round model equals the samples-weighted average of its stored
 replicas, no result is lost, no service exits, at most one round is lost per job per
 fault; and the faults were tested: a job was still running when the restarted scheduler

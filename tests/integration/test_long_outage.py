@@ -150,11 +150,21 @@ async def _across_outage(paths: InfraPaths, tmp_path: Path, python: str) -> None
     observer = asyncio.create_task(_observe(observer_bus, consumed))
     await agent.start()
     try:
+        # The observer's group must have joined before the copy trains: a fresh broker's
+        # group coordinator took ~40 s under load, and the copy (~15 s) was over before the
+        # kill, so no Progress fell in the outage.
+        await observer_bus.emit(Progress(ts=time.time(), source="observer", job_id="warm-up", round=0, copy=0,
+                                         node_id=NODE, gpu_type="cpu", workers=1, steps_round=0,
+                                         steps_total=0, samples_per_s=0.0, loss=0.0))
+        await _until(lambda: len(consumed) >= 1, 120, "the observer's group joined")
         now = time.time()
         await observer_bus.emit(RoundStarted(ts=now, source="scheduler", round=0, policy="hadare",
                                              started_at=now, ends_at=now + 600))
         await observer_bus.emit(assign("long-outage", 0, budget=STEPS, deadline=now + 600))
-        await _until(lambda: len(consumed) >= 2, 120, "Progress before the outage")
+
+        def copy_reports() -> int:
+            return sum(isinstance(e, Progress) and e.job_id == "long-outage" for _, _, e in consumed)
+        await _until(lambda: copy_reports() >= 2, 120, "Progress before the outage")
         await asyncio.sleep(1.5)          # > the observer's commit interval: what it acked is committed
         before = {event_id for event_id, _, _ in consumed}
         await _kill_both(paths)

@@ -61,7 +61,9 @@ async def keys(store: ObjectStore, job_id: str) -> set[str]:
     return set(await store.list(f"checkpoints/{job_id}/")) | set(await store.list(f"models/{job_id}/"))
 
 
-async def eventually(probe: Callable[[], object], timeout_s: float = 10.0) -> None:
+async def eventually(probe: Callable[[], object], timeout_s: float = 60.0) -> None:
+    # Generous: the tracker's first held-out evaluation imports torch (2-5 s quiet), and
+    # make test's load made 10 s too short (test_a_completed_job_keeps_only_its_final_model).
     deadline = time.monotonic() + timeout_s
     while True:
         result = probe()
