@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,30 +25,15 @@ from shared.bus import Bus, MemoryBus
 from shared.bus.kafka import KafkaBus
 from shared.clock import FakeClock
 from shared.events import Assignment, JobSubmitted
-from shared.infra import InfraError, InfraPaths, ensure_kafka, stop_server
-from shared.infra.kafka import EXTRA_PROPERTIES
 from shared.layout import snapshot_key
 from shared.retention import topic_configs
 from shared.store import LocalStore
 from shared.topics import ALL_TOPICS, JOBS, MODELS, NODES, PLACEMENTS, THROUGHPUT
 
+from tests.integration.retention_kafka import private_bootstrap, set_retention  # noqa: F401 (a fixture)
+
 pytestmark = pytest.mark.kafka
 UNKNOWN_TOPIC = 3
-
-
-@pytest.fixture(scope="module")
-def private_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    paths = InfraPaths(cache=InfraPaths.from_env().cache, run=Path(tmp_path_factory.mktemp("retention")) / "run")
-    paths.run.mkdir(parents=True, exist_ok=True)
-    (paths.run / EXTRA_PROPERTIES).write_text("# retention acts within a second\nlog.retention.check.interval.ms=500\n")
-    try:
-        server, _ = ensure_kafka(paths)
-    except InfraError as exc:
-        pytest.skip(f"kafka could not start: {exc}")
-    try:
-        yield server.bootstrap
-    finally:
-        stop_server(paths, "kafka")
 
 
 async def described(bootstrap: str, topics: tuple[str, ...]) -> dict[str, dict[str, str]]:
@@ -91,16 +75,6 @@ async def test_topics_are_created_with_their_retention_policy(private_bootstrap:
 ROUND_S = 60.0
 DAY_S = 86_400.0
 SHORT_LIVED = (JOBS, NODES, THROUGHPUT, MODELS, PLACEMENTS)   # what the scheduler reads back
-
-
-async def _set_retention(bootstrap: str, topics: tuple[str, ...], retention_ms: int) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, t, configs={
-            "cleanup.policy": "delete", "retention.ms": str(retention_ms), "segment.ms": "3600000"}) for t in topics])
-    finally:
-        await admin.close()
 
 
 async def _old_jobs_left(bus: Bus, ids: set[str]) -> int:
@@ -173,7 +147,7 @@ async def test_after_retention_deleted_old_segments_a_restart_from_a_snapshot_de
         submitted = [d async for d in bus.read(JOBS) if isinstance(d.event, JobSubmitted)]
         assert len(submitted) == 6
 
-        await _set_retention(private_bootstrap, SHORT_LIVED, int(DAY_S * 1000))
+        await set_retention(private_bootstrap, SHORT_LIVED, int(DAY_S * 1000))
         clock.advance(10 * DAY_S)
         await cluster.before_round(6, ran)     # records from now: the old segments roll and are due
         ids = {d.event.job.job_id for d in submitted}

@@ -21,22 +21,17 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from safetensors.numpy import load, save
 
 from services.tracker.service import INPUT_TOPICS, TrackerConfig, TrackerService
 from shared.bus import Bus, KafkaBus, MemoryBus
 from shared.clock import FakeClock
 from shared.events import JobSubmitted, RoundStarted
-from shared.infra import InfraError, InfraPaths, ensure_kafka, stop_server
-from shared.infra.kafka import EXTRA_PROPERTIES
 from shared.layout import final_key, model_key
 from shared.store import LocalStore, ObjectStore
 from shared.topics import JOBS, MODELS, PLACEMENTS, PROGRESS
@@ -44,27 +39,14 @@ from tests.integration.test_tracker_service import T0, spec, tensors
 from tests.integration.test_tracker_service import finish as finish_copy
 from tests.integration.test_tracker_snapshot import _completed, _described, assign, consolidated, until, written
 
+from tests.integration.retention_kafka import private_bootstrap, set_retention  # noqa: F401 (a fixture)
+
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 OLD_ROUNDS = 3
 STEPS = 100
 DAY_S = 86_400.0
 A_ITERATIONS = STEPS * (OLD_ROUNDS + 2)     # A completes in the second round after the restart
-
-
-@pytest.fixture(scope="module")
-def private_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    paths = InfraPaths(cache=InfraPaths.from_env().cache, run=Path(tmp_path_factory.mktemp("t-retention")) / "run")
-    paths.run.mkdir(parents=True, exist_ok=True)
-    (paths.run / EXTRA_PROPERTIES).write_text("# retention acts within a second\nlog.retention.check.interval.ms=500\n")
-    try:
-        server, _ = ensure_kafka(paths)
-    except InfraError as exc:
-        pytest.skip(f"kafka could not start: {exc}")
-    try:
-        yield server.bootstrap
-    finally:
-        stop_server(paths, "kafka")
 
 
 def tracker(bus: Bus, store: ObjectStore, group: str) -> TrackerService:
@@ -87,16 +69,6 @@ async def one_round(bus: Bus, store: ObjectStore, jobs: dict[str, int], round_: 
         await assign(bus, job_id, iterations, round_, 0)
     for place, job_id in enumerate(jobs):
         await finish_copy(bus, store, job_id, round_, 0, steps=STEPS, data=save(tensors(seed=10 * round_ + place)))
-
-
-async def _set_retention(bootstrap: str, topics: tuple[str, ...], retention_ms: int) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, t, configs={
-            "cleanup.policy": "delete", "retention.ms": str(retention_ms), "segment.ms": "3600000"}) for t in topics])
-    finally:
-        await admin.close()
 
 
 async def _old_records_left(bus: Bus, ids: set[str]) -> dict[str, int]:
@@ -154,7 +126,7 @@ async def scenario(bus: Bus, store: ObjectStore, *, retention: tuple[str, FakeCl
             bootstrap, clock = retention
             await service.stop()
             seen = await _announced(bus, renamed)   # retention deletes these: read them now
-            await _set_retention(bootstrap, INPUT_TOPICS, int(DAY_S * 1000))
+            await set_retention(bootstrap, INPUT_TOPICS, int(DAY_S * 1000))
             clock.advance(10 * DAY_S)
         await bus.emit(JobSubmitted(ts=T0 + 360 * OLD_ROUNDS, source="cli", job=spec(c, 10_000),
                                     submitted_at=T0 + 360 * OLD_ROUNDS))
