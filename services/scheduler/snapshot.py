@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from services.scheduler.cluster import Cluster, Node
 from services.scheduler.policies.gavel import GavelState, Running
 from services.scheduler.policies.hadar_ledger import Commitment, LedgerState, RowLayout
+from services.scheduler.policies.hadare_timeline import TimelineState
 from services.scheduler.policies.tiresias import TiresiasState, _JobLedger
 from services.scheduler.policies.yarn_cs import YarnState
 from services.scheduler.policy import Placement, Plan, PolicyState, Wait, WaitCode
@@ -62,7 +63,7 @@ class SchedulerSnapshot:
 register(
     SchedulerSnapshot, SchedulerState, JobRecord, NodeRecord, RoundRecord,
     Plan, Placement, Wait, WaitCode, PolicyState, Cluster, Node,
-    LedgerState, RowLayout, Commitment, GavelState, Running, TiresiasState, _JobLedger, YarnState,
+    LedgerState, RowLayout, Commitment, GavelState, Running, TiresiasState, _JobLedger, YarnState, TimelineState,
     JobSpec, Hyperparameters, GpuInfo, Waiting, CopyWeight, Rejection,
 )
 

@@ -215,7 +215,8 @@ def test_fork_cost_is_n_uploads_n_downloads_one_write_with_optimizer_state():
 
 
 def test_bad_options_are_refused():
-    for bad in ({"fork": "sometimes"}, {"store_gbps": 0}, {"price_share": -1}):
+    for bad in ({"fork": "sometimes"}, {"store_gbps": 0}, {"price_share": -1}, {"split": "sometimes"},
+                {"timeline_slack": -0.1}):
         with pytest.raises(ValueError):
             make_policy("hadare", **bad)
 
@@ -234,5 +235,5 @@ def test_makespan_split_keeps_the_slow_type_for_the_job_efficient_on_it():
 
     split = type_split(jobs, cluster, credited)
     assert split["rec"] == {"k80"} and "v100" in split["r50"]
-    plan = make_policy("hadare").plan(snap_of(cluster, jobs))
+    plan = make_policy("hadare", split="makespan").plan(snap_of(cluster, jobs))
     assert sorted((p.job_id, p.node_id) for p in plan.placements) == [("r50", "n0"), ("rec", "n1")]

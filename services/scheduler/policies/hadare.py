@@ -2,8 +2,10 @@
 
 Default (``fork="first-class"``): copies are planned as units every round by
 ``hadare_copies.plan_copies`` (its docstring has the rule: Smith's order on the pooled
-cluster, the makespan LP's type split from ``hadare_split``, marginal steps net of the
-consolidation cost of ``shared.fork_cost``, then a back-fill pass).
+cluster, each job's GPUs this round from the time-indexed LP of ``hadare_timeline``
+(``split="timeline"``) or its types from the makespan LP of ``hadare_split``
+(``split="makespan"``), marginal steps net of the consolidation cost of
+``shared.fork_cost``, then a back-fill pass).
 
 ``fork="leftover"`` (the earlier behaviour, kept for comparison): the primary plan is Hadar's (``hadar.Hadar``: ledger, back-fill, copy 0 of each placed
 job, the ledger as policy state). Then the GPUs still idle this round are handed out as
@@ -39,6 +41,7 @@ import numpy as np
 
 from services.scheduler.policies.hadar import Hadar
 from services.scheduler.policies.hadare_copies import PRICE_SHARE, SPLIT_SLACK, CopyCost, plan_copies
+from services.scheduler.policies.hadare_timeline import TIMELINE_SLACK
 from services.scheduler.policy import Placement, Plan, Snapshot, copy_rate
 from shared.fork_cost import DEFAULT_OPTIMIZER_SLOTS, DEFAULT_STORE_GBPS
 
@@ -46,6 +49,7 @@ EPS = 1e-9
 
 
 FORK_MODES = ("first-class", "leftover")
+SPLITS = ("timeline", "makespan")
 
 
 class HadarE:
@@ -56,21 +60,29 @@ class HadarE:
     ``"leftover"``: Hadar's plan (its options pass through) plus copies on the GPUs it
     leaves idle, the earlier behaviour. ``store_gbps`` and ``optimizer_slots``: what
     consolidation costs (``shared.fork_cost``; match ``hadar sim --store-gbps``).
+    ``split``: ``"timeline"`` (default) or ``"makespan"``, how the first-class mode picks
+    each job's GPUs (``hadare_copies`` rule 2); ``timeline_slack``: the share of the
+    optimal makespan the timeline may give up for mean JCT (default 0.03).
     """
 
     name = "hadare"
 
     def __init__(self, *, fork: str = "first-class", store_gbps: float = DEFAULT_STORE_GBPS,
                  optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS, price_share: float = PRICE_SHARE,
-                 split_slack: float = SPLIT_SLACK, **options: Any) -> None:
+                 split_slack: float = SPLIT_SLACK, split: str = "timeline",
+                 timeline_slack: float = TIMELINE_SLACK, **options: Any) -> None:
         if fork not in FORK_MODES:
             raise ValueError(f"fork must be one of {', '.join(FORK_MODES)}")
+        if split not in SPLITS or not timeline_slack >= 0:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}; timeline_slack must be >= 0")
         if not store_gbps > 0 or optimizer_slots < 0 or price_share < 0:
             raise ValueError("store_gbps must be > 0, optimizer_slots >= 0, price_share >= 0")
         self.mode = fork
         self.cost = CopyCost(store_gbps=float(store_gbps), optimizer_slots=int(optimizer_slots))
         self.price_share = float(price_share)
         self.split_slack = float(split_slack)
+        self.split = split
+        self.timeline_slack = float(timeline_slack)
         # Leftover mode's primary plans without critical-first (``hadar_critical``): copies already
         # speed up the long jobs, and with it mean JCT fell (aws-5, 20 jobs, seeds 1-5: 1.54x -> 1.30x gavel).
         self.primary = Hadar(**({"critical": False} | options)) if fork == "leftover" else None
@@ -78,7 +90,7 @@ class HadarE:
     def plan(self, snapshot: Snapshot) -> Plan:
         if self.primary is not None:
             return fork(snapshot, self.primary.plan(snapshot))
-        return plan_copies(snapshot, self.cost, self.price_share, self.split_slack)
+        return plan_copies(snapshot, self.cost, self.price_share, self.split_slack, self.split, self.timeline_slack)
 
 
 def fork(snapshot: Snapshot, base: Plan) -> Plan:

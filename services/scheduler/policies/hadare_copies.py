@@ -23,13 +23,21 @@ Rule (one round at a time, no reservation of future rounds):
    node, each on its best type), ties by arrival then job id: the weighted
    shortest-remaining-processing-time rule on the pooled cluster, which minimises weighted
    mean completion time when work is divisible -- as forking makes it.
-2. Types. A job may use, in the main pass, only the GPU types the makespan LP gives it
+2. Types and GPUs. A job's main pass may use, of each GPU type, at most the GPUs the
+   time-indexed LP gives it this round (``split="timeline"``, the default:
+   ``hadare_timeline``: every job done by a target end E within ``timeline_slack`` of the
+   optimal makespan, each job's work as early as that allows; the round's fractional
+   share rounded up, conflicts going to the job first in Smith's order, so a job about
+   to finish is not kept waiting by a sliver). ``split="makespan"`` (the earlier rule,
+   and the fallback when an LP fails): only the GPU types the makespan LP gives it
    (``hadare_split.type_split``: the fork lower bound's LP on the remaining work, ties
    broken toward giving the jobs first in line their fastest types, within
-   ``split_slack`` of the optimal makespan). Without this, short jobs that are as fast
+   ``split_slack`` of the optimal makespan). Without either, short jobs that are as fast
    on a slow type as on a fast one finish early on the fast GPUs, and the long jobs that
    crawl on the slow type are left alone with it at the end (TTD 10-17% over the bound
-   on aws-5 / lab-5; with it, within 5%).
+   on aws-5 / lab-5). The makespan split alone holds TTD within 5% but delays the short
+   jobs that share a type with long ones (lab-5 mean JCT 1.15x gavel); the timeline
+   holds both (README "Forking").
 3. Copies. Each job, in turn, adds copies one at a time: among the node/type groups it
    may use with free GPUs, on nodes it has no copy on, the one with the largest value
    per GPU net of the group's price (``price_share``, default 0: off); it stops when
@@ -42,6 +50,9 @@ Rule (one round at a time, no reservation of future rounds):
 4. Back-fill: a second pass of the same rule with every type allowed and every price 0
    hands out what the main pass left idle, so no GPU idles while a copy would still gain
    (net of the consolidation it adds) for some job.
+
+State: ``hadare_timeline.TimelineState`` (the target end E and the jobs it was set for)
+with ``split="timeline"``, else None.
 
 Guarantees: every copy is on one node, of one type, with 1..W_j GPUs that no other copy
 uses; a job has at most one copy per node, at most n copies, and none it is not expected to
@@ -56,8 +67,10 @@ import bisect
 import functools
 from dataclasses import dataclass, field
 
-from services.scheduler.policies.hadare_split import type_split
-from services.scheduler.policy import JobState, Placement, Plan, Snapshot, Wait, WaitCode
+from services.scheduler.policies.hadare_split import fork_lp, makespan, type_split
+from services.scheduler.policies.hadare_timeline import (
+    TIMELINE_SLACK, TimelineState, budget, round_shares, target_end_s)
+from services.scheduler.policy import JobState, Placement, Plan, Snapshot, Wait, WaitCode, previous_state
 from shared.fork_cost import DEFAULT_OPTIMIZER_SLOTS, DEFAULT_STORE_GBPS, consolidation_s
 from shared.progress import credited_steps
 
@@ -93,7 +106,8 @@ class _Job:
 
 
 def plan_copies(snapshot: Snapshot, cost: CopyCost = CopyCost(), price_share: float = PRICE_SHARE,
-                split_slack: float = SPLIT_SLACK) -> Plan:
+                split_slack: float = SPLIT_SLACK, split: str = "timeline",
+                timeline_slack: float = TIMELINE_SLACK) -> Plan:
     """The round's copies by the module's rule (placements, waiting, explain; no state)."""
     cluster, tp, round_s = snapshot.cluster, snapshot.throughput, snapshot.round_s
     free = _FreeGroups(cluster)
@@ -130,8 +144,8 @@ def plan_copies(snapshot: Snapshot, cost: CopyCost = CopyCost(), price_share: fl
     for r in cluster.types if price_share > 0 else ():
         ratios = [credited(j, r, 1) / top[j.job_id] for j in order]
         best[r] = [max(ratios[i + 1: i + 1 + window], default=0.0) for i in range(len(order))] + [0.0]
-    split = type_split(order, cluster, credited,
-                       urgency=[speed[j.job_id] / j.remaining for j in order], slack=split_slack)
+    budgets, carried = _main_pass_budgets(snapshot, order, credited, speed, split,
+                                        timeline_slack if split == "timeline" else split_slack)
     placements: list[Placement] = []
     explain: dict[str, dict[str, object]] = {}
     limit = len(cluster.nodes)
@@ -140,12 +154,14 @@ def plan_copies(snapshot: Snapshot, cost: CopyCost = CopyCost(), price_share: fl
         for pos, state in enumerate(states):
             job = state.job
             while len(state.rates) < limit:
-                pick = _best_group(state, free, credited, best, pos, round_s, cost, share, top[job.job_id],
-                                   split[job.job_id] if split_only else None)
+                allowed = budgets[job.job_id] if split_only else None
+                pick = _best_group(state, free, credited, best, pos, round_s, cost, share, top[job.job_id], allowed)
                 if pick is None:
                     break
                 (node_id, gpu_type), k, rate = pick
                 gpus = free.take(node_id, gpu_type, k)
+                if allowed is not None:
+                    allowed[gpu_type] -= k
                 placements.append(Placement(job_id=job.job_id, copy=len(state.rates), node_id=node_id,
                                             gpus=tuple(gpus)))
                 state.rates.append(rate)
@@ -167,7 +183,30 @@ def plan_copies(snapshot: Snapshot, cost: CopyCost = CopyCost(), price_share: fl
             waiting.append(Wait(job_id=job.job_id, code=WaitCode.PRIORITY,
                                 detail="the GPUs went to jobs ahead of it (weighted shortest remaining first)"))
         explain.setdefault(job.job_id, {})["source"] = "waiting"
-    return Plan(placements=tuple(placements), waiting=tuple(waiting), explain=explain)
+    return Plan(placements=tuple(placements), waiting=tuple(waiting), explain=explain, state=carried)
+
+
+def _main_pass_budgets(snapshot: Snapshot, order: list[JobState], credited, speed: dict[str, float], split: str,
+                       slack: float) -> tuple[dict[str, dict[str, int]], TimelineState | None]:
+    """(job id -> GPUs per type its main pass may take, the state to carry): the time-indexed
+    LP's slice of this round (``split="timeline"``, ``hadare_timeline``) or every GPU of the
+    types the makespan split gives it (``"makespan"``, or when an LP fails)."""
+    cluster = snapshot.cluster
+    if split == "timeline" and order:
+        lp = fork_lp(order, cluster, credited)
+        best = makespan(lp)
+        if best is not None:
+            ids = frozenset(j.job_id for j in snapshot.jobs)
+            end = target_end_s(best, now_s=snapshot.now_s, previous=previous_state(snapshot, TimelineState),
+                               job_ids=ids, slack=slack)
+            shares = round_shares(lp, [j.job_id for j in order], round_s=snapshot.round_s,
+                                  horizon_s=end - snapshot.now_s, weights=[max(j.priority, EPS) for j in order])
+            if shares is not None:
+                return ({job_id: budget(s) for job_id, s in shares.items()},
+                        TimelineState(end_s=end, job_ids=ids))
+    types = type_split(order, cluster, credited, urgency=[speed[j.job_id] / j.remaining for j in order],
+                       slack=slack)
+    return {job_id: {t: cluster.gpus_by_type[t] for t in got} for job_id, got in types.items()}, None
 
 
 class _FreeGroups:
@@ -183,10 +222,11 @@ class _FreeGroups:
                 self.idle[(n.node_id, t)] = list(n.indices_of(t))
                 self.buckets.setdefault((t, len(self.idle[(n.node_id, t)])), []).append(n.node_id)
 
-    def candidates(self, used: set[str], allowed: set[str] | None):
-        """(node, type, idle count) of the first group of each (type, count) off ``used``."""
+    def candidates(self, used: set[str], allowed: dict[str, int] | None):
+        """(node, type, idle count) of the first group of each (type, count) off ``used``
+        whose type has GPUs left in ``allowed`` (None: every type)."""
         for (t, count), nodes in self.buckets.items():
-            if allowed is not None and t not in allowed:
+            if allowed is not None and allowed.get(t, 0) < 1:
                 continue
             for node_id in nodes:
                 if node_id not in used:
@@ -210,13 +250,13 @@ class _FreeGroups:
 def _best_group(state: _Job, free: _FreeGroups, credited, best: dict[str, list[float]],
                 pos: int, round_s: float, cost: CopyCost,
                 price_share: float, top: float,
-                allowed: set[str] | None = None) -> tuple[tuple[str, str], int, float] | None:
+                allowed: dict[str, int] | None = None) -> tuple[tuple[str, str], int, float] | None:
     """(group, GPUs, credited rate) of the job's best next copy, or None if none gains."""
     job = state.job
     now = state.steps(state.rates, round_s, cost)
     found, found_score, found_at = None, 0.0, 0
     for node_id, gpu_type, idle in free.candidates(state.nodes, allowed):
-        k = min(job.workers, idle)
+        k = min(job.workers, idle, allowed[gpu_type] if allowed is not None else idle)
         rate = credited(job, gpu_type, k)
         if rate <= EPS:
             continue
