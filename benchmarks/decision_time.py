@@ -31,7 +31,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from services.scheduler.cluster import Cluster, Node  # noqa: E402
-from services.scheduler.policies import make_policy  # noqa: E402
+from services.scheduler.policies import make_policy, parse_policy_option  # noqa: E402
 from services.scheduler.policy import JobState, Snapshot, check_plan  # noqa: E402
 from services.scheduler.simulator import default_model_bytes  # noqa: E402
 from services.scheduler.throughput import ThroughputModel  # noqa: E402
@@ -66,9 +66,9 @@ def mixed_cluster(n: int, rng: np.random.Generator, gpus_per_node: int = 8) -> C
     return Cluster(name=f"mixed-{n}", nodes=nodes)
 
 
-def time_policy(name: str, snapshot: Snapshot, repeats: int) -> float | None:
+def time_policy(name: str, snapshot: Snapshot, repeats: int, options: dict | None = None) -> float | None:
     try:
-        policy = make_policy(name)
+        policy = make_policy(name, **(options or {}))
     except Exception as exc:  # the policy module may not exist yet
         print(f"{name}: unavailable ({type(exc).__name__}: {exc})", file=sys.stderr)
         return None
@@ -93,7 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policies", default="hadar,hadare,gavel")
+    parser.add_argument("--policy-option", action="append", default=[], metavar="POLICY:KEY=VALUE",
+                        help="a constructor option for one policy, e.g. hadar:critical_rule=laxity (repeatable)")
     args = parser.parse_args(argv)
+    options: dict[str, dict] = {}
+    for text in args.policy_option:
+        name, sep, rest = text.partition(":")
+        if not sep:
+            parser.error(f"--policy-option {text!r}: expected POLICY:KEY=VALUE")
+        key, value = parse_policy_option(rest)
+        options.setdefault(name, {})[key] = value
     rng = np.random.default_rng(args.seed)
     throughput = ThroughputModel.from_gavel_table()
     cluster = mixed_cluster(args.nodes, rng)
@@ -102,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                         throughput=throughput, seed=args.seed)
     result: dict[str, float | int | None] = {"jobs": args.jobs, "nodes": args.nodes}
     for name in ("hadar", "hadare", "gavel"):
-        p50 = time_policy(name, snapshot, args.repeats) if name in args.policies.split(",") else None
+        p50 = time_policy(name, snapshot, args.repeats, options.get(name)) if name in args.policies.split(",") else None
         result[f"{name}_ms_p50"] = None if p50 is None else round(p50, 1)
     print(json.dumps(result))
     return 0

@@ -290,7 +290,8 @@ def test_job_worth_less_than_its_cheapest_schedule_waits_with_its_payoff():
 def test_low_priority_job_is_priced_out_by_a_committed_one():
     cluster = Cluster(name="pair", nodes=(Node(node_id="a", gpus=("v100", "v100")),))
     jobs = [job("vip", steps=10_000_000, priority=1.0), job("low", steps=10_000, priority=1e-5)]
-    plan = Hadar(backfill=False).plan(snapshot(cluster, jobs))
+    # the prices alone (a critical rule commits the jobs it picks whatever their payoff)
+    plan = Hadar(backfill=False, critical=False).plan(snapshot(cluster, jobs))
     codes = {w.job_id: w.code for w in plan.waiting}
     assert "vip" in plan.state.commitments and codes == {"low": WaitCode.PAYOFF}
     assert plan.explain["low"]["payoff"] <= 0
@@ -298,7 +299,7 @@ def test_low_priority_job_is_priced_out_by_a_committed_one():
 
 def test_committed_schedule_slides_with_the_rounds_and_replans_on_drift():
     cluster = single_gpu_nodes(v100=2)
-    policy = make_policy("hadar")
+    policy = make_policy("hadar", critical=False)      # the ledger's own rules: critical jobs are re-planned
     snap = snapshot(cluster, [job("a", steps=200_000), job("b", steps=150_000)])
     plan = policy.plan(snap)
     nxt = advance(snap, plan)
@@ -312,7 +313,7 @@ def test_committed_schedule_slides_with_the_rounds_and_replans_on_drift():
 
 def test_node_leaving_replans_only_the_jobs_on_it():
     cluster = Cluster(name="two", nodes=(Node(node_id="a", gpus=("v100",)), Node(node_id="b", gpus=("v100",))))
-    policy = make_policy("hadar")
+    policy = make_policy("hadar", critical=False)      # the ledger's own rules: critical jobs are re-planned
     snap = snapshot(cluster, [job("x", steps=100_000), job("y", steps=100_000)])
     plan = policy.plan(snap)
     on_b = next(p.job_id for p in plan.placements if p.node_id == "b")

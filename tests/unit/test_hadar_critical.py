@@ -73,7 +73,7 @@ def test_long_job_among_short_ones_runs_without_a_break_once_critical_and_ends_b
     cluster = single_gpu_nodes(v100=1, k80=1)
     rate = TP.rate(RESNET, "v100", 1) * 360.0
     jobs = [job("long", steps=int(40 * rate))] + [job(f"s{i:02d}", steps=int(2 * rate)) for i in range(40)]
-    policy = Hadar(horizon=8, critical_slack=0.1)
+    policy = Hadar(horizon=8, critical_slack=0.1, critical_rule="laxity")
     snap = snapshot(cluster, jobs)
     target, critical_since, short_on_v100 = None, None, 0
     for _ in range(200):

@@ -1,5 +1,8 @@
 """Hadar's makespan target and critical jobs: least-laxity planning of the longest work.
 
+The earlier rule, ``Hadar(critical_rule="laxity")``; the default is ``hadar_timeline``,
+which sees the contention between long jobs for the fast types that this rule does not.
+
 Why. The utility (``hadar_prices.InverseSlowdown``) values a job by its slowdown, so a job
 of hundreds of rounds loses almost nothing per round of delay and its value per
 GPU-round is the lowest of all: planned by density it waits behind every shorter job and

@@ -59,9 +59,10 @@ TIMELINE_SLACK = 0.03
 SHARE_EPS = 1e-4      # LP noise below this is no share
 
 
-def intervals(horizon_s: float, round_s: float) -> list[float]:
-    """Lengths L_k: one round, then 1, 2, 4, ... rounds, the last cut so they sum to
-    ``horizon_s`` (one interval of ``horizon_s`` if it is a round or less)."""
+def intervals(horizon_s: float, round_s: float, growth: float = 2.0) -> list[float]:
+    """Lengths L_k: one round, then 1, ``growth``, ``growth``^2, ... rounds (1, 2, 4, ...),
+    the last cut so they sum to ``horizon_s`` (one interval of ``horizon_s`` if it is a
+    round or less)."""
     if horizon_s <= round_s:
         return [max(horizon_s, 0.0)]
     out, total, size = [round_s], round_s, round_s
@@ -69,7 +70,7 @@ def intervals(horizon_s: float, round_s: float) -> list[float]:
         step = min(size, horizon_s - total)
         out.append(step)
         total += step
-        size *= 2
+        size *= growth
     return out
 
 
@@ -123,11 +124,13 @@ def round_shares(lp: ForkLp, job_ids: Sequence[str], *, round_s: float, horizon_
             for i, job_id in enumerate(job_ids)}
 
 
-def solve(lp: ForkLp, *, round_s: float, horizon_s: float, weights: Sequence[float] | None = None) -> Timeline | None:
+def solve(lp: ForkLp, *, round_s: float, horizon_s: float, weights: Sequence[float] | None = None,
+          growth: float = 2.0) -> Timeline | None:
     """The module's LP on ``lp`` over [0, ``horizon_s``] (None: no solution, e.g. a horizon
-    shorter than the makespan LP's T*); ``weights``: w_j, default 1."""
+    shorter than the makespan LP's T*); ``weights``: w_j, default 1; ``growth``: of the
+    interval lengths (``intervals``)."""
     # the cap a hair over the horizon, so that E = now + T* stays feasible in floating point
-    lengths = np.array(intervals(horizon_s * (1.0 + 1e-7) + 1e-6, round_s))
+    lengths = np.array(intervals(horizon_s * (1.0 + 1e-7) + 1e-6, round_s, growth))
     n_j, n_r = lp.rho.shape
     n_k = len(lengths)
     ends = np.cumsum(lengths)
