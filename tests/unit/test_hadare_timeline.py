@@ -15,7 +15,7 @@ from services.scheduler.metrics import compute_metrics
 from services.scheduler.policies import make_policy
 from services.scheduler.policies.hadare_split import ForkLp, fork_lp, makespan
 from services.scheduler.policies.hadare_timeline import (
-    TimelineState, budget, intervals, round_shares, solve, target_end_s)
+    POOL_ABOVE, TimelineState, budgets, intervals, solve, target_end_s)
 from services.scheduler.policy import JobState, Snapshot
 from services.scheduler.simulator import SimOptions, build_throughput, simulate
 from services.scheduler.throughput import ThroughputModel
@@ -33,6 +33,15 @@ def pooled(rems: list[float], gpus: int) -> ForkLp:
     n = len(rems)
     return ForkLp(types=["g"], rho=np.ones((n, 1)), rem=np.array(rems, dtype=float),
                   cap_f=np.full((n, 1), float(gpus)), cap_g=np.full(n, float(gpus)), count=np.array([float(gpus)]))
+
+
+def round_shares(lp: ForkLp, ids: list[str], *, round_s: float, horizon_s: float) -> dict[str, dict[str, float]]:
+    """The LP's slice of the first round: job id -> {type: GPUs}, noise dropped."""
+    plan = solve(lp, round_s=round_s, horizon_s=horizon_s)
+    assert plan is not None
+    now = plan.x[:, :, 0] / plan.lengths[0]
+    return {i: {lp.types[r]: float(now[k, r]) for r in range(len(lp.types)) if now[k, r] > 1e-4}
+            for k, i in enumerate(ids)}
 
 
 def credited(job: JobState, gpu_type: str, k: int) -> float:
@@ -89,13 +98,17 @@ def test_the_plan_does_all_work_by_the_horizon_within_every_cap(instance):
     assert np.all(x.sum(axis=0) <= lp.count[:, None] * lengths[None, :] + tol)        # no type over capacity
     assert np.all(x.sum(axis=1) <= lp.cap_g[:, None] * lengths[None, :] + tol)        # nor a job over its GPUs
     assert np.all(x <= lp.cap_f[:, :, None] * lengths[None, None, :] + tol)
-    shares = round_shares(lp, [j.job_id for j in jobs], round_s=360.0, horizon_s=(1.0 + slack) * best)
-    for gpu_type, count in cluster.gpus_by_type.items():
-        assert sum(s.get(gpu_type, 0.0) for s in shares.values()) <= count + 1e-6
+    now = x[:, :, 0] / lengths[0]
+    for r, gpu_type in enumerate(lp.types):
+        assert now[:, r].sum() <= cluster.gpus_by_type[gpu_type] + 1e-6
 
 
-def test_budgets_round_shares_up_and_drop_noise():
-    assert budget({"a": 0.35, "b": 1.0, "c": 2.2, "d": 1e-7}) == {"a": 1, "b": 1, "c": 3}
+def test_budgets_round_shares_up_drop_noise_and_hand_a_class_out_in_order():
+    share = np.array([[0.35, 1.0, 2.2, 1e-7], [2.5, 0.0, 0.0, 0.0]])
+    cap_f = np.array([[1, 1, 4, 1], [2, 1, 1, 1], [2, 1, 1, 1], [2, 1, 1, 1]], dtype=float)
+    got = budgets(share, [[0], [1, 2, 3]], cap_f)
+    assert got[0] == {0: 1, 1: 1, 2: 3}
+    assert got[1:] == [{0: 2}, {0: 1}, {}]          # ceil(2.5) = 3 GPUs: the first job 2, the next 1
 
 
 def test_the_target_end_moves_only_for_arrivals_or_when_it_cannot_be_met():
@@ -149,3 +162,16 @@ def test_the_policy_carries_its_target_end_from_round_to_round():
     assert again.state.end_s == first.state.end_s       # nothing arrived, the plan is on time: E kept
     assert make_policy("hadare", split="makespan").plan(
         Snapshot(round=0, now_s=0.0, round_s=360.0, cluster=cluster, jobs=jobs, throughput=TP)).state is None
+
+
+def test_above_pool_above_jobs_the_plan_is_valid_and_the_shortest_run_first():
+    cluster = Cluster(name="big", nodes=tuple(Node(node_id=f"n{i}", gpus=("v100",) * 4) for i in range(10)))
+    per_round = TP.rate(JOB_TYPES[0], "v100", 1) * 360.0
+    jobs = tuple(JobState(job_id=f"j{i:03d}", job_type=JOB_TYPES[0], workers=1, total_steps=int(per_round * (2 + i)))
+                 for i in range(POOL_ABOVE + 20))
+    snap = Snapshot(round=0, now_s=0.0, round_s=360.0, cluster=cluster, jobs=jobs, throughput=TP)
+    plan = make_policy("hadare").plan(snap)
+    from services.scheduler.policy import check_plan
+    check_plan(snap, plan)
+    placed = {p.job_id for p in plan.placements}
+    assert len(plan.placements) == 40 and "j000" in placed and f"j{POOL_ABOVE + 19:03d}" not in placed

@@ -48,13 +48,11 @@ from scipy.sparse import coo_matrix
 
 from services.scheduler.policies.hadar_profile import JobProfile
 from services.scheduler.policies.hadare_split import ForkLp, makespan
-from services.scheduler.policies.hadare_timeline import SHARE_EPS, solve
+from services.scheduler.policies.hadare_timeline import POOL_ABOVE, SHARE_EPS, job_classes, pool, solve
 from services.scheduler.policy import JobState
 
 TIMELINE_SLACK = 0.04   # Hadar's default critical_slack under this rule (hadar.py "Constants")
 TIE_WEIGHT = 1e-3    # Smith's order breaks ties of v without outweighing any real difference
-POOL_ABOVE = 256     # above this many jobs, the LPs run on classes of jobs (critical_types)
-CLASS_BASE = 4.0     # a class: jobs whose rounds left differ by less than this factor (one bucket)
 
 
 def gang_lp(jobs: Sequence[JobState], profiles: Mapping[str, JobProfile], count: np.ndarray) -> ForkLp:
@@ -90,8 +88,12 @@ def critical_types(jobs: Sequence[JobState], profiles: Mapping[str, JobProfile],
     live = [j for j in jobs if j.remaining > 0 and profiles[j.job_id].feasible]
     if not live:
         return (previous if previous is not None else -1), []
-    groups = _classes(live, profiles, round_s) if len(live) > POOL_ABOVE else [[j] for j in live]
-    lp = gang_lp([_pooled(g) for g in groups], {g[0].job_id: profiles[g[0].job_id] for g in groups}, count)
+    if len(live) > POOL_ABOVE:
+        groups = job_classes(live, lambda j: j.remaining / max(profiles[j.job_id].best_rate * round_s, 1e-12))
+    else:
+        groups = [[j] for j in live]
+    at = {j.job_id: i for i, j in enumerate(live)}
+    lp = pool(gang_lp(live, profiles, count), [[at[j.job_id] for j in g] for g in groups])
     weights = [sum(max(j.priority, 1e-9) for j in g) for g in groups]
     growth = 4.0 if len(groups) < len(live) else 2.0
     plan = None
@@ -135,24 +137,6 @@ def critical_types(jobs: Sequence[JobState], profiles: Mapping[str, JobProfile],
             chosen.append((worth, int(smith[c]), job.job_id, types))
     chosen.sort(key=lambda item: (-item[0], item[1]))
     return end, [(job_id, types) for _, _, job_id, types in chosen]
-
-
-def _classes(jobs: list[JobState], profiles: Mapping[str, JobProfile], round_s: float) -> list[list[JobState]]:
-    """Jobs of one (job type, W, bucket of log2 rounds left on their fastest option)."""
-    out: dict[tuple[str, int, int], list[JobState]] = {}
-    for j in jobs:
-        rounds = j.remaining / max(profiles[j.job_id].best_rate * round_s, 1e-12)
-        out.setdefault((j.job_type, j.workers, int(math.floor(math.log(max(rounds, 1.0), CLASS_BASE)))), []).append(j)
-    return list(out.values())
-
-
-def _pooled(group: list[JobState]) -> JobState:
-    """One job standing for a class: its first job's id and type, summed W and work."""
-    if len(group) == 1:
-        return group[0]
-    first = group[0]
-    return JobState(job_id=first.job_id, job_type=first.job_type, workers=sum(j.workers for j in group),
-                    total_steps=sum(j.remaining for j in group))
 
 
 def _transport(value: np.ndarray, workers: np.ndarray, cap: np.ndarray, count: np.ndarray) -> np.ndarray | None:

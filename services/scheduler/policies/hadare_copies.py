@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 
 from services.scheduler.policies.hadare_split import fork_lp, makespan, type_split
 from services.scheduler.policies.hadare_timeline import (
-    TIMELINE_SLACK, TimelineState, budget, round_shares, target_end_s)
+    POOL_ABOVE, TIMELINE_SLACK, TimelineState, budgets, job_classes, pool, solve, target_end_s)
 from services.scheduler.policy import JobState, Placement, Plan, Snapshot, Wait, WaitCode, previous_state
 from shared.fork_cost import DEFAULT_OPTIMIZER_SLOTS, DEFAULT_STORE_GBPS, consolidation_s
 from shared.progress import credited_steps
@@ -189,24 +189,49 @@ def plan_copies(snapshot: Snapshot, cost: CopyCost = CopyCost(), price_share: fl
 def _main_pass_budgets(snapshot: Snapshot, order: list[JobState], credited, speed: dict[str, float], split: str,
                        slack: float) -> tuple[dict[str, dict[str, int]], TimelineState | None]:
     """(job id -> GPUs per type its main pass may take, the state to carry): the time-indexed
-    LP's slice of this round (``split="timeline"``, ``hadare_timeline``) or every GPU of the
-    types the makespan split gives it (``"makespan"``, or when an LP fails)."""
+    LP's slice of this round (``split="timeline"``, ``hadare_timeline``; on classes of jobs
+    above POOL_ABOVE jobs) or every GPU of the types the makespan split gives it
+    (``"makespan"``, or when an LP fails)."""
     cluster = snapshot.cluster
     if split == "timeline" and order:
-        lp = fork_lp(order, cluster, credited)
-        best = makespan(lp)
-        if best is not None:
-            ids = frozenset(j.job_id for j in snapshot.jobs)
-            end = target_end_s(best, now_s=snapshot.now_s, previous=previous_state(snapshot, TimelineState),
-                               job_ids=ids, slack=slack)
-            shares = round_shares(lp, [j.job_id for j in order], round_s=snapshot.round_s,
-                                  horizon_s=end - snapshot.now_s, weights=[max(j.priority, EPS) for j in order])
-            if shares is not None:
-                return ({job_id: budget(s) for job_id, s in shares.items()},
-                        TimelineState(end_s=end, job_ids=ids))
+        got = _timeline_budgets(snapshot, order, credited, speed, slack)
+        if got is not None:
+            return got
     types = type_split(order, cluster, credited, urgency=[speed[j.job_id] / j.remaining for j in order],
                        slack=slack)
     return {job_id: {t: cluster.gpus_by_type[t] for t in got} for job_id, got in types.items()}, None
+
+
+def _timeline_budgets(snapshot: Snapshot, order: list[JobState], credited, speed: dict[str, float],
+                      slack: float) -> tuple[dict[str, dict[str, int]], TimelineState] | None:
+    """``_main_pass_budgets`` by the time-indexed LP; None if an LP fails. The makespan LP
+    is solved only when E must be set or moved (first round, arrivals, E missed)."""
+    full = fork_lp(order, cluster := snapshot.cluster, credited)
+    if len(order) > POOL_ABOVE:
+        at = {j.job_id: i for i, j in enumerate(order)}
+        rounds = lambda j: j.remaining / max(speed[j.job_id] * snapshot.round_s, EPS)   # noqa: E731
+        groups = [[at[j.job_id] for j in g] for g in job_classes(order, rounds)]
+        lp = pool(full, groups)
+    else:
+        groups, lp = [[i] for i in range(len(order))], full
+    now, weights = snapshot.now_s, [sum(max(order[i].priority, EPS) for i in g) for g in groups]
+    ids = frozenset(j.job_id for j in snapshot.jobs)
+    previous = previous_state(snapshot, TimelineState)
+    plan = None
+    if previous is not None and not ids - previous.job_ids and previous.end_s > now:
+        end = previous.end_s
+        plan = solve(lp, round_s=snapshot.round_s, horizon_s=end - now, weights=weights)
+    if plan is None:
+        best = makespan(lp)
+        if best is None:
+            return None
+        end = target_end_s(best, now_s=now, previous=previous, job_ids=ids, slack=slack)
+        plan = solve(lp, round_s=snapshot.round_s, horizon_s=end - now, weights=weights)
+        if plan is None:
+            return None
+    got = budgets(plan.x[:, :, 0] / plan.lengths[0], groups, full.cap_f)
+    return ({j.job_id: {cluster.types[r]: n for r, n in got[i].items()} for i, j in enumerate(order)},
+            TimelineState(end_s=end, job_ids=ids))
 
 
 class _FreeGroups:

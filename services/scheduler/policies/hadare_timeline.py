@@ -45,7 +45,7 @@ LP: None, and the caller falls back to the makespan split.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,10 +53,12 @@ from scipy.optimize import linprog
 from scipy.sparse import coo_matrix
 
 from services.scheduler.policies.hadare_split import ForkLp
-from services.scheduler.policy import PolicyState
+from services.scheduler.policy import JobState, PolicyState
 
 TIMELINE_SLACK = 0.03
-SHARE_EPS = 1e-4      # LP noise below this is no share
+SHARE_EPS = 1e-4
+POOL_ABOVE = 256     # above this many jobs, the LPs run on classes of jobs (``job_classes``)
+CLASS_BASE = 4.0     # a class: jobs whose rounds left differ by less than this factor (one bucket)      # LP noise below this is no share
 
 
 def intervals(horizon_s: float, round_s: float, growth: float = 2.0) -> list[float]:
@@ -109,21 +111,6 @@ class Timeline:
     x: np.ndarray
 
 
-def round_shares(lp: ForkLp, job_ids: Sequence[str], *, round_s: float, horizon_s: float,
-                 weights: Sequence[float] | None = None) -> dict[str, dict[str, float]] | None:
-    """job id -> {GPU type: GPUs of that type this round} by the module's LP over
-    [0, ``horizon_s``] (``lp``: ``hadare_split.fork_lp`` of the jobs, in ``job_ids`` order);
-    None when the LP has no solution. Jobs the LP does not run this round map to {}."""
-    if not len(job_ids) or not lp.types:
-        return {}
-    plan = solve(lp, round_s=round_s, horizon_s=horizon_s, weights=weights)
-    if plan is None:
-        return None
-    now = plan.x[:, :, 0] / plan.lengths[0]
-    return {job_id: {lp.types[r]: float(now[i, r]) for r in range(len(lp.types)) if now[i, r] > SHARE_EPS}
-            for i, job_id in enumerate(job_ids)}
-
-
 def solve(lp: ForkLp, *, round_s: float, horizon_s: float, weights: Sequence[float] | None = None,
           growth: float = 2.0) -> Timeline | None:
     """The module's LP on ``lp`` over [0, ``horizon_s``] (None: no solution, e.g. a horizon
@@ -172,7 +159,38 @@ def solve(lp: ForkLp, *, round_s: float, horizon_s: float, weights: Sequence[flo
     return Timeline(lengths=lengths, x=res.x.reshape(n_j, n_r, n_k))
 
 
-def budget(shares: dict[str, float]) -> dict[str, int]:
-    """GPUs per type a job's main pass may take: the LP's share rounded up."""
-    return {t: math.ceil(s - SHARE_EPS) for t, s in shares.items() if s > SHARE_EPS}
+def budgets(share: np.ndarray, groups: Sequence[Sequence[int]], cap_f: np.ndarray) -> list[dict[int, int]]:
+    """Whole GPUs per type index for each job, from the LP's fractional ``share[c, r]`` of
+    each group c (one job, or a pooled class whose jobs are listed in planning order):
+    the share rounded up (noise below SHARE_EPS dropped), then handed to the group's jobs
+    in turn, each taking at most what it can hold of each type (``cap_f[j, r]``)."""
+    out: list[dict[int, int]] = [{} for _ in range(cap_f.shape[0])]
+    for c, group in enumerate(groups):
+        left = np.where(share[c] > SHARE_EPS, np.ceil(share[c] - SHARE_EPS), 0.0)
+        for j in group:
+            if not left.any():
+                break
+            take = np.minimum(left, cap_f[j])
+            out[j] = {int(r): int(take[r]) for r in np.flatnonzero(take > 0)}
+            left -= take
+    return out
 
+
+def job_classes(jobs: Sequence[JobState], rounds: Callable[[JobState], float]) -> list[list[JobState]]:
+    """Jobs grouped for a pooled LP: same job type, W and bucket of ``rounds(job)`` (rounds
+    left at its best rate) in powers of CLASS_BASE; in order of first member."""
+    out: dict[tuple[str, int, int], list[JobState]] = {}
+    for j in jobs:
+        bucket = int(math.floor(math.log(max(rounds(j), 1.0), CLASS_BASE)))
+        out.setdefault((j.job_type, j.workers, bucket), []).append(j)
+    return list(out.values())
+
+
+def pool(lp: ForkLp, groups: Sequence[Sequence[int]]) -> ForkLp:
+    """``lp`` with the rows of each group (indices into its jobs, all with one rho) summed:
+    one job of their summed work and caps. Every schedule of the jobs is one of the pooled
+    job, so the LP stays a relaxation of the same kind."""
+    first = [g[0] for g in groups]
+    return ForkLp(types=lp.types, rho=lp.rho[first], rem=np.array([lp.rem[list(g)].sum() for g in groups]),
+                  cap_f=np.array([lp.cap_f[list(g)].sum(axis=0) for g in groups]).reshape(len(groups), -1),
+                  cap_g=np.array([lp.cap_g[list(g)].sum() for g in groups]), count=lp.count)
