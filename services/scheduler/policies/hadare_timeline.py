@@ -31,15 +31,22 @@ which T* leaves out as the fork bound does).
 
 Output: this round's slice, X[j,r,0] / L_0 = the GPUs of type r the LP gives job j now
 (fractional). ``hadare_copies`` lets each job's main pass use at most the ceiling of that
-on each type; its back-fill pass gives away what the slice left idle.
+on each type (``budgets``); its back-fill pass gives away what the slice left idle.
 
 The LP is re-solved every round on the remaining work, so the plan adapts to what actually
-happened (arrivals, rounding, consolidation time). E is recomputed from the new T* each
-round: following the plan, T* falls by about one round per round and E with it.
+happened (arrivals, rounding, consolidation time). E itself is kept (``TimelineState``,
+``target_end_s``): it moves only when jobs arrive or when it can no longer be met. Re-set
+from each round's T*, the slack was spent again every round and TTD drifted 5-6% over the
+bound at a slack of 0.01.
 
-Cost: one makespan LP (J R + 1 variables) and one LP with J R K variables and
-J + R K + J K (R + 1) rows; K about log2(E / round_s) + 2. HiGHS. On failure of either
-LP: None, and the caller falls back to the makespan split.
+Above POOL_ABOVE jobs the LP runs on classes of jobs (``job_classes``, ``pool``: same job
+type, W and bucket of rounds left; summed work and caps, still a relaxation), and a
+class's GPUs go to its jobs in planning order. Hadar's critical rule
+(``hadar_timeline``) uses the same LP without forking.
+
+Cost: one makespan LP (J R + 1 variables; only when E is set or moved) and one LP with
+J R K variables and J + R K + J K (R + 1) rows; K about log2(E / round_s) + 2. HiGHS. On
+failure: None, and the caller falls back (HadarE: the makespan split).
 """
 
 from __future__ import annotations
@@ -56,9 +63,9 @@ from services.scheduler.policies.hadare_split import ForkLp
 from services.scheduler.policy import JobState, PolicyState
 
 TIMELINE_SLACK = 0.03
-SHARE_EPS = 1e-4
+SHARE_EPS = 1e-4     # LP noise below this is no share
 POOL_ABOVE = 256     # above this many jobs, the LPs run on classes of jobs (``job_classes``)
-CLASS_BASE = 4.0     # a class: jobs whose rounds left differ by less than this factor (one bucket)      # LP noise below this is no share
+CLASS_BASE = 4.0     # a class: jobs whose rounds left differ by less than this factor (one bucket)
 
 
 def intervals(horizon_s: float, round_s: float, growth: float = 2.0) -> list[float]:
