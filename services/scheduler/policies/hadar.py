@@ -32,9 +32,9 @@ and does each job's work as early as that allows; its slice for this round, roun
 whole GPUs by a transportation problem, names the critical jobs and the GPU types each may
 use. By ``critical_rule="laxity"`` (``hadar_critical``, the earlier rule) they are the
 jobs whose laxity against E, counted alone on their fastest option, has run out, longest
-first, on any type. Then the other jobs, in order of their best value per GPU-round (``order="density"``, the
-default: the greedy order for a batch of simultaneous arrivals; ties by arrival, then job
-id) or by arrival (``order="arrival"``):
+first, on any type. Then the other jobs, in order of their best value per GPU-round
+(``order="density"``, the default: the greedy order for a batch of simultaneous arrivals;
+ties by arrival, then job id) or by arrival (``order="arrival"``):
   1. prices k_rb = k(Z_rb / (C_r |b|)),  k(zeta) = (L / eta) (eta^2 U / L)^zeta  (hadar_prices),
      Z_rb = GPU-rounds of type r committed in block b; every GPU of type r at a slot of b
      costs k_rb;
@@ -208,7 +208,6 @@ class _Round:
     def _critical(self) -> tuple[int, list[str]]:
         """(target end round E, critical job ids in planning order): ``hadar_critical``."""
         snap, cfg, prev = self.snap, self.cfg, self.prev
-        need = {j.job_id: rounds_needed(j, self.profiles[j.job_id], snap.round_s) for j in self.jobs}
         previous = prev.target_end if prev is not None and prev.target_end >= 0 else None
         new = [j.job_id for j in self.jobs if j.arrival_s > snap.now_s - snap.round_s]
         if cfg.critical and cfg.critical_rule == "timeline":
@@ -217,6 +216,7 @@ class _Round:
                                             previous=previous, arrived=bool(new), slack=cfg.critical_slack)
             self.allowed = dict(chosen)
             return target, [job_id for job_id, _ in chosen]
+        need = {j.job_id: rounds_needed(j, self.profiles[j.job_id], snap.round_s) for j in self.jobs}
         capacity = (job_capacity_rounds(self.jobs, self.profiles, need, types=self.layout.row_type,
                                         caps=self.layout.row_cap, round_s=snap.round_s)
                     if previous is None or new else 0.0)
