@@ -113,20 +113,3 @@ def test_the_timeline_keeps_the_makespan_target_and_shortens_jobs_against_laxity
     assert timeline.jobs_completed == timeline.jobs_total
     assert timeline.ttd_s <= 1.06 * bound
     assert timeline.jct_mean_s < 0.97 * laxity.jct_mean_s
-
-
-def test_a_round_with_a_gang_that_must_span_nodes_uses_the_laxity_rule():
-    from services.scheduler.policies.hadar import Hadar
-    from services.scheduler.policy import Snapshot
-    cluster = nodes("v100", "v100", "k80")
-    single = [JobState(job_id="a", job_type=RESNET18, workers=1, total_steps=steps(RESNET18, "v100", 30)),
-              JobState(job_id="b", job_type=RESNET18, workers=1, total_steps=steps(RESNET18, "v100", 3))]
-    gang = JobState(job_id="g", job_type=RESNET18, workers=2, total_steps=steps(RESNET18, "v100", 30))
-
-    def plan(jobs):
-        return Hadar().plan(Snapshot(round=0, now_s=0.0, round_s=360.0, cluster=cluster, jobs=tuple(jobs),
-                                     throughput=TP))
-    timeline = plan(single)
-    assert any("critical_types" in info for info in timeline.explain.values())
-    laxity = plan(single + [gang])           # g's 2 GPUs are on two nodes in every placement
-    assert not any("critical_types" in info for info in laxity.explain.values())

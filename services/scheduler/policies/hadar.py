@@ -30,10 +30,9 @@ intervals of one round, then 1, 2, 4... rounds) finishes every job by a target e
 E = CRITICAL_SLACK over the optimal makespan (kept in the state, raised when jobs arrive)
 and does each job's work as early as that allows; its slice for this round, rounded to
 whole GPUs by a transportation problem, names the critical jobs and the GPU types each may
-use. By ``critical_rule="laxity"`` (``hadar_critical``, the earlier rule), and under the
-timeline rule in rounds where some job's gang cannot fit on one node (the LP treats its
-work as divisible: too weak a relaxation there), they are the jobs whose laxity against E,
-counted alone on their fastest option, has run out, longest first, on any type. Then the other jobs, in order of their best value per GPU-round
+use. By ``critical_rule="laxity"`` (``hadar_critical``, the earlier rule) they are the
+jobs whose laxity against E, counted alone on their fastest option, has run out, longest
+first, on any type. Then the other jobs, in order of their best value per GPU-round
 (``order="density"``, the default: the greedy order for a batch of simultaneous arrivals;
 ties by arrival, then job id) or by arrival (``order="arrival"``):
   1. prices k_rb = k(Z_rb / (C_r |b|)),  k(zeta) = (L / eta) (eta^2 U / L)^zeta  (hadar_prices),
@@ -211,7 +210,7 @@ class _Round:
         snap, cfg, prev = self.snap, self.cfg, self.prev
         previous = prev.target_end if prev is not None and prev.target_end >= 0 else None
         new = [j.job_id for j in self.jobs if j.arrival_s > snap.now_s - snap.round_s]
-        if cfg.critical and cfg.critical_rule == "timeline" and not self._spanning():
+        if cfg.critical and cfg.critical_rule == "timeline":
             count = np.bincount(self.layout.row_type, weights=self.layout.row_cap, minlength=len(self.layout.types))
             target, chosen = critical_types(self.jobs, self.profiles, count, round_=snap.round, round_s=snap.round_s,
                                             previous=previous, arrived=bool(new), slack=cfg.critical_slack)
@@ -226,14 +225,6 @@ class _Round:
         if not cfg.critical:
             return target, []
         return target, critical_jobs(self.jobs, need, round_=snap.round, target=target)
-
-    def _spanning(self) -> bool:
-        """Whether some job's gang cannot fit on one node (every option of it spans nodes):
-        the timeline LP treats such a gang's work as divisible, a weak relaxation, so that
-        round uses the laxity rule (aws-5 / lab-5, multi-GPU mix, seeds 1-5: TTD over the
-        bound 1.21-2.13 by the LP, 1.20-1.86 so)."""
-        return any(j.workers > 1 and not any(o.one_node for o in self.profiles[j.job_id].options)
-                   for j in self.jobs if self.profiles[j.job_id].feasible)
 
     def _curve(self) -> PriceCurve:
         snap = self.snap

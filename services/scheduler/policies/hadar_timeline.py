@@ -34,9 +34,8 @@ pricing still decides everything the LP leaves open, and gangs still mix types a
 Assumptions: a GPU of type r earns a job its per-worker rate at gang size W, without the
 cross-node factor, and a gang's work is divisible (the LP lets it hold fewer than W GPUs
 in an interval). Both are exact for single-GPU jobs. For gangs that must span nodes they
-make a weak relaxation (Hadar ended further over the bound with it than with the laxity
-rule), so ``Hadar`` uses the laxity rule in rounds where such a gang is present. Arrivals
-are not known in advance.
+make a weak relaxation, and there Hadar does worse under this rule than under the laxity
+rule (README "Known limits"). Arrivals are not known in advance.
 Cost per round: the makespan LP (J R + 1 variables; only when E is set or moved), the
 time-indexed LP (J R K, K about log2(E / round) + 2) and the transportation LP (J R), all
 HiGHS; above POOL_ABOVE jobs on classes of jobs (``critical_types``).
