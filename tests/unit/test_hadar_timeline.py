@@ -8,18 +8,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.bounds import ttd_bounds
 from services.scheduler.cluster import Cluster, Node
-from services.scheduler.clusters import parse_cluster
-from services.scheduler.metrics import compute_metrics
-from services.scheduler.policies import make_policy
 from services.scheduler.policies.hadar_ledger import RowLayout
 from services.scheduler.policies.hadar_profile import ProfileBook
 from services.scheduler.policies.hadar_timeline import POOL_ABOVE, _transport, critical_types, end_round
 from services.scheduler.policy import JobState
-from services.scheduler.simulator import SimOptions, build_throughput, simulate
 from services.scheduler.throughput import ThroughputModel
-from services.scheduler.traces import load_trace
+from tests.unit.generated_runs import run_generated
 
 TP = ThroughputModel.from_gavel_table()
 RESNET50, RECO = "ResNet-50 (batch size 32)", "Recommendation (batch size 8192)"
@@ -97,11 +92,8 @@ def test_pooled_jobs_fit_the_cluster_and_the_shortest_of_a_class_go_first():
 
 
 def run(cluster: str, seed: int, **options):
-    throughput = build_throughput(cross_node=True)
-    jobs = load_trace(f"gen:jobs=12,rate=0,seed={seed},multi_gpu=false", throughput=throughput)
-    result = simulate(policy=make_policy("hadar", **options), cluster=parse_cluster(cluster), jobs=jobs,
-                      throughput=throughput, options=SimOptions(round_s=360.0))
-    return compute_metrics(result, throughput), ttd_bounds(jobs, parse_cluster(cluster), throughput).ttd_nofork_s
+    metrics, bounds = run_generated("hadar", cluster, jobs=12, seed=seed, **options)
+    return metrics, bounds.ttd_nofork_s
 
 
 @pytest.mark.parametrize("cluster,seed", [("aws-5", 1), ("lab-5", 2)])

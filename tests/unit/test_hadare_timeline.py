@@ -8,19 +8,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.bounds import ttd_bounds
 from services.scheduler.cluster import Cluster, Node
-from services.scheduler.clusters import parse_cluster
-from services.scheduler.metrics import compute_metrics
 from services.scheduler.policies import make_policy
 from services.scheduler.policies.hadare_split import ForkLp, fork_lp, makespan
 from services.scheduler.policies.hadare_timeline import (
     POOL_ABOVE, TimelineState, budgets, intervals, solve, target_end_s)
 from services.scheduler.policy import JobState, Snapshot
-from services.scheduler.simulator import SimOptions, build_throughput, simulate
 from services.scheduler.throughput import ThroughputModel
-from services.scheduler.traces import load_trace
 from shared.snapshot_codec import pack, unpack
+from tests.unit.generated_runs import run_generated
 
 TP = ThroughputModel.from_gavel_table()
 TYPES = ("k80", "p100", "v100")
@@ -131,12 +127,8 @@ def test_timeline_state_survives_a_scheduler_snapshot():
 
 
 def run(cluster: str, seed: int, **options):
-    throughput = build_throughput(cross_node=True)
-    jobs = load_trace(f"gen:jobs=10,rate=0,seed={seed},multi_gpu=false", throughput=throughput)
-    result = simulate(policy=make_policy("hadare", **options), cluster=parse_cluster(cluster), jobs=jobs,
-                      throughput=throughput, options=SimOptions(round_s=360.0))
-    metrics = compute_metrics(result, throughput)
-    return metrics, ttd_bounds(jobs, parse_cluster(cluster), throughput).ttd_fork_s
+    metrics, bounds = run_generated("hadare", cluster, jobs=10, seed=seed, **options)
+    return metrics, bounds.ttd_fork_s
 
 
 @pytest.mark.parametrize("cluster,seed", [("lab-5", 1), ("aws-5", 2)])
