@@ -52,7 +52,10 @@ async def _upload_across_outage(paths: InfraPaths, settings: S3Settings, source:
     return await store.get(KEY)
 
 
-def test_upload_started_while_minio_is_down_completes_after_restart(tmp_path: Path) -> None:
+@pytest.fixture
+def private_minio(tmp_path: Path):
+    """(paths, server) of a MinIO in its own run directory, stopped after the test; fails
+    under CI=true, else skips, when it cannot start."""
     paths = InfraPaths(cache=InfraPaths.from_env().cache, run=tmp_path / "run")
     try:
         server, _ = ensure_minio(paths)
@@ -61,14 +64,22 @@ def test_upload_started_while_minio_is_down_completes_after_restart(tmp_path: Pa
             pytest.fail(f"minio could not start: {exc}")
         pytest.skip(f"minio could not start: {exc}")
     try:
-        settings = S3Settings(endpoint=server.endpoint, access_key=server.access_key,
-                              secret_key=server.secret_key, bucket="outage")
-        data = os.urandom(3 << 20)
-        source = tmp_path / "ckpt.bin"
-        source.write_bytes(data)
-        assert asyncio.run(_upload_across_outage(paths, settings, source)) == data
+        yield paths, server
     finally:
         stop_server(paths, "minio")
+
+
+def _settings(server, bucket: str) -> S3Settings:
+    return S3Settings(endpoint=server.endpoint, access_key=server.access_key, secret_key=server.secret_key,
+                      bucket=bucket)
+
+
+def test_upload_started_while_minio_is_down_completes_after_restart(private_minio, tmp_path: Path) -> None:
+    paths, server = private_minio
+    data = os.urandom(3 << 20)
+    source = tmp_path / "ckpt.bin"
+    source.write_bytes(data)
+    assert asyncio.run(_upload_across_outage(paths, _settings(server, "outage"), source)) == data
 
 
 async def _round_past_the_retry_budget(paths: InfraPaths, settings: S3Settings, bus: MemoryBus) -> None:
@@ -107,25 +118,14 @@ async def _round_past_the_retry_budget(paths: InfraPaths, settings: S3Settings, 
         await store.stop()
 
 
-def test_minio_down_past_the_retry_budget_abandons_the_round_and_the_tracker_carries_on(tmp_path: Path) -> None:
-    paths = InfraPaths(cache=InfraPaths.from_env().cache, run=tmp_path / "run")
-    try:
-        server, _ = ensure_minio(paths)
-    except InfraError as exc:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"minio could not start: {exc}")
-        pytest.skip(f"minio could not start: {exc}")
+def test_minio_down_past_the_retry_budget_abandons_the_round_and_the_tracker_carries_on(private_minio) -> None:
+    paths, server = private_minio
 
     async def run() -> None:
         bus = MemoryBus(clock=FakeClock(T0))
         await bus.start()
         try:
-            await _round_past_the_retry_budget(paths, S3Settings(
-                endpoint=server.endpoint, access_key=server.access_key, secret_key=server.secret_key,
-                bucket="past-budget"), bus)
+            await _round_past_the_retry_budget(paths, _settings(server, "past-budget"), bus)
         finally:
             await bus.stop()
-    try:
-        asyncio.run(run())
-    finally:
-        stop_server(paths, "minio")
+    asyncio.run(run())
