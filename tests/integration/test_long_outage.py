@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -42,7 +41,7 @@ from shared.infra import InfraError, InfraPaths, ensure_kafka, ensure_minio, res
 from shared.infra.common import is_running
 from shared.store import MinioStore
 from shared.topics import PROGRESS
-from tests.integration.test_agent_hostile import FAKE_WORKER, NODE, assign
+from tests.integration.test_agent_hostile import NODE, assign, fake_python  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -80,14 +79,6 @@ def private_servers(tmp_path: Path) -> Iterator[InfraPaths]:
     finally:
         for name in ("kafka", "minio"):
             stop_server(paths, name)  # type: ignore[arg-type]
-
-
-@pytest.fixture
-def fake_python(tmp_path: Path) -> str:
-    script = tmp_path / "fake-python"
-    script.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE_WORKER}\n")
-    script.chmod(0o755)
-    return str(script)
 
 
 async def _observe(bus: KafkaBus, consumed: list[tuple[str, float, Event]]) -> None:
