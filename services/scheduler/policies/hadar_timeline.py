@@ -51,8 +51,8 @@ from scipy.optimize import linprog
 from scipy.sparse import coo_matrix
 
 from services.scheduler.policies.hadar_profile import JobProfile
-from services.scheduler.policies.hadare_split import ForkLp, makespan
-from services.scheduler.policies.hadare_timeline import POOL_ABOVE, SHARE_EPS, job_classes, pool, solve
+from services.scheduler.policies.hadare_split import ForkLp
+from services.scheduler.policies.hadare_timeline import POOL_ABOVE, SHARE_EPS, job_classes, pool, solve_until
 from services.scheduler.policy import JobState
 
 TIMELINE_SLACK = 0.04   # Hadar's default critical_slack under this rule (hadar.py "Constants")
@@ -100,17 +100,14 @@ def critical_types(jobs: Sequence[JobState], profiles: Mapping[str, JobProfile],
     lp = pool(gang_lp(live, profiles, count), [[at[j.job_id] for j in g] for g in groups])
     weights = [sum(max(j.priority, 1e-9) for j in g) for g in groups]
     growth = 4.0 if len(groups) < len(live) else 2.0
-    plan = None
-    if previous is not None and not arrived and previous > round_:
-        # E kept: the makespan LP is needed only if the plan cannot end by E any more
-        end = previous
-        plan = solve(lp, round_s=round_s, horizon_s=(end - round_) * round_s, weights=weights, growth=growth)
-    if plan is None:
-        best = makespan(lp)
-        if best is None:
-            return (previous if previous is not None else -1), []
-        end = end_round(best / round_s, round_=round_, previous=previous, arrived=arrived, slack=slack)
-        plan = solve(lp, round_s=round_s, horizon_s=(end - round_) * round_s, weights=weights, growth=growth)
+    end, plan = solve_until(
+        lp, kept_end=previous if not arrived else None,
+        new_end=lambda best: end_round(best / round_s, round_=round_, previous=previous, arrived=arrived,
+                                       slack=slack),
+        horizon_of=lambda e: (e - round_) * round_s, round_s=round_s, weights=weights, growth=growth)
+    if end is None:
+        return (previous if previous is not None else -1), []
+    end = int(end)
     if plan is None:
         return end, []
     share = plan.x[:, :, 0] / plan.lengths[0]                                   # GPUs of r for class c now

@@ -67,9 +67,9 @@ import bisect
 import functools
 from dataclasses import dataclass, field
 
-from services.scheduler.policies.hadare_split import fork_lp, makespan, type_split
+from services.scheduler.policies.hadare_split import fork_lp, type_split
 from services.scheduler.policies.hadare_timeline import (
-    POOL_ABOVE, TIMELINE_SLACK, TimelineState, budgets, job_classes, pool, solve, target_end_s)
+    POOL_ABOVE, TIMELINE_SLACK, TimelineState, budgets, job_classes, pool, solve_until, target_end_s)
 from services.scheduler.policy import JobState, Placement, Plan, Snapshot, Wait, WaitCode, previous_state
 from shared.fork_cost import DEFAULT_OPTIMIZER_SLOTS, DEFAULT_STORE_GBPS, consolidation_s
 from shared.progress import credited_steps
@@ -217,18 +217,12 @@ def _timeline_budgets(snapshot: Snapshot, order: list[JobState], credited, speed
     now, weights = snapshot.now_s, [sum(max(order[i].priority, EPS) for i in g) for g in groups]
     ids = frozenset(j.job_id for j in snapshot.jobs)
     previous = previous_state(snapshot, TimelineState)
-    plan = None
-    if previous is not None and not ids - previous.job_ids and previous.end_s > now:
-        end = previous.end_s
-        plan = solve(lp, round_s=snapshot.round_s, horizon_s=end - now, weights=weights)
-    if plan is None:
-        best = makespan(lp)
-        if best is None:
-            return None
-        end = target_end_s(best, now_s=now, previous=previous, job_ids=ids, slack=slack)
-        plan = solve(lp, round_s=snapshot.round_s, horizon_s=end - now, weights=weights)
-        if plan is None:
-            return None
+    end, plan = solve_until(
+        lp, kept_end=previous.end_s if previous is not None and not ids - previous.job_ids else None,
+        new_end=lambda best: target_end_s(best, now_s=now, previous=previous, job_ids=ids, slack=slack),
+        horizon_of=lambda e: e - now, round_s=snapshot.round_s, weights=weights)
+    if end is None or plan is None:
+        return None
     got = budgets(plan.x[:, :, 0] / plan.lengths[0], groups, full.cap_f)
     return ({j.job_id: {cluster.types[r]: n for r, n in got[i].items()} for i, j in enumerate(order)},
             TimelineState(end_s=end, job_ids=ids))

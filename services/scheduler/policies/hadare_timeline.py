@@ -59,7 +59,7 @@ import numpy as np
 from scipy.optimize import linprog
 from scipy.sparse import coo_matrix
 
-from services.scheduler.policies.hadare_split import ForkLp
+from services.scheduler.policies.hadare_split import ForkLp, makespan
 from services.scheduler.policy import JobState, PolicyState
 
 TIMELINE_SLACK = 0.03
@@ -164,6 +164,25 @@ def solve(lp: ForkLp, *, round_s: float, horizon_s: float, weights: Sequence[flo
     if res.status != 0:
         return None
     return Timeline(lengths=lengths, x=res.x.reshape(n_j, n_r, n_k))
+
+
+def solve_until(lp: ForkLp, *, kept_end: float | None, new_end: Callable[[float], float],
+                horizon_of: Callable[[float], float], round_s: float, weights: Sequence[float] | None = None,
+                growth: float = 2.0) -> tuple[float | None, Timeline | None]:
+    """(E, plan) for this round, E in the caller's units (``horizon_of(E)``: seconds from
+    now to it). The LP runs up to the kept E (None: E must be set or moved) while it still
+    has a solution; else up to ``new_end(T*)``, T* from the makespan LP, which is thus
+    solved only when E is set or moved. (None, None) when the makespan LP has no solution;
+    (E, None) when the timeline LP has none."""
+    if kept_end is not None and horizon_of(kept_end) > 0:
+        plan = solve(lp, round_s=round_s, horizon_s=horizon_of(kept_end), weights=weights, growth=growth)
+        if plan is not None:
+            return kept_end, plan
+    best = makespan(lp)
+    if best is None:
+        return None, None
+    end = new_end(best)
+    return end, solve(lp, round_s=round_s, horizon_s=horizon_of(end), weights=weights, growth=growth)
 
 
 def budgets(share: np.ndarray, groups: Sequence[Sequence[int]], cap_f: np.ndarray) -> list[dict[int, int]]:
