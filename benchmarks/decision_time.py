@@ -31,7 +31,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from services.scheduler.cluster import Cluster, Node  # noqa: E402
-from services.scheduler.policies import make_policy, parse_policy_option  # noqa: E402
+from services.scheduler.policies import UnknownPolicy, make_policy, parse_scoped_policy_option  # noqa: E402
 from services.scheduler.policy import JobState, Snapshot, check_plan  # noqa: E402
 from services.scheduler.simulator import default_model_bytes  # noqa: E402
 from services.scheduler.throughput import ThroughputModel  # noqa: E402
@@ -98,10 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     options: dict[str, dict] = {}
     for text in args.policy_option:
-        name, sep, rest = text.partition(":")
-        if not sep:
-            parser.error(f"--policy-option {text!r}: expected POLICY:KEY=VALUE")
-        key, value = parse_policy_option(rest)
+        try:
+            name, key, value = parse_scoped_policy_option(text)
+        except UnknownPolicy as exc:
+            parser.error(str(exc))
         options.setdefault(name, {})[key] = value
     rng = np.random.default_rng(args.seed)
     throughput = ThroughputModel.from_gavel_table()

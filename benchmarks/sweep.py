@@ -39,7 +39,7 @@ from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
-from services.scheduler.policies import parse_policy_option
+from services.scheduler.policies import parse_scoped_policy_option
 
 POLICIES = ("gavel", "gavel-makespan", "tiresias", "yarn-cs", "hadar", "hadare")
 CLUSTERS = ("aws-5", "lab-5", "aws-5-multi", "lab-5-multi", "gavel-108")
@@ -211,11 +211,7 @@ def main() -> None:
                         "summarize them together instead of running anything")
     args = parser.parse_args()
     policies = _list(args.policies)
-    options = []
-    for text in args.policy_option:
-        name, _, option = text.partition(":")
-        key, value = parse_policy_option(option)
-        options.append((name.strip(), key, value))
+    options = [parse_scoped_policy_option(text) for text in args.policy_option]
     if "gavel" not in policies:
         policies = ("gavel",) + policies     # every ratio is against gavel
     tasks = [Task(cluster=c, mix=m, arrivals=a, jobs=j, seed=s, rate=args.rate, round_s=args.round_s,

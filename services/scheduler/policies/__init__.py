@@ -107,6 +107,15 @@ def parse_policy_option(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def parse_scoped_policy_option(text: str) -> tuple[str, str, Any]:
+    """``POLICY:KEY=VALUE`` (the benchmarks' ``--policy-option``) -> (policy, key, value)."""
+    name, sep, rest = text.partition(":")
+    if not sep or not name.strip():
+        raise UnknownPolicy(f"policy option {text!r}: expected POLICY:KEY=VALUE")
+    key, value = parse_policy_option(rest)
+    return name.strip(), key, value
+
+
 def _json_value(key: object, value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_json_value(key, v) for v in value]
