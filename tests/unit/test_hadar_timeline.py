@@ -11,9 +11,13 @@ from hypothesis import strategies as st
 from services.scheduler.cluster import Cluster, Node
 from services.scheduler.policies.hadar_ledger import RowLayout
 from services.scheduler.policies.hadar_profile import ProfileBook
-from services.scheduler.policies.hadar_timeline import POOL_ABOVE, _transport, critical_types, end_round
-from services.scheduler.policy import JobState
+from services.scheduler.policies.hadar_timeline import POOL_ABOVE, _transport, critical_types, end_round, gang_lp
+from services.scheduler.policies.hadare_split import makespan, type_rates
+from services.scheduler.policies.hadare_timeline import solve
+from services.scheduler.policies import make_policy
+from services.scheduler.policy import JobState, Snapshot
 from services.scheduler.throughput import ThroughputModel
+from shared.snapshot_codec import pack, unpack
 from tests.unit.generated_runs import run_generated
 
 TP = ThroughputModel.from_gavel_table()
@@ -21,14 +25,20 @@ RESNET50, RECO = "ResNet-50 (batch size 32)", "Recommendation (batch size 8192)"
 RESNET18 = "ResNet-18 (batch size 64)"
 
 
-def critical(cluster: Cluster, jobs: list[JobState], **kw) -> tuple[int, dict[str, set[str]]]:
+def profiles_of(cluster: Cluster, jobs: list[JobState]):
+    """(job id -> profile, GPUs per type index) as Hadar builds them for ``cluster``."""
     layout = RowLayout.of(cluster)
     book = ProfileBook(TP, types=layout.types, row_type=layout.row_type, row_cap=layout.row_cap)
-    profiles = {j.job_id: book.get(j.job_type, j.workers) for j in jobs}
     count = np.bincount(layout.row_type, weights=layout.row_cap, minlength=len(layout.types))
+    return {j.job_id: book.get(j.job_type, j.workers) for j in jobs}, count
+
+
+def critical(cluster: Cluster, jobs: list[JobState], **kw) -> tuple[int, dict[str, set[str]]]:
+    profiles, count = profiles_of(cluster, jobs)
     args = dict(round_=0, round_s=360.0, previous=None, arrived=True, slack=0.05) | kw
-    end, chosen = critical_types(jobs, profiles, count, **args)
-    return end, {job_id: {layout.types[r] for r in types} for job_id, types in chosen}
+    decided = critical_types(jobs, profiles, count, **args)
+    types = RowLayout.of(cluster).types
+    return decided.end, {job_id: {types[r] for r in chosen_types} for job_id, chosen_types in decided.chosen}
 
 
 def nodes(*types: str) -> Cluster:
@@ -44,6 +54,111 @@ def test_end_round_is_kept_raised_for_arrivals_and_never_before_the_bound():
     assert end_round(90.0, round_=10, previous=105, arrived=False, slack=0.05) == 105
     assert end_round(120.0, round_=10, previous=105, arrived=True, slack=0.05) == 136
     assert end_round(99.5, round_=10, previous=105, arrived=False, slack=0.05) == 110
+
+
+@pytest.mark.parametrize("gpus", [("v100", "k80"), ("v100", "v100", "k80", "k80", "t4")])
+def test_a_gang_that_must_span_nodes_is_credited_its_spread_rate_not_the_sum_of_its_gpus(gpus):
+    # One GPU per node: a 2-GPU gang runs at twice its slower worker's rate times the
+    # cross-node factor, so the LP alone on it must need exactly work / that rate.
+    gang = JobState(job_id="g", job_type=RESNET50, workers=2, total_steps=1_000_000)
+    profiles, count = profiles_of(nodes(*gpus), [gang])
+    best = max(o.rate for o in profiles["g"].options)
+    assert all(not o.one_node for o in profiles["g"].options)
+    assert makespan(gang_lp([gang], profiles, count)) == pytest.approx(gang.total_steps / best, rel=1e-6)
+
+
+AWS5 = ("v100", "v100", "k80", "k80", "t4")
+MIX5 = ("v100", "p100", "k80", "p100", "v100")
+LM = "LM (batch size 20)"
+
+
+def gangs(cluster: Cluster, *rounds: float, workers: int = 4) -> list[JobState]:
+    """4-GPU LM gangs of about ``rounds`` rounds each when run alone at their best rate."""
+    out = [JobState(job_id=f"g{i}", job_type=LM, workers=workers, total_steps=1) for i in range(len(rounds))]
+    profiles, _ = profiles_of(cluster, out)
+    best = max(o.rate for o in profiles["g0"].options)
+    return [JobState(job_id=j.job_id, job_type=LM, workers=workers, total_steps=int(best * 360.0 * r))
+            for j, r in zip(out, rounds)]
+
+
+@pytest.mark.parametrize("gpus", [AWS5, MIX5])
+def test_gangs_that_cannot_run_together_are_serialised_in_the_lp(gpus):
+    # Any two 4-GPU gangs need 8 of 5 GPUs: at most one runs at a time, so the makespan is
+    # the sum of their times alone (the LP must not overlap them, each at fewer GPUs).
+    jobs = gangs(nodes(*gpus), 100, 60, 30)
+    profiles, count = profiles_of(nodes(*gpus), jobs)
+    best = max(o.rate for o in profiles["g0"].options)
+    alone = sum(j.total_steps for j in jobs) / best
+    assert makespan(gang_lp(jobs, profiles, count)) == pytest.approx(alone, rel=1e-6)
+
+
+def test_a_part_time_gang_does_not_leave_gpus_to_jobs_that_cannot_fill_them():
+    # A 4-GPU gang and three single-GPU jobs of 100 rounds each on five V100s: while the gang
+    # runs, one single job can; otherwise three. So 100 + 3 (T - 100) >= 300: T >= 166.7 rounds
+    # (the GPU count alone gives 140).
+    cluster = nodes(*["v100"] * 5)
+    gang = gangs(cluster, 100)
+    singles = [JobState(job_id=f"s{i}", job_type=RESNET18, workers=1, total_steps=steps(RESNET18, "v100", 100))
+               for i in range(3)]
+    profiles, count = profiles_of(cluster, gang + singles)
+    assert makespan(gang_lp(gang + singles, profiles, count)) / 360.0 == pytest.approx(500 / 3, rel=1e-3)
+
+
+def test_gangs_run_whole_one_at_a_time_shortest_first_and_the_long_one_when_it_must():
+    # Two 4-GPU gangs cannot share 5 GPUs: the LP runs the short one first (Smith's order),
+    # and a gang is forced with all its GPUs or not at all.
+    cluster = nodes(*AWS5)
+    short = JobState(job_id="s", job_type=RESNET18, workers=1, total_steps=steps(RESNET18, "t4", 5))
+    _, chosen = critical(cluster, gangs(cluster, 100, 10) + [short])
+    assert {"g0", "g1"} & set(chosen) == {"g1"}
+    # Alone with the single job, the long gang sets the makespan: it runs now.
+    _, chosen = critical(cluster, gangs(cluster, 100) + [short])
+    assert "g0" in chosen and chosen["g0"] <= {"v100", "k80", "t4"}
+
+
+@st.composite
+def gang_instances(draw):
+    cluster = Cluster(name="prop", nodes=tuple(
+        Node(node_id=f"n{i}", gpus=tuple(draw(st.lists(st.sampled_from(("k80", "p100", "v100")), min_size=1, max_size=4))))
+        for i in range(draw(st.integers(1, 5)))))
+    jobs = [JobState(job_id=f"j{i}", job_type=draw(st.sampled_from((RESNET18, RESNET50, LM))),
+                     workers=draw(st.sampled_from((1, 2, 4))), total_steps=draw(st.integers(1_000, 3_000_000)))
+            for i in range(draw(st.integers(1, 6)))]
+    return cluster, jobs
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(gang_instances())
+def test_the_gang_lp_is_a_relaxation_of_running_whole_gangs(instance):
+    # Between the longest job alone and all jobs one after another (both whole-gang
+    # schedules at each job's best planned rate), and its plan does all the work in time.
+    cluster, jobs = instance
+    profiles, count = profiles_of(cluster, jobs)
+    jobs = [j for j in jobs if profiles[j.job_id].feasible]
+    if not jobs:
+        return
+    alone = [j.total_steps / profiles[j.job_id].best_rate for j in jobs]
+    lp = gang_lp(jobs, profiles, count)
+    best = makespan(lp)
+    assert best is not None
+    assert max(alone) * (1 - 1e-6) - 1e-6 <= best <= sum(alone) * (1 + 1e-6) + 1e-6
+    plan = solve(lp, round_s=360.0, horizon_s=best * 1.01)
+    assert plan is not None
+    done = (plan.x.sum(axis=2) * type_rates(lp)).sum(axis=1)
+    assert np.all(done >= lp.rem * (1 - 1e-6) - 1e-9)
+    assert np.all(plan.x.sum(axis=(0, 1)) <= lp.count.sum() * plan.lengths * (1 + 1e-6) + 1e-6)
+
+
+def test_the_gangs_rounding_credit_is_carried_in_hadars_state_and_survives_a_snapshot():
+    import services.scheduler.snapshot  # noqa: F401  (registers the scheduler's classes)
+    cluster = nodes(*AWS5)
+    jobs = gangs(cluster, 100, 60) + [JobState(job_id="s", job_type=RESNET18, workers=1,
+                                               total_steps=steps(RESNET18, "v100", 50))]
+    plan = make_policy("hadar").plan(Snapshot(round=0, now_s=0.0, round_s=360.0, cluster=cluster, jobs=tuple(jobs),
+                                              throughput=TP))
+    state = plan.state
+    assert set(state.gang_credit) == {"g0", "g1"} and all(-1.0 <= v <= 1.0 for v in state.gang_credit.values())
+    assert unpack(pack(state)).gang_credit == state.gang_credit
 
 
 def test_two_long_jobs_get_the_type_each_is_efficient_on():

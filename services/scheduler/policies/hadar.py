@@ -187,6 +187,7 @@ class _Round:
         self.explain: dict[str, dict[str, Any]] = {}
         self.waits: dict[str, Wait] = {}
         self.allowed: dict[str, set[int]] = {}     # critical job -> GPU types it may use (timeline rule)
+        self.gang_credit: dict[str, float] = {}    # the timeline rule's gang rounding credit
         self.ledger = Ledger(layout=self.layout, horizon=cfg.horizon, round_=snap.round, curve=self._curve(),
                              max_workers=max((j.workers for j in self.jobs), default=1))
         self.target, self.critical = self._critical()
@@ -212,10 +213,11 @@ class _Round:
         new = [j.job_id for j in self.jobs if j.arrival_s > snap.now_s - snap.round_s]
         if cfg.critical and cfg.critical_rule == "timeline":
             count = np.bincount(self.layout.row_type, weights=self.layout.row_cap, minlength=len(self.layout.types))
-            target, chosen = critical_types(self.jobs, self.profiles, count, round_=snap.round, round_s=snap.round_s,
-                                            previous=previous, arrived=bool(new), slack=cfg.critical_slack)
-            self.allowed = dict(chosen)
-            return target, [job_id for job_id, _ in chosen]
+            decided = critical_types(self.jobs, self.profiles, count, round_=snap.round, round_s=snap.round_s,
+                                     previous=previous, arrived=bool(new), slack=cfg.critical_slack,
+                                     credit=prev.gang_credit if prev is not None else None)
+            self.allowed, self.gang_credit = dict(decided.chosen), decided.credit
+            return decided.end, [job_id for job_id, _ in decided.chosen]
         need = {j.job_id: rounds_needed(j, self.profiles[j.job_id], snap.round_s) for j in self.jobs}
         capacity = (job_capacity_rounds(self.jobs, self.profiles, need, types=self.layout.row_type,
                                         caps=self.layout.row_cap, round_s=snap.round_s)
@@ -318,7 +320,8 @@ class _Round:
                             detail=f"schedule starts in round {start}; no idle GPUs fit it now")
             waiting.append(wait)
         return Plan(placements=tuple(placements), waiting=tuple(waiting),
-                    state=self.ledger.freeze(round_s=self.snap.round_s, target_end=self.target), explain=self.explain)
+                    state=self.ledger.freeze(round_s=self.snap.round_s, target_end=self.target,
+                                             gang_credit=self.gang_credit), explain=self.explain)
 
     def _density_key(self, job: JobState) -> float:
         """Planning order within a round: highest best value per GPU-round first (sorting is

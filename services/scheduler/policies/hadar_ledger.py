@@ -32,7 +32,7 @@ the committed array for inspection, and the running value bounds.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -111,6 +111,7 @@ class LedgerState(PolicyState):
     value_lo: float
     value_hi: float
     target_end: int = -1   # E of ``hadar_critical`` (-1: none)
+    gang_credit: Mapping[str, float] = field(default_factory=dict)   # ``hadar_timeline._whole_gangs``
 
 
 class Ledger:
@@ -305,10 +306,12 @@ class Ledger:
     def free(self, slot: int) -> np.ndarray:
         return self.cap - self.z[slot]
 
-    def freeze(self, *, round_s: float, target_end: int = -1) -> LedgerState:
+    def freeze(self, *, round_s: float, target_end: int = -1,
+               gang_credit: Mapping[str, float] | None = None) -> LedgerState:
         return LedgerState(round=self.round, horizon=self.horizon, round_s=round_s, layout=self.layout,
                            commitments=dict(self.commitments), committed=self.z.copy(),
-                           value_lo=self.curve.value_lo, value_hi=self.curve.value_hi, target_end=target_end)
+                           value_lo=self.curve.value_lo, value_hi=self.curve.value_hi, target_end=target_end,
+                           gang_credit=dict(gang_credit or {}))
 
 
 def remap(c: Commitment, old: RowLayout, new: RowLayout, from_round: int) -> Commitment | None:

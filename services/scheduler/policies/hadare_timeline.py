@@ -57,9 +57,9 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import linprog
-from scipy.sparse import coo_matrix
+from scipy.sparse import coo_matrix, csr_matrix, hstack, identity, kron, vstack
 
-from services.scheduler.policies.hadare_split import ForkLp, makespan
+from services.scheduler.policies.hadare_split import Columns, ForkLp, gang_rows_of, makespan
 from services.scheduler.policy import JobState, PolicyState
 
 TIMELINE_SLACK = 0.03
@@ -112,10 +112,12 @@ def target_end_s(best_s: float, *, now_s: float, previous: TimelineState | None,
 
 @dataclass(frozen=True, kw_only=True)
 class Timeline:
-    """The LP's solution: ``lengths[k]`` (seconds) and ``x[j, r, k]`` GPU-seconds."""
+    """The LP's solution: ``lengths[k]`` (seconds), ``x[j, r, k]`` GPU-seconds and
+    ``spread_now[s, r]``: the GPUs of type r spread column s holds in the first interval."""
 
     lengths: np.ndarray
     x: np.ndarray
+    spread_now: np.ndarray
 
 
 def solve(lp: ForkLp, *, round_s: float, horizon_s: float, weights: Sequence[float] | None = None,
@@ -130,40 +132,36 @@ def solve(lp: ForkLp, *, round_s: float, horizon_s: float, weights: Sequence[flo
     ends = np.cumsum(lengths)
     mids = ends - lengths / 2.0
     w = np.ones(n_j) if weights is None else np.asarray(weights, dtype=float)
-    live = lp.rem > 0
-    nv = n_j * n_r * n_k
-    x_of = np.arange(nv).reshape(n_j, n_r, n_k)
-    cost = np.zeros((n_j, n_r, n_k))
-    cost[live] = (w[live] / lp.rem[live])[:, None, None] * lp.rho[live][:, :, None] * (mids / ends[-1])[None, None, :]
-    rows, cols, vals, rhs = [], [], [], []
-    row = 0
-    # work: -sum_{r,k} rho X <= -R
-    rows.append(np.repeat(np.arange(n_j), n_r * n_k))
-    cols.append(x_of.ravel())
-    vals.append(-np.repeat(lp.rho.ravel(), n_k))
-    rhs.append(-lp.rem)
-    row += n_j
-    # capacity: sum_j X[j,r,k] <= n_r L_k
-    rows.append(row + np.tile(np.arange(n_r * n_k), n_j))
-    cols.append(x_of.ravel())
-    vals.append(np.ones(nv))
-    rhs.append((lp.count[:, None] * lengths[None, :]).ravel())
-    row += n_r * n_k
-    # per job and interval: sum_r X[j,r,k] <= GF_j L_k
-    rows.append(row + (np.arange(n_j)[:, None, None] * n_k + np.arange(n_k)[None, None, :]
-                       + np.zeros((1, n_r, 1), dtype=int)).ravel())
-    cols.append(x_of.ravel())
-    vals.append(np.ones(nv))
-    rhs.append((lp.cap_g[:, None] * lengths[None, :]).ravel())
-    row += n_j * n_k
-    a_ub = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(row, nv)).tocsr()
-    # per job, type and interval: 0 <= X <= cF L_k (0 where the type cannot run the job)
-    upper = lp.cap_f[:, :, None] * lengths[None, None, :] * (lp.rho > 0)[:, :, None]
-    res = linprog(cost.ravel(), A_ub=a_ub, b_ub=np.concatenate(rhs),
-                  bounds=np.column_stack([np.zeros(nv), upper.ravel()]), method="highs")
+    cols = Columns.of(lp)
+    n_c = cols.job.size
+    nv = n_c * n_k
+    x_of = np.arange(nv).reshape(n_c, n_k)
+    per_step = np.where(lp.rem > 0, w / np.maximum(lp.rem, 1e-300), 0.0)
+    cost = (per_step[cols.job] * cols.rate)[:, None] * (mids / ends[-1])[None, :]
+    k_i = np.tile(np.arange(n_k), n_c)
+    # rows: work (n_j): -sum rate X <= -R; capacity (n_r n_k): sum X[., r, k] <= n_r L_k;
+    # per job and interval (n_j n_k): sum X[j, ., k] <= GF_j L_k
+    rows = np.concatenate([np.repeat(cols.job, n_k), n_j + np.repeat(cols.gpu_type, n_k) * n_k + k_i,
+                           n_j + n_r * n_k + np.repeat(cols.job, n_k) * n_k + k_i])
+    vals = np.concatenate([-np.repeat(cols.rate, n_k), np.ones(2 * nv)])
+    a_ub = coo_matrix((vals, (rows, np.tile(x_of.ravel(), 3))), shape=(n_j + (n_r + n_j) * n_k, nv)).tocsr()
+    rhs = [-lp.rem, (lp.count[:, None] * lengths[None, :]).ravel(), (lp.cap_g[:, None] * lengths[None, :]).ravel()]
+    cuts = gang_rows_of(lp, cols)
+    n_extra = cuts.n_extra * n_k
+    if n_extra:                             # X[c, k] then the cuts' variables E[e, k], rows per interval
+        eye = identity(n_k, format="csr")
+        a_ub = vstack([hstack([a_ub, csr_matrix((a_ub.shape[0], n_extra))]),
+                       hstack([kron(cuts.x, eye), kron(cuts.extra, eye)])]).tocsr()
+        rhs.append(np.kron(cuts.length, lengths))
+    # per column and interval: 0 <= X <= cap L_k
+    upper = np.concatenate([(cols.cap[:, None] * lengths[None, :]).ravel(), np.full(n_extra, np.inf)])
+    res = linprog(np.concatenate([cost.ravel(), np.zeros(n_extra)]), A_ub=a_ub, b_ub=np.concatenate(rhs),
+                  bounds=np.column_stack([np.zeros(nv + n_extra), upper]), method="highs")
     if res.status != 0:
         return None
-    return Timeline(lengths=lengths, x=res.x.reshape(n_j, n_r, n_k))
+    x = res.x[:nv].reshape(n_c, n_k)
+    return Timeline(lengths=lengths, x=cols.per_job_type(x, (n_j, n_r)),
+                    spread_now=cols.per_spread_type(x[:, 0] / lengths[0], (lp.spread_job.size, n_r)))
 
 
 def solve_until(lp: ForkLp, *, kept_end: float | None, new_end: Callable[[float], float],
@@ -213,10 +211,17 @@ def job_classes(jobs: Sequence[JobState], rounds: Callable[[JobState], float]) -
 
 
 def pool(lp: ForkLp, groups: Sequence[Sequence[int]]) -> ForkLp:
-    """``lp`` with the rows of each group (indices into its jobs, all with one rho) summed:
-    one job of their summed work and caps. Every schedule of the jobs is one of the pooled
-    job, so the LP stays a relaxation of the same kind."""
+    """``lp`` with the rows of each group (indices into its jobs, all with one rho and the
+    same spread columns: one job type and W) summed: one job of their summed work and caps.
+    Every schedule of the jobs is one of the pooled job, so the LP stays a relaxation of
+    the same kind."""
     first = [g[0] for g in groups]
+    spread = [(c, s) for c, g in enumerate(groups) for s in np.flatnonzero(lp.spread_job == g[0])]
+    members = np.array([len(groups[c]) for c, _ in spread], dtype=float)
+    picked = np.array([s for _, s in spread], dtype=int)
     return ForkLp(types=lp.types, rho=lp.rho[first], rem=np.array([lp.rem[list(g)].sum() for g in groups]),
                   cap_f=np.array([lp.cap_f[list(g)].sum(axis=0) for g in groups]).reshape(len(groups), -1),
-                  cap_g=np.array([lp.cap_g[list(g)].sum() for g in groups]), count=lp.count)
+                  cap_g=np.array([lp.cap_g[list(g)].sum() for g in groups]), count=lp.count,
+                  spread_job=np.array([c for c, _ in spread], dtype=int), spread_rate=lp.spread_rate[picked],
+                  spread_cap=(lp.spread_cap[picked] * members[:, None]).reshape(len(spread), lp.rho.shape[1]),
+                  gang_width=lp.gang_width[first] if lp.gang_width.size else lp.gang_width)

@@ -1,0 +1,96 @@
+"""Rows that keep the no-fork LP honest about gangs: a gang holds all its W GPUs at once.
+
+The LPs of ``hadare_split`` / ``hadare_timeline`` count GPU-seconds, so on their own they
+let a gang run part-time on part of its GPUs beside jobs that could never use the rest.
+For each gang width w >= 2 of the jobs present (N GPUs in all), with *wide* jobs those of
+width >= w and *narrow* the others, and tau the time in an interval of length L during
+which some wide gang runs (an extra variable, 0 <= tau <= L):
+
+* (a) at most fit = floor(N / w) wide gangs run at once: sum_wide X / W_j <= fit tau
+  (X / W_j: the time gang j runs);
+* while a wide gang runs, narrow jobs hold at most N - w GPUs; otherwise narrow job s holds
+  at most W_s. So with y_s >= 0 the part of s's GPU-seconds X_s done beside a wide gang:
+  (b) X_s - y_s <= W_s (L - tau) for each narrow job s, and (c) sum_s y_s <= (N - w) tau.
+
+Every schedule of whole gangs satisfies them (take tau = the measure of that time, y_s =
+what s does in it), so the LP stays a relaxation. (b) and (c) are what tie a gang's time
+to the GPUs narrow jobs leave idle: a narrow job that is done holds nothing, so the LP no
+longer fills a gang's off-time with work that does not exist. A width is left out where
+its rows cannot cut: at most fit wide gangs and narrow jobs of at most N - w GPUs in all.
+
+Cost: per width and interval, 1 + S variables and S + 3 rows (S narrow jobs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.sparse import coo_matrix, csr_matrix
+
+
+@dataclass(frozen=True, kw_only=True)
+class GangRows:
+    """The rows of one interval: ``x @ X + extra @ E <= length * L`` (X the LP's columns,
+    E >= 0 the extra variables tau and y, L the interval's length or the makespan T)."""
+
+    x: csr_matrix
+    extra: csr_matrix
+    length: np.ndarray
+
+    @property
+    def n_extra(self) -> int:
+        return self.extra.shape[1]
+
+
+def gang_rows(*, width: np.ndarray, members: np.ndarray, total: float, col_job: np.ndarray) -> GangRows:
+    """The module's rows for LP rows of gang width ``width[j]`` (0: divisible work, no rows),
+    each standing for ``members[j]`` gangs (a pooled class), ``total`` GPUs, and columns of
+    jobs ``col_job``."""
+    n_c = col_job.size
+    rows_x: list[tuple[int, int, float]] = []
+    rows_e: list[tuple[int, int, float]] = []
+    length: list[float] = []
+    n_e = 0
+    if width.size:
+        for w in sorted({float(x) for x in width if x >= 2}):
+            fit = math.floor(total / w + 1e-9)
+            if fit < 1:
+                continue
+            wide = width >= w
+            narrow = np.flatnonzero(~wide & (width > 0))
+            narrow_gpus = float((width[narrow] * members[narrow]).sum())
+            splits = narrow_gpus > total - w + 1e-9
+            if members[wide].sum() <= fit + 1e-9 and not splits:
+                continue
+            tau, row = n_e, len(length)
+            n_e += 1
+            rows_x += [(row, c, 1.0 / width[col_job[c]]) for c in np.flatnonzero(wide[col_job])]   # (a)
+            rows_e.append((row, tau, -float(fit)))
+            length.append(0.0)
+            rows_e.append((row + 1, tau, 1.0))                                                   # tau <= L
+            length.append(1.0)
+            if not splits:
+                continue
+            slot = {int(s): i for i, s in enumerate(narrow)}
+            first_b = len(length)
+            for i, s in enumerate(narrow):                                                       # (b)
+                cap = float(width[s] * members[s])
+                rows_e += [(first_b + i, n_e + i, -1.0), (first_b + i, tau, cap)]
+                length.append(cap)
+            rows_x += [(first_b + slot[int(col_job[c])], c, 1.0) for c in range(n_c) if int(col_job[c]) in slot]
+            row_c = len(length)                                                                  # (c)
+            rows_e += [(row_c, n_e + i, 1.0) for i in range(narrow.size)] + [(row_c, tau, -(total - w))]
+            length.append(0.0)
+            n_e += narrow.size
+    n_rows = len(length)
+    return GangRows(x=_sparse(rows_x, (n_rows, n_c)), extra=_sparse(rows_e, (n_rows, n_e)),
+                    length=np.array(length))
+
+
+def _sparse(entries: list[tuple[int, int, float]], shape: tuple[int, int]) -> csr_matrix:
+    if not entries:
+        return csr_matrix(shape)
+    r, c, v = zip(*entries)
+    return coo_matrix((v, (r, c)), shape=shape).tocsr()
