@@ -28,10 +28,10 @@ Rounding this round's slice of the LP (fractional GPUs per job and type) to *cri
 jobs, each planned before every other job on the otherwise empty ledger, only on options
 of the types it got (``Hadar._plan_job``):
 
-* Gangs (W >= 2) run whole or not at all (``_whole_gangs``): one runs when the LP runs it
-  at least about half of this round, or of the part of a round it still needs, or when it
-  has less than a round of laxity to E; the gangs taken stay within half a gang of the
-  GPUs the LP gives all gangs now; each takes the LP's mix of types, then its fastest.
+* Gangs (W >= 2) run whole or not at all (``_whole_gangs``), on one option each, by error
+  diffusion: a gang runs when what the LP gives it this round plus what it was given and
+  did not run before reaches about half a round (or when it has less than a round of
+  laxity to E), so over rounds it runs about the part of the time the LP gives it.
 * Single-GPU jobs get the GPUs left by a transportation problem: y[j, r] integer GPUs,
   sum_r y[j, r] <= 1, sum_j y[j, r] <= n_r left, maximising sum v[j, r] y[j, r] with
   v[j, r] = min(1, share / need) the part of what j can use of r this round that the LP
@@ -167,10 +167,9 @@ def critical_types(jobs: Sequence[JobState], profiles: Mapping[str, JobProfile],
     # GPUs on their one type, then gangs that span nodes, which take what is left of their
     # types (their DP takes a job's slowest eligible GPUs first, which may be ones the LP
     # gave a single-GPU job).
-    spans = set(lp.spread_job.tolist())
     return CriticalRound(end=end, credit=carried,
-                         chosen=([(job_id, types) for c, job_id, types in gangs if c not in spans] + singles
-                                 + [(job_id, types) for c, job_id, types in gangs if c in spans]))
+                         chosen=([(job_id, types) for spans, job_id, types in gangs if not spans] + singles
+                                 + [(job_id, types) for spans, job_id, types in gangs if spans]))
 
 
 def _single_gpus(lp: ForkLp, groups: Sequence[Sequence[JobState]], share: np.ndarray, rates: np.ndarray,
@@ -218,9 +217,10 @@ def _in_turn(group: Sequence[JobState]) -> list[JobState]:
 
 def _whole_gangs(lp: ForkLp, groups: Sequence[Sequence[JobState]], share: np.ndarray, spread_now: np.ndarray,
                  rates: np.ndarray, smith: np.ndarray, free: np.ndarray, *, round_s: float, rounds_left: int,
-                 credit: Mapping[str, float]) -> tuple[list[tuple[int, str, set[int]]], dict[str, float]]:
-    """The gangs (W >= 2) to run now, each on all its W GPUs, as (LP row, job id, the types
-    it may use), and the gangs' credit for the next round; takes their GPUs off ``free``.
+                 credit: Mapping[str, float]) -> tuple[list[tuple[bool, str, set[int]]], dict[str, float]]:
+    """The gangs (W >= 2) to run now, each on all its W GPUs, as (whether it spans nodes,
+    job id, the types it may use), and the gangs' credit for the next round; takes their
+    GPUs off ``free``.
 
     The LP runs gang c for ``units`` = its GPUs now / W of this round (a class: that many of
     its gangs). A gang's *fill* is that part of what it can use this round (``units`` over
@@ -235,11 +235,10 @@ def _whole_gangs(lp: ForkLp, groups: Sequence[Sequence[JobState]], share: np.nda
     ran in every round and left the jobs beside it nothing. Pooled classes (above POOL_ABOVE
     jobs) round ``units`` and carry no credit.
 
-    Which GPUs: a gang that spans nodes takes one option, the spread column the LP runs most
-    now (one placement over several of the LP's columns would run at the slowest one's
-    rate): the LP's mix of that column's types, then its slowest. A gang without spread
-    columns runs on one type (one node), the one the LP gives it most, else its fastest."""
-    spread = set(lp.spread_job.tolist())
+    Which GPUs: one option per gang (``_gang_options``: those the LP runs now first), the
+    first whose GPUs (``_take_gang``) fit in what the LP leaves to the jobs not yet placed,
+    else the first whose GPUs are free: rounding a gang up to W GPUs of one option should
+    not drop a job the LP runs now if another option avoids it."""
     wanted, budget, due_of = [], 0.0, {}
     for c, group in enumerate(groups):
         width = group[0].workers
@@ -258,40 +257,72 @@ def _whole_gangs(lp: ForkLp, groups: Sequence[Sequence[JobState]], share: np.nda
             budget += width * units
         if due > SHARE_EPS:
             wanted.append((-due, int(smith[c]), c, runs))
-    out: list[tuple[int, str, set[int]]] = []
+    out: list[tuple[bool, str, set[int]]] = []
     taken = 0.0
+    pending = share.sum(axis=0)             # GPUs of each type the LP gives jobs not yet placed
     for _, _, c, runs in sorted(wanted):
         width = groups[c][0].workers
-        if c in spread:                     # one option: the spread column the LP runs most now
-            mine = np.flatnonzero(lp.spread_job == c)
-            held = spread_now[mine].sum(axis=1)
-            column = mine[np.argmax(held)] if held.max() > SHARE_EPS else mine[np.argmax(lp.spread_rate[mine])]
-            now, usable = spread_now[column], lp.spread_cap[column] > 0
-        else:
-            now, usable = share[c], rates[c] > 0
-        given = float(now.sum())
-        mix = now * (width / given) if given > SHARE_EPS else np.zeros_like(free)   # its GPUs while it runs
+        options = _gang_options(lp, c, share[c], spread_now)
+        pending -= share[c]
         for job in _in_turn(groups[c])[:runs]:
             if taken + width > budget + width / 2.0:
                 break
-            take = np.minimum(free, np.floor(mix + 1e-6)) if c in spread else np.zeros_like(free)
-            if c in spread:                 # the LP's mix, then the column's slowest types
-                order = np.lexsort((rates[c], -(mix - take)))
-                for r in order[usable[order]]:
-                    take[r] += min(free[r] - take[r], width - take.sum())
-            else:                           # one type: the one the LP gives it most, else its fastest
-                order = np.lexsort((-rates[c], -mix))
-                fits = [r for r in order[usable[order]] if free[r] >= width]
-                if fits:
-                    take[fits[0]] = width
-            if take.sum() < width:
+            takes = [(column, _take_gang(width, now, usable, rates[c], free, one_node=column < 0))
+                     for column, now, usable in options]
+            takes = [(column, take) for column, take in takes if take is not None]
+            if not takes:
                 continue
+            # an option within what the LP leaves to the others first: rounded up, it
+            # displaces no job the LP runs now
+            column, take = next(((col, t) for col, t in takes if np.all(t <= free - pending + 1e-6)), takes[0])
             free -= take
             taken += width
-            out.append((c, job.job_id, {int(r) for r in np.flatnonzero(take > 0)}))
+            out.append((column >= 0, job.job_id, {int(r) for r in np.flatnonzero(take > 0)}))
     ran = {job_id for _, job_id, _ in out}
     return out, {job_id: float(np.clip(due - (job_id in ran), -CREDIT_CAP, CREDIT_CAP))
                  for job_id, due in due_of.items()}
+
+
+def _gang_options(lp: ForkLp, c: int, share: np.ndarray,
+                  spread_now: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """Gang c's options as (spread column, or -1 for one node; its GPUs of each type the LP
+    holds now; the types it may use): those the LP runs now first, most GPUs first, then by
+    rate. A node option is one type; one placement over several of the LP's columns would
+    run at the slowest one's rate."""
+    mine = np.flatnonzero(lp.spread_job == c)
+    spread_held = spread_now[mine].sum(axis=0) if mine.size else np.zeros_like(share)
+    on_node = np.clip(share - spread_held, 0.0, None)
+    ranked = []
+    for r in np.flatnonzero(lp.rho[c] > 0):
+        only = np.zeros(share.size, dtype=bool)
+        only[r] = True
+        ranked.append((float(on_node[r]), float(lp.rho[c, r]), -1, np.where(only, on_node, 0.0), only))
+    for s in mine:
+        ranked.append((float(spread_now[s].sum()), float(lp.spread_rate[s]), int(s), spread_now[s],
+                       lp.spread_cap[s] > 0))
+    ranked.sort(key=lambda o: (-o[0] if o[0] > SHARE_EPS else 0.0, -o[1]))
+    return [(column, now, usable) for _, _, column, now, usable in ranked]
+
+
+def _take_gang(width: int, now: np.ndarray, usable: np.ndarray, rates: np.ndarray, free: np.ndarray, *,
+               one_node: bool) -> np.ndarray | None:
+    """W GPUs per type for one gang on one option, or None if they are not free: one node
+    option takes W of its type; a spread column the LP's mix of its types (scaled to W),
+    then its slowest types."""
+    if one_node:
+        r = int(np.flatnonzero(usable)[0])
+        if free[r] < width:
+            return None
+        take = np.zeros_like(free)
+        take[r] = width
+        return take
+    given = float(now.sum())
+    mix = now * (width / given) if given > SHARE_EPS else np.zeros_like(free)
+    take = np.where(usable, np.minimum(free, np.floor(mix + 1e-6)), 0.0)
+    order = np.lexsort((rates, -(mix - take)))
+    for r in order[usable[order]]:
+        take[r] += min(free[r] - take[r], width - take.sum())
+    return take if take.sum() >= width else None
 
 
 def _transport(value: np.ndarray, workers: np.ndarray, cap: np.ndarray, count: np.ndarray) -> np.ndarray | None:
