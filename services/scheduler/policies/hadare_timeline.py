@@ -42,7 +42,8 @@ bound at a slack of 0.01.
 Above POOL_ABOVE jobs the LP runs on classes of jobs (``job_classes``, ``pool``: same job
 type, W and bucket of rounds left; summed work and caps, still a relaxation), and a
 class's GPUs go to its jobs in planning order. Hadar's critical rule
-(``hadar_timeline``) uses the same LP without forking.
+(``hadar_timeline``) uses the same LP without forking, plus spread columns for gangs that
+span nodes and ``gang_cuts``' rows for whole gangs (``ForkLp``; HadarE's fork LP has neither).
 
 Cost: one makespan LP (J R + 1 variables; only when E is set or moved) and one LP with
 J R K variables and J + R K + J K (R + 1) rows; K about log2(E / round_s) + 2. HiGHS. On
