@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from services.scheduler.cluster import Cluster, Node
 from services.scheduler.policies.hadar_ledger import RowLayout
 from services.scheduler.policies.hadar_profile import ProfileBook
-from services.scheduler.policies.hadar_timeline import POOL_ABOVE, _transport, critical_types, end_round, gang_lp
-from services.scheduler.policies.hadare_split import makespan, type_rates
+from services.scheduler.policies.hadar_timeline import (
+    POOL_ABOVE, _single_gpus, _transport, critical_types, end_round, gang_lp)
+from services.scheduler.policies.hadare_split import ForkLp, makespan, type_rates
 from services.scheduler.policies.hadare_timeline import solve
 from services.scheduler.policies import make_policy
 from services.scheduler.policy import JobState, Snapshot
@@ -159,6 +160,18 @@ def test_the_gangs_rounding_credit_is_carried_in_hadars_state_and_survives_a_sna
     state = plan.state
     assert set(state.gang_credit) == {"g0", "g1"} and all(-1.0 <= v <= 1.0 for v in state.gang_credit.values())
     assert unpack(pack(state)).gang_credit == state.gang_credit
+
+
+def test_a_tight_job_whose_gpus_a_gang_took_runs_on_another_type():
+    # The LP gives the job type 0, a rounded-up gang took all of it; with under a round of
+    # laxity it runs on type 1 rather than wait, but only after gangs (else it waits a round).
+    lp = ForkLp(types=["0", "1"], rho=np.array([[1.0, 0.5]]), rem=np.array([100.0 * 360.0]),
+                cap_f=np.ones((1, 2)), cap_g=np.ones(1), count=np.array([2.0, 1.0]))
+    job = JobState(job_id="t", job_type=RESNET18, workers=1, total_steps=1)
+    args = dict(share=np.array([[1.0, 0.0]]), rates=lp.rho, smith=np.zeros(1, dtype=int),
+                round_s=360.0, rounds_left=100)
+    assert _single_gpus(lp, [[job]], free=np.array([0.0, 1.0]), after_gangs=True, **args) == [("t", {1})]
+    assert _single_gpus(lp, [[job]], free=np.array([0.0, 1.0]), after_gangs=False, **args) == []
 
 
 def test_two_long_jobs_get_the_type_each_is_efficient_on():
