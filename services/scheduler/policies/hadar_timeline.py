@@ -179,13 +179,14 @@ def _single_gpus(lp: ForkLp, groups: Sequence[Sequence[JobState]], share: np.nda
     of value: the transportation problem of the module's docstring.
 
     A *tight* job (less than a round of laxity to E) wins every tie. When whole gangs were
-    taken first (``after_gangs``: they take more GPUs than the LP's slice gives them, so
-    the transport must drop some job the slice runs), a tight job comes before any other,
-    and may run on any type it can use, valued by its speed there, if a gang took the GPUs
-    the slice gave it: dropped, it would move E (lab-5-multi, 20 jobs, seed 3: 1.066x the
-    bound against 1.096x when it could only wait). Without gangs that rule cost mean JCT for little TTD (aws-5 /
-    lab-5, 20 single-GPU jobs, seeds 1-5: TTD 1.18 / 1.24x, mean JCT 1.20 / 1.13x gavel,
-    against 1.17 / 1.23x and 1.20 / 1.16x), so there a tight job only wins ties."""
+    taken first (``after_gangs``: they take more GPUs than the LP's slice gives them, so the
+    transport must drop some job the slice runs), a tight job comes before any other, and
+    may run on any type it can use, valued by its speed there, if a gang took the GPUs the
+    slice gave it: dropped, it would move E (lab-5-multi, 20 jobs, seed 3: 1.066x the bound
+    against 1.096x when it could only wait). Without gangs that rule cost mean JCT for
+    little TTD (aws-5 / lab-5, 20 single-GPU jobs, seeds 1-5: TTD 1.18 / 1.24x, mean JCT
+    1.20 / 1.13x gavel, against 1.17 / 1.23x and 1.20 / 1.16x), so there a tight job only
+    wins ties."""
     with np.errstate(divide="ignore", invalid="ignore"):
         need = np.minimum(lp.cap_f, np.where(rates > 0, lp.rem[:, None] / (rates * round_s), 0.0))
         value = np.where(share > SHARE_EPS, np.minimum(1.0, share / np.maximum(need, 1e-12)), 0.0)
