@@ -35,6 +35,7 @@ from shared.store.base import (
 __all__ = ["LocalStore"]
 
 _TMP_MARK = "\x7f"
+_PRUNED_RETRIES = 8     # puts that lose their directory to a concurrent delete's pruning, in a row
 
 
 class LocalStore:
@@ -120,15 +121,25 @@ class LocalStore:
 
     def _write_atomic(self, key: str, target: Path, write: Callable[[BinaryIO], object]) -> None:
         directory = target.parent
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
-            raise InvalidKey(f"key {key!r} runs through an existing object (a LocalStore limit)") from None
-        if target.is_dir():
-            raise InvalidKey(f"key {key!r} is a prefix of existing objects (a LocalStore limit)")
         tmp = directory / f".{_TMP_MARK}{secrets.token_hex(8)}"
+        for attempt in range(_PRUNED_RETRIES):
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+            except (FileExistsError, NotADirectoryError):
+                raise InvalidKey(f"key {key!r} runs through an existing object (a LocalStore limit)") from None
+            if target.is_dir():
+                raise InvalidKey(f"key {key!r} is a prefix of existing objects (a LocalStore limit)")
+            try:
+                out = open(tmp, "xb")
+                break
+            except FileNotFoundError:
+                # A concurrent delete pruned the directory, empty until our temporary file
+                # exists, between mkdir and open: make it again. Once the file is there,
+                # rmdir cannot remove it.
+                if attempt == _PRUNED_RETRIES - 1:
+                    raise
         try:
-            with open(tmp, "xb") as out:
+            with out:
                 write(out)
                 out.flush()
                 os.fsync(out.fileno())
@@ -136,7 +147,10 @@ class LocalStore:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        _fsync_dir(directory)
+        try:
+            _fsync_dir(directory)
+        except FileNotFoundError:
+            pass                            # a later delete of this key pruned the directory
 
     def _open(self, key: str, target: Path) -> BinaryIO:
         try:

@@ -195,6 +195,27 @@ async def test_local_store_refuses_object_inside_object(local_store: LocalStore)
     assert await local_store.list() == ["a", "p"]
 
 
+async def test_local_store_put_survives_a_delete_pruning_its_directory(local_store: LocalStore,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A delete drops the directories it leaves empty; one that runs between a put's mkdir and
+    # its write removed the put's directory, and the put failed with FileNotFoundError (seen
+    # in the tracker's restart test: an agent re-reported a copy while a round was pruned).
+    await local_store.put("ckpt/j/0/0", b"old")
+    real_mkdir = Path.mkdir
+    raced: list[Path] = []
+
+    def mkdir_then_pruned(self: Path, *args, **kwargs) -> None:
+        real_mkdir(self, *args, **kwargs)
+        if not raced and self.name == "0" and self.parent.name == "j":
+            raced.append(self)
+            (self / "0").unlink()                # the concurrent delete of ckpt/j/0/0 ...
+            self.rmdir()                         # ... and its pruning of the empty directory
+    monkeypatch.setattr(Path, "mkdir", mkdir_then_pruned)
+    await local_store.put("ckpt/j/0/1", b"new")
+    assert raced and await local_store.get("ckpt/j/0/1") == b"new"
+    assert await local_store.list("ckpt/") == ["ckpt/j/0/1"]
+
+
 # -- key rules, as properties ---------------------------------------------------------------
 
 segment = st.text(
