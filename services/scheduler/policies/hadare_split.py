@@ -55,8 +55,8 @@ class ForkLp:
 
     Gangs (``gang_width``, Hadar only; empty: work is divisible): job j runs as one gang of
     ``gang_width[j]`` GPUs, all at once. The LP still lets it hold fewer (a fraction of the
-    time at full width), but gangs too wide to run side by side may not overlap in time:
-    ``gang_covers``."""
+    time at full width); ``gang_cuts``' rows keep gangs that cannot run side by side apart
+    and tie a gang's time to what the other jobs can use."""
 
     types: list[str]
     rho: np.ndarray
