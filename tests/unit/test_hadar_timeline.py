@@ -169,7 +169,7 @@ def test_a_tight_job_whose_gpus_a_gang_took_runs_on_another_type():
                 cap_f=np.ones((1, 2)), cap_g=np.ones(1), count=np.array([2.0, 1.0]))
     job = JobState(job_id="t", job_type=RESNET18, workers=1, total_steps=1)
     args = dict(share=np.array([[1.0, 0.0]]), rates=lp.rho, smith=np.zeros(1, dtype=int),
-                round_s=360.0, rounds_left=100)
+                round_s=360.0, tight=np.array([True]))       # 100 rounds of work, 100 rounds to E
     assert _single_gpus(lp, [[job]], free=np.array([0.0, 1.0]), after_gangs=True, **args) == [("t", {1})]
     assert _single_gpus(lp, [[job]], free=np.array([0.0, 1.0]), after_gangs=False, **args) == []
 

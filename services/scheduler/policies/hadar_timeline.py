@@ -159,9 +159,12 @@ def critical_types(jobs: Sequence[JobState], profiles: Mapping[str, JobProfile],
             for c, g in enumerate(groups)]
     smith = np.argsort(np.argsort(rank, kind="stable"), kind="stable")
     free = lp.count.astype(float).copy()
-    gangs, carried = _whole_gangs(lp, groups, share, plan.spread_now, rates, smith, free, round_s=round_s,
-                                  rounds_left=end - round_, credit=credit or {})
-    singles = _single_gpus(lp, groups, share, rates, smith, free, round_s=round_s, rounds_left=end - round_,
+    # rounds each job needs at its best rate (whole gang); *tight*: less than a round of laxity to E
+    rounds = lp.rem / np.maximum(lp.gang_width * rates.max(axis=1) * round_s, 1e-300)
+    tight = (rounds > end - round_ - 1) & np.array([len(g) == 1 for g in groups])
+    gangs, carried = _whole_gangs(lp, groups, share, plan.spread_now, rates, smith, free, rounds=rounds,
+                                  tight=tight, credit=credit or {})
+    singles = _single_gpus(lp, groups, share, rates, smith, free, round_s=round_s, tight=tight,
                            after_gangs=bool(gangs))
     # Planning order: the most constrained placements first. Gangs on one node, then single
     # GPUs on their one type, then gangs that span nodes, which take what is left of their
@@ -173,7 +176,7 @@ def critical_types(jobs: Sequence[JobState], profiles: Mapping[str, JobProfile],
 
 
 def _single_gpus(lp: ForkLp, groups: Sequence[Sequence[JobState]], share: np.ndarray, rates: np.ndarray,
-                 smith: np.ndarray, free: np.ndarray, *, round_s: float, rounds_left: int,
+                 smith: np.ndarray, free: np.ndarray, *, round_s: float, tight: np.ndarray,
                  after_gangs: bool) -> list[tuple[str, set[int]]]:
     """The single-GPU jobs to run now on the ``free`` GPUs, each with its one type, in order
     of value: the transportation problem of the module's docstring.
@@ -191,8 +194,6 @@ def _single_gpus(lp: ForkLp, groups: Sequence[Sequence[JobState]], share: np.nda
         need = np.minimum(lp.cap_f, np.where(rates > 0, lp.rem[:, None] / (rates * round_s), 0.0))
         value = np.where(share > SHARE_EPS, np.minimum(1.0, share / np.maximum(need, 1e-12)), 0.0)
     single = np.array([g[0].workers == 1 for g in groups])
-    tight = np.array([len(g) == 1 and lp.rem[c] / max(float(rates[c].max()) * round_s, 1e-300) > rounds_left - 1
-                      for c, g in enumerate(groups)])
     if after_gangs:                         # a tight job may run on any type rather than not at all
         speed = rates / np.maximum(rates.max(axis=1, keepdims=True), 1e-300)
         value = np.where(tight[:, None] & (value <= 0) & (rates > 0) & (lp.cap_f > 0), speed, value)
@@ -222,7 +223,7 @@ def _in_turn(group: Sequence[JobState]) -> list[JobState]:
 
 
 def _whole_gangs(lp: ForkLp, groups: Sequence[Sequence[JobState]], share: np.ndarray, spread_now: np.ndarray,
-                 rates: np.ndarray, smith: np.ndarray, free: np.ndarray, *, round_s: float, rounds_left: int,
+                 rates: np.ndarray, smith: np.ndarray, free: np.ndarray, *, rounds: np.ndarray, tight: np.ndarray,
                  credit: Mapping[str, float]) -> tuple[list[tuple[bool, str, set[int]]], dict[str, float]]:
     """The gangs (W >= 2) to run now, each on all its W GPUs, as (whether it spans nodes,
     job id, the types it may use), and the gangs' credit for the next round; takes their
@@ -253,9 +254,8 @@ def _whole_gangs(lp: ForkLp, groups: Sequence[Sequence[JobState]], share: np.nda
             continue
         if len(group) == 1:
             job_id = group[0].job_id
-            rounds = lp.rem[c] / max(width * float(rates[c].max()) * round_s, 1e-300)
-            due = min(1.0, units / max(min(1.0, rounds), 1e-9)) + credit.get(job_id, 0.0)
-            due = max(due, 1.0) if rounds > rounds_left - 1 else due
+            due = min(1.0, units / max(min(1.0, float(rounds[c])), 1e-9)) + credit.get(job_id, 0.0)
+            due = max(due, 1.0) if tight[c] else due
             due_of[job_id], runs = due, 1
             budget += width * max(due, 0.0)
         else:
