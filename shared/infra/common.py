@@ -46,6 +46,8 @@ _CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
 _EXITED: dict[int, int] = {}
 # How many of a dead server's last log lines an error shows (the cause is rarely the last).
 FAILURE_LINES = 5
+# How long a server seen gone while starting gets to finish exiting, so its exit code is known.
+EXIT_WAIT_S = 10.0
 
 
 class InfraError(HadarError):
@@ -189,7 +191,7 @@ def wait_for(ready: Callable[[], bool], *, what: str, timeout: float, alive: Cal
         if ready():
             return
         if not alive():
-            status = f" ({exit_status(pid)})" if pid is not None else ""
+            status = f" ({exit_status(pid, wait=EXIT_WAIT_S)})" if pid is not None else ""
             raise InfraError(f"{what} exited while starting{status}: {failure_tail(log)} (log: {log})")
         if clock() >= deadline:
             raise InfraError(f"{what} not ready after {timeout:.0f}s: {failure_tail(log)} (log: {log})",
@@ -197,11 +199,20 @@ def wait_for(ready: Callable[[], bool], *, what: str, timeout: float, alive: Cal
         sleep(interval)
 
 
-def exit_status(pid: int) -> str:
+def exit_status(pid: int, *, wait: float = 0.0) -> str:
     """How the server ``pid`` ended, in words: ``exit code N``, ``killed by SIGNAME``, or
-    unknown for a process this one did not start (its parent reaps it) or that still runs."""
+    unknown for a process this one did not start (its parent reaps it) or that still runs.
+
+    ``wait``: seconds to wait for a child of this process to finish exiting. A JVM drops its
+    command line before it becomes a zombie, so a server can look gone before it has exited.
+    """
     process = _CHILDREN.get(pid)
     code = process.poll() if process is not None else _EXITED.get(pid)
+    if process is not None and code is None and wait > 0:
+        try:
+            code = process.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            pass
     if process is not None and code is not None:
         _reap(pid)
     if code is None:
