@@ -216,7 +216,7 @@ def test_fork_cost_is_n_uploads_n_downloads_one_write_with_optimizer_state():
 
 def test_bad_options_are_refused():
     for bad in ({"fork": "sometimes"}, {"store_gbps": 0}, {"price_share": -1}, {"split": "sometimes"},
-                {"timeline_slack": -0.1}):
+                {"timeline_slack": -0.1}, {"completion_weight": 1.0}, {"completion_weight": -0.1}):
         with pytest.raises(ValueError):
             make_policy("hadare", **bad)
 

@@ -41,7 +41,7 @@ import numpy as np
 
 from services.scheduler.policies.hadar import Hadar
 from services.scheduler.policies.hadare_copies import PRICE_SHARE, SPLIT_SLACK, CopyCost, plan_copies
-from services.scheduler.policies.hadare_timeline import TIMELINE_SLACK
+from services.scheduler.policies.hadare_timeline import COMPLETION_WEIGHT, TIMELINE_SLACK
 from services.scheduler.policy import Placement, Plan, Snapshot, copy_rate
 from shared.fork_cost import DEFAULT_OPTIMIZER_SLOTS, DEFAULT_STORE_GBPS
 
@@ -62,7 +62,9 @@ class HadarE:
     consolidation costs (``shared.fork_cost``; match ``hadar sim --store-gbps``).
     ``split``: ``"timeline"`` (default) or ``"makespan"``, how the first-class mode picks
     each job's GPUs (``hadare_copies`` rule 2); ``timeline_slack``: the share of the
-    optimal makespan the timeline may give up for mean JCT (default 0.03).
+    optimal makespan the timeline may give up for mean JCT (default 0.045);
+    ``completion_weight``: the timeline objective's share of completion bounds, in [0, 1)
+    (``hadare_timeline``; default 0.9, 0: mean busy time alone).
     """
 
     name = "hadare"
@@ -70,11 +72,13 @@ class HadarE:
     def __init__(self, *, fork: str = "first-class", store_gbps: float = DEFAULT_STORE_GBPS,
                  optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS, price_share: float = PRICE_SHARE,
                  split_slack: float = SPLIT_SLACK, split: str = "timeline",
-                 timeline_slack: float = TIMELINE_SLACK, **options: Any) -> None:
+                 timeline_slack: float = TIMELINE_SLACK, completion_weight: float = COMPLETION_WEIGHT,
+                 **options: Any) -> None:
         if fork not in FORK_MODES:
             raise ValueError(f"fork must be one of {', '.join(FORK_MODES)}")
-        if split not in SPLITS or not timeline_slack >= 0:
-            raise ValueError(f"split must be one of {', '.join(SPLITS)}; timeline_slack must be >= 0")
+        if split not in SPLITS or not timeline_slack >= 0 or not 0 <= completion_weight < 1:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}; timeline_slack must be >= 0; "
+                             "completion_weight in [0, 1)")
         if not store_gbps > 0 or optimizer_slots < 0 or price_share < 0:
             raise ValueError("store_gbps must be > 0, optimizer_slots >= 0, price_share >= 0")
         self.mode = fork
@@ -83,6 +87,7 @@ class HadarE:
         self.split_slack = float(split_slack)
         self.split = split
         self.timeline_slack = float(timeline_slack)
+        self.completion_weight = float(completion_weight)
         # Leftover mode's primary plans without critical-first (``hadar_critical``): copies already
         # speed up the long jobs, and with it mean JCT fell (aws-5, 20 jobs, seeds 1-5: 1.54x -> 1.30x gavel).
         self.primary = Hadar(**({"critical": False} | options)) if fork == "leftover" else None
@@ -90,7 +95,8 @@ class HadarE:
     def plan(self, snapshot: Snapshot) -> Plan:
         if self.primary is not None:
             return fork(snapshot, self.primary.plan(snapshot))
-        return plan_copies(snapshot, self.cost, self.price_share, self.split_slack, self.split, self.timeline_slack)
+        return plan_copies(snapshot, self.cost, self.price_share, self.split_slack, self.split, self.timeline_slack,
+                           self.completion_weight)
 
 
 def fork(snapshot: Snapshot, base: Plan) -> Plan:

@@ -27,7 +27,8 @@ Rule (one round at a time, no reservation of future rounds):
    time-indexed LP gives it this round (``split="timeline"``, the default:
    ``hadare_timeline``: every job done by a target end E within ``timeline_slack`` of the
    optimal makespan, each job's work as early as that allows; the round's fractional
-   share rounded up, conflicts going to the job first in Smith's order, so a job about
+   share rounded to whole GPUs by error diffusion, what a job was due and not given
+   carried to the next round, a job the LP ends this round served first, so a job about
    to finish is not kept waiting by a sliver). ``split="makespan"`` (the earlier rule,
    and the fallback when an LP fails): only the GPU types the makespan LP gives it
    (``hadare_split.type_split``: the fork lower bound's LP on the remaining work, ties
@@ -67,9 +68,12 @@ import bisect
 import functools
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from services.scheduler.policies.hadare_split import fork_lp, type_split
 from services.scheduler.policies.hadare_timeline import (
-    POOL_ABOVE, TIMELINE_SLACK, TimelineState, budgets, job_classes, pool, solve_until, target_end_s)
+    COMPLETION_WEIGHT, POOL_ABOVE, TIMELINE_SLACK, TimelineState, budgets, job_classes, pool, solve_until,
+    target_end_s)
 from services.scheduler.policy import JobState, Placement, Plan, Snapshot, Wait, WaitCode, previous_state
 from shared.fork_cost import DEFAULT_OPTIMIZER_SLOTS, DEFAULT_STORE_GBPS, consolidation_s
 from shared.progress import credited_steps
@@ -107,7 +111,7 @@ class _Job:
 
 def plan_copies(snapshot: Snapshot, cost: CopyCost = CopyCost(), price_share: float = PRICE_SHARE,
                 split_slack: float = SPLIT_SLACK, split: str = "timeline",
-                timeline_slack: float = TIMELINE_SLACK) -> Plan:
+                timeline_slack: float = TIMELINE_SLACK, completion_weight: float = COMPLETION_WEIGHT) -> Plan:
     """The round's copies by the module's rule (placements, waiting, explain; no state)."""
     cluster, tp, round_s = snapshot.cluster, snapshot.throughput, snapshot.round_s
     free = _FreeGroups(cluster)
@@ -145,7 +149,7 @@ def plan_copies(snapshot: Snapshot, cost: CopyCost = CopyCost(), price_share: fl
         ratios = [credited(j, r, 1) / top[j.job_id] for j in order]
         best[r] = [max(ratios[i + 1: i + 1 + window], default=0.0) for i in range(len(order))] + [0.0]
     budgets, carried = _main_pass_budgets(snapshot, order, credited, speed, split,
-                                        timeline_slack if split == "timeline" else split_slack)
+                                        timeline_slack if split == "timeline" else split_slack, completion_weight)
     placements: list[Placement] = []
     explain: dict[str, dict[str, object]] = {}
     limit = len(cluster.nodes)
@@ -187,14 +191,14 @@ def plan_copies(snapshot: Snapshot, cost: CopyCost = CopyCost(), price_share: fl
 
 
 def _main_pass_budgets(snapshot: Snapshot, order: list[JobState], credited, speed: dict[str, float], split: str,
-                       slack: float) -> tuple[dict[str, dict[str, int]], TimelineState | None]:
+                       slack: float, completion_weight: float) -> tuple[dict[str, dict[str, int]], TimelineState | None]:
     """(job id -> GPUs per type its main pass may take, the state to carry): the time-indexed
     LP's slice of this round (``split="timeline"``, ``hadare_timeline``; on classes of jobs
     above POOL_ABOVE jobs) or every GPU of the types the makespan split gives it
     (``"makespan"``, or when an LP fails)."""
     cluster = snapshot.cluster
     if split == "timeline" and order:
-        got = _timeline_budgets(snapshot, order, credited, speed, slack)
+        got = _timeline_budgets(snapshot, order, credited, speed, slack, completion_weight)
         if got is not None:
             return got
     types = type_split(order, cluster, credited, urgency=[speed[j.job_id] / j.remaining for j in order],
@@ -203,7 +207,7 @@ def _main_pass_budgets(snapshot: Snapshot, order: list[JobState], credited, spee
 
 
 def _timeline_budgets(snapshot: Snapshot, order: list[JobState], credited, speed: dict[str, float],
-                      slack: float) -> tuple[dict[str, dict[str, int]], TimelineState] | None:
+                      slack: float, completion_weight: float) -> tuple[dict[str, dict[str, int]], TimelineState] | None:
     """``_main_pass_budgets`` by the time-indexed LP; None if an LP fails. The makespan LP
     is solved only when E must be set or moved (first round, arrivals, E missed)."""
     full = fork_lp(order, cluster := snapshot.cluster, credited)
@@ -220,12 +224,18 @@ def _timeline_budgets(snapshot: Snapshot, order: list[JobState], credited, speed
     end, plan = solve_until(
         lp, kept_end=previous.end_s if previous is not None and not ids - previous.job_ids else None,
         new_end=lambda best: target_end_s(best, now_s=now, previous=previous, job_ids=ids, slack=slack),
-        horizon_of=lambda e: e - now, round_s=snapshot.round_s, weights=weights)
+        horizon_of=lambda e: e - now, round_s=snapshot.round_s, weights=weights, completion_weight=completion_weight)
     if end is None or plan is None:
         return None
-    got = budgets(plan.x[:, :, 0] / plan.lengths[0], groups, full.cap_f)
-    return ({j.job_id: {cluster.types[r]: n for r, n in got[i].items()} for i, j in enumerate(order)},
-            TimelineState(end_s=end, job_ids=ids))
+    types, keys = cluster.types, [order[g[0]].job_id for g in groups]
+    carried = previous.credit if previous is not None else {}
+    credit = np.array([[carried.get(key, {}).get(t, 0.0) for t in types] for key in keys]).reshape(len(keys), -1)
+    later = plan.x[:, :, 1:].sum(axis=(1, 2))
+    got, credit = budgets(plan.x[:, :, 0] / plan.lengths[0], groups, full.cap_f, count=full.count, credit=credit,
+                          finishing=later <= 1e-6 * np.maximum(plan.x.sum(axis=(1, 2)), EPS))
+    kept = {key: {t: float(credit[c, r]) for r, t in enumerate(types) if credit[c, r]} for c, key in enumerate(keys)}
+    return ({j.job_id: {types[r]: n for r, n in got[i].items()} for i, j in enumerate(order)},
+            TimelineState(end_s=end, job_ids=ids, credit={key: v for key, v in kept.items() if v}))
 
 
 class _FreeGroups:
