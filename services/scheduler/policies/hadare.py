@@ -64,7 +64,7 @@ class HadarE:
     each job's GPUs (``hadare_copies`` rule 2); ``timeline_slack``: the share of the
     optimal makespan the timeline may give up for mean JCT (default 0.045);
     ``completion_weight``: the timeline objective's share of completion bounds, in [0, 1)
-    (``hadare_timeline``; default 0.9, 0: mean busy time alone).
+    (``hadare_timeline``; default 0.75, 0: mean busy time alone).
     """
 
     name = "hadare"
