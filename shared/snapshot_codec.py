@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from dataclasses import fields, is_dataclass
+from dataclasses import MISSING, fields, is_dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -178,5 +178,21 @@ def _ext_hook(tag: int, data: bytes) -> Any:  # noqa: C901 -- one branch per car
         obj = object.__new__(cls)
         for attr, item in attributes.items():
             object.__setattr__(obj, attr, item)
+        if is_dataclass(cls):
+            _fill_added_fields(obj, cls, attributes)
         return obj
     raise SnapshotDecodeError(f"snapshot has an unknown ext type {tag}")
+
+
+def _fill_added_fields(obj: Any, cls: type, attributes: dict[str, Any]) -> None:
+    """A field added to ``cls`` since the snapshot was written takes its default, so a
+    service restores what its previous version wrote; one without a default is refused."""
+    for f in fields(cls):
+        if f.name in attributes:
+            continue
+        if f.default is not MISSING:
+            object.__setattr__(obj, f.name, f.default)
+        elif f.default_factory is not MISSING:
+            object.__setattr__(obj, f.name, f.default_factory())
+        else:
+            raise SnapshotDecodeError(f"snapshot {cls.__name__} lacks field {f.name!r}, which has no default")

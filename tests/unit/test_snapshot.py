@@ -54,6 +54,33 @@ def _sample() -> dict:
     }
 
 
+def test_a_field_added_since_a_snapshot_was_written_takes_its_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A scheduler upgraded across a change that added policy-state fields (HadarE's rounding
+    # credit, Hadar's gang credit) restores the snapshot its predecessor wrote: the missing
+    # fields take their defaults instead of failing the first plan with AttributeError.
+    from services.scheduler.policies.hadar_ledger import LedgerState
+    from services.scheduler.policies.hadare_timeline import TimelineState
+    from shared import snapshot_codec
+
+    @dataclass(frozen=True, kw_only=True)
+    class WrittenBefore:             # TimelineState as it was before ``credit``
+        end_s: float
+        job_ids: frozenset[str] = frozenset()
+
+    monkeypatch.setitem(snapshot_codec._NAME_OF, WrittenBefore, snapshot_codec._NAME_OF[TimelineState])
+    back = unpack(pack(WrittenBefore(end_s=5.0, job_ids=frozenset({"a"}))))
+    assert back == TimelineState(end_s=5.0, job_ids=frozenset({"a"}))
+    assert back.credit == {}
+
+    @dataclass(frozen=True, kw_only=True)
+    class Unknowable:                # a field with no default cannot be made up: refused
+        end_s: float
+
+    monkeypatch.setitem(snapshot_codec._NAME_OF, Unknowable, snapshot_codec._NAME_OF[LedgerState])
+    with pytest.raises(SnapshotDecodeError, match="lacks"):
+        unpack(pack(Unknowable(end_s=1.0)))
+
+
 def test_values_come_back_equal_and_of_the_same_types() -> None:
     original = _sample()
     back = unpack(pack(original))
