@@ -22,7 +22,8 @@ import msgpack
 import pytest
 
 from shared import event_schema
-from shared.event_schema import BEGIN, CONSTRAINTS, CONSUMERS, END, json_to_wire, schema, validate
+from shared.event_schema import BEGIN, CONSTRAINTS, CONSUMERS, END, schema
+from shared.schema_check import json_to_wire, validate
 from shared.events import EVENT_TYPES, InvalidEvent, decode, topic_for
 from shared.records import Record
 from shared.topics import DEADLETTER, TOPIC_OF_TYPE
