@@ -4,8 +4,8 @@ For each of Progress (the hot event: one per copy per report), Assignment (neste
 and tuples) and RoundStarted (tuples of records, a dict), times ``--iterations`` calls of
 
 * ``construct``: ``cls(**fields)`` -- the validated constructor services call;
-* ``encode``: :func:`shared.events.encode` of one event;
-* ``decode``: :func:`shared.events.decode` of its bytes (validation included);
+* ``encode``: :func:`shared.wire.events.encode` of one event;
+* ``decode``: :func:`shared.wire.events.decode` of its bytes (validation included);
 * ``round_trip``: encode then decode (the bus's codec cost per event, both ends);
 
 ``--repeats`` times, and reports the median in microseconds per event of the thread's
@@ -35,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.events import (  # noqa: E402
+from shared.wire.events import (  # noqa: E402
     Assignment, Event, JobSpec, Progress, RoundStarted, Waiting, decode, encode,
 )
 

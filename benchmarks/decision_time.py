@@ -30,11 +30,11 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from services.scheduler.cluster import Cluster, Node  # noqa: E402
+from services.scheduler.core.cluster import Cluster, Node  # noqa: E402
 from services.scheduler.policies import UnknownPolicy, make_policy, parse_scoped_policy_option  # noqa: E402
-from services.scheduler.policy import JobState, Snapshot, check_plan  # noqa: E402
-from services.scheduler.simulator import default_model_bytes  # noqa: E402
-from services.scheduler.throughput import ThroughputModel  # noqa: E402
+from services.scheduler.core.policy import JobState, Snapshot, check_plan  # noqa: E402
+from services.scheduler.sim.simulator import default_model_bytes  # noqa: E402
+from services.scheduler.core.throughput import ThroughputModel  # noqa: E402
 
 GPU_TYPES = ("k80", "p100", "v100")
 SCALES = (1, 2, 4, 8)

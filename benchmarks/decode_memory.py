@@ -1,4 +1,4 @@
-"""Peak memory of ``shared.events.decode`` on hostile 1 MiB records, each in a fresh process.
+"""Peak memory of ``shared.wire.events.decode`` on hostile 1 MiB records, each in a fresh process.
 
 Every payload is a well-formed envelope (type RoundStarted) whose body carries about
 1 MiB of cheap-to-send, costly-to-build msgpack: empty maps, empty arrays, negative
@@ -25,7 +25,7 @@ MIB = 1 << 20
 _CHILD = r"""
 import gc, sys, time
 sys.path.insert(0, sys.argv[2])
-from shared.events import InvalidEvent, decode
+from shared.wire.events import InvalidEvent, decode
 def kib(field):
     with open("/proc/self/status") as f:
         return int(next(l for l in f if l.startswith(field)).split()[1])
@@ -61,7 +61,7 @@ def _envelope(waiting: bytes) -> bytes:
 
 
 def payloads() -> dict[str, bytes]:
-    from shared.events import RoundStarted, Waiting, encode
+    from shared.wire.events import RoundStarted, Waiting, encode
     inner = 1 << 16
     outer = MIB // inner
     nested = lambda item: _array_header(outer) + (_array_header(inner) + item * inner) * outer  # noqa: E731

@@ -1,4 +1,4 @@
-"""Scores the roofline estimator (shared.gpus) against Gavel's measured throughput table.
+"""Scores the roofline estimator (shared.domain.gpus) against Gavel's measured throughput table.
 
 * mape: mean absolute percentage error of the raw, uncalibrated estimate against the
   measured "null" steps/s, over every (job type, GPU type in k80/p100/v100, scale)
@@ -26,8 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.scheduler.throughput import ThroughputModel  # noqa: E402
-from shared.workloads import estimate  # noqa: E402
+from services.scheduler.core.throughput import ThroughputModel  # noqa: E402
+from shared.domain.workloads import estimate  # noqa: E402
 
 SCORED_TYPES = ("k80", "p100", "v100")
 

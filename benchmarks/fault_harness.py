@@ -1,6 +1,6 @@
 """A Hadar cluster of separate processes on its own Kafka and MinIO, for fault injection.
 
-:class:`Cluster` starts a private Kafka broker and MinIO server (``shared.infra``, in a run
+:class:`Cluster` starts a private Kafka broker and MinIO server (``devinfra``, in a run
 directory of its own; binaries from the shared cache), every service as its own process
 (``hadar serve scheduler|tracker|profiler|agent``, agents emulated on the CPU), submits
 a small workload through ``hadar submit``, and lets a scenario kill, stop, continue and
@@ -14,7 +14,7 @@ Figures (per scenario):
 * ``models_verified``/``models_total``: ModelConsolidated events whose stored model equals
   the samples-weighted average (steps x the copy's workers; uniform if no copy trained a
   step) recomputed from the stored replicas (integer tensors: the copy with the most
-  steps), as ``services/tracker/consolidate.py`` and ``average.py`` define it.
+  steps), as ``services/tracker/averaging/consolidate.py`` and ``average.py`` define it.
 * ``events_lost``: results produced but never consumed, followed along their chain: a
   JobSubmitted never placed nor listed waiting; a CopyFinished (not failed) of a round
   the tracker decided whose copy is in neither the model, its rejections nor a
@@ -44,14 +44,14 @@ from safetensors.numpy import load_file
 from services.cli.jobs import submit as submit_job
 from shared.bus import KafkaBus
 from shared.config import S3Settings
-from shared.eventlog import fetch_log
-from shared.events import (
+from shared.bus.eventlog import fetch_log
+from shared.wire.events import (
     Assignment, CopyFinished, Event, Hyperparameters, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated,
     NodeRegistered, RoundAbandoned, RoundStarted,
 )
-from shared.infra import InfraError, InfraPaths, down, restart, up
-from shared.infra.common import is_running
-from shared.layout import checkpoint_key, final_key
+from devinfra import InfraError, InfraPaths, down, restart, up
+from devinfra.common import is_running
+from shared.domain.layout import checkpoint_key, final_key
 from shared.store import MinioStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,8 +201,8 @@ class Cluster:
 
     def kill_server(self, name: str) -> None:
         """SIGKILL the Kafka broker or MinIO server (``hadar infra restart`` brings it back)."""
-        from shared.infra.kafka import load_kafka
-        from shared.infra.minio import load_minio
+        from devinfra.kafka import load_kafka
+        from devinfra.minio import load_minio
 
         server = load_kafka(self.paths) if name == "kafka" else load_minio(self.paths)
         assert server is not None
@@ -398,7 +398,7 @@ async def _verify_one(store: MinioStore, m: ModelConsolidated, workers: dict, sc
     if not replicas:
         return False
     total = sum(r[2] for r in replicas)
-    # The tracker's weights (services/tracker/consolidate.py): samples over their total, or
+    # The tracker's weights (services/tracker/averaging/consolidate.py): samples over their total, or
     # uniform when no copy trained a step (copies that started too late to train).
     weights = [r[2] / total if total else 1 / len(replicas) for r in replicas]
     most = min(replicas, key=lambda r: (-r[1], r[0]))[3]

@@ -36,12 +36,12 @@ from benchmarks.fault_harness import (  # noqa: E402
     Cluster, Workload, events_lost, progress_times, rounds_lost, verify_models,
 )
 from shared.bus import KafkaBus  # noqa: E402
-from shared.logging import configure_logging  # noqa: E402
-from shared.events import (  # noqa: E402
+from shared.runtime.logging import configure_logging  # noqa: E402
+from shared.wire.events import (  # noqa: E402
     Assignment, CopyFinished, CopyWeight, Event, JobCompleted, ModelConsolidated, NodeHeartbeat, Progress,
     RoundStarted, ThroughputEstimate,
 )
-from shared.topics import ALL_TOPICS  # noqa: E402
+from shared.wire.topics import ALL_TOPICS  # noqa: E402
 
 FIELDS = ("jobs_completed", "jobs_total", "models_verified", "models_total", "events_lost", "service_crashes",
           "rounds_lost_max", "recovery_s")

@@ -30,12 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decision_time import gavel_jobs, mixed_cluster  # noqa: E402
 
 from services.scheduler.config import SchedulerConfig  # noqa: E402
-from services.scheduler.rounds import RoundTiming, build_snapshot  # noqa: E402
-from services.scheduler.service import SchedulerService  # noqa: E402
-from services.scheduler.throughput import ThroughputModel  # noqa: E402
+from services.scheduler.live.rounds import RoundTiming, build_snapshot  # noqa: E402
+from services.scheduler.live.service import SchedulerService  # noqa: E402
+from services.scheduler.core.throughput import ThroughputModel  # noqa: E402
 from shared.bus import MemoryBus  # noqa: E402
-from shared.events import GpuInfo, JobSpec, JobSubmitted, NodeRegistered, ThroughputEstimate  # noqa: E402
-from shared.service import HttpEndpoint  # noqa: E402
+from shared.wire.events import GpuInfo, JobSpec, JobSubmitted, NodeRegistered, ThroughputEstimate  # noqa: E402
+from shared.runtime.service import HttpEndpoint  # noqa: E402
 
 
 async def feed(bus: MemoryBus, args: argparse.Namespace, now: float) -> None:

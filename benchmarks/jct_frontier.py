@@ -1,7 +1,7 @@
 """How much mean JCT a schedule can keep at a given makespan: the trade-off behind issue #11's targets.
 
 The targets ask Hadar for TTD >= 1.17x and mean JCT >= 1.15x Gavel's on the same traces.
-TTD is bounded (``services/scheduler/bounds.py``); this measures what mean JCT costs as
+TTD is bounded (``services/scheduler/sim/bounds.py``); this measures what mean JCT costs as
 the makespan approaches that bound, independently of any of our policies.
 
 For one trace (single-GPU jobs, all at t=0: the target cells) and a makespan cap
@@ -46,12 +46,12 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, linear_sum_assignment, milp
 from scipy.sparse import coo_matrix
 
-from services.scheduler.bounds import ttd_bounds
-from services.scheduler.clusters import parse_cluster
-from services.scheduler.metrics import compute_metrics
+from services.scheduler.sim.bounds import ttd_bounds
+from services.scheduler.sim.cluster_spec import parse_cluster
+from services.scheduler.sim.results import compute_metrics
 from services.scheduler.policies import make_policy
-from services.scheduler.simulator import SimOptions, build_throughput, simulate
-from services.scheduler.traces import load_trace
+from services.scheduler.sim.simulator import SimOptions, build_throughput, simulate
+from services.scheduler.sim.traces import load_trace
 
 NEVER = 10**9   # rounds of a job on a GPU that cannot run it
 

@@ -8,13 +8,13 @@ learning rate and job seed:
 * single -- 1 copy, ``--steps / --rounds`` steps per round for ``--rounds`` rounds;
 * forked -- ``--copies`` copies per round, each ``--steps / (copies * rounds)`` steps, so
   it trains the same samples as single (every copy is a whole W = 1 job), under the
-  local-SGD recipe of ``shared.local_sgd`` -- the same ``LocalSgd`` / ``install`` hook the
+  local-SGD recipe of ``shared.domain.local_sgd`` -- the same ``LocalSgd`` / ``install`` hook the
   agent's worker applies (``--scaling`` overrides its learning-rate scaling, to compare);
 * single_wall -- 1 copy, ``--steps / copies`` steps: the wall-clock the forked arm takes
   (its copies run in parallel), so forked vs single_wall is the equal-wall-clock view.
 
 Everything runs through the project's own code, in this process, on a LocalStore in a
-temp directory: every copy of every round is one :class:`services.agent.worker.Worker`
+temp directory: every copy of every round is one :class:`services.agent.worker.main.Worker`
 run from a :class:`WorkerSpec` (the agent daemon's subprocess body, called directly to
 spare a torch import per copy), starting from the previous round's consolidated model
 (``start_from``), training its step budget and writing
@@ -22,7 +22,7 @@ spare a torch import per copy), starting from the previous round's consolidated 
 as the tracker does it (:func:`plan_consolidation` with ``steps`` weights, streamed from
 the store by :class:`StoreRangeReader`, :func:`write_round_outputs`), to
 ``models/{job}/{round}.safetensors`` (weights only) with the tracker's metadata
-(:mod:`shared.model_meta`; ``total_steps`` is the previous total plus the copies' steps)
+(:mod:`shared.domain.model_meta`; ``total_steps`` is the previous total plus the copies' steps)
 and the averaged optimizer state beside it (``models/{job}/{round}.optim.safetensors``),
 which the next round's workers merge back. The final round's model is
 scored with :func:`shared.zoo.evaluate` on the dataset's held-out split.
@@ -61,14 +61,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from services.agent.checkpoint import read_checkpoint, restore  # noqa: E402
-from services.agent.spec import StoreTarget, WorkerSpec, parse_worker_line  # noqa: E402
-from services.agent.worker import Worker  # noqa: E402
-from services.tracker.consolidate import DEFAULT_CHUNK_BYTES, Replica, plan_consolidation  # noqa: E402
-from services.tracker.model_output import RoundOutputs, write_round_outputs  # noqa: E402
+from services.agent.worker.checkpoint import read_checkpoint, restore  # noqa: E402
+from services.agent.protocol import StoreTarget, WorkerSpec, parse_worker_line  # noqa: E402
+from services.agent.worker.main import Worker  # noqa: E402
+from services.tracker.averaging.consolidate import DEFAULT_CHUNK_BYTES, Replica, plan_consolidation  # noqa: E402
+from services.tracker.model_files import RoundOutputs, write_round_outputs  # noqa: E402
 from services.tracker.store_reader import StoreRangeReader  # noqa: E402
-from shared.layout import checkpoint_key, model_key, optim_key  # noqa: E402
-from shared.local_sgd import DEFAULT_SCALING, SCALINGS, LocalSgd  # noqa: E402
+from shared.domain.layout import checkpoint_key, model_key, optim_key  # noqa: E402
+from shared.domain.local_sgd import DEFAULT_SCALING, SCALINGS, LocalSgd  # noqa: E402
 from shared.store import LocalStore  # noqa: E402
 from shared.zoo import build_model, evaluate, load_dataset  # noqa: E402
 
@@ -100,14 +100,14 @@ class Training:
     steps: int        # total steps of every arm
     rounds: int
     threads: int
-    scaling: str = DEFAULT_SCALING   # the recipe's (shared.local_sgd); other values for experiments
+    scaling: str = DEFAULT_SCALING   # the recipe's (shared.domain.local_sgd); other values for experiments
 
 
 @dataclass(frozen=True, kw_only=True)
 class Arm:
     """One way to train the job: ``copies`` copies per round, ``share`` of ``--steps`` job steps
     in all (every copy is one whole W = 1 job, so job steps = samples / batch), with or
-    without the local-SGD recipe (``shared.local_sgd``)."""
+    without the local-SGD recipe (``shared.domain.local_sgd``)."""
 
     name: str
     copies: int

@@ -5,7 +5,7 @@ seeds of Gavel's generator) and reports the ratios the paper reports: TTD and me
 gavel / policy, CRU as policy / gavel, each as the mean over seeds with its range. A
 ratio of a trace where either run left a job unfinished is left out (``completed`` says
 how many jobs each policy finished). Also per policy TTD / its lower bound
-(``services/scheduler/bounds.py``: no-fork for gavel and hadar, fork for hadare), and the
+(``services/scheduler/sim/bounds.py``: no-fork for gavel and hadar, fork for hadare), and the
 most a policy's TTD ratio could be on that trace, gavel's TTD / the policy's bound
 (``*_ttd_ceiling``): a paper factor above it cannot be reproduced under this model.
 
@@ -24,12 +24,12 @@ import json
 import statistics
 import time
 
-from services.scheduler.bounds import bound_for, ttd_bounds
-from services.scheduler.clusters import parse_cluster
-from services.scheduler.metrics import compute_metrics
+from services.scheduler.sim.bounds import bound_for, ttd_bounds
+from services.scheduler.sim.cluster_spec import parse_cluster
+from services.scheduler.sim.results import compute_metrics
 from services.scheduler.policies import make_policy
-from services.scheduler.simulator import SimOptions, build_throughput, simulate
-from services.scheduler.traces import load_trace
+from services.scheduler.sim.simulator import SimOptions, build_throughput, simulate
+from services.scheduler.sim.traces import load_trace
 
 POLICIES = ("gavel", "hadar", "hadare")
 PAPER = {  # ratios against Gavel reported by the paper (aws-5 / lab-5)

@@ -1,6 +1,6 @@
 """Scheduler restart time with a long history, from a state snapshot, and its decisions.
 
-Two schedulers are fed the same scripted cluster (``services/scheduler/synthetic.py``:
+Two schedulers are fed the same scripted cluster (``services/scheduler/live/scripted_cluster.py``:
 nodes, heartbeats, a job every few rounds, the tracker's models and completions), each on
 its own MemoryBus, for ``--rounds`` rounds (default 10,000): the *reference* runs on
 without a stop; the *restarted* one writes a snapshot to a LocalStore every
@@ -37,15 +37,15 @@ from pathlib import Path
 import structlog
 
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.rerun import assignment_decision
-from services.scheduler.service import SchedulerService
-from services.scheduler.synthetic import ScriptedCluster
+from services.scheduler.live.rerun import assignment_decision
+from services.scheduler.live.service import SchedulerService
+from services.scheduler.live.scripted_cluster import ScriptedCluster
 from shared.bus import MemoryBus
 from shared.bus.base import dead_letter
 from shared.clock import FakeClock
-from shared.events import Assignment
+from shared.wire.events import Assignment
 from shared.store import LocalStore
-from shared.topics import JOBS, PLACEMENTS
+from shared.wire.topics import JOBS, PLACEMENTS
 
 ROUND_S = 60.0
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import structlog
 
-from shared.layout import snapshot_key
-from shared.snapshot import SnapshotStore, StateSnapshot, dump
+from shared.domain.layout import snapshot_key
+from shared.persistence.snapshot import SnapshotStore, StateSnapshot, dump
 from shared.store import LocalStore
 
 

@@ -1,7 +1,7 @@
 """Memory of the scheduler's and the tracker's state over a day of a 100-node cluster.
 
 Feeds ``--events`` (default 1,000,000) events, in the order a day produces them, to a
-fresh :class:`~services.scheduler.state.SchedulerState` or
+fresh :class:`~services.scheduler.live.state.SchedulerState` or
 :class:`~services.tracker.state.TrackerState` (the pure folds each service keeps in
 memory; bus and HTTP add a constant) and samples the process's resident memory every
 10% of the stream. The day: ``--nodes`` nodes with one GPU each, heartbeats every 5 s,
@@ -26,13 +26,13 @@ import sys
 import time
 from collections.abc import Iterator
 
-from services.scheduler.state import SchedulerState
-from shared.events import (
+from services.scheduler.live.state import SchedulerState
+from shared.wire.events import (
     Assignment, CopyFinished, CopyWeight, Event, GpuInfo, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated,
     NodeHeartbeat, NodeRegistered, Progress, RoundStarted,
 )
-from shared.layout import checkpoint_key, final_key, model_key
-from shared.rejection import Rejected
+from shared.domain.layout import checkpoint_key, final_key, model_key
+from shared.bus.rejection import Rejected
 
 T0 = 1_750_000_000.0
 ROUND_S = 360.0

@@ -4,10 +4,10 @@ Grid (each axis a flag, so a subset can be run): policies gavel, gavel-makespan,
 yarn-cs, hadar, hadare; job counts 5/10/20/40; job mixes ``single`` (every job 1 GPU) and
 ``multi`` (Gavel's scale factors 1/2/4/8 w.p. .70/.10/.15/.05); arrivals ``zero`` (all at
 t=0, the paper's batch) and ``spread`` (Poisson, ``--rate`` jobs per hour); clusters aws-5,
-lab-5, aws-5-multi, lab-5-multi (``services/scheduler/clusters.py``) and gavel-108;
+lab-5, aws-5-multi, lab-5-multi (``services/scheduler/sim/cluster_spec.py``) and gavel-108;
 ``--seeds`` seeds from ``--first-seed`` (1). One task = one (cluster, mix, arrivals, jobs,
 seed) trace, run under every policy (``--policy-option`` passes constructor options), with
-its LP lower bounds (``services/scheduler/bounds.py``); tasks run in a process pool of
+its LP lower bounds (``services/scheduler/sim/bounds.py``); tasks run in a process pool of
 ``--workers``.
 
 Per cell (cluster, mix, arrivals, jobs, policy), over the seeds:
@@ -69,12 +69,12 @@ class Task:
 
 def run_task(task: Task) -> list[dict]:
     """Every policy on the task's trace: one row per policy."""
-    from services.scheduler.bounds import bound_for, ttd_bounds
-    from services.scheduler.clusters import parse_cluster
-    from services.scheduler.metrics import compute_metrics
+    from services.scheduler.sim.bounds import bound_for, ttd_bounds
+    from services.scheduler.sim.cluster_spec import parse_cluster
+    from services.scheduler.sim.results import compute_metrics
     from services.scheduler.policies import make_policy
-    from services.scheduler.simulator import SimOptions, build_throughput, simulate
-    from services.scheduler.traces import load_trace
+    from services.scheduler.sim.simulator import SimOptions, build_throughput, simulate
+    from services.scheduler.sim.traces import load_trace
 
     throughput = build_throughput(cross_node=True)
     cluster = parse_cluster(task.cluster)

@@ -39,11 +39,11 @@ from services.tracker.config import TrackerConfig
 from services.tracker.service import TrackerService
 from shared.bus import MemoryBus
 from shared.clock import FakeClock
-from shared.events import (
+from shared.wire.events import (
     Assignment, CopyFinished, CopyWeight, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated, Progress,
     RoundStarted,
 )
-from shared.layout import checkpoint_key, final_key, model_key
+from shared.domain.layout import checkpoint_key, final_key, model_key
 from shared.store import LocalStore
 
 T0 = 1_700_000_000.0

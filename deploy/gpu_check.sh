@@ -64,13 +64,13 @@ if mode == "cuda" and not torch.cuda.is_available():
     result["error"] = "CUDA is not available (use --cpu to run the checks on the CPU)"
     finish(1)
 
-from services.agent.checkpoint import CheckpointMeta, read_checkpoint, restore, save_checkpoint
-from services.agent.daemon import AgentConfig, AgentDaemon
-from services.agent.discovery import cpu_devices, discover_in_subprocess
-from services.agent.runner import free_port
-from services.agent.spec import StoreTarget
+from services.agent.worker.checkpoint import CheckpointMeta, read_checkpoint, restore, save_checkpoint
+from services.agent.daemon.service import AgentConfig, AgentDaemon
+from services.agent.daemon.discovery import cpu_devices, discover_in_subprocess
+from services.agent.daemon.runner import free_port
+from services.agent.protocol import StoreTarget
 from shared.bus import MemoryBus
-from shared.events import Assignment, CopyFinished, Hyperparameters, JobSpec, Progress
+from shared.wire.events import Assignment, CopyFinished, Hyperparameters, JobSpec, Progress
 from shared.zoo import build_model, load_dataset, make_optimizer
 
 def spec(job_id, model, dataset, batch=64):

@@ -13,17 +13,17 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.agent.daemon import AgentConfig, AgentDaemon
-from services.agent.discovery import emulated_devices
-from services.agent.spec import StoreTarget
+from services.agent.daemon.service import AgentConfig, AgentDaemon
+from services.agent.daemon.discovery import emulated_devices
+from services.agent.protocol import StoreTarget
 from services.profiler.service import ProfilerConfig, ProfilerService
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.service import SchedulerService
+from services.scheduler.live.service import SchedulerService
 from services.tracker.service import TrackerConfig, TrackerService
 from shared.bus import Bus
-from shared.service import Service
+from shared.runtime.service import Service
 from shared.store import ObjectStore
-from shared.topics import ALL_TOPICS
+from shared.wire.topics import ALL_TOPICS
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,7 +4,7 @@
 (``make test`` sets them after ``hadar infra up``). ``secure_servers`` always starts its own
 secured broker and MinIO (``hadar infra up --secure``) in a private run directory, only
 in sessions that run a test using it. Otherwise each starts its server once
-per session through :mod:`shared.infra`, in a private run directory, and stops it at the
+per session through :mod:`devinfra`, in a private run directory, and stops it at the
 end. A server that cannot start fails the test when ``CI=true`` (never a skip there) and
 skips it elsewhere, with the reason.
 """
@@ -24,8 +24,8 @@ from minio import Minio
 
 from shared.config import S3Settings, kafka_from_env, s3_from_env
 from shared.errors import HadarError
-from shared.infra import InfraError, InfraPaths, down, ensure_kafka, ensure_minio, stop_server, up
-from shared.infra.secured import apply
+from devinfra import InfraError, InfraPaths, down, ensure_kafka, ensure_minio, stop_server, up
+from devinfra.secure_mode import apply
 from shared.store import LocalStore, MinioStore, ObjectStore
 
 

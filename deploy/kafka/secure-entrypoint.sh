@@ -1,7 +1,7 @@
 #!/bin/bash
 # Entry point of the stack's Kafka (apache/kafka image): one combined KRaft node with a
 # SASL_SSL listener (SCRAM-SHA-512) for clients and the StandardAuthorizer, the same
-# configuration as `hadar infra up --secure` (shared/infra/kafka_secure.py).
+# configuration as `hadar infra up --secure` (devinfra/broker_auth.py).
 # Secrets come from files (docker secrets), never from the command line or the environment:
 #   /run/secrets/kafka-admin-password   the admin principal's password (a super user)
 #   /run/secrets/kafka-server-pem       the broker's PKCS#8 key + certificate chain (PEM)

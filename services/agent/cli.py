@@ -1,7 +1,7 @@
 """``hadar serve agent``: flags and runner (wired by services/cli/serve.py).
 
 Settings are an :class:`~services.agent.config.AgentConfig` loaded by
-:func:`shared.settings.load_config`: flags over the environment (``HADAR_NODE_ID``,
+:func:`shared.runtime.config.load_config`: flags over the environment (``HADAR_NODE_ID``,
 ``HADAR_NODE_ADDRESS``, ``HADAR_AGENT_*``) over the ``--config`` TOML file over the
 defaults. A bad value exits 2 with one line naming it. Where the object store is
 (``--store-dir`` or S3) is a connection setting, as Kafka's is.
@@ -16,12 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.agent.discovery import NodeDevices, cpu_devices, discover_in_subprocess, emulated_devices
-from services.agent.spec import StoreTarget
-from shared.connect import add_store_args, make_bus, s3_settings
-from shared.logging import configure_logging
-from shared.service import run_service
-from shared.settings import add_config_arg, load_config
+from services.agent.daemon.discovery import NodeDevices, cpu_devices, discover_in_subprocess, emulated_devices
+from services.agent.protocol import StoreTarget
+from shared.runtime.connection import add_store_args, make_bus, s3_settings
+from shared.runtime.logging import configure_logging
+from shared.runtime.service import run_service
+from shared.runtime.config import add_config_arg, load_config
 
 if TYPE_CHECKING:
     from services.agent.config import AgentConfig
@@ -90,7 +90,7 @@ async def _discover(config: AgentConfig) -> NodeDevices:
 
 
 def run_agent(args: argparse.Namespace) -> int:
-    from services.agent.daemon import AgentDaemon  # heavy: only when run
+    from services.agent.daemon.service import AgentDaemon  # heavy: only when run
 
     config = agent_config(args)
     store = _store(args)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from services.agent.emulation import parse_emulation
-from shared.events import NODE_ID_RE
-from shared.gpus import GPU_TYPES
-from shared.settings import FieldError
+from services.agent.daemon.emulation import parse_emulation
+from shared.wire.events import NODE_ID_RE
+from shared.domain.gpus import GPU_TYPES
+from shared.runtime.config import FieldError
 
 __all__ = ["AgentConfig"]
 
@@ -16,12 +16,12 @@ __all__ = ["AgentConfig"]
 @dataclass(frozen=True, kw_only=True)
 class AgentConfig:
     """The agent's settings; ``hadar serve agent`` loads them with
-    :func:`shared.settings.load_config` from flags, the environment (``HADAR_NODE_ID``,
+    :func:`shared.runtime.config.load_config` from flags, the environment (``HADAR_NODE_ID``,
     ``HADAR_NODE_ADDRESS``, else ``HADAR_AGENT_<FIELD>``) and a ``--config`` file.
 
     ``emulate``, ``emulate_reference`` and ``cpu_devices`` choose the devices the CLI
     hands the daemon (see :meth:`emulation`); the daemon itself uses the rest. An invalid
-    value raises :class:`~shared.settings.FieldError` naming the field.
+    value raises :class:`~shared.runtime.config.FieldError` naming the field.
     """
 
     node_id: str = field(metadata={"env": "HADAR_NODE_ID"})
@@ -38,7 +38,7 @@ class AgentConfig:
     emulate: str | None = None      # TYPE:N[,TYPE:N...]: emulated GPUs on the CPU (None or "": discover)
     emulate_reference: str | None = None   # the type emulated at full CPU speed (None: fastest in the catalog)
     cpu_devices: int = 1            # devices a machine without CUDA offers
-    # Hostile input and outages (services/agent/admission.py, services/agent/delivery.py):
+    # Hostile input and outages (services/agent/daemon/admission.py, services/agent/daemon/result_expiry.py):
     max_round_leap: int = 8         # rounds ahead of the believed one that one event may move it
     max_deadline_ahead_s: float = 86_400.0   # an assignment's deadline may lie at most this far ahead
     result_retry_s: float = 0.5     # first wait before publishing a result again; doubles ...

@@ -23,7 +23,7 @@ The rules (:func:`on_assign_copy`, :func:`on_copy_done`, built on the one-slot
   Assignments, so all of them keep their ranks' processes or all replace them -- unless
   one node lost its processes (a crash, an agent restart): then it spawns while the
   others reuse, the kept ranks fail their start check (bounded, see
-  :mod:`services.agent.session`), the round is lost for the copy, and next round every
+  :mod:`services.agent.worker.session`), the round is lost for the copy, and next round every
   node spawns. A copy whose ranks' nodes are not known (a spanning copy whose Assignment
   names no ``peers``) has no key: its processes exit after the spec, as before.
 * **A copy's ranks on this node move together** (:func:`on_assign_copy`): either every
@@ -53,7 +53,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from services.agent.spec import WorkerSpec
+from services.agent.protocol import WorkerSpec
 from shared.errors import HadarError
 
 __all__ = ["WarmKey", "Slot", "SlotBusy", "Decision", "Done", "warm_key", "on_assign", "on_done",

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from services.tracker.config import default_consolidation_threads
-from services.tracker.consolidate import NoUsableReplica, consolidate_local
+from services.tracker.averaging.consolidate import NoUsableReplica, consolidate_local
 from shared.errors import UsageError
 
 __all__ = ["register", "parse_input"]

@@ -21,11 +21,11 @@ from pathlib import Path
 
 from services.cli.jobs import jobs_table, submit
 from services.scheduler.cli import add_policy_args, policy_options
-from services.scheduler.state import SchedulerState
-from shared.connect import add_bus_args, kafka_settings, s3_settings
+from services.scheduler.live.state import SchedulerState
+from shared.runtime.connection import add_bus_args, kafka_settings, s3_settings
 from shared.errors import UsageError
-from shared.jobfile import JobFileError, load_job_file, parse_job
-from shared.logging import configure_logging
+from services.cli.jobfile import JobFileError, load_job_file, parse_job
+from shared.runtime.logging import configure_logging
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "jobs"
 LAB_5 = (("lab-titanrtx", "titanrtx"), ("lab-t4", "t4"), ("lab-t400", "t400"),
@@ -72,7 +72,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _make_ports(args: argparse.Namespace, out: Path):
-    from services.agent.spec import StoreTarget
+    from services.agent.protocol import StoreTarget
     from shared.bus import KafkaBus, MemoryBus
     from shared.store import LocalStore, MinioStore
 
@@ -92,7 +92,7 @@ def _make_ports(args: argparse.Namespace, out: Path):
 
 async def run_demo(args: argparse.Namespace, specs, out: Path) -> dict:
     from services.embedded import EmbeddedConfig, EmbeddedSystem
-    from shared.eventlog import dump_bus
+    from shared.bus.eventlog import dump_bus
 
     bus, store, target = _make_ports(args, out)
     config = EmbeddedConfig(nodes=LAB_5, policy=args.policy, policy_options=policy_options(args),
@@ -137,9 +137,9 @@ async def _published_rates(bus) -> dict[tuple[str, str, int], float]:
     """Every job's steps/s per (GPU type, workers) as the profiler last published them,
     folded by the scheduler's rule (``merge_rates``); the scheduler itself forgets a
     finished job's rates, so they are read back from the topic."""
-    from services.scheduler.state import merge_rates
-    from shared.events import ThroughputEstimate
-    from shared.topics import THROUGHPUT
+    from services.scheduler.live.state import merge_rates
+    from shared.wire.events import ThroughputEstimate
+    from shared.wire.topics import THROUGHPUT
 
     rates: dict[tuple[str, str, int], tuple[str, float]] = {}
     async for delivery in bus.read(THROUGHPUT):
@@ -173,7 +173,7 @@ async def _summarise(specs, state: SchedulerState, rates: dict[tuple[str, str, i
 
 
 def _held_out_metric(spec, path: Path) -> dict:
-    from services.agent.checkpoint import read_checkpoint, restore
+    from services.agent.worker.checkpoint import read_checkpoint, restore
     from shared.zoo import build_model, dataset_info, evaluate, load_dataset
 
     tensors, _ = read_checkpoint(path)
@@ -186,12 +186,12 @@ def _held_out_metric(spec, path: Path) -> dict:
 def _simulate_same_jobs(specs, rates: dict[tuple[str, str, int], float], round_s: float) -> dict:
     """The same jobs, all arriving at 0, on lab-5 in the simulator, at the rates the profiler
     published (measured, and for emulated GPUs extrapolated from the measurements)."""
-    from services.scheduler.clusters import lab_5
-    from services.scheduler.metrics import compute_metrics
+    from services.scheduler.sim.cluster_spec import lab_5
+    from services.scheduler.sim.results import compute_metrics
     from services.scheduler.policies import make_policy
-    from services.scheduler.simulator import SimOptions, simulate
-    from services.scheduler.throughput import ThroughputModel
-    from services.scheduler.traces import TraceJob
+    from services.scheduler.sim.simulator import SimOptions, simulate
+    from services.scheduler.core.throughput import ThroughputModel
+    from services.scheduler.sim.traces import TraceJob
     from shared.zoo import model_figures
 
     cluster = lab_5()

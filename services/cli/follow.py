@@ -28,12 +28,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from services.cli.joblog import TrainingLog
-from services.scheduler.state import SchedulerState
+from services.scheduler.live.state import SchedulerState
 from shared.bus import Bus
 from shared.clock import Clock, SystemClock
-from shared.events import Assignment, Event, JobCancelled, JobSubmitted, RoundStarted
-from shared.rejection import Rejected
-from shared.topics import JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
+from shared.wire.events import Assignment, Event, JobCancelled, JobSubmitted, RoundStarted
+from shared.bus.rejection import Rejected
+from shared.wire.topics import JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
 
 __all__ = ["ClusterView", "LogFollower", "read_view", "submitted_ids", "FOLLOW_SLACK_S", "READ_ORDER"]
 
@@ -53,7 +53,7 @@ class ClusterView:
     new_training: list[Event] = field(default_factory=list)      # what the last fold added to ``training``
 
     def fold(self, items: Iterable[tuple[str, Event]]) -> None:
-        """Apply a batch as :func:`~services.scheduler.state.fold_log` orders a whole log:
+        """Apply a batch as :func:`~services.scheduler.live.state.fold_log` orders a whole log:
         RoundStarted by round, then the other events (jobs, nodes, throughput, progress,
         models: a job exists before its news), then Assignments by round. Events the
         state refuses are left out, as the scheduler left them out; repeats change nothing."""

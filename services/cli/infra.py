@@ -4,7 +4,7 @@
 are named by ``*_FILE`` paths; ``--env-file`` gets the full lines, owner-only); progress
 and timings go to stderr. ``up --secure`` starts Kafka with SASL_SSL, SCRAM users and ACLs
 and MinIO with a user per service, and writes ``$HADAR_RUN_DIR/credentials/<principal>.env``
-(see :mod:`shared.infra.secured`); ``secure-init`` applies the same to a running stack. A server that crashed (or was stopped
+(see :mod:`devinfra.secure_mode`); ``secure-init`` applies the same to a running stack. A server that crashed (or was stopped
 with ``down --keep-data``) comes back from ``up`` or ``restart NAME`` with its data, port
 and credentials, so the ``HADAR_*`` settings stay valid and running services reconnect.
 ``status`` exits 0 only when both servers are up and answering, and names the command
@@ -18,10 +18,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from services.cli.infra_secure import register_secure_init
+from services.cli.secure_init import register_secure_init
 from shared.errors import HadarError
-from shared.infra import InfraError, InfraPaths, down, restart, status, up, write_env_file
-from shared.infra.secured import apply, credentials_dir, public_lines
+from devinfra import InfraError, InfraPaths, down, restart, status, up, write_env_file
+from devinfra.secure_mode import apply, credentials_dir, public_lines
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -78,7 +78,7 @@ def _up(args: argparse.Namespace) -> int:
 
 def write_env_file_secure(path: Path, source: Path) -> None:
     """The CLI principal's env file, copied owner-only to ``path``."""
-    from shared.infra.common import write_private
+    from shared.security.files import write_private
     write_private(path, source.read_text())
 
 

@@ -23,11 +23,11 @@ from services.cli.jobview import JOB_STATES, job_doc, jobs_table, parse_since, s
 from services.cli.watch import watch_job
 from shared.bus import Bus
 from shared.clock import SystemClock
-from shared.connect import add_bus_args, add_store_args, make_bus, make_store
+from shared.runtime.connection import add_bus_args, add_store_args, make_bus, make_store
 from shared.errors import UsageError
-from shared.events import JobCancelled, JobSpec, JobSubmitted
-from shared.jobfile import FIELDS, JobFileError, load_job_file, new_job_id, parse_job
-from shared.layout import final_key, model_key
+from shared.wire.events import JobCancelled, JobSpec, JobSubmitted
+from services.cli.jobfile import FIELDS, JobFileError, load_job_file, new_job_id, parse_job
+from shared.domain.layout import final_key, model_key
 from shared.store import ObjectNotFound
 
 __all__ = ["register", "submit", "jobs_table", "spec_from_args"]

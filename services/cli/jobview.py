@@ -13,8 +13,8 @@ from datetime import datetime, timezone
 from typing import Any
 
 from services.cli.joblog import TrainingLog
-from services.scheduler.state import JobRecord, SchedulerState
-from services.scheduler.stuck import stuck_reason
+from services.scheduler.live.state import JobRecord, SchedulerState
+from services.scheduler.live.stuck import stuck_reason
 from shared.errors import UsageError
 
 __all__ = ["JOB_STATES", "NO_ESTIMATE", "job_doc", "jobs_table", "select_jobs", "parse_since",
@@ -44,7 +44,7 @@ def _gpus(state: SchedulerState, job: JobRecord) -> dict[str, int]:
 
 def waiting_reason(state: SchedulerState, job: JobRecord) -> str | None:
     """Why an active job is not running: :data:`NO_ESTIMATE` for a job never placed with no
-    throughput estimate yet, why it is stuck (:func:`~services.scheduler.state.stuck_reason`),
+    throughput estimate yet, why it is stuck (:func:`~services.scheduler.live.state.stuck_reason`),
     else the latest round's reason (``code: detail``); None if none."""
     if not job.active:
         return None

@@ -17,17 +17,17 @@ from typing import Any
 from services.cli.jobview import parse_instant
 from services.scheduler.cli import policy_options
 from services.scheduler.policies import PolicyChoice, UnknownPolicy
-from services.scheduler.rerun import LoggedEvent, rerun
-from shared.connect import add_bus_args, make_bus
-from shared.dispatch import HandlerTable
+from services.scheduler.live.rerun import LoggedEvent, rerun
+from shared.runtime.connection import add_bus_args, make_bus
+from shared.wire.dispatch import HandlerTable
 from shared.errors import UsageError
-from shared.eventlog import EventLogError, LogRecord, fetch_log, read_log
-from shared.events import (
+from shared.bus.eventlog import EventLogError, LogRecord, fetch_log, read_log
+from shared.wire.events import (
     Assignment, CopyFinished, DeadLetter, Event, JobCancelled, JobCompleted, JobSubmitted,
     ModelConsolidated, NodeHeartbeat, NodeRegistered, Progress, RoundAbandoned, RoundStarted,
     ThroughputEstimate,
 )
-from shared.topics import ALL_TOPICS
+from shared.wire.topics import ALL_TOPICS
 
 
 def register(sub: argparse._SubParsersAction) -> None:

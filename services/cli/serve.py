@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from shared.connect import add_bus_args
+from shared.runtime.connection import add_bus_args
 from shared.errors import UsageError
 
 

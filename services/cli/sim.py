@@ -3,7 +3,7 @@
 Writes ``OUT/summary.json``, ``OUT/report.md``, ``OUT/utilization.png``,
 ``OUT/jct_cdf.png`` and ``OUT/ttd_bounds.png``, and prints the comparison table. Each
 policy gets a fresh instance and the identical trace, cluster, throughput model and
-options. The TTD lower bounds (``services/scheduler/bounds.py``) are solved once per run.
+options. The TTD lower bounds (``services/scheduler/sim/bounds.py``) are solved once per run.
 """
 
 from __future__ import annotations
@@ -54,13 +54,13 @@ def _policy_names(raw: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.scheduler import report
-    from services.scheduler.bounds import ttd_bounds
-    from services.scheduler.clusters import ClusterSpecError, parse_cluster
-    from services.scheduler.metrics import compute_metrics
+    from services.scheduler.sim import report
+    from services.scheduler.sim.bounds import ttd_bounds
+    from services.scheduler.sim.cluster_spec import ClusterSpecError, parse_cluster
+    from services.scheduler.sim.results import compute_metrics
     from services.scheduler.policies import make_policy
-    from services.scheduler.simulator import SimOptions, build_throughput, simulate
-    from services.scheduler.traces import TraceError, load_trace
+    from services.scheduler.sim.simulator import SimOptions, build_throughput, simulate
+    from services.scheduler.sim.traces import TraceError, load_trace
 
     names = _policy_names(args.policies)
     try:

@@ -1,7 +1,7 @@
 """``hadar serve profiler``: flags and runner (wired by services/cli/serve.py).
 
 Settings are a :class:`~services.profiler.service.ProfilerConfig` loaded by
-:func:`shared.settings.load_config`: flags over ``HADAR_PROFILER_*`` variables over the
+:func:`shared.runtime.config.load_config`: flags over ``HADAR_PROFILER_*`` variables over the
 ``--config`` TOML file over the defaults. A bad value exits 2 with one line naming it.
 """
 
@@ -14,10 +14,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from services.profiler.state import DEFAULT_ALPHA, DEFAULT_THRESHOLD
-from shared.connect import add_store_args, make_bus, make_store
-from shared.logging import configure_logging
-from shared.service import run_service
-from shared.settings import add_config_arg, load_config
+from shared.runtime.connection import add_store_args, make_bus, make_store
+from shared.runtime.logging import configure_logging
+from shared.runtime.service import run_service
+from shared.runtime.config import add_config_arg, load_config
 
 if TYPE_CHECKING:
     from services.profiler.service import ProfilerConfig

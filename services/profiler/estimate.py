@@ -2,13 +2,13 @@
 
 Job figures come from the model zoo (:func:`shared.zoo.job_figures`: counted FLOPs and
 parameters of the job's model at its batch size and optimizer) or, for a job named after
-a Gavel table workload (``ResNet-50`` at batch 32 ...), from :func:`shared.workloads.figures_for`.
-Hardware figures and the roofline are :mod:`shared.gpus`. The rate on each type is a
+a Gavel table workload (``ResNet-50`` at batch 32 ...), from :func:`shared.domain.workloads.figures_for`.
+Hardware figures and the roofline are :mod:`shared.domain.gpus`. The rate on each type is a
 copy's own steps/s on ``spec.workers`` GPUs of that type on one node (0.0 where the job
 does not fit) -- with all W workers, the whole job's -- which is what ThroughputEstimate
 carries, the agent measures and the scheduler plans with. The roofline counts a step per
 worker (``n / step_s`` for n workers, as Gavel's table), so its figure is divided by W,
-as :func:`shared.workloads.calibrated_fallback` does (docs/architecture.md "Work accounting").
+as :func:`shared.domain.workloads.calibrated_fallback` does (docs/architecture.md "Work accounting").
 """
 
 from __future__ import annotations
@@ -16,9 +16,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from shared import gpus, workloads, zoo
-from shared.events import JobSpec
-from shared.fork_cost import DEFAULT_OPTIMIZER_SLOTS, MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS
+from shared import zoo
+
+from shared.domain import gpus
+
+from shared.domain import workloads
+from shared.wire.events import JobSpec
+from shared.domain.fork_cost import DEFAULT_OPTIMIZER_SLOTS, MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS
 
 __all__ = ["Sizer", "catalog_rates", "checkpoint_size", "emulated_rates", "job_figures_for", "size_or_unknown"]
 
@@ -38,8 +42,8 @@ def job_figures_for(spec: JobSpec) -> workloads.JobFigures:
 
 def checkpoint_size(spec: JobSpec) -> tuple[int, int]:
     """``(model_bytes, optimizer_slots)`` of ``spec``'s checkpoint, what HadarE charges for
-    consolidating its forked copies (``shared.fork_cost``): FP32 weights, 4 bytes per
-    parameter as ``shared.workloads.model_bytes`` counts them for the simulator, and the
+    consolidating its forked copies (``shared.domain.fork_cost``): FP32 weights, 4 bytes per
+    parameter as ``shared.domain.workloads.model_bytes`` counts them for the simulator, and the
     optimizer's state tensors per parameter. ``ValueError`` as :func:`job_figures_for`."""
     figures = job_figures_for(spec)
     return figures.params * 4, figures.optimizer_slots
@@ -71,7 +75,7 @@ def emulated_rates(gpu_type: str, rate: float, reference: str = "") -> dict[str,
     """Every catalog type's rate implied by ``rate`` measured on an *emulated* ``gpu_type``.
 
     An emulated GPU is the agent's CPU throttled by
-    :func:`shared.gpus.emulation_slowdown` relative to the agent's emulation
+    :func:`shared.domain.gpus.emulation_slowdown` relative to the agent's emulation
     ``reference`` (as its Progress names it; "" = the catalog's default), so one
     measurement fixes the job's speed on every emulated type:
     ``rate x slowdown(gpu_type) / slowdown(t)``. The catalog estimate describes real GPUs

@@ -38,18 +38,18 @@ from services.profiler.snapshot import SERVICE, capture, restore
 from services.profiler.state import DEFAULT_ALPHA, DEFAULT_THRESHOLD, ProfilerState
 from shared.bus import Bus, BusError, Delivery
 from shared.clock import Clock, SystemClock
-from shared.dispatch import HandlerTable
-from shared.events import (
+from shared.wire.dispatch import HandlerTable
+from shared.wire.events import (
     CopyFinished, Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated, Progress,
     RoundAbandoned, ThroughputEstimate,
 )
-from shared.gpus import GPU_TYPES
-from shared.logging import get_logger
-from shared.rejection import dead_letter_delivery
-from shared.settings import FieldError
-from shared.snapshot import SnapshotStore
+from shared.domain.gpus import GPU_TYPES
+from shared.runtime.logging import get_logger
+from shared.bus.rejection import dead_letter_delivery
+from shared.runtime.config import FieldError
+from shared.persistence.snapshot import SnapshotStore
 from shared.store import ObjectStore
-from shared.topics import DEADLETTER, JOBS, MODELS, PROGRESS, THROUGHPUT
+from shared.wire.topics import DEADLETTER, JOBS, MODELS, PROGRESS, THROUGHPUT
 
 __all__ = ["ProfilerConfig", "ProfilerService", "Estimator", "Sizer"]
 
@@ -62,13 +62,13 @@ MAX_WORKERS = 64  # ThroughputEstimate.workers range
 @dataclass(frozen=True, kw_only=True)
 class ProfilerConfig:
     """The profiler's settings; ``hadar serve profiler`` loads them with
-    :func:`shared.settings.load_config` (flags, ``HADAR_PROFILER_*``, ``--config`` file).
+    :func:`shared.runtime.config.load_config` (flags, ``HADAR_PROFILER_*``, ``--config`` file).
 
     ``alpha``: EWMA weight of a new measurement, in (0, 1]. ``threshold``: a measured rate
     is published when it moves by more than this fraction, >= 0. ``snapshot_interval_s``:
     with an object store, snapshot the state at most this often (0: never);
     ``snapshots_kept``: how many to keep. An invalid value raises
-    :class:`~shared.settings.FieldError` naming the field.
+    :class:`~shared.runtime.config.FieldError` naming the field.
     """
 
     group: str = "hadar-profiler"

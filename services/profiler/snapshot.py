@@ -1,6 +1,6 @@
 """What the profiler saves in a state snapshot, and the offsets it covers.
 
-A profiler snapshot (``shared.snapshot`` format, service ``"profiler"``) holds its whole
+A profiler snapshot (``shared.persistence.snapshot`` format, service ``"profiler"``) holds its whole
 :class:`ProfilerState` -- job specs, which jobs were estimated, each copy's last report and
 each key's EWMA and last published rate -- and, for the two topics the profiler replays at
 start (``hadar.throughput`` and ``hadar.jobs``), the offset of every partition up to which
@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.profiler.state import ProfilerState, _Last
-from shared.records import Hyperparameters, JobSpec
-from shared.snapshot import SnapshotCorrupt, StateSnapshot
-from shared.snapshot_codec import register
+from shared.wire.records import Hyperparameters, JobSpec
+from shared.persistence.snapshot import SnapshotCorrupt, StateSnapshot
+from shared.persistence.codec import register
 
 __all__ = ["SERVICE", "ProfilerSnapshot", "capture", "restore"]
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shared.events import JobSpec, Progress, ThroughputEstimate
+from shared.wire.events import JobSpec, Progress, ThroughputEstimate
 
 __all__ = ["MeasuredUpdate", "ProfilerState", "RateKey", "DEFAULT_ALPHA", "DEFAULT_THRESHOLD",
            "MAX_RATE", "MIN_INTERVAL_S"]

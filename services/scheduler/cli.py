@@ -9,11 +9,11 @@ from collections.abc import Callable
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.policies import POLICY_NAMES, UnknownPolicy, parse_policy_option
-from shared.connect import add_store_args, make_bus, make_store
+from shared.runtime.connection import add_store_args, make_bus, make_store
 from shared.errors import UsageError
-from shared.logging import configure_logging
-from shared.service import run_service
-from shared.settings import add_config_arg, load_config
+from shared.runtime.logging import configure_logging
+from shared.runtime.service import run_service
+from shared.runtime.config import add_config_arg, load_config
 
 __all__ = ["add_scheduler_parser", "run_scheduler", "scheduler_config", "add_policy_args", "policy_options",
            "ENV_PREFIX"]
@@ -81,7 +81,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
-    from services.scheduler.service import SchedulerService
+    from services.scheduler.live.service import SchedulerService
 
     config = scheduler_config(args)
     bus = make_bus(args, source=config.source)
@@ -98,7 +98,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
             code = await run_service(service, http_host=args.http_host, http_port=args.http_port,
                                      drain_timeout_s=args.drain_timeout_s, bus=bus)
             if args.record and code == 0:
-                from shared.eventlog import dump_bus
+                from shared.bus.eventlog import dump_bus
 
                 await dump_bus(bus, args.record)
         finally:

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.scheduler.policies import POLICY_NAMES, PolicyChoice, UnknownPolicy
-from shared.deadline import CONSOLIDATION_WAIT_S, LATE_COPY_S
-from shared.events import RoundStarted
-from shared.settings import FieldError
+from shared.domain.deadline import CONSOLIDATION_WAIT_S, LATE_COPY_S
+from shared.wire.events import RoundStarted
+from shared.runtime.config import FieldError
 
 __all__ = ["SchedulerConfig", "DecisionSettings"]
 
@@ -46,18 +46,18 @@ class DecisionSettings:
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     """The scheduler's settings; ``hadar serve scheduler`` loads them with
-    :func:`shared.settings.load_config` (flags, ``HADAR_SCHEDULER_*``, ``--config`` file).
+    :func:`shared.runtime.config.load_config` (flags, ``HADAR_SCHEDULER_*``, ``--config`` file).
 
     ``policy_options``: keyword options of the policy's constructor (JSON values).
     ``late_copy_s`` and ``consolidation_wait_s``: the next round waits for the previous
-    round's models until its deadline plus both (``shared.deadline``, the rule the tracker
+    round's models until its deadline plus both (``shared.domain.deadline``, the rule the tracker
     decides late rounds by with its ``finish_timeout_s``: keep ``late_copy_s`` equal to it).
     ``round_overhead_factor``: a round is never shorter than this times the measured
-    start-up + consolidation overhead (:mod:`services.scheduler.round_length`; 0: off).
+    start-up + consolidation overhead (:mod:`services.scheduler.live.round_length`; 0: off).
     ``group``: consumer group id (also the owner of its snapshots). ``source``: the events'
     ``source``. ``snapshot_every``: with an object store, write a state snapshot after every
     this many rounds (0: never); ``snapshots_kept``: how many of them to keep. An invalid
-    value raises :class:`~shared.settings.FieldError` naming the field."""
+    value raises :class:`~shared.runtime.config.FieldError` naming the field."""
 
     policy: str = "hadare"
     policy_options: dict[str, Any] = field(default_factory=dict)

@@ -1,7 +1,7 @@
 """``hadar serve tracker``: flags and runner (wired by services/cli/serve.py).
 
 Settings are a :class:`~services.tracker.service.TrackerConfig` loaded by
-:func:`shared.settings.load_config`: flags over ``HADAR_TRACKER_*`` variables over the
+:func:`shared.runtime.config.load_config`: flags over ``HADAR_TRACKER_*`` variables over the
 ``--config`` TOML file over the defaults. A bad value exits 2 with one line naming it.
 """
 
@@ -13,10 +13,10 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from shared.connect import add_store_args, make_bus, make_store
-from shared.logging import configure_logging
-from shared.service import run_service
-from shared.settings import add_config_arg, load_config
+from shared.runtime.connection import add_store_args, make_bus, make_store
+from shared.runtime.logging import configure_logging
+from shared.runtime.service import run_service
+from shared.runtime.config import add_config_arg, load_config
 
 if TYPE_CHECKING:
     from services.tracker.config import TrackerConfig

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.deadline import LATE_COPY_S
-from shared.model_meta import Mode
-from shared.settings import FieldError
+from shared.domain.deadline import LATE_COPY_S
+from shared.domain.model_meta import Mode
+from shared.runtime.config import FieldError
 
 __all__ = ["TrackerConfig", "MAX_RETRY_S", "default_consolidation_threads"]
 
@@ -25,10 +25,10 @@ def default_consolidation_threads() -> int:
 @dataclass(frozen=True, kw_only=True)
 class TrackerConfig:
     """The tracker's settings; ``hadar serve tracker`` loads them with
-    :func:`shared.settings.load_config` (flags, ``HADAR_TRACKER_*``, ``--config`` file).
+    :func:`shared.runtime.config.load_config` (flags, ``HADAR_TRACKER_*``, ``--config`` file).
 
     ``mode``: weigh copies by the steps each did, or uniformly. ``finish_timeout_s``: how
-    long after a round's deadline missing copies are waited for (``shared.deadline``: the
+    long after a round's deadline missing copies are waited for (``shared.domain.deadline``: the
     scheduler's ``late_copy_s``, same default). ``tick_s``: how often due
     rounds are checked, also the first retry's back-off. ``max_attempts``: attempts at
     consolidating a round (or completing a job) before it is given up; the default, 6,
@@ -38,7 +38,7 @@ class TrackerConfig:
     threads that average a round's chunks (1..256; default 1, see
     :func:`default_consolidation_threads`; the model is the same bytes whatever the number). ``temp_dir``: where
     consolidated models are staged (None: the system's). An invalid value raises
-    :class:`~shared.settings.FieldError` naming the field.
+    :class:`~shared.runtime.config.FieldError` naming the field.
 
     Object lifecycle (:mod:`services.tracker.lifecycle` has the rules):
     ``keep_round_models``: round models kept per running job, the latest announced ones

@@ -11,9 +11,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from services.tracker.acceptance import CopyPlacement
-from services.tracker.work import CompletionWork, FinishedCopy, RoundWork
-from shared.deadline import copies_given_up_at
-from shared.events import Assignment, JobSpec
+from services.tracker.due import CompletionWork, FinishedCopy, RoundWork
+from shared.domain.deadline import copies_given_up_at
+from shared.wire.events import Assignment, JobSpec
 
 __all__ = ["RoundRecord", "JobRecord", "FinishedJob"]
 
@@ -42,7 +42,7 @@ class RoundRecord:
     def work(self, job_id: str, number: int, *, placed: bool, now: float, timeout_s: float,
              prior_worker_steps: int, job_workers: int, spec: JobSpec | None = None) -> RoundWork | None:
         """This round as work, if it is due: every copy in (``placed``: all its Assignments
-        read), or once its missing copies are given up on (``shared.deadline``: ``timeout_s``
+        read), or once its missing copies are given up on (``shared.domain.deadline``: ``timeout_s``
         past its deadline)."""
         all_in = placed and self.copies.keys() <= self.finished.keys()
         if not (all_in or now >= copies_given_up_at(self.deadline, late_copy_s=timeout_s)):
@@ -76,7 +76,7 @@ class RoundRecord:
 class JobRecord:
     """A job not finished: every round up to ``floor`` is decided and forgotten; ``rounds``
     holds the open ones. Progress is kept exactly, as integer worker-steps
-    (``shared.progress``); job steps are derived from them."""
+    (``shared.domain.progress``); job steps are derived from them."""
 
     first_seen: float
     spec: JobSpec | None = None

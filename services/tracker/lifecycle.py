@@ -62,8 +62,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter
 
 from services.tracker.config import MAX_RETRY_S, TrackerConfig
-from shared.events import Assignment, Event, JobCancelled, JobCompleted, ModelConsolidated, RoundAbandoned
-from shared.layout import (
+from shared.wire.events import Assignment, Event, JobCancelled, JobCompleted, ModelConsolidated, RoundAbandoned
+from shared.domain.layout import (
     checkpoint_prefix, final_key, model_key, model_prefix, parse_checkpoint_key, parse_model_key, parse_optim_key,
 )
 from shared.store import ObjectStore

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from shared.events import CopyFinished
+from shared.wire.events import CopyFinished
 
 __all__ = ["HeldReport", "PendingReports"]
 

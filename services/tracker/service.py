@@ -1,7 +1,7 @@
 """The tracker service: follows copies' progress, consolidates each round, completes jobs.
 
 A thin shell around :class:`~services.tracker.state.TrackerState` (what is due, what is
-refused) and :mod:`services.tracker.consolidate` (the averaging). On start it loads its
+refused) and :mod:`services.tracker.averaging.consolidate` (the averaging). On start it loads its
 newest valid state snapshot (:mod:`services.tracker.snapshot`; a damaged one falls back to
 the one before, none: the log start) and replays, from the offsets it covers, every
 RoundStarted, then hadar.jobs, hadar.placements, hadar.models and hadar.progress, to
@@ -20,8 +20,8 @@ Guarantees:
   model object written by an earlier run that was not announced is announced from its
   own metadata rather than recomputed, so a restart never publishes a different model.
 * A round model holds the averaged weights only and describes itself (model, dataset,
-  width/depth, zoo view, library, samples: ``shared.model_meta``); the averaged optimizer
-  state is stored first, beside it (``shared.layout.optim_key``), and the announcement
+  width/depth, zoo view, library, samples: ``shared.domain.model_meta``); the averaged optimizer
+  state is stored first, beside it (``shared.domain.layout.optim_key``), and the announcement
   carries the model's held-out metric (``model_output.py``).
 * When a job's consolidated steps reach its iterations, ``models/{job}/final.safetensors``
   is written (a copy of the latest round's model) and JobCompleted follows, once, with
@@ -60,18 +60,18 @@ from services.tracker.attempts import Attempts
 from services.tracker.config import MAX_RETRY_S, TrackerConfig
 from services.tracker.lifecycle import ObjectJanitor, ObjectLifecycle
 from services.tracker.metrics import TrackerMetrics
-from services.tracker.produce import AnnouncementRefused, RoundProducer
+from services.tracker.consolidator import AnnouncementRefused, RoundProducer
 from services.tracker.snapshot import SERVICE, Position, capture, restore
 from services.tracker.state import CompletionWork, RoundWork, TrackerState
 from shared.bus import Bus, Delivery
 from shared.clock import Clock, SystemClock
-from shared.events import Event, JobCancelled, JobCompleted, ModelConsolidated, RoundAbandoned, RoundStarted
-from shared.layout import model_key
-from shared.logging import get_logger
-from shared.rejection import dead_letter_delivery
-from shared.snapshot import SnapshotStore, StateSnapshot
+from shared.wire.events import Event, JobCancelled, JobCompleted, ModelConsolidated, RoundAbandoned, RoundStarted
+from shared.domain.layout import model_key
+from shared.runtime.logging import get_logger
+from shared.bus.rejection import dead_letter_delivery
+from shared.persistence.snapshot import SnapshotStore, StateSnapshot
 from shared.store import ObjectStore
-from shared.topics import DEADLETTER, JOBS, MODELS, PLACEMENTS, PROGRESS
+from shared.wire.topics import DEADLETTER, JOBS, MODELS, PLACEMENTS, PROGRESS
 
 __all__ = ["TrackerConfig", "TrackerService", "INPUT_TOPICS", "MAX_RETRY_S"]
 
@@ -147,7 +147,7 @@ class TrackerService:
 
         Cancelled (``run_service``'s drain timeout), the round in progress is abandoned
         cleanly: its averaging thread stops, nothing is stored or announced, and the next
-        tracker consolidates it (:mod:`services.tracker.produce`)."""
+        tracker consolidates it (:mod:`services.tracker.consolidator`)."""
         self._stopping = True
         self._wake.set()
         for task in (self._consumer, self._janitor_task):

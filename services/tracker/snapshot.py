@@ -1,6 +1,6 @@
 """What the tracker saves in a state snapshot, and the offsets it covers.
 
-A tracker snapshot (``shared.snapshot`` format, service ``"tracker"``) holds only what is
+A tracker snapshot (``shared.persistence.snapshot`` format, service ``"tracker"``) holds only what is
 decided or accepted -- nothing that points at a live Kafka delivery or at this process's
 monotonic clock:
 
@@ -41,10 +41,10 @@ from services.tracker.jobs import FinishedJob, JobRecord, RoundRecord
 from services.tracker.lifecycle import ObjectLifecycle, _Job
 from services.tracker.placements import PlacementIndex, _Round
 from services.tracker.state import TrackerState
-from services.tracker.work import FinishedCopy
-from shared.records import Hyperparameters, JobSpec
-from shared.snapshot import SnapshotCorrupt, StateSnapshot
-from shared.snapshot_codec import register
+from services.tracker.due import FinishedCopy
+from shared.wire.records import Hyperparameters, JobSpec
+from shared.persistence.snapshot import SnapshotCorrupt, StateSnapshot
+from shared.persistence.codec import register
 
 __all__ = ["SERVICE", "Position", "TrackerSnapshot", "covered_offsets", "capture", "restore"]
 

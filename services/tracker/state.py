@@ -21,7 +21,7 @@ Guarantees:
   within a window, and content: the first accepted CopyFinished of a copy counts,
   Progress keeps the largest ``steps_round``, Assignments are a set per (job, round, copy,
   node), the first accepted ModelConsolidated decides its round).
-* Steps, in samples (``shared.progress``): a job's consolidated worker-steps are, exactly,
+* Steps, in samples (``shared.domain.progress``): a job's consolidated worker-steps are, exactly,
   the sum over its consolidated rounds of steps x workers of the copies in that round's
   model (a copy's workers: its Assignments' world size, at most the job's W); its
   consolidated steps are those // W. Every copy's steps are at most its budget.
@@ -53,13 +53,13 @@ from services.tracker.acceptance import (
 from services.tracker.jobs import FinishedJob, JobRecord, RoundRecord
 from services.tracker.pending import HeldReport, PendingReports
 from services.tracker.placements import ROUND_HISTORY, PlacementIndex
-from services.tracker.work import CompletionWork, FinishedCopy, RoundWork
-from shared.dispatch import HandlerTable
-from shared.events import (
+from services.tracker.due import CompletionWork, FinishedCopy, RoundWork
+from shared.wire.dispatch import HandlerTable
+from shared.wire.events import (
     Assignment, CopyFinished, Event, JobCancelled, JobCompleted, JobSubmitted, ModelConsolidated, Progress,
     RoundAbandoned, RoundStarted,
 )
-from shared.topics import JOBS, MODELS, PLACEMENTS, PROGRESS
+from shared.wire.topics import JOBS, MODELS, PLACEMENTS, PROGRESS
 
 __all__ = ["FinishedCopy", "RoundWork", "CompletionWork", "Refusal", "TrackerState", "FOLDED_TOPICS",
            "ROUND_HISTORY"]

@@ -9,7 +9,7 @@ A worker thread cannot be cancelled from the loop, so a reader may be given a ``
 event (:class:`threading.Event`): once it is set, the read in flight is given up (within
 :data:`POLL_S`) and every read raises :class:`ConsolidationStopped` -- not an ``OSError``,
 so a stop is never mistaken for a bad replica. Consolidation reads every replica chunk by
-chunk, so setting ``stop`` ends it at its next chunk (:mod:`services.tracker.produce`).
+chunk, so setting ``stop`` ends it at its next chunk (:mod:`services.tracker.consolidator`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Guarantees shared by :class:`~shared.bus.MemoryBus` and :class:`~shared.bus.Kafk
   must therefore be idempotent (by ``event.id``).
 * **New groups** start from the earliest offset still in the log.
 * **Dead letters.** A record that does not decode (or has no value) is published as a
-  :class:`~shared.events.DeadLetter` to ``hadar.deadletter`` (origin topic, partition,
+  :class:`~shared.wire.events.DeadLetter` to ``hadar.deadletter`` (origin topic, partition,
   offset, reason, the first 1024 raw bytes), then committed; it is never yielded. Each
   group that meets it publishes one; they share a deterministic ``id`` so consumers of the
   dead-letter topic can drop duplicates.
@@ -37,14 +37,14 @@ from dataclasses import dataclass, field
 from types import TracebackType
 
 from shared.errors import HadarError
-from shared.events import (
+from shared.wire.events import (
     DEADLETTER_RAW_LIMIT,
     DeadLetter,
     Event,
     key_for,
     topic_for,
 )
-from shared.topics import ALL_TOPICS
+from shared.wire.topics import ALL_TOPICS
 
 __all__ = [
     "BusError", "bus_error", "TOMBSTONE_REASON", "Delivery", "Bus", "Subscription", "AckTracker",

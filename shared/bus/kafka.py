@@ -40,12 +40,12 @@ from shared.bus.base import (
     replay_order, start_ms, topic_list,
 )
 from shared.bus.kafka_group import KafkaSubscription
-from shared.bus.kafka_security import diagnose, security_options
+from shared.bus.kafka_login import diagnose, security_options
 from shared.clock import Clock, SystemClock
 from shared.config import KafkaSecurity
-from shared.events import Event, InvalidEvent, decode, encode
-from shared.retention import topic_configs
-from shared.topics import ALL_TOPICS
+from shared.wire.events import Event, InvalidEvent, decode, encode
+from shared.wire.retention import topic_configs
+from shared.wire.topics import ALL_TOPICS
 
 if TYPE_CHECKING:
     from aiokafka.structs import ConsumerRecord
@@ -68,7 +68,7 @@ class KafkaBus(Bus):
     goes out (0: batches form only while a request is in flight; see the module doc).
     ``security`` says how every client of this bus authenticates (default PLAINTEXT);
     a start that fails for a security reason raises a non-retriable BusError whose one
-    line names the setting (:mod:`shared.bus.kafka_security`).
+    line names the setting (:mod:`shared.bus.kafka_login`).
 
     Its consumer-group members (:class:`~shared.bus.kafka_group.KafkaSubscription`) use
     only :attr:`is_started`, :meth:`ensure_known`, :meth:`client_options`,

@@ -37,7 +37,7 @@ from shared.bus.base import (
     TOMBSTONE_REASON, AckTracker, BusError, Delivery, Subscription, bus_error, check_started,
     dead_letter,
 )
-from shared.events import InvalidEvent, decode
+from shared.wire.events import InvalidEvent, decode
 
 if TYPE_CHECKING:
     from aiokafka.structs import ConsumerRecord

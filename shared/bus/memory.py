@@ -27,8 +27,8 @@ from shared.bus.base import (
     yield_now,
 )
 from shared.clock import Clock, SystemClock
-from shared.events import Event, InvalidEvent, decode, encode, key_for, topic_for
-from shared.topics import ALL_TOPICS
+from shared.wire.events import Event, InvalidEvent, decode, encode, key_for, topic_for
+from shared.wire.topics import ALL_TOPICS
 
 __all__ = ["MemoryBus"]
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from shared.bus.base import Bus
 from shared.errors import HadarError
-from shared.events import Event, key_for, topic_for
+from shared.wire.events import Event, key_for, topic_for
 
 __all__ = ["Outcome", "RetryPolicy", "Send", "bus_send", "publish_until", "retriable"]
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.infra.common import read_json, write_private
+from shared.security.files import read_json, write_private
 from shared.security.principals import ADMIN, PRINCIPALS, s3_user
 
 __all__ = ["Secrets", "load_or_create", "env_lines", "write_env_files", "MECHANISM"]

@@ -8,7 +8,7 @@ derive their ACLs and policies from :data:`PRINCIPALS`; nothing else lists them.
 Kafka (``User:<name>``):
 
 * ``writes``: WRITE (+ DESCRIBE) on those topics; everyone also writes
-  :data:`~shared.topics.DEADLETTER`.
+  :data:`~shared.wire.topics.DEADLETTER`.
 * ``reads``: READ (+ DESCRIBE) on those topics -- the service's input topics, the topics it
   rebuilds its state from at start (the scheduler its own placements, the profiler its own
   estimates) and the dead-letter topic for the services that count dead letters.
@@ -17,7 +17,7 @@ Kafka (``User:<name>``):
 * ``admin`` is a super user: it creates topics and ACLs. No service runs as admin.
 
 MinIO (``hadar-<name>``): ``s3_read``/``s3_write`` are key prefixes of
-:mod:`shared.layout`; write includes delete (the tracker prunes old checkpoints and
+:mod:`shared.domain.layout`; write includes delete (the tracker prunes old checkpoints and
 models; scheduler, tracker and profiler prune their own state snapshots, which live under
 ``snapshots/<group id>/`` and so under their group prefix). The root user only sets this up.
 
@@ -29,10 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shared.layout import CHECKPOINTS as _CHECKPOINTS
-from shared.layout import MODELS as _MODELS
-from shared.layout import SNAPSHOTS as _SNAPSHOTS
-from shared.topics import DEADLETTER, JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
+from shared.domain.layout import CHECKPOINTS as _CHECKPOINTS
+from shared.domain.layout import MODELS as _MODELS
+from shared.domain.layout import SNAPSHOTS as _SNAPSHOTS
+from shared.wire.topics import DEADLETTER, JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
 
 __all__ = [
     "Principal", "PRINCIPALS", "SERVICE_PRINCIPALS", "ADMIN", "KafkaAcl", "kafka_acls", "s3_policy",

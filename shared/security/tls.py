@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from shared.infra.common import write_private
+from shared.security.files import write_private
 
 __all__ = ["TlsFiles", "make_tls"]
 

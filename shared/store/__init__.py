@@ -15,7 +15,7 @@ from shared.store.base import (
     validate_prefix,
 )
 from shared.store.local import LocalStore
-from shared.store.minio_store import MinioStore
+from shared.store.minio import MinioStore
 
 __all__ = [
     "ObjectStore", "LocalStore", "MinioStore", "ObjectNotFound", "InvalidKey", "StoreUnavailable",

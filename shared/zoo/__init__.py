@@ -8,7 +8,7 @@ something the zoo lacks), :func:`build_model` and :func:`load_dataset` to train,
 
 from __future__ import annotations
 
-from shared.events import JobSpec
+from shared.wire.events import JobSpec
 from shared.zoo.datasets import DATASETS, Dataset, DatasetInfo, dataset_info, load_dataset
 from shared.zoo.meta import build_from_metadata, describe, library_version
 from shared.zoo.figures import DEFAULT_DATASET, ModelFigures, job_figures, model_figures

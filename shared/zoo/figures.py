@@ -13,7 +13,7 @@ on CPU (oneDNN off, so LSTMs decompose into counted matrix products):
 * optimizer slots: state tensors per parameter (SGD with momentum 1, Adam/AdamW 2).
 
 Results are deterministic functions of the arguments and cached per process.
-:func:`job_figures` returns them as the estimator's :class:`shared.workloads.JobFigures`.
+:func:`job_figures` returns them as the estimator's :class:`shared.domain.workloads.JobFigures`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from shared.workloads import JobFigures
+from shared.domain.workloads import JobFigures
 from shared.zoo.datasets import load_dataset
 from shared.zoo.models import build_model, parse_model_name
 from shared.zoo.optim import OPTIMIZER_SLOTS, make_optimizer

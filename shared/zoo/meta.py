@@ -1,7 +1,7 @@
 """Model files that say what they are, and the module that fits them.
 
 :func:`describe` is what the tracker writes into every round and final model
-(:class:`shared.model_meta.ModelDescription`): the zoo model and dataset names, the
+(:class:`shared.domain.model_meta.ModelDescription`): the zoo model and dataset names, the
 model's width and depth, the zoo's view of it (family, task, input shape, outputs), the
 library version, and the samples trained. :func:`build_from_metadata` turns that back into
 a freshly initialised ``torch.nn.Module`` whose ``state_dict`` has exactly the file's
@@ -22,8 +22,8 @@ from importlib.metadata import PackageNotFoundError, version
 from torch import nn
 
 from shared.errors import UsageError
-from shared.model_meta import InvalidModelMetadata, ModelDescription
-from shared.records import JobSpec
+from shared.domain.model_meta import InvalidModelMetadata, ModelDescription
+from shared.wire.records import JobSpec
 from shared.zoo.datasets import dataset_info
 from shared.zoo.models import build_model, parse_model_name
 

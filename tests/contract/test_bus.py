@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 from shared.bus import AckTracker, Bus, BusError, Delivery, KafkaBus, MemoryBus, Subscription
 from shared.clock import FakeClock
-from shared.eventlog import fetch_log, read_bus
-from shared.events import CopyFinished, DeadLetter, JobCancelled, Progress, encode
-from shared.topics import DEADLETTER, JOBS
+from shared.bus.eventlog import fetch_log, read_bus
+from shared.wire.events import CopyFinished, DeadLetter, JobCancelled, Progress, encode
+from shared.wire.topics import DEADLETTER, JOBS
 
 WAIT_S = 30.0  # generous: a Kafka group join plus fetches on a loaded 2-core machine
 

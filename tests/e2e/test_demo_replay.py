@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.eventlog import read_log, write_log
-from shared.events import Assignment, RoundStarted
+from shared.bus.eventlog import read_log, write_log
+from shared.wire.events import Assignment, RoundStarted
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

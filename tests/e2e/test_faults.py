@@ -18,7 +18,7 @@ import pytest
 
 from benchmarks.fault_harness import Workload
 from benchmarks.faults import meets_targets, run_scenario
-from shared.infra import InfraError
+from devinfra import InfraError
 
 pytestmark = [pytest.mark.kafka, pytest.mark.s3, pytest.mark.slow]
 

@@ -16,8 +16,8 @@ import pytest
 
 from shared.bus import KafkaBus
 from shared.config import kafka_from_env
-from shared.events import JobCompleted
-from shared.topics import MODELS
+from shared.wire.events import JobCompleted
+from shared.wire.topics import MODELS
 from tests.e2e.processes import stop_services
 
 pytestmark = [pytest.mark.kafka, pytest.mark.s3, pytest.mark.slow]

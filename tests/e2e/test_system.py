@@ -25,14 +25,14 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 from safetensors.torch import load_file as load_torch_file
 
-from services.scheduler.state import fold_log
+from services.scheduler.live.state import fold_log
 from shared.bus import KafkaBus
 from shared.config import S3Settings
-from shared.eventlog import fetch_log
-from shared.events import Assignment, JobCompleted, ModelConsolidated
-from shared.infra import InfraError, InfraPaths, ensure_kafka, stop_server
-from shared.layout import checkpoint_key
-from shared.logging import STABLE_KEYS
+from shared.bus.eventlog import fetch_log
+from shared.wire.events import Assignment, JobCompleted, ModelConsolidated
+from devinfra import InfraError, InfraPaths, ensure_kafka, stop_server
+from shared.domain.layout import checkpoint_key
+from shared.runtime.logging import STABLE_KEYS
 from shared.store import MinioStore
 from shared.zoo import build_from_metadata
 from tests.e2e.processes import stop_services
@@ -206,7 +206,7 @@ async def _fetch(store: MinioStore, key: str, path: Path) -> Path:
 async def _check_average(store: MinioStore, event: ModelConsolidated, workers: dict[int, int],
                          tmp: Path) -> None:
     """Recompute the samples-weighted average (steps x the copy's ``workers``; equal weights
-    when every copy did 0 steps, as ``services/tracker/plan.py`` states) from the stored
+    when every copy did 0 steps, as ``services/tracker/averaging/weighing.py`` states) from the stored
     replicas; compare with the model."""
     model = load_file(str(await _fetch(store, event.key, tmp / "model.safetensors")))
     replicas = []

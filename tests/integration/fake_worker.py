@@ -1,4 +1,4 @@
-"""A stand-in for ``python -m services.agent.worker`` that speaks the worker protocol without torch.
+"""A stand-in for ``python -m services.agent.worker.main`` that speaks the worker protocol without torch.
 
 Reads WorkerSpecs (JSON lines) from stdin until it closes; for each, reports ``started``,
 "trains" one step every ``STEP_S`` seconds (reporting ``progress`` every ``progress_s``)
@@ -12,7 +12,7 @@ outage), ignoring stop requests and SIGTERM meanwhile, as the real worker does. 
 many copies.
 
 Run through an executable wrapper (see ``fake_python`` in the tests): the daemon starts it
-as ``PYTHON -m services.agent.worker`` and the wrapper ignores those arguments.
+as ``PYTHON -m services.agent.worker.main`` and the wrapper ignores those arguments.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-from shared.infra import InfraError, InfraPaths, ensure_kafka, stop_server
-from shared.infra.kafka import EXTRA_PROPERTIES
+from devinfra import InfraError, InfraPaths, ensure_kafka, stop_server
+from devinfra.kafka import EXTRA_PROPERTIES
 
 __all__ = ["private_bootstrap", "set_retention"]
 

@@ -19,20 +19,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.agent.checkpoint import CheckpointMeta, read_checkpoint
-from services.agent.daemon import AgentConfig, AgentDaemon
-from services.agent.discovery import NodeDevices, cpu_devices, emulated_devices
-from services.agent.spec import StoreTarget
-from services.agent.training import BatchSampler
+from services.agent.worker.checkpoint import CheckpointMeta, read_checkpoint
+from services.agent.daemon.service import AgentConfig, AgentDaemon
+from services.agent.daemon.discovery import NodeDevices, cpu_devices, emulated_devices
+from services.agent.protocol import StoreTarget
+from services.agent.worker.training import BatchSampler
 from shared.bus import Bus, KafkaBus, MemoryBus
 from shared.config import S3Settings
-from shared.events import (
+from shared.wire.events import (
     Assignment, CopyFinished, Event, Hyperparameters, JobCancelled, JobSpec, NodeHeartbeat, NodeRegistered,
     Progress, RoundStarted,
 )
-from shared.layout import checkpoint_key, model_key
+from shared.domain.layout import checkpoint_key, model_key
 from shared.store import LocalStore, MinioStore
-from shared.topics import NODES, PLACEMENTS, PROGRESS
+from shared.wire.topics import NODES, PLACEMENTS, PROGRESS
 from shared.zoo import build_model, evaluate, load_dataset, loss_function, make_optimizer
 
 @pytest.fixture(autouse=True)

@@ -18,16 +18,16 @@ from typing import Any
 
 import pytest
 
-from services.agent.daemon import AgentConfig, AgentDaemon
-from services.agent.discovery import cpu_devices
-from services.agent.spec import StoreTarget
+from services.agent.daemon.service import AgentConfig, AgentDaemon
+from services.agent.daemon.discovery import cpu_devices
+from services.agent.protocol import StoreTarget
 from shared.bus import BusError, Delivery, MemoryBus
 from shared.bus.memory import MemorySubscription
-from shared.events import (
+from shared.wire.events import (
     Assignment, CopyFinished, DeadLetter, Event, Hyperparameters, JobCancelled, JobSpec, RoundStarted,
 )
-from shared.layout import model_key
-from shared.topics import DEADLETTER, PLACEMENTS, PROGRESS
+from shared.domain.layout import model_key
+from shared.wire.topics import DEADLETTER, PLACEMENTS, PROGRESS
 
 NODE = "n1"
 FAKE_WORKER = Path(__file__).with_name("fake_worker.py")
@@ -387,7 +387,7 @@ async def test_results_held_by_the_bus_do_not_hold_up_the_copy_and_arrive_in_ord
 
 async def test_past_the_progress_backlog_reports_are_dropped_and_counted_never_the_result(
         tmp_path: Path, fake_python: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.agent import daemon
+    from services.agent.daemon import service as daemon
     from tests.unit.test_bus_retry import HeldAcks
 
     monkeypatch.setattr(daemon, "MAX_PENDING_PROGRESS", 2)

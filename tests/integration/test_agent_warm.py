@@ -17,15 +17,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from services.agent.checkpoint import read_checkpoint, restore
-from services.agent.spec import StoreTarget
-from services.agent.training import BatchSampler
+from services.agent.worker.checkpoint import read_checkpoint, restore
+from services.agent.protocol import StoreTarget
+from services.agent.worker.training import BatchSampler
 from shared.bus import KafkaBus
 from shared.config import S3Settings
-from shared.events import CopyFinished, RoundStarted
-from shared.layout import model_key
+from shared.wire.events import CopyFinished, RoundStarted
+from shared.domain.layout import model_key
 from shared.store import MinioStore
-from shared.topics import PLACEMENTS
+from shared.wire.topics import PLACEMENTS
 from shared.zoo import build_model, load_dataset, loss_function, make_optimizer
 from tests.integration.test_agent import assign, job, one_thread, start_agent  # noqa: F401  (fixture)
 

@@ -1,6 +1,6 @@
 """Warm DDP copies on real Kafka + MinIO: a 2-rank copy kept on the same two device slots
 keeps both worker processes and their process group over rounds, and every rank reloads
-the consolidated model in place (services/agent/slots.py, services/agent/session.py).
+the consolidated model in place (services/agent/slots.py, services/agent/worker/session.py).
 
 As in test_agent_warm.py the consolidated models are written by the test and differ from
 what the workers hold (halfway to the seed's weights). Each rank reports a digest of the
@@ -21,15 +21,15 @@ import pytest
 from safetensors.torch import save_file
 from structlog.testing import capture_logs
 
-from services.agent.checkpoint import read_checkpoint
-from services.agent.session import state_digest
-from services.agent.spec import StoreTarget
+from services.agent.worker.checkpoint import read_checkpoint
+from services.agent.worker.session import state_digest
+from services.agent.protocol import StoreTarget
 from shared.bus import KafkaBus
 from shared.config import S3Settings
-from shared.events import Progress, RoundStarted
-from shared.layout import model_key
+from shared.wire.events import Progress, RoundStarted
+from shared.domain.layout import model_key
 from shared.store import MinioStore
-from shared.topics import PLACEMENTS
+from shared.wire.topics import PLACEMENTS
 from shared.zoo import build_model, load_dataset
 from tests.integration.test_agent import assign, job, one_thread, start_agent  # noqa: F401  (fixture)
 from tests.integration.test_agent_warm import averaged_with_seed
@@ -136,10 +136,10 @@ async def test_a_ddp_copy_kept_on_its_slots_keeps_its_processes_and_every_rank_r
 async def test_a_copy_spanning_two_agents_keeps_its_group_while_its_peers_stay(tmp_path: Path) -> None:
     """Two agents (one device each) on one bus run ranks 0 and 1 of a copy that spans them;
     with the same peers next round both keep their process; each rank reloads in place."""
-    from services.agent.discovery import cpu_devices
-    from services.agent.runner import free_port
+    from services.agent.daemon.discovery import cpu_devices
+    from services.agent.daemon.runner import free_port
     from shared.bus import MemoryBus
-    from shared.events import Assignment
+    from shared.wire.events import Assignment
 
     bus = MemoryBus()
     await bus.start()

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from services.cli.demo import run_demo
-from shared.jobfile import parse_job
+from services.cli.jobfile import parse_job
 
 JOBS = (
     {"id": "hog-digits", "model": "resnet", "dataset": "digits", "batch_size": 32, "workers": 1,

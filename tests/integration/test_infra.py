@@ -20,8 +20,8 @@ import pytest
 
 from services.cli import infra as infra_cli
 from shared.config import S3Settings, kafka_from_env, s3_from_env
-from shared.infra import InfraPaths
-from shared.infra.common import is_running, port_accepts, port_released, spawn, stop_group
+from devinfra import InfraPaths
+from devinfra.common import is_running, port_accepts, port_released, spawn, stop_group
 
 
 def hadar_infra(*args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

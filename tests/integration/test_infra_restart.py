@@ -21,10 +21,10 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from minio import Minio
 
-from shared.infra import InfraError, InfraPaths, down, ensure_kafka, status
-from shared.infra.common import is_running
-from shared.infra.kafka import load_kafka, start_kafka
-from shared.infra.minio import load_minio, start_minio
+from devinfra import InfraError, InfraPaths, down, ensure_kafka, status
+from devinfra.common import is_running
+from devinfra.kafka import load_kafka, start_kafka
+from devinfra.minio import load_minio, start_minio
 from tests.integration.test_infra import hadar_infra
 
 pytestmark = [pytest.mark.kafka, pytest.mark.s3, pytest.mark.slow]

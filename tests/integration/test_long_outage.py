@@ -31,16 +31,16 @@ from pathlib import Path
 
 import pytest
 
-from services.agent.daemon import AgentConfig, AgentDaemon
-from services.agent.discovery import cpu_devices
-from services.agent.spec import StoreTarget
+from services.agent.daemon.service import AgentConfig, AgentDaemon
+from services.agent.daemon.discovery import cpu_devices
+from services.agent.protocol import StoreTarget
 from shared.bus import BusError, KafkaBus
 from shared.config import S3Settings
-from shared.events import CopyFinished, Event, Progress, RoundStarted
-from shared.infra import InfraError, InfraPaths, ensure_kafka, ensure_minio, restart, stop_server
-from shared.infra.common import is_running
+from shared.wire.events import CopyFinished, Event, Progress, RoundStarted
+from devinfra import InfraError, InfraPaths, ensure_kafka, ensure_minio, restart, stop_server
+from devinfra.common import is_running
 from shared.store import MinioStore
-from shared.topics import PROGRESS
+from shared.wire.topics import PROGRESS
 from tests.integration.test_agent_hostile import NODE, assign, fake_python  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

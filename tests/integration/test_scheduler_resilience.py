@@ -9,15 +9,15 @@ import time
 from collections.abc import Awaitable
 
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.policy import Plan, Snapshot
-from services.scheduler.rerun import LoggedEvent, rerun
-from services.scheduler.service import SchedulerService
+from services.scheduler.core.policy import Plan, Snapshot
+from services.scheduler.live.rerun import LoggedEvent, rerun
+from services.scheduler.live.service import SchedulerService
 from shared.bus import BusError, MemoryBus
 from shared.clock import FakeClock
-from shared.events import (
+from shared.wire.events import (
     Assignment, Event, GpuInfo, JobSpec, JobSubmitted, NodeRegistered, RoundStarted, ThroughputEstimate,
 )
-from shared.topics import ALL_TOPICS, PLACEMENTS
+from shared.wire.topics import ALL_TOPICS, PLACEMENTS
 
 FAST = SchedulerConfig(policy="yarn-cs", round_s=0.2, heartbeat_s=1000, late_copy_s=0, consolidation_wait_s=0)
 
@@ -176,9 +176,9 @@ async def test_a_forged_far_ahead_round_does_not_move_the_round_counter():
 
 
 async def test_a_forged_model_announcement_is_dead_lettered_and_the_loop_goes_on():
-    from shared.events import CopyWeight, DeadLetter, ModelConsolidated
-    from shared.layout import model_key
-    from shared.topics import DEADLETTER, MODELS
+    from shared.wire.events import CopyWeight, DeadLetter, ModelConsolidated
+    from shared.domain.layout import model_key
+    from shared.wire.topics import DEADLETTER, MODELS
 
     bus = MemoryBus()
     await bus.start()

@@ -6,15 +6,15 @@ import asyncio
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.policies import PolicyChoice
-from services.scheduler.rerun import LoggedEvent, rerun
-from services.scheduler.service import SchedulerService
+from services.scheduler.live.rerun import LoggedEvent, rerun
+from services.scheduler.live.service import SchedulerService
 from shared.bus import MemoryBus
 from shared.clock import FakeClock
-from shared.events import (
+from shared.wire.events import (
     Assignment, CopyWeight, GpuInfo, JobCancelled, JobSpec, JobSubmitted, ModelConsolidated,
     NodeRegistered, RoundStarted, ThroughputEstimate,
 )
-from shared.topics import PLACEMENTS
+from shared.wire.topics import PLACEMENTS
 
 
 YARN = SchedulerConfig(policy="yarn-cs", round_s=10, heartbeat_s=1000, late_copy_s=0, consolidation_wait_s=0)

@@ -12,17 +12,17 @@ from dataclasses import replace
 import pytest
 
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.rerun import assignment_decision
-from services.scheduler.service import SchedulerService
-from services.scheduler.synthetic import ScriptedCluster
+from services.scheduler.live.rerun import assignment_decision
+from services.scheduler.live.service import SchedulerService
+from services.scheduler.live.scripted_cluster import ScriptedCluster
 from shared.bus import MemoryBus
 from shared.bus.base import dead_letter
 from shared.clock import FakeClock
-from shared.events import Assignment
-from shared.layout import snapshot_key
-from shared.snapshot import MAGIC, SnapshotStore, dump, load
+from shared.wire.events import Assignment
+from shared.domain.layout import snapshot_key
+from shared.persistence.snapshot import MAGIC, SnapshotStore, dump, load
 from shared.store import LocalStore
-from shared.topics import JOBS, PLACEMENTS
+from shared.wire.topics import JOBS, PLACEMENTS
 
 ROUND_S = 60.0
 # With snapshot_every=3 and a stop after round 7, snapshots were taken after rounds 2 and 5:

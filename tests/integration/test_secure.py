@@ -23,12 +23,12 @@ from minio.error import S3Error
 
 from shared.bus import KafkaBus
 from shared.bus.base import BusError
-from shared.bus.kafka_security import diagnose, security_options
+from shared.bus.kafka_login import diagnose, security_options
 from shared.config import kafka_from_env, s3_from_env
-from shared.events import CopyWeight, ModelConsolidated, encode
+from shared.wire.events import CopyWeight, ModelConsolidated, encode
 from shared.security.principals import DEADLETTER, PRINCIPALS, SERVICE_PRINCIPALS
 from shared.store import MinioStore
-from shared.topics import JOBS, MODELS
+from shared.wire.topics import JOBS, MODELS
 
 pytestmark = [pytest.mark.kafka, pytest.mark.s3]
 ROOT = Path(__file__).resolve().parents[2]

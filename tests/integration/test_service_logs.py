@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shared.logging import STABLE_KEYS
+from shared.runtime.logging import STABLE_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_S = 30   # it exits by itself within seconds; SIGTERM if it has not

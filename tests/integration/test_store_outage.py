@@ -23,10 +23,10 @@ from safetensors.numpy import save
 from shared.bus import MemoryBus
 from shared.clock import FakeClock
 from shared.config import S3Settings
-from shared.events import RoundAbandoned
-from shared.infra import InfraError, InfraPaths, ensure_minio, restart, stop_server
-from shared.infra.common import is_running
-from shared.layout import checkpoint_key
+from shared.wire.events import RoundAbandoned
+from devinfra import InfraError, InfraPaths, ensure_minio, restart, stop_server
+from devinfra.common import is_running
+from shared.domain.layout import checkpoint_key
 from shared.store import MinioStore
 from tests.integration.test_tracker_hostile import T0, Cluster, weights
 

@@ -1,4 +1,4 @@
-"""Topics KafkaBus creates carry the retention policy (shared/retention.py), on a real broker;
+"""Topics KafkaBus creates carry the retention policy (shared/wire/retention.py), on a real broker;
 and a scheduler restarted from a state snapshot after retention deleted the records before
 it decides as one that never stopped.
 
@@ -18,17 +18,17 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.rerun import assignment_decision
-from services.scheduler.service import SchedulerService
-from services.scheduler.synthetic import ScriptedCluster
+from services.scheduler.live.rerun import assignment_decision
+from services.scheduler.live.service import SchedulerService
+from services.scheduler.live.scripted_cluster import ScriptedCluster
 from shared.bus import Bus, MemoryBus
 from shared.bus.kafka import KafkaBus
 from shared.clock import FakeClock
-from shared.events import Assignment, JobSubmitted
-from shared.layout import snapshot_key
-from shared.retention import topic_configs
+from shared.wire.events import Assignment, JobSubmitted
+from shared.domain.layout import snapshot_key
+from shared.wire.retention import topic_configs
 from shared.store import LocalStore
-from shared.topics import ALL_TOPICS, JOBS, MODELS, NODES, PLACEMENTS, THROUGHPUT
+from shared.wire.topics import ALL_TOPICS, JOBS, MODELS, NODES, PLACEMENTS, THROUGHPUT
 
 from tests.integration.retention_kafka import private_bootstrap, set_retention  # noqa: F401 (a fixture)
 

@@ -21,12 +21,12 @@ from safetensors.numpy import save
 from services.tracker.service import TrackerConfig, TrackerService
 from shared.bus import MemoryBus
 from shared.clock import FakeClock
-from shared.events import (
+from shared.wire.events import (
     Assignment, CopyFinished, Event, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated, RoundStarted,
 )
-from shared.layout import checkpoint_key
+from shared.domain.layout import checkpoint_key
 from shared.store import LocalStore
-from shared.topics import MODELS
+from shared.wire.topics import MODELS
 
 T0 = 1_700_000_000.0
 

@@ -24,8 +24,8 @@ from safetensors.numpy import save
 from services.tracker.service import TrackerConfig, TrackerService
 from shared.bus import MemoryBus
 from shared.clock import FakeClock
-from shared.events import CopyFinished, JobSubmitted, ModelConsolidated
-from shared.layout import checkpoint_key, model_key, model_prefix
+from shared.wire.events import CopyFinished, JobSubmitted, ModelConsolidated
+from shared.domain.layout import checkpoint_key, model_key, model_prefix
 from shared.store import LocalStore
 from tests.integration.test_tracker_service import T0, consolidations, models_events, place, spec, wait_for
 

@@ -43,13 +43,13 @@ from safetensors.numpy import load, save
 from services.tracker.service import TrackerConfig, TrackerService
 from shared.bus import Bus, KafkaBus, MemoryBus
 from shared.config import S3Settings
-from shared.events import (
+from shared.wire.events import (
     Assignment, CopyFinished, Event, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated, RoundAbandoned,
     RoundStarted,
 )
-from shared.layout import checkpoint_key, model_key, model_prefix
+from shared.domain.layout import checkpoint_key, model_key, model_prefix
 from shared.store import MinioStore, ObjectStore
-from shared.topics import JOBS, MODELS, PLACEMENTS, PROGRESS
+from shared.wire.topics import JOBS, MODELS, PLACEMENTS, PROGRESS
 from tests.integration.test_tracker_service import _remove_bucket
 
 pytestmark = [pytest.mark.kafka, pytest.mark.s3, pytest.mark.slow]

@@ -25,13 +25,13 @@ from services.tracker.service import TrackerConfig, TrackerService
 from shared.bus import Bus, BusError, KafkaBus, MemoryBus
 from shared.clock import FakeClock
 from shared.config import S3Settings
-from shared.events import (
+from shared.wire.events import (
     Assignment, CopyFinished, JobCompleted, JobSubmitted, ModelConsolidated, RoundAbandoned, RoundStarted,
 )
-from shared.layout import final_key, model_key
-from shared.snapshot import SnapshotStore
+from shared.domain.layout import final_key, model_key
+from shared.persistence.snapshot import SnapshotStore
 from shared.store import LocalStore, MinioStore, ObjectStore
-from shared.topics import PLACEMENTS
+from shared.wire.topics import PLACEMENTS
 from tests.integration.test_tracker_service import T0, _remove_bucket, models_events, spec, tensors
 from tests.integration.test_tracker_service import finish as finish_copy
 

@@ -21,19 +21,19 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from services.agent.daemon import AgentConfig, AgentDaemon
-from services.agent.discovery import cpu_devices
-from services.agent.spec import StoreTarget
+from services.agent.daemon.service import AgentConfig, AgentDaemon
+from services.agent.daemon.discovery import cpu_devices
+from services.agent.protocol import StoreTarget
 from services.profiler.service import ProfilerService
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.service import SchedulerService
+from services.scheduler.live.service import SchedulerService
 from services.tracker.service import TrackerConfig, TrackerService
 from shared.bus import MemoryBus
-from shared.events import JobSpec, JobSubmitted, ThroughputEstimate
-from shared.infra import InfraPaths
-from shared.service import HttpEndpoint
+from shared.wire.events import JobSpec, JobSubmitted, ThroughputEstimate
+from devinfra import InfraPaths
+from shared.runtime.service import HttpEndpoint
 from shared.store import LocalStore
-from shared.topics import JOBS
+from shared.wire.topics import JOBS
 
 PACKAGE = "prometheus"
 
@@ -100,7 +100,7 @@ async def _until(predicate, what: str, timeout_s: float = 60.0) -> None:
 @pytest.fixture(scope="session")
 async def scrapes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """``/metrics`` of a scheduler, tracker, profiler and agent, each served by its real
-    :class:`~shared.service.HttpEndpoint` on 127.0.0.1, after they ran together on one
+    :class:`~shared.runtime.service.HttpEndpoint` on 127.0.0.1, after they ran together on one
     MemoryBus and LocalStore: a job submitted, rounds planned, a copy run on the agent (by
     the torch-free fake worker), and one undecodable record on hadar.jobs."""
     tmp = tmp_path_factory.mktemp("scrapes")

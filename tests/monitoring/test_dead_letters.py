@@ -8,11 +8,11 @@ from __future__ import annotations
 import asyncio
 
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.service import SchedulerService
-from services.scheduler.telemetry import DeadLetterTally
+from services.scheduler.live.service import SchedulerService
+from services.scheduler.live.metrics import DeadLetterTally
 from shared.bus import MemoryBus
 from shared.bus.base import dead_letter
-from shared.topics import DEADLETTER, JOBS
+from shared.wire.topics import DEADLETTER, JOBS
 
 CONFIG = SchedulerConfig(policy="yarn-cs", round_s=0.2, heartbeat_s=1000, consolidation_wait_s=0)
 

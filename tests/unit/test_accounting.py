@@ -18,18 +18,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.cluster import Cluster, Node
-from services.scheduler.clusters import parse_cluster
-from services.scheduler.metrics import compute_metrics
+from services.scheduler.core.cluster import Cluster, Node
+from services.scheduler.sim.cluster_spec import parse_cluster
+from services.scheduler.sim.results import compute_metrics
 from services.scheduler.policies import make_policy
-from services.scheduler.policy import Placement, Plan, Snapshot, Wait, WaitCode, copy_rate
-from services.scheduler.simulator import RoundObservation, SimOptions, build_throughput, simulate
-from services.scheduler.throughput import ThroughputModel
-from services.scheduler.traces import TraceJob
-from shared.progress import credited_steps, worker_steps
+from services.scheduler.core.policy import Placement, Plan, Snapshot, Wait, WaitCode, copy_rate
+from services.scheduler.sim.simulator import RoundObservation, SimOptions, build_throughput, simulate
+from services.scheduler.core.throughput import ThroughputModel
+from services.scheduler.sim.traces import TraceJob
+from shared.domain.progress import credited_steps, worker_steps
 
 RESNET18 = "ResNet-18 (batch size 64)"
-RAW = json.loads(resources.files("shared").joinpath("data/gavel_throughputs.json").read_text())
+RAW = json.loads(resources.files("shared.domain").joinpath("data/gavel_throughputs.json").read_text())
 TABLE = ThroughputModel.from_gavel_table()
 PROPS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

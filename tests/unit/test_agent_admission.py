@@ -15,13 +15,13 @@ from hypothesis import HealthCheck, assume, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from services.agent.admission import Admission, AdmissionLimits, CopyKey, Verdict
-from services.agent.delivery import Outcome, RetryPolicy, publish_until, result_abandoned
-from services.agent.spec import StoreTarget, WorkerSpec
-from services.agent.validation import rendezvous_problem
+from services.agent.daemon.admission import Admission, AdmissionLimits, CopyKey, Verdict
+from services.agent.daemon.result_expiry import Outcome, RetryPolicy, publish_until, result_abandoned
+from services.agent.protocol import StoreTarget, WorkerSpec
+from services.agent.daemon.validation import rendezvous_problem
 from shared.bus import BusError
-from shared.events import Assignment, Event, Hyperparameters, InvalidEvent, JobSpec, RoundStarted
-from shared.layout import checkpoint_key, final_key, model_key
+from shared.wire.events import Assignment, Event, Hyperparameters, InvalidEvent, JobSpec, RoundStarted
+from shared.domain.layout import checkpoint_key, final_key, model_key
 
 T0 = 1_700_000_000.0
 NODE = "n1"

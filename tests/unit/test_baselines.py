@@ -9,11 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.cluster import Cluster, Node
+from services.scheduler.core.cluster import Cluster, Node
 from services.scheduler.policies import make_policy
-from services.scheduler.policies.gavel_lp import max_min_fairness, min_total_duration
-from services.scheduler.policy import JobState, Plan, Snapshot, WaitCode, check_plan, copy_rate
-from services.scheduler.throughput import ThroughputModel
+from services.scheduler.policies.gavel.lp import max_min_fairness, min_total_duration
+from services.scheduler.core.policy import JobState, Plan, Snapshot, WaitCode, check_plan, copy_rate
+from services.scheduler.core.throughput import ThroughputModel
 
 ROUND_S = 360.0
 BASELINES = ("yarn-cs", "tiresias", "gavel", "gavel-makespan")

@@ -1,4 +1,4 @@
-"""TTD lower bounds (services/scheduler/bounds.py): hand-checked LPs, and no policy beats
+"""TTD lower bounds (services/scheduler/sim/bounds.py): hand-checked LPs, and no policy beats
 the bound that applies to it on random small traces and clusters."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.bounds import (
+from services.scheduler.sim.bounds import (
     FORKING_POLICIES, TtdBounds, best_copy_rate, best_fork_rate, bound_for, per_gpu_rate, span_factor, ttd_bounds)
-from services.scheduler.cluster import Cluster, Node
-from services.scheduler.clusters import parse_cluster
-from services.scheduler.metrics import compute_metrics
+from services.scheduler.core.cluster import Cluster, Node
+from services.scheduler.sim.cluster_spec import parse_cluster
+from services.scheduler.sim.results import compute_metrics
 from services.scheduler.policies import _REGISTRY, make_policy
-from services.scheduler.simulator import SimOptions, simulate
-from services.scheduler.throughput import ThroughputModel
-from services.scheduler.traces import TraceJob
+from services.scheduler.sim.simulator import SimOptions, simulate
+from services.scheduler.core.throughput import ThroughputModel
+from services.scheduler.sim.traces import TraceJob
 
 TABLE = ThroughputModel.from_gavel_table()
 ONE = ThroughputModel(rates={("A", "v100", 1): 1.0, ("A", "k80", 1): 0.5}, cross_node=False)

@@ -16,8 +16,8 @@ import pytest
 
 from shared.bus import BusError, MemoryBus
 from shared.bus.retry import Outcome, RetryPolicy, bus_send, publish_until
-from shared.events import Event, RoundStarted
-from shared.topics import PLACEMENTS
+from shared.wire.events import Event, RoundStarted
+from shared.wire.topics import PLACEMENTS
 
 
 class HeldAcks(MemoryBus):

@@ -9,7 +9,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from shared.bus import BusError, MemoryBus
-from shared.service import BusWatchdog, run_service
+from shared.runtime.service import BusWatchdog, run_service
 
 
 class FlakyPing(MemoryBus):

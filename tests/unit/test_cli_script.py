@@ -15,10 +15,10 @@ import pytest
 import services.cli.jobs as jobs_cli
 from services.cli.main import build_parser, main
 from shared.bus import MemoryBus
-from shared.events import JobCancelled, JobCompleted, JobSpec, JobSubmitted, Progress
-from shared.jobfile import new_job_id
-from shared.layout import final_key
-from shared.topics import JOBS
+from shared.wire.events import JobCancelled, JobCompleted, JobSpec, JobSubmitted, Progress
+from services.cli.jobfile import new_job_id
+from shared.domain.layout import final_key
+from shared.wire.topics import JOBS
 
 
 def spec(job_id: str, *, user: str = "ada", iterations: int = 100) -> JobSpec:
@@ -187,9 +187,9 @@ def test_submitting_an_existing_id_is_refused_with_exit_2(bus, capsys):
 
 
 def test_a_generated_id_already_in_the_log_is_drawn_again(bus, capsys, monkeypatch):
-    import shared.jobfile
+    import services.cli.jobfile
     publish(bus, submitted(spec("resnet-000000000000"), time.time()))
-    monkeypatch.setattr(shared.jobfile, "new_job_id", lambda model: "resnet-000000000000")
+    monkeypatch.setattr(services.cli.jobfile, "new_job_id", lambda model: "resnet-000000000000")
     monkeypatch.setattr(jobs_cli, "new_job_id", lambda model: "resnet-000000000001")
     assert main(["submit", "--model", "resnet", "--dataset", "digits", "--workers", "1", "--iterations", "5"]) == 0
     assert capsys.readouterr().out.strip() == "resnet-000000000001"

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from services.cli.jobview import job_doc, jobs_table
-from services.scheduler.state import fold_log
-from shared.events import JobSpec, JobSubmitted, RoundStarted, ThroughputEstimate
-from shared.records import Waiting
-from shared.topics import JOBS, PLACEMENTS, THROUGHPUT
+from services.scheduler.live.state import fold_log
+from shared.wire.events import JobSpec, JobSubmitted, RoundStarted, ThroughputEstimate
+from shared.wire.records import Waiting
+from shared.wire.topics import JOBS, PLACEMENTS, THROUGHPUT
 
 SPEC = JobSpec(job_id="new-1", user="ada", model="resnet", dataset="digits", batch_size=32, workers=1,
                iterations=100)

@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replica_bytes import BytesReader, entry, safetensors_bytes
-from services.tracker.consolidate import (
+from services.tracker.averaging.consolidate import (
     MAX_REPLICA_STEPS, MAX_TOTAL_STEPS, NoUsableReplica, Replica, plan_consolidation,
 )
-from shared.events import CopyWeight, ModelConsolidated, Rejection, decode, encode
+from shared.wire.events import CopyWeight, ModelConsolidated, Rejection, decode, encode
 
 
 def replica_bytes(seed: int) -> bytes:

@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.linalg.blas import daxpy, saxpy
 
-from services.tracker.blas import axpy
-from services.tracker.consolidate import (
+from services.tracker.averaging.blas import axpy
+from services.tracker.averaging.consolidate import (
     NoUsableReplica, Replica, WriteStats, consolidate_local, plan_consolidation, write_consolidated,
 )
-from services.tracker.safetensors_format import FileRangeReader, encode_header, f32_to_bf16
+from services.tracker.averaging.safetensors_format import FileRangeReader, encode_header, f32_to_bf16
 from tests.unit.replica_bytes import BytesReader
 
 DTYPES = ("F16", "BF16", "F32", "F64", "I32")
@@ -147,7 +147,7 @@ def test_axpy_refuses_mismatched_arrays() -> None:
 def test_axpy_kernels_are_called_without_the_gil() -> None:
     """ctypes drops the GIL around a foreign call unless the prototype says PYTHONAPI: that
     is what lets the averaging threads run at once (benchmarks/consolidate.py measures it)."""
-    from services.tracker import blas
+    from services.tracker.averaging import blas
 
     for kernel, _ in blas._KERNELS.values():
         assert not kernel._flags_ & ctypes._FUNCFLAG_PYTHONAPI

@@ -1,4 +1,4 @@
-"""The one deadline rule (shared/deadline.py) and both services calling it (issue 13 item 6).
+"""The one deadline rule (shared/domain/deadline.py) and both services calling it (issue 13 item 6).
 
 The scheduler used to give up on a round ``consolidation_wait_s`` (60 s) after its end
 while the tracker waited ``finish_timeout_s`` (120 s) past the deadline for a missing copy,
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from services.scheduler.config import SchedulerConfig
 from services.tracker.config import TrackerConfig
-from shared.deadline import (
+from shared.domain.deadline import (
     CONSOLIDATION_WAIT_S,
     LATE_COPY_S,
     copies_given_up_at,
@@ -60,10 +60,10 @@ def test_scheduler_waits_for_a_late_round_as_long_as_the_tracker_may_decide_it()
     scheduler happened to wake."""
     import asyncio
 
-    from services.scheduler.service import SchedulerService
+    from services.scheduler.live.service import SchedulerService
     from shared.bus import MemoryBus
     from shared.clock import FakeClock
-    from shared.events import GpuInfo, JobSpec, JobSubmitted, NodeRegistered
+    from shared.wire.events import GpuInfo, JobSpec, JobSubmitted, NodeRegistered
 
     clock = FakeClock()
     t0 = clock.time()

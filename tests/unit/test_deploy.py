@@ -102,7 +102,7 @@ def test_each_service_logs_in_as_its_own_principal_with_secrets_from_files():
 
 
 def test_secure_init_runs_our_cli_as_admin_with_every_principals_secret():
-    from services.cli.infra_secure import read_secrets
+    from services.cli.secure_init import read_secrets
     from shared.security.principals import SERVICE_PRINCIPALS
     config = _stack()
     init = config["services"]["secure-init"]

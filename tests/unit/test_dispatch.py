@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 
 from shared.bus import Delivery, MemoryBus
-from shared.dispatch import HandlerTable, HandlerTableError
+from shared.wire.dispatch import HandlerTable, HandlerTableError
 from shared.errors import HadarError
-from shared.events import (
+from shared.wire.events import (
     EVENT_TYPES, Assignment, CopyFinished, Event, JobCancelled, JobSpec, JobSubmitted,
     ModelConsolidated, NodeHeartbeat, Progress, RoundAbandoned, RoundStarted,
 )
-from shared.topics import ALL_TOPICS, JOBS, PLACEMENTS, PROGRESS, event_types_on
+from shared.wire.topics import ALL_TOPICS, JOBS, PLACEMENTS, PROGRESS, event_types_on
 
 T0 = 1_000.0
 SPEC = JobSpec(job_id="j1", user="u", model="resnet-8", dataset="digits", batch_size=32, workers=1,
@@ -125,8 +125,8 @@ def test_a_table_over_every_topic_must_decide_about_every_event_type() -> None:
 
 
 def test_scheduler_state_folds_exactly_the_services_input_topics_and_its_placements() -> None:
-    from services.scheduler.service import INPUT_TOPICS
-    from services.scheduler.state import SchedulerState
+    from services.scheduler.live.service import INPUT_TOPICS
+    from services.scheduler.live.state import SchedulerState
 
     assert_covers(SchedulerState.HANDLERS, (*INPUT_TOPICS, PLACEMENTS))
     assert SchedulerState.HANDLERS.ignored == frozenset()
@@ -148,16 +148,16 @@ def test_profiler_handles_its_input_topics_and_ignores_copy_results_and_models()
 
 
 def test_agent_handles_its_topics_and_ignores_submissions() -> None:
-    from services.agent.daemon import TOPICS, AgentDaemon
+    from services.agent.daemon.service import TOPICS, AgentDaemon
 
     assert_covers(AgentDaemon.HANDLERS, TOPICS)
     assert AgentDaemon.HANDLERS.ignored == {JobSubmitted}
 
 
 async def test_agent_defers_the_ack_only_of_its_own_assignments(tmp_path: Path) -> None:
-    from services.agent.daemon import AgentConfig, AgentDaemon
-    from services.agent.discovery import cpu_devices
-    from services.agent.spec import StoreTarget
+    from services.agent.daemon.service import AgentConfig, AgentDaemon
+    from services.agent.daemon.discovery import cpu_devices
+    from services.agent.protocol import StoreTarget
 
     agent = AgentDaemon(AgentConfig(node_id="n1"), bus=MemoryBus(), store=StoreTarget.local(tmp_path),
                         devices=cpu_devices())
@@ -177,8 +177,8 @@ async def test_agent_defers_the_ack_only_of_its_own_assignments(tmp_path: Path) 
 
 
 def test_rerun_reads_every_placement_type() -> None:
-    from services.scheduler.rerun import PLACEMENTS as RERUN_PLACEMENTS
-    from services.scheduler.rerun import _RecordedRounds
+    from services.scheduler.live.rerun import PLACEMENTS as RERUN_PLACEMENTS
+    from services.scheduler.live.rerun import _RecordedRounds
 
     assert_covers(_RecordedRounds.HANDLERS, (RERUN_PLACEMENTS,))
 

@@ -1,6 +1,6 @@
 """Emulated GPUs: the agent and the profiler scale by the same slowdowns, whatever the reference.
 
-The agent throttles an emulated type by ``shared.gpus.emulation_slowdown`` relative to its
+The agent throttles an emulated type by ``shared.domain.gpus.emulation_slowdown`` relative to its
 ``--emulate-reference``; its Progress names that reference, and the profiler re-estimates
 the other emulated types from a measured rate by the same slowdowns.
 """
@@ -13,17 +13,17 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.agent.discovery import NodeDevices, emulated_devices
-from services.agent.metrics import AgentMetrics
-from services.agent.process import WorkerPool
-from services.agent.runner import CopyRun, RunContext
-from services.agent.spec import StoreTarget
+from services.agent.daemon.discovery import NodeDevices, emulated_devices
+from services.agent.daemon.metrics import AgentMetrics
+from services.agent.daemon.process import WorkerPool
+from services.agent.daemon.runner import CopyRun, RunContext
+from services.agent.protocol import StoreTarget
 from services.profiler.estimate import emulated_rates
 from services.profiler.service import ProfilerConfig, ProfilerService
 from shared.bus import MemoryBus
 from shared.clock import FakeClock
-from shared.events import Assignment, Event, JobSpec, JobSubmitted, Progress, ThroughputEstimate
-from shared.gpus import CATALOG, GPU_TYPES, emulation_reference, emulation_slowdown
+from shared.wire.events import Assignment, Event, JobSpec, JobSubmitted, Progress, ThroughputEstimate
+from shared.domain.gpus import CATALOG, GPU_TYPES, emulation_reference, emulation_slowdown
 
 T0 = 1_700_000_000.0
 SPEC = JobSpec(job_id="j1", user="u", model="resnet", dataset="digits", batch_size=32, workers=1, iterations=1000)

@@ -54,7 +54,7 @@ def test_every_hadar_exception_is_a_hadar_error(hadar_exceptions) -> None:
 
 
 def test_invalid_plan_is_no_assertion_error(hadar_exceptions) -> None:
-    invalid_plan = hadar_exceptions["services.scheduler.policy.InvalidPlan"]
+    invalid_plan = hadar_exceptions["services.scheduler.core.policy.InvalidPlan"]
     assert not issubclass(invalid_plan, AssertionError)   # survives python -O, not caught as a test failure
 
 
@@ -64,10 +64,10 @@ def test_bad_user_input_is_a_usage_error(hadar_exceptions) -> None:
 
 
 def test_documented_stdlib_bases_are_kept() -> None:
-    from shared.events import InvalidEvent
+    from shared.wire.events import InvalidEvent
     from shared.store import ObjectNotFound
 
-    assert issubclass(InvalidEvent, ValueError)   # shared.events: "InvalidEvent (a ValueError)"
+    assert issubclass(InvalidEvent, ValueError)   # shared.wire.events: "InvalidEvent (a ValueError)"
     assert issubclass(ObjectNotFound, KeyError)   # the store contract: a missing key is a KeyError
 
 
@@ -78,7 +78,7 @@ def test_no_class_is_retriable_by_default(hadar_exceptions) -> None:
 
 
 def test_retriable_can_be_set_per_raise() -> None:
-    from shared.infra import InfraError
+    from devinfra import InfraError
 
     assert not HadarError("x").retriable and HadarError("x", retriable=True).retriable
     assert InfraError("minio not ready after 30s", retriable=True).retriable

@@ -1,10 +1,10 @@
 """docs/events.md and docs/events.schema.json stay in step with the event classes.
 
 * The committed schema and the generated reference section of events.md are exactly what
-  ``shared.event_schema`` generates now (regenerate: ``python -m shared.event_schema``).
+  ``shared.wire.schema`` generates now (regenerate: ``python -m shared.wire.schema``).
 * Every ``json event`` example in events.md validates against the schema (with the small
-  validator of ``shared.event_schema``: jsonschema is not a dependency) and, packed with
-  plain msgpack, decodes with ``shared.events.decode``.
+  validator of ``shared.wire.schema``: jsonschema is not a dependency) and, packed with
+  plain msgpack, decodes with ``shared.wire.events.decode``.
 * The validator agrees with ``decode`` on the refusals outside producers meet most:
   a missing field, an unknown field, an out-of-range value, another version.
 """
@@ -21,17 +21,17 @@ from typing import Any
 import msgpack
 import pytest
 
-from shared import event_schema
-from shared.event_schema import BEGIN, CONSTRAINTS, CONSUMERS, END, schema
-from shared.schema_check import json_to_wire, validate
-from shared.events import EVENT_TYPES, InvalidEvent, decode, topic_for
-from shared.records import Record
-from shared.topics import DEADLETTER, TOPIC_OF_TYPE
+from shared.wire import schema as event_schema
+from shared.wire.schema import BEGIN, CONSTRAINTS, CONSUMERS, END, schema
+from tests.unit.json_schema_check import json_to_wire, validate
+from shared.wire.events import EVENT_TYPES, InvalidEvent, decode, topic_for
+from shared.wire.records import Record
+from shared.wire.topics import DEADLETTER, TOPIC_OF_TYPE
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "events.md"
 SCHEMA_FILE = ROOT / "docs" / "events.schema.json"
-REGENERATE = "out of date: run `python -m shared.event_schema` and commit docs/"
+REGENERATE = "out of date: run `python -m shared.wire.schema` and commit docs/"
 
 
 def examples() -> list[dict[str, Any]]:
@@ -131,7 +131,7 @@ def test_every_constraint_names_a_real_field() -> None:
     for name in defs:
         cls = EVENT_TYPES.get(name.removesuffix("Body"))
         if cls is None:
-            import shared.records as records
+            import shared.wire.records as records
             cls = getattr(records, name)
         assert issubclass(cls, Record)
         classes.setdefault(cls.__name__, cls)
@@ -148,9 +148,9 @@ def test_bytes_are_base64_in_json_and_bin_on_the_wire() -> None:
 
 
 def test_consumers_table_matches_the_services() -> None:
-    from services.agent.daemon import TOPICS as AGENT
+    from services.agent.daemon.service import TOPICS as AGENT
     from services.profiler.service import INPUT_TOPICS as PROFILER
-    from services.scheduler.service import INPUT_TOPICS as SCHEDULER
+    from services.scheduler.live.service import INPUT_TOPICS as SCHEDULER
     from services.tracker.service import INPUT_TOPICS as TRACKER
 
     # the scheduler alone follows hadar.deadletter, to count bad records once (issue 17)
@@ -177,7 +177,7 @@ def test_the_producer_example_submits_a_decodable_job(monkeypatch: pytest.Monkey
     import sys
     import types
 
-    from shared.events import JobSubmitted, key_for
+    from shared.wire.events import JobSubmitted, key_for
 
     text = DOC.read_text(encoding="utf-8")
     section = text[text.index("## Submitting a job without Hadar"):]

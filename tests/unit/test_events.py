@@ -1,4 +1,4 @@
-"""Properties of the event codec (shared/events.py).
+"""Properties of the event codec (shared/wire/events.py).
 
 Strategies are derived from each record's dataclass fields and annotations; the table
 below narrows the fields whose ``_check`` restricts them, and a few classes with rules
@@ -18,12 +18,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.events import (
+from shared.wire.events import (
     DEADLETTER_RAW_LIMIT, EVENT_TYPES, JOB_ID_RE, NODE_ID_RE, Assignment, CopyFinished, Event,
     GpuInfo, InvalidEvent, JobCancelled, JobSpec, JobSubmitted, NodeHeartbeat, NodeRegistered, Progress, Record,
     RoundStarted, decode, encode,
 )
-from shared.fork_cost import MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS
+from shared.domain.fork_cost import MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS
 
 INT64 = (-(2**63), 2**63 - 1)  # what msgpack can carry
 # Twelve types times ROUND_TRIP examples: kept small so the suite stays fast on 2 cores.
@@ -353,7 +353,7 @@ def test_an_assignments_peers_name_one_valid_node_per_rank_and_this_node_for_its
 
 
 def test_values_msgpack_cannot_carry_are_rejected_when_the_event_is_built():
-    from shared.events import InvalidEvent, JobCancelled, Progress
+    from shared.wire.events import InvalidEvent, JobCancelled, Progress
 
     with pytest.raises(InvalidEvent, match="64-bit"):
         Progress(ts=1.0, source="a", job_id="j", round=2**70, copy=0, node_id="n", gpu_type="t4", workers=1,
@@ -365,7 +365,7 @@ def test_values_msgpack_cannot_carry_are_rejected_when_the_event_is_built():
 def test_reasons_stay_short_whatever_the_input():
     import msgpack
 
-    from shared.events import InvalidEvent, decode
+    from shared.wire.events import InvalidEvent, decode
 
     huge = "x" * 100_000
     with pytest.raises(InvalidEvent) as info:

@@ -2,7 +2,7 @@
 
 ``plan_to_events`` states on every Assignment how many copies of the job run this round
 and their workers together (K); the agent builds each worker's ``LocalSgd`` from it
-(``services.agent.runner.local_sgd_recipe``), so a forked copy advances the job by K / W
+(``services.agent.daemon.runner.local_sgd_recipe``), so a forked copy advances the job by K / W
 per own step, as the tracker credits it, instead of the one-whole-copy default.
 """
 
@@ -13,15 +13,15 @@ import dataclasses
 import msgpack
 import pytest
 
-from services.agent.runner import local_sgd_recipe
+from services.agent.daemon.runner import local_sgd_recipe
 from services.scheduler.policies import PolicyChoice
-from services.scheduler.rounds import RoundTiming, build_snapshot, plan_to_events
-from services.scheduler.state import SchedulerState
-from services.scheduler.throughput import ThroughputModel
-from shared.events import (
+from services.scheduler.live.rounds import RoundTiming, build_snapshot, plan_to_events
+from services.scheduler.live.state import SchedulerState
+from services.scheduler.core.throughput import ThroughputModel
+from shared.wire.events import (
     Assignment, GpuInfo, InvalidEvent, JobSpec, JobSubmitted, NodeRegistered, ThroughputEstimate, decode, encode,
 )
-from shared.local_sgd import LocalSgd
+from shared.domain.local_sgd import LocalSgd
 
 T0 = 1_700_000_000.0
 TP = ThroughputModel.from_gavel_table()

@@ -8,10 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.throughput import ThroughputModel
-from shared import gpus, workloads
-from shared.gpus import CATALOG, GPU_TYPES, GpuSpec, estimate_step, estimate_steps_per_second
-from shared.workloads import JOB_TYPES, calibrated_fallback, estimate, figures_for, model_bytes
+from services.scheduler.core.throughput import ThroughputModel
+from shared.domain import gpus
+from shared.domain import workloads
+from shared.domain.gpus import CATALOG, GPU_TYPES, GpuSpec, estimate_step, estimate_steps_per_second
+from shared.domain.workloads import JOB_TYPES, calibrated_fallback, estimate, figures_for, model_bytes
 
 TWELVE = {"k80", "p100", "v100", "t4", "t400", "a2000", "rtx3090", "titanrtx", "a100", "l4", "h100", "h200"}
 
@@ -240,7 +241,7 @@ def test_workloads_module_lists_figures_per_family() -> None:
 
 
 def test_the_gpus_swarm_assigned_become_the_visible_devices() -> None:
-    from services.agent.discovery import apply_assigned_gpus, assigned_gpus
+    from services.agent.daemon.discovery import apply_assigned_gpus, assigned_gpus
     assert assigned_gpus({"PATH": "/bin"}) is None
     assert assigned_gpus({"DOCKER_RESOURCE_NVIDIA-GPU": "GPU-a1,GPU-b2", "DOCKER_RESOURCE_CPU": "x"}) == "GPU-a1,GPU-b2"
     env = {"DOCKER_RESOURCE_NVIDIA-GPU": "GPU-a1"}

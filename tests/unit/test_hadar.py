@@ -10,15 +10,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.cluster import Cluster, Node
+from services.scheduler.core.cluster import Cluster, Node
 from services.scheduler.policies import make_policy
-from services.scheduler.policies.hadar import Hadar
-from services.scheduler.policies.hadar_dp import best_choice, prefix_costs, round_costs
-from services.scheduler.policies.hadar_ledger import Commitment, Ledger, LedgerError, LedgerState, RowLayout
-from services.scheduler.policies.hadar_prices import PriceCurve
-from services.scheduler.policies.hadar_profile import ProfileBook
-from services.scheduler.policy import JobState, Plan, Snapshot, WaitCode, check_plan, copy_rate
-from services.scheduler.throughput import ThroughputModel
+from services.scheduler.policies.hadar.policy import Hadar
+from services.scheduler.policies.hadar.dp import best_choice, prefix_costs, round_costs
+from services.scheduler.policies.hadar.ledger import Commitment, Ledger, LedgerError, LedgerState, RowLayout
+from services.scheduler.policies.hadar.prices import PriceCurve
+from services.scheduler.policies.hadar.profile import ProfileBook
+from services.scheduler.core.policy import JobState, Plan, Snapshot, WaitCode, check_plan, copy_rate
+from services.scheduler.core.throughput import ThroughputModel
 
 TP = ThroughputModel.from_gavel_table()
 RESNET = "ResNet-18 (batch size 64)"

@@ -7,10 +7,10 @@ import math
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.policies.hadar import Hadar
-from services.scheduler.policies.hadar_critical import critical_jobs, rounds_needed, target_end
-from services.scheduler.policies.hadar_profile import ProfileBook
-from services.scheduler.policy import JobState, check_plan
+from services.scheduler.policies.hadar.policy import Hadar
+from services.scheduler.policies.hadar.critical import critical_jobs, rounds_needed, target_end
+from services.scheduler.policies.hadar.profile import ProfileBook
+from services.scheduler.core.policy import JobState, check_plan
 from tests.unit.test_hadar import (RESNET, TP, advance, assert_ledger_consistent, clusters, job, job_lists,
                                    single_gpu_nodes, snapshot)
 
@@ -56,12 +56,12 @@ def test_rounds_needed_uses_the_fastest_option():
 
 
 def _row_type(cluster):
-    from services.scheduler.policies.hadar_ledger import RowLayout
+    from services.scheduler.policies.hadar.ledger import RowLayout
     return RowLayout.of(cluster).row_type
 
 
 def _row_cap(cluster):
-    from services.scheduler.policies.hadar_ledger import RowLayout
+    from services.scheduler.policies.hadar.ledger import RowLayout
     return RowLayout.of(cluster).row_cap
 
 
@@ -120,7 +120,7 @@ def test_critical_planning_never_over_allocates(cluster, jobs, rounds, slack):
 def test_capacity_rounds_lies_between_the_simple_bounds_and_any_assignment(rounds, workers, caps):
     import numpy as np
 
-    from services.scheduler.policies.hadar_critical import capacity_rounds
+    from services.scheduler.policies.hadar.critical import capacity_rounds
     g = np.array(rounds)
     w = np.array(workers[: g.shape[0]], dtype=float)
     c = np.array(caps)

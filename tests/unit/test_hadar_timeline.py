@@ -8,17 +8,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.cluster import Cluster, Node
-from services.scheduler.policies.hadar_ledger import RowLayout
-from services.scheduler.policies.hadar_profile import ProfileBook
-from services.scheduler.policies.hadar_timeline import (
+from services.scheduler.core.cluster import Cluster, Node
+from services.scheduler.policies.hadar.ledger import RowLayout
+from services.scheduler.policies.hadar.profile import ProfileBook
+from services.scheduler.policies.hadar.timeline import (
     POOL_ABOVE, _single_gpus, _transport, critical_types, end_round, gang_lp)
-from services.scheduler.policies.hadare_split import ForkLp, makespan, type_rates
-from services.scheduler.policies.hadare_timeline import solve
+from services.scheduler.policies.hadare.split import ForkLp, makespan, type_rates
+from services.scheduler.policies.hadare.timeline import solve
 from services.scheduler.policies import make_policy
-from services.scheduler.policy import JobState, Snapshot
-from services.scheduler.throughput import ThroughputModel
-from shared.snapshot_codec import pack, unpack
+from services.scheduler.core.policy import JobState, Snapshot
+from services.scheduler.core.throughput import ThroughputModel
+from shared.persistence.codec import pack, unpack
 from tests.unit.generated_runs import run_generated
 
 TP = ThroughputModel.from_gavel_table()
@@ -151,7 +151,7 @@ def test_the_gang_lp_is_a_relaxation_of_running_whole_gangs(instance):
 
 
 def test_the_gangs_rounding_credit_is_carried_in_hadars_state_and_survives_a_snapshot():
-    import services.scheduler.snapshot  # noqa: F401  (registers the scheduler's classes)
+    import services.scheduler.live.snapshot  # noqa: F401  (registers the scheduler's classes)
     cluster = nodes(*AWS5)
     jobs = gangs(cluster, 100, 60) + [JobState(job_id="s", job_type=RESNET18, workers=1,
                                                total_steps=steps(RESNET18, "v100", 50))]

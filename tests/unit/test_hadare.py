@@ -9,12 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.cluster import Cluster, Node
+from services.scheduler.core.cluster import Cluster, Node
 from services.scheduler.policies import make_policy
-from services.scheduler.policies.hadar import Hadar
-from services.scheduler.policy import JobState, Snapshot, check_plan, copy_rate
-from services.scheduler.throughput import ThroughputModel
-from shared import workloads
+from services.scheduler.policies.hadar.policy import Hadar
+from services.scheduler.core.policy import JobState, Snapshot, check_plan, copy_rate
+from services.scheduler.core.throughput import ThroughputModel
+from shared.domain import workloads
 
 TP = ThroughputModel.from_gavel_table()
 RESNET = "ResNet-18 (batch size 64)"
@@ -206,7 +206,7 @@ def test_a_jobs_own_optimizer_slots_override_the_policys_default():
 
 
 def test_fork_cost_is_n_uploads_n_downloads_one_write_with_optimizer_state():
-    from shared.fork_cost import consolidation_s
+    from shared.domain.fork_cost import consolidation_s
     assert consolidation_s(10**9, 1) == 0.0
     assert consolidation_s(10**9, 3, store_gbps=1.0, optimizer_slots=1) == pytest.approx(7 * 2.0)
     assert consolidation_s(10**9, 2, store_gbps=2.0, optimizer_slots=2) == pytest.approx(5 * 3.0 / 2)
@@ -224,7 +224,7 @@ def test_bad_options_are_refused():
 def test_makespan_split_keeps_the_slow_type_for_the_job_efficient_on_it():
     # Recommendation runs about as fast on a K80 as on a V100; ResNet-50 ~6x slower there.
     # Smith's order alone would let the short Recommendation job take the V100 first.
-    from services.scheduler.policies.hadare_split import type_split
+    from services.scheduler.policies.hadare.split import type_split
     cluster = one_gpu_nodes("v100", "k80")
     rec, resnet = "Recommendation (batch size 8192)", "ResNet-50 (batch size 32)"
     jobs = [JobState(job_id="rec", job_type=rec, workers=1, total_steps=int(TP.rate(rec, "k80", 1) * 3600 * 10)),

@@ -8,14 +8,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.cluster import Cluster, Node
+from services.scheduler.core.cluster import Cluster, Node
 from services.scheduler.policies import make_policy
-from services.scheduler.policies.hadare_split import ForkLp, fork_lp, makespan
-from services.scheduler.policies.hadare_timeline import (
+from services.scheduler.policies.hadare.split import ForkLp, fork_lp, makespan
+from services.scheduler.policies.hadare.timeline import (
     COMPLETION_WEIGHT, POOL_ABOVE, TIMELINE_SLACK, TimelineState, budgets, intervals, solve, target_end_s)
-from services.scheduler.policy import JobState, Snapshot
-from services.scheduler.throughput import ThroughputModel
-from shared.snapshot_codec import pack, unpack
+from services.scheduler.core.policy import JobState, Snapshot
+from services.scheduler.core.throughput import ThroughputModel
+from shared.persistence.codec import pack, unpack
 from tests.unit.generated_runs import run_generated
 
 TP = ThroughputModel.from_gavel_table()
@@ -166,7 +166,7 @@ def test_the_target_end_moves_only_for_arrivals_or_when_it_cannot_be_met():
 
 
 def test_timeline_state_survives_a_scheduler_snapshot():
-    import services.scheduler.snapshot  # noqa: F401  (registers the scheduler's classes)
+    import services.scheduler.live.snapshot  # noqa: F401  (registers the scheduler's classes)
     state = TimelineState(end_s=12.5, job_ids=frozenset({"a", "b"}), credit={"a": {"v100": 0.25, "k80": -0.5}})
     assert unpack(pack(state)) == state
 
@@ -225,7 +225,7 @@ def test_above_pool_above_jobs_the_plan_is_valid_and_the_shortest_run_first():
                  for i in range(POOL_ABOVE + 20))
     snap = Snapshot(round=0, now_s=0.0, round_s=360.0, cluster=cluster, jobs=jobs, throughput=TP)
     plan = make_policy("hadare").plan(snap)
-    from services.scheduler.policy import check_plan
+    from services.scheduler.core.policy import check_plan
     check_plan(snap, plan)
     placed = {p.job_id for p in plan.placements}
     assert len(plan.placements) == 40 and "j000" in placed and f"j{POOL_ABOVE + 19:03d}" not in placed

@@ -9,7 +9,7 @@ import socket
 import pytest
 
 import services.cli.serve as serve
-from shared.service import HttpEndpoint
+from shared.runtime.service import HttpEndpoint
 from tests.unit.test_bus_watchdog import Idle
 
 

@@ -1,7 +1,7 @@
 """A development server that dies while starting is reported with why: its exit code or the
 signal that killed it, and the last lines of its log (its stdout and stderr), in one line.
 
-Real processes (``sh``) started with :func:`shared.infra.common.spawn`, as the servers are.
+Real processes (``sh``) started with :func:`devinfra.common.spawn`, as the servers are.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.infra.common import InfraError, exit_status, failure_tail, is_running, log_tail, spawn, wait_for
+from devinfra.common import InfraError, exit_status, failure_tail, is_running, log_tail, spawn, wait_for
 
 
 def _start(tmp_path: Path, script: str) -> tuple[int, str, Path]:

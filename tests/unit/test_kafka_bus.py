@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from shared.bus import BusError, KafkaBus, kafka_group
 from shared.bus.kafka import KeyPartitioner
-from shared.topics import JOBS
+from shared.wire.topics import JOBS
 
 
 def test_members_use_only_the_documented_interface() -> None:

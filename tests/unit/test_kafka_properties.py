@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.infra import InfraError
-from shared.infra.kafka import EXTRA_PROPERTIES, extra_properties, kafka_properties
+from devinfra import InfraError
+from devinfra.kafka import EXTRA_PROPERTIES, extra_properties, kafka_properties
 
 
 def _settings(text: str) -> dict[str, str]:

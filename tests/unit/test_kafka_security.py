@@ -11,24 +11,24 @@ from pathlib import Path
 import pytest
 
 from services.agent.config import AgentConfig
-from services.agent.daemon import TOPICS as AGENT_TOPICS
+from services.agent.daemon.service import TOPICS as AGENT_TOPICS
 from services.profiler.service import INPUT_TOPICS as PROFILER_TOPICS
 from services.profiler.service import RECOVERY_TOPICS as PROFILER_RECOVERY
 from services.profiler.service import ProfilerConfig
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.service import INPUT_TOPICS as SCHEDULER_TOPICS
-from services.scheduler.service import RECOVERY_TOPICS as SCHEDULER_RECOVERY
+from services.scheduler.live.service import INPUT_TOPICS as SCHEDULER_TOPICS
+from services.scheduler.live.service import RECOVERY_TOPICS as SCHEDULER_RECOVERY
 from services.tracker.config import TrackerConfig
 from services.tracker.service import INPUT_TOPICS as TRACKER_TOPICS
-from shared.bus.kafka_security import security_options
+from shared.bus.kafka_login import security_options
 from shared.config import ConfigError, KafkaSecurity, kafka_from_env, kafka_security_from_env
-from shared.connect import add_bus_args, kafka_settings
+from shared.runtime.connection import add_bus_args, kafka_settings
 from shared.security.principals import (
     ADMIN, PRINCIPALS, SERVICE_PRINCIPALS, kafka_acls, s3_policy, s3_user,
 )
 from shared.security.scram import salted_password
 from shared.security.tls import make_tls
-from shared.topics import ALL_TOPICS, DEADLETTER, JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
+from shared.wire.topics import ALL_TOPICS, DEADLETTER, JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
 
 SASL = {"HADAR_BOOTSTRAP": "b:9093", "HADAR_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
         "HADAR_KAFKA_USERNAME": "tracker", "HADAR_KAFKA_PASSWORD": "pw-env"}

@@ -82,7 +82,7 @@ def test_layering(path: Path) -> None:
 def test_the_checker_sees_every_form_of_import() -> None:
     source = ("import services.cli.main\n"
               "from services import cli\n"
-              "def f():\n    from services.agent.emulation import slowdown\n"
+              "def f():\n    from services.agent.daemon.emulation import slowdown\n"
               "from .. import agent\n")
     names = set(imported_modules(source, "services.profiler.estimate"))
-    assert {"services.cli.main", "services.cli", "services.agent.emulation", "services.agent"} <= names
+    assert {"services.cli.main", "services.cli", "services.agent.daemon.emulation", "services.agent"} <= names

@@ -9,23 +9,23 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.cluster import Cluster, Node
+from services.scheduler.core.cluster import Cluster, Node
 from services.scheduler.policies import PolicyChoice, make_policy
-from services.scheduler.policy import JobState
-from services.scheduler.rerun import LoggedEvent, rerun
-from services.scheduler.rounds import RoundTiming, build_snapshot, plan_to_events
-from services.scheduler.simulator import RoundObservation, SimOptions, simulate
-from services.scheduler.snapshot import capture, restore
-from services.scheduler.state import SchedulerState
-from services.scheduler.throughput import ThroughputModel
-from services.scheduler.traces import TraceJob
-from shared import workloads
-from shared.events import (
+from services.scheduler.core.policy import JobState
+from services.scheduler.live.rerun import LoggedEvent, rerun
+from services.scheduler.live.rounds import RoundTiming, build_snapshot, plan_to_events
+from services.scheduler.sim.simulator import RoundObservation, SimOptions, simulate
+from services.scheduler.live.snapshot import capture, restore
+from services.scheduler.live.state import SchedulerState
+from services.scheduler.core.throughput import ThroughputModel
+from services.scheduler.sim.traces import TraceJob
+from shared.domain import workloads
+from shared.wire.events import (
     GpuInfo, InvalidEvent, JobCancelled, JobSpec, JobSubmitted, NodeRegistered, ThroughputEstimate, decode, encode,
 )
-from shared.fork_cost import MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS
-from shared.snapshot import dump, load
-from shared.topics import JOBS, NODES, PLACEMENTS, THROUGHPUT
+from shared.domain.fork_cost import MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS
+from shared.persistence.snapshot import dump, load
+from shared.wire.topics import JOBS, NODES, PLACEMENTS, THROUGHPUT
 
 T0 = 1_700_000_000.0
 TP = ThroughputModel.from_gavel_table()

@@ -1,4 +1,4 @@
-"""The local-SGD recipe (shared/local_sgd.py): the factor, the warm-up and the worker's one hook."""
+"""The local-SGD recipe (shared/domain/local_sgd.py): the factor, the warm-up and the worker's one hook."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.agent.spec import StoreTarget, WorkerSpec
-from shared.local_sgd import SCALINGS, LocalSgd, install, lr_factor
+from services.agent.protocol import StoreTarget, WorkerSpec
+from shared.domain.local_sgd import SCALINGS, LocalSgd, install, lr_factor
 
 
 @given(w=st.integers(1, 8), step=st.floats(0, 1e7), scaling=st.sampled_from(tuple(SCALINGS)))

@@ -1,4 +1,4 @@
-"""shared.logging: every way a process logs comes out as one JSON object per line, same keys."""
+"""shared.runtime.logging: every way a process logs comes out as one JSON object per line, same keys."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import structlog
 
-from shared.logging import STABLE_KEYS, capture_prints, configure_logging, get_logger
+from shared.runtime.logging import STABLE_KEYS, capture_prints, configure_logging, get_logger
 
 LEVELS = {"debug", "info", "warning", "error", "critical"}
 

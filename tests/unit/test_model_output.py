@@ -12,15 +12,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from services.agent.checkpoint import (
+from services.agent.worker.checkpoint import (
     OPTIM_PREFIX, CheckpointError, CheckpointMeta, restore, save_checkpoint, state_tensors, with_optimizer_state,
 )
-from services.tracker.consolidate import Replica, plan_consolidation
-from services.tracker.model_output import OPTIM_FORMAT, held_out_metric, write_round_outputs
-from services.tracker.safetensors_format import FileRangeReader
+from services.tracker.averaging.consolidate import Replica, plan_consolidation
+from services.tracker.model_files import OPTIM_FORMAT, held_out_metric, write_round_outputs
+from services.tracker.averaging.safetensors_format import FileRangeReader
 from shared.errors import UsageError
-from shared.model_meta import ModelMetadata
-from shared.records import Hyperparameters, JobSpec
+from shared.domain.model_meta import ModelMetadata
+from shared.wire.records import Hyperparameters, JobSpec
 from shared.zoo import build_from_metadata, build_model, evaluate, load_dataset, loss_function, make_optimizer
 
 SPEC = JobSpec(job_id="j1", user="alice", model="resnet-w8-d1", dataset="digits", batch_size=16, workers=2,
@@ -93,7 +93,7 @@ def test_the_optimizer_state_beside_it_resumes_a_copy_exactly_as_the_combined_fi
     readers = [FileRangeReader(p) for p, _ in paths]
     plan = plan_consolidation([Replica(copy=i, steps=s, reader=r) for i, (r, (_, s)) in
                                enumerate(zip(readers, paths))], job_workers=SPEC.workers)
-    from services.tracker.consolidate import write_consolidated
+    from services.tracker.averaging.consolidate import write_consolidated
     with open(tmp_path / "combined.safetensors", "wb") as out:
         write_consolidated(plan, out, chunk_bytes=4096)
     combined = load_file(str(tmp_path / "combined.safetensors"))

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from shared.layout import checkpoint_key
+from shared.domain.layout import checkpoint_key
 
 def _load_benchmark() -> ModuleType:
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "model_quality.py"

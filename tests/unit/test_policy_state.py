@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from services.scheduler.cluster import Cluster, Node
+from services.scheduler.core.cluster import Cluster, Node
 from services.scheduler.policies import POLICY_NAMES, make_policy
-from services.scheduler.policy import JobState, Plan, PolicyState, Snapshot, previous_state
-from services.scheduler.throughput import ThroughputModel
+from services.scheduler.core.policy import JobState, Plan, PolicyState, Snapshot, previous_state
+from services.scheduler.core.throughput import ThroughputModel
 
 TOY = ThroughputModel(rates={("a", "v100", 1): 2.0, ("a", "k80", 1): 1.0,
                              ("a", "v100", 2): 4.0, ("a", "k80", 2): 2.0})

@@ -10,11 +10,12 @@ import pytest
 from services.profiler.estimate import catalog_rates, checkpoint_size, emulated_rates, job_figures_for
 from services.profiler.service import ProfilerConfig, ProfilerService
 from services.profiler.state import ProfilerState
-from shared import gpus, workloads
+from shared.domain import gpus
+from shared.domain import workloads
 from shared.bus import MemoryBus
 from shared.clock import FakeClock
-from shared.events import Hyperparameters, JobSpec, JobSubmitted, Progress, ThroughputEstimate
-from shared.topics import THROUGHPUT
+from shared.wire.events import Hyperparameters, JobSpec, JobSubmitted, Progress, ThroughputEstimate
+from shared.wire.topics import THROUGHPUT
 
 T0 = 1_700_000_000.0
 SPEC = JobSpec(job_id="j1", user="u", model="resnet", dataset="digits", batch_size=32, workers=2,

@@ -17,8 +17,8 @@ from services.profiler.service import ProfilerConfig, ProfilerService
 from services.profiler.state import MAX_RATE, ProfilerState
 from shared.bus import MemoryBus
 from shared.clock import FakeClock
-from shared.events import DeadLetter, JobSpec, JobSubmitted, Progress
-from shared.topics import DEADLETTER, JOBS, THROUGHPUT
+from shared.wire.events import DeadLetter, JobSpec, JobSubmitted, Progress
+from shared.wire.topics import DEADLETTER, JOBS, THROUGHPUT
 
 T0 = 1_700_000_000.0
 SPEC = JobSpec(job_id="j1", user="u", model="resnet", dataset="digits", batch_size=32, workers=1, iterations=100)

@@ -13,9 +13,10 @@ import pytest
 
 from services.profiler.estimate import catalog_rates, job_figures_for
 from services.profiler.state import ProfilerState
-from services.scheduler.throughput import ThroughputModel
-from shared import gpus, workloads
-from shared.events import JobSpec, Progress
+from services.scheduler.core.throughput import ThroughputModel
+from shared.domain import gpus
+from shared.domain import workloads
+from shared.wire.events import JobSpec, Progress
 
 T0 = 1_700_000_000.0
 

@@ -1,4 +1,4 @@
-"""The compiled record codec (shared/record_codec.py) against the rules it compiles.
+"""The compiled record codec (shared/wire/record_codec.py) against the rules it compiles.
 
 The oracle below is the codec as it was before compilation (issue 14): it walks each
 record's annotations per value. The compiled codec must agree with it exactly -- the
@@ -25,15 +25,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_events import HOSTILE, ROUND_TRIP, any_event, envelope_shaped, msgpack_values, mutated_valid
 
-from shared import records
-from shared.events import (
+from shared.wire import records
+from shared.wire.events import (
     EVENT_TYPES, Assignment, CopyWeight, DeadLetter, Event, GpuInfo, Hyperparameters, InvalidEvent, JobSpec,
     JobSubmitted, ModelConsolidated, NodeRegistered, Progress, Record, RoundStarted, ThroughputEstimate, Waiting,
     decode, encode,
 )
-from shared.record_codec import converter
-from shared.record_compile import NAMES, fast_test, wire_test
-from shared.records import check_job_id, new_event_id, short_repr
+from shared.wire.record_codec import converter
+from shared.wire.record_compile import NAMES, fast_test, wire_test
+from shared.wire.records import check_job_id, new_event_id, short_repr
 
 # ---------------------------------------------------------------- the oracle
 

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from replica_bytes import BytesReader, safetensors_bytes
-from services.tracker.consolidate import NoUsableReplica, Replica, plan_consolidation, write_consolidated
-from services.tracker.safetensors_format import (
+from services.tracker.averaging.consolidate import NoUsableReplica, Replica, plan_consolidation, write_consolidated
+from services.tracker.averaging.safetensors_format import (
     DTYPE_SIZES, FLOAT_DTYPES, MAX_DIMS, Header, InvalidSafetensors, bf16_to_f32, encode_header, read_header,
 )
 

@@ -1,4 +1,4 @@
-"""Round length never below the measured overhead x factor (services/scheduler/round_length.py),
+"""Round length never below the measured overhead x factor (services/scheduler/live/round_length.py),
 and a round that left no replica does not count against its job."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.round_length import WINDOW, RoundCosts, copy_startup_s, stretched_round_s
-from services.scheduler.state import SchedulerState
-from shared.events import JobSubmitted, RoundAbandoned
-from shared.settings import FieldError
+from services.scheduler.live.round_length import WINDOW, RoundCosts, copy_startup_s, stretched_round_s
+from services.scheduler.live.state import SchedulerState
+from shared.wire.events import JobSubmitted, RoundAbandoned
+from shared.runtime.config import FieldError
 from tests.unit.test_scheduler_state import T0, _round, node, spec
 
 

@@ -9,13 +9,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from services.scheduler.state import SchedulerState
-from shared.events import (
+from services.scheduler.live.state import SchedulerState
+from shared.wire.events import (
     Assignment, CopyWeight, GpuInfo, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated, NodeHeartbeat,
     NodeRegistered, RoundStarted, ThroughputEstimate,
 )
-from shared.layout import final_key, model_key
-from shared.rejection import Rejected
+from shared.domain.layout import final_key, model_key
+from shared.bus.rejection import Rejected
 
 T0 = 1_700_000_000.0
 
@@ -162,7 +162,7 @@ TestHostileScheduler.settings = settings(max_examples=60, stateful_step_count=30
 
 
 def test_an_abandoned_round_is_no_longer_awaited_and_a_forged_one_is_refused():
-    from shared.events import RoundAbandoned
+    from shared.wire.events import RoundAbandoned
 
     state = started_state()
     assert state.awaiting_consolidation(0) == ["a"]

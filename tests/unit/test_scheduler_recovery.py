@@ -1,12 +1,12 @@
-"""Where a restarted scheduler continues (services/scheduler/recovery.py), without a bus."""
+"""Where a restarted scheduler continues (services/scheduler/live/recovery.py), without a bus."""
 
 from __future__ import annotations
 
 from services.scheduler.policies import PolicyChoice
-from services.scheduler.policy import Placement, Plan
-from services.scheduler.recovery import resume
-from services.scheduler.snapshot import SchedulerSnapshot
-from services.scheduler.state import SchedulerState
+from services.scheduler.core.policy import Placement, Plan
+from services.scheduler.live.recovery import resume
+from services.scheduler.live.snapshot import SchedulerSnapshot
+from services.scheduler.live.state import SchedulerState
 
 HADAR = PolicyChoice(name="hadar")
 PLAN = Plan(placements=(Placement(job_id="j", copy=0, node_id="n", gpus=(0,)),))

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from services.scheduler.policies import PolicyChoice
-from services.scheduler.policy import Placement, Plan, Wait, WaitCode
-from services.scheduler.rounds import RoundTiming, build_snapshot, plan_to_events
-from services.scheduler.state import SchedulerState
-from shared.events import (
+from services.scheduler.core.policy import Placement, Plan, Wait, WaitCode
+from services.scheduler.live.rounds import RoundTiming, build_snapshot, plan_to_events
+from services.scheduler.live.state import SchedulerState
+from shared.wire.events import (
     Assignment, GpuInfo, JobCancelled, JobSpec, JobSubmitted, ModelConsolidated, NodeHeartbeat,
     NodeRegistered, Progress, RoundStarted, ThroughputEstimate, CopyFinished, CopyWeight,
 )
-from shared.topics import JOBS
+from shared.wire.topics import JOBS
 
 T0 = 1_700_000_000.0
 
@@ -237,8 +237,8 @@ def test_finished_jobs_drop_their_rates_and_live_progress():
 
 
 def test_only_the_latest_finished_jobs_keep_their_records():
-    from shared.events import JobCompleted
-    from shared.layout import final_key, model_key
+    from shared.wire.events import JobCompleted
+    from shared.domain.layout import final_key, model_key
 
     state = SchedulerState(finished_kept=2)
     state.apply(RoundStarted(ts=T0, source="s", round=0, policy="x", started_at=T0, ends_at=T0 + 10))

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from services.agent.cli import agent_config
-from services.agent.daemon import AgentConfig
+from services.agent.daemon.service import AgentConfig
 from services.cli.main import build_parser
 from services.profiler.cli import profiler_config
 from services.profiler.service import ProfilerConfig
@@ -22,7 +22,7 @@ from services.tracker.service import TrackerConfig
 from shared.bus import MemoryBus
 from shared.config import ConfigError
 from shared.errors import UsageError
-from shared.settings import flag_name, load_config
+from shared.runtime.config import flag_name, load_config
 
 NODE = {"node_id": "n1"}
 
@@ -126,7 +126,7 @@ def test_serve_reports_a_bad_config_file_as_usage(tmp_path: Path) -> None:
 
 
 def test_the_embedded_system_validates_its_services_configs(tmp_path: Path) -> None:
-    from services.agent.spec import StoreTarget
+    from services.agent.protocol import StoreTarget
     from services.embedded import EmbeddedConfig, EmbeddedSystem
     from shared.store import LocalStore
 

@@ -1,4 +1,4 @@
-"""shared.settings.load_config: precedence, conversion by annotation, errors naming their source."""
+"""shared.runtime.config.load_config: precedence, conversion by annotation, errors naming their source."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, Literal
 import pytest
 
 from shared.config import ConfigError
-from shared.settings import FieldError, load_config
+from shared.runtime.config import FieldError, load_config
 
 P = "HADAR_TEST_"
 

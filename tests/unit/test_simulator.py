@@ -12,13 +12,13 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from services.scheduler.clusters import parse_cluster
-from services.scheduler.metrics import compute_metrics, utilization_series
+from services.scheduler.sim.cluster_spec import parse_cluster
+from services.scheduler.sim.results import compute_metrics, utilization_series
 from services.scheduler.policies import _REGISTRY, make_policy
-from services.scheduler.policy import Placement, Plan, Snapshot, Wait, WaitCode, copy_rate
-from services.scheduler.simulator import RoundObservation, SimOptions, finish_time, simulate
-from services.scheduler.throughput import ThroughputModel
-from services.scheduler.traces import TraceJob, generate_jobs
+from services.scheduler.core.policy import Placement, Plan, Snapshot, Wait, WaitCode, copy_rate
+from services.scheduler.sim.simulator import RoundObservation, SimOptions, finish_time, simulate
+from services.scheduler.core.throughput import ThroughputModel
+from services.scheduler.sim.traces import TraceJob, generate_jobs
 
 TABLE = ThroughputModel.from_gavel_table()
 
@@ -182,7 +182,7 @@ def test_two_job_example_metrics_are_exact() -> None:
 def test_forked_copies_pay_restart_once_and_consolidation_every_round() -> None:
     # Two single-V100 nodes, one job forked into 2 copies at rate 1 each, 200 steps, rounds of
     # 100 s, restart 10 s, 5 GB model + 5 GB momentum at 1 GB/s -> 50 s consolidation while
-    # forked: 2 uploads, 2 downloads, 1 write of 10 GB (shared.fork_cost).
+    # forked: 2 uploads, 2 downloads, 1 write of 10 GB (shared.domain.fork_cost).
     # r0: copies train [10,50] -> 80 steps. r1: same GPUs, no restart, [0,50] -> 100 (180).
     # r2: 20 left at rate 2 -> T=10, completion 200 + 10 + 50 = 260, GPUs held 60 s each.
     model = tiny_model({("M", "v100", 1): 1.0})
@@ -313,9 +313,9 @@ def test_empty_trace() -> None:
 
 
 def test_build_throughput_cross_node_switch_and_fallback_for_types_the_table_lacks() -> None:
-    from services.scheduler.simulator import build_throughput, default_model_bytes
-    from services.scheduler.throughput import Part
-    from shared import workloads
+    from services.scheduler.sim.simulator import build_throughput, default_model_bytes
+    from services.scheduler.core.throughput import Part
+    from shared.domain import workloads
 
     job_type = "ResNet-18 (batch size 64)"
     spanning = [Part("v100-0", "v100", 1), Part("v100-1", "v100", 1)]

@@ -12,12 +12,12 @@ from types import MappingProxyType
 import numpy as np
 import pytest
 
-from services.scheduler.policy import Placement, Plan, Wait, WaitCode
-from services.scheduler.snapshot import SERVICE  # noqa: F401  (registers the scheduler's classes)
-from shared.events import GpuInfo, JobSpec, NodeRegistered
-from shared.layout import parse_snapshot_key, snapshot_key
-from shared.snapshot import FORMAT_VERSION, MAGIC, SnapshotCorrupt, SnapshotStore, StateSnapshot, dump, load
-from shared.snapshot_codec import SnapshotDecodeError, pack, register, unpack
+from services.scheduler.core.policy import Placement, Plan, Wait, WaitCode
+from services.scheduler.live.snapshot import SERVICE  # noqa: F401  (registers the scheduler's classes)
+from shared.wire.events import GpuInfo, JobSpec, NodeRegistered
+from shared.domain.layout import parse_snapshot_key, snapshot_key
+from shared.persistence.snapshot import FORMAT_VERSION, MAGIC, SnapshotCorrupt, SnapshotStore, StateSnapshot, dump, load
+from shared.persistence.codec import SnapshotDecodeError, pack, register, unpack
 from shared.store import LocalStore
 
 
@@ -58,9 +58,9 @@ def test_a_field_added_since_a_snapshot_was_written_takes_its_default(monkeypatc
     # A scheduler upgraded across a change that added policy-state fields (HadarE's rounding
     # credit, Hadar's gang credit) restores the snapshot its predecessor wrote: the missing
     # fields take their defaults instead of failing the first plan with AttributeError.
-    from services.scheduler.policies.hadar_ledger import LedgerState
-    from services.scheduler.policies.hadare_timeline import TimelineState
-    from shared import snapshot_codec
+    from services.scheduler.policies.hadar.ledger import LedgerState
+    from services.scheduler.policies.hadare.timeline import TimelineState
+    from shared.persistence import codec as snapshot_codec
 
     @dataclass(frozen=True, kw_only=True)
     class WrittenBefore:             # TimelineState as it was before ``credit``
@@ -243,8 +243,8 @@ async def test_save_captures_and_encodes_while_the_hold_is_held(tmp_path) -> Non
 
 
 def test_scheduler_dead_letter_origins_round_trip_and_malformed_ones_are_refused() -> None:
-    from services.scheduler.snapshot import capture, dead_letter_origins, dead_letter_start, restore
-    from services.scheduler.state import SchedulerState
+    from services.scheduler.live.snapshot import capture, dead_letter_origins, dead_letter_start, restore
+    from services.scheduler.live.state import SchedulerState
 
     origins = [("hadar.jobs", 0, 7), ("hadar.progress", 2, 1), ("hadar.jobs", 0, 3), ("hadar.jobs", 1, 0)]
     snap = capture(state=SchedulerState(), previous=None, previous_key=None, next_round=4, folded={"hadar.jobs:0": 9},

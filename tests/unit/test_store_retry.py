@@ -9,9 +9,9 @@ import pytest
 
 from shared.clock import FakeClock
 from shared.config import S3Settings
-from shared.infra.common import free_port
+from devinfra.common import free_port
 from shared.store import MinioStore, StoreUnavailable
-from shared.store.minio_store import OUTAGE_RETRY_S, retry_delays
+from shared.store.minio import OUTAGE_RETRY_S, retry_delays
 
 
 def test_the_default_retry_window_spans_more_than_a_minute():
@@ -46,7 +46,7 @@ def test_a_write_to_a_server_that_stays_away_is_retried_then_fails_retriably():
 def test_a_missing_object_is_not_an_outage():
     """ObjectNotFound is an answer, not an outage: no retry (checked against a real
     server in tests/contract/test_store.py); here only that the classification says so."""
-    from shared.store.minio_store import outage
+    from shared.store.minio import outage
 
     from minio.error import S3Error
     assert not outage(S3Error(None, "NoSuchKey", "gone", "r", "i", None))

@@ -9,13 +9,13 @@ consolidated (copies' reports counted before any model was).
 from __future__ import annotations
 
 from services.cli.jobview import job_doc, jobs_table, progress_line
-from services.scheduler.state import fold_log
-from services.scheduler.stuck import STUCK_AFTER_ROUNDS, stuck_reason
-from shared.events import (
+from services.scheduler.live.state import fold_log
+from services.scheduler.live.stuck import STUCK_AFTER_ROUNDS, stuck_reason
+from shared.wire.events import (
     Assignment, CopyWeight, JobSpec, JobSubmitted, ModelConsolidated, Progress, RoundAbandoned, RoundStarted,
 )
-from shared.layout import model_key
-from shared.topics import JOBS, MODELS, PLACEMENTS, PROGRESS
+from shared.domain.layout import model_key
+from shared.wire.topics import JOBS, MODELS, PLACEMENTS, PROGRESS
 
 SPEC = JobSpec(job_id="j-1", user="ada", model="resnet", dataset="digits", batch_size=32, workers=1,
                iterations=100)
@@ -115,10 +115,10 @@ def test_the_scheduler_counts_stuck_jobs_in_a_metric():
     from prometheus_client import generate_latest
 
     from services.scheduler.config import SchedulerConfig
-    from services.scheduler.service import SchedulerService
+    from services.scheduler.live.service import SchedulerService
     from shared.bus import MemoryBus
     from shared.clock import FakeClock
-    from shared.events import GpuInfo, NodeRegistered, ThroughputEstimate
+    from shared.wire.events import GpuInfo, NodeRegistered, ThroughputEstimate
 
     async def scenario() -> bytes:
         bus = MemoryBus()

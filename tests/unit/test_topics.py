@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared import topics
-from shared.events import EVENT_TYPES
+from shared.wire import topics
+from shared.wire.events import EVENT_TYPES
 
 
 def test_topic_names_are_pinned() -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.scheduler.throughput import ThroughputModel
-from services.scheduler.traces import (
+from services.scheduler.core.throughput import ThroughputModel
+from services.scheduler.sim.traces import (
     TraceError, TraceJob, generate_jobs, load_trace, parse_csv, parse_gavel_trace, parse_generator_spec)
 
 TABLE = ThroughputModel.from_gavel_table()

@@ -14,8 +14,8 @@ from tracker_events import (
 )
 
 from services.tracker.state import RoundWork, TrackerState
-from shared.events import Assignment, CopyWeight, Event, JobCancelled, ModelConsolidated, RoundStarted
-from shared.layout import checkpoint_key, final_key, model_key
+from shared.wire.events import Assignment, CopyWeight, Event, JobCancelled, ModelConsolidated, RoundStarted
+from shared.domain.layout import checkpoint_key, final_key, model_key
 
 
 def reasons(state: TrackerState) -> list[str]:

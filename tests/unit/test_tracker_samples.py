@@ -4,7 +4,7 @@ job's W workers with k/W of a job step per copy step, exactly, and weighs it by 
 The representation: the tracker keeps a job's progress as an exact integer count of
 worker-steps (copy steps x k, i.e. samples / per-worker batch); a job step is W of them,
 so ``total_steps`` (ModelConsolidated, JobCompleted) is ``worker_steps // W`` and the job
-completes when ``worker_steps >= W x iterations`` (``shared.progress``).
+completes when ``worker_steps >= W x iterations`` (``shared.domain.progress``).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replica_bytes import BytesReader, entry, safetensors_bytes
-from services.tracker.consolidate import Replica, plan_consolidation
+from services.tracker.averaging.consolidate import Replica, plan_consolidation
 from services.tracker.state import TrackerState
-from shared.events import CopyWeight, ModelConsolidated
-from shared.layout import model_key
-from shared.progress import credited_steps
+from shared.wire.events import CopyWeight, ModelConsolidated
+from shared.domain.layout import model_key
+from shared.domain.progress import credited_steps
 from tracker_events import T0, assignment, finished, spec, started, submitted
 
 

@@ -7,8 +7,8 @@ import pytest
 from services.tracker.lifecycle import ObjectLifecycle
 from services.tracker.snapshot import Position, covered_offsets, capture, restore
 from services.tracker.state import TrackerState
-from shared.events import Event
-from shared.snapshot import SnapshotCorrupt, StateSnapshot, dump, load
+from shared.wire.events import Event
+from shared.persistence.snapshot import SnapshotCorrupt, StateSnapshot, dump, load
 from tests.unit.tracker_events import T0, assignment, completed, consolidated, finished, progress, spec, started, \
     submitted
 

@@ -9,8 +9,8 @@ from tracker_events import (
     T0, assignment, completed, consolidated, finished, fold, progress, started, submitted,
 )
 
-from shared.events import JobCancelled, ModelConsolidated
-from shared.layout import model_key
+from shared.wire.events import JobCancelled, ModelConsolidated
+from shared.domain.layout import model_key
 
 
 def test_round_is_due_once_every_assigned_copy_finished() -> None:

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared import gpus
-from shared.events import Hyperparameters, JobSpec
+from shared.domain import gpus
+from shared.wire.events import Hyperparameters, JobSpec
 from shared.zoo import (
     DATASETS, MODELS, build_model, compatible_datasets, dataset_info, evaluate, job_figures, load_dataset,
     loss_function, make_optimizer, model_figures, parse_model_name, validate_job,

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from services.tracker.state import TrackerState
-from shared.events import (
+from shared.wire.events import (
     Assignment, CopyFinished, CopyWeight, Event, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated,
     Progress, RoundStarted,
 )
-from shared.layout import checkpoint_key, final_key, model_key
+from shared.domain.layout import checkpoint_key, final_key, model_key
 
 T0 = 1_000.0
 BUDGET = 1_000

@@ -14,17 +14,17 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from services.scheduler.policy import Policy
+from services.scheduler.core.policy import Policy
 from shared.errors import UsageError
 
 # name -> (module, class)
 _REGISTRY: dict[str, tuple[str, str]] = {
     "yarn-cs": ("services.scheduler.policies.yarn_cs", "YarnCS"),
     "tiresias": ("services.scheduler.policies.tiresias", "Tiresias"),
-    "gavel": ("services.scheduler.policies.gavel", "Gavel"),
-    "gavel-makespan": ("services.scheduler.policies.gavel", "GavelMakespan"),
-    "hadar": ("services.scheduler.policies.hadar", "Hadar"),
-    "hadare": ("services.scheduler.policies.hadare", "HadarE"),
+    "gavel": ("services.scheduler.policies.gavel.policy", "Gavel"),
+    "gavel-makespan": ("services.scheduler.policies.gavel.policy", "GavelMakespan"),
+    "hadar": ("services.scheduler.policies.hadar.policy", "Hadar"),
+    "hadare": ("services.scheduler.policies.hadare.policy", "HadarE"),
 }
 
 POLICY_NAMES: tuple[str, ...] = tuple(_REGISTRY)

@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from services.scheduler.cluster import Cluster
-from services.scheduler.policy import JobState, Placement, Plan, Snapshot
+from services.scheduler.core.cluster import Cluster
+from services.scheduler.core.policy import JobState, Placement, Plan, Snapshot
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from services.scheduler.policies.gang import (
     GangRequest, assign_gangs, free_counts, gang_type, infeasible_detail, previous_gangs, usable_types)
-from services.scheduler.policy import JobState, Plan, PolicyState, Snapshot, Wait, WaitCode, previous_state
+from services.scheduler.core.policy import JobState, Plan, PolicyState, Snapshot, Wait, WaitCode, previous_state
 
 
 @dataclass(frozen=True, kw_only=True)

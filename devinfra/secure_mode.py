@@ -1,0 +1,77 @@
+"""``hadar infra up --secure``'s last step, and what ``up`` prints in either mode.
+
+:func:`apply` runs :mod:`shared.security.provision` as the admin and the MinIO root on the
+development servers and writes ``<run>/credentials/<principal>.env`` (0600: ``HADAR_*``
+lines, ``set -a; . file`` loads them) plus one file per secret value
+(``<principal>.kafka-password``, ``<principal>.s3-secret-key``, 0600) that ``*_FILE``
+variables can name.
+
+:func:`public_lines` is what ``up`` prints on stdout: shell-ready lines without any secret
+value -- the secrets are named by ``*_FILE`` paths -- so ``eval "$(hadar infra up)"`` works
+and nothing secret reaches a terminal, a CI log or a shell history. Plain mode prints the
+MinIO root's keys as files; secured mode prints the CLI principal's settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from shared.config import S3Settings
+from devinfra.common import InfraPaths
+from shared.security.files import write_private
+from devinfra.broker_auth import admin_security, prepare
+from devinfra.stack import DevServers
+from shared.security.credentials import MECHANISM, write_env_files
+from shared.security.principals import ADMIN, PRINCIPALS, s3_user
+from shared.security.provision import secure_kafka, secure_minio
+
+__all__ = ["apply", "credentials_dir", "public_lines", "CLI_PRINCIPAL"]
+
+CLI_PRINCIPAL = "cli"
+
+
+def credentials_dir(paths: InfraPaths) -> Path:
+    """``<run>/credentials``, created owner-only (0700)."""
+    directory = paths.run / "credentials"
+    directory.mkdir(parents=True, exist_ok=True)
+    directory.chmod(0o700)
+    return directory
+
+
+def apply(paths: InfraPaths, servers: DevServers) -> dict[str, Path]:
+    """Set the secured servers up (idempotent) and write every principal's credential files."""
+    broker = prepare(paths.run)
+    root = S3Settings(endpoint=servers.minio.endpoint, access_key=servers.minio.access_key,
+                      secret_key=servers.minio.secret_key)
+    asyncio.run(secure_kafka(servers.kafka.bootstrap, admin_security(paths.run), broker.secrets.kafka))
+    secure_minio(root, broker.secrets.s3)
+    directory = credentials_dir(paths)
+    for name, password in broker.secrets.kafka.items():
+        write_private(directory / f"{name}.kafka-password", password + "\n")
+    for name, secret in broker.secrets.s3.items():
+        write_private(directory / f"{name}.s3-secret-key", secret + "\n")
+    write_private(directory / f"{ADMIN}.s3-secret-key", servers.minio.secret_key + "\n")
+    return write_env_files(directory, broker.secrets, bootstrap=servers.kafka.bootstrap, ca_file=broker.ca_file,
+                           s3_endpoint=servers.minio.endpoint,
+                           s3_root=(servers.minio.access_key, servers.minio.secret_key))
+
+
+def public_lines(paths: InfraPaths, servers: DevServers) -> list[str]:
+    """Secret-free ``HADAR_*`` lines for stdout (see the module doc); writes the key files
+    plain mode names."""
+    directory = credentials_dir(paths)
+    if not servers.secure:
+        write_private(directory / "s3-access-key", servers.minio.access_key + "\n")
+        write_private(directory / "s3-secret-key", servers.minio.secret_key + "\n")
+        return [f"HADAR_BOOTSTRAP={servers.kafka.bootstrap}", f"HADAR_S3_ENDPOINT={servers.minio.endpoint}",
+                f"HADAR_S3_ACCESS_KEY_FILE={directory / 's3-access-key'}",
+                f"HADAR_S3_SECRET_KEY_FILE={directory / 's3-secret-key'}"]
+    principal = PRINCIPALS[CLI_PRINCIPAL]
+    return [f"HADAR_BOOTSTRAP={servers.kafka.bootstrap}", "HADAR_KAFKA_SECURITY_PROTOCOL=SASL_SSL",
+            f"HADAR_KAFKA_SASL_MECHANISM={MECHANISM}", f"HADAR_KAFKA_USERNAME={principal.name}",
+            f"HADAR_KAFKA_PASSWORD_FILE={directory / f'{principal.name}.kafka-password'}",
+            f"HADAR_KAFKA_CA_FILE={prepare(paths.run).ca_file}",
+            f"HADAR_S3_ENDPOINT={servers.minio.endpoint}", f"HADAR_S3_ACCESS_KEY={s3_user(principal)}",
+            f"HADAR_S3_SECRET_KEY_FILE={directory / f'{principal.name}.s3-secret-key'}",
+            f"# every principal's settings: {directory}/<principal>.env (set -a; . FILE)"]

@@ -1,0 +1,408 @@
+"""The live scheduler: a thin asyncio shell around the pure policies.
+
+It folds every event of its input topics into ``SchedulerState``; each round it builds a
+snapshot, calls the policy the simulator uses, and publishes RoundStarted plus one
+Assignment per (node, job copy).
+
+Guarantees:
+
+* Decisions are a deterministic function of the events read and of the settings in
+  ``SchedulerConfig``: RoundStarted records how many records of each input partition were
+  folded, the nodes planned on, and the policy, options, seed and timing decided with, so
+  ``rerun`` reproduces the plan from the log alone.
+* Nothing is lost on restart: at start the scheduler loads its newest valid state snapshot
+  (with an object store; ``services/scheduler/live/snapshot.py``) and reads its topics from the
+  offsets the snapshot covers -- from the beginning without one --, re-derives every
+  recorded round after it with the settings each recorded (recovering the policy's carried
+  state, e.g. Hadar's ledger) and continues with the next round number. Started with
+  another policy or options than the last round recorded, it logs the change and plans the
+  next round afresh. Every ``snapshot_every`` rounds it writes a snapshot; a failed write
+  is logged and counted, never fatal (the next one covers it).
+* A round starts no earlier than the previous one's end, and only after the tracker
+  announced the models of the jobs that ran in it, so copies of the next round start from
+  the averaged model -- or, if it never does, once the previous round's deadline plus
+  ``late_copy_s`` plus ``consolidation_wait_s`` has passed (``shared.domain.deadline``, the rule
+  the tracker decides a late round by), so it never plans past a round the tracker may
+  still decide.
+* A round is never shorter than ``round_overhead_factor`` x the measured start-up +
+  consolidation overhead of recent rounds (:mod:`services.scheduler.live.round_length`), so a
+  slow start cannot leave rounds without progress; a stretched round is logged
+  (``round.stretched``) and records its length in its RoundStarted.
+* A node not heard from for 3 heartbeat periods leaves the cluster at the next round; a
+  cancelled job is dropped at the next round boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from services.scheduler.config import DecisionSettings, SchedulerConfig
+from services.scheduler.core.policy import Plan, Policy, Snapshot
+from services.scheduler.live.publish import PublishGivenUp, publish_by
+from services.scheduler.live.recovery import resume
+from services.scheduler.live.rerun import LoggedEvent
+from services.scheduler.live.round_length import RoundCosts, copy_startup_s, stretched_round_s
+from services.scheduler.live.rounds import RoundTiming, build_snapshot, plan_to_events
+from services.scheduler.live.snapshot import (SERVICE, SchedulerSnapshot, capture, dead_letter_origins,
+                                         dead_letter_start, input_offsets, restore)
+from services.scheduler.live.state import SchedulerState
+from services.scheduler.live.metrics import SchedulerCounters, SchedulerTelemetry
+from services.scheduler.live.stuck import stuck_reason
+from shared.bus import Bus, Delivery
+from shared.clock import Clock, SystemClock
+from shared.domain.deadline import next_round_gives_up_at
+from shared.errors import HadarError
+from shared.wire.events import DeadLetter, Event, Progress
+from shared.runtime.logging import get_logger
+from shared.bus.rejection import Rejected, dead_letter_delivery
+from shared.persistence.snapshot import Recovered, SnapshotStore
+from shared.store import ObjectStore
+from shared.wire.topics import ALL_TOPICS, DEADLETTER, JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
+
+INPUT_TOPICS = (JOBS, NODES, THROUGHPUT, PROGRESS, MODELS)
+RECOVERY_TOPICS = (*INPUT_TOPICS, PLACEMENTS)   # read from the start (or a snapshot) at start-up
+RETRY_BASE_S = 0.05
+
+
+def _timed_plan(policy: Policy, snapshot: Snapshot) -> tuple[Plan, float]:
+    t0 = time.perf_counter()
+    return policy.plan(snapshot), time.perf_counter() - t0
+
+
+class RoundFailed(HadarError):
+    """A round could not be planned (``stage="plan"``) or published (``"publish"``); the
+    round loop logs it, counts it and tries again after a back-off (a plan failure may pass
+    once the inputs change; a publish failure once the bus is back)."""
+
+    def __init__(self, message: str, *, stage: str, round: int, maybe_written: bool = False) -> None:
+        super().__init__(message, retriable=stage == "publish")
+        self.stage = stage
+        self.round = round
+        self.maybe_written = maybe_written   # a record given up while the client held it
+
+
+class SchedulerService:
+    name = "scheduler"
+
+    def __init__(self, *, bus: Bus, config: SchedulerConfig | None = None, clock: Clock | None = None,
+                 run_rounds: bool = True, store: ObjectStore | None = None) -> None:
+        """``run_rounds=False``: rounds are planned only by calling ``plan_round`` (tests, tools).
+        ``store``: where state snapshots go (None: no snapshots; restarts read the whole log)."""
+        self.bus = bus
+        self.config = config or SchedulerConfig()
+        self.settings: DecisionSettings = self.config.decision_settings
+        self.policy = self.settings.choice.build()
+        self.clock = clock or SystemClock()
+        self.run_rounds = run_rounds
+        self.state = SchedulerState()
+        self.previous: Plan | None = None
+        self.next_round = 0
+        self.costs = RoundCosts()
+        self._round_s = self.settings.round_s   # the length of the last round planned
+        self._folded: dict[str, int] = {}
+        self._placed: dict[int, int] = {}   # placements partition -> next offset after our rounds
+        self._lettered: dict[int, int] = {}   # deadletter partition -> next offset not counted
+        self.recovery: dict[str, Any] = {}
+        self._changed = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+        self._fold_lock = asyncio.Lock()   # held while the state is folded, planned from or snapshot
+        self._last_error: str | None = None   # logged in full; /healthz shows only its kind
+        self._log = get_logger(service=self.name, policy=self.config.policy)
+        self.snapshots = (SnapshotStore(store, owner=self.config.group, service=SERVICE,
+                                        keep=self.config.snapshots_kept, log=self._log) if store is not None else None)
+        self.registry = CollectorRegistry()
+        self.counters = SchedulerCounters(self.registry)
+        self.telemetry = SchedulerTelemetry(self.registry, state=lambda: self.state, now=self.clock.time,
+                                            round_s=self.settings.round_s, heartbeat_s=self.settings.heartbeat_s)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        await self.bus.ensure_topics(ALL_TOPICS)
+        await self._recover()
+        self._tasks = [asyncio.create_task(self._consume(), name="scheduler-consume")]
+        if self.run_rounds:
+            self._tasks.append(asyncio.create_task(self._rounds(), name="scheduler-rounds"))
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._changed.set()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    @property
+    def records_folded(self) -> int:
+        """Input records folded so far (restored from a snapshot included): a test's settle point."""
+        return sum(self._folded.values())
+
+    def health(self) -> dict[str, Any]:
+        failed = [t.get_name() for t in self._tasks if t.done() and not t.cancelled()]
+        return {"ok": not failed and bool(self._tasks), "round": self.next_round - 1,
+                "active_jobs": len(self.state.active_jobs()), "nodes": len(self.state.nodes), "failed": failed,
+                "last_round_error": self._last_error.split(":", 1)[0] if self._last_error else None}
+
+    # ------------------------------------------------------------------ recovery
+
+    async def _recover(self) -> None:
+        t0 = time.perf_counter()
+        found = await self._load_snapshot()
+        log: list[LoggedEvent] = []
+        for topic in RECOVERY_TOPICS:
+            # From the offsets the snapshot covers (a partition it does not name: from the start).
+            async for d in self.bus.read(topic, start=found.start(topic)):
+                log.append(LoggedEvent(topic=d.topic, partition=d.partition, offset=d.offset, event=d.event))
+                if topic == PLACEMENTS:
+                    self._placed[d.partition] = max(self._placed.get(d.partition, 0), d.offset + 1)
+                else:
+                    tp = f"{d.topic}:{d.partition}"
+                    self._folded[tp] = max(self._folded.get(tp, 0), d.offset + 1)
+        resumed = resume(log, state=self.state, body=found.value, configured=self.settings.choice)
+        if resumed.out_of_sequence:
+            self._log.warning("scheduler.rounds_out_of_sequence", rounds=list(resumed.out_of_sequence[:10]),
+                              count=len(resumed.out_of_sequence))
+        self.recovery.update(records=len(log), rounds_rederived=resumed.rederived,
+                             differing_rounds=list(resumed.differing_rounds[:10]))
+        if resumed.next_round is not None:
+            self.next_round = resumed.next_round
+        if resumed.rederived:
+            self._log.info("scheduler.recovered", rounds=resumed.rederived, next_round=self.next_round,
+                           differing_rounds=self.recovery["differing_rounds"], records=len(log))
+        self.previous = resumed.previous
+        if resumed.policy_changed_from is not None:
+            self._log.warning("scheduler.policy_changed", recorded=resumed.policy_changed_from,
+                              configured=self.settings.choice.describe(), next_round=self.next_round)
+        self.recovery["seconds"] = round(time.perf_counter() - t0, 4)
+        letters = 0   # past the letters the snapshot counts (all of them without a snapshot that does)
+        async for d in self.bus.read(DEADLETTER, start=dict(self._lettered)):
+            letters += 1
+            self._count_letter(d)
+        self.recovery["dead_letters"] = letters
+
+    async def _load_snapshot(self) -> Recovered[SchedulerSnapshot]:
+        """The newest valid snapshot and its body, adopted into this service (none: empty)."""
+        if self.snapshots is None:
+            return Recovered()
+        found = await self.snapshots.recover(restore)
+        self.recovery.update(found.recovery())
+        if found.snapshot is not None and found.value is not None:
+            self.state = found.value.state
+            self._folded, self._placed = input_offsets(found.snapshot)
+            self.telemetry.dead_letters.extend(dead_letter_origins(found.value))
+            self._lettered = dead_letter_start(found.snapshot, found.value) or {}
+            self._log.info("scheduler.snapshot_loaded", key=found.key, next_round=found.value.next_round)
+        return found
+
+    async def _write_snapshot(self) -> None:
+        """Snapshot the state now (folding paused while it is captured and encoded); never raises."""
+        assert self.snapshots is not None
+
+        def take():
+            return capture(state=self.state, previous=self.previous, previous_key=self.settings.choice.key,
+                           next_round=self.next_round, folded=dict(self._folded), placed=dict(self._placed),
+                           created_at=self.clock.time(), dead_letters=self.telemetry.dead_letters.origins(),
+                           lettered=self._lettered)
+        try:
+            saved = await self.snapshots.save(take, hold=self._fold_lock)
+        except Exception as exc:
+            self.counters.snapshots.labels(outcome="failed").inc()
+            self._log.warning("scheduler.snapshot_failed", round=self.next_round - 1,
+                              error=f"{type(exc).__name__}: {exc}"[:300])
+            return
+        self.counters.snapshots.labels(outcome="written").inc()
+        self._log.info("scheduler.snapshot_written", key=saved.key, round=self.next_round - 1, bytes=saved.bytes)
+
+    async def _publish(self, event: Event, *, deadline: float, round_: int) -> None:
+        """Publish ``event`` (:func:`~services.scheduler.live.publish.publish_by`) or raise
+        :class:`RoundFailed` once it cannot matter: refused, stopping, or past the round's end."""
+        def retried(error: BaseException, attempt: int, wait_s: float) -> None:
+            self.counters.publish_retries.inc()
+            self._log.warning("round.publish_retry", round=round_, event_type=event.TYPE, error=str(error)[:200],
+                              retry_in_s=wait_s)
+
+        def placed(partition: int, offset: int) -> None:
+            self._placed[partition] = max(self._placed.get(partition, 0), offset + 1)
+        try:
+            # Waits are real time (a real broker's acks take real time), the deadline is the
+            # service clock's: a fake clock's sleep would jump it past the round's end at once.
+            await publish_by(self.bus, event, give_up=lambda: self._stopping or self.clock.time() >= deadline,
+                             placed=placed, sleep=asyncio.sleep, on_retry=retried)
+        except PublishGivenUp as exc:
+            raise RoundFailed(str(exc), stage="publish", round=round_, maybe_written=exc.retriable) from exc
+
+    # ------------------------------------------------------------------ consuming
+
+    async def _consume(self) -> None:
+        async with self.bus.subscribe(list(INPUT_TOPICS) + [DEADLETTER], self.config.group) as sub:
+            async for delivery in sub:
+                if delivery.topic == DEADLETTER:
+                    self._count_letter(delivery)
+                else:
+                    await self._fold(delivery)
+                    tp = f"{delivery.topic}:{delivery.partition}"
+                    self._folded[tp] = max(self._folded.get(tp, 0), delivery.offset + 1)
+                await delivery.ack()
+                self._changed.set()
+
+    def _count_letter(self, delivery: Delivery) -> None:
+        """Count a record of hadar.deadletter (once per origin) and the offset it covers."""
+        if isinstance(delivery.event, DeadLetter):
+            self.telemetry.dead_letters.add(delivery.event)
+        self._lettered[delivery.partition] = max(self._lettered.get(delivery.partition, 0), delivery.offset + 1)
+
+    async def _fold(self, delivery: Delivery) -> None:
+        """Fold one event; one the state refuses, or whose fold fails, is dead-lettered with
+        the reason, counted and logged, and changes nothing -- the loop goes on."""
+        event = delivery.event
+        try:
+            async with self._fold_lock:
+                applied = self.state.apply(event)
+        except Exception as exc:   # Rejected, or a bug a hostile event found: never stop consuming
+            reason = str(exc) if isinstance(exc, Rejected) else f"scheduler: {type(exc).__name__}: {exc}"
+            self.counters.rejected.labels(type=event.TYPE).inc()
+            self._log.warning("event.rejected", topic=delivery.topic, offset=delivery.offset, event_type=event.TYPE,
+                              job=getattr(event, "job_id", None), node=getattr(event, "node_id", None),
+                              round=getattr(event, "round", None), reason=reason[:300])
+            await dead_letter_delivery(self.bus, delivery, reason, ts=self.clock.time(), source=self.config.source)
+            return
+        if applied:
+            self.counters.events_in.labels(type=event.TYPE).inc()
+            if isinstance(event, Progress):
+                self._measure_startup(event)
+
+    def _measure_startup(self, e: Progress) -> None:
+        record, job = self.state.rounds.get(e.round), self.state.jobs.get(e.job_id)
+        if record is None or job is None:
+            return
+        self.costs.startup(e.round, e.job_id, e.copy, copy_startup_s(
+            ts=e.ts, started_at=record.started.started_at, steps_round=e.steps_round,
+            samples_per_s=e.samples_per_s, batch_size=job.spec.batch_size, workers=e.workers))
+
+    # ------------------------------------------------------------------ rounds
+
+    async def _wait_for(self, predicate, timeout_s: float) -> bool:
+        deadline = self.clock.time() + timeout_s
+        while not predicate():
+            remaining = deadline - self.clock.time()
+            if remaining <= 0 or self._stopping:
+                return predicate()
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), min(remaining, 0.5))
+            except asyncio.TimeoutError:
+                pass
+        return True
+
+    def wait_left(self, round_: int, *, now: float) -> float:
+        """Seconds the next round may still wait for ``round_``'s models at ``now``: until
+        :func:`shared.domain.deadline.next_round_gives_up_at` of its deadline (0 for a round not
+        in memory)."""
+        record = self.state.rounds.get(round_)
+        if record is None:
+            return 0.0
+        until = next_round_gives_up_at(record.started.ends_at, late_copy_s=self.config.late_copy_s,
+                                       consolidation_wait_s=self.config.consolidation_wait_s)
+        return max(0.0, until - now)
+
+    async def _rounds(self) -> None:
+        next_start = self.clock.time()
+        failures = 0
+        while not self._stopping:
+            await self.clock.sleep(next_start - self.clock.time())
+            previous_round = self.next_round - 1
+            if not await self._wait_for(lambda: not self.state.awaiting_consolidation(previous_round),
+                                        self.wait_left(previous_round, now=self.clock.time())):
+                self._log.warning("round.consolidation_timeout", round=previous_round,
+                                  jobs=self.state.awaiting_consolidation(previous_round))
+            ended = self.state.rounds.get(previous_round)
+            if ended is not None and ended.assignments:
+                self.costs.consolidation(previous_round, self.clock.time() - ended.started.ends_at)
+            if not self.state.active_jobs():
+                self.telemetry.went_idle()
+                await self._wait_for(lambda: bool(self.state.active_jobs()), 1.0)
+                next_start = self.clock.time()
+                continue
+            try:
+                await self.plan_round()
+            except Exception as exc:   # the loop never dies: log, count, back off, try again
+                failures += 1
+                stage = exc.stage if isinstance(exc, RoundFailed) else "internal"
+                delay = min(self.settings.round_s, RETRY_BASE_S * 2 ** min(failures - 1, 10))
+                self.counters.failures.labels(stage=stage).inc()
+                self._last_error = f"{type(exc).__name__}: {exc}"[:300]
+                self._log.error("round.failed", round=self.next_round, stage=stage, error=self._last_error,
+                                retry_in_s=delay, consecutive=failures, exc_info=stage == "internal")
+                next_start = self.clock.time() + delay
+                continue
+            failures = 0
+            self._last_error = None
+            next_start = self.clock.time() + self._round_s
+
+    async def plan_round(self) -> None:
+        """Plan and publish round ``next_round`` now; raise :class:`RoundFailed` if it cannot.
+
+        The policy runs in a worker thread, so the event loop keeps serving ``/healthz`` and
+        the bus; folding waits meanwhile, so the state cannot change under the plan. Each
+        event is published with retries until acked or the round's end: ids make a repeat
+        harmless. Once RoundStarted is out the round number is spent, even if a later
+        Assignment could not be published (the rest of that round is lost, not re-planned
+        under the same number).
+        """
+        settings = self.settings
+        stretch = stretched_round_s(settings.round_s, self.costs.overheads(), self.config.round_overhead_factor)
+        if stretch.stretched:
+            self._log.warning("round.stretched", round=self.next_round, round_s=round(stretch.round_s, 3),
+                              configured_s=stretch.configured_s, overhead_s=round(stretch.overhead_s or 0.0, 3),
+                              factor=self.config.round_overhead_factor,
+                              note="start-up + consolidation would leave too little of the round for training")
+        async with self._fold_lock:
+            timing = RoundTiming(round=self.next_round, started_at=self.clock.time(), round_s=stretch.round_s,
+                                 heartbeat_s=settings.heartbeat_s)
+            inputs = dict(self._folded)
+            snapshot = build_snapshot(self.state, timing, self.previous, settings.seed)
+            try:
+                plan, seconds = await asyncio.to_thread(_timed_plan, self.policy, snapshot)
+            except Exception as exc:
+                raise RoundFailed(f"policy {settings.choice.describe()}: {type(exc).__name__}: {exc}",
+                                  stage="plan", round=timing.round) from exc
+            events = await asyncio.to_thread(
+                plan_to_events, plan, snapshot, self.state, timing, choice=settings.choice, seed=settings.seed,
+                source=self.config.source, inputs=inputs, decision_ms=seconds * 1e3)
+        published, spent = 0, False
+        try:
+            for event in events:
+                try:
+                    await self._publish(event, deadline=timing.ends_at, round_=timing.round)
+                except RoundFailed as exc:
+                    spent = exc.maybe_written   # a held RoundStarted may yet appear: never reuse its number
+                    raise
+                async with self._fold_lock:
+                    self.state.apply(event)
+                self.counters.events_out.labels(type=event.TYPE).inc()
+                published += 1
+                if published % 64 == 0:
+                    await asyncio.sleep(0)   # a bus that never blocks must not starve /healthz
+        finally:
+            if published or spent:
+                self.previous = plan
+                self.next_round += 1
+                self._round_s = timing.round_s
+        self.counters.rounds.inc()
+        self.counters.decision.observe(seconds)
+        self.counters.queue.set(len(plan.waiting))
+        self.telemetry.round_started(timing.started_at)
+        stuck = {j.spec.job_id: r for j in self.state.active_jobs() if (r := stuck_reason(j)) is not None}
+        self.counters.stuck.set(len(stuck))
+        for job_id, reason in sorted(stuck.items())[:10]:
+            self._log.warning("job.stuck", job=job_id, round=timing.round, reason=reason)
+        self._log.info("round.planned", round=timing.round, assignments=len(events) - 1,
+                       waiting=len(plan.waiting), decision_ms=round(seconds * 1e3, 2))
+        every = self.config.snapshot_every
+        if self.snapshots is not None and every and self.next_round % every == 0:
+            await self._write_snapshot()

@@ -1,0 +1,303 @@
+"""Gavel (Narayanan et al., OSDI'20): heterogeneity-aware LP allocation, realised in rounds.
+
+``Gavel`` uses ``max_min_fairness_perf`` and ``GavelMakespan`` ``min_total_duration_perf``
+(both in gavel_lp.py). Both share the round mechanism of Gavel's ``scheduler/scheduler.py``
+(commit c4fa400, the one our throughput table comes from), which this module mirrors:
+
+* Time-so-far (``_job_time_so_far`` / ``_worker_time_so_far``): every job starts with
+  ``round_s / 2`` on each type (``add_job``). After a round, a job that ran on type t adds
+  the seconds it ran -- the whole round, or until it finished (``_done_callback``: the
+  execution time is steps / throughput) -- to its own time and to the type's total. We
+  count this from our own previous plan (kept in ``Plan.state``), not from the driver.
+* Reset and LP (``_update_priorities`` + ``_reset_time_run_so_far``): when the set of
+  active jobs (or the cluster) changed since the allocation was computed, and either no
+  allocation exists yet or at least ``min_reset_interval_s`` (Gavel's
+  ``minimum_time_between_allocation_resets``, default 1920 s) passed since the last reset,
+  each job's deficit on each type grows by ``X_old * (time since reset) - (time received
+  since reset)``, every time-so-far is set back to ``round_s / 2`` (the type's total to the
+  sum of those), and the LP is solved again for the current jobs. Between resets the
+  allocation stays as it was. Additionally (deviation) a reset is allowed whenever the
+  previous round placed nothing, so jobs arriving on an idle cluster are not held back.
+* Priorities (``_update_priorities``): for job j and type t, with
+  ``f = job_time[j][t] / worker_time[t]``: 0 if ``X[j][t] = 0`` or the job cannot run on
+  t; else ``X[j][t] / f`` if f > 0; else ``X[j][t] * 1e9``.
+* Selection (``_schedule_jobs_on_workers_helper``, no global queue): types in the fixed
+  order ``type_order`` (Gavel: v100, p100, k80, not shuffled for *_perf policies; other
+  types follow, fastest first by the jobs' mean relative speed, then name). For each
+  type, jobs in descending (priority, deficit, allocation) order (ties: arrival, job id);
+  a job is taken if it is not yet scheduled, can run on the type, and W <= GPUs of the
+  type left. Jobs with zero allocation on a type still take leftover GPUs there (this is
+  what makes Gavel work-conserving).
+* Placement (``_schedule_jobs_on_workers`` / ``_assign_workers_to_job``): a job keeps last
+  round's GPUs when it stays on the same type (lease extension); others go largest first
+  on as few nodes as possible (gang.assign_gangs).
+
+Deviation: a job that arrived after the last reset has no allocation. Gavel gives it
+priority 0, lets it use up GPUs in the selection above, and then drops it when assigning
+workers (so those GPUs idle). Here it waits (PRIORITY, "no allocation yet") and takes no
+GPUs. Jobs with no usable type are INFEASIBLE and never enter the LP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from services.scheduler.policies.gang import (
+    GangRequest, assign_gangs, infeasible_detail, previous_gangs, usable_types)
+from services.scheduler.policies.gavel.lp import max_min_fairness, min_total_duration
+from services.scheduler.core.policy import JobState, Plan, PolicyState, Snapshot, Wait, WaitCode, previous_state
+
+GAVEL_TYPE_ORDER = ("v100", "p100", "k80")
+DEFAULT_MIN_RESET_INTERVAL_S = 1920.0
+NEW_JOB_PRIORITY = 1e9
+
+
+@dataclass(frozen=True, kw_only=True)
+class Running:
+    gpu_type: str
+    run_left_s: float  # remaining steps / rate when placed: a finishing job's run time
+
+
+@dataclass(frozen=True, kw_only=True)
+class GavelState(PolicyState):
+    policy: str
+    now_s: float
+    last_reset_s: float | None
+    lp_jobs: frozenset[str]
+    lp_cluster: tuple[tuple[str, int], ...]
+    allocation: Mapping[str, Mapping[str, float]]
+    job_time_s: Mapping[str, Mapping[str, float]]
+    worker_time_s: Mapping[str, float]
+    deficits: Mapping[str, Mapping[str, float]]
+    running: Mapping[str, Running] = field(default_factory=dict)
+    lp_info: Mapping[str, float] = field(default_factory=dict)
+
+
+class _GavelRounds:
+    """Gavel's round mechanism; subclasses supply the allocation LP."""
+
+    name = "gavel-base"
+
+    def __init__(self, *, min_reset_interval_s: float = DEFAULT_MIN_RESET_INTERVAL_S,
+                 type_order: Sequence[str] = GAVEL_TYPE_ORDER) -> None:
+        if min_reset_interval_s < 0:
+            raise ValueError(f"min_reset_interval_s must be >= 0: {min_reset_interval_s}")
+        self.min_reset_interval_s = float(min_reset_interval_s)
+        self.type_order = tuple(type_order)
+
+    def allocate(self, jobs: Sequence[JobState], rates: np.ndarray,
+                 gpus: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
+        raise NotImplementedError
+
+    def _types_in_order(self, types: Sequence[str], rates: dict[str, dict[str, float]]) -> list[str]:
+        listed = [t for t in self.type_order if t in types]
+        speed = {t: 0.0 for t in types}
+        for per_type in rates.values():
+            best = max(per_type.values())
+            for t, r in per_type.items():
+                speed[t] += r / best
+        others = sorted((t for t in types if t not in listed), key=lambda t: (-speed[t], t))
+        return listed + others
+
+    def plan(self, snapshot: Snapshot) -> Plan:
+        """One Gavel round: the LP's time fractions, realised by priority (module docstring).
+
+        Input: the snapshot and, from ``snapshot.previous``, copy-0 placements and a
+        ``GavelState`` written by this same variant (time received per job and type,
+        deficits, the allocation and when it was computed). Any other state means empty
+        books, as for a first round.
+
+        Output: copy 0 of each chosen job on exactly W GPUs of one type; every other
+        active job waits, INFEASIBLE when no type can run it, else PRIORITY; the updated
+        ``GavelState``; per job the allocation, priorities, deficits and LP figures in
+        ``explain``.
+
+        Guarantees: no type is given more GPUs than it has; a job that stays on its type
+        keeps last round's GPUs; no waiting job that has an allocation fits on the GPUs a
+        usable type has left (work-conserving). The allocation changes only at a reset,
+        never between. Deterministic: ties go by arrival, then job id.
+
+        Cost: with m jobs and n types, a reset round solves the allocation LP(s) over
+        m x n variables (``allocate``); every round then sorts the jobs once per type,
+        O(n m log m), and places the gangs.
+        """
+        prev = previous_state(snapshot, GavelState)
+        if prev is not None and prev.policy != self.name:   # the other Gavel variant's books
+            prev = None
+        counts = snapshot.cluster.gpus_by_type
+        types = list(counts)
+        usable = {j.job_id: usable_types(snapshot, j) for j in snapshot.jobs}
+        cands = sorted((j for j in snapshot.jobs if usable[j.job_id]), key=lambda j: (j.arrival_s, j.job_id))
+        rates = {j.job_id: {t: snapshot.throughput.rate(j.job_type, t, j.workers) if t in usable[j.job_id]
+                            else 0.0 for t in types} for j in cands}
+
+        books = _Books.after_round(prev, snapshot, rates)
+        allocation = dict(prev.allocation) if prev else {}
+        last_reset = prev.last_reset_s if prev else None
+        lp_jobs = prev.lp_jobs if prev else frozenset()
+        lp_cluster = prev.lp_cluster if prev else ()
+        lp_info = dict(prev.lp_info) if prev else {}
+        cluster_key = tuple(counts.items())
+        changed = prev is None or frozenset(rates) != lp_jobs or cluster_key != lp_cluster
+        # Gavel's _update_priorities treats a last reset at t=0 as "never reset" (0 doubles as
+        # the unset value), so after a reset at t=0 any change resets again; mirrored on purpose.
+        may_reset = (prev is None or last_reset is None or last_reset == 0.0 or not prev.running
+                     or snapshot.now_s - last_reset >= self.min_reset_interval_s)
+        if changed and may_reset:
+            books.reset(allocation, snapshot.now_s - last_reset if last_reset is not None else 0.0)
+            matrix = np.array([[rates[j.job_id][t] for t in types] for j in cands])
+            matrix = matrix.reshape(len(cands), len(types))
+            x, lp_info = self.allocate(cands, matrix, np.array([counts[t] for t in types], dtype=float))
+            allocation = {j.job_id: {t: float(x[i, k]) + 0.0 for k, t in enumerate(types)}
+                          for i, j in enumerate(cands)}
+            last_reset, lp_jobs, lp_cluster = snapshot.now_s, frozenset(rates), cluster_key
+
+        priority = books.priorities(allocation, rates)
+        # Selection (Gavel's _schedule_jobs_on_workers_helper).
+        left = dict(counts)
+        chosen: dict[str, str] = {}
+        requests: list[GangRequest] = []
+        for t in self._types_in_order(types, rates):
+            entries = sorted((j for j in cands if j.job_id in priority), key=lambda j: (
+                -priority[j.job_id][t], -books.deficits[j.job_id][t], -allocation[j.job_id].get(t, 0.0),
+                j.arrival_s, j.job_id))
+            for job in entries:
+                if left[t] == 0:
+                    break
+                if job.job_id in chosen or rates[job.job_id][t] <= 0.0 or job.workers > left[t]:
+                    continue
+                chosen[job.job_id] = t
+                left[t] -= job.workers
+                requests.append(GangRequest(job_id=job.job_id, gpu_type=t, workers=job.workers))
+        gangs = assign_gangs(snapshot.cluster, requests, previous_gangs(snapshot.previous))
+
+        waiting: list[Wait] = []
+        explain: dict[str, dict[str, object]] = {}
+        for job in snapshot.jobs:
+            jid = job.job_id
+            info: dict[str, object] = {"placed_on": chosen.get(jid)}
+            explain[jid] = info
+            if jid not in rates:
+                waiting.append(Wait(job_id=jid, code=WaitCode.INFEASIBLE,
+                                    detail=infeasible_detail(snapshot, job)))
+                continue
+            alloc = allocation.get(jid)
+            info["allocation"] = {t: round(alloc.get(t, 0.0), 4) for t in types} if alloc is not None else None
+            info["priority"] = {t: round(p, 4) for t, p in priority[jid].items()} if jid in priority else None
+            info["deficit"] = {t: round(d, 1) for t, d in books.deficits[jid].items()}
+            info["lp_reset_s"] = last_reset
+            info.update(lp_info)
+            if jid in chosen:
+                continue
+            if alloc is None:
+                detail = (f"no allocation yet: arrived after the LP of t={last_reset}s; "
+                          f"recomputed once {self.min_reset_interval_s:g}s have passed")
+            else:
+                shown = ", ".join(f"{t} x={alloc.get(t, 0.0):.2f} prio={priority[jid][t]:.3g} left={left[t]}"
+                                  for t in usable[jid])
+                detail = f"needs {job.workers} GPUs of one type; higher priorities first: {shown}"
+            waiting.append(Wait(job_id=jid, code=WaitCode.PRIORITY, detail=detail))
+
+        remaining = {j.job_id: j.remaining for j in snapshot.jobs}
+        running = {r.job_id: Running(gpu_type=r.gpu_type,
+                                     run_left_s=remaining[r.job_id] / rates[r.job_id][r.gpu_type])
+                   for r in requests}
+        state = GavelState(policy=self.name, now_s=snapshot.now_s, last_reset_s=last_reset, lp_jobs=lp_jobs,
+                           lp_cluster=lp_cluster, allocation=allocation, job_time_s=books.job_time,
+                           worker_time_s=books.worker_time, deficits=books.deficits, running=running,
+                           lp_info=lp_info)
+        placements = tuple(p for r in requests for p in gangs[r.job_id])
+        return Plan(placements=placements, waiting=tuple(waiting), state=state, explain=explain)
+
+
+class _Books:
+    """This round's working copy of Gavel's per-job, per-type time accounting."""
+
+    def __init__(self, half_round_s: float, job_time: dict[str, dict[str, float]],
+                 worker_time: dict[str, float], deficits: dict[str, dict[str, float]]) -> None:
+        self.half = half_round_s
+        self.job_time, self.worker_time, self.deficits = job_time, worker_time, deficits
+
+    @classmethod
+    def after_round(cls, prev: GavelState | None, snapshot: Snapshot,
+                    rates: Mapping[str, Mapping[str, float]]) -> "_Books":
+        """Books with the round that just ended counted in (Gavel's _done_callback) and
+        jobs / types added at round_s / 2 (add_job, _register_worker_callback)."""
+        half = snapshot.round_s / 2.0
+        job_time = {j: dict(v) for j, v in prev.job_time_s.items()} if prev else {}
+        worker_time = dict(prev.worker_time_s) if prev else {}
+        deficits = {j: dict(v) for j, v in prev.deficits.items()} if prev else {}
+        if prev is not None:
+            active = {j.job_id for j in snapshot.jobs}
+            elapsed = min(max(0.0, snapshot.now_s - prev.now_s), snapshot.round_s)
+            for job_id, run in prev.running.items():
+                if job_id in job_time:  # a job that finished ran until it finished
+                    ran = elapsed if job_id in active else min(elapsed, run.run_left_s)
+                    job_time[job_id][run.gpu_type] = job_time[job_id].get(run.gpu_type, half) + ran
+                    worker_time[run.gpu_type] = worker_time.get(run.gpu_type, 0.0) + ran
+        job_time = {j: v for j, v in job_time.items() if j in rates}
+        deficits = {j: v for j, v in deficits.items() if j in rates}
+        for job_id, per_type in rates.items():
+            for t in per_type:
+                job_time.setdefault(job_id, {}).setdefault(t, half)
+                deficits.setdefault(job_id, {}).setdefault(t, 0.0)
+                worker_time.setdefault(t, 0.0)
+        return cls(half, job_time, worker_time, deficits)
+
+    def reset(self, old_allocation: Mapping[str, Mapping[str, float]], since_reset_s: float) -> None:
+        """Gavel's _reset_time_run_so_far: fold the period into deficits, restart the clocks."""
+        for t in self.worker_time:
+            self.worker_time[t] = 0.0
+            for job_id, per_type in self.job_time.items():
+                received = per_type.get(t, self.half) - self.half
+                should = old_allocation.get(job_id, {}).get(t, 0.0) * since_reset_s
+                self.deficits[job_id][t] = self.deficits[job_id].get(t, 0.0) + should - received
+                per_type[t] = self.half
+                self.worker_time[t] += self.half
+
+    def priorities(self, allocation: Mapping[str, Mapping[str, float]],
+                   rates: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float]]:
+        """Gavel's _update_priorities, for the jobs that have an allocation."""
+        out: dict[str, dict[str, float]] = {}
+        for job_id, per_type in rates.items():
+            if job_id not in allocation:
+                continue
+            out[job_id] = {}
+            for t, rate in per_type.items():
+                x_jt = allocation[job_id].get(t, 0.0)
+                frac = self.job_time[job_id][t] / self.worker_time[t] if self.worker_time[t] > 0 else 0.0
+                if x_jt <= 0.0 or rate <= 0.0:
+                    out[job_id][t] = 0.0
+                elif frac > 0.0:
+                    out[job_id][t] = x_jt / frac
+                else:
+                    out[job_id][t] = x_jt * NEW_JOB_PRIORITY
+        return out
+
+
+class Gavel(_GavelRounds):
+    """max_min_fairness_perf: maximise the minimum normalised, priority-weighted throughput."""
+
+    name = "gavel"
+
+    def allocate(self, jobs: Sequence[JobState], rates: np.ndarray,
+                 gpus: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
+        sf = np.array([j.workers for j in jobs], dtype=float)
+        weights = np.array([j.priority for j in jobs], dtype=float)  # > 0, checked by JobSpec
+        return max_min_fairness(rates, sf, weights, gpus), {}
+
+
+class GavelMakespan(_GavelRounds):
+    """min_total_duration_perf: the allocation that finishes all active jobs soonest."""
+
+    name = "gavel-makespan"
+
+    def allocate(self, jobs: Sequence[JobState], rates: np.ndarray,
+                 gpus: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
+        sf = np.array([j.workers for j in jobs], dtype=float)
+        remaining = np.array([j.remaining for j in jobs], dtype=float)
+        x, makespan = min_total_duration(rates, sf, remaining, gpus)
+        return x, {"lp_makespan_s": round(float(makespan), 1)}

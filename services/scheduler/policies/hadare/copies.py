@@ -1,0 +1,307 @@
+"""HadarE's first-class forking: each round, how many copies of each job, on which nodes.
+
+A copy of job j runs on ONE node, on k <= W_j GPUs of one type there, at its own rate
+s = ``rate(job, type, k)``; it is credited c = s x k / W_j job steps per second
+(``shared.domain.progress``). Copies add their credited rates; a job with n > 1 copies trains
+only ``round_s - cons(n)`` seconds of the round, ``cons`` being what consolidating them
+costs the live system (``shared.domain.fork_cost.consolidation_s``: n uploads, n downloads and one
+write of weights + optimizer state through ``store_gbps``; the job's ``JobState.model_bytes``
+and ``optimizer_slots`` -- stated by the profiler live, taken from the workload in the
+simulator, so both charge the same -- with the policy's ``optimizer_slots`` where the job
+states none; a job of unknown size, 0 bytes, is charged nothing). So a set C of copies makes
+
+    steps(C) = min(R_j, sum_{c in C} c x (round_s - cons(|C|)))
+
+this round (R_j the job's remaining steps), and the marginal value of one more copy g is
+``gain(C, g) = steps(C + g) - steps(C)``: it can be negative (the consolidation slows
+every copy down) or zero (the job is already expected to finish).
+
+Rule (one round at a time, no reservation of future rounds):
+
+1. Order. Jobs are taken in Smith's order for the forked cluster: by R_j / (w_j x F_j)
+   ascending (w_j priority, F_j = the credited rate j would get with one copy on every
+   node, each on its best type), ties by arrival then job id: the weighted
+   shortest-remaining-processing-time rule on the pooled cluster, which minimises weighted
+   mean completion time when work is divisible -- as forking makes it.
+2. Types and GPUs. A job's main pass may use, of each GPU type, at most the GPUs the
+   time-indexed LP gives it this round (``split="timeline"``, the default:
+   ``hadare_timeline``: every job done by a target end E within ``timeline_slack`` of the
+   optimal makespan, each job's work as early as that allows; the round's fractional
+   share rounded to whole GPUs by error diffusion, what a job was due and not given
+   carried to the next round, a job the LP ends this round served first, so a job about
+   to finish is not kept waiting by a sliver). ``split="makespan"`` (the earlier rule,
+   and the fallback when an LP fails): only the GPU types the makespan LP gives it
+   (``hadare_split.type_split``: the fork lower bound's LP on the remaining work, ties
+   broken toward giving the jobs first in line their fastest types, within
+   ``split_slack`` of the optimal makespan). Without either, short jobs that are as fast
+   on a slow type as on a fast one finish early on the fast GPUs, and the long jobs that
+   crawl on the slow type are left alone with it at the end (TTD 10-17% over the bound
+   on aws-5 / lab-5). The makespan split alone holds TTD within 5% but delays the short
+   jobs that share a type with long ones (lab-5 mean JCT 1.15x gavel); the timeline
+   holds both (README "Forking").
+3. Copies. Each job, in turn, adds copies one at a time: among the node/type groups it
+   may use with free GPUs, on nodes it has no copy on, the one with the largest value
+   per GPU net of the group's price (``price_share``, default 0: off); it stops when
+   no group gains (gain <= 0: the job is expected to finish, or consolidating one more
+   copy costs more than it trains) or it has n copies (n = the number of nodes).
+   k = min(W_j, free GPUs of the group), then the fewest of them that give the same gain.
+   Value: the copy's comparative efficiency c_j(r, k) / (k c_j(best type, 1)); price of
+   type r: ``price_share x`` the best such efficiency on r among the next n jobs in line
+   (an option, kept for experiments: on aws-5 / lab-5 it traded mean JCT for little TTD).
+4. Back-fill: a second pass of the same rule with every type allowed and every price 0
+   hands out what the main pass left idle, so no GPU idles while a copy would still gain
+   (net of the consolidation it adds) for some job.
+
+State: ``hadare_timeline.TimelineState`` (the target end E and the jobs it was set for)
+with ``split="timeline"``, else None.
+
+Guarantees: every copy is on one node, of one type, with 1..W_j GPUs that no other copy
+uses; a job has at most one copy per node, at most n copies, and none it is not expected to
+gain from; copy numbers are 0, 1, ... in the order added. Every active job is placed or
+waiting (PRIORITY: the GPUs went to jobs ahead of it; INFEASIBLE: no GPU type gives it a
+positive rate). Deterministic. Cost: O(J x copies x groups) per round.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from services.scheduler.policies.hadare.split import fork_lp, type_split
+from services.scheduler.policies.hadare.timeline import (
+    COMPLETION_WEIGHT, POOL_ABOVE, TIMELINE_SLACK, TimelineState, budgets, job_classes, pool, solve_until,
+    target_end_s)
+from services.scheduler.core.policy import JobState, Placement, Plan, Snapshot, Wait, WaitCode, previous_state
+from shared.domain.fork_cost import DEFAULT_OPTIMIZER_SLOTS, DEFAULT_STORE_GBPS, consolidation_s
+from shared.domain.progress import credited_steps
+
+EPS = 1e-9
+PRICE_SHARE = 0.0
+SPLIT_SLACK = 0.01
+WINDOW = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class CopyCost:
+    """How consolidation is charged: the object store's bandwidth and the optimizer's state."""
+
+    store_gbps: float = DEFAULT_STORE_GBPS
+    optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS
+
+    def seconds(self, model_bytes: int, copies: int, optimizer_slots: int | None = None) -> float:
+        """Consolidating ``copies`` copies of a ``model_bytes`` model; ``optimizer_slots``
+        None: this cost's own."""
+        slots = self.optimizer_slots if optimizer_slots is None else optimizer_slots
+        return consolidation_s(model_bytes, copies, store_gbps=self.store_gbps, optimizer_slots=slots)
+
+
+@dataclass(kw_only=True)
+class _Job:
+    job: JobState
+    rates: list[float] = field(default_factory=list)   # credited rates of its copies so far
+    nodes: set[str] = field(default_factory=set)
+
+    def steps(self, rates: list[float], round_s: float, cost: CopyCost) -> float:
+        train = max(0.0, round_s - cost.seconds(self.job.model_bytes, len(rates), self.job.optimizer_slots))
+        return min(self.job.remaining, sum(rates) * train)
+
+
+def plan_copies(snapshot: Snapshot, cost: CopyCost = CopyCost(), price_share: float = PRICE_SHARE,
+                split_slack: float = SPLIT_SLACK, split: str = "timeline",
+                timeline_slack: float = TIMELINE_SLACK, completion_weight: float = COMPLETION_WEIGHT) -> Plan:
+    """The round's copies by the module's rule (placements, waiting, explain; no state)."""
+    cluster, tp, round_s = snapshot.cluster, snapshot.throughput, snapshot.round_s
+    free = _FreeGroups(cluster)
+
+    @functools.cache
+    def rate_of(job_type: str, workers: int, gpu_type: str, k: int) -> float:
+        return credited_steps(tp.rate(job_type, gpu_type, k), copy_workers=k, job_workers=workers) if k else 0.0
+
+    def credited(job: JobState, gpu_type: str, k: int) -> float:
+        return rate_of(job.job_type, job.workers, gpu_type, k)
+
+    shapes: dict[tuple[tuple[str, int], ...], int] = {}   # node composition -> how many nodes
+    for n in cluster.nodes:
+        shape = tuple((t, len(n.indices_of(t))) for t in n.types)
+        shapes[shape] = shapes.get(shape, 0) + 1
+
+    @functools.cache
+    def pooled_of(job_type: str, workers: int) -> float:
+        return sum(count * max((rate_of(job_type, workers, t, min(workers, c)) for t, c in shape), default=0.0)
+                   for shape, count in shapes.items())
+
+    def pooled(job: JobState) -> float:
+        return pooled_of(job.job_type, job.workers)
+
+    jobs = sorted(snapshot.jobs, key=lambda j: (j.arrival_s, j.job_id))
+    speed = {j.job_id: pooled(j) for j in jobs}
+    runnable = [j for j in jobs if j.remaining > EPS and speed[j.job_id] > EPS]
+    order = sorted(runnable, key=lambda j: j.remaining / (max(j.priority, EPS) * speed[j.job_id]))
+    # ratio on r: a job's credited rate per GPU on type r over its best type's (its comparative
+    # efficiency there); best[r][i]: the best ratio on r among the WINDOW x n jobs after position i
+    top = {j.job_id: max([EPS] + [credited(j, r, 1) for r in cluster.types]) for j in order}
+    window = max(1, int(WINDOW * len(cluster.nodes)))
+    best: dict[str, list[float]] = {}
+    for r in cluster.types if price_share > 0 else ():
+        ratios = [credited(j, r, 1) / top[j.job_id] for j in order]
+        best[r] = [max(ratios[i + 1: i + 1 + window], default=0.0) for i in range(len(order))] + [0.0]
+    budgets, carried = _main_pass_budgets(snapshot, order, credited, speed, split,
+                                        timeline_slack if split == "timeline" else split_slack, completion_weight)
+    placements: list[Placement] = []
+    explain: dict[str, dict[str, object]] = {}
+    limit = len(cluster.nodes)
+    states = [_Job(job=job) for job in order]
+    for share, split_only in ((price_share, True), (0.0, False)):   # priced pass, then back-fill
+        for pos, state in enumerate(states):
+            job = state.job
+            while len(state.rates) < limit:
+                allowed = budgets[job.job_id] if split_only else None
+                pick = _best_group(state, free, credited, best, pos, round_s, cost, share, top[job.job_id], allowed)
+                if pick is None:
+                    break
+                (node_id, gpu_type), k, rate = pick
+                gpus = free.take(node_id, gpu_type, k)
+                if allowed is not None:
+                    allowed[gpu_type] -= k
+                placements.append(Placement(job_id=job.job_id, copy=len(state.rates), node_id=node_id,
+                                            gpus=tuple(gpus)))
+                state.rates.append(rate)
+                state.nodes.add(node_id)
+    for pos, state in enumerate(states):
+        if state.rates:
+            explain[state.job.job_id] = {"source": "fork-plan", "order": pos,
+                                         "forked_copies": len(state.rates) - 1,
+                                         "expected_steps": state.steps(state.rates, round_s, cost)}
+    placed = {p.job_id for p in placements}
+    waiting = []
+    for job in jobs:
+        if job.job_id in placed:
+            continue
+        if speed[job.job_id] <= EPS:
+            waiting.append(Wait(job_id=job.job_id, code=WaitCode.INFEASIBLE,
+                                detail="no GPU type of the cluster gives it a positive rate"))
+        else:
+            waiting.append(Wait(job_id=job.job_id, code=WaitCode.PRIORITY,
+                                detail="the GPUs went to jobs ahead of it (weighted shortest remaining first)"))
+        explain.setdefault(job.job_id, {})["source"] = "waiting"
+    return Plan(placements=tuple(placements), waiting=tuple(waiting), explain=explain, state=carried)
+
+
+def _main_pass_budgets(snapshot: Snapshot, order: list[JobState], credited, speed: dict[str, float], split: str,
+                       slack: float, completion_weight: float) -> tuple[dict[str, dict[str, int]], TimelineState | None]:
+    """(job id -> GPUs per type its main pass may take, the state to carry): the time-indexed
+    LP's slice of this round (``split="timeline"``, ``hadare_timeline``; on classes of jobs
+    above POOL_ABOVE jobs) or every GPU of the types the makespan split gives it
+    (``"makespan"``, or when an LP fails)."""
+    cluster = snapshot.cluster
+    if split == "timeline" and order:
+        got = _timeline_budgets(snapshot, order, credited, speed, slack, completion_weight)
+        if got is not None:
+            return got
+    types = type_split(order, cluster, credited, urgency=[speed[j.job_id] / j.remaining for j in order],
+                       slack=slack)
+    return {job_id: {t: cluster.gpus_by_type[t] for t in got} for job_id, got in types.items()}, None
+
+
+def _timeline_budgets(snapshot: Snapshot, order: list[JobState], credited, speed: dict[str, float],
+                      slack: float, completion_weight: float) -> tuple[dict[str, dict[str, int]], TimelineState] | None:
+    """``_main_pass_budgets`` by the time-indexed LP; None if an LP fails. The makespan LP
+    is solved only when E must be set or moved (first round, arrivals, E missed)."""
+    full = fork_lp(order, cluster := snapshot.cluster, credited)
+    if len(order) > POOL_ABOVE:
+        at = {j.job_id: i for i, j in enumerate(order)}
+        rounds = lambda j: j.remaining / max(speed[j.job_id] * snapshot.round_s, EPS)   # noqa: E731
+        groups = [[at[j.job_id] for j in g] for g in job_classes(order, rounds)]
+        lp = pool(full, groups)
+    else:
+        groups, lp = [[i] for i in range(len(order))], full
+    now, weights = snapshot.now_s, [sum(max(order[i].priority, EPS) for i in g) for g in groups]
+    ids = frozenset(j.job_id for j in snapshot.jobs)
+    previous = previous_state(snapshot, TimelineState)
+    end, plan = solve_until(
+        lp, kept_end=previous.end_s if previous is not None and not ids - previous.job_ids else None,
+        new_end=lambda best: target_end_s(best, now_s=now, previous=previous, job_ids=ids, slack=slack),
+        horizon_of=lambda e: e - now, round_s=snapshot.round_s, weights=weights, completion_weight=completion_weight)
+    if end is None or plan is None:
+        return None
+    types, keys = cluster.types, [order[g[0]].job_id for g in groups]
+    carried = previous.credit if previous is not None else {}
+    credit = np.array([[carried.get(key, {}).get(t, 0.0) for t in types] for key in keys]).reshape(len(keys), -1)
+    later = plan.x[:, :, 1:].sum(axis=(1, 2))
+    got, credit = budgets(plan.x[:, :, 0] / plan.lengths[0], groups, full.cap_f, count=full.count, credit=credit,
+                          finishing=later <= 1e-6 * np.maximum(plan.x.sum(axis=(1, 2)), EPS))
+    kept = {key: {t: float(credit[c, r]) for r, t in enumerate(types) if credit[c, r]} for c, key in enumerate(keys)}
+    return ({j.job_id: {types[r]: n for r, n in got[i].items()} for i, j in enumerate(order)},
+            TimelineState(end_s=end, job_ids=ids, credit={key: v for key, v in kept.items() if v}))
+
+
+class _FreeGroups:
+    """Idle GPUs by (node, type), indexed by (type, idle count) in cluster order, so a job's
+    candidates are the first group of each (type, count) not on a node it already uses."""
+
+    def __init__(self, cluster) -> None:
+        self.order = {n.node_id: i for i, n in enumerate(cluster.nodes)}
+        self.idle: dict[tuple[str, str], list[int]] = {}
+        self.buckets: dict[tuple[str, int], list[str]] = {}
+        for n in cluster.nodes:
+            for t in n.types:
+                self.idle[(n.node_id, t)] = list(n.indices_of(t))
+                self.buckets.setdefault((t, len(self.idle[(n.node_id, t)])), []).append(n.node_id)
+
+    def candidates(self, used: set[str], allowed: dict[str, int] | None):
+        """(node, type, idle count) of the first group of each (type, count) off ``used``
+        whose type has GPUs left in ``allowed`` (None: every type)."""
+        for (t, count), nodes in self.buckets.items():
+            if allowed is not None and allowed.get(t, 0) < 1:
+                continue
+            for node_id in nodes:
+                if node_id not in used:
+                    yield node_id, t, count
+                    break
+
+    def take(self, node_id: str, gpu_type: str, k: int) -> list[int]:
+        idle = self.idle[(node_id, gpu_type)]
+        got, rest = idle[:k], idle[k:]
+        self.idle[(node_id, gpu_type)] = rest
+        old = self.buckets[(gpu_type, len(idle))]
+        old.remove(node_id)
+        if not old:
+            del self.buckets[(gpu_type, len(idle))]
+        if rest:
+            new = self.buckets.setdefault((gpu_type, len(rest)), [])
+            bisect.insort(new, node_id, key=self.order.__getitem__)
+        return got
+
+
+def _best_group(state: _Job, free: _FreeGroups, credited, best: dict[str, list[float]],
+                pos: int, round_s: float, cost: CopyCost,
+                price_share: float, top: float,
+                allowed: dict[str, int] | None = None) -> tuple[tuple[str, str], int, float] | None:
+    """(group, GPUs, credited rate) of the job's best next copy, or None if none gains."""
+    job = state.job
+    now = state.steps(state.rates, round_s, cost)
+    found, found_score, found_at = None, 0.0, 0
+    for node_id, gpu_type, idle in free.candidates(state.nodes, allowed):
+        k = min(job.workers, idle, allowed[gpu_type] if allowed is not None else idle)
+        rate = credited(job, gpu_type, k)
+        if rate <= EPS:
+            continue
+        gain = state.steps(state.rates + [rate], round_s, cost) - now
+        # the fewest GPUs of the group that still reach that gain
+        while k > 1:
+            smaller = credited(job, gpu_type, k - 1)
+            if state.steps(state.rates + [smaller], round_s, cost) - now < gain - EPS:
+                break
+            k, rate = k - 1, smaller
+        price = price_share * best[gpu_type][pos] if price_share > 0 else 0.0
+        score = rate / (k * top) - price
+        at = free.order[node_id]
+        if gain <= EPS or score <= -EPS:
+            continue
+        if (found is None or score > found_score + EPS
+                or (score >= found_score - EPS and at < found_at)):   # ties: first node in cluster order
+            found, found_score, found_at = ((node_id, gpu_type), k, rate), score, at
+    return found

@@ -1,0 +1,224 @@
+"""Lower bounds on the time to drain a trace (TTD) that no policy can beat in the simulator.
+
+TTD is measured as in ``metrics.py``: from the first arrival ``a_0`` to the last
+completion. Two bounds: the *fork* bound holds for every plan that passes ``check_plan``
+(copies of a job on distinct nodes, each of at most W workers); the *no-fork* bound for
+runs in which every placed job runs as one copy of exactly its W workers (a gang, as
+Hadar and the baselines place them). The simulator says which runs were gang-only;
+HadarE (``FORKING_POLICIES``) and any run that was not are held to the fork bound.
+
+Notation, for a trace on a cluster:
+
+* job j: arrival ``a_j`` (``s_j = a_j - a_0``), W_j workers, work ``w_j`` = ``total_steps``
+  job steps (``shared.domain.progress``), job type ``t_j``; GPU type r: ``n_r`` GPUs; ``N`` GPUs
+  in all; ``rate(t, r, n)`` a copy's own steps/s (``throughput.py``). Copy sizes a job may
+  have: ``K_j = {1..min(W_j, N)}`` (fork) or ``{W_j}`` if ``W_j <= N`` (gang; else none).
+* A copy of n workers steps at ``min over its types of rate(t_j, r, n)``, times the
+  cross-node factor if it spans nodes, and is credited ``n / W_j`` of that per step. The
+  factor is the minimum over the copy's types that the table has both entries for at n
+  of ``min(1, unconsolidated / consolidated)``, or ``default_cross_node`` if it has none;
+  so it is at most ``f(r, n)`` for each of its types r: r's own table ratio, else the
+  largest of ``default_cross_node`` and the other cluster types' ratios at n; 1 with
+  ``cross_node=False``. A copy with a GPU of type r thus runs at most at
+  ``q(r, n) = rate(t_j, r, n) * (1 if a node holding r has >= n GPUs, else f(r, n))``.
+* Per-GPU rate ``rho[j,r] = max_{n in K_j} q(r, n) / W_j``: a copy of n is credited at
+  most that per GPU of type r it holds, so the job steps a job is credited are at most
+  ``sum_r rho[j,r] * (GPU-seconds of r it held)``; restarts, consolidation and rounds only
+  take time away. Taking the best n matters: per GPU, a gang may step faster than a single
+  worker or (across nodes) much slower.
+* Best single copy ``R1_j = max_{n in K_j} max(M1_j(n), MS_j(n)) * n / W_j``: ``M1`` the best
+  copy on one node (largest ``min_{r in S} rate(t_j, r, n)`` over sets S of the node's
+  types holding n of its GPUs: the prefix of its types sorted by rate that first holds n),
+  ``MS`` the same over the whole cluster with ``rate * f`` in place of ``rate`` (a spanning
+  copy: ``min rate * min f <= min (rate * f)``).
+* Best forked job ``RF_j = sum over nodes of the largest min(W_j, node size) values of
+  rho[j, type]`` over the node's GPUs: copies of one job are on distinct nodes and each
+  has at most W_j GPUs, so a node gives a job at most min(W_j, size) GPUs.
+* GPUs of type r a job may hold at once: ``c1[j,r] = min(W_j, n_r)`` (one copy), or
+  ``cF[j,r] = sum over nodes of min(W_j, GPUs of type r on the node)`` (forked); in all:
+  ``G1_j = W_j`` or ``GF_j = sum over nodes of min(W_j, node size)``.
+
+The bound is the optimum T of the LP over GPU-seconds ``X[j,r] >= 0`` (solved as the
+share ``y[j,r] = X[j,r] * rho[j,r] / w_j`` of job j's work done on type r)::
+
+    minimize T  subject to
+      sum_r rho[j,r] X[j,r] >= w_j                         every job (its work)
+      sum_{j: s_j >= s} X[j,r] <= n_r (T - s)              every arrival offset s, type r
+      X[j,r] <= c[j,r] (T - s_j),  sum_r X[j,r] <= G_j (T - s_j)   every job
+      T >= s_j + w_j / R_j                                 every job
+
+with (K, c, G, R) = (gang, c1, G1, R1) for the no-fork bound and (fork, cF, GF, RF) for the
+fork bound. Every schedule of the kind a bound covers gives a feasible point (X =
+GPU-seconds each job held while active, T = its TTD): jobs arriving at s or later only run
+in [a_0 + s, a_0 + T], and a job never holds more GPUs, nor trains faster, than the caps
+say. A job that no copy can move (R_j = 0) makes the bound ``None``: no finite TTD exists.
+An empty trace has bound 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import linprog
+from scipy.sparse import coo_matrix
+
+from services.scheduler.core.cluster import Cluster
+from services.scheduler.core.throughput import ThroughputModel
+from services.scheduler.sim.traces import TraceJob
+
+FORKING_POLICIES = frozenset({"hadare"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class TtdBounds:
+    ttd_fork_s: float | None      # valid for every plan that passes check_plan
+    ttd_nofork_s: float | None    # valid for runs where every job runs as one W-worker copy
+
+
+def _sizes(workers: int, cluster: Cluster, *, gang: bool) -> range:
+    if gang:
+        return range(workers, workers + 1) if workers <= cluster.total_gpus else range(0)
+    return range(1, min(workers, cluster.total_gpus) + 1)
+
+
+def _ratio(job_type: str, gpu_type: str, n: int, throughput: ThroughputModel) -> float | None:
+    cons = throughput.rates.get((job_type, gpu_type, n))
+    unc = throughput.unconsolidated.get((job_type, gpu_type, n))
+    return min(1.0, unc / cons) if cons and unc is not None else None
+
+
+def span_factor(job_type: str, gpu_type: str, n: int, cluster: Cluster, throughput: ThroughputModel) -> float:
+    """``f``: the most a copy of n workers spanning nodes with a ``gpu_type`` GPU keeps of its rate."""
+    if not throughput.cross_node:
+        return 1.0
+    own = _ratio(job_type, gpu_type, n, throughput)
+    if own is not None:
+        return own
+    others = [x for t in cluster.types if (x := _ratio(job_type, t, n, throughput)) is not None]
+    return max([throughput.default_cross_node, *others])
+
+
+def per_gpu_rate(job_type: str, workers: int, gpu_type: str, cluster: Cluster, throughput: ThroughputModel, *,
+                 gang: bool = False) -> float:
+    """``rho``: the most job steps/s one GPU of ``gpu_type`` can be credited (module docstring)."""
+    biggest = max((node.size for node in cluster.nodes if gpu_type in node.gpus), default=0)
+    best = 0.0
+    for n in _sizes(workers, cluster, gang=gang):
+        factor = 1.0 if n <= biggest else span_factor(job_type, gpu_type, n, cluster, throughput)
+        best = max(best, throughput.rate(job_type, gpu_type, n) * factor)
+    return best / workers
+
+
+def _best_min(values: list[tuple[float, int]], n: int) -> float:
+    """Largest min of value over a set of (value, GPUs) entries holding at least n GPUs."""
+    held = 0
+    for value, count in sorted(values, reverse=True):
+        held += count
+        if held >= n:
+            return value
+    return 0.0
+
+
+def best_copy_rate(job_type: str, workers: int, cluster: Cluster, throughput: ThroughputModel, *,
+                   gang: bool = False) -> float:
+    """``R1``: the most job steps/s one copy can be credited (of exactly W workers if ``gang``)."""
+    best = 0.0
+    for n in _sizes(workers, cluster, gang=gang):
+        one_node = max((_best_min([(throughput.rate(job_type, t, n), len(node.indices_of(t))) for t in node.types], n)
+                        for node in cluster.nodes if node.size >= n), default=0.0)
+        spanning = 0.0
+        if len(cluster.nodes) > 1:
+            spanning = _best_min([(throughput.rate(job_type, t, n) * span_factor(job_type, t, n, cluster, throughput),
+                                   c) for t, c in cluster.gpus_by_type.items()], n)
+        best = max(best, max(one_node, spanning) * n / workers)
+    return best
+
+
+def best_fork_rate(job_type: str, workers: int, cluster: Cluster, throughput: ThroughputModel) -> float:
+    """``RF``: the most job steps/s a job's copies together can be credited."""
+    rho = {t: per_gpu_rate(job_type, workers, t, cluster, throughput) for t in cluster.types}
+    return sum(sum(sorted((rho[t] for t in node.gpus), reverse=True)[:workers]) for node in cluster.nodes)
+
+
+def _caps(job: TraceJob, cluster: Cluster, *, fork: bool) -> tuple[dict[str, int], int]:
+    """(GPUs of each type, GPUs in all) the job may hold at once."""
+    w = job.workers
+    if not fork:
+        return {t: min(w, n) for t, n in cluster.gpus_by_type.items()}, w
+    per_type = {t: sum(min(w, len(node.indices_of(t))) for node in cluster.nodes) for t in cluster.types}
+    return per_type, sum(min(w, node.size) for node in cluster.nodes)
+
+
+def ttd_lower_bound(jobs: Sequence[TraceJob], cluster: Cluster, throughput: ThroughputModel, *,
+                    fork: bool) -> float | None:
+    """The LP bound of the module docstring, seconds from the first arrival (None: unbounded)."""
+    if not jobs:
+        return 0.0
+    types = cluster.types
+    a0 = min(j.arrival_s for j in jobs)
+    offsets = np.array([j.arrival_s - a0 for j in jobs])
+    work = np.array([float(j.total_steps) for j in jobs])
+    rho = np.array([[per_gpu_rate(j.job_type, j.workers, t, cluster, throughput, gang=not fork) for t in types]
+                    for j in jobs])
+    best = np.array([best_fork_rate(j.job_type, j.workers, cluster, throughput) if fork
+                     else best_copy_rate(j.job_type, j.workers, cluster, throughput, gang=True) for j in jobs])
+    if (best <= 0).any():
+        return None
+    n_jobs, n_types = rho.shape
+    t_col = n_jobs * n_types
+    # seconds[j, r]: GPU-seconds of type r that job j's whole work takes (inf: r cannot help)
+    with np.errstate(divide="ignore"):
+        seconds = np.where(rho > 0, work[:, None] / np.where(rho > 0, rho, 1.0), np.inf)
+    usable = np.isfinite(seconds)
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    rhs: list[float] = []
+
+    def row(entries: list[tuple[int, float]], bound: float) -> None:
+        r = len(rhs)
+        for col, val in entries:
+            rows.append(r)
+            cols.append(col)
+            vals.append(val)
+        rhs.append(bound)
+
+    for j in range(n_jobs):       # work: sum_r y[j,r] >= 1
+        row([(j * n_types + r, -1.0) for r in range(n_types) if usable[j, r]], -1.0)
+    counts = [cluster.gpus_by_type[t] for t in types]
+    for s in np.unique(offsets):  # capacity of the jobs arriving at s or later
+        cohort = np.flatnonzero(offsets >= s)
+        for r in range(n_types):
+            row([(j * n_types + r, seconds[j, r]) for j in cohort if usable[j, r]] + [(t_col, -counts[r])],
+                -counts[r] * s)
+    for j, job in enumerate(jobs):
+        per_type, total = _caps(job, cluster, fork=fork)
+        for r, t in enumerate(types):
+            if usable[j, r]:
+                row([(j * n_types + r, seconds[j, r]), (t_col, -per_type[t])], -per_type[t] * offsets[j])
+        row([(j * n_types + r, seconds[j, r]) for r in range(n_types) if usable[j, r]] + [(t_col, -total)],
+            -total * offsets[j])
+    a_ub = coo_matrix((vals, (rows, cols)), shape=(len(rhs), t_col + 1)).tocsr()
+    bounds = [(0.0, None if usable[j, r] else 0.0) for j in range(n_jobs) for r in range(n_types)]
+    bounds.append((float(np.max(offsets + work / best)), None))
+    cost = np.zeros(t_col + 1)
+    cost[t_col] = 1.0
+    res = linprog(cost, A_ub=a_ub, b_ub=np.array(rhs), bounds=bounds, method="highs")
+    if res.status != 0:
+        raise RuntimeError(f"TTD bound LP failed: {res.message}")
+    return float(res.x[t_col])
+
+
+def ttd_bounds(jobs: Sequence[TraceJob], cluster: Cluster, throughput: ThroughputModel) -> TtdBounds:
+    return TtdBounds(ttd_fork_s=ttd_lower_bound(jobs, cluster, throughput, fork=True),
+                     ttd_nofork_s=ttd_lower_bound(jobs, cluster, throughput, fork=False))
+
+
+def bound_for(policy: str, bounds: TtdBounds, *, gangs_only: bool) -> tuple[str, float | None]:
+    """("fork" | "nofork", the bound) that applies to ``policy``'s run; ``gangs_only``: every
+    job it placed ran as one copy of exactly W workers (``SimResult.gangs_only``)."""
+    if gangs_only and policy not in FORKING_POLICIES:
+        return "nofork", bounds.ttd_nofork_s
+    return "fork", bounds.ttd_fork_s

@@ -1,0 +1,373 @@
+"""Round-based simulation of a policy on a job trace, in simulated time.
+
+Semantics (exact; metrics.py and the tests rely on them):
+
+* Rounds start at ``t0 + r*round_s`` with ``t0 = floor(first arrival / round_s) * round_s``;
+  ``Snapshot.round`` is ``r``. A job is active in a round if it arrived at or before the
+  round start and has not completed. Rounds with no active job are skipped (no plan() call,
+  no record), jumping to the first round that starts at or after the next arrival; so are
+  rounds where every active job is *unrunnable*: no GPU type of the cluster gives it a
+  positive rate at any worker count 1..W, so no placement of any policy can move it.
+* Each simulated round builds a ``Snapshot`` (the policy's previous ``Plan``, the seed, and
+  one ``JobState`` per active job in arrival order, with steps done and attained
+  GPU-seconds, and ``model_bytes``: the simulator keeps each job's from
+  ``shared.domain.workloads.model_bytes``, 0 for a type it does not know, and hands it to the
+  policy as the live scheduler hands it the profiler's), times
+  ``policy.plan`` with ``time.perf_counter`` -- the one clock read here, reported only --
+  and, with ``check=True``, validates the plan with ``policy.check_plan``.
+* Work is counted in samples (``shared.domain.progress``, docs/architecture.md "Work
+  accounting"): a job's work is ``total_steps`` steps of its global batch (W per-worker
+  batches). Every (job, copy) of the plan steps at its own rate ``s = copy_rate(snapshot,
+  job, placements)``; a copy on k of the job's W workers keeps the per-worker batch, so
+  each of its steps is k/W of a job step and it credits ``s * k / W`` job steps per
+  second. A copy with more than W workers is an ``InvalidPlan``.
+* A copy whose set of (node, GPU) differs from the same copy's in the previous simulated
+  round (including a copy that did not run then) first spends ``restart_s`` restarting. A
+  job with n > 1 copies this round (HadarE) spends ``shared.domain.fork_cost.consolidation_s``
+  at the round end: (2 n + 1) checkpoints (weights and optimizer state: n uploads, n
+  downloads, one write) through ``store_gbps``; every copy trains in
+  ``[restart, round_s - consolidation_s]``. Steps of a job = sum over copies of credited
+  rate x training time, capped at what remains; ``RoundObservation.copy_steps`` has each
+  copy's own steps, so that sum over copies of own steps x k = job steps x W (samples are
+  conserved).
+* A job whose copies can do what remains finishes at ``round start + T + consolidation_s``
+  where T is when the copies, training in parallel at their summed credited rate, reach
+  the total; it leaves at the round end (its GPUs are freed only then, as in Gavel).
+* Busy GPU-seconds: every placed GPU is held, and counts as busy, from the round start until
+  its job completes (T + consolidation_s) or, if it does not, for the whole round -- restart
+  and consolidation time included, zero-rate placements included. Attained GPU-seconds and
+  time per GPU type of a job count the same held time.
+* The run stops when every job completed; when no arrivals remain and only unrunnable jobs
+  are left ("unrunnable"); when no arrivals remain and ``stall_rounds`` consecutive rounds
+  made no progress at all ("stalled": only the policy knows whether it will ever place what
+  is left, e.g. a job-level policy facing 8 workers of a type the cluster has 4 of); or after
+  ``max_rounds`` simulated rounds ("max_rounds"). Jobs left are reported not completed,
+  each with the last wait reason its policy gave (``JobRecord.last_wait``; for a job no
+  placement can move, the simulator's own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from services.scheduler.core.cluster import Cluster
+from services.scheduler.core.policy import (
+    InvalidPlan, JobState, Placement, Plan, Policy, Snapshot, check_plan, copy_rate)
+from services.scheduler.core.throughput import ThroughputModel
+from services.scheduler.sim.traces import TraceJob
+from shared.domain import workloads
+from shared.domain.fork_cost import consolidation_s
+from shared.domain.progress import credited_steps
+
+_DONE_EPS = 1e-9  # steps: a job this close to its total is complete (float sums of rate x time)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimOptions:
+    round_s: float = 360.0
+    restart_s: float = 0.0        # per re-placed copy; 0 as in Gavel's simulator
+    store_gbps: float = 1.0       # object-store bandwidth for HadarE consolidation, GB/s
+    seed: int = 0                 # Snapshot.seed
+    check: bool = False           # check_plan on every round (tests)
+    max_rounds: int = 100_000
+    stall_rounds: int = 50
+
+    def __post_init__(self) -> None:
+        if not self.round_s > 0:
+            raise ValueError("round_s must be positive")
+        if self.restart_s < 0:
+            raise ValueError("restart_s must be >= 0")
+        if not self.store_gbps > 0:
+            raise ValueError("store_gbps must be positive")
+        if self.max_rounds < 1 or self.stall_rounds < 1:
+            raise ValueError("max_rounds and stall_rounds must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobRecord:
+    job_id: str
+    job_type: str
+    workers: int
+    total_steps: int
+    priority: float
+    arrival_s: float
+    first_start_s: float | None   # start of the first round it was placed in
+    completion_s: float | None    # None: not completed
+    steps_done: float
+    gpu_s: float                  # GPU-seconds held
+    rounds_run: int
+    last_wait: str | None = None  # "code: detail" of the last round the policy left it waiting
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundRecord:
+    round: int
+    start_s: float
+    active_jobs: int
+    placed_gpus: Mapping[str, int]        # GPUs placed, by type
+    busy_gpu_s: Mapping[str, float]       # GPU-seconds busy in this round, by type
+    decision_ms: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimResult:
+    policy: str
+    cluster: Cluster
+    round_s: float
+    jobs: tuple[JobRecord, ...]
+    rounds: tuple[RoundRecord, ...]
+    end_s: float                  # end of the last simulated round
+    stop_reason: str              # completed | unrunnable | stalled | max_rounds
+    gangs_only: bool = True       # every job placed ran as one copy of exactly W workers (bounds.py)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundObservation:
+    """What one round did, for observers (tests check invariants with it)."""
+
+    snapshot: Snapshot
+    plan: Plan
+    steps: Mapping[str, float]            # job steps credited this round, per placed job
+    completions: Mapping[str, float]      # completion time of jobs that finished this round
+    copy_steps: Mapping[tuple[str, int], float]  # each copy's own steps this round
+
+
+class _LiveJob:
+    """Mutable per-job progress; ``state()`` caches the JobState until the job changes."""
+
+    __slots__ = ("trace", "model_bytes", "steps_done", "attained_gpu_s", "rounds_run",
+                 "first_start_s", "completion_s", "last_wait", "_state")
+
+    def __init__(self, trace: TraceJob, model_bytes: int) -> None:
+        self.trace = trace
+        self.model_bytes = model_bytes
+        self.steps_done = 0.0
+        self.attained_gpu_s = 0.0
+        self.rounds_run = 0
+        self.first_start_s: float | None = None
+        self.completion_s: float | None = None
+        self.last_wait: str | None = None
+        self._state: JobState | None = None
+
+    def state(self) -> JobState:
+        if self._state is None:
+            t = self.trace
+            self._state = JobState(
+                job_id=t.job_id, job_type=t.job_type, workers=t.workers, total_steps=t.total_steps,
+                steps_done=self.steps_done, arrival_s=t.arrival_s, priority=t.priority,
+                attained_gpu_s=self.attained_gpu_s, model_bytes=self.model_bytes)
+        return self._state
+
+    @property
+    def remaining(self) -> float:
+        return max(0.0, self.trace.total_steps - self.steps_done)
+
+    def account(self, copy_types: Sequence[Sequence[str]], held: float, now: float) -> None:
+        """Book a round in which copies on GPUs of ``copy_types`` held them ``held`` seconds."""
+        for types in copy_types:
+            self.attained_gpu_s += held * len(types)
+        self.rounds_run += 1
+        if self.first_start_s is None:
+            self.first_start_s = now
+        self._state = None
+
+    def record(self) -> JobRecord:
+        t = self.trace
+        return JobRecord(job_id=t.job_id, job_type=t.job_type, workers=t.workers, total_steps=t.total_steps,
+                         priority=t.priority, arrival_s=t.arrival_s, first_start_s=self.first_start_s,
+                         completion_s=self.completion_s, steps_done=self.steps_done,
+                         gpu_s=self.attained_gpu_s, rounds_run=self.rounds_run, last_wait=self.last_wait)
+
+
+def default_model_bytes(job_type: str) -> int:
+    """``shared.domain.workloads.model_bytes``, or 0 for a job type that module does not know."""
+    try:
+        return workloads.model_bytes(job_type)
+    except ValueError:
+        return 0
+
+
+def can_ever_run(job: TraceJob, cluster: Cluster, throughput: ThroughputModel) -> bool:
+    """False iff no placement of up to W GPUs of this cluster gives the job a positive rate.
+
+    A mixed placement of n workers runs at n x the minimum per-worker rate(type, n)/n of its
+    types, so some rate(type, n) > 0 with n <= W is necessary for any placement to move it.
+    """
+    limit = min(job.workers, cluster.total_gpus)
+    return any(throughput.rate(job.job_type, t, n) > 0 for t in cluster.types for n in range(1, limit + 1))
+
+
+def finish_time(segments: Sequence[tuple[float, float]], remaining: float) -> float:
+    """Earliest T with sum over (rate, start) of rate * max(0, T - start) >= remaining."""
+    points = sorted((start, rate) for rate, start in segments if rate > 0)
+    acc_rate = acc_steps = 0.0
+    t = points[0][0]
+    for start, rate in points:
+        gain = acc_rate * (start - t)
+        if acc_rate > 0 and acc_steps + gain >= remaining:
+            return t + (remaining - acc_steps) / acc_rate
+        acc_steps += gain
+        t = start
+        acc_rate += rate
+    return t + (remaining - acc_steps) / acc_rate
+
+
+def _advance(job: _LiveJob, copies: Sequence[tuple[float, int, bool]], *, now: float,
+             options: SimOptions) -> tuple[float, float, list[float]]:
+    """Progress ``job`` by one round run as ``copies`` of (own rate, workers, restarted).
+
+    Returns (job steps credited, seconds its GPUs are held, each copy's own steps).
+    """
+    round_s = options.round_s
+    consolidation = consolidation_s(job.model_bytes, len(copies), store_gbps=options.store_gbps)
+    train_end = max(0.0, round_s - consolidation)
+    starts = [min(options.restart_s if again else 0.0, train_end) for _, _, again in copies]
+    credit = [credited_steps(rate, copy_workers=k, job_workers=job.trace.workers) for rate, k, _ in copies]
+    capacity = sum(c * (train_end - start) for c, start in zip(credit, starts))
+    remaining = job.remaining
+    if capacity > 0 and capacity >= remaining - _DONE_EPS:
+        t = finish_time(list(zip(credit, starts)), remaining)
+        own = [rate * max(0.0, min(t, train_end) - start) for (rate, _, _), start in zip(copies, starts)]
+        job.steps_done = float(job.trace.total_steps)
+        job.completion_s = now + min(round_s, t + consolidation)
+        return remaining, min(round_s, t + consolidation), own
+    job.steps_done += capacity
+    return capacity, round_s, [rate * (train_end - start) for (rate, _, _), start in zip(copies, starts)]
+
+
+def simulate(*, policy: Policy, cluster: Cluster, jobs: Sequence[TraceJob], throughput: ThroughputModel,
+             options: SimOptions = SimOptions(), model_bytes: Callable[[str], int] | None = None,
+             observer: Callable[[RoundObservation], None] | None = None) -> SimResult:
+    """Run ``policy`` on ``jobs`` over ``cluster`` (see module docstring for the semantics)."""
+    size_of = model_bytes or default_model_bytes
+    round_s = options.round_s
+    pending = sorted(jobs, key=lambda j: j.arrival_s)
+    ids = [j.job_id for j in pending]
+    if len(set(ids)) != len(ids):
+        raise ValueError("duplicate job id in trace")
+    bytes_of = {job_type: size_of(job_type) for job_type in {j.job_type for j in pending}}
+    live = {j.job_id: _LiveJob(j, bytes_of[j.job_type]) for j in pending}
+    runnable = {j.job_id: can_ever_run(j, cluster, throughput) for j in pending}
+    for job_id, ok in runnable.items():
+        if not ok:  # a policy may never see it (no plan() once only such jobs are left)
+            live[job_id].last_wait = "infeasible: no placement of up to W GPUs of the cluster gives it a positive rate"
+    gpu_type_of = {n.node_id: n.gpus for n in cluster.nodes}
+    t0 = math.floor(pending[0].arrival_s / round_s) * round_s if pending else 0.0
+
+    active: list[_LiveJob] = []
+    rounds: list[RoundRecord] = []
+    next_arrival = 0
+    r = 0
+    simulated = 0
+    stall = 0
+    previous: Plan | None = None
+    prev_gpus: dict[tuple[str, int], frozenset[tuple[str, int]]] = {}
+    # A copy's rate depends only on its job type and GPU set (cluster and table are fixed).
+    rate_cache: dict[tuple[str, frozenset[tuple[str, int]]], float] = {}
+    stop_reason = "completed"
+    end_s = t0
+    gangs_only = True
+
+    while True:
+        now = t0 + r * round_s
+        while next_arrival < len(pending) and pending[next_arrival].arrival_s <= now:
+            active.append(live[pending[next_arrival].job_id])
+            next_arrival += 1
+            stall = 0
+        if not any(runnable[j.trace.job_id] for j in active):
+            if next_arrival >= len(pending):
+                stop_reason = "unrunnable" if active else "completed"
+                break
+            r = max(r + 1, math.ceil((pending[next_arrival].arrival_s - t0) / round_s))
+            prev_gpus = {}
+            continue
+        if simulated >= options.max_rounds:
+            stop_reason = "max_rounds"
+            break
+
+        snapshot = Snapshot(round=r, now_s=now, round_s=round_s, cluster=cluster,
+                            jobs=tuple(j.state() for j in active), throughput=throughput,
+                            previous=previous, seed=options.seed)
+        started = time.perf_counter()
+        plan = policy.plan(snapshot)
+        decision_ms = (time.perf_counter() - started) * 1000.0
+        if options.check:
+            check_plan(snapshot, plan)
+        for wait in plan.waiting:
+            if wait.job_id in live:
+                live[wait.job_id].last_wait = f"{wait.code.value}: {wait.detail}" if wait.detail else wait.code.value
+
+        copies_by_job: dict[str, list[tuple[int, list[Placement]]]] = defaultdict(list)
+        for (job_id, copy), placements in plan.copies().items():
+            copies_by_job[job_id].append((copy, placements))
+        placed: dict[str, int] = defaultdict(int)
+        busy: dict[str, float] = defaultdict(float)
+        steps_made: dict[str, float] = {}
+        completions: dict[str, float] = {}
+        copy_steps: dict[tuple[str, int], float] = {}
+        next_gpus: dict[tuple[str, int], frozenset[tuple[str, int]]] = {}
+
+        for job_id, job_copies in copies_by_job.items():
+            job = live.get(job_id)
+            if job is None or job.completion_s is not None or job.trace.arrival_s > now:
+                raise InvalidPlan(f"{job_id}: placed but not active in round {r}")
+            copy_gpus = [frozenset((p.node_id, g) for p in parts for g in p.gpus) for _, parts in job_copies]
+            runs = []
+            for (copy, parts), gpus in zip(job_copies, copy_gpus):
+                if len(gpus) > job.trace.workers:
+                    raise InvalidPlan(f"{job_id} copy {copy}: {len(gpus)} workers > W={job.trace.workers}")
+                rate = rate_cache.get((job.trace.job_type, gpus))
+                if rate is None:
+                    rate = rate_cache[(job.trace.job_type, gpus)] = copy_rate(snapshot, job.state(), parts)
+                runs.append((rate, len(gpus), prev_gpus.get((job_id, copy)) != gpus))
+                next_gpus[(job_id, copy)] = gpus
+            steps, held, own = _advance(job, runs, now=now, options=options)
+            steps_made[job_id] = steps
+            gangs_only = gangs_only and len(runs) == 1 and runs[0][1] == job.trace.workers
+            copy_steps.update({(job_id, copy): x for (copy, _), x in zip(job_copies, own)})
+            if job.completion_s is not None:
+                completions[job_id] = job.completion_s
+            types = [[gpu_type_of[node][g] for node, g in gpus] for gpus in copy_gpus]
+            for copy_types in types:
+                for gpu_type in copy_types:
+                    placed[gpu_type] += 1
+                    busy[gpu_type] += held
+            job.account(types, held, now)
+
+        rounds.append(RoundRecord(round=r, start_s=now, active_jobs=len(active), placed_gpus=dict(placed),
+                                  busy_gpu_s=dict(busy), decision_ms=decision_ms))
+        if observer is not None:
+            observer(RoundObservation(snapshot=snapshot, plan=plan, steps=steps_made, completions=completions,
+                                      copy_steps=copy_steps))
+        simulated += 1
+        end_s = now + round_s
+        previous = plan
+        prev_gpus = next_gpus
+        if completions:
+            active = [j for j in active if j.completion_s is None]
+        progressed = any(s > 0 for s in steps_made.values())
+        stall = 0 if progressed else stall + 1
+        if not active and next_arrival >= len(pending):
+            break
+        if stall >= options.stall_rounds and next_arrival >= len(pending):
+            stop_reason = "stalled"
+            break
+        r += 1
+
+    return SimResult(policy=getattr(policy, "name", type(policy).__name__), cluster=cluster, round_s=round_s,
+                     jobs=tuple(live[j.job_id].record() for j in pending), rounds=tuple(rounds),
+                     end_s=end_s, stop_reason=stop_reason, gangs_only=gangs_only)
+
+
+def build_throughput(*, cross_node: bool = True, table_path: str | None = None) -> ThroughputModel:
+    """Gavel's table, with ``shared.domain.workloads.calibrated_fallback`` (memoised: it is pure) for
+    GPU types the table lacks; ``cross_node=False`` ignores node boundaries, as Gavel does."""
+    base = ThroughputModel.from_gavel_table(table_path, cross_node=cross_node)
+    fallback = functools.lru_cache(maxsize=None)(workloads.calibrated_fallback(base, reference="v100"))
+    return dataclasses.replace(base, fallback=fallback)

@@ -1,0 +1,287 @@
+"""Job traces for the simulator: CSV files, Gavel's TSV traces and a seeded generator.
+
+Three sources, all producing ``TraceJob`` records sorted by (arrival, input order):
+
+* CSV with a header naming the columns ``job_id,arrival_time_s,job_type,scale_factor,
+  total_steps`` (any order) and optionally ``priority`` (default 1). ``job_type`` must be a
+  job type of the throughput table, e.g. ``ResNet-50 (batch size 64)``.
+* Gavel's 10-column tab-separated trace (``scheduler/traces/*.trace`` in
+  stanford-futuredata/gavel): job_type, command, working_directory, num_steps_arg,
+  needs_data_dir, total_steps, scale_factor, priority_weight, SLO, arrival_time. Jobs get
+  ids ``j<line number>``; command, directory, steps argument, data-dir flag and SLO are not
+  used by the simulator and are not checked beyond being present. Gavel counts a step per
+  worker (its scheduler sums the steps of a gang's workers), so ``total_steps`` here is
+  Gavel's divided by the scale factor, rounded, at least 1.
+
+``TraceJob.total_steps`` is in steps of the job's global batch, as a live job's
+iterations (``shared.domain.progress``); a CSV's ``total_steps`` column is read as such.
+* ``gen:jobs=N,rate=R,seed=S,multi_gpu=true|false``: Gavel's job distribution (see
+  ``generate_jobs``). ``rate`` is jobs per hour (default 0: every job arrives at t=0),
+  ``seed`` defaults to the caller's seed, ``multi_gpu`` defaults to false (as Gavel's
+  generator does without --generate-multi-gpu-jobs).
+
+A bad line raises ``TraceError`` whose one-line message names the file, line and field.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.scheduler.core.throughput import ThroughputModel
+from shared.errors import UsageError
+
+CSV_REQUIRED = ("job_id", "arrival_time_s", "job_type", "scale_factor", "total_steps")
+CSV_OPTIONAL = ("priority",)
+GAVEL_COLUMNS = ("job_type", "command", "working_directory", "num_steps_arg", "needs_data_dir",
+                 "total_steps", "scale_factor", "priority_weight", "SLO", "arrival_time")
+REFERENCE_GPU = "v100"  # total steps of generated jobs = duration x throughput on this type
+
+
+class TraceError(UsageError):
+    """A trace that cannot be read; the message is one line naming where and which field."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TraceJob:
+    job_id: str
+    arrival_s: float
+    job_type: str
+    workers: int        # scale factor W
+    total_steps: int
+    priority: float = 1.0
+
+
+# ---------------------------------------------------------------------------- field parsing
+
+def _where(source: str, line: int, field: str) -> str:
+    return f"{source}: line {line}: field {field}"
+
+
+def _int_field(text: str, *, source: str, line: int, field: str, minimum: int) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise TraceError(f"{_where(source, line, field)}: {text.strip()!r} is not an integer") from None
+    if value < minimum:
+        raise TraceError(f"{_where(source, line, field)}: {value} is below {minimum}")
+    return value
+
+
+def _float_field(text: str, *, source: str, line: int, field: str, positive: bool = False) -> float:
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise TraceError(f"{_where(source, line, field)}: {text.strip()!r} is not a number") from None
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        bound = "positive" if positive else "non-negative"
+        raise TraceError(f"{_where(source, line, field)}: {text.strip()!r} must be finite and {bound}")
+    return value
+
+
+def _job_type_field(text: str, job_types: frozenset[str], *, source: str, line: int) -> str:
+    job_type = text.strip()
+    if job_type not in job_types:
+        raise TraceError(f"{_where(source, line, 'job_type')}: {job_type!r} is not a job type of the "
+                         "throughput table")
+    return job_type
+
+
+def _sorted(jobs: Iterable[TraceJob]) -> tuple[TraceJob, ...]:
+    return tuple(sorted(jobs, key=lambda j: j.arrival_s))  # stable: input order breaks ties
+
+
+# ---------------------------------------------------------------------------- CSV
+
+def parse_csv(text: str, *, job_types: Iterable[str], source: str = "<csv>") -> tuple[TraceJob, ...]:
+    known = frozenset(job_types)
+    rows = csv.reader(text.splitlines())
+    header = next(rows, None)
+    if header is None:
+        raise TraceError(f"{source}: line 1: empty trace (expected a header)")
+    columns = [h.strip() for h in header]
+    for name in columns:
+        if name not in CSV_REQUIRED + CSV_OPTIONAL:
+            raise TraceError(f"{_where(source, 1, name)}: unknown column (expected "
+                             f"{','.join(CSV_REQUIRED)}[,priority])")
+    if len(set(columns)) != len(columns):
+        raise TraceError(f"{source}: line 1: a column is named twice")
+    missing = [c for c in CSV_REQUIRED if c not in columns]
+    if missing:
+        raise TraceError(f"{_where(source, 1, missing[0])}: missing column")
+    jobs: list[TraceJob] = []
+    seen: set[str] = set()
+    for index, row in enumerate(rows, start=2):
+        if not row or all(not cell.strip() for cell in row):
+            continue
+        if len(row) < len(columns):
+            raise TraceError(f"{_where(source, index, columns[len(row)])}: missing ({len(row)} fields, "
+                             f"header has {len(columns)})")
+        if len(row) > len(columns):
+            raise TraceError(f"{source}: line {index}: {len(row)} fields, header has {len(columns)}")
+        cell = dict(zip(columns, row))
+        job_id = cell["job_id"].strip()
+        if not job_id:
+            raise TraceError(f"{_where(source, index, 'job_id')}: empty")
+        if job_id in seen:
+            raise TraceError(f"{_where(source, index, 'job_id')}: duplicate id {job_id!r}")
+        seen.add(job_id)
+        priority = 1.0
+        if "priority" in cell and cell["priority"].strip():
+            priority = _float_field(cell["priority"], source=source, line=index, field="priority", positive=True)
+        jobs.append(TraceJob(
+            job_id=job_id,
+            arrival_s=_float_field(cell["arrival_time_s"], source=source, line=index, field="arrival_time_s"),
+            job_type=_job_type_field(cell["job_type"], known, source=source, line=index),
+            workers=_int_field(cell["scale_factor"], source=source, line=index, field="scale_factor", minimum=1),
+            total_steps=_int_field(cell["total_steps"], source=source, line=index, field="total_steps",
+                                   minimum=1),
+            priority=priority,
+        ))
+    return _sorted(jobs)
+
+
+# ---------------------------------------------------------------------------- Gavel TSV
+
+def parse_gavel_trace(text: str, *, job_types: Iterable[str], source: str = "<trace>") -> tuple[TraceJob, ...]:
+    known = frozenset(job_types)
+    jobs: list[TraceJob] = []
+    for index, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        fields = raw.split("\t")
+        if len(fields) != len(GAVEL_COLUMNS):
+            raise TraceError(f"{source}: line {index}: {len(fields)} tab-separated fields, Gavel's "
+                             f"format has {len(GAVEL_COLUMNS)}")
+        cell = dict(zip(GAVEL_COLUMNS, fields))
+        _int_field(cell["needs_data_dir"], source=source, line=index, field="needs_data_dir", minimum=0)
+        workers = _int_field(cell["scale_factor"], source=source, line=index, field="scale_factor", minimum=1)
+        gavel_steps = _int_field(cell["total_steps"], source=source, line=index, field="total_steps", minimum=1)
+        jobs.append(TraceJob(
+            job_id=f"j{index}",
+            arrival_s=_float_field(cell["arrival_time"], source=source, line=index, field="arrival_time"),
+            job_type=_job_type_field(cell["job_type"], known, source=source, line=index),
+            workers=workers,
+            total_steps=max(1, round(gavel_steps / workers)),
+            priority=_float_field(cell["priority_weight"], source=source, line=index, field="priority_weight",
+                                  positive=True),
+        ))
+    return _sorted(jobs)
+
+
+# ---------------------------------------------------------------------------- generator
+
+@dataclass(frozen=True, kw_only=True)
+class GeneratorSpec:
+    jobs: int
+    rate_per_hour: float = 0.0
+    seed: int = 0
+    multi_gpu: bool = False
+
+
+def parse_generator_spec(spec: str, *, default_seed: int = 0) -> GeneratorSpec:
+    """``gen:jobs=N,rate=R,seed=S,multi_gpu=true|false`` -> GeneratorSpec (jobs required)."""
+    body = spec.removeprefix("gen:")
+    values: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in body.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in ("jobs", "rate", "seed", "multi_gpu"):
+            raise TraceError(f"trace {spec!r}: field {key or item!r}: expected jobs=, rate=, seed= or multi_gpu=")
+        if key in values:
+            raise TraceError(f"trace {spec!r}: field {key}: given twice")
+        values[key] = value.strip()
+    if "jobs" not in values:
+        raise TraceError(f"trace {spec!r}: field jobs: missing")
+    where = f"trace {spec!r}"
+    jobs = _int_field(values["jobs"], source=where, line=1, field="jobs", minimum=1)
+    rate = _float_field(values.get("rate", "0"), source=where, line=1, field="rate")
+    seed = _int_field(values.get("seed", str(default_seed)), source=where, line=1, field="seed", minimum=0)
+    flag = values.get("multi_gpu", "false").lower()
+    if flag not in ("true", "false"):
+        raise TraceError(f"{where}: field multi_gpu: {flag!r} is not true or false")
+    return GeneratorSpec(jobs=jobs, rate_per_hour=rate, seed=seed, multi_gpu=flag == "true")
+
+
+def _draw_scale_factor(rng: np.random.Generator) -> int:
+    r = rng.uniform(0.0, 1.0)
+    if r < 0.70:
+        return 1
+    if r < 0.80:
+        return 2
+    if r < 0.95:
+        return 4
+    return 8
+
+
+def _draw_duration_s(rng: np.random.Generator) -> float:
+    if rng.uniform(0.0, 1.0) >= 0.8:
+        return 60.0 * 10.0 ** rng.uniform(3.0, 4.0)
+    return 60.0 * 10.0 ** rng.uniform(1.5, 3.0)
+
+
+def generate_jobs(*, jobs: int, rate_per_hour: float, multi_gpu: bool, rng: np.random.Generator,
+                  throughput: ThroughputModel) -> tuple[TraceJob, ...]:
+    """Gavel's job distribution (docs/architecture.md "Simulator and metrics").
+
+    Per job, in this draw order: scale factor (1 unless ``multi_gpu``; else 1/2/4/8 w.p.
+    0.70/0.10/0.15/0.05); job type uniformly from the table's types that have a V100 entry,
+    re-drawn while the type has no V100 entry at that scale factor (not distributed-capable);
+    duration 60*10^U(1.5,3) s w.p. 0.8 else 60*10^U(3,4) s; total steps = int(duration x
+    the copy's V100 step rate at the scale factor), at least 1 -- the job's duration alone on
+    W V100s, as in Gavel. Arrivals: job 0 at t=0, then gaps drawn
+    from an exponential with mean 3600/rate s (rate 0: everyone at t=0).
+    """
+    if rate_per_hour < 0:
+        raise ValueError("rate_per_hour must be >= 0")
+    candidates = tuple(t for t in throughput.job_types if throughput.scales(t, REFERENCE_GPU))
+    if not candidates:
+        raise ValueError(f"throughput table has no {REFERENCE_GPU} entries to generate jobs from")
+    out: list[TraceJob] = []
+    now = 0.0
+    width = len(str(jobs - 1))
+    for i in range(jobs):
+        if i > 0 and rate_per_hour > 0:
+            now += float(rng.exponential(3600.0 / rate_per_hour))
+        scale = _draw_scale_factor(rng) if multi_gpu else 1
+        while True:
+            job_type = candidates[int(rng.integers(len(candidates)))]
+            if scale in throughput.scales(job_type, REFERENCE_GPU):
+                break
+        duration = _draw_duration_s(rng)
+        steps = max(1, int(duration * throughput.rate(job_type, REFERENCE_GPU, scale)))
+        out.append(TraceJob(job_id=f"j{i:0{width}d}", arrival_s=now, job_type=job_type,
+                            workers=scale, total_steps=steps))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------- entry point
+
+def _looks_like_gavel(text: str) -> bool:
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    return first.count("\t") == len(GAVEL_COLUMNS) - 1
+
+
+def load_trace(spec: str, *, throughput: ThroughputModel, default_seed: int = 0) -> tuple[TraceJob, ...]:
+    """The jobs a ``--trace`` value names: ``gen:...``, a ``.csv`` file or a Gavel trace file.
+
+    A file whose first line has 9 tabs is read as Gavel's format, anything else as CSV.
+    """
+    if spec.startswith("gen:"):
+        gen = parse_generator_spec(spec, default_seed=default_seed)
+        return generate_jobs(jobs=gen.jobs, rate_per_hour=gen.rate_per_hour, multi_gpu=gen.multi_gpu,
+                             rng=np.random.default_rng(gen.seed), throughput=throughput)
+    try:
+        with open(spec, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise TraceError(f"{spec}: cannot read trace ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise TraceError(f"{spec}: not a UTF-8 text file") from None
+    if _looks_like_gavel(text):
+        return parse_gavel_trace(text, job_types=throughput.job_types, source=spec)
+    return parse_csv(text, job_types=throughput.job_types, source=spec)

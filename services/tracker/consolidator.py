@@ -1,0 +1,195 @@
+"""What the tracker produces for a decided round or a completed job, in the store, and the
+announcement that goes with it (:class:`RoundProducer`, used by the service).
+
+Guarantees (the service's docstring states them for the whole tracker):
+
+* :meth:`RoundProducer.consolidate` stores the averaged optimizer state first, then the
+  round model (temp file, then an atomic ``put_file``), and only then returns the
+  ModelConsolidated that announces it; with no usable replica it stores nothing and
+  returns a RoundAbandoned with the rejections.
+* A consolidation cancelled while it averages (a drain cut short: ``run_service``'s
+  ``drain_timeout_s``) stops its worker thread at the replicas' next chunk
+  (:class:`~services.tracker.store_reader.ConsolidationStopped`), waits for it up to
+  :data:`STOP_WAIT_S` and removes its staging directory: no read of the store, no write
+  and no upload follows, and nothing is announced; the round stays unannounced and the
+  next tracker consolidates it. Cancelled during an upload, the upload may still complete
+  (an object appears whole or not at all); the next tracker then announces it as stored.
+* :meth:`RoundProducer.existing` announces a model an earlier run stored but did not
+  announce, from the model's own metadata, so a restart never publishes a different model;
+  a model that is not this round's, unreadable, or whose announcement ``check`` refuses
+  gives None (recompute over it).
+* :meth:`RoundProducer.store_final` stores ``final.safetensors`` as a byte copy of the
+  job's latest round model before JobCompleted is built.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from services.tracker.acceptance import Refusal
+from services.tracker.config import TrackerConfig
+from services.tracker.averaging.consolidate import NoUsableReplica, Rejected, Replica, plan_consolidation
+from services.tracker.metrics import TrackerMetrics
+from services.tracker.model_files import RoundOutputs, held_out_metric, write_round_outputs
+from services.tracker.averaging.safetensors_format import InvalidSafetensors, read_header
+from services.tracker.store_reader import ConsolidationStopped, StoreRangeReader
+from services.tracker.due import CompletionWork, RoundWork
+from shared.clock import Clock
+from shared.errors import HadarError
+from shared.wire.events import ModelConsolidated, Rejection, RoundAbandoned
+from shared.domain.layout import final_key, optim_key
+from shared.domain.model_meta import InvalidModelMetadata, ModelMetadata
+from shared.store import InvalidKey, ObjectNotFound, ObjectStore
+
+__all__ = ["RoundProducer", "AnnouncementRefused", "announcement", "STOP_WAIT_S"]
+
+STOP_WAIT_S = 5.0   # how long a cancelled consolidation waits for its worker thread to stop
+
+
+class AnnouncementRefused(HadarError):
+    """An announcement of the tracker's own that its state would refuse: a bug, counted as a
+    failed attempt like any other."""
+
+
+class RoundProducer:
+    """Writes round models and final models; see the module guarantees."""
+
+    def __init__(self, *, store: ObjectStore, config: TrackerConfig, clock: Clock, metrics: TrackerMetrics,
+                 log: Any) -> None:
+        self.store = store
+        self.config = config
+        self.clock = clock
+        self._m = metrics
+        self._log = log
+
+    def abandonment(self, work: RoundWork, reason: str, *,
+                    rejected: tuple[Rejection, ...] = ()) -> RoundAbandoned:
+        return RoundAbandoned(ts=self.clock.time(), source=self.config.source, job_id=work.job_id, round=work.round,
+                              reason=reason[:1024], rejected=rejected, missing=work.missing)
+
+    async def consolidate(self, work: RoundWork, key: str, log: Any) -> ModelConsolidated | RoundAbandoned:
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        rejected = [Rejected(copy=f.copy, reason=f"copy failed: {f.reason or 'no reason given'}"[:240])
+                    for f in work.failed]
+        stop = threading.Event()
+        replicas = []
+        for copy in work.usable:
+            assert copy.checkpoint is not None
+            try:
+                size = await self.store.size(copy.checkpoint)
+            except (ObjectNotFound, InvalidKey) as exc:
+                rejected.append(Rejected(copy=copy.copy, reason=f"checkpoint {copy.checkpoint!r}: {exc}"[:240]))
+                continue
+            replicas.append(Replica(copy=copy.copy, steps=copy.steps, max_steps=copy.budget,
+                                    workers=copy.workers,
+                                    reader=StoreRangeReader(self.store, copy.checkpoint, size, loop, stop=stop)))
+        tmp_dir = Path(tempfile.mkdtemp(prefix="hadar-tracker-", dir=self.config.temp_dir))
+        try:
+            try:
+                outputs, metric = await self._in_thread(stop, log, self._write, work, replicas, rejected,
+                                                        tmp_dir, stop)
+            except NoUsableReplica as exc:
+                self._m.rejected.inc(len(exc.rejected) - len(work.failed))
+                log.warning("round.no_usable_replica", reason=str(exc)[:500], missing=list(work.missing))
+                return self.abandonment(work, "no usable replica",
+                                        rejected=tuple(Rejection(copy=r.copy, reason=r.reason) for r in exc.rejected))
+            if outputs.optim_path is not None:   # first: a copy that finds the model finds its optimizer state
+                await self.store.put_file(optim_key(work.job_id, work.round), outputs.optim_path)
+            await self.store.put_file(key, outputs.model_path)
+        finally:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        seconds = time.perf_counter() - started
+        self._m.seconds.observe(seconds)
+        self._m.models.inc()
+        self._m.bytes.inc(outputs.stats.bytes_read)
+        self._m.rejected.inc(len(outputs.plan.rejected) - len(work.failed))
+        return announcement(outputs.meta, key, self.clock.time(), self.config.source, seconds=seconds,
+                            metric=metric)
+
+    @staticmethod
+    async def _in_thread(stop: threading.Event, log: Any, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in a worker thread. Cancelled, it sets ``stop`` (which ``fn`` obeys
+        at its next chunk) and waits up to :data:`STOP_WAIT_S` for the thread to return
+        before the cancellation goes on, so nothing it does outlives the round's attempt."""
+        task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())   # retrieved: never logged as lost
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            stop.set()
+            await asyncio.wait({task}, timeout=STOP_WAIT_S)
+            stopped = task.done() and (task.cancelled() or isinstance(task.exception(), ConsolidationStopped))
+            log.warning("round.consolidation_stopped", stopped=stopped, thread_running=not task.done())
+            raise
+
+    def _write(self, work: RoundWork, replicas: list[Replica], rejected: list[Rejected],
+               tmp_dir: Path, stop: threading.Event) -> tuple[RoundOutputs, tuple[str, float] | None]:
+        # The plan bounds each copy's steps and the job's total. Writing may reject replicas
+        # holding NaN or inf: the files' metadata and the announcement are those of the plan
+        # actually written (model_output.py).
+        plan = plan_consolidation(replicas, mode=self.config.mode, rejected=rejected,
+                                  prior_worker_steps=work.prior_worker_steps, job_workers=work.job_workers,
+                                  limit_worker_steps=work.limit_worker_steps)
+        outputs = write_round_outputs(plan, tmp_dir, job_id=work.job_id, round_=work.round, missing=work.missing,
+                                      spec=work.spec, chunk_bytes=self.config.chunk_bytes,
+                                      threads=self.config.consolidation_threads)
+        if stop.is_set():   # the evaluation cannot be stopped midway: do not start it
+            raise ConsolidationStopped(f"{work.job_id} round {work.round}: consolidation stopped",
+                                       retriable=True)
+        metric, why_not = held_out_metric(outputs.model_path, work.spec)
+        if metric is None:
+            self._log.info("round.no_metric", job=work.job_id, round=work.round, reason=why_not)
+        return outputs, metric
+
+    async def existing(self, work: RoundWork, key: str, log: Any,
+                       check: Callable[[ModelConsolidated], Refusal | None]) -> ModelConsolidated | None:
+        """The ModelConsolidated of a model an earlier run wrote but did not announce."""
+        size = await self.store.size(key)
+        reader = StoreRangeReader(self.store, key, size, asyncio.get_running_loop())
+        try:
+            header = await asyncio.to_thread(read_header, reader)
+            meta = ModelMetadata.from_metadata(header.metadata)
+        except (InvalidSafetensors, InvalidModelMetadata) as exc:
+            log.warning("round.existing_model_unusable", key=key, error=str(exc)[:300])
+            return None  # not ours or unreadable, and never announced: recompute over it
+        if (meta.job, meta.round) != (work.job_id, work.round):
+            log.warning("round.existing_model_unusable", key=key,
+                        error=f"metadata names job {meta.job!r} round {meta.round}")
+            return None
+        event = announcement(meta, key, self.clock.time(), self.config.source)
+        refusal = check(event)
+        if refusal is not None:
+            log.warning("round.existing_model_unusable", key=key, error=f"{refusal.reason}: {refusal.detail}"[:300])
+            return None
+        log.info("round.existing_model_announced", key=key)
+        return event
+
+    async def store_final(self, work: CompletionWork) -> str:
+        """Copy the job's latest round model to its final key; returns that key."""
+        key = final_key(work.job_id)
+        tmp_dir = Path(tempfile.mkdtemp(prefix="hadar-tracker-", dir=self.config.temp_dir))
+        try:
+            path = tmp_dir / "final.safetensors"
+            await self.store.get_file(work.model_key, path)
+            await self.store.put_file(key, path)
+        finally:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        return key
+
+
+def announcement(meta: ModelMetadata, key: str, ts: float, source: str, *, seconds: float = 0.0,
+                 metric: tuple[str, float] | None = None) -> ModelConsolidated:
+    """The ModelConsolidated of the model at ``key``: what it says about itself, and its
+    held-out metric when it was just evaluated."""
+    name, value = metric if metric is not None else ("", None)
+    return ModelConsolidated(ts=ts, source=source, job_id=meta.job, round=meta.round, key=key,
+                             total_steps=meta.total_steps, copies=meta.copies, rejected=meta.rejected,
+                             missing=meta.missing, seconds=seconds, metric_name=name, metric_value=value)

@@ -1,0 +1,198 @@
+"""State values as msgpack and back: the one module that encodes what a snapshot holds.
+
+A service's state is a tree of Python values -- dicts keyed by tuples, sets, deques,
+frozen dataclasses, events, numpy arrays (Hadar's ledger). :func:`pack` writes such a
+tree as msgpack, :func:`unpack` gives back an equal tree of the same types. Guarantees:
+
+* **Exact types.** Native msgpack carries only exact ``None``/``bool``/``int``/``float``/
+  ``str``/``bytes``/``list`` and ``dict`` with ``str`` keys; everything else travels as an
+  ext type with a tag (below), so a tuple comes back a tuple, a ``numpy.float64`` a
+  ``numpy.float64``, a set a set, a deque a deque with its ``maxlen``.
+* **Nothing is imported or called by name from the data.** Objects (dataclasses and plain
+  classes) and enums are written under a registered name (:func:`register`); decoding an
+  unregistered name fails. Instances are rebuilt without calling ``__init__`` (attributes
+  set one by one), so a class's constructor checks and side effects do not run twice.
+  Events travel as their own wire form (:func:`shared.wire.events.encode`) and are decoded and
+  validated by :func:`shared.wire.events.decode`; nested records (``JobSpec``) by their codec.
+  numpy arrays only of numeric or bool dtypes (never ``object``), as raw bytes.
+* **Fail closed.** Anything :func:`unpack` cannot rebuild raises :class:`SnapshotDecodeError`.
+  Integrity (checksums, versions) is the format's job: :mod:`shared.persistence.snapshot`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import MISSING, fields, is_dataclass
+from types import MappingProxyType
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from shared.errors import HadarError
+from shared.wire.events import Event, decode, encode
+from shared.wire.records import InvalidEvent, Record, to_wire
+
+__all__ = ["SnapshotDecodeError", "register", "registered", "pack", "unpack"]
+
+_TUPLE, _SET, _FROZENSET, _UNUSED, _OBJECT, _ENUM, _NDARRAY, _NPSCALAR, _EVENT, _RECORD, _DEQUE, _PROXY = range(1, 13)
+_ALLOWED_KINDS = frozenset("biuf")   # numpy dtype kinds: bool, int, uint, float
+
+_BY_NAME: dict[str, type] = {}
+_NAME_OF: dict[type, str] = {}
+
+
+class SnapshotDecodeError(HadarError):
+    """Snapshot bytes that do not decode to a state (corrupt, or written by other code)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retriable=False)
+
+
+def register(*classes: type) -> None:
+    """Allow instances of ``classes`` (dataclasses, plain classes, enums, records) in a
+    snapshot, under their module and qualified name. Idempotent."""
+    for cls in classes:
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        known = _BY_NAME.get(name)
+        if known is not None and known is not cls:
+            raise ValueError(f"two classes registered as {name}")
+        _BY_NAME[name] = cls
+        _NAME_OF[cls] = name
+
+
+def registered() -> frozenset[str]:
+    return frozenset(_BY_NAME)
+
+
+def pack(value: Any) -> bytes:
+    """``value`` as msgpack; TypeError for a value of a type this module cannot carry."""
+    return msgpack.packb(value, use_bin_type=True, strict_types=True, default=_default)
+
+
+def unpack(data: bytes) -> Any:
+    """The value :func:`pack` wrote; :class:`SnapshotDecodeError` for anything else."""
+    try:
+        # Map keys may be any carried hashable value (tuples, ints): dicts are packed natively.
+        return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_ext_hook)
+    except SnapshotDecodeError:
+        raise
+    except Exception as exc:   # msgpack and rebuilding raise many types; all mean "corrupt"
+        raise SnapshotDecodeError(f"snapshot state does not decode: {type(exc).__name__}: {exc}"[:300]) from None
+
+
+def _ext(tag: int, value: Any) -> msgpack.ExtType:
+    return msgpack.ExtType(tag, pack(value))
+
+
+def _default(value: Any) -> Any:  # noqa: C901 -- one branch per carried type
+    t = type(value)
+    if t is tuple:
+        return _ext(_TUPLE, list(value))
+    if t is set:
+        return _ext(_SET, list(value))
+    if t is frozenset:
+        return _ext(_FROZENSET, list(value))
+    if t is deque:
+        return _ext(_DEQUE, [value.maxlen, list(value)])
+    if t is MappingProxyType:
+        return _ext(_PROXY, dict(value))
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in _ALLOWED_KINDS:
+            raise TypeError(f"numpy array of dtype {value.dtype} cannot be snapshot")
+        return _ext(_NDARRAY, [value.dtype.str, list(value.shape), np.ascontiguousarray(value).tobytes()])
+    if isinstance(value, np.generic):
+        if value.dtype.kind not in _ALLOWED_KINDS:
+            raise TypeError(f"numpy scalar of dtype {value.dtype} cannot be snapshot")
+        return _ext(_NPSCALAR, [value.dtype.str, value.tobytes()])
+    if isinstance(value, Event):
+        return msgpack.ExtType(_EVENT, encode(value))
+    name = _NAME_OF.get(t)
+    if name is None:
+        raise TypeError(f"{t.__module__}.{t.__qualname__} is not registered for snapshots")
+    if isinstance(value, enum.Enum):
+        return _ext(_ENUM, [name, value.value])
+    if isinstance(value, Record):
+        return _ext(_RECORD, [name, to_wire(value)])
+    return _ext(_OBJECT, [name, _attributes(value)])
+
+
+def _attributes(value: Any) -> dict[str, Any]:
+    if is_dataclass(value):
+        return {f.name: getattr(value, f.name) for f in fields(value)}
+    return dict(vars(value))
+
+
+def _cls(name: Any) -> type:
+    cls = _BY_NAME.get(name) if type(name) is str else None
+    if cls is None:
+        raise SnapshotDecodeError(f"snapshot names a class not registered: {str(name)[:120]!r}")
+    return cls
+
+
+def _ext_hook(tag: int, data: bytes) -> Any:  # noqa: C901 -- one branch per carried type
+    if tag == _EVENT:
+        try:
+            return decode(data)
+        except InvalidEvent as exc:
+            raise SnapshotDecodeError(f"snapshot event: {exc}") from None
+    value = unpack(data)
+    if tag == _TUPLE:
+        return tuple(value)
+    if tag == _SET:
+        return set(value)
+    if tag == _FROZENSET:
+        return frozenset(value)
+    if tag == _DEQUE:
+        maxlen, items = value
+        return deque(items, maxlen)
+    if tag == _PROXY:
+        return MappingProxyType(value)
+    if tag == _NDARRAY:
+        dtype, shape, raw = value
+        dt = np.dtype(dtype)
+        if dt.kind not in _ALLOWED_KINDS:
+            raise SnapshotDecodeError(f"snapshot array of dtype {dtype!r}")
+        return np.frombuffer(raw, dtype=dt).reshape(shape).copy()
+    if tag == _NPSCALAR:
+        dtype, raw = value
+        dt = np.dtype(dtype)
+        if dt.kind not in _ALLOWED_KINDS:
+            raise SnapshotDecodeError(f"snapshot scalar of dtype {dtype!r}")
+        return np.frombuffer(raw, dtype=dt)[0]
+    if tag == _ENUM:
+        name, raw = value
+        return _cls(name)(raw)
+    if tag == _RECORD:
+        name, wire = value
+        cls = _cls(name)
+        from shared.wire.record_codec import codec
+        try:
+            return codec(cls).from_wire(wire, cls.__name__)
+        except InvalidEvent as exc:
+            raise SnapshotDecodeError(f"snapshot record: {exc}") from None
+    if tag == _OBJECT:
+        name, attributes = value
+        cls = _cls(name)
+        obj = object.__new__(cls)
+        for attr, item in attributes.items():
+            object.__setattr__(obj, attr, item)
+        if is_dataclass(cls):
+            _fill_added_fields(obj, cls, attributes)
+        return obj
+    raise SnapshotDecodeError(f"snapshot has an unknown ext type {tag}")
+
+
+def _fill_added_fields(obj: Any, cls: type, attributes: dict[str, Any]) -> None:
+    """A field added to ``cls`` since the snapshot was written takes its default, so a
+    service restores what its previous version wrote; one without a default is refused."""
+    for f in fields(cls):
+        if f.name in attributes:
+            continue
+        if f.default is not MISSING:
+            object.__setattr__(obj, f.name, f.default)
+        elif f.default_factory is not MISSING:
+            object.__setattr__(obj, f.name, f.default_factory())
+        else:
+            raise SnapshotDecodeError(f"snapshot {cls.__name__} lacks field {f.name!r}, which has no default")

@@ -1,0 +1,93 @@
+"""Apply :mod:`shared.security.principals` to a running Kafka and MinIO: the one setup path
+that ``hadar infra up --secure`` and the stack's init service (``hadar infra secure-init``)
+both run.
+
+:func:`secure_kafka`, as a super user: creates every topic, a SCRAM user per service
+principal (their passwords given), and every ACL; then waits until each principal can log
+in (SCRAM credentials reach the broker's cache shortly after they are written).
+:func:`secure_minio`, as the root user: creates the bucket, a policy and a user per
+principal that uses the store. Both are idempotent: run again, they rotate the passwords
+they are given and change nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+
+from aiokafka.admin import AIOKafkaAdminClient
+from minio import Minio
+from minio.credentials import StaticProvider
+from minio.error import MinioAdminException
+from minio.minioadmin import MinioAdmin
+
+from shared.bus.kafka import KafkaBus
+from shared.bus.kafka_login import diagnose, security_options
+from shared.config import KafkaSecurity, S3Settings
+from shared.errors import HadarError
+from shared.security.acls import apply_acls
+from shared.security.principals import ADMIN, PRINCIPALS, s3_policy, s3_user
+from shared.security.scram import upsert_users
+
+__all__ = ["secure_kafka", "secure_minio", "SetupError"]
+
+
+class SetupError(HadarError):
+    """The secured setup could not be applied; the message says which step."""
+
+
+async def secure_kafka(bootstrap: str, admin: KafkaSecurity, passwords: Mapping[str, str], *,
+                       partitions: int = 3, replication_factor: int = 1, login_wait_s: float = 30.0) -> None:
+    """Topics, SCRAM users (``passwords``: principal -> password, admin excluded) and ACLs."""
+    bus = KafkaBus(bootstrap, security=admin, source="secure-init", partitions=partitions,
+                   replication_factor=replication_factor)
+    await bus.start()
+    try:
+        await bus.ensure_topics()
+    finally:
+        await bus.stop()
+    client = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="hadar-secure-init",
+                                 **security_options(admin))
+    await client.start()
+    try:
+        users = {name: pw for name, pw in passwords.items() if name != ADMIN}
+        await upsert_users(client, users, mechanism=admin.mechanism)
+        await apply_acls(client)
+    finally:
+        await client.close()
+    deadline = time.monotonic() + login_wait_s
+
+    async def logs_in(name: str, password: str) -> None:
+        login = KafkaSecurity(protocol=admin.protocol, mechanism=admin.mechanism, username=name,
+                              password=password, ca_file=admin.ca_file)
+        while (reason := await diagnose(bootstrap, login, timeout_s=5.0)) is not None:
+            if time.monotonic() > deadline:
+                raise SetupError(f"kafka user {name} cannot log in after setup: {reason}")
+            await asyncio.sleep(0.2)
+
+    await asyncio.gather(*(logs_in(name, password) for name, password in users.items()))
+
+
+def secure_minio(root: S3Settings, secrets: Mapping[str, str]) -> None:
+    """The bucket, and for each principal that uses the store a policy ``hadar-<name>`` and a
+    user ``hadar-<name>`` (secret from ``secrets``) bound to it."""
+    client = Minio(root.host_port, access_key=root.access_key, secret_key=root.secret_key, secure=root.secure)
+    if not client.bucket_exists(root.bucket):
+        client.make_bucket(root.bucket)
+    admin = MinioAdmin(endpoint=root.host_port, credentials=StaticProvider(root.access_key, root.secret_key),
+                       secure=root.secure)
+    for principal in PRINCIPALS.values():
+        if not principal.uses_s3:
+            continue
+        name = s3_user(principal)
+        try:
+            admin.policy_add(name, policy=s3_policy(principal, root.bucket))
+            admin.user_add(name, secrets[principal.name])
+            try:
+                admin.attach_policy([name], user=name)
+            except MinioAdminException as exc:
+                if "already" not in str(exc).lower():
+                    raise
+        except MinioAdminException as exc:
+            raise SetupError(f"minio user {name}: {exc}") from None
