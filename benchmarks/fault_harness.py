@@ -43,7 +43,7 @@ from safetensors.numpy import load_file
 
 from services.cli.jobs import submit as submit_job
 from shared.bus import KafkaBus
-from shared.config import S3Settings
+from shared.store.settings import S3Settings
 from shared.bus.eventlog import fetch_log
 from shared.wire.events import (
     Assignment, CopyFinished, Event, Hyperparameters, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated,

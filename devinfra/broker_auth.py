@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.config import KafkaSecurity
+from shared.bus.settings import KafkaSecurity
 from shared.security.files import write_private
 from shared.security.credentials import MECHANISM, Secrets, load_or_create
 from shared.security.principals import ADMIN

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from shared.config import KafkaSecurity
+from shared.bus.settings import KafkaSecurity
 from devinfra.common import (
     Clock,
     InfraError,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from shared.config import S3Settings
+from shared.store.settings import S3Settings
 from devinfra.common import InfraPaths
 from shared.security.files import write_private
 from devinfra.broker_auth import admin_security, prepare

@@ -23,7 +23,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from shared.config import KafkaSettings, S3Settings
+from shared.bus.settings import KafkaSettings
+
+from shared.store.settings import S3Settings
 from devinfra.common import (
     InfraError,
     InfraPaths,

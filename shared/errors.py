@@ -9,7 +9,7 @@ libraries are wrapped at the module that talks to the library, never leaked raw.
 
 from __future__ import annotations
 
-__all__ = ["HadarError", "UsageError"]
+__all__ = ["HadarError", "UsageError", "ConfigError"]
 
 
 class HadarError(Exception):
@@ -25,3 +25,7 @@ class HadarError(Exception):
 
 class UsageError(HadarError):
     """Bad input from the user (a flag, a file, a setting): one line, exit code 2 in the CLI."""
+
+
+class ConfigError(UsageError):
+    """A setting that is present but unusable; the message names the variable or flag."""

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from services.agent.daemon.validation import rendezvous_problem
-from shared.config import S3Settings
+from shared.store.settings import S3Settings
 from shared.domain.local_sgd import LocalSgd
 from shared.store import LocalStore, MinioStore, ObjectStore
 

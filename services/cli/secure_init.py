@@ -21,7 +21,11 @@ import asyncio
 import sys
 from pathlib import Path
 
-from shared.config import ConfigError, kafka_from_env, s3_from_env
+from shared.bus.settings import kafka_from_env
+
+from shared.errors import ConfigError
+
+from shared.store.settings import s3_from_env
 from shared.errors import HadarError
 from shared.security.principals import ADMIN, PRINCIPALS, SERVICE_PRINCIPALS
 from shared.security.provision import secure_kafka, secure_minio

@@ -31,24 +31,38 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import structlog
 from prometheus_client import CollectorRegistry, Counter
 
-from services.profiler.estimate import Sizer, catalog_rates, checkpoint_size, emulated_rates, size_or_unknown
+from services.profiler.estimate import (
+    Sizer,
+    catalog_rates,
+    checkpoint_size,
+    emulated_rates,
+    size_or_unknown,
+)
 from services.profiler.snapshot import SERVICE, capture, restore
 from services.profiler.state import DEFAULT_ALPHA, DEFAULT_THRESHOLD, ProfilerState
 from shared.bus import Bus, BusError, Delivery
+from shared.bus.rejection import dead_letter_delivery
 from shared.clock import Clock, SystemClock
+from shared.domain.gpus import GPU_TYPES
+from shared.persistence.snapshot import SnapshotStore
+from shared.runtime.config import FieldError
+from shared.store import ObjectStore
 from shared.wire.dispatch import HandlerTable
 from shared.wire.events import (
-    CopyFinished, Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated, Progress,
-    RoundAbandoned, ThroughputEstimate,
+    CopyFinished,
+    Event,
+    JobCancelled,
+    JobCompleted,
+    JobSpec,
+    JobSubmitted,
+    ModelConsolidated,
+    Progress,
+    RoundAbandoned,
+    ThroughputEstimate,
 )
-from shared.domain.gpus import GPU_TYPES
-from shared.runtime.logging import get_logger
-from shared.bus.rejection import dead_letter_delivery
-from shared.runtime.config import FieldError
-from shared.persistence.snapshot import SnapshotStore
-from shared.store import ObjectStore
 from shared.wire.topics import DEADLETTER, JOBS, MODELS, PROGRESS, THROUGHPUT
 
 __all__ = ["ProfilerConfig", "ProfilerService", "Estimator", "Sizer"]
@@ -102,7 +116,7 @@ class ProfilerService:
         self.estimator = estimator
         self.sizer = sizer
         self.state = ProfilerState(alpha=self.config.alpha, threshold=self.config.threshold)
-        self._log = get_logger(service=self.name)
+        self._log = structlog.get_logger(__name__).bind(service=self.name)
         self._consumer: asyncio.Task[None] | None = None
         self._replayed = False
         self._stopping = False

@@ -53,24 +53,31 @@ import asyncio
 import time
 from typing import Any
 
+import structlog
 from prometheus_client import CollectorRegistry
 
 from services.tracker.acceptance import Refusal
 from services.tracker.attempts import Attempts
 from services.tracker.config import MAX_RETRY_S, TrackerConfig
+from services.tracker.consolidator import AnnouncementRefused, RoundProducer
 from services.tracker.lifecycle import ObjectJanitor, ObjectLifecycle
 from services.tracker.metrics import TrackerMetrics
-from services.tracker.consolidator import AnnouncementRefused, RoundProducer
 from services.tracker.snapshot import SERVICE, Position, capture, restore
 from services.tracker.state import CompletionWork, RoundWork, TrackerState
 from shared.bus import Bus, Delivery
-from shared.clock import Clock, SystemClock
-from shared.wire.events import Event, JobCancelled, JobCompleted, ModelConsolidated, RoundAbandoned, RoundStarted
-from shared.domain.layout import model_key
-from shared.runtime.logging import get_logger
 from shared.bus.rejection import dead_letter_delivery
+from shared.clock import Clock, SystemClock
+from shared.domain.layout import model_key
 from shared.persistence.snapshot import SnapshotStore, StateSnapshot
 from shared.store import ObjectStore
+from shared.wire.events import (
+    Event,
+    JobCancelled,
+    JobCompleted,
+    ModelConsolidated,
+    RoundAbandoned,
+    RoundStarted,
+)
 from shared.wire.topics import DEADLETTER, JOBS, MODELS, PLACEMENTS, PROGRESS
 
 __all__ = ["TrackerConfig", "TrackerService", "INPUT_TOPICS", "MAX_RETRY_S"]
@@ -91,7 +98,7 @@ class TrackerService:
         self.clock = clock or SystemClock()
         self.registry = registry or CollectorRegistry()
         self.state = TrackerState()
-        self._log = get_logger(service=self.name)
+        self._log = structlog.get_logger(__name__).bind(service=self.name)
         self._wake = asyncio.Event()
         self._stopping = False
         self._replayed = False

@@ -42,7 +42,7 @@ from shared.bus.base import (
 from shared.bus.kafka_group import KafkaSubscription
 from shared.bus.kafka_login import diagnose, security_options
 from shared.clock import Clock, SystemClock
-from shared.config import KafkaSecurity
+from shared.bus.settings import KafkaSecurity
 from shared.wire.events import Event, InvalidEvent, decode, encode
 from shared.wire.retention import topic_configs
 from shared.wire.topics import ALL_TOPICS
@@ -50,7 +50,7 @@ from shared.wire.topics import ALL_TOPICS
 if TYPE_CHECKING:
     from aiokafka.structs import ConsumerRecord
 
-    from shared.config import KafkaSettings
+    from shared.bus.settings import KafkaSettings
 
 __all__ = ["KafkaBus", "KeyPartitioner"]
 

@@ -1,5 +1,5 @@
 """The client side of Kafka security for :class:`~shared.bus.kafka.KafkaBus`: aiokafka
-options from :class:`~shared.config.KafkaSecurity`, and a diagnosis when a connection fails.
+options from :class:`~shared.bus.settings.KafkaSecurity`, and a diagnosis when a connection fails.
 
 aiokafka reports a failed TLS handshake or SASL authentication during bootstrap only as
 "Unable to bootstrap" (the cause goes to its log). :func:`diagnose` connects once more to
@@ -20,7 +20,9 @@ from aiokafka.conn import create_conn
 from aiokafka.errors import KafkaError
 from aiokafka.helpers import create_ssl_context
 
-from shared.config import ConfigError, KafkaSecurity
+from shared.bus.settings import KafkaSecurity
+
+from shared.errors import ConfigError
 
 __all__ = ["security_options", "diagnose"]
 
@@ -28,7 +30,7 @@ __all__ = ["security_options", "diagnose"]
 def security_options(security: KafkaSecurity) -> dict[str, Any]:
     """aiokafka client options for ``security`` (an SSL context built now, from its files).
 
-    Raises :class:`~shared.config.ConfigError` naming the variable of a file that cannot be
+    Raises :class:`~shared.errors.ConfigError` naming the variable of a file that cannot be
     read or parsed.
     """
     options: dict[str, Any] = {"security_protocol": security.protocol}

@@ -40,9 +40,10 @@ from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
-from shared.errors import HadarError
+import structlog
+
 from shared.domain.layout import parse_snapshot_key, snapshot_key, snapshot_prefix
-from shared.runtime.logging import get_logger
+from shared.errors import HadarError
 from shared.persistence.codec import SnapshotDecodeError, pack, unpack
 from shared.store import ObjectNotFound, ObjectStore
 
@@ -175,7 +176,7 @@ class SnapshotStore:
         self.service = service
         self.keep = keep
         self.prefix = snapshot_prefix(owner)
-        self._log = log if log is not None else get_logger(service=service)
+        self._log = log if log is not None else structlog.get_logger(__name__).bind(service=service)
 
     async def keys(self) -> list[tuple[int, str]]:
         """(seq, key) of every stored snapshot of the owner, newest first."""

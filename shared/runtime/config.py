@@ -23,7 +23,7 @@ typed flag) must already have the right type, apart from int for float.
 
 Guarantees: every value any source gives is converted, also one a higher source
 overrides, so a typo never hides; an unconvertible value, an unknown key in the file, an
-unreadable file and a missing required field raise :class:`~shared.config.ConfigError`
+unreadable file and a missing required field raise :class:`~shared.errors.ConfigError`
 whose one-line message starts with the source (``--finish-timeout-s``,
 ``HADAR_TRACKER_FINISH_TIMEOUT_S``, ``tracker.toml: finish_timeout_s``). A Config's own
 validation raises :class:`FieldError`, which ``load_config`` re-raises naming the source
@@ -44,7 +44,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from shared.config import ConfigError
+from shared.errors import ConfigError
 
 __all__ = ["load_config", "FieldError", "add_config_arg", "env_name", "flag_name"]
 

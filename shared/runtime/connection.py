@@ -2,7 +2,7 @@
 
 Settings come from flags or the environment (``HADAR_BOOTSTRAP``, ``HADAR_KAFKA_*``,
 ``HADAR_S3_ENDPOINT``, ``HADAR_S3_BUCKET``, ``HADAR_S3_ACCESS_KEY``, ``HADAR_S3_SECRET_KEY``,
-see :mod:`shared.config`); a flag wins over its variable. Secret values are read from the
+see :mod:`shared.bus.settings` and :mod:`shared.store.settings`); a flag wins over its variable. Secret values are read from the
 environment or from files (``*_FILE``, ``--kafka-password-file``: docker secrets), never
 from a flag's value (a command line is visible to every local user), and never printed.
 
@@ -16,7 +16,8 @@ import argparse
 import os
 
 from shared.bus import Bus, KafkaBus
-from shared.config import SASL_MECHANISMS, SECURITY_PROTOCOLS, KafkaSettings, S3Settings, kafka_security_from_env, s3_from_env
+from shared.bus.settings import SASL_MECHANISMS, SECURITY_PROTOCOLS, KafkaSettings, kafka_security_from_env
+from shared.store.settings import S3Settings, s3_from_env
 from shared.errors import UsageError
 from shared.store import MinioStore, ObjectStore
 

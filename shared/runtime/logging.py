@@ -3,7 +3,7 @@
 Once :func:`configure_logging` has run, every line the process logs is exactly one JSON
 object (keys sorted), whichever way it was logged:
 
-* through structlog (:func:`get_logger`, ``structlog.get_logger``);
+* through structlog (``structlog.get_logger(__name__)``);
 * through the standard library's :mod:`logging` -- aiokafka, asyncio, aiohttp, urllib3...;
 * through :mod:`warnings` (torch's and numpy's ``UserWarning``\\ s): ``logging.captureWarnings``;
 * as an uncaught exception (main thread or any other), an "exception ignored" (unraisable)
@@ -38,7 +38,7 @@ from typing import Any, TextIO
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
 
-__all__ = ["configure_logging", "get_logger", "capture_prints", "STABLE_KEYS"]
+__all__ = ["configure_logging", "capture_prints", "STABLE_KEYS"]
 
 STABLE_KEYS = frozenset({"timestamp", "level", "event", "logger", "service"})   # in every line
 _SECRET_MARKERS = ("secret", "password", "token", "access_key")
@@ -215,15 +215,10 @@ def configure_logging(service: str, *, level: str = "INFO", stream: Any = None) 
     structlog.configure(
         processors=[structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        # Names the calling module, not this one, when get_logger() below is used.
-        logger_factory=structlog.stdlib.LoggerFactory(ignore_frame_names=[__name__]),
+        logger_factory=structlog.stdlib.LoggerFactory(),
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.bind_contextvars(service=service)
-
-
-def get_logger(**bound: Any) -> structlog.typing.FilteringBoundLogger:
-    return structlog.get_logger().bind(**bound)
 
 
 class _PrintsToLog(io.TextIOBase):

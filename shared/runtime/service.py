@@ -24,11 +24,11 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from shared.bus import Bus, BusError
-from shared.runtime.logging import get_logger
 from shared.runtime.metrics import register_standard
 
 BUS_CHECK_S = 5.0
@@ -68,7 +68,7 @@ class BusWatchdog:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Ping until ``stop``; past the deadline set ``fatal`` and ``stop``."""
-        log = get_logger()
+        log = structlog.get_logger(__name__)
         while not stop.is_set():
             try:
                 await self._bus.ping(timeout_s=min(5.0, max(self._interval_s, 0.01)))
@@ -142,7 +142,7 @@ async def run_service(service: Service, *, http_host: str = "127.0.0.1", http_po
 
     Returns the process's exit code: 0 after a clean stop, 1 when the watchdog of ``bus``
     found the broker unreachable past ``bus_deadline_s`` (see the module docstring)."""
-    log = get_logger(service=service.name)
+    log = structlog.get_logger(__name__).bind(service=service.name)
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     installed = []

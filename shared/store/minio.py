@@ -22,13 +22,12 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TypeVar
 
+import structlog
 import urllib3
 from minio import Minio
 from minio.error import S3Error, ServerError
 
 from shared.clock import Clock, SystemClock
-from shared.config import S3Settings
-from shared.runtime.logging import get_logger
 from shared.store.base import (
     DEFAULT_CHUNK,
     ObjectNotFound,
@@ -38,6 +37,7 @@ from shared.store.base import (
     validate_prefix,
     validate_range,
 )
+from shared.store.settings import S3Settings
 
 __all__ = ["MinioStore", "OUTAGE_RETRY_S", "retry_delays", "outage"]
 
@@ -91,7 +91,7 @@ class MinioStore:
         self.bucket = settings.bucket
         self._delays = retry_delays(retry_for_s)
         self._clock = clock or SystemClock()
-        self._log = get_logger(component="minio_store")
+        self._log = structlog.get_logger(__name__).bind(component="minio_store")
         self._client = Minio(
             settings.host_port,
             access_key=settings.access_key,

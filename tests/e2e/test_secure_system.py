@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from shared.bus import KafkaBus
-from shared.config import kafka_from_env
+from shared.bus.settings import kafka_from_env
 from shared.wire.events import JobCompleted
 from shared.wire.topics import MODELS
 from tests.e2e.processes import stop_services

@@ -27,7 +27,7 @@ from safetensors.torch import load_file as load_torch_file
 
 from services.scheduler.live.state import fold_log
 from shared.bus import KafkaBus
-from shared.config import S3Settings
+from shared.store.settings import S3Settings
 from shared.bus.eventlog import fetch_log
 from shared.wire.events import Assignment, JobCompleted, ModelConsolidated
 from devinfra import InfraError, InfraPaths, ensure_kafka, stop_server

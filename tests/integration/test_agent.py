@@ -25,7 +25,7 @@ from services.agent.daemon.discovery import NodeDevices, cpu_devices, emulated_d
 from services.agent.protocol import StoreTarget
 from services.agent.worker.training import BatchSampler
 from shared.bus import Bus, KafkaBus, MemoryBus
-from shared.config import S3Settings
+from shared.store.settings import S3Settings
 from shared.wire.events import (
     Assignment, CopyFinished, Event, Hyperparameters, JobCancelled, JobSpec, NodeHeartbeat, NodeRegistered,
     Progress, RoundStarted,

@@ -21,7 +21,7 @@ from services.agent.worker.checkpoint import read_checkpoint, restore
 from services.agent.protocol import StoreTarget
 from services.agent.worker.training import BatchSampler
 from shared.bus import KafkaBus
-from shared.config import S3Settings
+from shared.store.settings import S3Settings
 from shared.wire.events import CopyFinished, RoundStarted
 from shared.domain.layout import model_key
 from shared.store import MinioStore

@@ -25,7 +25,7 @@ from services.agent.worker.checkpoint import read_checkpoint
 from services.agent.worker.session import state_digest
 from services.agent.protocol import StoreTarget
 from shared.bus import KafkaBus
-from shared.config import S3Settings
+from shared.store.settings import S3Settings
 from shared.wire.events import Progress, RoundStarted
 from shared.domain.layout import model_key
 from shared.store import MinioStore

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from services.cli import infra as infra_cli
-from shared.config import S3Settings, kafka_from_env, s3_from_env
+from shared.bus.settings import kafka_from_env
+from shared.store.settings import S3Settings, s3_from_env
 from devinfra import InfraPaths
 from devinfra.common import is_running, port_accepts, port_released, spawn, stop_group
 

@@ -35,7 +35,7 @@ from services.agent.daemon.service import AgentConfig, AgentDaemon
 from services.agent.daemon.discovery import cpu_devices
 from services.agent.protocol import StoreTarget
 from shared.bus import BusError, KafkaBus
-from shared.config import S3Settings
+from shared.store.settings import S3Settings
 from shared.wire.events import CopyFinished, Event, Progress, RoundStarted
 from devinfra import InfraError, InfraPaths, ensure_kafka, ensure_minio, restart, stop_server
 from devinfra.common import is_running

@@ -24,7 +24,8 @@ from minio.error import S3Error
 from shared.bus import KafkaBus
 from shared.bus.base import BusError
 from shared.bus.kafka_login import diagnose, security_options
-from shared.config import kafka_from_env, s3_from_env
+from shared.bus.settings import kafka_from_env
+from shared.store.settings import s3_from_env
 from shared.wire.events import CopyWeight, ModelConsolidated, encode
 from shared.security.principals import DEADLETTER, PRINCIPALS, SERVICE_PRINCIPALS
 from shared.store import MinioStore

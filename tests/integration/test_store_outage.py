@@ -22,7 +22,7 @@ from safetensors.numpy import save
 
 from shared.bus import MemoryBus
 from shared.clock import FakeClock
-from shared.config import S3Settings
+from shared.store.settings import S3Settings
 from shared.wire.events import RoundAbandoned
 from devinfra import InfraError, InfraPaths, ensure_minio, restart, stop_server
 from devinfra.common import is_running

@@ -23,7 +23,7 @@ from services.tracker.averaging.safetensors_format import FileRangeReader
 from services.tracker.service import TrackerConfig, TrackerService
 from shared.bus import Bus, KafkaBus, MemoryBus
 from shared.clock import FakeClock
-from shared.config import S3Settings
+from shared.store.settings import S3Settings
 from shared.wire.events import (
     Assignment, CopyFinished, Event, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated, RoundStarted,
 )

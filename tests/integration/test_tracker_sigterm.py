@@ -42,7 +42,7 @@ from safetensors.numpy import load, save
 
 from services.tracker.service import TrackerConfig, TrackerService
 from shared.bus import Bus, KafkaBus, MemoryBus
-from shared.config import S3Settings
+from shared.store.settings import S3Settings
 from shared.wire.events import (
     Assignment, CopyFinished, Event, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated, RoundAbandoned,
     RoundStarted,

@@ -24,7 +24,7 @@ from safetensors.numpy import load, save
 from services.tracker.service import TrackerConfig, TrackerService
 from shared.bus import Bus, BusError, KafkaBus, MemoryBus
 from shared.clock import FakeClock
-from shared.config import S3Settings
+from shared.store.settings import S3Settings
 from shared.wire.events import (
     Assignment, CopyFinished, JobCompleted, JobSubmitted, ModelConsolidated, RoundAbandoned, RoundStarted,
 )

@@ -19,7 +19,7 @@ from services.agent.daemon.process import WorkerPool, WorkerSlots
 from services.agent.worker.session import state_digest
 from services.agent.protocol import StoreTarget, WorkerSpec, parse_worker_line, worker_line
 from services.agent.worker.training import BatchSampler, DivergedError, StopCode, TrainingLoop
-from shared.config import S3Settings
+from shared.store.settings import S3Settings
 from shared.domain.gpus import CATALOG, emulation_slowdown
 from shared.zoo import build_model, load_dataset, make_optimizer
 

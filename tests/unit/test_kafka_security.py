@@ -21,7 +21,8 @@ from services.scheduler.live.service import RECOVERY_TOPICS as SCHEDULER_RECOVER
 from services.tracker.config import TrackerConfig
 from services.tracker.service import INPUT_TOPICS as TRACKER_TOPICS
 from shared.bus.kafka_login import security_options
-from shared.config import ConfigError, KafkaSecurity, kafka_from_env, kafka_security_from_env
+from shared.bus.settings import KafkaSecurity, kafka_from_env, kafka_security_from_env
+from shared.errors import ConfigError
 from shared.runtime.connection import add_bus_args, kafka_settings
 from shared.security.principals import (
     ADMIN, PRINCIPALS, SERVICE_PRINCIPALS, kafka_acls, s3_policy, s3_user,

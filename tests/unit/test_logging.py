@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import structlog
 
-from shared.runtime.logging import STABLE_KEYS, capture_prints, configure_logging, get_logger
+from shared.runtime.logging import STABLE_KEYS, capture_prints, configure_logging
 
 LEVELS = {"debug", "info", "warning", "error", "critical"}
 
@@ -64,7 +64,7 @@ def log_stream() -> Iterator[io.StringIO]:
 def test_structlog_stdlib_warnings_and_exceptions_are_json_with_stable_keys(log_stream: io.StringIO) -> None:
     configure_logging("scheduler", stream=log_stream)
     structlog.contextvars.bind_contextvars(job="j-1", round=3)
-    get_logger(node="n1").info("round.planned", placements=2, access_key="AKIA...")
+    structlog.get_logger(__name__).bind(node="n1").info("round.planned", placements=2, access_key="AKIA...")
     structlog.get_logger("shared.bus.kafka").warning("bus.retry", attempt=2)
     logging.getLogger("aiokafka.consumer.group_coordinator").info("Joined group %r (generation %s)", "g", 1)
     with warnings.catch_warnings():
@@ -73,7 +73,7 @@ def test_structlog_stdlib_warnings_and_exceptions_are_json_with_stable_keys(log_
     try:
         1 / 0
     except ZeroDivisionError:
-        get_logger().exception("round.failed")
+        structlog.get_logger(__name__).exception("round.failed")
         logging.getLogger("asyncio").exception("Task exception was never retrieved")
 
     records = json_lines(log_stream.getvalue())
@@ -159,9 +159,9 @@ def test_non_propagating_console_loggers_are_adopted(log_stream: io.StringIO,
 
 def test_levels_below_the_configured_one_are_dropped_on_both_paths(log_stream: io.StringIO) -> None:
     configure_logging("scheduler", level="warning", stream=log_stream)
-    get_logger().info("quiet")
+    structlog.get_logger(__name__).info("quiet")
     logging.getLogger("aiokafka").info("quiet too")
-    get_logger().warning("loud")
+    structlog.get_logger(__name__).warning("loud")
     assert [r["event"] for r in json_lines(log_stream.getvalue())] == ["loud"]
 
 

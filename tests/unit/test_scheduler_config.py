@@ -7,7 +7,7 @@ import pytest
 
 from services.scheduler.config import DecisionSettings, SchedulerConfig
 from services.scheduler.policies import PolicyChoice, UnknownPolicy, parse_policy_option
-from shared.config import ConfigError
+from shared.errors import ConfigError
 from shared.wire.events import RoundStarted, decode, encode
 
 

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import pytest
 
-from shared.config import ConfigError
+from shared.errors import ConfigError
 from shared.runtime.config import FieldError, load_config
 
 P = "HADAR_TEST_"

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from shared.clock import FakeClock
-from shared.config import S3Settings
+from shared.store.settings import S3Settings
 from devinfra.common import free_port
 from shared.store import MinioStore, StoreUnavailable
 from shared.store.minio import OUTAGE_RETRY_S, retry_delays

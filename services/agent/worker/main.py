@@ -60,7 +60,7 @@ from services.agent.slots import warm_key
 from services.agent.protocol import WorkerSpec, parse_stop_line, worker_line
 from services.agent.worker.training import BatchSampler, LoopResult, StopCode, TrainingLoop
 from shared.domain import local_sgd
-from shared.config import ConfigError
+from shared.errors import ConfigError
 from shared.domain.layout import optim_key_of
 from shared.runtime.logging import capture_prints, configure_logging
 from shared.zoo import Metric, build_model, evaluate, load_dataset, make_optimizer

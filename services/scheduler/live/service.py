@@ -38,30 +38,50 @@ import asyncio
 import time
 from typing import Any
 
+import structlog
 from prometheus_client import CollectorRegistry
 
 from services.scheduler.config import DecisionSettings, SchedulerConfig
 from services.scheduler.core.policy import Plan, Policy, Snapshot
+from services.scheduler.live.metrics import SchedulerCounters, SchedulerTelemetry
 from services.scheduler.live.publish import PublishGivenUp, publish_by
 from services.scheduler.live.recovery import resume
 from services.scheduler.live.rerun import LoggedEvent
-from services.scheduler.live.round_length import RoundCosts, copy_startup_s, stretched_round_s
+from services.scheduler.live.round_length import (
+    RoundCosts,
+    copy_startup_s,
+    stretched_round_s,
+)
 from services.scheduler.live.rounds import RoundTiming, build_snapshot, plan_to_events
-from services.scheduler.live.snapshot import (SERVICE, SchedulerSnapshot, capture, dead_letter_origins,
-                                         dead_letter_start, input_offsets, restore)
+from services.scheduler.live.snapshot import (
+    SERVICE,
+    SchedulerSnapshot,
+    capture,
+    dead_letter_origins,
+    dead_letter_start,
+    input_offsets,
+    restore,
+)
 from services.scheduler.live.state import SchedulerState
-from services.scheduler.live.metrics import SchedulerCounters, SchedulerTelemetry
 from services.scheduler.live.stuck import stuck_reason
 from shared.bus import Bus, Delivery
+from shared.bus.rejection import Rejected, dead_letter_delivery
 from shared.clock import Clock, SystemClock
 from shared.domain.deadline import next_round_gives_up_at
 from shared.errors import HadarError
-from shared.wire.events import DeadLetter, Event, Progress
-from shared.runtime.logging import get_logger
-from shared.bus.rejection import Rejected, dead_letter_delivery
 from shared.persistence.snapshot import Recovered, SnapshotStore
 from shared.store import ObjectStore
-from shared.wire.topics import ALL_TOPICS, DEADLETTER, JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
+from shared.wire.events import DeadLetter, Event, Progress
+from shared.wire.topics import (
+    ALL_TOPICS,
+    DEADLETTER,
+    JOBS,
+    MODELS,
+    NODES,
+    PLACEMENTS,
+    PROGRESS,
+    THROUGHPUT,
+)
 
 INPUT_TOPICS = (JOBS, NODES, THROUGHPUT, PROGRESS, MODELS)
 RECOVERY_TOPICS = (*INPUT_TOPICS, PLACEMENTS)   # read from the start (or a snapshot) at start-up
@@ -112,7 +132,7 @@ class SchedulerService:
         self._stopping = False
         self._fold_lock = asyncio.Lock()   # held while the state is folded, planned from or snapshot
         self._last_error: str | None = None   # logged in full; /healthz shows only its kind
-        self._log = get_logger(service=self.name, policy=self.config.policy)
+        self._log = structlog.get_logger(__name__).bind(service=self.name, policy=self.config.policy)
         self.snapshots = (SnapshotStore(store, owner=self.config.group, service=SERVICE,
                                         keep=self.config.snapshots_kept, log=self._log) if store is not None else None)
         self.registry = CollectorRegistry()

@@ -1,16 +1,9 @@
-"""Typed settings for the two real parts every service talks to: Kafka and S3.
+"""Where the Kafka cluster is and how a client logs in to it: :class:`KafkaSettings`.
 
-Settings come from the environment only (or are built by the caller from flags); secrets
-are never read from code or files checked in, and never appear in ``repr`` or logs.
-
-Environment variables:
+Settings come from the environment only (or are built by the caller from flags:
+:mod:`shared.runtime.connection`); the password never appears in ``repr`` or logs.
 
 * ``HADAR_BOOTSTRAP`` -- Kafka bootstrap servers, ``host:port[,host:port...]``.
-* ``HADAR_S3_ENDPOINT`` -- S3 endpoint URL, ``http://host:port`` or ``https://host:port``.
-* ``HADAR_S3_ACCESS_KEY`` / ``HADAR_S3_SECRET_KEY`` -- S3 credentials; or
-  ``HADAR_S3_ACCESS_KEY_FILE`` / ``HADAR_S3_SECRET_KEY_FILE`` naming files that hold them
-  (docker secrets).
-* ``HADAR_S3_BUCKET`` -- bucket (default ``hadar``).
 * ``HADAR_KAFKA_SECURITY_PROTOCOL`` -- ``PLAINTEXT`` (default), ``SSL``, ``SASL_PLAINTEXT``
   or ``SASL_SSL``; ``HADAR_KAFKA_SASL_MECHANISM`` -- ``SCRAM-SHA-512`` (default),
   ``SCRAM-SHA-256`` or ``PLAIN``; ``HADAR_KAFKA_USERNAME`` / ``HADAR_KAFKA_PASSWORD`` (or
@@ -18,8 +11,8 @@ Environment variables:
   the system's), ``HADAR_KAFKA_CERT_FILE`` / ``HADAR_KAFKA_KEY_FILE`` (PEM client
   certificate and key, for brokers that ask for one).
 
-``hadar infra up`` writes these lines for a development Kafka and MinIO to an env file
-(owner-only) and prints only the non-secret ones.
+``hadar infra up`` writes these lines for a development Kafka to an env file (owner-only)
+and prints only the non-secret ones.
 """
 
 from __future__ import annotations
@@ -27,23 +20,15 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from urllib.parse import urlsplit
 
-from shared.errors import UsageError
+from shared.errors import ConfigError
+from shared.secrets import read_secret
 
-__all__ = [
-    "KafkaSettings", "KafkaSecurity", "S3Settings", "ConfigError", "kafka_from_env", "kafka_security_from_env",
-    "s3_from_env", "SECURITY_PROTOCOLS", "SASL_MECHANISMS",
-]
+__all__ = ["KafkaSettings", "KafkaSecurity", "kafka_from_env", "kafka_security_from_env",
+           "SECURITY_PROTOCOLS", "SASL_MECHANISMS"]
 
-DEFAULT_BUCKET = "hadar"
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 SASL_MECHANISMS = ("SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN")
-
-
-class ConfigError(UsageError):
-    """A setting that is present but unusable; the message names the variable."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,35 +101,6 @@ class KafkaSettings:
             raise ConfigError(f"kafka partitions must be >= 1, got {self.partitions}")
 
 
-@dataclass(frozen=True, kw_only=True)
-class S3Settings:
-    """An S3 endpoint URL, its credentials and the bucket to use. The secret is not in repr."""
-
-    endpoint: str
-    access_key: str
-    secret_key: str = field(repr=False)
-    bucket: str = DEFAULT_BUCKET
-
-    def __post_init__(self) -> None:
-        parts = urlsplit(self.endpoint)
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
-            raise ConfigError(f"s3 endpoint must be http(s)://host[:port], got {self.endpoint!r}")
-        if not self.access_key or not self.secret_key:
-            raise ConfigError("s3 access key and secret key must not be empty")
-        if not self.bucket:
-            raise ConfigError("s3 bucket must not be empty")
-
-    @property
-    def host_port(self) -> str:
-        """``host:port`` of the endpoint, as the minio SDK wants it."""
-        return urlsplit(self.endpoint).netloc
-
-    @property
-    def secure(self) -> bool:
-        """Whether the endpoint uses TLS."""
-        return urlsplit(self.endpoint).scheme == "https"
-
-
 def kafka_from_env(env: Mapping[str, str] = os.environ) -> KafkaSettings | None:
     """Kafka settings from ``HADAR_BOOTSTRAP`` and ``HADAR_KAFKA_*``; ``None`` when the
     bootstrap is unset or empty."""
@@ -173,48 +129,12 @@ def kafka_security_from_env(env: Mapping[str, str] = os.environ,
     return KafkaSecurity(
         protocol=merged.get("HADAR_KAFKA_SECURITY_PROTOCOL", "").strip().upper() or "PLAINTEXT",
         mechanism=merged.get("HADAR_KAFKA_SASL_MECHANISM", "").strip().upper() or "SCRAM-SHA-512",
-        username=_secret(merged, "HADAR_KAFKA_USERNAME", "HADAR_KAFKA_USERNAME_FILE"),
-        password=_secret(merged, "HADAR_KAFKA_PASSWORD", "HADAR_KAFKA_PASSWORD_FILE"),
+        username=read_secret(merged, "HADAR_KAFKA_USERNAME", "HADAR_KAFKA_USERNAME_FILE"),
+        password=read_secret(merged, "HADAR_KAFKA_PASSWORD", "HADAR_KAFKA_PASSWORD_FILE"),
         ca_file=merged.get("HADAR_KAFKA_CA_FILE", "").strip(),
         cert_file=merged.get("HADAR_KAFKA_CERT_FILE", "").strip(),
         key_file=merged.get("HADAR_KAFKA_KEY_FILE", "").strip(),
     )
-
-
-def s3_from_env(env: Mapping[str, str] = os.environ) -> S3Settings | None:
-    """S3 settings from ``HADAR_S3_*``; ``None`` when the endpoint is unset or empty.
-
-    Raises :class:`ConfigError` when the endpoint is set but a credential is missing.
-    """
-    endpoint = env.get("HADAR_S3_ENDPOINT", "").strip()
-    if not endpoint:
-        return None
-    access_key = _secret(env, "HADAR_S3_ACCESS_KEY", "HADAR_S3_ACCESS_KEY_FILE")
-    secret_key = _secret(env, "HADAR_S3_SECRET_KEY", "HADAR_S3_SECRET_KEY_FILE")
-    missing = [name for name, value in (("HADAR_S3_ACCESS_KEY", access_key),
-                                        ("HADAR_S3_SECRET_KEY", secret_key)) if not value]
-    if missing:
-        verb = "is" if len(missing) == 1 else "are"
-        raise ConfigError(f"HADAR_S3_ENDPOINT is set but {' and '.join(missing)} {verb} not")
-    return S3Settings(
-        endpoint=endpoint,
-        access_key=access_key,
-        secret_key=secret_key,
-        bucket=env.get("HADAR_S3_BUCKET", "").strip() or DEFAULT_BUCKET,
-    )
-
-
-def _secret(env: Mapping[str, str], name: str, file_name: str) -> str:
-    """``env[name]``, or else the content of the file ``env[file_name]`` (docker secrets)."""
-    if env.get(name):
-        return env[name]
-    path = env.get(file_name, "")
-    if not path:
-        return ""
-    try:
-        return Path(path).read_text().strip()
-    except OSError as exc:
-        raise ConfigError(f"{file_name}={path!r} cannot be read: {exc.strerror}") from None
 
 
 def _is_host_port(text: str) -> bool:
