@@ -1,4 +1,4 @@
-"""Hadar's makespan target and critical jobs (``hadar_critical``): properties and a simulated check."""
+"""Hadar's makespan target and critical jobs (``hadar/critical``): properties and a simulated check."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hadar's timeline critical rule (hadar_timeline): which jobs it forces this round, on
+"""Hadar's timeline critical rule (hadar/timeline): which jobs it forces this round, on
 which GPU types, the target end it keeps, and what it does over whole simulated runs."""
 
 from __future__ import annotations
@@ -9,15 +9,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.scheduler.core.cluster import Cluster, Node
+from services.scheduler.core.policy import JobState, Snapshot
+from services.scheduler.core.throughput import ThroughputModel
+from services.scheduler.policies import make_policy
 from services.scheduler.policies.hadar.ledger import RowLayout
 from services.scheduler.policies.hadar.profile import ProfileBook
 from services.scheduler.policies.hadar.timeline import (
-    POOL_ABOVE, _single_gpus, _transport, critical_types, end_round, gang_lp)
-from services.scheduler.policies.hadare.split import ForkLp, makespan, type_rates
-from services.scheduler.policies.hadare.timeline import solve
-from services.scheduler.policies import make_policy
-from services.scheduler.core.policy import JobState, Snapshot
-from services.scheduler.core.throughput import ThroughputModel
+    POOL_ABOVE,
+    _single_gpus,
+    _transport,
+    critical_types,
+    end_round,
+    gang_lp,
+)
+from services.scheduler.policies.lp.model import WorkLp, makespan, type_rates
+from services.scheduler.policies.lp.timeline import solve
 from shared.persistence.codec import pack, unpack
 from tests.unit.generated_runs import run_generated
 
@@ -165,7 +171,7 @@ def test_the_gangs_rounding_credit_is_carried_in_hadars_state_and_survives_a_sna
 def test_a_tight_job_whose_gpus_a_gang_took_runs_on_another_type():
     # The LP gives the job type 0, a rounded-up gang took all of it; with under a round of
     # laxity it runs on type 1 rather than wait, but only after gangs (else it waits a round).
-    lp = ForkLp(types=["0", "1"], rho=np.array([[1.0, 0.5]]), rem=np.array([100.0 * 360.0]),
+    lp = WorkLp(types=["0", "1"], rho=np.array([[1.0, 0.5]]), rem=np.array([100.0 * 360.0]),
                 cap_f=np.ones((1, 2)), cap_g=np.ones(1), count=np.array([2.0, 1.0]))
     job = JobState(job_id="t", job_type=RESNET18, workers=1, total_steps=1)
     args = dict(share=np.array([[1.0, 0.0]]), rates=lp.rho, smith=np.zeros(1, dtype=int),

@@ -1,4 +1,4 @@
-"""HadarE: first-class copies (hadare_copies) and the leftover mode (Hadar + copies on idle GPUs)."""
+"""HadarE: first-class copies (hadare/copies) and the leftover mode (Hadar + copies on idle GPUs)."""
 
 from __future__ import annotations
 

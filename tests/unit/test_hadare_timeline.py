@@ -1,4 +1,4 @@
-"""HadarE's time-indexed LP (hadare_timeline): the plan it solves, the target end it keeps,
+"""HadarE's time-indexed LP (hadare/timeline): the plan it solves, the target end it keeps,
 and what the policy does with it over whole simulated runs."""
 
 from __future__ import annotations
@@ -9,12 +9,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.scheduler.core.cluster import Cluster, Node
-from services.scheduler.policies import make_policy
-from services.scheduler.policies.hadare.split import ForkLp, fork_lp, makespan
-from services.scheduler.policies.hadare.timeline import (
-    COMPLETION_WEIGHT, POOL_ABOVE, TIMELINE_SLACK, TimelineState, budgets, intervals, solve, target_end_s)
 from services.scheduler.core.policy import JobState, Snapshot
 from services.scheduler.core.throughput import ThroughputModel
+from services.scheduler.policies import make_policy
+from services.scheduler.policies.hadare.timeline import (
+    COMPLETION_WEIGHT,
+    TIMELINE_SLACK,
+    TimelineState,
+    budgets,
+    target_end_s,
+)
+from services.scheduler.policies.lp.model import WorkLp, fork_lp, makespan
+from services.scheduler.policies.lp.timeline import POOL_ABOVE, intervals, solve
 from shared.persistence.codec import pack, unpack
 from tests.unit.generated_runs import run_generated
 
@@ -24,14 +30,14 @@ JOB_TYPES = ("ResNet-18 (batch size 64)", "ResNet-50 (batch size 32)", "Transfor
              "Recommendation (batch size 512)", "A3C")
 
 
-def pooled(rems: list[float], gpus: int) -> ForkLp:
+def pooled(rems: list[float], gpus: int) -> WorkLp:
     """Jobs on ``gpus`` identical GPUs, each able to use all of them (forked), rate 1."""
     n = len(rems)
-    return ForkLp(types=["g"], rho=np.ones((n, 1)), rem=np.array(rems, dtype=float),
+    return WorkLp(types=["g"], rho=np.ones((n, 1)), rem=np.array(rems, dtype=float),
                   cap_f=np.full((n, 1), float(gpus)), cap_g=np.full(n, float(gpus)), count=np.array([float(gpus)]))
 
 
-def round_shares(lp: ForkLp, ids: list[str], *, round_s: float, horizon_s: float) -> dict[str, dict[str, float]]:
+def round_shares(lp: WorkLp, ids: list[str], *, round_s: float, horizon_s: float) -> dict[str, dict[str, float]]:
     """The LP's slice of the first round: job id -> {type: GPUs}, noise dropped."""
     plan = solve(lp, round_s=round_s, horizon_s=horizon_s)
     assert plan is not None
@@ -61,7 +67,7 @@ def test_the_horizon_makes_the_long_job_start_now():
     # Alone, the short job would go first; a horizon of exactly T* leaves no room to wait.
     shares = round_shares(pooled([1.0, 10.0], 1), ["a", "b"], round_s=1.0, horizon_s=11.0)
     assert shares["a"] == {"g": 1.0}
-    two = ForkLp(types=["fast", "slow"], rho=np.array([[1.0, 1.0], [1.0, 0.1]]), rem=np.array([1.0, 10.0]),
+    two = WorkLp(types=["fast", "slow"], rho=np.array([[1.0, 1.0], [1.0, 0.1]]), rem=np.array([1.0, 10.0]),
                  cap_f=np.ones((2, 2)), cap_g=np.full(2, 2.0), count=np.ones(2))
     tight = round_shares(two, ["short", "long"], round_s=1.0, horizon_s=10.0)
     assert tight["long"] == pytest.approx({"fast": 1.0}) and tight["short"] == pytest.approx({"slow": 1.0})
@@ -99,7 +105,7 @@ def test_the_plan_does_all_work_by_the_horizon_within_every_cap(instance):
         assert now[:, r].sum() <= cluster.gpus_by_type[gpu_type] + 1e-6
 
 
-def plan_finish(lp: ForkLp, **options) -> np.ndarray:
+def plan_finish(lp: WorkLp, **options) -> np.ndarray:
     """Per job, the end of the last interval the LP's plan gives it work in (when the plan ends it)."""
     plan = solve(lp, **options)
     assert plan is not None
@@ -112,7 +118,7 @@ def test_the_completion_term_ends_a_job_early_instead_of_trailing_its_work_to_th
     # Mean busy time scores a job that does 90% of its work early and the rest at E almost as
     # well as one that is done early: here "c" (fast on one type only) trails to E under it.
     # Weighing each job's completion bound ends "c" at 32 with no job ending later.
-    lp = ForkLp(types=["fast", "slow"], rho=np.array([[0.6, 0.5], [0.8, 0.5], [0.7, 0.1]]),
+    lp = WorkLp(types=["fast", "slow"], rho=np.array([[0.6, 0.5], [0.8, 0.5], [0.7, 0.1]]),
                 rem=np.array([15.0, 19.0, 17.0]), cap_f=np.ones((3, 2)), cap_g=np.full(3, 2.0), count=np.ones(2))
     best = makespan(lp)
     assert best is not None

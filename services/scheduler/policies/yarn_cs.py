@@ -25,9 +25,23 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from services.scheduler.core.policy import (
+    Plan,
+    PolicyState,
+    Snapshot,
+    Wait,
+    WaitCode,
+    previous_state,
+)
 from services.scheduler.policies.gang import (
-    GangRequest, assign_gangs, free_counts, gang_type, infeasible_detail, previous_gangs, usable_types)
-from services.scheduler.core.policy import Plan, PolicyState, Snapshot, Wait, WaitCode, previous_state
+    GangRequest,
+    assign_gangs,
+    free_counts,
+    gang_type,
+    infeasible_detail,
+    previous_gangs,
+    usable_types,
+)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -45,10 +45,23 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from services.scheduler.core.policy import (
+    JobState,
+    Plan,
+    PolicyState,
+    Snapshot,
+    Wait,
+    WaitCode,
+    previous_state,
+)
 from services.scheduler.policies.gang import (
-    GangRequest, assign_gangs, infeasible_detail, previous_gangs, usable_types)
+    GangRequest,
+    assign_gangs,
+    infeasible_detail,
+    previous_gangs,
+    usable_types,
+)
 from services.scheduler.policies.gavel.lp import max_min_fairness, min_total_duration
-from services.scheduler.core.policy import JobState, Plan, PolicyState, Snapshot, Wait, WaitCode, previous_state
 
 GAVEL_TYPE_ORDER = ("v100", "p100", "k80")
 DEFAULT_MIN_RESET_INTERVAL_S = 1920.0

@@ -1,7 +1,7 @@
 """Hadar's committed schedule of one job: the DP's choice on concrete rows, priced and valued.
 
-``build_commitment`` turns a ``hadar_dp.Choice`` (an option and the slots to run in) into a
-``hadar_ledger.Commitment``: the rows from ``hadar_dp.pick_gpus`` (the same rows in every
+``build_commitment`` turns a ``hadar/dp.Choice`` (an option and the slots to run in) into a
+``hadar/ledger.Commitment``: the rows from ``hadar/dp.pick_gpus`` (the same rows in every
 slot with ``sticky``, else the cheapest rows slot by slot), the steps expected per round
 at ``ThroughputModel.placement_rate`` of the concrete placement (never below the option's
 planned rate, so expected progress is not overestimated), cut at the round the job
@@ -22,11 +22,11 @@ from collections.abc import Callable
 
 import numpy as np
 
+from services.scheduler.core.policy import JobState, Snapshot
+from services.scheduler.core.throughput import Part
 from services.scheduler.policies.hadar.dp import Choice, pick_gpus
 from services.scheduler.policies.hadar.ledger import Commitment, Ledger, RowLayout
 from services.scheduler.policies.hadar.profile import JobProfile
-from services.scheduler.core.policy import JobState, Snapshot
-from services.scheduler.core.throughput import Part
 
 
 def build_commitment(*, job: JobState, profile: JobProfile, choice: Choice,

@@ -1,9 +1,9 @@
 """Hadar's makespan target and critical jobs: least-laxity planning of the longest work.
 
-The earlier rule, ``Hadar(critical_rule="laxity")``; the default is ``hadar_timeline``,
+The earlier rule, ``Hadar(critical_rule="laxity")``; the default is ``hadar/timeline``,
 which sees the contention between long jobs for the fast types that this rule does not.
 
-Why. The utility (``hadar_prices.InverseSlowdown``) values a job by its slowdown, so a job
+Why. The utility (``hadar/prices.InverseSlowdown``) values a job by its slowdown, so a job
 of hundreds of rounds loses almost nothing per round of delay and its value per
 GPU-round is the lowest of all: planned by density it waits behind every shorter job and
 alone sets the makespan (TTD). Planning it first from round 0 fixes TTD but takes the
@@ -55,8 +55,8 @@ import numpy as np
 from scipy.optimize import linprog
 from scipy.sparse import coo_matrix
 
-from services.scheduler.policies.hadar.profile import JobProfile
 from services.scheduler.core.policy import JobState
+from services.scheduler.policies.hadar.profile import JobProfile
 
 CRITICAL_SLACK = 0.05      # slack: share of the makespan bound given to shorter jobs
 CRITICAL_MARGIN = 1        # margin: rounds of laxity at which a job becomes critical

@@ -4,11 +4,11 @@ Three steps (notation of ``hadar.py``'s docstring):
 
 1. ``round_costs``: for each option o of the job and slot t, kappa_o(t) = the cost of the
    cheapest W GPUs the option may use at slot t (+inf if none), read from the ledger's
-   tables (``hadar_ledger.Ledger``, kept up to date on every commit). Node option of type
+   tables (``hadar/ledger.Ledger``, kept up to date on every commit). Node option of type
    r: W x node_min[r, t, W], the price of a GPU of type r at t if a row of type r has >= W
    free GPUs. Spread option: the sum of the W smallest of marginal[r, t, 1..W] over the
    eligible types r (marginal[r, t, x] = type r's price if it has >= x free GPUs at t).
-   Prices are per type and block of slots (``hadar_ledger``).
+   Prices are per type and block of slots (``hadar/ledger``).
    O(K x H x R x W) for K options, H slots, R types.
 2. ``best_choice``: the DP over rounds. For option o the job needs n_o = ceil(R / s_o)
    rounds (R remaining steps, s_o steps per round). D_o[tau][m], the least cost of m

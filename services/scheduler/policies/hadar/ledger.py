@@ -5,14 +5,14 @@ the horizon is the round being planned. ``z[t, row]`` counts committed GPUs (nev
 ``cap[row]``): that is the feasibility constraint, per row and slot. ``hist[r, t, b]``
 counts the rows of type r whose (cap, z) falls in bucket b at slot t; from it the ledger
 knows, per (type, slot), whether some row has >= w free GPUs and how many GPUs are free
-(w, x up to the largest gang), so ``hadar_dp.round_costs`` reads "the cheapest W GPUs of
+(w, x up to the largest gang), so ``hadar/dp.round_costs`` reads "the cheapest W GPUs of
 some types at slot t" from small tables, never scanning nodes.
 
 Prices are per GPU type and block of slots, nodes being placement detail. Slots are cut
 into blocks of ``block`` consecutive slots (PRICE_BLOCK; the last block may be shorter);
 the priced resource (r, b) holds ``C_r x |b|`` GPU-rounds (C_r: GPUs of type r in the
 cluster), ``Z[r, b]`` of them committed, and every GPU of type r at a slot of block b costs
-``k(Z[r, b] / (C_r |b|))`` (``hadar_prices.PriceCurve``). A row priced alone (``C`` GPUs of
+``k(Z[r, b] / (C_r |b|))`` (``hadar/prices.PriceCurve``). A row priced alone (``C`` GPUs of
 one node) gives a price with C + 1 values: two on clusters of one GPU per (node, type)
 (aws-5, lab-5, gavel-108), where it said nothing; per type and block it takes
 ``C_r |b| + 1`` values (lab-5 with 8-slot blocks: 9; gavel-108: 289).
@@ -37,10 +37,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.scheduler.core.cluster import Cluster
-from services.scheduler.policies.hadar.prices import PriceCurve
 from services.scheduler.core.policy import PolicyState
+from services.scheduler.policies.hadar.prices import PriceCurve
 from shared.errors import HadarError
-
 
 PRICE_BLOCK = 8   # slots per priced block of a GPU type's capacity
 
@@ -110,8 +109,8 @@ class LedgerState(PolicyState):
     committed: np.ndarray  # (horizon, HR) z after this round's planning, slot 0 = ``round``
     value_lo: float
     value_hi: float
-    target_end: int = -1   # E of ``hadar_critical`` (-1: none)
-    gang_credit: Mapping[str, float] = field(default_factory=dict)   # ``hadar_timeline._whole_gangs``
+    target_end: int = -1   # E of ``hadar/critical`` (-1: none)
+    gang_credit: Mapping[str, float] = field(default_factory=dict)   # ``hadar/timeline._whole_gangs``
 
 
 class Ledger:

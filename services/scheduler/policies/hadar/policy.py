@@ -10,13 +10,13 @@ iso_j = total steps / (rate of its fastest option). A schedule s of j picks slot
 each a placement of exactly W_j GPUs; types and nodes may mix, and the placement runs at
 ``ThroughputModel.placement_rate`` (W x the slowest per-worker rate, x the cross-node factor
 if it spans nodes). g^s_hr(t) = GPUs of row (h, r) that s uses at slot t. Utility u_j(tau)
-is non-increasing in the completion tau (pluggable, ``hadar_prices.Utility``; default
+is non-increasing in the completion tau (pluggable, ``hadar/prices.Utility``; default
 ``InverseSlowdown``: w_j x min(1, iso_j / (now + tau round_s - a_j))).
 
 Primal:  max sum_j sum_s u_j(s) x_js   s.t.  sum_j sum_s g^s_hr(t) x_js <= C_hr  (all h,r,t);
          sum_s x_js <= 1 (all j);  x in {0,1}.
 Priced relaxation: the capacity rows are summed per GPU type r and block b of B slots
-(``hadar_ledger``): sum_j sum_s G^s_rb x_js <= C_r |b|, with G^s_rb = sum over h and t in b
+(``hadar/ledger``): sum_j sum_s G^s_rb x_js <= C_r |b|, with G^s_rb = sum over h and t in b
 of g^s_hr(t) and C_r the GPUs of type r. Its optimum is >= the primal's; nodes and single
 slots remain feasibility constraints of every committed schedule (placement detail).
 Dual (of the relaxation):  min sum_j mu_j + sum_rb C_r |b| k_rb
@@ -24,21 +24,21 @@ Dual (of the relaxation):  min sum_j mu_j + sum_rb C_r |b| k_rb
 
 Online algorithm, per job as it is planned. First the *critical* jobs, re-planned every
 round on the otherwise empty ledger and committed whatever their payoff. By the default
-rule (``critical_rule="timeline"``, ``hadar_timeline``) the ledger's 64-round horizon is
+rule (``critical_rule="timeline"``, ``hadar/timeline``) the ledger's 64-round horizon is
 extended to the end of the run: a time-indexed LP over the remaining work (no forking;
 intervals of one round, then 1, 2, 4... rounds) finishes every job by a target end round
 E = CRITICAL_SLACK over the optimal makespan (kept in the state, raised when jobs arrive)
 and does each job's work as early as that allows; its slice for this round, rounded to
 whole GPUs by a transportation problem, names the critical jobs and the GPU types each may
-use. By ``critical_rule="laxity"`` (``hadar_critical``, the earlier rule) they are the
+use. By ``critical_rule="laxity"`` (``hadar/critical``, the earlier rule) they are the
 jobs whose laxity against E, counted alone on their fastest option, has run out, longest
 first, on any type. Then the other jobs, in order of their best value per GPU-round
 (``order="density"``, the default: the greedy order for a batch of simultaneous arrivals;
 ties by arrival, then job id) or by arrival (``order="arrival"``):
-  1. prices k_rb = k(Z_rb / (C_r |b|)),  k(zeta) = (L / eta) (eta^2 U / L)^zeta  (hadar_prices),
+  1. prices k_rb = k(Z_rb / (C_r |b|)),  k(zeta) = (L / eta) (eta^2 U / L)^zeta  (hadar/prices),
      Z_rb = GPU-rounds of type r committed in block b; every GPU of type r at a slot of b
      costs k_rb;
-  2. dual subroutine (hadar_dp): s* = argmax_s u_j(s) - cost(s), cost(s) = sum G^s k, over
+  2. dual subroutine (hadar/dp): s* = argmax_s u_j(s) - cost(s), cost(s) = sum G^s k, over
      schedules whose GPUs are free in every row and slot they use;
   3. mu_j = payoff(s*). Positive: commit s* to the ledger (z rises, so prices rise).
      Otherwise the job waits: PAYOFF with its best payoff, or CAPACITY if no schedule
@@ -55,8 +55,8 @@ reservation for half a horizon, then is re-planned so it extends as the horizon 
 but longer TTD);
 or a row it needs left the cluster (the ledger is rebuilt on the new node set). New and
 waiting jobs are planned every round. A chosen schedule becomes a commitment on concrete
-rows, with its steps, utility and cost, in ``hadar_commit``. The plan is slot 0 of the
-ledger plus back-fill of the GPUs it leaves idle (``hadar_slot``), which is not committed.
+rows, with its steps, utility and cost, in ``hadar/commit``. The plan is slot 0 of the
+ledger plus back-fill of the GPUs it leaves idle (``hadar/slot``), which is not committed.
 
 Constants (all named in code):
   H = ``horizon`` (DEFAULT_HORIZON = 64 rounds); eta = PRICE_SCALE = 2; B = PRICE_BLOCK = 8.
@@ -69,7 +69,7 @@ Constants (all named in code):
   jobs at t=0, seeds 1-5, slack 0.03 / 0.04 / 0.05: TTD 1.18 / 1.17 / 1.16x gavel on aws-5,
   1.23x on lab-5; mean JCT 1.20 / 1.20 / 1.23x on aws-5, 1.14 / 1.16 / 1.17x on lab-5),
   CRITICAL_SLACK = 0.05 for the laxity rule; CRITICAL_MARGIN = 1 round, CRITICAL_LIMIT = 64
-  (laxity rule, ``hadar_critical``).
+  (laxity rule, ``hadar/critical``).
 
 Competitive bound (OASiS Thm. 2 style; not re-proved for this reconstruction). With
 alpha = max(1, ln(eta^2 U / L)), k'(zeta) = alpha k(zeta), so committing s* raises
@@ -101,7 +101,7 @@ prefix sums; O(m rows) for the per-round fallback), and O(m k + P B) to commit m
 k rows (P touched (type, slot) pairs, (C_max + 1)(C_max + 2) / 2 fill buckets). Per
 round: that times the jobs planned, plus O(H rows + commitments) to rebuild the ledger,
 plus the timeline rule's three LPs (HiGHS; on classes of jobs above 256 jobs, see
-``hadar_timeline``), or the laxity rule's one LP in rounds with arrivals.
+``hadar/timeline``), or the laxity rule's one LP in rounds with arrivals.
 """
 
 from __future__ import annotations
@@ -111,17 +111,50 @@ from typing import Any
 
 import numpy as np
 
-from services.scheduler.policies.hadar.critical import (CRITICAL_SLACK, critical_jobs, job_capacity_rounds,
-                                                        rounds_needed, target_end)
-from services.scheduler.policies.hadar.commit import build_commitment, next_round, slot_index
+from services.scheduler.core.policy import (
+    JobState,
+    Plan,
+    Snapshot,
+    Wait,
+    WaitCode,
+    previous_state,
+)
+from services.scheduler.policies.hadar.commit import (
+    build_commitment,
+    next_round,
+    slot_index,
+)
+from services.scheduler.policies.hadar.critical import (
+    CRITICAL_SLACK,
+    critical_jobs,
+    job_capacity_rounds,
+    rounds_needed,
+    target_end,
+)
 from services.scheduler.policies.hadar.dp import Choice, best_choice, round_costs
-from services.scheduler.policies.hadar.ledger import Commitment, Ledger, LedgerState, RowLayout, remap
-from services.scheduler.policies.hadar.prices import (PRICE_SCALE, DensityInput, InverseSlowdown, PriceCurve,
-                                                      Utility, density_bounds, value_densities)
-from services.scheduler.policies.hadar.profile import JobProfile, ProfileBook, signature_drifted
+from services.scheduler.policies.hadar.ledger import (
+    Commitment,
+    Ledger,
+    LedgerState,
+    RowLayout,
+    remap,
+)
+from services.scheduler.policies.hadar.prices import (
+    PRICE_SCALE,
+    DensityInput,
+    InverseSlowdown,
+    PriceCurve,
+    Utility,
+    density_bounds,
+    value_densities,
+)
+from services.scheduler.policies.hadar.profile import (
+    JobProfile,
+    ProfileBook,
+    signature_drifted,
+)
 from services.scheduler.policies.hadar.slot import RowCounts, assign_indices, backfill
 from services.scheduler.policies.hadar.timeline import TIMELINE_SLACK, critical_types
-from services.scheduler.core.policy import JobState, Plan, Snapshot, Wait, WaitCode, previous_state
 
 DEFAULT_HORIZON = 64
 DRIFT_TOLERANCE = 0.5
@@ -207,7 +240,7 @@ class _Round:
     # ------------------------------------------------------------------ set-up
 
     def _critical(self) -> tuple[int, list[str]]:
-        """(target end round E, critical job ids in planning order): ``hadar_critical``."""
+        """(target end round E, critical job ids in planning order): ``hadar/critical``."""
         snap, cfg, prev = self.snap, self.cfg, self.prev
         previous = prev.target_end if prev is not None and prev.target_end >= 0 else None
         new = [j.job_id for j in self.jobs if j.arrival_s > snap.now_s - snap.round_s]
@@ -333,7 +366,7 @@ class _Round:
         self.explain.setdefault(job.job_id, {}).update(info)
 
     def _plan_job(self, job: JobState, *, critical: bool = False) -> None:
-        """Plan one job on the ledger. A critical job (``hadar_critical``) is planned on free
+        """Plan one job on the ledger. A critical job (``hadar/critical``) is planned on free
         capacity alone (every free GPU costs 0 in its DP) and committed whatever its payoff at
         the prices if its utility is positive: its value is the makespan, which its own
         utility does not carry (one worth nothing is planned as any other job)."""

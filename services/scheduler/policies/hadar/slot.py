@@ -23,10 +23,10 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from services.scheduler.core.cluster import Cluster
+from services.scheduler.core.policy import Placement
 from services.scheduler.policies.hadar.dp import select_rows
 from services.scheduler.policies.hadar.ledger import RowLayout
 from services.scheduler.policies.hadar.profile import JobProfile
-from services.scheduler.core.policy import Placement
 
 RowCounts = tuple[np.ndarray, np.ndarray]  # (rows, counts) of one job in one round
 

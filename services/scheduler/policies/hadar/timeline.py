@@ -2,7 +2,7 @@
 
 Why. Hadar's ledger covers H = 64 rounds, and its utility values a job by its slowdown, so
 a job of hundreds of rounds is worth little per GPU-round and waits behind every shorter
-one; it then alone sets the makespan (TTD). The laxity rule (``hadar_critical``) plans it
+one; it then alone sets the makespan (TTD). The laxity rule (``hadar/critical``) plans it
 first once its laxity against a target end E runs out, but counts each job alone on its
 fastest type: two long jobs that both need the one fast type both look on time until it
 is too late, and short jobs are kept off types the long ones do not need. Measured on
@@ -10,7 +10,7 @@ aws-5 / lab-5 (20 jobs, seeds 1-5) that rule reached TTD 1.14x / 1.18x and mean 
 1.12x / 1.07x gavel, never both targets (1.17x, 1.15x) at any slack.
 
 Formulation. The horizon is extended to the end of the run with coarser far-future slots:
-the time-indexed LP of ``hadare_timeline`` without forking, over intervals of one round,
+the time-indexed LP of ``lp/timeline`` without forking, over intervals of one round,
 then 1, 2, 4... rounds up to E, with one column per placement option (``gang_lp``): a GPU
 of type r held on one node earns the job its per-worker rate there; a gang that must span
 nodes holds GPUs of its option's eligible types, each earning the option's planned rate /
@@ -62,10 +62,16 @@ import numpy as np
 from scipy.optimize import linprog
 from scipy.sparse import coo_matrix
 
-from services.scheduler.policies.hadar.profile import JobProfile
-from services.scheduler.policies.hadare.split import ForkLp, type_rates
-from services.scheduler.policies.hadare.timeline import POOL_ABOVE, SHARE_EPS, job_classes, pool, solve_until
 from services.scheduler.core.policy import JobState
+from services.scheduler.policies.hadar.profile import JobProfile
+from services.scheduler.policies.lp.model import WorkLp, type_rates
+from services.scheduler.policies.lp.timeline import (
+    POOL_ABOVE,
+    SHARE_EPS,
+    job_classes,
+    pool,
+    solve_until,
+)
 
 TIMELINE_SLACK = 0.04   # Hadar's default critical_slack under this rule (hadar.py "Constants")
 TIE_WEIGHT = 1e-3    # Smith's order breaks ties of v without outweighing any real difference
@@ -83,7 +89,7 @@ class CriticalRound:
     credit: dict[str, float] = field(default_factory=dict)
 
 
-def gang_lp(jobs: Sequence[JobState], profiles: Mapping[str, JobProfile], count: np.ndarray) -> ForkLp:
+def gang_lp(jobs: Sequence[JobState], profiles: Mapping[str, JobProfile], count: np.ndarray) -> WorkLp:
     """The no-fork LP data of ``jobs`` (``count[r]``: GPUs of type r), scaled as ``fork_lp``,
     one column per placement option: a node option of type r is rho[j, r] = the per-worker
     rate (at most min(W, n_r) GPUs of r); a spread option is a spread column, each GPU of its
@@ -106,7 +112,7 @@ def gang_lp(jobs: Sequence[JobState], profiles: Mapping[str, JobProfile], count:
     rates = np.array(spread_rate, dtype=float)
     scale = max(float(rho.max(initial=0.0)), float(rates.max(initial=0.0)), 1e-12)
     eligible = np.array(spread_types, dtype=bool).reshape(len(spread_job), n_r)
-    return ForkLp(types=[str(r) for r in range(n_r)], rho=rho / scale,
+    return WorkLp(types=[str(r) for r in range(n_r)], rho=rho / scale,
                   rem=np.array([j.remaining for j in jobs], dtype=float) / scale, cap_f=cap, cap_g=workers,
                   count=count.astype(float), spread_job=np.array(spread_job, dtype=int), spread_rate=rates / scale,
                   spread_cap=np.where(eligible, cap[np.array(spread_job, dtype=int)], 0.0), gang_width=workers)
@@ -175,7 +181,7 @@ def critical_types(jobs: Sequence[JobState], profiles: Mapping[str, JobProfile],
                                  + [(job_id, types) for spans, job_id, types in gangs if spans]))
 
 
-def _single_gpus(lp: ForkLp, groups: Sequence[Sequence[JobState]], share: np.ndarray, rates: np.ndarray,
+def _single_gpus(lp: WorkLp, groups: Sequence[Sequence[JobState]], share: np.ndarray, rates: np.ndarray,
                  smith: np.ndarray, free: np.ndarray, *, round_s: float, tight: np.ndarray,
                  after_gangs: bool) -> list[tuple[str, set[int]]]:
     """The single-GPU jobs to run now on the ``free`` GPUs, each with its one type, in order
@@ -222,7 +228,7 @@ def _in_turn(group: Sequence[JobState]) -> list[JobState]:
     return sorted(group, key=lambda j: (j.remaining / max(j.priority, 1e-9), j.arrival_s, j.job_id))
 
 
-def _whole_gangs(lp: ForkLp, groups: Sequence[Sequence[JobState]], share: np.ndarray, spread_now: np.ndarray,
+def _whole_gangs(lp: WorkLp, groups: Sequence[Sequence[JobState]], share: np.ndarray, spread_now: np.ndarray,
                  rates: np.ndarray, smith: np.ndarray, free: np.ndarray, *, rounds: np.ndarray, tight: np.ndarray,
                  credit: Mapping[str, float]) -> tuple[list[tuple[bool, str, set[int]]], dict[str, float]]:
     """The gangs (W >= 2) to run now, each on all its W GPUs, as (whether it spans nodes,
@@ -289,7 +295,7 @@ def _whole_gangs(lp: ForkLp, groups: Sequence[Sequence[JobState]], share: np.nda
                  for job_id, due in due_of.items()}
 
 
-def _gang_options(lp: ForkLp, c: int, share: np.ndarray,
+def _gang_options(lp: WorkLp, c: int, share: np.ndarray,
                   spread_now: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
     """Gang c's options as (spread column, or -1 for one node; its GPUs of each type the LP
     holds now; the types it may use): those the LP runs now first, most GPUs first, then by

@@ -25,13 +25,13 @@ Rule (one round at a time, no reservation of future rounds):
    mean completion time when work is divisible -- as forking makes it.
 2. Types and GPUs. A job's main pass may use, of each GPU type, at most the GPUs the
    time-indexed LP gives it this round (``split="timeline"``, the default:
-   ``hadare_timeline``: every job done by a target end E within ``timeline_slack`` of the
+   ``hadare/timeline``: every job done by a target end E within ``timeline_slack`` of the
    optimal makespan, each job's work as early as that allows; the round's fractional
    share rounded to whole GPUs by error diffusion, what a job was due and not given
    carried to the next round, a job the LP ends this round served first, so a job about
    to finish is not kept waiting by a sliver). ``split="makespan"`` (the earlier rule,
    and the fallback when an LP fails): only the GPU types the makespan LP gives it
-   (``hadare_split.type_split``: the fork lower bound's LP on the remaining work, ties
+   (``hadare/split.type_split``: the fork lower bound's LP on the remaining work, ties
    broken toward giving the jobs first in line their fastest types, within
    ``split_slack`` of the optimal makespan). Without either, short jobs that are as fast
    on a slow type as on a fast one finish early on the fast GPUs, and the long jobs that
@@ -52,7 +52,7 @@ Rule (one round at a time, no reservation of future rounds):
    hands out what the main pass left idle, so no GPU idles while a copy would still gain
    (net of the consolidation it adds) for some job.
 
-State: ``hadare_timeline.TimelineState`` (the target end E and the jobs it was set for)
+State: ``hadare/timeline.TimelineState`` (the target end E and the jobs it was set for)
 with ``split="timeline"``, else None.
 
 Guarantees: every copy is on one node, of one type, with 1..W_j GPUs that no other copy
@@ -70,12 +70,35 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.scheduler.policies.hadare.split import fork_lp, type_split
+from services.scheduler.core.policy import (
+    JobState,
+    Placement,
+    Plan,
+    Snapshot,
+    Wait,
+    WaitCode,
+    previous_state,
+)
+from services.scheduler.policies.hadare.split import type_split
 from services.scheduler.policies.hadare.timeline import (
-    COMPLETION_WEIGHT, POOL_ABOVE, TIMELINE_SLACK, TimelineState, budgets, job_classes, pool, solve_until,
-    target_end_s)
-from services.scheduler.core.policy import JobState, Placement, Plan, Snapshot, Wait, WaitCode, previous_state
-from shared.domain.fork_cost import DEFAULT_OPTIMIZER_SLOTS, DEFAULT_STORE_GBPS, consolidation_s
+    COMPLETION_WEIGHT,
+    TIMELINE_SLACK,
+    TimelineState,
+    budgets,
+    target_end_s,
+)
+from services.scheduler.policies.lp.model import fork_lp
+from services.scheduler.policies.lp.timeline import (
+    POOL_ABOVE,
+    job_classes,
+    pool,
+    solve_until,
+)
+from shared.domain.fork_cost import (
+    DEFAULT_OPTIMIZER_SLOTS,
+    DEFAULT_STORE_GBPS,
+    consolidation_s,
+)
 from shared.domain.progress import credited_steps
 
 EPS = 1e-9
@@ -193,7 +216,7 @@ def plan_copies(snapshot: Snapshot, cost: CopyCost = CopyCost(), price_share: fl
 def _main_pass_budgets(snapshot: Snapshot, order: list[JobState], credited, speed: dict[str, float], split: str,
                        slack: float, completion_weight: float) -> tuple[dict[str, dict[str, int]], TimelineState | None]:
     """(job id -> GPUs per type its main pass may take, the state to carry): the time-indexed
-    LP's slice of this round (``split="timeline"``, ``hadare_timeline``; on classes of jobs
+    LP's slice of this round (``split="timeline"``, ``hadare/timeline``; on classes of jobs
     above POOL_ABOVE jobs) or every GPU of the types the makespan split gives it
     (``"makespan"``, or when an LP fails)."""
     cluster = snapshot.cluster

@@ -1,9 +1,9 @@
 """HadarE: jobs forked into copies on different nodes, averaged at each round's end.
 
 Default (``fork="first-class"``): copies are planned as units every round by
-``hadare_copies.plan_copies`` (its docstring has the rule: Smith's order on the pooled
-cluster, each job's GPUs this round from the time-indexed LP of ``hadare_timeline``
-(``split="timeline"``) or its types from the makespan LP of ``hadare_split``
+``hadare/copies.plan_copies`` (its docstring has the rule: Smith's order on the pooled
+cluster, each job's GPUs this round from the time-indexed LP of ``lp/timeline``
+(``split="timeline"``) or its types from the makespan LP of ``hadare/split``
 (``split="makespan"``), marginal steps net of the consolidation cost of
 ``shared.domain.fork_cost``, then a back-fill pass).
 
@@ -39,10 +39,18 @@ from typing import Any
 
 import numpy as np
 
-from services.scheduler.policies.hadar.policy import Hadar
-from services.scheduler.policies.hadare.copies import PRICE_SHARE, SPLIT_SLACK, CopyCost, plan_copies
-from services.scheduler.policies.hadare.timeline import COMPLETION_WEIGHT, TIMELINE_SLACK
 from services.scheduler.core.policy import Placement, Plan, Snapshot, copy_rate
+from services.scheduler.policies.hadar.policy import Hadar
+from services.scheduler.policies.hadare.copies import (
+    PRICE_SHARE,
+    SPLIT_SLACK,
+    CopyCost,
+    plan_copies,
+)
+from services.scheduler.policies.hadare.timeline import (
+    COMPLETION_WEIGHT,
+    TIMELINE_SLACK,
+)
 from shared.domain.fork_cost import DEFAULT_OPTIMIZER_SLOTS, DEFAULT_STORE_GBPS
 
 EPS = 1e-9
@@ -56,15 +64,15 @@ class HadarE:
     """The ``hadare`` policy.
 
     Options: ``fork`` -- ``"first-class"`` (default): the copies of every job are planned as
-    units each round, leftovers back-filled by the same rule (``hadare_copies.plan_copies``);
+    units each round, leftovers back-filled by the same rule (``hadare/copies.plan_copies``);
     ``"leftover"``: Hadar's plan (its options pass through) plus copies on the GPUs it
     leaves idle, the earlier behaviour. ``store_gbps`` and ``optimizer_slots``: what
     consolidation costs (``shared.domain.fork_cost``; match ``hadar sim --store-gbps``).
     ``split``: ``"timeline"`` (default) or ``"makespan"``, how the first-class mode picks
-    each job's GPUs (``hadare_copies`` rule 2); ``timeline_slack``: the share of the
+    each job's GPUs (``hadare/copies`` rule 2); ``timeline_slack``: the share of the
     optimal makespan the timeline may give up for mean JCT (default 0.045);
     ``completion_weight``: the timeline objective's share of completion bounds, in [0, 1)
-    (``hadare_timeline``; default 0.75, 0: mean busy time alone).
+    (``hadare/timeline``; default 0.75, 0: mean busy time alone).
     """
 
     name = "hadare"
@@ -88,7 +96,7 @@ class HadarE:
         self.split = split
         self.timeline_slack = float(timeline_slack)
         self.completion_weight = float(completion_weight)
-        # Leftover mode's primary plans without critical-first (``hadar_critical``): copies already
+        # Leftover mode's primary plans without critical-first (``hadar/critical``): copies already
         # speed up the long jobs, and with it mean JCT fell (aws-5, 20 jobs, seeds 1-5: 1.54x -> 1.30x gavel).
         self.primary = Hadar(**({"critical": False} | options)) if fork == "leftover" else None
 

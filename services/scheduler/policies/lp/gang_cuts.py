@@ -1,6 +1,6 @@
 """Rows that keep the no-fork LP honest about gangs: a gang holds all its W GPUs at once.
 
-The LPs of ``hadare_split`` / ``hadare_timeline`` count GPU-seconds, so on their own they
+The LPs of ``lp/model`` / ``lp/timeline`` count GPU-seconds, so on their own they
 let a gang run part-time on part of its GPUs beside jobs that could never use the rest.
 For each gang width w >= 2 of the jobs present (N GPUs in all), with *wide* jobs those of
 width >= w and *narrow* the others, and tau the time in an interval of length L during
