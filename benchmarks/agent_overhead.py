@@ -37,12 +37,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.agent.daemon.service import AgentConfig, AgentDaemon  # noqa: E402
-from services.agent.daemon.discovery import NodeDevices, cpu_devices, discover_in_subprocess  # noqa: E402
+from services.agent.daemon.discovery import (  # noqa: E402
+    NodeDevices,
+    cpu_devices,
+    discover_in_subprocess,
+)
 from services.agent.daemon.process import child_env  # noqa: E402
+from services.agent.daemon.service import AgentConfig, AgentDaemon  # noqa: E402
 from services.agent.protocol import StoreTarget  # noqa: E402
 from shared.bus import MemoryBus  # noqa: E402
-from shared.wire.events import Assignment, CopyFinished, Hyperparameters, JobSpec, Progress  # noqa: E402
+from shared.wire.events import (  # noqa: E402
+    Assignment,
+    CopyFinished,
+    Hyperparameters,
+    JobSpec,
+    Progress,
+)
 from shared.wire.topics import PROGRESS  # noqa: E402
 from shared.zoo import validate_job  # noqa: E402
 

@@ -36,7 +36,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared.wire.events import (  # noqa: E402
-    Assignment, Event, JobSpec, Progress, RoundStarted, Waiting, decode, encode,
+    Assignment,
+    Event,
+    JobSpec,
+    Progress,
+    RoundStarted,
+    Waiting,
+    decode,
+    encode,
 )
 
 

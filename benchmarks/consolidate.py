@@ -60,7 +60,10 @@ from safetensors.numpy import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.tracker.averaging.consolidate import (  # noqa: E402
-    Replica, WriteStats, plan_consolidation, write_consolidated,
+    Replica,
+    WriteStats,
+    plan_consolidation,
+    write_consolidated,
 )
 from services.tracker.averaging.safetensors_format import FileRangeReader, encode_header  # noqa: E402
 

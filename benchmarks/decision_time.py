@@ -31,10 +31,14 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from services.scheduler.core.cluster import Cluster, Node  # noqa: E402
-from services.scheduler.policies import UnknownPolicy, make_policy, parse_scoped_policy_option  # noqa: E402
-from services.scheduler.core.policy import JobState, Snapshot, check_plan  # noqa: E402
-from services.scheduler.sim.simulator import default_model_bytes  # noqa: E402
+from services.scheduler.core.policy import JobState, PlanRequest, check_plan  # noqa: E402
 from services.scheduler.core.throughput import ThroughputModel  # noqa: E402
+from services.scheduler.policies import (  # noqa: E402
+    UnknownPolicy,
+    make_policy,
+    parse_scoped_policy_option,
+)
+from services.scheduler.sim.simulator import default_model_bytes  # noqa: E402
 
 GPU_TYPES = ("k80", "p100", "v100")
 SCALES = (1, 2, 4, 8)
@@ -66,7 +70,7 @@ def mixed_cluster(n: int, rng: np.random.Generator, gpus_per_node: int = 8) -> C
     return Cluster(name=f"mixed-{n}", nodes=nodes)
 
 
-def time_policy(name: str, snapshot: Snapshot, repeats: int, options: dict | None = None) -> float | None:
+def time_policy(name: str, request: PlanRequest, repeats: int, options: dict | None = None) -> float | None:
     try:
         policy = make_policy(name, **(options or {}))
     except Exception as exc:  # the policy module may not exist yet
@@ -75,14 +79,14 @@ def time_policy(name: str, snapshot: Snapshot, repeats: int, options: dict | Non
     samples, walls = [], []
     for _ in range(repeats):
         start, wall = time.process_time(), time.perf_counter()
-        plan = policy.plan(snapshot)
+        plan = policy.plan(request)
         samples.append((time.process_time() - start) * 1e3)
         walls.append((time.perf_counter() - wall) * 1e3)
-    check_plan(snapshot, plan)
+    check_plan(request, plan)
     placed = len({p.job_id for p in plan.placements})
     print(f"{name}: cpu ms {[round(s, 1) for s in samples]}, wall ms {[round(s, 1) for s in walls]}; "
-          f"jobs placed {placed}/{len(snapshot.jobs)}, "
-          f"GPUs used {sum(len(p.gpus) for p in plan.placements)}/{snapshot.cluster.total_gpus}", file=sys.stderr)
+          f"jobs placed {placed}/{len(request.jobs)}, "
+          f"GPUs used {sum(len(p.gpus) for p in plan.placements)}/{request.cluster.total_gpus}", file=sys.stderr)
     return statistics.median(samples)
 
 
@@ -107,11 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     throughput = ThroughputModel.from_gavel_table()
     cluster = mixed_cluster(args.nodes, rng)
     jobs = gavel_jobs(args.jobs, throughput, rng)
-    snapshot = Snapshot(round=0, now_s=3600.0, round_s=360.0, cluster=cluster, jobs=jobs,
+    request = PlanRequest(round=0, now_s=3600.0, round_s=360.0, cluster=cluster, jobs=jobs,
                         throughput=throughput, seed=args.seed)
     result: dict[str, float | int | None] = {"jobs": args.jobs, "nodes": args.nodes}
     for name in ("hadar", "hadare", "gavel"):
-        p50 = time_policy(name, snapshot, args.repeats, options.get(name)) if name in args.policies.split(",") else None
+        p50 = time_policy(name, request, args.repeats, options.get(name)) if name in args.policies.split(",") else None
         result[f"{name}_ms_p50"] = None if p50 is None else round(p50, 1)
     print(json.dumps(result))
     return 0

@@ -41,18 +41,27 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
-from services.cli.jobs import submit as submit_job
-from shared.bus import KafkaBus
-from shared.store.settings import S3Settings
-from shared.bus.eventlog import fetch_log
-from shared.wire.events import (
-    Assignment, CopyFinished, Event, Hyperparameters, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated,
-    NodeRegistered, RoundAbandoned, RoundStarted,
-)
 from devinfra import InfraError, InfraPaths, down, restart, up
 from devinfra.common import is_running
+from services.cli.jobs import submit as submit_job
+from shared.bus import KafkaBus
+from shared.bus.eventlog import fetch_log
 from shared.domain.layout import checkpoint_key, final_key
 from shared.store import MinioStore
+from shared.store.settings import S3Settings
+from shared.wire.events import (
+    Assignment,
+    CopyFinished,
+    Event,
+    Hyperparameters,
+    JobCompleted,
+    JobSpec,
+    JobSubmitted,
+    ModelConsolidated,
+    NodeRegistered,
+    RoundAbandoned,
+    RoundStarted,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 HADAR = [sys.executable, "-m", "services.cli.main"]

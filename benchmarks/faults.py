@@ -33,13 +33,26 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.fault_harness import (  # noqa: E402
-    Cluster, Workload, events_lost, progress_times, rounds_lost, verify_models,
+    Cluster,
+    Workload,
+    events_lost,
+    progress_times,
+    rounds_lost,
+    verify_models,
 )
 from shared.bus import KafkaBus  # noqa: E402
 from shared.runtime.logging import configure_logging  # noqa: E402
 from shared.wire.events import (  # noqa: E402
-    Assignment, CopyFinished, CopyWeight, Event, JobCompleted, ModelConsolidated, NodeHeartbeat, Progress,
-    RoundStarted, ThroughputEstimate,
+    Assignment,
+    CopyFinished,
+    CopyWeight,
+    Event,
+    JobCompleted,
+    ModelConsolidated,
+    NodeHeartbeat,
+    Progress,
+    RoundStarted,
+    ThroughputEstimate,
 )
 from shared.wire.topics import ALL_TOPICS  # noqa: E402
 

@@ -30,12 +30,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decision_time import gavel_jobs, mixed_cluster  # noqa: E402
 
 from services.scheduler.config import SchedulerConfig  # noqa: E402
-from services.scheduler.live.rounds import RoundTiming, build_snapshot  # noqa: E402
-from services.scheduler.live.service import SchedulerService  # noqa: E402
 from services.scheduler.core.throughput import ThroughputModel  # noqa: E402
+from services.scheduler.live.rounds import RoundTiming, build_request  # noqa: E402
+from services.scheduler.live.service import SchedulerService  # noqa: E402
 from shared.bus import MemoryBus  # noqa: E402
-from shared.wire.events import GpuInfo, JobSpec, JobSubmitted, NodeRegistered, ThroughputEstimate  # noqa: E402
 from shared.runtime.service import HttpEndpoint  # noqa: E402
+from shared.wire.events import (  # noqa: E402
+    GpuInfo,
+    JobSpec,
+    JobSubmitted,
+    NodeRegistered,
+    ThroughputEstimate,
+)
 
 
 async def feed(bus: MemoryBus, args: argparse.Namespace, now: float) -> None:
@@ -79,7 +85,7 @@ async def measure(service: SchedulerService, url: str, mode: str, rounds: int) -
             await service.plan_round()
         else:   # the pre-fix path: the policy on the event loop
             timing = RoundTiming(round=service.next_round, started_at=time.time(), round_s=360.0, heartbeat_s=1e6)
-            service.policy.plan(build_snapshot(service.state, timing, None, 0))
+            service.policy.plan(build_request(service.state, timing, None, 0))
             await asyncio.sleep(0)
         decision.append((time.perf_counter() - t0) * 1e3)
     await asyncio.sleep(0.5)

@@ -46,10 +46,10 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, linear_sum_assignment, milp
 from scipy.sparse import coo_matrix
 
+from services.scheduler.policies import make_policy
 from services.scheduler.sim.bounds import ttd_bounds
 from services.scheduler.sim.cluster_spec import parse_cluster
 from services.scheduler.sim.results import compute_metrics
-from services.scheduler.policies import make_policy
 from services.scheduler.sim.simulator import SimOptions, build_throughput, simulate
 from services.scheduler.sim.traces import load_trace
 

@@ -61,10 +61,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from services.agent.worker.checkpoint import read_checkpoint, restore  # noqa: E402
 from services.agent.protocol import StoreTarget, WorkerSpec, parse_worker_line  # noqa: E402
+from services.agent.worker.checkpoint import read_checkpoint, restore  # noqa: E402
 from services.agent.worker.main import Worker  # noqa: E402
-from services.tracker.averaging.consolidate import DEFAULT_CHUNK_BYTES, Replica, plan_consolidation  # noqa: E402
+from services.tracker.averaging.consolidate import (  # noqa: E402
+    DEFAULT_CHUNK_BYTES,
+    Replica,
+    plan_consolidation,
+)
 from services.tracker.model_files import RoundOutputs, write_round_outputs  # noqa: E402
 from services.tracker.store_reader import StoreRangeReader  # noqa: E402
 from shared.domain.layout import checkpoint_key, model_key, optim_key  # noqa: E402

@@ -24,10 +24,10 @@ import json
 import statistics
 import time
 
+from services.scheduler.policies import make_policy
 from services.scheduler.sim.bounds import bound_for, ttd_bounds
 from services.scheduler.sim.cluster_spec import parse_cluster
 from services.scheduler.sim.results import compute_metrics
-from services.scheduler.policies import make_policy
 from services.scheduler.sim.simulator import SimOptions, build_throughput, simulate
 from services.scheduler.sim.traces import load_trace
 

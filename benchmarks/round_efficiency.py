@@ -43,23 +43,32 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.agent.daemon.service import AgentConfig, AgentDaemon  # noqa: E402
 from services.agent.daemon.discovery import (  # noqa: E402
-    NodeDevices, cpu_devices, discover_in_subprocess, emulated_devices,
+    NodeDevices,
+    cpu_devices,
+    discover_in_subprocess,
+    emulated_devices,
 )
 from services.agent.daemon.process import child_env  # noqa: E402
+from services.agent.daemon.service import AgentConfig, AgentDaemon  # noqa: E402
 from services.agent.protocol import StoreTarget  # noqa: E402
 from services.profiler.service import ProfilerConfig, ProfilerService  # noqa: E402
 from services.scheduler.config import SchedulerConfig  # noqa: E402
 from services.scheduler.live.service import SchedulerService  # noqa: E402
 from services.tracker.service import TrackerConfig, TrackerService  # noqa: E402
 from shared.bus import MemoryBus  # noqa: E402
-from shared.wire.events import (  # noqa: E402
-    Assignment, CopyFinished, Hyperparameters, JobSpec, JobSubmitted, RoundStarted, ThroughputEstimate,
-)
 from shared.domain.layout import model_key  # noqa: E402
 from shared.runtime.logging import configure_logging  # noqa: E402
 from shared.store import LocalStore  # noqa: E402
+from shared.wire.events import (  # noqa: E402
+    Assignment,
+    CopyFinished,
+    Hyperparameters,
+    JobSpec,
+    JobSubmitted,
+    RoundStarted,
+    ThroughputEstimate,
+)
 from shared.wire.topics import ALL_TOPICS, PLACEMENTS, PROGRESS, THROUGHPUT  # noqa: E402
 
 

@@ -27,12 +27,23 @@ import time
 from collections.abc import Iterator
 
 from services.scheduler.live.state import SchedulerState
-from shared.wire.events import (
-    Assignment, CopyFinished, CopyWeight, Event, GpuInfo, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated,
-    NodeHeartbeat, NodeRegistered, Progress, RoundStarted,
-)
-from shared.domain.layout import checkpoint_key, final_key, model_key
 from shared.bus.rejection import Rejected
+from shared.domain.layout import checkpoint_key, final_key, model_key
+from shared.wire.events import (
+    Assignment,
+    CopyFinished,
+    CopyWeight,
+    Event,
+    GpuInfo,
+    JobCompleted,
+    JobSpec,
+    JobSubmitted,
+    ModelConsolidated,
+    NodeHeartbeat,
+    NodeRegistered,
+    Progress,
+    RoundStarted,
+)
 
 T0 = 1_750_000_000.0
 ROUND_S = 360.0

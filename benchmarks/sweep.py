@@ -69,10 +69,10 @@ class Task:
 
 def run_task(task: Task) -> list[dict]:
     """Every policy on the task's trace: one row per policy."""
+    from services.scheduler.policies import make_policy
     from services.scheduler.sim.bounds import bound_for, ttd_bounds
     from services.scheduler.sim.cluster_spec import parse_cluster
     from services.scheduler.sim.results import compute_metrics
-    from services.scheduler.policies import make_policy
     from services.scheduler.sim.simulator import SimOptions, build_throughput, simulate
     from services.scheduler.sim.traces import load_trace
 

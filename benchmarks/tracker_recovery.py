@@ -39,12 +39,19 @@ from services.tracker.config import TrackerConfig
 from services.tracker.service import TrackerService
 from shared.bus import MemoryBus
 from shared.clock import FakeClock
-from shared.wire.events import (
-    Assignment, CopyFinished, CopyWeight, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated, Progress,
-    RoundStarted,
-)
 from shared.domain.layout import checkpoint_key, final_key, model_key
 from shared.store import LocalStore
+from shared.wire.events import (
+    Assignment,
+    CopyFinished,
+    CopyWeight,
+    JobCompleted,
+    JobSpec,
+    JobSubmitted,
+    ModelConsolidated,
+    Progress,
+    RoundStarted,
+)
 
 T0 = 1_700_000_000.0
 ROUND_S = 60.0

@@ -13,8 +13,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.agent.daemon.service import AgentConfig, AgentDaemon
 from services.agent.daemon.discovery import emulated_devices
+from services.agent.daemon.service import AgentConfig, AgentDaemon
 from services.agent.protocol import StoreTarget
 from services.profiler.service import ProfilerConfig, ProfilerService
 from services.scheduler.config import SchedulerConfig

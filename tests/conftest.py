@@ -22,13 +22,20 @@ from typing import NoReturn
 import pytest
 from minio import Minio
 
-from shared.bus.settings import kafka_from_env
-
-from shared.store.settings import S3Settings, s3_from_env
-from shared.errors import HadarError
-from devinfra import InfraError, InfraPaths, down, ensure_kafka, ensure_minio, stop_server, up
+from devinfra import (
+    InfraError,
+    InfraPaths,
+    down,
+    ensure_kafka,
+    ensure_minio,
+    stop_server,
+    up,
+)
 from devinfra.secure_mode import apply
+from shared.bus.settings import kafka_from_env
+from shared.errors import HadarError
 from shared.store import LocalStore, MinioStore, ObjectStore
+from shared.store.settings import S3Settings, s3_from_env
 
 
 def unavailable(reason: str) -> NoReturn:

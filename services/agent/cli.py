@@ -16,12 +16,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.agent.daemon.discovery import NodeDevices, cpu_devices, discover_in_subprocess, emulated_devices
+from services.agent.daemon.discovery import (
+    NodeDevices,
+    cpu_devices,
+    discover_in_subprocess,
+    emulated_devices,
+)
 from services.agent.protocol import StoreTarget
+from shared.runtime.config import add_config_arg, load_config
 from shared.runtime.connection import add_store_args, make_bus, s3_settings
 from shared.runtime.logging import configure_logging
 from shared.runtime.service import run_service
-from shared.runtime.config import add_config_arg, load_config
 
 if TYPE_CHECKING:
     from services.agent.config import AgentConfig

@@ -6,9 +6,9 @@ import sys
 from dataclasses import dataclass, field
 
 from services.agent.daemon.emulation import parse_emulation
-from shared.wire.events import NODE_ID_RE
 from shared.domain.gpus import GPU_TYPES
 from shared.runtime.config import FieldError
+from shared.wire.events import NODE_ID_RE
 
 __all__ = ["AgentConfig"]
 

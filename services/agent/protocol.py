@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from services.agent.daemon.validation import rendezvous_problem
-from shared.store.settings import S3Settings
 from shared.domain.local_sgd import LocalSgd
 from shared.store import LocalStore, MinioStore, ObjectStore
+from shared.store.settings import S3Settings
 
 __all__ = ["StoreTarget", "WorkerSpec", "worker_line", "parse_worker_line", "stop_line", "parse_stop_line"]
 

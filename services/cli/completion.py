@@ -114,7 +114,7 @@ def zsh_script(root: argparse.ArgumentParser) -> str:
 
 
 def cmd_completion(args: argparse.Namespace) -> int:
-    from services.cli.main import build_parser   # the whole tree, this command included
+    from services.cli.main import build_parser  # the whole tree, this command included
     root = build_parser()
     print(bash_script(root) if args.shell == "bash" else zsh_script(root), end="")
     return 0

@@ -15,8 +15,8 @@ import json
 import sys
 from pathlib import Path
 
-from services.tracker.config import default_consolidation_threads
 from services.tracker.averaging.consolidate import NoUsableReplica, consolidate_local
+from services.tracker.config import default_consolidation_threads
 from shared.errors import UsageError
 
 __all__ = ["register", "parse_input"]

@@ -19,12 +19,12 @@ import sys
 import time
 from pathlib import Path
 
+from services.cli.jobfile import JobFileError, load_job_file, parse_job
 from services.cli.jobs import jobs_table, submit
 from services.scheduler.cli import add_policy_args, policy_options
 from services.scheduler.live.state import SchedulerState
-from shared.runtime.connection import add_bus_args, kafka_settings, s3_settings
 from shared.errors import UsageError
-from services.cli.jobfile import JobFileError, load_job_file, parse_job
+from shared.runtime.connection import add_bus_args, kafka_settings, s3_settings
 from shared.runtime.logging import configure_logging
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "jobs"
@@ -186,11 +186,11 @@ def _held_out_metric(spec, path: Path) -> dict:
 def _simulate_same_jobs(specs, rates: dict[tuple[str, str, int], float], round_s: float) -> dict:
     """The same jobs, all arriving at 0, on lab-5 in the simulator, at the rates the profiler
     published (measured, and for emulated GPUs extrapolated from the measurements)."""
+    from services.scheduler.core.throughput import ThroughputModel
+    from services.scheduler.policies import make_policy
     from services.scheduler.sim.cluster_spec import lab_5
     from services.scheduler.sim.results import compute_metrics
-    from services.scheduler.policies import make_policy
     from services.scheduler.sim.simulator import SimOptions, simulate
-    from services.scheduler.core.throughput import ThroughputModel
     from services.scheduler.sim.traces import TraceJob
     from shared.zoo import model_figures
 

@@ -30,9 +30,15 @@ from dataclasses import dataclass, field
 from services.cli.joblog import TrainingLog
 from services.scheduler.live.state import SchedulerState
 from shared.bus import Bus
-from shared.clock import Clock, SystemClock
-from shared.wire.events import Assignment, Event, JobCancelled, JobSubmitted, RoundStarted
 from shared.bus.rejection import Rejected
+from shared.clock import Clock, SystemClock
+from shared.wire.events import (
+    Assignment,
+    Event,
+    JobCancelled,
+    JobSubmitted,
+    RoundStarted,
+)
 from shared.wire.topics import JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
 
 __all__ = ["ClusterView", "LogFollower", "read_view", "submitted_ids", "FOLLOW_SLACK_S", "READ_ORDER"]

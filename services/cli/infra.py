@@ -18,10 +18,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from services.cli.secure_init import register_secure_init
-from shared.errors import HadarError
 from devinfra import InfraError, InfraPaths, down, restart, status, up, write_env_file
 from devinfra.secure_mode import apply, credentials_dir, public_lines
+from services.cli.secure_init import register_secure_init
+from shared.errors import HadarError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

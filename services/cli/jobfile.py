@@ -114,7 +114,9 @@ def parse_job(data: Mapping[str, Any], *, default_user: str = "anonymous") -> Jo
         # "JobSpec.workers: must be ..." -> "workers: must be ..."
         raise JobFileError(exc.reason.split(".", 1)[-1] if exc.reason.startswith(("JobSpec.", "Hyperparameters."))
                            else exc.reason) from None
-    from shared.zoo import validate_job   # imports torch: only once the cheap checks passed
+    from shared.zoo import (
+        validate_job,  # imports torch: only once the cheap checks passed
+    )
     try:
         validate_job(spec)
     except ValueError as exc:

@@ -22,7 +22,14 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from shared.wire.events import Assignment, CopyFinished, Event, ModelConsolidated, Progress, RoundAbandoned
+from shared.wire.events import (
+    Assignment,
+    CopyFinished,
+    Event,
+    ModelConsolidated,
+    Progress,
+    RoundAbandoned,
+)
 
 __all__ = ["TrainingLog", "CopyRun", "RoundModel", "log_line"]
 

@@ -19,16 +19,28 @@ from pathlib import Path
 from typing import Any
 
 from services.cli.follow import ClusterView, read_view, submitted_ids
-from services.cli.jobview import JOB_STATES, job_doc, jobs_table, parse_since, select_jobs
+from services.cli.jobfile import (
+    FIELDS,
+    JobFileError,
+    load_job_file,
+    new_job_id,
+    parse_job,
+)
+from services.cli.jobview import (
+    JOB_STATES,
+    job_doc,
+    jobs_table,
+    parse_since,
+    select_jobs,
+)
 from services.cli.watch import watch_job
 from shared.bus import Bus
 from shared.clock import SystemClock
-from shared.runtime.connection import add_bus_args, add_store_args, make_bus, make_store
-from shared.errors import UsageError
-from shared.wire.events import JobCancelled, JobSpec, JobSubmitted
-from services.cli.jobfile import FIELDS, JobFileError, load_job_file, new_job_id, parse_job
 from shared.domain.layout import final_key, model_key
+from shared.errors import UsageError
+from shared.runtime.connection import add_bus_args, add_store_args, make_bus, make_store
 from shared.store import ObjectNotFound
+from shared.wire.events import JobCancelled, JobSpec, JobSubmitted
 
 __all__ = ["register", "submit", "jobs_table", "spec_from_args"]
 

@@ -27,8 +27,8 @@ from services.cli.follow import LogFollower
 from services.cli.joblog import log_line
 from shared.bus import Bus
 from shared.clock import SystemClock
-from shared.runtime.connection import add_bus_args, make_bus
 from shared.errors import UsageError
+from shared.runtime.connection import add_bus_args, make_bus
 from shared.wire.events import Event
 
 __all__ = ["register", "show_logs"]

@@ -16,15 +16,26 @@ from typing import Any
 
 from services.cli.jobview import parse_instant
 from services.scheduler.cli import policy_options
-from services.scheduler.policies import PolicyChoice, UnknownPolicy
 from services.scheduler.live.rerun import LoggedEvent, rerun
+from services.scheduler.policies import PolicyChoice, UnknownPolicy
+from shared.bus.eventlog import EventLogError, LogRecord, fetch_log, read_log
+from shared.errors import UsageError
 from shared.runtime.connection import add_bus_args, make_bus
 from shared.wire.dispatch import HandlerTable
-from shared.errors import UsageError
-from shared.bus.eventlog import EventLogError, LogRecord, fetch_log, read_log
 from shared.wire.events import (
-    Assignment, CopyFinished, DeadLetter, Event, JobCancelled, JobCompleted, JobSubmitted,
-    ModelConsolidated, NodeHeartbeat, NodeRegistered, Progress, RoundAbandoned, RoundStarted,
+    Assignment,
+    CopyFinished,
+    DeadLetter,
+    Event,
+    JobCancelled,
+    JobCompleted,
+    JobSubmitted,
+    ModelConsolidated,
+    NodeHeartbeat,
+    NodeRegistered,
+    Progress,
+    RoundAbandoned,
+    RoundStarted,
     ThroughputEstimate,
 )
 from shared.wire.topics import ALL_TOPICS
@@ -245,9 +256,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def explain(check, job_id: str) -> dict:
     """The job's options in that round as the policy saw them, and what it decided."""
-    if check.error is not None or check.snapshot is None or check.plan is None:
+    if check.error is not None or check.request is None or check.plan is None:
         raise UsageError(f"--round: round {check.round} cannot be re-derived: {check.error}")
-    job = next((j for j in check.snapshot.jobs if j.job_id == job_id), None)
+    job = next((j for j in check.request.jobs if j.job_id == job_id), None)
     if job is None:
         return {"round": check.round, "job": job_id, "active": False,
                 "note": "the job was not active in this round (not yet submitted, completed or cancelled)"}
@@ -256,7 +267,7 @@ def explain(check, job_id: str) -> dict:
     waiting = next(({"code": w.code.value, "detail": w.detail} for w in check.plan.waiting if w.job_id == job_id), None)
     return {
         "round": check.round, "job": job_id, "policy": check.settings.choice.describe() if check.settings else None,
-        "seed": check.snapshot.seed, "nodes": [n.node_id for n in check.snapshot.cluster.nodes],
+        "seed": check.request.seed, "nodes": [n.node_id for n in check.request.cluster.nodes],
         "policy_view": dict(check.plan.explain.get(job_id, {})),
         "steps_done": job.steps_done, "total_steps": job.total_steps, "workers": job.workers,
         "attained_gpu_s": job.attained_gpu_s, "placements": placements, "waiting": waiting,

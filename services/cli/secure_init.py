@@ -22,13 +22,10 @@ import sys
 from pathlib import Path
 
 from shared.bus.settings import kafka_from_env
-
-from shared.errors import ConfigError
-
-from shared.store.settings import s3_from_env
-from shared.errors import HadarError
+from shared.errors import ConfigError, HadarError
 from shared.security.principals import ADMIN, PRINCIPALS, SERVICE_PRINCIPALS
 from shared.security.provision import secure_kafka, secure_minio
+from shared.store.settings import s3_from_env
 
 __all__ = ["register_secure_init", "read_secrets"]
 

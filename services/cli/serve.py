@@ -12,9 +12,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from shared.runtime.connection import add_bus_args
 from shared.errors import UsageError
-
+from shared.runtime.connection import add_bus_args
 
 DEFAULT_HTTP_HOST = "127.0.0.1"
 

@@ -54,11 +54,11 @@ def _policy_names(raw: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from services.scheduler.policies import make_policy
     from services.scheduler.sim import report
     from services.scheduler.sim.bounds import ttd_bounds
     from services.scheduler.sim.cluster_spec import ClusterSpecError, parse_cluster
     from services.scheduler.sim.results import compute_metrics
-    from services.scheduler.policies import make_policy
     from services.scheduler.sim.simulator import SimOptions, build_throughput, simulate
     from services.scheduler.sim.traces import TraceError, load_trace
 

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from services.profiler.state import DEFAULT_ALPHA, DEFAULT_THRESHOLD
+from shared.runtime.config import add_config_arg, load_config
 from shared.runtime.connection import add_store_args, make_bus, make_store
 from shared.runtime.logging import configure_logging
 from shared.runtime.service import run_service
-from shared.runtime.config import add_config_arg, load_config
 
 if TYPE_CHECKING:
     from services.profiler.service import ProfilerConfig
@@ -51,7 +51,9 @@ def add_profiler_parser(services: argparse._SubParsersAction,
 
 def profiler_config(args: argparse.Namespace) -> ProfilerConfig:
     """The ProfilerConfig of these flags, the environment and ``--config``; UsageError if invalid."""
-    from services.profiler.service import ProfilerConfig  # heavy (torch, numpy): only when run
+    from services.profiler.service import (
+        ProfilerConfig,  # heavy (torch, numpy): only when run
+    )
 
     flags = {"group": args.group, "alpha": args.alpha, "threshold": args.threshold,
              "snapshot_interval_s": args.snapshot_interval_s, "snapshots_kept": args.snapshots_kept}
@@ -59,7 +61,9 @@ def profiler_config(args: argparse.Namespace) -> ProfilerConfig:
 
 
 def run_profiler(args: argparse.Namespace) -> int:
-    from services.profiler.service import ProfilerService  # heavy (torch, numpy): only when run
+    from services.profiler.service import (
+        ProfilerService,  # heavy (torch, numpy): only when run
+    )
 
     config = profiler_config(args)
     bus = make_bus(args, source="profiler")

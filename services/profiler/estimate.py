@@ -17,12 +17,13 @@ import math
 from collections.abc import Callable
 
 from shared import zoo
-
-from shared.domain import gpus
-
-from shared.domain import workloads
+from shared.domain import gpus, workloads
+from shared.domain.fork_cost import (
+    DEFAULT_OPTIMIZER_SLOTS,
+    MAX_MODEL_BYTES,
+    MAX_OPTIMIZER_SLOTS,
+)
 from shared.wire.events import JobSpec
-from shared.domain.fork_cost import DEFAULT_OPTIMIZER_SLOTS, MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS
 
 __all__ = ["Sizer", "catalog_rates", "checkpoint_size", "emulated_rates", "job_figures_for", "size_or_unknown"]
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.profiler.state import ProfilerState, _Last
-from shared.wire.records import Hyperparameters, JobSpec
-from shared.persistence.snapshot import SnapshotCorrupt, StateSnapshot
 from shared.persistence.codec import register
+from shared.persistence.snapshot import SnapshotCorrupt, StateSnapshot
+from shared.wire.records import Hyperparameters, JobSpec
 
 __all__ = ["SERVICE", "ProfilerSnapshot", "capture", "restore"]
 

@@ -9,11 +9,11 @@ from collections.abc import Callable
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.policies import POLICY_NAMES, UnknownPolicy, parse_policy_option
-from shared.runtime.connection import add_store_args, make_bus, make_store
 from shared.errors import UsageError
+from shared.runtime.config import add_config_arg, load_config
+from shared.runtime.connection import add_store_args, make_bus, make_store
 from shared.runtime.logging import configure_logging
 from shared.runtime.service import run_service
-from shared.runtime.config import add_config_arg, load_config
 
 __all__ = ["add_scheduler_parser", "run_scheduler", "scheduler_config", "add_policy_args", "policy_options",
            "ENV_PREFIX"]

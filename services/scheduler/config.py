@@ -19,8 +19,8 @@ from typing import Any
 
 from services.scheduler.policies import POLICY_NAMES, PolicyChoice, UnknownPolicy
 from shared.domain.deadline import CONSOLIDATION_WAIT_S, LATE_COPY_S
-from shared.wire.events import RoundStarted
 from shared.runtime.config import FieldError
+from shared.wire.events import RoundStarted
 
 __all__ = ["SchedulerConfig", "DecisionSettings"]
 

@@ -39,8 +39,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from shared.wire.events import CopyFinished, Event, JobCompleted, ModelConsolidated, Progress
 from shared.domain.layout import checkpoint_key, final_key, model_key
+from shared.wire.events import (
+    CopyFinished,
+    Event,
+    JobCompleted,
+    ModelConsolidated,
+    Progress,
+)
 
 __all__ = [
     "RefusalReason", "REFUSAL_REASONS", "ROUND_LEAD", "WEIGHT_TOLERANCE", "Problem", "Refusal",

@@ -13,10 +13,10 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from shared.runtime.config import add_config_arg, load_config
 from shared.runtime.connection import add_store_args, make_bus, make_store
 from shared.runtime.logging import configure_logging
 from shared.runtime.service import run_service
-from shared.runtime.config import add_config_arg, load_config
 
 if TYPE_CHECKING:
     from services.tracker.config import TrackerConfig
@@ -78,7 +78,9 @@ def tracker_config(args: argparse.Namespace) -> TrackerConfig:
 
 
 def run_tracker(args: argparse.Namespace) -> int:
-    from services.tracker.service import TrackerService  # heavy (torch, numpy): only when run
+    from services.tracker.service import (
+        TrackerService,  # heavy (torch, numpy): only when run
+    )
 
     config = tracker_config(args)
     bus = make_bus(args, source="tracker")

@@ -34,19 +34,31 @@ from pathlib import Path
 from typing import Any
 
 from services.tracker.acceptance import Refusal
+from services.tracker.averaging.consolidate import (
+    NoUsableReplica,
+    Rejected,
+    Replica,
+    plan_consolidation,
+)
+from services.tracker.averaging.safetensors_format import (
+    InvalidSafetensors,
+    read_header,
+)
 from services.tracker.config import TrackerConfig
-from services.tracker.averaging.consolidate import NoUsableReplica, Rejected, Replica, plan_consolidation
-from services.tracker.metrics import TrackerMetrics
-from services.tracker.model_files import RoundOutputs, held_out_metric, write_round_outputs
-from services.tracker.averaging.safetensors_format import InvalidSafetensors, read_header
-from services.tracker.store_reader import ConsolidationStopped, StoreRangeReader
 from services.tracker.due import CompletionWork, RoundWork
+from services.tracker.metrics import TrackerMetrics
+from services.tracker.model_files import (
+    RoundOutputs,
+    held_out_metric,
+    write_round_outputs,
+)
+from services.tracker.store_reader import ConsolidationStopped, StoreRangeReader
 from shared.clock import Clock
-from shared.errors import HadarError
-from shared.wire.events import ModelConsolidated, Rejection, RoundAbandoned
 from shared.domain.layout import final_key, optim_key
 from shared.domain.model_meta import InvalidModelMetadata, ModelMetadata
+from shared.errors import HadarError
 from shared.store import InvalidKey, ObjectNotFound, ObjectStore
+from shared.wire.events import ModelConsolidated, Rejection, RoundAbandoned
 
 __all__ = ["RoundProducer", "AnnouncementRefused", "announcement", "STOP_WAIT_S"]
 

@@ -62,11 +62,24 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter
 
 from services.tracker.config import MAX_RETRY_S, TrackerConfig
-from shared.wire.events import Assignment, Event, JobCancelled, JobCompleted, ModelConsolidated, RoundAbandoned
 from shared.domain.layout import (
-    checkpoint_prefix, final_key, model_key, model_prefix, parse_checkpoint_key, parse_model_key, parse_optim_key,
+    checkpoint_prefix,
+    final_key,
+    model_key,
+    model_prefix,
+    parse_checkpoint_key,
+    parse_model_key,
+    parse_optim_key,
 )
 from shared.store import ObjectStore
+from shared.wire.events import (
+    Assignment,
+    Event,
+    JobCancelled,
+    JobCompleted,
+    ModelConsolidated,
+    RoundAbandoned,
+)
 
 __all__ = ["ObjectLifecycle", "ObjectJanitor", "MAX_JOBS_PER_SWEEP", "MAX_FINISHED"]
 

@@ -26,7 +26,11 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from services.tracker.averaging.consolidate import ConsolidationPlan, WriteStats, write_consolidated
+from services.tracker.averaging.consolidate import (
+    ConsolidationPlan,
+    WriteStats,
+    write_consolidated,
+)
 from shared.domain.model_meta import OPTIM_PREFIX, ModelDescription, ModelMetadata
 from shared.wire.records import JobSpec
 
@@ -48,7 +52,7 @@ class RoundOutputs:
 def _describe(spec: JobSpec | None, plan: ConsolidationPlan) -> ModelDescription | None:
     if spec is None:
         return None
-    from shared.zoo import describe   # torch: imported only when a model is written
+    from shared.zoo import describe  # torch: imported only when a model is written
 
     try:
         return describe(spec, worker_steps=plan.total_worker_steps)

@@ -37,14 +37,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from services.tracker.acceptance import CopyPlacement
+from services.tracker.due import FinishedCopy
 from services.tracker.jobs import FinishedJob, JobRecord, RoundRecord
 from services.tracker.lifecycle import ObjectLifecycle, _Job
 from services.tracker.placements import PlacementIndex, _Round
 from services.tracker.state import TrackerState
-from services.tracker.due import FinishedCopy
-from shared.wire.records import Hyperparameters, JobSpec
-from shared.persistence.snapshot import SnapshotCorrupt, StateSnapshot
 from shared.persistence.codec import register
+from shared.persistence.snapshot import SnapshotCorrupt, StateSnapshot
+from shared.wire.records import Hyperparameters, JobSpec
 
 __all__ = ["SERVICE", "Position", "TrackerSnapshot", "covered_offsets", "capture", "restore"]
 

@@ -47,17 +47,30 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 from services.tracker.acceptance import (
-    Problem, Refusal, announcement_problem, completion_problem, future_problem, key_problem,
+    Problem,
+    Refusal,
+    announcement_problem,
+    completion_problem,
+    future_problem,
+    key_problem,
     report_problem,
 )
+from services.tracker.due import CompletionWork, FinishedCopy, RoundWork
 from services.tracker.jobs import FinishedJob, JobRecord, RoundRecord
 from services.tracker.pending import HeldReport, PendingReports
 from services.tracker.placements import ROUND_HISTORY, PlacementIndex
-from services.tracker.due import CompletionWork, FinishedCopy, RoundWork
 from shared.wire.dispatch import HandlerTable
 from shared.wire.events import (
-    Assignment, CopyFinished, Event, JobCancelled, JobCompleted, JobSubmitted, ModelConsolidated, Progress,
-    RoundAbandoned, RoundStarted,
+    Assignment,
+    CopyFinished,
+    Event,
+    JobCancelled,
+    JobCompleted,
+    JobSubmitted,
+    ModelConsolidated,
+    Progress,
+    RoundAbandoned,
+    RoundStarted,
 )
 from shared.wire.topics import JOBS, MODELS, PLACEMENTS, PROGRESS
 

@@ -17,9 +17,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.bus import AckTracker, Bus, BusError, Delivery, KafkaBus, MemoryBus, Subscription
-from shared.clock import FakeClock
+from shared.bus import (
+    AckTracker,
+    Bus,
+    BusError,
+    Delivery,
+    KafkaBus,
+    MemoryBus,
+    Subscription,
+)
 from shared.bus.eventlog import fetch_log, read_bus
+from shared.clock import FakeClock
 from shared.wire.events import CopyFinished, DeadLetter, JobCancelled, Progress, encode
 from shared.wire.topics import DEADLETTER, JOBS
 

@@ -13,7 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.store import InvalidKey, LocalStore, ObjectNotFound, ObjectStore, validate_key
+from shared.store import (
+    InvalidKey,
+    LocalStore,
+    ObjectNotFound,
+    ObjectStore,
+    validate_key,
+)
 
 AWKWARD_KEYS = [
     "plain",

@@ -25,15 +25,15 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 from safetensors.torch import load_file as load_torch_file
 
+from devinfra import InfraError, InfraPaths, ensure_kafka, stop_server
 from services.scheduler.live.state import fold_log
 from shared.bus import KafkaBus
-from shared.store.settings import S3Settings
 from shared.bus.eventlog import fetch_log
-from shared.wire.events import Assignment, JobCompleted, ModelConsolidated
-from devinfra import InfraError, InfraPaths, ensure_kafka, stop_server
 from shared.domain.layout import checkpoint_key
 from shared.runtime.logging import STABLE_KEYS
 from shared.store import MinioStore
+from shared.store.settings import S3Settings
+from shared.wire.events import Assignment, JobCompleted, ModelConsolidated
 from shared.zoo import build_from_metadata
 from tests.e2e.processes import stop_services
 

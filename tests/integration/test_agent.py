@@ -19,21 +19,36 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.agent.worker.checkpoint import CheckpointMeta, read_checkpoint
-from services.agent.daemon.service import AgentConfig, AgentDaemon
 from services.agent.daemon.discovery import NodeDevices, cpu_devices, emulated_devices
+from services.agent.daemon.service import AgentConfig, AgentDaemon
 from services.agent.protocol import StoreTarget
+from services.agent.worker.checkpoint import CheckpointMeta, read_checkpoint
 from services.agent.worker.training import BatchSampler
 from shared.bus import Bus, KafkaBus, MemoryBus
-from shared.store.settings import S3Settings
-from shared.wire.events import (
-    Assignment, CopyFinished, Event, Hyperparameters, JobCancelled, JobSpec, NodeHeartbeat, NodeRegistered,
-    Progress, RoundStarted,
-)
 from shared.domain.layout import checkpoint_key, model_key
 from shared.store import LocalStore, MinioStore
+from shared.store.settings import S3Settings
+from shared.wire.events import (
+    Assignment,
+    CopyFinished,
+    Event,
+    Hyperparameters,
+    JobCancelled,
+    JobSpec,
+    NodeHeartbeat,
+    NodeRegistered,
+    Progress,
+    RoundStarted,
+)
 from shared.wire.topics import NODES, PLACEMENTS, PROGRESS
-from shared.zoo import build_model, evaluate, load_dataset, loss_function, make_optimizer
+from shared.zoo import (
+    build_model,
+    evaluate,
+    load_dataset,
+    loss_function,
+    make_optimizer,
+)
+
 
 @pytest.fixture(autouse=True)
 def one_thread() -> object:

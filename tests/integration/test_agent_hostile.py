@@ -18,15 +18,22 @@ from typing import Any
 
 import pytest
 
-from services.agent.daemon.service import AgentConfig, AgentDaemon
 from services.agent.daemon.discovery import cpu_devices
+from services.agent.daemon.service import AgentConfig, AgentDaemon
 from services.agent.protocol import StoreTarget
 from shared.bus import BusError, Delivery, MemoryBus
 from shared.bus.memory import MemorySubscription
-from shared.wire.events import (
-    Assignment, CopyFinished, DeadLetter, Event, Hyperparameters, JobCancelled, JobSpec, RoundStarted,
-)
 from shared.domain.layout import model_key
+from shared.wire.events import (
+    Assignment,
+    CopyFinished,
+    DeadLetter,
+    Event,
+    Hyperparameters,
+    JobCancelled,
+    JobSpec,
+    RoundStarted,
+)
 from shared.wire.topics import DEADLETTER, PLACEMENTS, PROGRESS
 
 NODE = "n1"

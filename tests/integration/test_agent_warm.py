@@ -17,14 +17,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from services.agent.worker.checkpoint import read_checkpoint, restore
 from services.agent.protocol import StoreTarget
+from services.agent.worker.checkpoint import read_checkpoint, restore
 from services.agent.worker.training import BatchSampler
 from shared.bus import KafkaBus
-from shared.store.settings import S3Settings
-from shared.wire.events import CopyFinished, RoundStarted
 from shared.domain.layout import model_key
 from shared.store import MinioStore
+from shared.store.settings import S3Settings
+from shared.wire.events import CopyFinished, RoundStarted
 from shared.wire.topics import PLACEMENTS
 from shared.zoo import build_model, load_dataset, loss_function, make_optimizer
 from tests.integration.test_agent import assign, job, one_thread, start_agent  # noqa: F401  (fixture)

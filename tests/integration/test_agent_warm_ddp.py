@@ -21,14 +21,14 @@ import pytest
 from safetensors.torch import save_file
 from structlog.testing import capture_logs
 
+from services.agent.protocol import StoreTarget
 from services.agent.worker.checkpoint import read_checkpoint
 from services.agent.worker.session import state_digest
-from services.agent.protocol import StoreTarget
 from shared.bus import KafkaBus
-from shared.store.settings import S3Settings
-from shared.wire.events import Progress, RoundStarted
 from shared.domain.layout import model_key
 from shared.store import MinioStore
+from shared.store.settings import S3Settings
+from shared.wire.events import Progress, RoundStarted
 from shared.wire.topics import PLACEMENTS
 from shared.zoo import build_model, load_dataset
 from tests.integration.test_agent import assign, job, one_thread, start_agent  # noqa: F401  (fixture)

@@ -12,8 +12,15 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from services.cli.main import main
 from shared.bus import KafkaBus
-from shared.wire.events import Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted, Progress
 from shared.domain.layout import final_key
+from shared.wire.events import (
+    Event,
+    JobCancelled,
+    JobCompleted,
+    JobSpec,
+    JobSubmitted,
+    Progress,
+)
 
 pytestmark = pytest.mark.kafka
 

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from devinfra import InfraPaths
+from devinfra.common import is_running, port_accepts, port_released, spawn, stop_group
 from services.cli import infra as infra_cli
 from shared.bus.settings import kafka_from_env
 from shared.store.settings import S3Settings, s3_from_env
-from devinfra import InfraPaths
-from devinfra.common import is_running, port_accepts, port_released, spawn, stop_group
 
 
 def hadar_infra(*args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

@@ -31,15 +31,22 @@ from pathlib import Path
 
 import pytest
 
-from services.agent.daemon.service import AgentConfig, AgentDaemon
+from devinfra import (
+    InfraError,
+    InfraPaths,
+    ensure_kafka,
+    ensure_minio,
+    restart,
+    stop_server,
+)
+from devinfra.common import is_running
 from services.agent.daemon.discovery import cpu_devices
+from services.agent.daemon.service import AgentConfig, AgentDaemon
 from services.agent.protocol import StoreTarget
 from shared.bus import BusError, KafkaBus
+from shared.store import MinioStore
 from shared.store.settings import S3Settings
 from shared.wire.events import CopyFinished, Event, Progress, RoundStarted
-from devinfra import InfraError, InfraPaths, ensure_kafka, ensure_minio, restart, stop_server
-from devinfra.common import is_running
-from shared.store import MinioStore
 from shared.wire.topics import PROGRESS
 from tests.integration.test_agent_hostile import NODE, assign, fake_python  # noqa: F401 (fixture)
 

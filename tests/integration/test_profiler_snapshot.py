@@ -12,10 +12,10 @@ import pytest
 from services.profiler.service import ProfilerConfig, ProfilerService
 from shared.bus import MemoryBus
 from shared.clock import FakeClock
-from shared.wire.events import JobSpec, JobSubmitted, Progress, ThroughputEstimate
 from shared.domain.layout import snapshot_key
 from shared.persistence.snapshot import dump, load
 from shared.store import LocalStore
+from shared.wire.events import JobSpec, JobSubmitted, Progress, ThroughputEstimate
 from shared.wire.topics import THROUGHPUT
 
 CONFIG = ProfilerConfig(group="prof-snap", snapshot_interval_s=0, alpha=0.5, threshold=0.0)

@@ -9,13 +9,20 @@ import time
 from collections.abc import Awaitable
 
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.core.policy import Plan, Snapshot
+from services.scheduler.core.policy import Plan, PlanRequest
 from services.scheduler.live.rerun import LoggedEvent, rerun
 from services.scheduler.live.service import SchedulerService
 from shared.bus import BusError, MemoryBus
 from shared.clock import FakeClock
 from shared.wire.events import (
-    Assignment, Event, GpuInfo, JobSpec, JobSubmitted, NodeRegistered, RoundStarted, ThroughputEstimate,
+    Assignment,
+    Event,
+    GpuInfo,
+    JobSpec,
+    JobSubmitted,
+    NodeRegistered,
+    RoundStarted,
+    ThroughputEstimate,
 )
 from shared.wire.topics import ALL_TOPICS, PLACEMENTS
 
@@ -51,12 +58,12 @@ class FlakyPolicy:
         self.inner, self.failures, self.name = inner, failures, inner.name
         self.threads: list[int] = []
 
-    def plan(self, snapshot: Snapshot) -> Plan:
+    def plan(self, request: PlanRequest) -> Plan:
         self.threads.append(threading.get_ident())
         if self.failures > 0:
             self.failures -= 1
             raise ZeroDivisionError("policy bug")
-        return self.inner.plan(snapshot)
+        return self.inner.plan(request)
 
 
 class FlakyBus(MemoryBus):
@@ -176,8 +183,8 @@ async def test_a_forged_far_ahead_round_does_not_move_the_round_counter():
 
 
 async def test_a_forged_model_announcement_is_dead_lettered_and_the_loop_goes_on():
-    from shared.wire.events import CopyWeight, DeadLetter, ModelConsolidated
     from shared.domain.layout import model_key
+    from shared.wire.events import CopyWeight, DeadLetter, ModelConsolidated
     from shared.wire.topics import DEADLETTER, MODELS
 
     bus = MemoryBus()

@@ -5,17 +5,24 @@ from __future__ import annotations
 import asyncio
 
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.policies import PolicyChoice
 from services.scheduler.live.rerun import LoggedEvent, rerun
 from services.scheduler.live.service import SchedulerService
+from services.scheduler.policies import PolicyChoice
 from shared.bus import MemoryBus
 from shared.clock import FakeClock
 from shared.wire.events import (
-    Assignment, CopyWeight, GpuInfo, JobCancelled, JobSpec, JobSubmitted, ModelConsolidated,
-    NodeRegistered, RoundStarted, ThroughputEstimate,
+    Assignment,
+    CopyWeight,
+    GpuInfo,
+    JobCancelled,
+    JobSpec,
+    JobSubmitted,
+    ModelConsolidated,
+    NodeRegistered,
+    RoundStarted,
+    ThroughputEstimate,
 )
 from shared.wire.topics import PLACEMENTS
-
 
 YARN = SchedulerConfig(policy="yarn-cs", round_s=10, heartbeat_s=1000, late_copy_s=0, consolidation_wait_s=0)
 
@@ -127,7 +134,7 @@ async def test_rounds_describe_themselves_and_rerun_without_flags():
 
     checks = list(rerun(await _log(bus)))
     assert [c.round for c in checks] == [0, 1] and all(c.matches for c in checks)
-    assert all(c.snapshot.seed == 11 for c in checks)
+    assert all(c.request.seed == 11 for c in checks)
     what_if = list(rerun(await _log(bus), override=PolicyChoice(name="yarn-cs")))
     assert not what_if[0].matches and ("b", 0, "n2", (0,)) in what_if[0].rederived
 

@@ -13,15 +13,15 @@ import pytest
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.live.rerun import assignment_decision
-from services.scheduler.live.service import SchedulerService
 from services.scheduler.live.scripted_cluster import ScriptedCluster
+from services.scheduler.live.service import SchedulerService
 from shared.bus import MemoryBus
 from shared.bus.base import dead_letter
 from shared.clock import FakeClock
-from shared.wire.events import Assignment
 from shared.domain.layout import snapshot_key
 from shared.persistence.snapshot import MAGIC, SnapshotStore, dump, load
 from shared.store import LocalStore
+from shared.wire.events import Assignment
 from shared.wire.topics import JOBS, PLACEMENTS
 
 ROUND_S = 60.0

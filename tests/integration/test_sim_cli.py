@@ -12,8 +12,12 @@ from services.cli.main import main
 from services.scheduler.policies import _REGISTRY
 from services.scheduler.sim.bounds import TtdBounds
 from services.scheduler.sim.cluster_spec import parse_cluster
+from services.scheduler.sim.report import (
+    build_summary,
+    format_text_table,
+    render_markdown,
+)
 from services.scheduler.sim.results import PolicyMetrics, UnfinishedJob
-from services.scheduler.sim.report import build_summary, format_text_table, render_markdown
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "traces" / "small.csv"
 METRIC_KEYS = {"ttd_s", "cru", "gru", "jct_mean_s", "jct_median_s", "jct_p95_s", "queue_delay_mean_s", "ftf_mean",

@@ -20,14 +20,14 @@ from pathlib import Path
 import pytest
 from safetensors.numpy import save
 
-from shared.bus import MemoryBus
-from shared.clock import FakeClock
-from shared.store.settings import S3Settings
-from shared.wire.events import RoundAbandoned
 from devinfra import InfraError, InfraPaths, ensure_minio, restart, stop_server
 from devinfra.common import is_running
+from shared.bus import MemoryBus
+from shared.clock import FakeClock
 from shared.domain.layout import checkpoint_key
 from shared.store import MinioStore
+from shared.store.settings import S3Settings
+from shared.wire.events import RoundAbandoned
 from tests.integration.test_tracker_hostile import T0, Cluster, weights
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]

@@ -19,17 +19,16 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.live.rerun import assignment_decision
-from services.scheduler.live.service import SchedulerService
 from services.scheduler.live.scripted_cluster import ScriptedCluster
+from services.scheduler.live.service import SchedulerService
 from shared.bus import Bus, MemoryBus
 from shared.bus.kafka import KafkaBus
 from shared.clock import FakeClock
-from shared.wire.events import Assignment, JobSubmitted
 from shared.domain.layout import snapshot_key
-from shared.wire.retention import topic_configs
 from shared.store import LocalStore
+from shared.wire.events import Assignment, JobSubmitted
+from shared.wire.retention import topic_configs
 from shared.wire.topics import ALL_TOPICS, JOBS, MODELS, NODES, PLACEMENTS, THROUGHPUT
-
 from tests.integration.retention_kafka import private_bootstrap, set_retention  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.kafka

@@ -21,11 +21,18 @@ from safetensors.numpy import save
 from services.tracker.service import TrackerConfig, TrackerService
 from shared.bus import MemoryBus
 from shared.clock import FakeClock
-from shared.wire.events import (
-    Assignment, CopyFinished, Event, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated, RoundStarted,
-)
 from shared.domain.layout import checkpoint_key
 from shared.store import LocalStore
+from shared.wire.events import (
+    Assignment,
+    CopyFinished,
+    Event,
+    JobCompleted,
+    JobSpec,
+    JobSubmitted,
+    ModelConsolidated,
+    RoundStarted,
+)
 from shared.wire.topics import MODELS
 
 T0 = 1_700_000_000.0

@@ -24,10 +24,17 @@ from safetensors.numpy import save
 from services.tracker.service import TrackerConfig, TrackerService
 from shared.bus import MemoryBus
 from shared.clock import FakeClock
-from shared.wire.events import CopyFinished, JobSubmitted, ModelConsolidated
 from shared.domain.layout import checkpoint_key, model_key, model_prefix
 from shared.store import LocalStore
-from tests.integration.test_tracker_service import T0, consolidations, models_events, place, spec, wait_for
+from shared.wire.events import CopyFinished, JobSubmitted, ModelConsolidated
+from tests.integration.test_tracker_service import (
+    T0,
+    consolidations,
+    models_events,
+    place,
+    spec,
+    wait_for,
+)
 
 STEPS = (30, 20, 10)
 READ_S = 0.005           # each ranged read of the slow store

@@ -22,12 +22,21 @@ from safetensors.numpy import load, save
 from services.tracker.service import TrackerConfig, TrackerService
 from shared.bus import MemoryBus
 from shared.clock import FakeClock
-from shared.wire.events import (
-    Assignment, CopyFinished, CopyWeight, DeadLetter, Event, JobCompleted, JobSpec, ModelConsolidated, Progress,
-    RoundAbandoned, RoundStarted,
-)
 from shared.domain.layout import checkpoint_key, final_key, model_key
 from shared.store import LocalStore
+from shared.wire.events import (
+    Assignment,
+    CopyFinished,
+    CopyWeight,
+    DeadLetter,
+    Event,
+    JobCompleted,
+    JobSpec,
+    ModelConsolidated,
+    Progress,
+    RoundAbandoned,
+    RoundStarted,
+)
 from shared.wire.topics import DEADLETTER, MODELS, PROGRESS
 
 T0 = 1_700_000_000.0

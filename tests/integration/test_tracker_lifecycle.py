@@ -22,11 +22,23 @@ from safetensors.numpy import save
 from services.tracker.service import TrackerConfig, TrackerService
 from shared.bus import MemoryBus
 from shared.clock import FakeClock
-from shared.wire.events import Assignment, JobCompleted, JobSpec, JobSubmitted, RoundStarted
 from shared.domain.layout import checkpoint_key, final_key, model_key
 from shared.store import LocalStore, ObjectStore
+from shared.wire.events import (
+    Assignment,
+    JobCompleted,
+    JobSpec,
+    JobSubmitted,
+    RoundStarted,
+)
 from tests.integration.test_tracker_service import (
-    T0, consolidations, finish, models_events, spec, tensors, wait_for,
+    T0,
+    consolidations,
+    finish,
+    models_events,
+    spec,
+    tensors,
+    wait_for,
 )
 
 

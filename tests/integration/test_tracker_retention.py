@@ -31,15 +31,21 @@ from safetensors.numpy import load, save
 from services.tracker.service import INPUT_TOPICS, TrackerConfig, TrackerService
 from shared.bus import Bus, KafkaBus, MemoryBus
 from shared.clock import FakeClock
-from shared.wire.events import JobSubmitted, RoundStarted
 from shared.domain.layout import final_key, model_key
 from shared.store import LocalStore, ObjectStore
+from shared.wire.events import JobSubmitted, RoundStarted
 from shared.wire.topics import JOBS, MODELS, PLACEMENTS, PROGRESS
+from tests.integration.retention_kafka import private_bootstrap, set_retention  # noqa: F401 (a fixture)
 from tests.integration.test_tracker_service import T0, spec, tensors
 from tests.integration.test_tracker_service import finish as finish_copy
-from tests.integration.test_tracker_snapshot import _completed, _described, assign, consolidated, until, written
-
-from tests.integration.retention_kafka import private_bootstrap, set_retention  # noqa: F401 (a fixture)
+from tests.integration.test_tracker_snapshot import (
+    _completed,
+    _described,
+    assign,
+    consolidated,
+    until,
+    written,
+)
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

@@ -18,17 +18,28 @@ import pytest
 from minio import Minio
 from safetensors.numpy import load, save
 
-from services.tracker.averaging.consolidate import Replica, plan_consolidation, write_consolidated
+from services.tracker.averaging.consolidate import (
+    Replica,
+    plan_consolidation,
+    write_consolidated,
+)
 from services.tracker.averaging.safetensors_format import FileRangeReader
 from services.tracker.service import TrackerConfig, TrackerService
 from shared.bus import Bus, KafkaBus, MemoryBus
 from shared.clock import FakeClock
-from shared.store.settings import S3Settings
-from shared.wire.events import (
-    Assignment, CopyFinished, Event, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated, RoundStarted,
-)
 from shared.domain.layout import checkpoint_key, final_key, model_key
 from shared.store import LocalStore, MinioStore, ObjectStore
+from shared.store.settings import S3Settings
+from shared.wire.events import (
+    Assignment,
+    CopyFinished,
+    Event,
+    JobCompleted,
+    JobSpec,
+    JobSubmitted,
+    ModelConsolidated,
+    RoundStarted,
+)
 from shared.wire.topics import MODELS, PLACEMENTS
 
 T0 = 1_700_000_000.0

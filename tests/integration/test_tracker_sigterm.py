@@ -42,13 +42,20 @@ from safetensors.numpy import load, save
 
 from services.tracker.service import TrackerConfig, TrackerService
 from shared.bus import Bus, KafkaBus, MemoryBus
-from shared.store.settings import S3Settings
-from shared.wire.events import (
-    Assignment, CopyFinished, Event, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated, RoundAbandoned,
-    RoundStarted,
-)
 from shared.domain.layout import checkpoint_key, model_key, model_prefix
 from shared.store import MinioStore, ObjectStore
+from shared.store.settings import S3Settings
+from shared.wire.events import (
+    Assignment,
+    CopyFinished,
+    Event,
+    JobCompleted,
+    JobSpec,
+    JobSubmitted,
+    ModelConsolidated,
+    RoundAbandoned,
+    RoundStarted,
+)
 from shared.wire.topics import JOBS, MODELS, PLACEMENTS, PROGRESS
 from tests.integration.test_tracker_service import _remove_bucket
 

@@ -24,15 +24,27 @@ from safetensors.numpy import load, save
 from services.tracker.service import TrackerConfig, TrackerService
 from shared.bus import Bus, BusError, KafkaBus, MemoryBus
 from shared.clock import FakeClock
-from shared.store.settings import S3Settings
-from shared.wire.events import (
-    Assignment, CopyFinished, JobCompleted, JobSubmitted, ModelConsolidated, RoundAbandoned, RoundStarted,
-)
 from shared.domain.layout import final_key, model_key
 from shared.persistence.snapshot import SnapshotStore
 from shared.store import LocalStore, MinioStore, ObjectStore
+from shared.store.settings import S3Settings
+from shared.wire.events import (
+    Assignment,
+    CopyFinished,
+    JobCompleted,
+    JobSubmitted,
+    ModelConsolidated,
+    RoundAbandoned,
+    RoundStarted,
+)
 from shared.wire.topics import PLACEMENTS
-from tests.integration.test_tracker_service import T0, _remove_bucket, models_events, spec, tensors
+from tests.integration.test_tracker_service import (
+    T0,
+    _remove_bucket,
+    models_events,
+    spec,
+    tensors,
+)
 from tests.integration.test_tracker_service import finish as finish_copy
 
 PLAIN_ROUNDS = 4                   # rounds of job A before the one decided with a report held

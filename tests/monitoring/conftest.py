@@ -21,18 +21,18 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from services.agent.daemon.service import AgentConfig, AgentDaemon
+from devinfra import InfraPaths
 from services.agent.daemon.discovery import cpu_devices
+from services.agent.daemon.service import AgentConfig, AgentDaemon
 from services.agent.protocol import StoreTarget
 from services.profiler.service import ProfilerService
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.live.service import SchedulerService
 from services.tracker.service import TrackerConfig, TrackerService
 from shared.bus import MemoryBus
-from shared.wire.events import JobSpec, JobSubmitted, ThroughputEstimate
-from devinfra import InfraPaths
 from shared.runtime.service import HttpEndpoint
 from shared.store import LocalStore
+from shared.wire.events import JobSpec, JobSubmitted, ThroughputEstimate
 from shared.wire.topics import JOBS
 
 PACKAGE = "prometheus"

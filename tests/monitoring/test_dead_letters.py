@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.live.service import SchedulerService
 from services.scheduler.live.metrics import DeadLetterTally
+from services.scheduler.live.service import SchedulerService
 from shared.bus import MemoryBus
 from shared.bus.base import dead_letter
 from shared.wire.topics import DEADLETTER, JOBS

@@ -5,13 +5,20 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.scheduler.live.state import SchedulerState
 from services.scheduler.live.metrics import SchedulerTelemetry, cluster_view
+from services.scheduler.live.state import SchedulerState
+from shared.domain.layout import model_key
 from shared.wire.events import (
-    Assignment, CopyWeight, GpuInfo, JobSpec, JobSubmitted, ModelConsolidated, NodeHeartbeat, NodeRegistered,
+    Assignment,
+    CopyWeight,
+    GpuInfo,
+    JobSpec,
+    JobSubmitted,
+    ModelConsolidated,
+    NodeHeartbeat,
+    NodeRegistered,
     RoundStarted,
 )
-from shared.domain.layout import model_key
 
 T0 = 1_700_000_000.0
 HEARTBEAT_S = 10.0

@@ -3,10 +3,10 @@ trace's lower bounds (the whole-run checks of the timeline tests)."""
 
 from __future__ import annotations
 
+from services.scheduler.policies import make_policy
 from services.scheduler.sim.bounds import TtdBounds, ttd_bounds
 from services.scheduler.sim.cluster_spec import parse_cluster
 from services.scheduler.sim.results import PolicyMetrics, compute_metrics
-from services.scheduler.policies import make_policy
 from services.scheduler.sim.simulator import SimOptions, build_throughput, simulate
 from services.scheduler.sim.traces import load_trace
 

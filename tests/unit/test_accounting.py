@@ -19,12 +19,24 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.scheduler.core.cluster import Cluster, Node
+from services.scheduler.core.policy import (
+    Placement,
+    Plan,
+    PlanRequest,
+    Wait,
+    WaitCode,
+    copy_rate,
+)
+from services.scheduler.core.throughput import ThroughputModel
+from services.scheduler.policies import make_policy
 from services.scheduler.sim.cluster_spec import parse_cluster
 from services.scheduler.sim.results import compute_metrics
-from services.scheduler.policies import make_policy
-from services.scheduler.core.policy import Placement, Plan, Snapshot, Wait, WaitCode, copy_rate
-from services.scheduler.sim.simulator import RoundObservation, SimOptions, build_throughput, simulate
-from services.scheduler.core.throughput import ThroughputModel
+from services.scheduler.sim.simulator import (
+    RoundObservation,
+    SimOptions,
+    build_throughput,
+    simulate,
+)
 from services.scheduler.sim.traces import TraceJob
 from shared.domain.progress import credited_steps, worker_steps
 
@@ -44,12 +56,12 @@ class ForkOnEveryNode:
 
     name = "test-fork-all"
 
-    def plan(self, snapshot: Snapshot) -> Plan:
+    def plan(self, request: PlanRequest) -> Plan:
         placements: list[Placement] = []
         waiting: list[Wait] = []
-        nodes = list(snapshot.cluster.nodes)
-        share = max(1, len(nodes) // max(1, len(snapshot.jobs)))
-        for job in snapshot.jobs:
+        nodes = list(request.cluster.nodes)
+        share = max(1, len(nodes) // max(1, len(request.jobs)))
+        for job in request.jobs:
             mine, nodes = nodes[:share], nodes[share:]
             if not mine:
                 waiting.append(Wait(job_id=job.job_id, code=WaitCode.CAPACITY))
@@ -145,11 +157,11 @@ def test_samples_are_conserved_every_round(case: tuple[Cluster, list[TraceJob]],
 
     def observe(obs: RoundObservation) -> None:
         by_job: dict[str, float] = defaultdict(float)
-        states = {j.job_id: j for j in obs.snapshot.jobs}
+        states = {j.job_id: j for j in obs.request.jobs}
         for (job_id, copy), parts in obs.plan.copies().items():
             k = sum(len(p.gpus) for p in parts)
             own = obs.copy_steps[(job_id, copy)]
-            assert 0 <= own <= copy_rate(obs.snapshot, states[job_id], parts) * obs.snapshot.round_s + 1e-6
+            assert 0 <= own <= copy_rate(obs.request, states[job_id], parts) * obs.request.round_s + 1e-6
             by_job[job_id] += worker_steps(own, copy_workers=k)
         for job_id, steps in obs.steps.items():
             # samples / per-worker batch: the copies' worker-steps are the job's W x its credit

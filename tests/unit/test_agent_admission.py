@@ -16,12 +16,24 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from services.agent.daemon.admission import Admission, AdmissionLimits, CopyKey, Verdict
-from services.agent.daemon.result_expiry import Outcome, RetryPolicy, publish_until, result_abandoned
-from services.agent.protocol import StoreTarget, WorkerSpec
+from services.agent.daemon.result_expiry import (
+    Outcome,
+    RetryPolicy,
+    publish_until,
+    result_abandoned,
+)
 from services.agent.daemon.validation import rendezvous_problem
+from services.agent.protocol import StoreTarget, WorkerSpec
 from shared.bus import BusError
-from shared.wire.events import Assignment, Event, Hyperparameters, InvalidEvent, JobSpec, RoundStarted
 from shared.domain.layout import checkpoint_key, final_key, model_key
+from shared.wire.events import (
+    Assignment,
+    Event,
+    Hyperparameters,
+    InvalidEvent,
+    JobSpec,
+    RoundStarted,
+)
 
 T0 = 1_700_000_000.0
 NODE = "n1"

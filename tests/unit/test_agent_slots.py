@@ -8,10 +8,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.agent.slots import (
-    EMPTY, Slot, SlotBusy, on_assign, on_assign_copy, on_copy_done, on_done, stale_peers, warm_key,
-)
 from services.agent.protocol import StoreTarget, WorkerSpec
+from services.agent.slots import (
+    EMPTY,
+    Slot,
+    SlotBusy,
+    on_assign,
+    on_assign_copy,
+    on_copy_done,
+    on_done,
+    stale_peers,
+    warm_key,
+)
 
 SPEC = WorkerSpec(job_id="j1", round=3, copy=0, node_id="n1", gpu_type="v100", model="resnet", dataset="digits",
                   batch_size=32, optimizer="sgd", lr=0.05, seed=7, rank=0, world_size=1, rendezvous=None,

@@ -13,14 +13,29 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.agent.daemon.discovery import NodeDevices, cpu_devices, emulated_devices, gpu_type_of
+from services.agent.daemon.discovery import (
+    NodeDevices,
+    cpu_devices,
+    emulated_devices,
+    gpu_type_of,
+)
 from services.agent.daemon.emulation import parse_emulation
 from services.agent.daemon.process import WorkerPool, WorkerSlots
+from services.agent.protocol import (
+    StoreTarget,
+    WorkerSpec,
+    parse_worker_line,
+    worker_line,
+)
 from services.agent.worker.session import state_digest
-from services.agent.protocol import StoreTarget, WorkerSpec, parse_worker_line, worker_line
-from services.agent.worker.training import BatchSampler, DivergedError, StopCode, TrainingLoop
-from shared.store.settings import S3Settings
+from services.agent.worker.training import (
+    BatchSampler,
+    DivergedError,
+    StopCode,
+    TrainingLoop,
+)
 from shared.domain.gpus import CATALOG, emulation_slowdown
+from shared.store.settings import S3Settings
 from shared.zoo import build_model, load_dataset, make_optimizer
 
 CPU = torch.device("cpu")

@@ -10,10 +10,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.scheduler.core.cluster import Cluster, Node
+from services.scheduler.core.policy import (
+    JobState,
+    Plan,
+    PlanRequest,
+    WaitCode,
+    check_plan,
+    copy_rate,
+)
+from services.scheduler.core.throughput import ThroughputModel
 from services.scheduler.policies import make_policy
 from services.scheduler.policies.gavel.lp import max_min_fairness, min_total_duration
-from services.scheduler.core.policy import JobState, Plan, Snapshot, WaitCode, check_plan, copy_rate
-from services.scheduler.core.throughput import ThroughputModel
 
 ROUND_S = 360.0
 BASELINES = ("yarn-cs", "tiresias", "gavel", "gavel-makespan")
@@ -35,13 +42,13 @@ def job(job_id: str, job_type: str = "even", *, workers: int = 1, steps: int = 1
                     arrival_s=arrival, **kw)
 
 
-def snap(cl: Cluster, jobs: list[JobState], *, now: float = 0.0, tm: ThroughputModel = TOY,
-         previous: Plan | None = None) -> Snapshot:
-    return Snapshot(round=int(now // ROUND_S), now_s=now, round_s=ROUND_S, cluster=cl, jobs=tuple(jobs),
+def req(cl: Cluster, jobs: list[JobState], *, now: float = 0.0, tm: ThroughputModel = TOY,
+         previous: Plan | None = None) -> PlanRequest:
+    return PlanRequest(round=int(now // ROUND_S), now_s=now, round_s=ROUND_S, cluster=cl, jobs=tuple(jobs),
                     throughput=tm, previous=previous)
 
 
-def advance(s: Snapshot, plan: Plan, arrivals: list[JobState] = ()) -> Snapshot:
+def advance(s: PlanRequest, plan: Plan, arrivals: list[JobState] = ()) -> PlanRequest:
     """One round as Gavel's simulator runs it: int(rate x round) steps, capped; done jobs leave.
 
     Deliberately leaves attained_gpu_s / time_by_type at 0: policies must keep their own books.
@@ -65,7 +72,7 @@ def waits(plan: Plan) -> dict[str, WaitCode]:
     return {w.job_id: w.code for w in plan.waiting}
 
 
-def run_checked(policy_name: str, s: Snapshot, **options: object) -> Plan:
+def run_checked(policy_name: str, s: PlanRequest, **options: object) -> Plan:
     plan = make_policy(policy_name, **options).plan(s)
     check_plan(s, plan)
     return plan
@@ -78,7 +85,7 @@ def test_four_workers_on_three_v100_three_k80_single_gpu_nodes_is_infeasible(nam
     # W=4 > 3 GPUs of every type: no type can hold the gang, whatever the other jobs do,
     # so the job waits INFEASIBLE (not CAPACITY, which would mean "not this round").
     cl = cluster(("v100",), ("v100",), ("v100",), ("k80",), ("k80",), ("k80",))
-    plan = run_checked(name, snap(cl, [job("big", "fast", workers=4), job("pair", "fast", workers=2)]))
+    plan = run_checked(name, req(cl, [job("big", "fast", workers=4), job("pair", "fast", workers=2)]))
     assert waits(plan)["big"] is WaitCode.INFEASIBLE
     assert "W=4" in next(w.detail for w in plan.waiting if w.job_id == "big")
     pair = placed(plan)["pair"]  # two single-GPU nodes of one type: spanning nodes is allowed
@@ -88,18 +95,18 @@ def test_four_workers_on_three_v100_three_k80_single_gpu_nodes_is_infeasible(nam
 @pytest.mark.parametrize("name", BASELINES)
 def test_zero_rate_everywhere_is_infeasible(name: str) -> None:
     tm = ThroughputModel(rates={("oom", "v100", 1): 0.0, ("even", "v100", 1): 1.0})
-    plan = run_checked(name, snap(cluster(("v100", "v100")), [job("x", "oom"), job("y")], tm=tm))
+    plan = run_checked(name, req(cluster(("v100", "v100")), [job("x", "oom"), job("y")], tm=tm))
     assert waits(plan) == {"x": WaitCode.INFEASIBLE}
 
 
 def test_gang_is_consolidated_on_the_best_fitting_node() -> None:
     cl = cluster(("v100",) * 4, ("v100",) * 2, ("v100",))
-    plan = run_checked("yarn-cs", snap(cl, [job("two", "fast", workers=2, arrival=0.0),
+    plan = run_checked("yarn-cs", req(cl, [job("two", "fast", workers=2, arrival=0.0),
                                             job("one", "fast", arrival=1.0)]))
     assert placed(plan) == {"two": (("n1", (0, 1)),), "one": (("n2", (0,)),)}
     # Five GPUs need two nodes: the largest, then the best fit for the remaining one.
     tm = TOY.with_rates({("fast", "v100", 5): 50.0})
-    plan = run_checked("tiresias", snap(cl, [job("five", "fast", workers=5)], tm=tm))
+    plan = run_checked("tiresias", req(cl, [job("five", "fast", workers=5)], tm=tm))
     assert placed(plan) == {"five": (("n0", (0, 1, 2, 3)), ("n2", (0,)))}
 
 
@@ -107,7 +114,7 @@ def test_gang_is_consolidated_on_the_best_fitting_node() -> None:
 
 def test_yarn_cs_is_fifo_and_non_preemptive() -> None:
     cl = cluster(("v100", "v100"))
-    s = snap(cl, [job("A"), job("B", workers=2, arrival=1.0), job("C", arrival=2.0)],
+    s = req(cl, [job("A"), job("B", workers=2, arrival=1.0), job("C", arrival=2.0)],
              tm=TOY.with_rates({("even", "v100", 2): 2.0}))
     plan = run_checked("yarn-cs", s)
     # A starts; B (W=2) does not fit behind it (PRIORITY: a job ahead in FIFO took the GPU
@@ -134,7 +141,7 @@ def test_yarn_cs_is_fifo_and_non_preemptive() -> None:
 def test_yarn_cs_starts_the_blocked_head_when_gpus_free_up() -> None:
     cl = cluster(("v100", "v100"))
     tm = TOY.with_rates({("even", "v100", 2): 2.0})
-    s = snap(cl, [job("A", steps=100), job("B", workers=2, arrival=1.0)], tm=tm)
+    s = req(cl, [job("A", steps=100), job("B", workers=2, arrival=1.0)], tm=tm)
     plan = run_checked("yarn-cs", s)
     assert set(placed(plan)) == {"A"}
     s2 = advance(s, plan)  # A finishes (100 steps < 360 steps per round)
@@ -147,7 +154,7 @@ def test_yarn_cs_starts_the_blocked_head_when_gpus_free_up() -> None:
 def test_tiresias_demotes_past_threshold_then_preempts_for_a_new_job() -> None:
     cl = cluster(("v100",))
     policy = make_policy("tiresias")  # thresholds (3600 GPU-s,): Q0 below, Q1 above
-    s = snap(cl, [job("A")])
+    s = req(cl, [job("A")])
     for _ in range(10):  # 10 rounds x 360 s x 1 GPU = 3600 GPU-s
         plan = policy.plan(s)
         check_plan(s, plan)
@@ -164,14 +171,14 @@ def test_tiresias_demotes_past_threshold_then_preempts_for_a_new_job() -> None:
 
 
 def test_tiresias_trusts_reported_attained_service_after_a_restart() -> None:
-    s = snap(cluster(("v100",)), [job("old", attained_gpu_s=7200.0), job("new", arrival=50.0)])
+    s = req(cluster(("v100",)), [job("old", attained_gpu_s=7200.0), job("new", arrival=50.0)])
     plan = run_checked("tiresias", s)
     assert set(placed(plan)) == {"new"} and plan.explain["old"]["queue"] == 1
 
 
 def test_tiresias_starvation_guard_promotes_a_long_waiting_job() -> None:
     policy = make_policy("tiresias", promote_knob=0.5)
-    s = snap(cluster(("v100",)), [job("A")])
+    s = req(cluster(("v100",)), [job("A")])
     for _ in range(10):
         s = advance(s, policy.plan(s))
     s = dataclasses.replace(s, jobs=s.jobs + (job("B", arrival=s.now_s),))
@@ -201,7 +208,7 @@ def test_max_min_lp_gives_the_v100_to_the_job_that_is_ten_times_faster_on_it() -
     rates = np.array([[10.0, 1.0], [1.0, 1.0]])  # columns: v100, k80
     x = max_min_fairness(rates, np.array([1.0, 1.0]), np.array([1.0, 1.0]), np.array([1.0, 1.0]))
     np.testing.assert_allclose(x, [[1.0, 0.0], [0.0, 1.0]], atol=1e-6)
-    plan = run_checked("gavel", snap(cluster(("v100",), ("k80",)), [job("A", "fast"), job("B", "even")]))
+    plan = run_checked("gavel", req(cluster(("v100",), ("k80",)), [job("A", "fast"), job("B", "even")]))
     assert placed(plan) == {"A": (("n0", (0,)),), "B": (("n1", (0,)),)}
     assert plan.explain["A"]["allocation"] == {"k80": 0.0, "v100": 1.0}
 
@@ -214,7 +221,7 @@ def test_max_min_lp_splits_one_gpu_by_priority_weight() -> None:
 
 def test_gavel_rotates_equal_jobs_by_time_received() -> None:
     policy = make_policy("gavel")
-    s = snap(cluster(("v100",)), [job("A"), job("B", arrival=1.0)])
+    s = req(cluster(("v100",)), [job("A"), job("B", arrival=1.0)])
     runs = []
     for _ in range(4):
         plan = policy.plan(s)
@@ -230,7 +237,7 @@ def test_gavel_new_job_waits_for_the_next_reset() -> None:
     cl = cluster(("v100",), ("v100",))
     policy = make_policy("gavel")  # min_reset_interval_s = 1920, as in Gavel
     t0 = 10 * ROUND_S  # not 0: Gavel treats a reset at t=0 as "never reset" (tested below)
-    s = snap(cl, [job("A", arrival=t0)], now=t0)
+    s = req(cl, [job("A", arrival=t0)], now=t0)
     s = advance(s, policy.plan(s), arrivals=[job("B", arrival=t0 + ROUND_S)])
     plan = policy.plan(s)
     assert waits(plan) == {"B": WaitCode.PRIORITY} and "no allocation yet" in plan.waiting[0].detail
@@ -241,7 +248,7 @@ def test_gavel_new_job_waits_for_the_next_reset() -> None:
     s = advance(s, plan)
     assert set(placed(policy.plan(s))) == {"A", "B"}
     eager = make_policy("gavel", min_reset_interval_s=0)
-    s = snap(cl, [job("A", arrival=t0)], now=t0)
+    s = req(cl, [job("A", arrival=t0)], now=t0)
     s = advance(s, eager.plan(s), arrivals=[job("B", arrival=t0 + ROUND_S)])
     assert set(placed(eager.plan(s))) == {"A", "B"}
 
@@ -250,7 +257,7 @@ def test_gavel_reset_at_time_zero_counts_as_never_reset() -> None:
     # Gavel's _update_priorities: `... or self._last_reset_time == 0`.
     cl = cluster(("v100",), ("v100",))
     policy = make_policy("gavel")
-    s = snap(cl, [job("A")])
+    s = req(cl, [job("A")])
     s = advance(s, policy.plan(s), arrivals=[job("B", arrival=ROUND_S)])
     assert set(placed(policy.plan(s))) == {"A", "B"}
 
@@ -264,7 +271,7 @@ def test_gavel_makespan_finishes_both_jobs_by_the_same_makespan() -> None:
     assert 3600.0 <= makespan <= 3600.0 * 1.05
     finish = remaining / (rates * x).sum(axis=1)
     assert np.all(finish <= makespan * (1 + 1e-6))
-    plan = run_checked("gavel-makespan", snap(cluster(("v100",), ("k80",)),
+    plan = run_checked("gavel-makespan", req(cluster(("v100",), ("k80",)),
                                               [job("A", "fast", steps=36000), job("B", "even", steps=3600)]))
     assert placed(plan) == {"A": (("n0", (0,)),), "B": (("n1", (0,)),)}
     assert plan.explain["A"]["lp_makespan_s"] == pytest.approx(makespan, abs=0.1)
@@ -277,7 +284,7 @@ def test_same_snapshot_same_decision(name: str) -> None:
     cl = cluster(("v100", "v100"), ("k80",), ("p100", "p100"))
     jobs = [job(f"j{i}", GAVEL_TABLE.job_types[(7 * i) % len(GAVEL_TABLE.job_types)],
                 arrival=float(i % 3), workers=1 + (i % 2)) for i in range(6)]
-    s = snap(cl, jobs, tm=GAVEL_TABLE)
+    s = req(cl, jobs, tm=GAVEL_TABLE)
     for _ in range(3):
         s = advance(s, make_policy(name).plan(s))
     first, second = make_policy(name).plan(s), make_policy(name).plan(s)
@@ -286,7 +293,7 @@ def test_same_snapshot_same_decision(name: str) -> None:
 
 
 @st.composite
-def random_snapshots(draw: st.DrawFn) -> Snapshot:
+def random_snapshots(draw: st.DrawFn) -> PlanRequest:
     node_specs = draw(st.lists(st.tuples(st.sampled_from(["v100", "p100", "k80"]), st.integers(1, 4)),
                                min_size=1, max_size=4))
     cl = cluster(*[(t,) * n for t, n in node_specs])
@@ -296,13 +303,13 @@ def random_snapshots(draw: st.DrawFn) -> Snapshot:
                 steps=draw(st.integers(1, 20000)), arrival=float(draw(st.integers(0, 3))),
                 priority=draw(st.sampled_from([1.0, 1.0, 2.0])))
             for i in range(n_jobs)]
-    return snap(cl, jobs, tm=GAVEL_TABLE)
+    return req(cl, jobs, tm=GAVEL_TABLE)
 
 
 @pytest.mark.parametrize("name", BASELINES)
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(s=random_snapshots())
-def test_plans_pass_check_plan_over_several_rounds(name: str, s: Snapshot) -> None:
+def test_plans_pass_check_plan_over_several_rounds(name: str, s: PlanRequest) -> None:
     policy = make_policy(name)
     for _ in range(3):
         plan = policy.plan(s)

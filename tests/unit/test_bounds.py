@@ -9,14 +9,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.sim.bounds import (
-    FORKING_POLICIES, TtdBounds, best_copy_rate, best_fork_rate, bound_for, per_gpu_rate, span_factor, ttd_bounds)
 from services.scheduler.core.cluster import Cluster, Node
+from services.scheduler.core.throughput import ThroughputModel
+from services.scheduler.policies import _REGISTRY, make_policy
+from services.scheduler.sim.bounds import (
+    FORKING_POLICIES,
+    TtdBounds,
+    best_copy_rate,
+    best_fork_rate,
+    bound_for,
+    per_gpu_rate,
+    span_factor,
+    ttd_bounds,
+)
 from services.scheduler.sim.cluster_spec import parse_cluster
 from services.scheduler.sim.results import compute_metrics
-from services.scheduler.policies import _REGISTRY, make_policy
 from services.scheduler.sim.simulator import SimOptions, simulate
-from services.scheduler.core.throughput import ThroughputModel
 from services.scheduler.sim.traces import TraceJob
 
 TABLE = ThroughputModel.from_gavel_table()

@@ -11,12 +11,24 @@ import torch
 from safetensors.torch import save_file
 
 from services.agent.worker.checkpoint import (
-    OPTIM_PREFIX, CheckpointError, CheckpointMeta, read_checkpoint, read_total_steps, restore,
-    save_checkpoint, state_tensors,
+    OPTIM_PREFIX,
+    CheckpointError,
+    CheckpointMeta,
+    read_checkpoint,
+    read_total_steps,
+    restore,
+    save_checkpoint,
+    state_tensors,
 )
-from shared.wire.events import CopyWeight
 from shared.domain.model_meta import ModelMetadata
-from shared.zoo import build_model, dataset_info, load_dataset, loss_function, make_optimizer
+from shared.wire.events import CopyWeight
+from shared.zoo import (
+    build_model,
+    dataset_info,
+    load_dataset,
+    loss_function,
+    make_optimizer,
+)
 
 META = CheckpointMeta(job="j1", round=3, copy=1, steps=5, total_steps=105, gpu_type="v100", model="resnet",
                       dataset="digits", metric_name="accuracy", metric_value=0.875)

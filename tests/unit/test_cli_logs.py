@@ -15,12 +15,22 @@ import services.cli.jobs as jobs_cli
 import services.cli.logs as logs_cli
 from services.cli.main import main
 from shared.bus import MemoryBus
-from shared.wire.events import (
-    Assignment, CopyFinished, CopyWeight, JobCancelled, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated,
-    Progress, Rejection, RoundAbandoned, RoundStarted,
-)
 from shared.domain.layout import checkpoint_key, final_key, model_key
 from shared.store import LocalStore
+from shared.wire.events import (
+    Assignment,
+    CopyFinished,
+    CopyWeight,
+    JobCancelled,
+    JobCompleted,
+    JobSpec,
+    JobSubmitted,
+    ModelConsolidated,
+    Progress,
+    Rejection,
+    RoundAbandoned,
+    RoundStarted,
+)
 
 JOB = JobSpec(job_id="lg-1", user="ada", model="resnet", dataset="digits", batch_size=32, workers=2, iterations=500)
 

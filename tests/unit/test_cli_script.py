@@ -13,11 +13,17 @@ import time
 import pytest
 
 import services.cli.jobs as jobs_cli
+from services.cli.jobfile import new_job_id
 from services.cli.main import build_parser, main
 from shared.bus import MemoryBus
-from shared.wire.events import JobCancelled, JobCompleted, JobSpec, JobSubmitted, Progress
-from services.cli.jobfile import new_job_id
 from shared.domain.layout import final_key
+from shared.wire.events import (
+    JobCancelled,
+    JobCompleted,
+    JobSpec,
+    JobSubmitted,
+    Progress,
+)
 from shared.wire.topics import JOBS
 
 

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.sim.cluster_spec import BUILTIN_CLUSTERS, GPU_TYPES, ClusterSpecError, parse_cluster
+from services.scheduler.sim.cluster_spec import (
+    BUILTIN_CLUSTERS,
+    GPU_TYPES,
+    ClusterSpecError,
+    parse_cluster,
+)
 
 
 def test_gavel_108_has_36_single_gpu_nodes_of_each_type() -> None:

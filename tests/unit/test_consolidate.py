@@ -19,10 +19,19 @@ from safetensors.torch import save_file as torch_save_file
 
 from services.cli.main import main as hadar_main
 from services.tracker.averaging.consolidate import (
-    NoUsableReplica, Replica, consolidate_local, plan_consolidation, write_consolidated,
+    NoUsableReplica,
+    Replica,
+    consolidate_local,
+    plan_consolidation,
+    write_consolidated,
 )
 from services.tracker.averaging.safetensors_format import (
-    FileRangeReader, InvalidSafetensors, bf16_to_f32, encode_header, f32_to_bf16, read_header,
+    FileRangeReader,
+    InvalidSafetensors,
+    bf16_to_f32,
+    encode_header,
+    f32_to_bf16,
+    read_header,
 )
 
 

@@ -14,10 +14,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from replica_bytes import BytesReader, entry, safetensors_bytes
+
 from services.tracker.averaging.consolidate import (
-    MAX_REPLICA_STEPS, MAX_TOTAL_STEPS, NoUsableReplica, Replica, plan_consolidation,
+    MAX_REPLICA_STEPS,
+    MAX_TOTAL_STEPS,
+    NoUsableReplica,
+    Replica,
+    plan_consolidation,
 )
 from shared.wire.events import CopyWeight, ModelConsolidated, Rejection, decode, encode
 

@@ -15,9 +15,18 @@ from scipy.linalg.blas import daxpy, saxpy
 
 from services.tracker.averaging.blas import axpy
 from services.tracker.averaging.consolidate import (
-    NoUsableReplica, Replica, WriteStats, consolidate_local, plan_consolidation, write_consolidated,
+    NoUsableReplica,
+    Replica,
+    WriteStats,
+    consolidate_local,
+    plan_consolidation,
+    write_consolidated,
 )
-from services.tracker.averaging.safetensors_format import FileRangeReader, encode_header, f32_to_bf16
+from services.tracker.averaging.safetensors_format import (
+    FileRangeReader,
+    encode_header,
+    f32_to_bf16,
+)
 from tests.unit.replica_bytes import BytesReader
 
 DTYPES = ("F16", "BF16", "F32", "F64", "I32")

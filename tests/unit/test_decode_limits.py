@@ -15,10 +15,26 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.wire.bounded_msgpack import COST_PER_BYTE, COST_SLACK, MAX_COST_PER_BYTE, UNCHARGED_MAX, cost
+from shared.wire.bounded_msgpack import (
+    COST_PER_BYTE,
+    COST_SLACK,
+    MAX_COST_PER_BYTE,
+    UNCHARGED_MAX,
+    cost,
+)
 from shared.wire.events import (
-    Assignment, CopyWeight, GpuInfo, InvalidEvent, JobSpec, ModelConsolidated, NodeRegistered, Rejection,
-    RoundStarted, Waiting, decode, encode,
+    Assignment,
+    CopyWeight,
+    GpuInfo,
+    InvalidEvent,
+    JobSpec,
+    ModelConsolidated,
+    NodeRegistered,
+    Rejection,
+    RoundStarted,
+    Waiting,
+    decode,
+    encode,
 )
 
 MIB = 1 << 20

@@ -10,11 +10,21 @@ from typing import Any
 import pytest
 
 from shared.bus import Delivery, MemoryBus
-from shared.wire.dispatch import HandlerTable, HandlerTableError
 from shared.errors import HadarError
+from shared.wire.dispatch import HandlerTable, HandlerTableError
 from shared.wire.events import (
-    EVENT_TYPES, Assignment, CopyFinished, Event, JobCancelled, JobSpec, JobSubmitted,
-    ModelConsolidated, NodeHeartbeat, Progress, RoundAbandoned, RoundStarted,
+    EVENT_TYPES,
+    Assignment,
+    CopyFinished,
+    Event,
+    JobCancelled,
+    JobSpec,
+    JobSubmitted,
+    ModelConsolidated,
+    NodeHeartbeat,
+    Progress,
+    RoundAbandoned,
+    RoundStarted,
 )
 from shared.wire.topics import ALL_TOPICS, JOBS, PLACEMENTS, PROGRESS, event_types_on
 
@@ -155,8 +165,8 @@ def test_agent_handles_its_topics_and_ignores_submissions() -> None:
 
 
 async def test_agent_defers_the_ack_only_of_its_own_assignments(tmp_path: Path) -> None:
-    from services.agent.daemon.service import AgentConfig, AgentDaemon
     from services.agent.daemon.discovery import cpu_devices
+    from services.agent.daemon.service import AgentConfig, AgentDaemon
     from services.agent.protocol import StoreTarget
 
     agent = AgentDaemon(AgentConfig(node_id="n1"), bus=MemoryBus(), store=StoreTarget.local(tmp_path),

@@ -22,8 +22,20 @@ from services.profiler.estimate import emulated_rates
 from services.profiler.service import ProfilerConfig, ProfilerService
 from shared.bus import MemoryBus
 from shared.clock import FakeClock
-from shared.wire.events import Assignment, Event, JobSpec, JobSubmitted, Progress, ThroughputEstimate
-from shared.domain.gpus import CATALOG, GPU_TYPES, emulation_reference, emulation_slowdown
+from shared.domain.gpus import (
+    CATALOG,
+    GPU_TYPES,
+    emulation_reference,
+    emulation_slowdown,
+)
+from shared.wire.events import (
+    Assignment,
+    Event,
+    JobSpec,
+    JobSubmitted,
+    Progress,
+    ThroughputEstimate,
+)
 
 T0 = 1_700_000_000.0
 SPEC = JobSpec(job_id="j1", user="u", model="resnet", dataset="digits", batch_size=32, workers=1, iterations=1000)

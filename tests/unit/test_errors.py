@@ -64,8 +64,8 @@ def test_bad_user_input_is_a_usage_error(hadar_exceptions) -> None:
 
 
 def test_documented_stdlib_bases_are_kept() -> None:
-    from shared.wire.events import InvalidEvent
     from shared.store import ObjectNotFound
+    from shared.wire.events import InvalidEvent
 
     assert issubclass(InvalidEvent, ValueError)   # shared.wire.events: "InvalidEvent (a ValueError)"
     assert issubclass(ObjectNotFound, KeyError)   # the store contract: a missing key is a KeyError

@@ -22,11 +22,11 @@ import msgpack
 import pytest
 
 from shared.wire import schema as event_schema
-from shared.wire.schema import BEGIN, CONSTRAINTS, CONSUMERS, END, schema
-from tests.unit.json_schema_check import json_to_wire, validate
 from shared.wire.events import EVENT_TYPES, InvalidEvent, decode, topic_for
 from shared.wire.records import Record
+from shared.wire.schema import BEGIN, CONSTRAINTS, CONSUMERS, END, schema
 from shared.wire.topics import DEADLETTER, TOPIC_OF_TYPE
+from tests.unit.json_schema_check import json_to_wire, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "events.md"

@@ -18,12 +18,28 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.wire.events import (
-    DEADLETTER_RAW_LIMIT, EVENT_TYPES, JOB_ID_RE, NODE_ID_RE, Assignment, CopyFinished, Event,
-    GpuInfo, InvalidEvent, JobCancelled, JobSpec, JobSubmitted, NodeHeartbeat, NodeRegistered, Progress, Record,
-    RoundStarted, decode, encode,
-)
 from shared.domain.fork_cost import MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS
+from shared.wire.events import (
+    DEADLETTER_RAW_LIMIT,
+    EVENT_TYPES,
+    JOB_ID_RE,
+    NODE_ID_RE,
+    Assignment,
+    CopyFinished,
+    Event,
+    GpuInfo,
+    InvalidEvent,
+    JobCancelled,
+    JobSpec,
+    JobSubmitted,
+    NodeHeartbeat,
+    NodeRegistered,
+    Progress,
+    Record,
+    RoundStarted,
+    decode,
+    encode,
+)
 
 INT64 = (-(2**63), 2**63 - 1)  # what msgpack can carry
 # Twelve types times ROUND_TRIP examples: kept small so the suite stays fast on 2 cores.

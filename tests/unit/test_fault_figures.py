@@ -4,11 +4,18 @@ counts as an event lost, a round lost, and a recovery."""
 from __future__ import annotations
 
 from benchmarks.fault_harness import events_lost, progress_times, rounds_lost
+from shared.domain.layout import checkpoint_key, final_key, model_key
 from shared.wire.events import (
-    Assignment, CopyFinished, CopyWeight, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated, RoundAbandoned,
+    Assignment,
+    CopyFinished,
+    CopyWeight,
+    JobCompleted,
+    JobSpec,
+    JobSubmitted,
+    ModelConsolidated,
+    RoundAbandoned,
     RoundStarted,
 )
-from shared.domain.layout import checkpoint_key, final_key, model_key
 
 SPEC = JobSpec(job_id="j", user="u", model="resnet", dataset="digits", batch_size=32, workers=1, iterations=100)
 

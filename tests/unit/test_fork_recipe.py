@@ -14,14 +14,22 @@ import msgpack
 import pytest
 
 from services.agent.daemon.runner import local_sgd_recipe
-from services.scheduler.policies import PolicyChoice
-from services.scheduler.live.rounds import RoundTiming, build_snapshot, plan_to_events
-from services.scheduler.live.state import SchedulerState
 from services.scheduler.core.throughput import ThroughputModel
-from shared.wire.events import (
-    Assignment, GpuInfo, InvalidEvent, JobSpec, JobSubmitted, NodeRegistered, ThroughputEstimate, decode, encode,
-)
+from services.scheduler.live.rounds import RoundTiming, build_request, plan_to_events
+from services.scheduler.live.state import SchedulerState
+from services.scheduler.policies import PolicyChoice
 from shared.domain.local_sgd import LocalSgd
+from shared.wire.events import (
+    Assignment,
+    GpuInfo,
+    InvalidEvent,
+    JobSpec,
+    JobSubmitted,
+    NodeRegistered,
+    ThroughputEstimate,
+    decode,
+    encode,
+)
 
 T0 = 1_700_000_000.0
 TP = ThroughputModel.from_gavel_table()
@@ -41,8 +49,8 @@ def _assignments(policy: str, nodes: int, gpus_per_node: int, workers: int) -> l
                                    rates={"v100": TP.rate(JOB_TYPE, "v100", workers)}))
     choice = PolicyChoice(name=policy)
     timing = RoundTiming(round=0, started_at=T0, round_s=360.0, heartbeat_s=5.0)
-    snap = build_snapshot(state, timing, None, seed=0)
-    events = plan_to_events(choice.build().plan(snap), snap, state, timing, choice=choice, seed=0,
+    request = build_request(state, timing, None, seed=0)
+    events = plan_to_events(choice.build().plan(request), request, state, timing, choice=choice, seed=0,
                             source="scheduler", inputs={}, decision_ms=1.0)
     return [e for e in events if isinstance(e, Assignment)]
 

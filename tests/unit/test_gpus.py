@@ -9,10 +9,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.scheduler.core.throughput import ThroughputModel
-from shared.domain import gpus
-from shared.domain import workloads
-from shared.domain.gpus import CATALOG, GPU_TYPES, GpuSpec, estimate_step, estimate_steps_per_second
-from shared.domain.workloads import JOB_TYPES, calibrated_fallback, estimate, figures_for, model_bytes
+from shared.domain import gpus, workloads
+from shared.domain.gpus import (
+    CATALOG,
+    GPU_TYPES,
+    GpuSpec,
+    estimate_step,
+    estimate_steps_per_second,
+)
+from shared.domain.workloads import (
+    JOB_TYPES,
+    calibrated_fallback,
+    estimate,
+    figures_for,
+    model_bytes,
+)
 
 TWELVE = {"k80", "p100", "v100", "t4", "t400", "a2000", "rtx3090", "titanrtx", "a100", "l4", "h100", "h200"}
 

@@ -11,14 +11,27 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.scheduler.core.cluster import Cluster, Node
+from services.scheduler.core.policy import (
+    JobState,
+    Plan,
+    PlanRequest,
+    WaitCode,
+    check_plan,
+    copy_rate,
+)
+from services.scheduler.core.throughput import ThroughputModel
 from services.scheduler.policies import make_policy
-from services.scheduler.policies.hadar.policy import Hadar
 from services.scheduler.policies.hadar.dp import best_choice, prefix_costs, round_costs
-from services.scheduler.policies.hadar.ledger import Commitment, Ledger, LedgerError, LedgerState, RowLayout
+from services.scheduler.policies.hadar.ledger import (
+    Commitment,
+    Ledger,
+    LedgerError,
+    LedgerState,
+    RowLayout,
+)
+from services.scheduler.policies.hadar.policy import Hadar
 from services.scheduler.policies.hadar.prices import PriceCurve
 from services.scheduler.policies.hadar.profile import ProfileBook
-from services.scheduler.core.policy import JobState, Plan, Snapshot, WaitCode, check_plan, copy_rate
-from services.scheduler.core.throughput import ThroughputModel
 
 TP = ThroughputModel.from_gavel_table()
 RESNET = "ResNet-18 (batch size 64)"
@@ -34,8 +47,8 @@ def single_gpu_nodes(**counts: int) -> Cluster:
     return Cluster(name="test", nodes=tuple(nodes))
 
 
-def snapshot(cluster: Cluster, jobs: list[JobState], *, round_: int = 0, previous: Plan | None = None) -> Snapshot:
-    return Snapshot(round=round_, now_s=360.0 * round_, round_s=360.0, cluster=cluster, jobs=tuple(jobs),
+def request(cluster: Cluster, jobs: list[JobState], *, round_: int = 0, previous: Plan | None = None) -> PlanRequest:
+    return PlanRequest(round=round_, now_s=360.0 * round_, round_s=360.0, cluster=cluster, jobs=tuple(jobs),
                     throughput=TP, previous=previous)
 
 
@@ -43,21 +56,21 @@ def job(job_id: str, job_type: str = RESNET, workers: int = 1, steps: int = 50_0
     return JobState(job_id=job_id, job_type=job_type, workers=workers, total_steps=steps, **kw)
 
 
-def advance(snap: Snapshot, plan: Plan) -> Snapshot:
-    """The next round's snapshot: every copy progresses at its placement rate for a round."""
+def advance(req: PlanRequest, plan: Plan) -> PlanRequest:
+    """The next round's request: every copy progresses at its placement rate for a round."""
     progress: dict[str, float] = {}
     for (job_id, _), parts in plan.copies().items():
-        j = next(x for x in snap.jobs if x.job_id == job_id)
-        progress[job_id] = progress.get(job_id, 0.0) + copy_rate(snap, j, parts) * snap.round_s
+        j = next(x for x in req.jobs if x.job_id == job_id)
+        progress[job_id] = progress.get(job_id, 0.0) + copy_rate(req, j, parts) * req.round_s
     jobs = []
-    for j in snap.jobs:
+    for j in req.jobs:
         done = min(float(j.total_steps), j.steps_done + progress.get(j.job_id, 0.0))
         if done < j.total_steps:
             jobs.append(replace(j, steps_done=done))
-    return replace(snap, round=snap.round + 1, now_s=snap.now_s + snap.round_s, jobs=tuple(jobs), previous=plan)
+    return replace(req, round=req.round + 1, now_s=req.now_s + req.round_s, jobs=tuple(jobs), previous=plan)
 
 
-def assert_ledger_consistent(snap: Snapshot, state: LedgerState) -> None:
+def assert_ledger_consistent(req: PlanRequest, state: LedgerState) -> None:
     cap = state.layout.row_cap
     z = state.committed
     assert (z >= 0).all() and (z <= cap[None, :]).all(), "ledger exceeds a row's capacity"
@@ -66,7 +79,7 @@ def assert_ledger_consistent(snap: Snapshot, state: LedgerState) -> None:
         for i, r in enumerate(c.rounds):
             if state.round <= r < state.round + state.horizon:
                 rebuilt[r - state.round, c.rows] += c.counts[i]
-                assert c.counts[i].sum() == next(j for j in snap.jobs if j.job_id == c.job_id).workers
+                assert c.counts[i].sum() == next(j for j in req.jobs if j.job_id == c.job_id).workers
     assert (rebuilt == z).all(), "ledger differs from the sum of its commitments"
 
 
@@ -235,9 +248,9 @@ def test_best_choice_trades_utility_against_cheaper_later_rounds():
 
 def test_four_worker_resnet_runs_on_a_mix_of_three_v100_and_three_k80():
     cluster = single_gpu_nodes(v100=3, k80=3)
-    snap = snapshot(cluster, [job("r", workers=4)])
-    plan = make_policy("hadar").plan(snap)
-    check_plan(snap, plan)
+    req = request(cluster, [job("r", workers=4)])
+    plan = make_policy("hadar").plan(req)
+    check_plan(req, plan)
     nodes = {p.node_id for p in plan.placements}
     assert len(nodes) == 4 and {n.split("-")[0] for n in nodes} == {"v100", "k80"}
     assert sum(n.startswith("k80") for n in nodes) == 3          # slow GPUs first: V100s stay free
@@ -246,15 +259,15 @@ def test_four_worker_resnet_runs_on_a_mix_of_three_v100_and_three_k80():
 
 def test_recommendation_job_goes_to_the_p100_it_runs_fastest_on():
     cluster = single_gpu_nodes(v100=1, p100=1, k80=1)
-    plan = make_policy("hadar").plan(snapshot(cluster, [job("rec", RECO)]))
+    plan = make_policy("hadar").plan(request(cluster, [job("rec", RECO)]))
     assert [p.node_id for p in plan.placements] == ["p100-0"]
 
 
 def test_job_that_no_placement_can_run_is_infeasible():
     cluster = single_gpu_nodes(v100=2)
-    snap = snapshot(cluster, [job("big", workers=4), job("r50", "ResNet-50 (batch size 128)", workers=2)])
-    plan = make_policy("hadar").plan(replace(snap, cluster=single_gpu_nodes(k80=2)))
-    check_plan(replace(snap, cluster=single_gpu_nodes(k80=2)), plan)
+    req = request(cluster, [job("big", workers=4), job("r50", "ResNet-50 (batch size 128)", workers=2)])
+    plan = make_policy("hadar").plan(replace(req, cluster=single_gpu_nodes(k80=2)))
+    check_plan(replace(req, cluster=single_gpu_nodes(k80=2)), plan)
     assert {w.job_id: w.code for w in plan.waiting} == {"big": WaitCode.INFEASIBLE, "r50": WaitCode.INFEASIBLE}
 
 
@@ -270,10 +283,10 @@ class FixedUtility:
 
 def test_job_worth_less_than_its_cheapest_schedule_waits_with_its_payoff():
     cluster = single_gpu_nodes(v100=1)
-    snap = snapshot(cluster, [job("worthless", steps=30_000)])
+    req = request(cluster, [job("worthless", steps=30_000)])
     policy = Hadar(utility=FixedUtility({"worthless": 0.0}), backfill=False)
-    plan = policy.plan(snap)
-    check_plan(snap, plan)
+    plan = policy.plan(req)
+    check_plan(req, plan)
     (wait,) = plan.waiting
     assert wait.code is WaitCode.PAYOFF and "best payoff" in wait.detail
     state = plan.state
@@ -283,7 +296,7 @@ def test_job_worth_less_than_its_cheapest_schedule_waits_with_its_payoff():
     assert f"{-rounds * curve.floor:.6g}" in wait.detail
     assert not plan.placements and not state.commitments
     # With back-fill on, the idle GPU goes to it anyway (it costs nothing this round).
-    filled = Hadar(utility=FixedUtility({"worthless": 0.0})).plan(snap)
+    filled = Hadar(utility=FixedUtility({"worthless": 0.0})).plan(req)
     assert [p.job_id for p in filled.placements] == ["worthless"] and filled.explain["worthless"]["source"] == "backfill"
 
 
@@ -291,7 +304,7 @@ def test_low_priority_job_is_priced_out_by_a_committed_one():
     cluster = Cluster(name="pair", nodes=(Node(node_id="a", gpus=("v100", "v100")),))
     jobs = [job("vip", steps=10_000_000, priority=1.0), job("low", steps=10_000, priority=1e-5)]
     # the prices alone (a critical rule commits the jobs it picks whatever their payoff)
-    plan = Hadar(backfill=False, critical=False).plan(snapshot(cluster, jobs))
+    plan = Hadar(backfill=False, critical=False).plan(request(cluster, jobs))
     codes = {w.job_id: w.code for w in plan.waiting}
     assert "vip" in plan.state.commitments and codes == {"low": WaitCode.PAYOFF}
     assert plan.explain["low"]["payoff"] <= 0
@@ -300,9 +313,9 @@ def test_low_priority_job_is_priced_out_by_a_committed_one():
 def test_committed_schedule_slides_with_the_rounds_and_replans_on_drift():
     cluster = single_gpu_nodes(v100=2)
     policy = make_policy("hadar", critical=False)      # the ledger's own rules: critical jobs are re-planned
-    snap = snapshot(cluster, [job("a", steps=200_000), job("b", steps=150_000)])
-    plan = policy.plan(snap)
-    nxt = advance(snap, plan)
+    req = request(cluster, [job("a", steps=200_000), job("b", steps=150_000)])
+    plan = policy.plan(req)
+    nxt = advance(req, plan)
     plan2 = policy.plan(nxt)
     assert "replanned" not in plan2.explain["a"]
     assert plan2.state.commitments["a"] is plan.state.commitments["a"]     # kept as is
@@ -314,11 +327,11 @@ def test_committed_schedule_slides_with_the_rounds_and_replans_on_drift():
 def test_node_leaving_replans_only_the_jobs_on_it():
     cluster = Cluster(name="two", nodes=(Node(node_id="a", gpus=("v100",)), Node(node_id="b", gpus=("v100",))))
     policy = make_policy("hadar", critical=False)      # the ledger's own rules: critical jobs are re-planned
-    snap = snapshot(cluster, [job("x", steps=100_000), job("y", steps=100_000)])
-    plan = policy.plan(snap)
+    req = request(cluster, [job("x", steps=100_000), job("y", steps=100_000)])
+    plan = policy.plan(req)
     on_b = next(p.job_id for p in plan.placements if p.node_id == "b")
     other = "x" if on_b == "y" else "y"
-    nxt = replace(advance(snap, plan), cluster=Cluster(name="one", nodes=(cluster.nodes[0],)))
+    nxt = replace(advance(req, plan), cluster=Cluster(name="one", nodes=(cluster.nodes[0],)))
     plan2 = policy.plan(nxt)
     check_plan(nxt, plan2)
     assert plan2.explain[on_b]["replanned"] == "cluster changed" and "replanned" not in plan2.explain[other]
@@ -330,9 +343,9 @@ def test_node_leaving_replans_only_the_jobs_on_it():
 @PROPS
 @given(cluster=clusters(), jobs=job_lists(), backfill=st.booleans())
 def test_plans_are_valid_gangs_and_waits_are_explained(cluster, jobs, backfill):
-    snap = snapshot(cluster, jobs)
-    plan = Hadar(backfill=backfill).plan(snap)
-    check_plan(snap, plan)
+    req = request(cluster, jobs)
+    plan = Hadar(backfill=backfill).plan(req)
+    check_plan(req, plan)
     workers = {j.job_id: j.workers for j in jobs}
     for (job_id, copy), parts in plan.copies().items():
         assert copy == 0 and sum(len(p.gpus) for p in parts) == workers[job_id]   # exactly the gang
@@ -342,18 +355,18 @@ def test_plans_are_valid_gangs_and_waits_are_explained(cluster, jobs, backfill):
     for job_id, c in plan.state.commitments.items():
         # a critical job is committed whatever its payoff at the prices (hadar.py "Online algorithm")
         assert c.utility - c.cost > 0 or plan.explain[job_id].get("critical")
-    assert_ledger_consistent(snap, plan.state)
+    assert_ledger_consistent(req, plan.state)
 
 
 @PROPS
 @given(cluster=clusters(), jobs=job_lists(), seed=st.integers(0, 3))
 def test_same_snapshot_and_seed_give_the_same_plan(cluster, jobs, seed):
-    snap = replace(snapshot(cluster, jobs), seed=seed)
-    first = make_policy("hadar").plan(snap)
-    again = make_policy("hadar").plan(snap)
+    req = replace(request(cluster, jobs), seed=seed)
+    first = make_policy("hadar").plan(req)
+    again = make_policy("hadar").plan(req)
     assert first.decision() == again.decision()
     assert (first.state.committed == again.state.committed).all()
-    nxt = advance(snap, first)
+    nxt = advance(req, first)
     assert make_policy("hadar").plan(nxt).decision() == make_policy("hadar").plan(nxt).decision()
 
 
@@ -361,11 +374,11 @@ def test_same_snapshot_and_seed_give_the_same_plan(cluster, jobs, seed):
 @given(cluster=clusters(), jobs=job_lists(max_jobs=6), rounds=st.integers(2, 6))
 def test_ledger_never_exceeds_capacity_over_rounds(cluster, jobs, rounds):
     policy = Hadar(horizon=8)
-    snap = snapshot(cluster, jobs)
+    req = request(cluster, jobs)
     for _ in range(rounds):
-        plan = policy.plan(snap)
-        check_plan(snap, plan)
-        assert_ledger_consistent(snap, plan.state)
-        snap = advance(snap, plan)
-        if not snap.jobs:
+        plan = policy.plan(req)
+        check_plan(req, plan)
+        assert_ledger_consistent(req, plan.state)
+        req = advance(req, plan)
+        if not req.jobs:
             break

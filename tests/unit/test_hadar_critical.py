@@ -7,12 +7,25 @@ import math
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.policies.hadar.policy import Hadar
-from services.scheduler.policies.hadar.critical import critical_jobs, rounds_needed, target_end
-from services.scheduler.policies.hadar.profile import ProfileBook
 from services.scheduler.core.policy import JobState, check_plan
-from tests.unit.test_hadar import (RESNET, TP, advance, assert_ledger_consistent, clusters, job, job_lists,
-                                   single_gpu_nodes, snapshot)
+from services.scheduler.policies.hadar.critical import (
+    critical_jobs,
+    rounds_needed,
+    target_end,
+)
+from services.scheduler.policies.hadar.policy import Hadar
+from services.scheduler.policies.hadar.profile import ProfileBook
+from tests.unit.test_hadar import (
+    RESNET,
+    TP,
+    advance,
+    assert_ledger_consistent,
+    clusters,
+    job,
+    job_lists,
+    request,
+    single_gpu_nodes,
+)
 
 PROPS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 needs = st.dictionaries(st.sampled_from([f"j{i}" for i in range(8)]), st.integers(0, 2000), max_size=8)
@@ -74,41 +87,41 @@ def test_long_job_among_short_ones_runs_without_a_break_once_critical_and_ends_b
     rate = TP.rate(RESNET, "v100", 1) * 360.0
     jobs = [job("long", steps=int(40 * rate))] + [job(f"s{i:02d}", steps=int(2 * rate)) for i in range(40)]
     policy = Hadar(horizon=8, critical_slack=0.1, critical_rule="laxity")
-    snap = snapshot(cluster, jobs)
+    req = request(cluster, jobs)
     target, critical_since, short_on_v100 = None, None, 0
     for _ in range(200):
-        plan = policy.plan(snap)
-        check_plan(snap, plan)
-        assert_ledger_consistent(snap, plan.state)
+        plan = policy.plan(req)
+        check_plan(req, plan)
+        assert_ledger_consistent(req, plan.state)
         target = plan.state.target_end if target is None else target
         assert plan.state.target_end == target            # no arrivals: E stays where it was set
         placed = {p.job_id: p.node_id for p in plan.placements}
         if plan.explain["long"].get("critical") and critical_since is None:
-            critical_since = snap.round
+            critical_since = req.round
         if critical_since is not None:
-            left = next(j for j in snap.jobs if j.job_id == "long").remaining
+            left = next(j for j in req.jobs if j.job_id == "long").remaining
             if left > 2 * rate:   # it needs more rounds than any short job: it is planned first
-                assert placed["long"] == "v100-0", f"round {snap.round}: critical job not on its V100"
+                assert placed["long"] == "v100-0", f"round {req.round}: critical job not on its V100"
         short_on_v100 += sum(1 for j, n in placed.items() if j != "long" and n == "v100-0")
-        snap = advance(snap, plan)
-        if "long" not in {j.job_id for j in snap.jobs}:
+        req = advance(req, plan)
+        if "long" not in {j.job_id for j in req.jobs}:
             break
     assert critical_since is not None and critical_since > 0   # it waited while it had laxity
     assert short_on_v100 > 0                                    # and the short jobs used the V100 then
-    assert snap.round <= target                                 # it ended by E
+    assert req.round <= target                                 # it ended by E
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cluster=clusters(), jobs=job_lists(max_jobs=6), rounds=st.integers(2, 6), slack=st.floats(0, 0.5))
 def test_critical_planning_never_over_allocates(cluster, jobs, rounds, slack):
     policy = Hadar(horizon=8, critical_slack=slack)
-    snap = snapshot(cluster, jobs)
+    req = request(cluster, jobs)
     for _ in range(rounds):
-        plan = policy.plan(snap)
-        check_plan(snap, plan)
-        assert_ledger_consistent(snap, plan.state)
-        snap = advance(snap, plan)
-        if not snap.jobs:
+        plan = policy.plan(req)
+        check_plan(req, plan)
+        assert_ledger_consistent(req, plan.state)
+        req = advance(req, plan)
+        if not req.jobs:
             break
 
 

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.scheduler.core.cluster import Cluster, Node
-from services.scheduler.core.policy import JobState, Snapshot
+from services.scheduler.core.policy import JobState, PlanRequest
 from services.scheduler.core.throughput import ThroughputModel
 from services.scheduler.policies import make_policy
 from services.scheduler.policies.hadar.ledger import RowLayout
@@ -161,7 +161,7 @@ def test_the_gangs_rounding_credit_is_carried_in_hadars_state_and_survives_a_sna
     cluster = nodes(*AWS5)
     jobs = gangs(cluster, 100, 60) + [JobState(job_id="s", job_type=RESNET18, workers=1,
                                                total_steps=steps(RESNET18, "v100", 50))]
-    plan = make_policy("hadar").plan(Snapshot(round=0, now_s=0.0, round_s=360.0, cluster=cluster, jobs=tuple(jobs),
+    plan = make_policy("hadar").plan(PlanRequest(round=0, now_s=0.0, round_s=360.0, cluster=cluster, jobs=tuple(jobs),
                                               throughput=TP))
     state = plan.state
     assert set(state.gang_credit) == {"g0", "g1"} and all(-1.0 <= v <= 1.0 for v in state.gang_credit.values())

@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.scheduler.core.cluster import Cluster, Node
+from services.scheduler.core.policy import JobState, PlanRequest, check_plan, copy_rate
+from services.scheduler.core.throughput import ThroughputModel
 from services.scheduler.policies import make_policy
 from services.scheduler.policies.hadar.policy import Hadar
-from services.scheduler.core.policy import JobState, Snapshot, check_plan, copy_rate
-from services.scheduler.core.throughput import ThroughputModel
 from shared.domain import workloads
 
 TP = ThroughputModel.from_gavel_table()
@@ -44,27 +44,27 @@ def job_lists(draw) -> list[JobState]:
     return jobs
 
 
-def advance(snap: Snapshot, plan) -> Snapshot:
+def advance(req: PlanRequest, plan) -> PlanRequest:
     """Next round: every copy progresses at its placement rate for one round."""
     progress: dict[str, float] = defaultdict(float)
-    by_id = {j.job_id: j for j in snap.jobs}
+    by_id = {j.job_id: j for j in req.jobs}
     for (job_id, _), parts in plan.copies().items():
-        progress[job_id] += copy_rate(snap, by_id[job_id], parts) * snap.round_s
-    jobs = tuple(replace(j, steps_done=j.steps_done + progress[j.job_id]) for j in snap.jobs
+        progress[job_id] += copy_rate(req, by_id[job_id], parts) * req.round_s
+    jobs = tuple(replace(j, steps_done=j.steps_done + progress[j.job_id]) for j in req.jobs
                  if j.steps_done + progress[j.job_id] < j.total_steps)
-    return replace(snap, round=snap.round + 1, now_s=snap.now_s + snap.round_s, jobs=jobs, previous=plan)
+    return replace(req, round=req.round + 1, now_s=req.now_s + req.round_s, jobs=jobs, previous=plan)
 
 
-def snap_of(cluster: Cluster, jobs: list[JobState]) -> Snapshot:
-    return Snapshot(round=0, now_s=0.0, round_s=360.0, cluster=cluster, jobs=tuple(jobs), throughput=TP)
+def request_of(cluster: Cluster, jobs: list[JobState]) -> PlanRequest:
+    return PlanRequest(round=0, now_s=0.0, round_s=360.0, cluster=cluster, jobs=tuple(jobs), throughput=TP)
 
 
 @pytest.mark.parametrize("mode", ["first-class", "leftover"])
 def test_lone_job_forks_onto_every_idle_node(mode):
     cluster = Cluster(name="three", nodes=tuple(Node(node_id=f"n{i}", gpus=("v100", "v100")) for i in range(3)))
-    snap = snap_of(cluster, [JobState(job_id="a", job_type=RESNET, workers=2, total_steps=10_000_000)])
-    plan = make_policy("hadare", fork=mode).plan(snap)
-    check_plan(snap, plan)
+    req = request_of(cluster, [JobState(job_id="a", job_type=RESNET, workers=2, total_steps=10_000_000)])
+    plan = make_policy("hadare", fork=mode).plan(req)
+    check_plan(req, plan)
     copies = plan.copies()
     assert sorted(c for _, c in copies) == [0, 1, 2]
     assert {p.node_id for p in plan.placements} == {"n0", "n1", "n2"}
@@ -77,10 +77,10 @@ def test_copies_go_to_the_job_the_gpus_advance_most_relative_to_its_remaining_wo
     per_round = TP.rate(RESNET, "v100", 1) * 360.0
     big = JobState(job_id="big", job_type=RESNET, workers=1, total_steps=int(200 * per_round))
     small = JobState(job_id="small", job_type=RESNET, workers=1, total_steps=int(20 * per_round))
-    snap = snap_of(cluster, [big, small])
-    base = Hadar(critical=False).plan(snap)   # HadarE's primary (no critical-first planning)
+    req = request_of(cluster, [big, small])
+    base = Hadar(critical=False).plan(req)   # HadarE's primary (no critical-first planning)
     assert {p.job_id for p in base.placements} == {"big", "small"}
-    plan = make_policy("hadare", fork="leftover").plan(snap)
+    plan = make_policy("hadare", fork="leftover").plan(req)
     extra = [p for p in plan.placements if p.copy > 0]
     assert len(extra) == 1 and extra[0].job_id == "small"      # 1/19 of its rest beats 1/199 of big's
 
@@ -88,9 +88,9 @@ def test_copies_go_to_the_job_the_gpus_advance_most_relative_to_its_remaining_wo
 def test_copies_use_only_gpus_hadar_left_idle_and_fewest_that_finish():
     cluster = Cluster(name="one", nodes=(Node(node_id="a", gpus=("v100",) * 4), Node(node_id="b", gpus=("v100",) * 4)))
     tiny = JobState(job_id="tiny", job_type=RESNET, workers=4, total_steps=int(1.5 * TP.rate(RESNET, "v100", 4) * 360))
-    snap = snap_of(cluster, [tiny])
-    plan = make_policy("hadare", fork="leftover").plan(snap)
-    check_plan(snap, plan)
+    req = request_of(cluster, [tiny])
+    plan = make_policy("hadare", fork="leftover").plan(req)
+    check_plan(req, plan)
     copies = plan.copies()
     primary = {p.node_id for p in copies[("tiny", 0)]}
     (copy1,) = [parts for (j, c), parts in copies.items() if c == 1]
@@ -102,10 +102,10 @@ def test_copies_use_only_gpus_hadar_left_idle_and_fewest_that_finish():
 @PROPS
 @given(cluster=clusters(), jobs=job_lists())
 def test_forked_plans_are_valid_and_extend_hadars(cluster, jobs):
-    snap = snap_of(cluster, jobs)
-    base = Hadar(critical=False).plan(snap)   # leftover mode's primary (no critical-first planning)
-    plan = make_policy("hadare", fork="leftover").plan(snap)
-    check_plan(snap, plan)
+    req = request_of(cluster, jobs)
+    base = Hadar(critical=False).plan(req)   # leftover mode's primary (no critical-first planning)
+    plan = make_policy("hadare", fork="leftover").plan(req)
+    check_plan(req, plan)
     assert set(base.placements) <= set(plan.placements)
     used = {(p.node_id, g) for p in base.placements for g in p.gpus}
     nodes_of: dict[str, list[str]] = defaultdict(list)
@@ -122,10 +122,10 @@ def test_forked_plans_are_valid_and_extend_hadars(cluster, jobs):
 @PROPS
 @given(cluster=clusters(), jobs=job_lists(), seed=st.integers(0, 3))
 def test_hadare_is_deterministic_over_rounds(cluster, jobs, seed):
-    snap = replace(snap_of(cluster, jobs), seed=seed)
-    first, again = make_policy("hadare").plan(snap), make_policy("hadare").plan(snap)
+    req = replace(request_of(cluster, jobs), seed=seed)
+    first, again = make_policy("hadare").plan(req), make_policy("hadare").plan(req)
     assert first.decision() == again.decision()
-    nxt = advance(snap, first)
+    nxt = advance(req, first)
     if nxt.jobs:
         plan = make_policy("hadare").plan(nxt)
         check_plan(nxt, plan)
@@ -142,9 +142,9 @@ def one_gpu_nodes(*types: str) -> Cluster:
 @PROPS
 @given(cluster=clusters(), jobs=job_lists())
 def test_first_class_copies_never_overallocate_and_each_sits_on_one_node(cluster, jobs):
-    snap = snap_of(cluster, jobs)
-    plan = make_policy("hadare").plan(snap)
-    check_plan(snap, plan)      # no GPU twice, <= W workers per copy, copies of a job on distinct nodes
+    req = request_of(cluster, jobs)
+    plan = make_policy("hadare").plan(req)
+    check_plan(req, plan)      # no GPU twice, <= W workers per copy, copies of a job on distinct nodes
     workers = {j.job_id: j.workers for j in jobs}
     types = {n.node_id: n.gpus for n in cluster.nodes}
     for (job_id, _), parts in plan.copies().items():
@@ -163,7 +163,7 @@ def test_shortest_job_takes_every_node_first():
     per_round = TP.rate(RESNET, "v100", 1) * 360.0
     jobs = [JobState(job_id="long", job_type=RESNET, workers=1, total_steps=int(100 * per_round)),
             JobState(job_id="short", job_type=RESNET, workers=1, total_steps=int(10 * per_round), arrival_s=1.0)]
-    plan = make_policy("hadare").plan(snap_of(cluster, jobs))
+    plan = make_policy("hadare").plan(request_of(cluster, jobs))
     assert {p.job_id for p in plan.placements} == {"short"}
     assert len(plan.placements) == 3
     assert [w.job_id for w in plan.waiting] == ["long"]
@@ -174,7 +174,7 @@ def test_a_job_that_one_copy_finishes_is_not_forked_until_leftovers():
     per_round = TP.rate(RESNET, "v100", 1) * 360.0
     jobs = [JobState(job_id="tiny", job_type=RESNET, workers=1, total_steps=int(0.5 * per_round)),
             JobState(job_id="big", job_type=RESNET, workers=1, total_steps=int(50 * per_round))]
-    plan = make_policy("hadare").plan(snap_of(cluster, jobs))
+    plan = make_policy("hadare").plan(request_of(cluster, jobs))
     assert sorted((p.job_id, p.copy) for p in plan.placements) == [("big", 0), ("tiny", 0)]
 
 
@@ -183,9 +183,9 @@ def test_consolidation_cost_decides_how_many_copies():
     cluster = one_gpu_nodes("v100", "v100", "v100")
     job = JobState(job_id="a", job_type=RESNET, workers=1, total_steps=10_000_000,
                    model_bytes=workloads.model_bytes(RESNET))
-    snap = snap_of(cluster, [job])
-    fast = make_policy("hadare", store_gbps=100.0).plan(snap)
-    slow = make_policy("hadare", store_gbps=1e-5).plan(snap)
+    req = request_of(cluster, [job])
+    fast = make_policy("hadare", store_gbps=100.0).plan(req)
+    slow = make_policy("hadare", store_gbps=1e-5).plan(req)
     assert len(fast.placements) == 3
     assert [(p.job_id, p.copy) for p in slow.placements] == [("a", 0)]
 
@@ -199,7 +199,7 @@ def test_a_jobs_own_optimizer_slots_override_the_policys_default():
     def copies(slots: int | None, **options) -> int:
         job = JobState(job_id="a", job_type=RESNET, workers=1, total_steps=10_000_000, model_bytes=size,
                        optimizer_slots=slots)
-        return len(make_policy("hadare", store_gbps=0.002, **options).plan(snap_of(cluster, [job])).placements)
+        return len(make_policy("hadare", store_gbps=0.002, **options).plan(request_of(cluster, [job])).placements)
 
     assert copies(0) == 3 and copies(2) == 1
     assert copies(None, optimizer_slots=0) == 3 and copies(None, optimizer_slots=2) == 1
@@ -235,5 +235,5 @@ def test_makespan_split_keeps_the_slow_type_for_the_job_efficient_on_it():
 
     split = type_split(jobs, cluster, credited)
     assert split["rec"] == {"k80"} and "v100" in split["r50"]
-    plan = make_policy("hadare", split="makespan").plan(snap_of(cluster, jobs))
+    plan = make_policy("hadare", split="makespan").plan(request_of(cluster, jobs))
     assert sorted((p.job_id, p.node_id) for p in plan.placements) == [("r50", "n0"), ("rec", "n1")]

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.scheduler.core.cluster import Cluster, Node
-from services.scheduler.core.policy import JobState, Snapshot
+from services.scheduler.core.policy import JobState, PlanRequest
 from services.scheduler.core.throughput import ThroughputModel
 from services.scheduler.policies import make_policy
 from services.scheduler.policies.hadare.timeline import (
@@ -215,13 +215,13 @@ def test_the_policy_carries_its_target_end_from_round_to_round():
     jobs = (JobState(job_id="a", job_type=JOB_TYPES[0], workers=1, total_steps=2_000_000),
             JobState(job_id="b", job_type=JOB_TYPES[3], workers=1, total_steps=400_000))
     policy = make_policy("hadare")
-    first = policy.plan(Snapshot(round=0, now_s=0.0, round_s=360.0, cluster=cluster, jobs=jobs, throughput=TP))
+    first = policy.plan(PlanRequest(round=0, now_s=0.0, round_s=360.0, cluster=cluster, jobs=jobs, throughput=TP))
     assert isinstance(first.state, TimelineState) and first.state.job_ids == {"a", "b"}
-    again = policy.plan(Snapshot(round=1, now_s=360.0, round_s=360.0, cluster=cluster, jobs=jobs, throughput=TP,
+    again = policy.plan(PlanRequest(round=1, now_s=360.0, round_s=360.0, cluster=cluster, jobs=jobs, throughput=TP,
                                  previous=first))
     assert again.state.end_s == first.state.end_s       # nothing arrived, the plan is on time: E kept
     assert make_policy("hadare", split="makespan").plan(
-        Snapshot(round=0, now_s=0.0, round_s=360.0, cluster=cluster, jobs=jobs, throughput=TP)).state is None
+        PlanRequest(round=0, now_s=0.0, round_s=360.0, cluster=cluster, jobs=jobs, throughput=TP)).state is None
 
 
 def test_above_pool_above_jobs_the_plan_is_valid_and_the_shortest_run_first():
@@ -229,9 +229,9 @@ def test_above_pool_above_jobs_the_plan_is_valid_and_the_shortest_run_first():
     per_round = TP.rate(JOB_TYPES[0], "v100", 1) * 360.0
     jobs = tuple(JobState(job_id=f"j{i:03d}", job_type=JOB_TYPES[0], workers=1, total_steps=int(per_round * (2 + i)))
                  for i in range(POOL_ABOVE + 20))
-    snap = Snapshot(round=0, now_s=0.0, round_s=360.0, cluster=cluster, jobs=jobs, throughput=TP)
-    plan = make_policy("hadare").plan(snap)
+    req = PlanRequest(round=0, now_s=0.0, round_s=360.0, cluster=cluster, jobs=jobs, throughput=TP)
+    plan = make_policy("hadare").plan(req)
     from services.scheduler.core.policy import check_plan
-    check_plan(snap, plan)
+    check_plan(req, plan)
     placed = {p.job_id for p in plan.placements}
     assert len(plan.placements) == 40 and "j000" in placed and f"j{POOL_ABOVE + 19:03d}" not in placed

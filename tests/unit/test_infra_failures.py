@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from devinfra.common import InfraError, exit_status, failure_tail, is_running, log_tail, spawn, wait_for
+from devinfra.common import (
+    InfraError,
+    exit_status,
+    failure_tail,
+    is_running,
+    log_tail,
+    spawn,
+    wait_for,
+)
 
 
 def _start(tmp_path: Path, script: str) -> tuple[int, str, Path]:

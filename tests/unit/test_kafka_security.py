@@ -25,11 +25,25 @@ from shared.bus.settings import KafkaSecurity, kafka_from_env, kafka_security_fr
 from shared.errors import ConfigError
 from shared.runtime.connection import add_bus_args, kafka_settings
 from shared.security.principals import (
-    ADMIN, PRINCIPALS, SERVICE_PRINCIPALS, kafka_acls, s3_policy, s3_user,
+    ADMIN,
+    PRINCIPALS,
+    SERVICE_PRINCIPALS,
+    kafka_acls,
+    s3_policy,
+    s3_user,
 )
 from shared.security.scram import salted_password
 from shared.security.tls import make_tls
-from shared.wire.topics import ALL_TOPICS, DEADLETTER, JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
+from shared.wire.topics import (
+    ALL_TOPICS,
+    DEADLETTER,
+    JOBS,
+    MODELS,
+    NODES,
+    PLACEMENTS,
+    PROGRESS,
+    THROUGHPUT,
+)
 
 SASL = {"HADAR_BOOTSTRAP": "b:9093", "HADAR_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
         "HADAR_KAFKA_USERNAME": "tracker", "HADAR_KAFKA_PASSWORD": "pw-env"}

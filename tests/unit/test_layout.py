@@ -9,8 +9,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shared.domain.layout import (
-    CheckpointKey, ModelKey, checkpoint_key, checkpoint_prefix, final_key, model_key, model_prefix,
-    optim_key, optim_key_of, parse_checkpoint_key, parse_final_key, parse_model_key, parse_optim_key,
+    CheckpointKey,
+    ModelKey,
+    checkpoint_key,
+    checkpoint_prefix,
+    final_key,
+    model_key,
+    model_prefix,
+    optim_key,
+    optim_key_of,
+    parse_checkpoint_key,
+    parse_final_key,
+    parse_model_key,
+    parse_optim_key,
 )
 from shared.store import validate_key
 

@@ -10,21 +10,29 @@ from __future__ import annotations
 import pytest
 
 from services.scheduler.core.cluster import Cluster, Node
-from services.scheduler.policies import PolicyChoice, make_policy
 from services.scheduler.core.policy import JobState
+from services.scheduler.core.throughput import ThroughputModel
 from services.scheduler.live.rerun import LoggedEvent, rerun
-from services.scheduler.live.rounds import RoundTiming, build_snapshot, plan_to_events
-from services.scheduler.sim.simulator import RoundObservation, SimOptions, simulate
+from services.scheduler.live.rounds import RoundTiming, build_request, plan_to_events
 from services.scheduler.live.snapshot import capture, restore
 from services.scheduler.live.state import SchedulerState
-from services.scheduler.core.throughput import ThroughputModel
+from services.scheduler.policies import PolicyChoice, make_policy
+from services.scheduler.sim.simulator import RoundObservation, SimOptions, simulate
 from services.scheduler.sim.traces import TraceJob
 from shared.domain import workloads
-from shared.wire.events import (
-    GpuInfo, InvalidEvent, JobCancelled, JobSpec, JobSubmitted, NodeRegistered, ThroughputEstimate, decode, encode,
-)
 from shared.domain.fork_cost import MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS
 from shared.persistence.snapshot import dump, load
+from shared.wire.events import (
+    GpuInfo,
+    InvalidEvent,
+    JobCancelled,
+    JobSpec,
+    JobSubmitted,
+    NodeRegistered,
+    ThroughputEstimate,
+    decode,
+    encode,
+)
 from shared.wire.topics import JOBS, NODES, PLACEMENTS, THROUGHPUT
 
 T0 = 1_700_000_000.0
@@ -57,8 +65,8 @@ def _live_state(model_bytes: int) -> SchedulerState:
 
 
 def _live_copies(state: SchedulerState) -> int:
-    snap = build_snapshot(state, RoundTiming(round=0, started_at=T0, round_s=360.0, heartbeat_s=5.0), None, seed=0)
-    plan = make_policy("hadare", store_gbps=STORE_GBPS).plan(snap)
+    req = build_request(state, RoundTiming(round=0, started_at=T0, round_s=360.0, heartbeat_s=5.0), None, seed=0)
+    plan = make_policy("hadare", store_gbps=STORE_GBPS).plan(req)
     return len(plan.placements)
 
 
@@ -86,8 +94,8 @@ def test_the_fold_keeps_the_latest_stated_size_and_drops_it_with_the_job():
     state = _live_state(1000)
     state.apply(_estimate("job-a", model_bytes=0, ts=T0 + 1))        # a measurement: states no size
     state.apply(_estimate("job-a", model_bytes=2000, optimizer_slots=2, ts=T0 + 2))
-    snap = build_snapshot(state, RoundTiming(round=0, started_at=T0, round_s=360.0, heartbeat_s=5.0), None, seed=0)
-    assert [(j.model_bytes, j.optimizer_slots) for j in snap.jobs] == [(2000, 2)]
+    req = build_request(state, RoundTiming(round=0, started_at=T0, round_s=360.0, heartbeat_s=5.0), None, seed=0)
+    assert [(j.model_bytes, j.optimizer_slots) for j in req.jobs] == [(2000, 2)]
     state.apply(JobCancelled(ts=T0 + 3, source="cli", job_id="job-a"))
     assert "job-a" not in state.sizes
 
@@ -98,8 +106,8 @@ def test_a_size_known_before_the_job_is_kept_for_it():
     state.apply(JobSubmitted(ts=T0, source="cli", job=JobSpec(job_id="job-a", user="u", model=MODEL, dataset="d",
                                                               batch_size=BATCH, workers=1, iterations=10),
                              submitted_at=T0))
-    snap = build_snapshot(state, RoundTiming(round=0, started_at=T0, round_s=360.0, heartbeat_s=5.0), None, seed=0)
-    assert snap.jobs[0].model_bytes == 4000 and snap.jobs[0].optimizer_slots == 1
+    req = build_request(state, RoundTiming(round=0, started_at=T0, round_s=360.0, heartbeat_s=5.0), None, seed=0)
+    assert req.jobs[0].model_bytes == 4000 and req.jobs[0].optimizer_slots == 1
 
 
 def test_a_job_state_without_a_size_is_charged_nothing_and_slots_default_to_the_policy():
@@ -147,9 +155,9 @@ def _recorded_log() -> list[LoggedEvent]:
         state.apply(e)
     choice = PolicyChoice(name="hadare", options={"store_gbps": STORE_GBPS})
     timing = RoundTiming(round=0, started_at=T0, round_s=360.0, heartbeat_s=5.0)
-    snap = build_snapshot(state, timing, None, seed=0)
+    req = build_request(state, timing, None, seed=0)
     inputs = {f"{NODES}:0": len(nodes), f"{JOBS}:0": 1, f"{THROUGHPUT}:0": 1}
-    events = plan_to_events(choice.build().plan(snap), snap, state, timing, choice=choice, seed=0,
+    events = plan_to_events(choice.build().plan(req), req, state, timing, choice=choice, seed=0,
                             source="scheduler", inputs=inputs, decision_ms=1.0)
     log = [LoggedEvent(topic=NODES, partition=0, offset=i, event=e) for i, e in enumerate(nodes)]
     log += [LoggedEvent(topic=JOBS, partition=0, offset=0, event=job),
@@ -162,7 +170,7 @@ def test_rerun_reproduces_the_sized_plan_from_the_folded_estimate():
     log = _recorded_log()
     [check] = rerun(log)
     assert check.matches and len(check.recorded) == 1
-    assert [(j.job_id, j.model_bytes) for j in check.snapshot.jobs] == [("job-a", workloads.model_bytes(JOB_TYPE))]
+    assert [(j.job_id, j.model_bytes) for j in check.request.jobs] == [("job-a", workloads.model_bytes(JOB_TYPE))]
     # The folded size is what decided: the same log with an estimate that states none
     # re-derives the uncharged plan (a copy on every node), not the recorded one.
     unsized = [LoggedEvent(topic=i.topic, partition=i.partition, offset=i.offset, event=_estimate("job-a"))

@@ -11,9 +11,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
-from services.tracker.averaging.consolidate import Rejected, Replica, plan_consolidation, write_consolidated
+from services.tracker.averaging.consolidate import (
+    Rejected,
+    Replica,
+    plan_consolidation,
+    write_consolidated,
+)
 from services.tracker.averaging.safetensors_format import FileRangeReader, read_header
-from shared.domain.model_meta import InvalidModelMetadata, ModelDescription, ModelMetadata
+from shared.domain.model_meta import (
+    InvalidModelMetadata,
+    ModelDescription,
+    ModelMetadata,
+)
 from shared.wire.records import CopyWeight, Rejection
 
 META = ModelMetadata(job="j1", round=3, total_steps=250, mode="steps",

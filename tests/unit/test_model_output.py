@@ -13,15 +13,32 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from services.agent.worker.checkpoint import (
-    OPTIM_PREFIX, CheckpointError, CheckpointMeta, restore, save_checkpoint, state_tensors, with_optimizer_state,
+    OPTIM_PREFIX,
+    CheckpointError,
+    CheckpointMeta,
+    restore,
+    save_checkpoint,
+    state_tensors,
+    with_optimizer_state,
 )
 from services.tracker.averaging.consolidate import Replica, plan_consolidation
-from services.tracker.model_files import OPTIM_FORMAT, held_out_metric, write_round_outputs
 from services.tracker.averaging.safetensors_format import FileRangeReader
-from shared.errors import UsageError
+from services.tracker.model_files import (
+    OPTIM_FORMAT,
+    held_out_metric,
+    write_round_outputs,
+)
 from shared.domain.model_meta import ModelMetadata
+from shared.errors import UsageError
 from shared.wire.records import Hyperparameters, JobSpec
-from shared.zoo import build_from_metadata, build_model, evaluate, load_dataset, loss_function, make_optimizer
+from shared.zoo import (
+    build_from_metadata,
+    build_model,
+    evaluate,
+    load_dataset,
+    loss_function,
+    make_optimizer,
+)
 
 SPEC = JobSpec(job_id="j1", user="alice", model="resnet-w8-d1", dataset="digits", batch_size=16, workers=2,
                iterations=1000, hyper=Hyperparameters(optimizer="adam", lr=0.01, seed=3))

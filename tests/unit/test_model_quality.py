@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from shared.domain.layout import checkpoint_key
 
+
 def _load_benchmark() -> ModuleType:
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "model_quality.py"
     spec = importlib.util.spec_from_file_location("bench_model_quality", path)

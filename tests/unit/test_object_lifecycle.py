@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from services.tracker.lifecycle import MAX_JOBS_PER_SWEEP, ObjectLifecycle
-from shared.wire.events import JobCancelled, RoundAbandoned
 from shared.domain.layout import checkpoint_key, final_key, model_key, optim_key
+from shared.wire.events import JobCancelled, RoundAbandoned
 from tests.unit.tracker_events import T0, assignment, completed, consolidated
 
 CK = [checkpoint_key("j1", r, c) for r in range(6) for c in range(2)]

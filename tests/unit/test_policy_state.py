@@ -7,19 +7,25 @@ import dataclasses
 import pytest
 
 from services.scheduler.core.cluster import Cluster, Node
-from services.scheduler.policies import POLICY_NAMES, make_policy
-from services.scheduler.core.policy import JobState, Plan, PolicyState, Snapshot, previous_state
+from services.scheduler.core.policy import (
+    JobState,
+    Plan,
+    PlanRequest,
+    PolicyState,
+    previous_state,
+)
 from services.scheduler.core.throughput import ThroughputModel
+from services.scheduler.policies import POLICY_NAMES, make_policy
 
 TOY = ThroughputModel(rates={("a", "v100", 1): 2.0, ("a", "k80", 1): 1.0,
                              ("a", "v100", 2): 4.0, ("a", "k80", 2): 2.0})
 
 
-def _snapshot(previous: Plan | None = None) -> Snapshot:
+def _snapshot(previous: Plan | None = None) -> PlanRequest:
     cluster = Cluster(name="t", nodes=(Node(node_id="n0", gpus=("v100", "v100")), Node(node_id="n1", gpus=("k80",))))
     jobs = (JobState(job_id="j1", job_type="a", workers=1, total_steps=10_000),
             JobState(job_id="j2", job_type="a", workers=2, total_steps=10_000, arrival_s=1.0))
-    return Snapshot(round=0, now_s=0.0, round_s=360.0, cluster=cluster, jobs=jobs, throughput=TOY,
+    return PlanRequest(round=0, now_s=0.0, round_s=360.0, cluster=cluster, jobs=jobs, throughput=TOY,
                     previous=previous)
 
 

@@ -7,14 +7,24 @@ import time
 
 import pytest
 
-from services.profiler.estimate import catalog_rates, checkpoint_size, emulated_rates, job_figures_for
+from services.profiler.estimate import (
+    catalog_rates,
+    checkpoint_size,
+    emulated_rates,
+    job_figures_for,
+)
 from services.profiler.service import ProfilerConfig, ProfilerService
 from services.profiler.state import ProfilerState
-from shared.domain import gpus
-from shared.domain import workloads
 from shared.bus import MemoryBus
 from shared.clock import FakeClock
-from shared.wire.events import Hyperparameters, JobSpec, JobSubmitted, Progress, ThroughputEstimate
+from shared.domain import gpus, workloads
+from shared.wire.events import (
+    Hyperparameters,
+    JobSpec,
+    JobSubmitted,
+    Progress,
+    ThroughputEstimate,
+)
 from shared.wire.topics import THROUGHPUT
 
 T0 = 1_700_000_000.0

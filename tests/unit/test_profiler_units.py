@@ -14,8 +14,7 @@ import pytest
 from services.profiler.estimate import catalog_rates, job_figures_for
 from services.profiler.state import ProfilerState
 from services.scheduler.core.throughput import ThroughputModel
-from shared.domain import gpus
-from shared.domain import workloads
+from shared.domain import gpus, workloads
 from shared.wire.events import JobSpec, Progress
 
 T0 = 1_700_000_000.0

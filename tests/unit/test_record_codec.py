@@ -23,13 +23,36 @@ import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from test_events import HOSTILE, ROUND_TRIP, any_event, envelope_shaped, msgpack_values, mutated_valid
+from test_events import (
+    HOSTILE,
+    ROUND_TRIP,
+    any_event,
+    envelope_shaped,
+    msgpack_values,
+    mutated_valid,
+)
 
 from shared.wire import records
 from shared.wire.events import (
-    EVENT_TYPES, Assignment, CopyWeight, DeadLetter, Event, GpuInfo, Hyperparameters, InvalidEvent, JobSpec,
-    JobSubmitted, ModelConsolidated, NodeRegistered, Progress, Record, RoundStarted, ThroughputEstimate, Waiting,
-    decode, encode,
+    EVENT_TYPES,
+    Assignment,
+    CopyWeight,
+    DeadLetter,
+    Event,
+    GpuInfo,
+    Hyperparameters,
+    InvalidEvent,
+    JobSpec,
+    JobSubmitted,
+    ModelConsolidated,
+    NodeRegistered,
+    Progress,
+    Record,
+    RoundStarted,
+    ThroughputEstimate,
+    Waiting,
+    decode,
+    encode,
 )
 from shared.wire.record_codec import converter
 from shared.wire.record_compile import NAMES, fast_test, wire_test

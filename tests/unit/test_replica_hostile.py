@@ -14,15 +14,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from replica_bytes import BytesReader, entry, safetensors_bytes
 from safetensors.numpy import load_file, save_file
 from safetensors.torch import save_file as torch_save_file
 
-from replica_bytes import BytesReader, entry, safetensors_bytes
 from services.tracker.averaging.consolidate import (
-    NoUsableReplica, Replica, consolidate_local, plan_consolidation, write_consolidated,
+    NoUsableReplica,
+    Replica,
+    consolidate_local,
+    plan_consolidation,
+    write_consolidated,
 )
-from services.tracker.averaging.safetensors_format import FileRangeReader, InvalidSafetensors, read_header
-
+from services.tracker.averaging.safetensors_format import (
+    FileRangeReader,
+    InvalidSafetensors,
+    read_header,
+)
 
 GOOD_HEADER = {"a": entry("F32", [2], [0, 8]), "b": entry("F32", [3], [8, 20])}
 

@@ -16,11 +16,23 @@ import struct
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from replica_bytes import BytesReader, safetensors_bytes
-from services.tracker.averaging.consolidate import NoUsableReplica, Replica, plan_consolidation, write_consolidated
+
+from services.tracker.averaging.consolidate import (
+    NoUsableReplica,
+    Replica,
+    plan_consolidation,
+    write_consolidated,
+)
 from services.tracker.averaging.safetensors_format import (
-    DTYPE_SIZES, FLOAT_DTYPES, MAX_DIMS, Header, InvalidSafetensors, bf16_to_f32, encode_header, read_header,
+    DTYPE_SIZES,
+    FLOAT_DTYPES,
+    MAX_DIMS,
+    Header,
+    InvalidSafetensors,
+    bf16_to_f32,
+    encode_header,
+    read_header,
 )
 
 LAYOUT = [("w", "F32", (6, 5)), ("h", "F16", (7,)), ("b", "BF16", (9,)), ("d", "F64", (3,)),

@@ -10,7 +10,15 @@ import yaml
 
 from shared.wire import events
 from shared.wire.retention import TOPIC_CONFIGS, config_string, topic_configs
-from shared.wire.topics import ALL_TOPICS, JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
+from shared.wire.topics import (
+    ALL_TOPICS,
+    JOBS,
+    MODELS,
+    NODES,
+    PLACEMENTS,
+    PROGRESS,
+    THROUGHPUT,
+)
 
 STACK = Path(__file__).resolve().parents[2] / "deploy" / "stack.yml"
 DAY_MS = 86_400_000

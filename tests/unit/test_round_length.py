@@ -6,10 +6,15 @@ from __future__ import annotations
 import pytest
 
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.live.round_length import WINDOW, RoundCosts, copy_startup_s, stretched_round_s
+from services.scheduler.live.round_length import (
+    WINDOW,
+    RoundCosts,
+    copy_startup_s,
+    stretched_round_s,
+)
 from services.scheduler.live.state import SchedulerState
-from shared.wire.events import JobSubmitted, RoundAbandoned
 from shared.runtime.config import FieldError
+from shared.wire.events import JobSubmitted, RoundAbandoned
 from tests.unit.test_scheduler_state import T0, _round, node, spec
 
 

@@ -10,12 +10,21 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from services.scheduler.live.state import SchedulerState
-from shared.wire.events import (
-    Assignment, CopyWeight, GpuInfo, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated, NodeHeartbeat,
-    NodeRegistered, RoundStarted, ThroughputEstimate,
-)
-from shared.domain.layout import final_key, model_key
 from shared.bus.rejection import Rejected
+from shared.domain.layout import final_key, model_key
+from shared.wire.events import (
+    Assignment,
+    CopyWeight,
+    GpuInfo,
+    JobCompleted,
+    JobSpec,
+    JobSubmitted,
+    ModelConsolidated,
+    NodeHeartbeat,
+    NodeRegistered,
+    RoundStarted,
+    ThroughputEstimate,
+)
 
 T0 = 1_700_000_000.0
 

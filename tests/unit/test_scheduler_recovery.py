@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from services.scheduler.policies import PolicyChoice
 from services.scheduler.core.policy import Placement, Plan
 from services.scheduler.live.recovery import resume
 from services.scheduler.live.snapshot import SchedulerSnapshot
 from services.scheduler.live.state import SchedulerState
+from services.scheduler.policies import PolicyChoice
 
 HADAR = PolicyChoice(name="hadar")
 PLAN = Plan(placements=(Placement(job_id="j", copy=0, node_id="n", gpus=(0,)),))

@@ -1,14 +1,25 @@
-"""The live scheduler's fold, snapshot and round events, without a broker."""
+"""The live scheduler's fold, plan request and round events, without a broker."""
 
 from __future__ import annotations
 
-from services.scheduler.policies import PolicyChoice
 from services.scheduler.core.policy import Placement, Plan, Wait, WaitCode
-from services.scheduler.live.rounds import RoundTiming, build_snapshot, plan_to_events
+from services.scheduler.live.rounds import RoundTiming, build_request, plan_to_events
 from services.scheduler.live.state import SchedulerState
+from services.scheduler.policies import PolicyChoice
 from shared.wire.events import (
-    Assignment, GpuInfo, JobCancelled, JobSpec, JobSubmitted, ModelConsolidated, NodeHeartbeat,
-    NodeRegistered, Progress, RoundStarted, ThroughputEstimate, CopyFinished, CopyWeight,
+    Assignment,
+    CopyFinished,
+    CopyWeight,
+    GpuInfo,
+    JobCancelled,
+    JobSpec,
+    JobSubmitted,
+    ModelConsolidated,
+    NodeHeartbeat,
+    NodeRegistered,
+    Progress,
+    RoundStarted,
+    ThroughputEstimate,
 )
 from shared.wire.topics import JOBS
 
@@ -85,34 +96,34 @@ def _state_with_cluster() -> SchedulerState:
 YARN = PolicyChoice(name="yarn-cs")
 
 
-def test_snapshot_on_recorded_nodes_ignores_heartbeats():
+def test_a_request_on_recorded_nodes_ignores_heartbeats():
     state = _state_with_cluster()
     timing = RoundTiming(round=0, started_at=T0 + 10_000, round_s=10, heartbeat_s=5)   # every node silent
-    assert build_snapshot(state, timing, None, seed=0).cluster.nodes == ()
-    recorded = build_snapshot(state, timing, None, seed=0, nodes=("n2", "gone"))
+    assert build_request(state, timing, None, seed=0).cluster.nodes == ()
+    recorded = build_request(state, timing, None, seed=0, nodes=("n2", "gone"))
     assert [n.node_id for n in recorded.cluster.nodes] == ["n2"]
 
 
-def test_snapshot_reflects_state():
+def test_the_request_reflects_the_state():
     state = _state_with_cluster()
     timing = RoundTiming(round=0, started_at=T0 + 5, round_s=10, heartbeat_s=5)
-    snap = build_snapshot(state, timing, None, seed=3)
-    assert [n.node_id for n in snap.cluster.nodes] == ["n1", "n2"]
-    assert snap.cluster.by_id["n1"].gpus == ("v100", "v100")
-    assert [j.job_id for j in snap.jobs] == ["a", "b"]
-    assert snap.throughput.rate("a", "v100", 3) == 30.0
-    assert snap.seed == 3 and snap.now_s == T0 + 5
+    request = build_request(state, timing, None, seed=3)
+    assert [n.node_id for n in request.cluster.nodes] == ["n1", "n2"]
+    assert request.cluster.by_id["n1"].gpus == ("v100", "v100")
+    assert [j.job_id for j in request.jobs] == ["a", "b"]
+    assert request.throughput.rate("a", "v100", 3) == 30.0
+    assert request.seed == 3 and request.now_s == T0 + 5
 
 
 def test_plan_to_events_spanning_copy_gets_ranks_rendezvous_and_peers():
     state = _state_with_cluster()
     timing = RoundTiming(round=4, started_at=T0 + 5, round_s=10, heartbeat_s=5)
-    snap = build_snapshot(state, timing, None, seed=0)
+    request = build_request(state, timing, None, seed=0)
     plan = Plan(placements=(Placement(job_id="a", copy=0, node_id="n1", gpus=(0, 1)),
                             Placement(job_id="a", copy=0, node_id="n2", gpus=(0,))),
                 waiting=(Wait(job_id="b", code=WaitCode.CAPACITY, detail="no free GPU"),))
     choice = PolicyChoice(name="hadar", options={"horizon": 16})
-    events = plan_to_events(plan, snap, state, timing, choice=choice, seed=7, source="scheduler",
+    events = plan_to_events(plan, request, state, timing, choice=choice, seed=7, source="scheduler",
                             inputs={f"{JOBS}:0": 2}, decision_ms=1.5)
     started, *assignments = events
     assert isinstance(started, RoundStarted) and started.round == 4 and started.assignments == 2
@@ -133,11 +144,11 @@ def test_step_budget_is_split_across_copies_by_rate():
     state.apply(ThroughputEstimate(ts=T0, source="p", job_id="b", basis="estimate", workers=1,
                                    rates={"v100": 30.0, "t4": 10.0}))
     timing = RoundTiming(round=0, started_at=T0 + 5, round_s=10, heartbeat_s=5)
-    snap = build_snapshot(state, timing, None, seed=0)
+    request = build_request(state, timing, None, seed=0)
     plan = Plan(placements=(Placement(job_id="b", copy=0, node_id="n1", gpus=(0,)),
                             Placement(job_id="b", copy=1, node_id="n2", gpus=(0,))),
                 waiting=(Wait(job_id="a", code=WaitCode.CAPACITY),))
-    budgets = {e.copy: e.step_budget for e in plan_to_events(plan, snap, state, timing, choice=YARN, seed=0,
+    budgets = {e.copy: e.step_budget for e in plan_to_events(plan, request, state, timing, choice=YARN, seed=0,
                                                              source="s", inputs={}, decision_ms=0) if isinstance(e, Assignment)}
     assert budgets == {0: 75, 1: 25}
 
@@ -151,11 +162,11 @@ def test_step_budgets_of_copies_on_fewer_than_w_workers_are_in_their_own_steps()
     state.apply(ThroughputEstimate(ts=T0, source="p", job_id="w2", basis="estimate", workers=1,
                                    rates={"v100": 30.0, "t4": 10.0}))
     timing = RoundTiming(round=0, started_at=T0 + 5, round_s=10, heartbeat_s=5)
-    snap = build_snapshot(state, timing, None, seed=0)
+    request = build_request(state, timing, None, seed=0)
     plan = Plan(placements=(Placement(job_id="w2", copy=0, node_id="n1", gpus=(0,)),
                             Placement(job_id="w2", copy=1, node_id="n2", gpus=(0,))),
                 waiting=(Wait(job_id="a", code=WaitCode.CAPACITY), Wait(job_id="b", code=WaitCode.CAPACITY)))
-    events = plan_to_events(plan, snap, state, timing, choice=YARN, seed=0, source="s", inputs={}, decision_ms=0)
+    events = plan_to_events(plan, request, state, timing, choice=YARN, seed=0, source="s", inputs={}, decision_ms=0)
     budgets = {e.copy: e.step_budget for e in events if isinstance(e, Assignment)}
     assert budgets == {0: 150, 1: 50}
     # Together they are worth the job's remaining steps: 150 x 1/2 + 50 x 1/2 = 100.
@@ -167,11 +178,11 @@ def test_a_budget_in_copy_steps_is_rounded_up_and_overshoots_by_at_most_a_step_p
     state.apply(ThroughputEstimate(ts=T0, source="p", job_id="w3", basis="estimate", workers=1,
                                    rates={"v100": 7.0, "t4": 7.0}))
     timing = RoundTiming(round=0, started_at=T0 + 5, round_s=10, heartbeat_s=5)
-    snap = build_snapshot(state, timing, None, seed=0)
+    request = build_request(state, timing, None, seed=0)
     plan = Plan(placements=(Placement(job_id="w3", copy=0, node_id="n1", gpus=(0,)),
                             Placement(job_id="w3", copy=1, node_id="n2", gpus=(0,))),
                 waiting=(Wait(job_id="a", code=WaitCode.CAPACITY), Wait(job_id="b", code=WaitCode.CAPACITY)))
-    events = plan_to_events(plan, snap, state, timing, choice=YARN, seed=0, source="s", inputs={}, decision_ms=0)
+    events = plan_to_events(plan, request, state, timing, choice=YARN, seed=0, source="s", inputs={}, decision_ms=0)
     budgets = [e.step_budget for e in events if isinstance(e, Assignment)]
     assert budgets == [152, 152]   # 50.5 job steps each = 151.5 copy steps, rounded up
     credited = sum(b * 1 / 3 for b in budgets)
@@ -237,8 +248,8 @@ def test_finished_jobs_drop_their_rates_and_live_progress():
 
 
 def test_only_the_latest_finished_jobs_keep_their_records():
-    from shared.wire.events import JobCompleted
     from shared.domain.layout import final_key, model_key
+    from shared.wire.events import JobCompleted
 
     state = SchedulerState(finished_kept=2)
     state.apply(RoundStarted(ts=T0, source="s", round=0, policy="x", started_at=T0, ends_at=T0 + 10))

@@ -20,8 +20,7 @@ from services.profiler.service import ProfilerConfig
 from services.tracker.cli import tracker_config
 from services.tracker.service import TrackerConfig
 from shared.bus import MemoryBus
-from shared.errors import ConfigError
-from shared.errors import UsageError
+from shared.errors import ConfigError, UsageError
 from shared.runtime.config import flag_name, load_config
 
 NODE = {"node_id": "n1"}

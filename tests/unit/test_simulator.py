@@ -12,20 +12,32 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
+from services.scheduler.core.policy import (
+    Placement,
+    Plan,
+    PlanRequest,
+    Wait,
+    WaitCode,
+    copy_rate,
+)
+from services.scheduler.core.throughput import ThroughputModel
+from services.scheduler.policies import _REGISTRY, make_policy
 from services.scheduler.sim.cluster_spec import parse_cluster
 from services.scheduler.sim.results import compute_metrics, utilization_series
-from services.scheduler.policies import _REGISTRY, make_policy
-from services.scheduler.core.policy import Placement, Plan, Snapshot, Wait, WaitCode, copy_rate
-from services.scheduler.sim.simulator import RoundObservation, SimOptions, finish_time, simulate
-from services.scheduler.core.throughput import ThroughputModel
+from services.scheduler.sim.simulator import (
+    RoundObservation,
+    SimOptions,
+    finish_time,
+    simulate,
+)
 from services.scheduler.sim.traces import TraceJob, generate_jobs
 
 TABLE = ThroughputModel.from_gavel_table()
 
 
-def free_slots(snapshot: Snapshot) -> dict[str, list[tuple[str, int]]]:
+def free_slots(request: PlanRequest) -> dict[str, list[tuple[str, int]]]:
     slots: dict[str, list[tuple[str, int]]] = defaultdict(list)
-    for node in snapshot.cluster.nodes:
+    for node in request.cluster.nodes:
         for i, t in enumerate(node.gpus):
             slots[t].append((node.node_id, i))
     return slots
@@ -43,12 +55,12 @@ class GreedyFifo:
 
     name = "test-greedy-fifo"
 
-    def plan(self, snapshot: Snapshot) -> Plan:
-        free = free_slots(snapshot)
+    def plan(self, request: PlanRequest) -> Plan:
+        free = free_slots(request)
         placements: list[Placement] = []
         waiting: list[Wait] = []
-        for job in snapshot.jobs:
-            options = [(snapshot.throughput.rate(job.job_type, t, job.workers), t) for t, s in free.items()
+        for job in request.jobs:
+            options = [(request.throughput.rate(job.job_type, t, job.workers), t) for t, s in free.items()
                        if len(s) >= job.workers]
             rate, gpu_type = max(options, default=(0.0, ""))
             if rate <= 0:
@@ -65,13 +77,13 @@ class ForkEverywhere:
 
     name = "test-fork"
 
-    def plan(self, snapshot: Snapshot) -> Plan:
-        if not snapshot.jobs:
+    def plan(self, request: PlanRequest) -> Plan:
+        if not request.jobs:
             return Plan()
-        head, rest = snapshot.jobs[0], snapshot.jobs[1:]
+        head, rest = request.jobs[0], request.jobs[1:]
         placements = [Placement(job_id=head.job_id, copy=c, node_id=node.node_id,
                                 gpus=tuple(range(min(head.workers, node.size))))
-                      for c, node in enumerate(snapshot.cluster.nodes)]
+                      for c, node in enumerate(request.cluster.nodes)]
         return Plan(placements=tuple(placements),
                     waiting=tuple(Wait(job_id=j.job_id, code=WaitCode.PRIORITY) for j in rest))
 
@@ -82,13 +94,13 @@ class TaskLevelMixer:
 
     name = "test-mixer"
 
-    def plan(self, snapshot: Snapshot) -> Plan:
-        pool = [(n.node_id, i) for n in snapshot.cluster.nodes for i in range(n.size)]
-        shift = snapshot.round % len(pool)
+    def plan(self, request: PlanRequest) -> Plan:
+        pool = [(n.node_id, i) for n in request.cluster.nodes for i in range(n.size)]
+        shift = request.round % len(pool)
         pool = pool[shift:] + pool[:shift]
         placements: list[Placement] = []
         waiting: list[Wait] = []
-        for job in snapshot.jobs:
+        for job in request.jobs:
             if len(pool) < job.workers:
                 waiting.append(Wait(job_id=job.job_id, code=WaitCode.CAPACITY))
                 continue
@@ -127,16 +139,16 @@ def test_invariants_hold_every_round_and_every_job_completes(policy_name: str) -
     steps_seen: dict[str, float] = defaultdict(float)
 
     def observe(obs: RoundObservation) -> None:
-        states = {j.job_id: j for j in obs.snapshot.jobs}
+        states = {j.job_id: j for j in obs.request.jobs}
         bound: dict[str, float] = defaultdict(float)
         for (job_id, _), parts in obs.plan.copies().items():
-            bound[job_id] += copy_rate(obs.snapshot, states[job_id], parts) * round_s
+            bound[job_id] += copy_rate(obs.request, states[job_id], parts) * round_s
         for job_id, steps in obs.steps.items():
             assert 0 <= steps <= bound[job_id] + 1e-6, (job_id, steps, bound[job_id])
             assert steps <= states[job_id].remaining + 1e-6
             steps_seen[job_id] += steps
         for job_id, done_at in obs.completions.items():
-            assert obs.snapshot.now_s < done_at <= obs.snapshot.now_s + round_s
+            assert obs.request.now_s < done_at <= obs.request.now_s + round_s
 
     result = simulate(policy=POLICY_FACTORIES[policy_name](), cluster=cluster, jobs=jobs, throughput=TABLE,
                       options=SimOptions(round_s=round_s, check=True), observer=observe)
@@ -210,12 +222,12 @@ def test_replaced_copy_pays_restart_every_round() -> None:
 
 def test_snapshots_carry_progress_previous_plan_and_seed() -> None:
     model = tiny_model({("A", "v100", 1): 2.0, ("A", "k80", 1): 1.0, ("A", "k80", 2): 1.5})
-    seen: list[Snapshot] = []
+    seen: list[PlanRequest] = []
 
     class Recording(TaskLevelMixer):
-        def plan(self, snapshot: Snapshot) -> Plan:
-            seen.append(snapshot)
-            return super().plan(snapshot)
+        def plan(self, request: PlanRequest) -> Plan:
+            seen.append(request)
+            return super().plan(request)
 
     simulate(policy=Recording(), cluster=parse_cluster("v100:1,k80:1"), jobs=[job("a", 0, "A", 1000, workers=2)],
              throughput=model, model_bytes=lambda t: 1234, options=SimOptions(round_s=10, seed=42))
@@ -274,9 +286,9 @@ def test_job_with_zero_rate_everywhere_is_unrunnable_and_never_planned() -> None
     calls: list[int] = []
 
     class Counting(GreedyFifo):
-        def plan(self, snapshot: Snapshot) -> Plan:
-            calls.append(len(snapshot.jobs))
-            return super().plan(snapshot)
+        def plan(self, request: PlanRequest) -> Plan:
+            calls.append(len(request.jobs))
+            return super().plan(request)
 
     result = simulate(policy=Counting(), cluster=parse_cluster("v100:1"), throughput=model,
                       jobs=[job("n", 0, "never", 10), job("o", 0, "ok", 150), job("n2", 10_000, "never", 10)],
@@ -313,8 +325,8 @@ def test_empty_trace() -> None:
 
 
 def test_build_throughput_cross_node_switch_and_fallback_for_types_the_table_lacks() -> None:
-    from services.scheduler.sim.simulator import build_throughput, default_model_bytes
     from services.scheduler.core.throughput import Part
+    from services.scheduler.sim.simulator import build_throughput, default_model_bytes
     from shared.domain import workloads
 
     job_type = "ResNet-18 (batch size 64)"

@@ -14,11 +14,19 @@ import pytest
 
 from services.scheduler.core.policy import Placement, Plan, Wait, WaitCode
 from services.scheduler.live.snapshot import SERVICE  # noqa: F401  (registers the scheduler's classes)
-from shared.wire.events import GpuInfo, JobSpec, NodeRegistered
 from shared.domain.layout import parse_snapshot_key, snapshot_key
-from shared.persistence.snapshot import FORMAT_VERSION, MAGIC, SnapshotCorrupt, SnapshotStore, StateSnapshot, dump, load
 from shared.persistence.codec import SnapshotDecodeError, pack, register, unpack
+from shared.persistence.snapshot import (
+    FORMAT_VERSION,
+    MAGIC,
+    SnapshotCorrupt,
+    SnapshotStore,
+    StateSnapshot,
+    dump,
+    load,
+)
 from shared.store import LocalStore
+from shared.wire.events import GpuInfo, JobSpec, NodeRegistered
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,7 +251,12 @@ async def test_save_captures_and_encodes_while_the_hold_is_held(tmp_path) -> Non
 
 
 def test_scheduler_dead_letter_origins_round_trip_and_malformed_ones_are_refused() -> None:
-    from services.scheduler.live.snapshot import capture, dead_letter_origins, dead_letter_start, restore
+    from services.scheduler.live.snapshot import (
+        capture,
+        dead_letter_origins,
+        dead_letter_start,
+        restore,
+    )
     from services.scheduler.live.state import SchedulerState
 
     origins = [("hadar.jobs", 0, 7), ("hadar.progress", 2, 1), ("hadar.jobs", 0, 3), ("hadar.jobs", 1, 0)]

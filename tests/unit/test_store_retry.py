@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
-from shared.clock import FakeClock
-from shared.store.settings import S3Settings
 from devinfra.common import free_port
+from shared.clock import FakeClock
 from shared.store import MinioStore, StoreUnavailable
 from shared.store.minio import OUTAGE_RETRY_S, retry_delays
+from shared.store.settings import S3Settings
 
 
 def test_the_default_retry_window_spans_more_than_a_minute():
@@ -46,9 +46,9 @@ def test_a_write_to_a_server_that_stays_away_is_retried_then_fails_retriably():
 def test_a_missing_object_is_not_an_outage():
     """ObjectNotFound is an answer, not an outage: no retry (checked against a real
     server in tests/contract/test_store.py); here only that the classification says so."""
-    from shared.store.minio import outage
-
     from minio.error import S3Error
+
+    from shared.store.minio import outage
     assert not outage(S3Error(None, "NoSuchKey", "gone", "r", "i", None))
     assert outage(S3Error(None, "ServiceUnavailable", "busy", "r", "i", None))
     assert outage(ConnectionRefusedError())

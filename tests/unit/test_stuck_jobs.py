@@ -11,10 +11,17 @@ from __future__ import annotations
 from services.cli.jobview import job_doc, jobs_table, progress_line
 from services.scheduler.live.state import fold_log
 from services.scheduler.live.stuck import STUCK_AFTER_ROUNDS, stuck_reason
-from shared.wire.events import (
-    Assignment, CopyWeight, JobSpec, JobSubmitted, ModelConsolidated, Progress, RoundAbandoned, RoundStarted,
-)
 from shared.domain.layout import model_key
+from shared.wire.events import (
+    Assignment,
+    CopyWeight,
+    JobSpec,
+    JobSubmitted,
+    ModelConsolidated,
+    Progress,
+    RoundAbandoned,
+    RoundStarted,
+)
 from shared.wire.topics import JOBS, MODELS, PLACEMENTS, PROGRESS
 
 SPEC = JobSpec(job_id="j-1", user="ada", model="resnet", dataset="digits", batch_size=32, workers=1,

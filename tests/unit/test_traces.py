@@ -9,7 +9,14 @@ import pytest
 
 from services.scheduler.core.throughput import ThroughputModel
 from services.scheduler.sim.traces import (
-    TraceError, TraceJob, generate_jobs, load_trace, parse_csv, parse_gavel_trace, parse_generator_spec)
+    TraceError,
+    TraceJob,
+    generate_jobs,
+    load_trace,
+    parse_csv,
+    parse_gavel_trace,
+    parse_generator_spec,
+)
 
 TABLE = ThroughputModel.from_gavel_table()
 TYPES = TABLE.job_types

@@ -10,12 +10,30 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from tracker_events import (
-    BUDGET, SPEC, T0, assignment, completed, consolidated, finished, fold, progress, spec, started, submitted,
+    BUDGET,
+    SPEC,
+    T0,
+    assignment,
+    completed,
+    consolidated,
+    finished,
+    fold,
+    progress,
+    spec,
+    started,
+    submitted,
 )
 
 from services.tracker.state import RoundWork, TrackerState
-from shared.wire.events import Assignment, CopyWeight, Event, JobCancelled, ModelConsolidated, RoundStarted
 from shared.domain.layout import checkpoint_key, final_key, model_key
+from shared.wire.events import (
+    Assignment,
+    CopyWeight,
+    Event,
+    JobCancelled,
+    ModelConsolidated,
+    RoundStarted,
+)
 
 
 def reasons(state: TrackerState) -> list[str]:

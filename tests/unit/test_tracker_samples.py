@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from replica_bytes import BytesReader, entry, safetensors_bytes
+from tracker_events import T0, assignment, finished, spec, started, submitted
+
 from services.tracker.averaging.consolidate import Replica, plan_consolidation
 from services.tracker.state import TrackerState
-from shared.wire.events import CopyWeight, ModelConsolidated
 from shared.domain.layout import model_key
 from shared.domain.progress import credited_steps
-from tracker_events import T0, assignment, finished, spec, started, submitted
+from shared.wire.events import CopyWeight, ModelConsolidated
 
 
 def replica_bytes(seed: int) -> bytes:

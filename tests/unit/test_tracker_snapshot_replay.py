@@ -5,12 +5,21 @@ from __future__ import annotations
 import pytest
 
 from services.tracker.lifecycle import ObjectLifecycle
-from services.tracker.snapshot import Position, covered_offsets, capture, restore
+from services.tracker.snapshot import Position, capture, covered_offsets, restore
 from services.tracker.state import TrackerState
-from shared.wire.events import Event
 from shared.persistence.snapshot import SnapshotCorrupt, StateSnapshot, dump, load
-from tests.unit.tracker_events import T0, assignment, completed, consolidated, finished, progress, spec, started, \
-    submitted
+from shared.wire.events import Event
+from tests.unit.tracker_events import (
+    T0,
+    assignment,
+    completed,
+    consolidated,
+    finished,
+    progress,
+    spec,
+    started,
+    submitted,
+)
 
 TP = "hadar.progress:0"
 SMALL = spec(iterations=150)

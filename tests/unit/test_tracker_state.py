@@ -4,13 +4,20 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from tracker_events import (
-    T0, assignment, completed, consolidated, finished, fold, progress, started, submitted,
+    T0,
+    assignment,
+    completed,
+    consolidated,
+    finished,
+    fold,
+    progress,
+    started,
+    submitted,
 )
 
-from shared.wire.events import JobCancelled, ModelConsolidated
 from shared.domain.layout import model_key
+from shared.wire.events import JobCancelled, ModelConsolidated
 
 
 def test_round_is_due_once_every_assigned_copy_finished() -> None:

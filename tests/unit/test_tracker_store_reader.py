@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from services.tracker.averaging.safetensors_format import InvalidSafetensors, read_header
+from services.tracker.averaging.safetensors_format import (
+    InvalidSafetensors,
+    read_header,
+)
 from services.tracker.store_reader import ConsolidationStopped, StoreRangeReader
 from shared.store import LocalStore
 

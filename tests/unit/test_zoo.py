@@ -10,10 +10,22 @@ from hypothesis import strategies as st
 from shared.domain import gpus
 from shared.wire.events import Hyperparameters, JobSpec
 from shared.zoo import (
-    DATASETS, MODELS, build_model, compatible_datasets, dataset_info, evaluate, job_figures, load_dataset,
-    loss_function, make_optimizer, model_figures, parse_model_name, validate_job,
+    DATASETS,
+    MODELS,
+    build_model,
+    compatible_datasets,
+    dataset_info,
+    evaluate,
+    job_figures,
+    load_dataset,
+    loss_function,
+    make_optimizer,
+    model_figures,
+    parse_model_name,
+    validate_job,
 )
 from shared.zoo.datasets import _LOADERS
+
 
 @pytest.fixture(autouse=True)
 def one_thread() -> object:

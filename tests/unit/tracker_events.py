@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 from services.tracker.state import TrackerState
-from shared.wire.events import (
-    Assignment, CopyFinished, CopyWeight, Event, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated,
-    Progress, RoundStarted,
-)
 from shared.domain.layout import checkpoint_key, final_key, model_key
+from shared.wire.events import (
+    Assignment,
+    CopyFinished,
+    CopyWeight,
+    Event,
+    JobCompleted,
+    JobSpec,
+    JobSubmitted,
+    ModelConsolidated,
+    Progress,
+    RoundStarted,
+)
 
 T0 = 1_000.0
 BUDGET = 1_000

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.wire.events import GpuInfo
 from shared.domain.gpus import CATALOG, GPU_TYPES, emulation_slowdown
+from shared.wire.events import GpuInfo
 
 __all__ = ["EmulatedGpu", "parse_emulation", "emulated_gpus"]
 

@@ -31,8 +31,16 @@ from typing import Any
 
 import structlog
 
-from services.agent.slots import EMPTY, Decision, Slot, on_assign_copy, on_copy_done, stale_peers, warm_key
 from services.agent.protocol import WorkerSpec, parse_worker_line, stop_line
+from services.agent.slots import (
+    EMPTY,
+    Decision,
+    Slot,
+    on_assign_copy,
+    on_copy_done,
+    stale_peers,
+    warm_key,
+)
 
 __all__ = ["PROJECT_ROOT", "child_env", "WorkerProcess", "WorkerPool", "WorkerSlots"]
 

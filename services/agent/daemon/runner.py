@@ -46,12 +46,12 @@ import structlog
 from services.agent.daemon.discovery import NodeDevices
 from services.agent.daemon.metrics import AgentMetrics
 from services.agent.daemon.process import WorkerPool, WorkerProcess, WorkerSlots
-from services.agent.slots import warm_key
 from services.agent.protocol import StoreTarget, WorkerSpec
+from services.agent.slots import warm_key
 from shared.clock import Clock
-from shared.wire.events import Assignment, CopyFinished, Event, Progress
 from shared.domain.layout import checkpoint_key
 from shared.domain.local_sgd import LocalSgd
+from shared.wire.events import Assignment, CopyFinished, Event, Progress
 
 __all__ = ["RunContext", "CopyRun", "CopyKey", "free_port", "local_sgd_recipe"]
 

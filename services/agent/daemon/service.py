@@ -60,23 +60,35 @@ from typing import Any, ClassVar
 import structlog
 from prometheus_client import CollectorRegistry
 
-from services.agent.daemon.admission import Admission, AdmissionLimits, CopyKey, Verdict
 from services.agent.config import AgentConfig
-from services.agent.daemon.result_expiry import Outcome, RetryPolicy, publish_until, result_abandoned
+from services.agent.daemon.admission import Admission, AdmissionLimits, CopyKey, Verdict
 from services.agent.daemon.discovery import NodeDevices
 from services.agent.daemon.metrics import AgentMetrics
 from services.agent.daemon.process import WorkerPool, WorkerSlots
+from services.agent.daemon.result_expiry import (
+    Outcome,
+    RetryPolicy,
+    publish_until,
+    result_abandoned,
+)
 from services.agent.daemon.runner import CopyRun, RunContext
 from services.agent.protocol import StoreTarget
 from shared.bus import Bus, BusError, Delivery, Subscription
+from shared.bus.rejection import dead_letter_delivery
 from shared.bus.retry import bus_send
 from shared.clock import Clock, SystemClock
 from shared.wire.dispatch import HandlerTable
 from shared.wire.events import (
-    Assignment, CopyFinished, Event, JobCancelled, JobSubmitted, NodeHeartbeat, NodeRegistered, Progress,
+    Assignment,
+    CopyFinished,
+    Event,
+    JobCancelled,
+    JobSubmitted,
+    NodeHeartbeat,
+    NodeRegistered,
+    Progress,
     RoundStarted,
 )
-from shared.bus.rejection import dead_letter_delivery
 from shared.wire.topics import JOBS, PLACEMENTS
 
 __all__ = ["AgentConfig", "AgentDaemon"]

@@ -26,8 +26,8 @@ import re
 from collections.abc import Set
 from dataclasses import dataclass
 
-from shared.wire.events import Assignment
 from shared.domain.layout import parse_checkpoint_key, parse_model_key
+from shared.wire.events import Assignment
 
 __all__ = ["Problem", "assignment_problem", "rendezvous_problem", "MIN_PORT", "MAX_PORT"]
 

@@ -30,8 +30,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from shared.errors import HadarError
 from shared.domain.model_meta import OPTIM_PREFIX
+from shared.errors import HadarError
 
 __all__ = ["CheckpointError", "CheckpointMeta", "OPTIM_PREFIX", "FORMAT", "state_tensors",
            "save_checkpoint", "read_checkpoint", "restore", "read_total_steps", "with_optimizer_state"]

@@ -49,19 +49,35 @@ import structlog
 import torch
 from torch import nn
 
+from services.agent.protocol import WorkerSpec, parse_stop_line, worker_line
+from services.agent.slots import warm_key
 from services.agent.worker.checkpoint import (
-    CheckpointError, CheckpointMeta, read_checkpoint, read_total_steps, restore, save_checkpoint,
+    CheckpointError,
+    CheckpointMeta,
+    read_checkpoint,
+    read_total_steps,
+    restore,
+    save_checkpoint,
     with_optimizer_state,
 )
 from services.agent.worker.session import (
-    Session, StoreClient, agree_start, close_group, on_device, open_group, state_digest,
+    Session,
+    StoreClient,
+    agree_start,
+    close_group,
+    on_device,
+    open_group,
+    state_digest,
 )
-from services.agent.slots import warm_key
-from services.agent.protocol import WorkerSpec, parse_stop_line, worker_line
-from services.agent.worker.training import BatchSampler, LoopResult, StopCode, TrainingLoop
+from services.agent.worker.training import (
+    BatchSampler,
+    LoopResult,
+    StopCode,
+    TrainingLoop,
+)
 from shared.domain import local_sgd
-from shared.errors import ConfigError
 from shared.domain.layout import optim_key_of
+from shared.errors import ConfigError
 from shared.runtime.logging import capture_prints, configure_logging
 from shared.zoo import Metric, build_model, evaluate, load_dataset, make_optimizer
 

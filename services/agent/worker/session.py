@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from services.agent.slots import WarmKey
 from services.agent.protocol import StoreTarget, WorkerSpec
+from services.agent.slots import WarmKey
 from shared.store import ObjectStore
 from shared.zoo import Dataset
 

@@ -1,10 +1,10 @@
-"""The one interface every scheduling policy implements: ``plan(snapshot) -> Plan``.
+"""The one interface every scheduling policy implements: ``plan(request) -> Plan``.
 
-A policy is pure: given the same snapshot it returns the same plan. It does no I/O,
-reads no clock (time comes in ``Snapshot.now_s``), and draws randomness only from
-``Snapshot.seed``. State a policy carries from round to round (Hadar's ledger) is a
+A policy is pure: given the same request it returns the same plan. It does no I/O,
+reads no clock (time comes in ``PlanRequest.now_s``), and draws randomness only from
+``PlanRequest.seed``. State a policy carries from round to round (Hadar's ledger) is a
 :class:`PolicyState` that travels in ``Plan.state`` and comes back as
-``snapshot.previous.state``, so the simulator, the live scheduler and replay all drive the
+``request.previous.state``, so the simulator, the live scheduler and replay all drive the
 same function the same way.
 
 A plan places job *copies*: copy 0 is the job itself; HadarE adds copies 1, 2, ...
@@ -81,7 +81,7 @@ class PolicyState:
 
     Each policy that keeps books across rounds declares its own frozen dataclass on this
     base (Hadar's ``LedgerState``, ``GavelState``, ``TiresiasState``, ``YarnState``). The
-    driver hands it back untouched as ``snapshot.previous.state``: never copied, compared
+    driver hands it back untouched as ``request.previous.state``: never copied, compared
     or serialised; a restarted scheduler or a replay gets it back by re-running the rounds.
     A policy reads it only through :func:`previous_state`, which gives None for anything
     that is not its own type (the first round, or a plan another policy made), and then
@@ -117,7 +117,7 @@ class Plan:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Snapshot:
+class PlanRequest:
     round: int
     now_s: float
     round_s: float
@@ -131,18 +131,18 @@ class Snapshot:
 class Policy(Protocol):
     name: str
 
-    def plan(self, snapshot: Snapshot) -> Plan: ...
+    def plan(self, request: PlanRequest) -> Plan: ...
 
 
-def previous_state(snapshot: Snapshot, kind: type[S]) -> S | None:
+def previous_state(request: PlanRequest, kind: type[S]) -> S | None:
     """The state the previous plan carried, if it is a ``kind``; else None."""
-    state = snapshot.previous.state if snapshot.previous is not None else None
+    state = request.previous.state if request.previous is not None else None
     return state if isinstance(state, kind) else None
 
 
-def parts_of(snapshot: Snapshot, placements: list[Placement]) -> list[Part]:
+def parts_of(request: PlanRequest, placements: list[Placement]) -> list[Part]:
     """The throughput model's view of one copy's placements."""
-    by_id = snapshot.cluster.by_id
+    by_id = request.cluster.by_id
     counts: dict[tuple[str, str], int] = defaultdict(int)
     for p in placements:
         node = by_id[p.node_id]
@@ -151,22 +151,22 @@ def parts_of(snapshot: Snapshot, placements: list[Placement]) -> list[Part]:
     return [Part(node_id, gpu_type, c) for (node_id, gpu_type), c in counts.items()]
 
 
-def copy_rate(snapshot: Snapshot, job: JobState, placements: list[Placement]) -> float:
-    return snapshot.throughput.placement_rate(job.job_type, parts_of(snapshot, placements))
+def copy_rate(request: PlanRequest, job: JobState, placements: list[Placement]) -> float:
+    return request.throughput.placement_rate(job.job_type, parts_of(request, placements))
 
 
 class InvalidPlan(HadarError):
     """A plan that breaks an invariant of :func:`check_plan`: a bug in the policy."""
 
 
-def check_plan(snapshot: Snapshot, plan: Plan) -> None:
+def check_plan(request: PlanRequest, plan: Plan) -> None:
     """Raise InvalidPlan unless the plan respects the invariants every policy must keep.
 
     No GPU used twice; GPUs exist; only active jobs placed; a copy uses at most W workers;
     copies of one job are on distinct nodes (a copy spanning nodes counts on each);
     every active job is either placed or waiting with a reason, never both.
     """
-    jobs = {j.job_id: j for j in snapshot.jobs}
+    jobs = {j.job_id: j for j in request.jobs}
     used: set[tuple[str, int]] = set()
     nodes_of_job: dict[str, set[str]] = defaultdict(set)
     for (job_id, copy), parts in plan.copies().items():
@@ -182,7 +182,7 @@ def check_plan(snapshot: Snapshot, plan: Plan) -> None:
             raise InvalidPlan(f"{job_id}: two copies on node {sorted(nodes_of_job[job_id] & copy_nodes)}")
         nodes_of_job[job_id] |= copy_nodes
         for p in parts:
-            node = snapshot.cluster.by_id.get(p.node_id)
+            node = request.cluster.by_id.get(p.node_id)
             if node is None:
                 raise InvalidPlan(f"{job_id}: unknown node {p.node_id}")
             if not p.gpus:

@@ -26,8 +26,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from shared.wire.events import JobCompleted, ModelConsolidated, RoundAbandoned, ThroughputEstimate
 from shared.domain.layout import final_key, model_key
+from shared.wire.events import (
+    JobCompleted,
+    ModelConsolidated,
+    RoundAbandoned,
+    ThroughputEstimate,
+)
 
 if TYPE_CHECKING:
     from services.scheduler.live.state import SchedulerState

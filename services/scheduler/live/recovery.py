@@ -21,11 +21,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.scheduler.policies import PolicyChoice
 from services.scheduler.core.policy import Plan
 from services.scheduler.live.rerun import LoggedEvent, rerun
 from services.scheduler.live.snapshot import SchedulerSnapshot
 from services.scheduler.live.state import SchedulerState
+from services.scheduler.policies import PolicyChoice
 
 __all__ = ["Resumed", "resume"]
 

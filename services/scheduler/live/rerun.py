@@ -4,7 +4,7 @@ Every RoundStarted records, in ``inputs``, how many records of each input topic-
 the scheduler had folded when it planned, the ``nodes`` it planned on, and the settings
 it decided with (policy, options, seed, round length). Re-deriving round r therefore
 means: fold exactly those records plus the placements of rounds before r, rebuild the
-snapshot on the recorded nodes with the round's recorded start time, and call the policy
+request on the recorded nodes with the round's recorded start time, and call the policy
 the round names -- built with the recorded options -- with the previous re-derived plan.
 The live scheduler does this once at start-up to recover its policy's carried state
 (e.g. Hadar's ledger); ``hadar replay --rerun`` does it to check that every recorded
@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from services.scheduler.config import DecisionSettings
-from services.scheduler.policies import PolicyChoice, UnknownPolicy
-from services.scheduler.core.policy import Plan, Policy, Snapshot
-from services.scheduler.live.rounds import RoundTiming, build_snapshot, plan_to_events
+from services.scheduler.core.policy import Plan, PlanRequest, Policy
+from services.scheduler.live.rounds import RoundTiming, build_request, plan_to_events
 from services.scheduler.live.state import SchedulerState
+from services.scheduler.policies import PolicyChoice, UnknownPolicy
+from shared.bus.rejection import Rejected
 from shared.wire.dispatch import HandlerTable
 from shared.wire.events import Assignment, Event, RoundStarted
-from shared.bus.rejection import Rejected
 from shared.wire.topics import PLACEMENTS
 
 __all__ = ["LoggedEvent", "RoundCheck", "assignment_decision", "rerun"]
@@ -52,7 +52,7 @@ class LoggedEvent:
 class RoundCheck:
     """One recorded round against its re-derivation. ``error``: why it could not be
     re-derived (e.g. the log names a policy this version does not have); then ``plan`` and
-    ``snapshot`` are None. ``in_sequence`` False: the round does not follow the previous
+    ``request`` are None. ``in_sequence`` False: the round does not follow the previous
     one (the scheduler numbers rounds without gaps), so it was neither re-derived nor
     folded -- a forged or misplaced RoundStarted must not move anyone's round counter."""
 
@@ -60,7 +60,7 @@ class RoundCheck:
     settings: DecisionSettings | None
     recorded: tuple
     rederived: tuple
-    snapshot: Snapshot | None
+    request: PlanRequest | None
     plan: Plan | None
     error: str | None = None
     in_sequence: bool = True
@@ -138,7 +138,7 @@ def rerun(log: Iterable[LoggedEvent], *, state: SchedulerState | None = None,
         rs = started[r]
         if expected is not None and r != expected:
             yield RoundCheck(round=r, settings=None, recorded=assignment_decision(assigned[r]), rederived=(),
-                             snapshot=None, plan=None, in_sequence=False,
+                             request=None, plan=None, in_sequence=False,
                              error=f"out of sequence: round {expected} was expected next; ignored")
             continue
         expected = r + 1
@@ -155,22 +155,22 @@ def rerun(log: Iterable[LoggedEvent], *, state: SchedulerState | None = None,
             choice = override or settings.choice
             policy = policies.get(choice.key) or policies.setdefault(choice.key, choice.build())
         except UnknownPolicy as exc:
-            yield RoundCheck(round=r, settings=None, recorded=recorded, rederived=(), snapshot=None, plan=None,
+            yield RoundCheck(round=r, settings=None, recorded=recorded, rederived=(), request=None, plan=None,
                              error=str(exc))
             previous, previous_key = None, None
         else:
             timing = RoundTiming(round=r, started_at=rs.started_at, round_s=settings.round_s,
                                  heartbeat_s=settings.heartbeat_s)
             carried = previous if previous_key == choice.key else None
-            snapshot = build_snapshot(state, timing, carried, settings.seed, nodes=rs.nodes)
+            request = build_request(state, timing, carried, settings.seed, nodes=rs.nodes)
             t0 = time.perf_counter()
-            plan = policy.plan(snapshot)
+            plan = policy.plan(request)
             ms = (time.perf_counter() - t0) * 1e3
-            events = plan_to_events(plan, snapshot, state, timing, choice=choice, seed=settings.seed,
+            events = plan_to_events(plan, request, state, timing, choice=choice, seed=settings.seed,
                                     source="replay", inputs=rs.inputs, decision_ms=ms)
             rederived = assignment_decision(e for e in events if isinstance(e, Assignment))
             yield RoundCheck(round=r, settings=settings, recorded=recorded, rederived=rederived,
-                             snapshot=snapshot, plan=plan)
+                             request=request, plan=plan)
             previous, previous_key = plan, choice.key
         _fold(state, rs)
         for a in assigned[r]:

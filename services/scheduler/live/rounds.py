@@ -1,6 +1,6 @@
 """Pure glue between the live scheduler's state and the policies.
 
-``build_snapshot`` turns folded events into the policy's input; ``plan_to_events`` turns
+``build_request`` turns folded events into the policy's input; ``plan_to_events`` turns
 its plan into the RoundStarted and Assignment events agents act on. Both are
 deterministic functions of their arguments, which is what lets replay re-derive every
 recorded round.
@@ -13,12 +13,18 @@ import zlib
 from dataclasses import dataclass
 
 from services.scheduler.core.cluster import Cluster, Node
-from services.scheduler.policies import PolicyChoice
-from services.scheduler.core.policy import JobState, Placement, Plan, Snapshot, copy_rate
-from services.scheduler.live.state import SchedulerState
+from services.scheduler.core.policy import (
+    JobState,
+    Placement,
+    Plan,
+    PlanRequest,
+    copy_rate,
+)
 from services.scheduler.core.throughput import ThroughputModel
-from shared.wire.events import Assignment, Event, RoundStarted, Waiting
+from services.scheduler.live.state import SchedulerState
+from services.scheduler.policies import PolicyChoice
 from shared.domain.progress import credited_steps
+from shared.wire.events import Assignment, Event, RoundStarted, Waiting
 
 RENDEZVOUS_BASE_PORT = 29500
 RENDEZVOUS_PORTS = 2000
@@ -60,8 +66,8 @@ def throughput_from_state(state: SchedulerState) -> ThroughputModel:
     return ThroughputModel(rates={key: rate for key, (_, rate) in state.rates.items()})
 
 
-def build_snapshot(state: SchedulerState, timing: RoundTiming, previous: Plan | None, seed: int,
-                   nodes: tuple[str, ...] | None = None) -> Snapshot:
+def build_request(state: SchedulerState, timing: RoundTiming, previous: Plan | None, seed: int,
+                   nodes: tuple[str, ...] | None = None) -> PlanRequest:
     """The policy's input for the round ``timing`` describes (``nodes``: see cluster_from_state).
 
     A job's ``model_bytes``/``optimizer_slots`` are the last size its estimates stated
@@ -76,7 +82,7 @@ def build_snapshot(state: SchedulerState, timing: RoundTiming, previous: Plan | 
         )
         for j in state.active_jobs()
     )
-    return Snapshot(round=timing.round, now_s=timing.started_at, round_s=timing.round_s,
+    return PlanRequest(round=timing.round, now_s=timing.started_at, round_s=timing.round_s,
                     cluster=cluster_from_state(state, timing, nodes), jobs=jobs,
                     throughput=throughput_from_state(state), previous=previous, seed=seed)
 
@@ -100,7 +106,7 @@ def rendezvous_port(job_id: str, copy: int) -> int:
     return RENDEZVOUS_BASE_PORT + zlib.crc32(f"{job_id}/{copy}".encode()) % RENDEZVOUS_PORTS
 
 
-def plan_to_events(plan: Plan, snapshot: Snapshot, state: SchedulerState, timing: RoundTiming, *,
+def plan_to_events(plan: Plan, request: PlanRequest, state: SchedulerState, timing: RoundTiming, *,
                    choice: PolicyChoice, seed: int, source: str, inputs: dict[str, int],
                    decision_ms: float) -> list[Event]:
     """RoundStarted first, then one Assignment per (node, job copy), in a stable order.
@@ -111,9 +117,9 @@ def plan_to_events(plan: Plan, snapshot: Snapshot, state: SchedulerState, timing
     steps is W/k of its own steps, rounded up -- so copies together do not overshoot the
     job by more than one of their own steps each when the estimates hold.
     """
-    jobs = {j.job_id: j for j in snapshot.jobs}
+    jobs = {j.job_id: j for j in request.jobs}
     copies = plan.copies()
-    rates = {key: credited_steps(copy_rate(snapshot, jobs[key[0]], parts),
+    rates = {key: credited_steps(copy_rate(request, jobs[key[0]], parts),
                                  copy_workers=_workers(parts), job_workers=jobs[key[0]].workers)
              for key, parts in copies.items()}
     total_rate: dict[str, float] = {}
@@ -123,7 +129,7 @@ def plan_to_events(plan: Plan, snapshot: Snapshot, state: SchedulerState, timing
     events: list[Event] = [RoundStarted(
         ts=ts, source=source, round=timing.round, policy=choice.name, policy_options=choice.options_json,
         seed=seed, round_s=timing.round_s, heartbeat_s=timing.heartbeat_s, started_at=timing.started_at,
-        ends_at=timing.ends_at, nodes=tuple(n.node_id for n in snapshot.cluster.nodes),
+        ends_at=timing.ends_at, nodes=tuple(n.node_id for n in request.cluster.nodes),
         assignments=sum(len(p) for p in copies.values()),
         waiting=tuple(Waiting(job_id=w.job_id, code=w.code.value, detail=w.detail[:200]) for w in plan.waiting),
         decision_ms=decision_ms, inputs=dict(sorted(inputs.items())),

@@ -18,11 +18,19 @@ from dataclasses import dataclass, field
 
 from shared.bus import Bus
 from shared.clock import Clock
-from shared.wire.events import (
-    Assignment, CopyWeight, GpuInfo, JobCompleted, JobSpec, JobSubmitted, ModelConsolidated, NodeHeartbeat,
-    NodeRegistered, ThroughputEstimate,
-)
 from shared.domain.layout import final_key, model_key
+from shared.wire.events import (
+    Assignment,
+    CopyWeight,
+    GpuInfo,
+    JobCompleted,
+    JobSpec,
+    JobSubmitted,
+    ModelConsolidated,
+    NodeHeartbeat,
+    NodeRegistered,
+    ThroughputEstimate,
+)
 
 __all__ = ["ScriptedCluster", "DEFAULT_NODES"]
 

@@ -1,7 +1,7 @@
 """The live scheduler: a thin asyncio shell around the pure policies.
 
 It folds every event of its input topics into ``SchedulerState``; each round it builds a
-snapshot, calls the policy the simulator uses, and publishes RoundStarted plus one
+request, calls the policy the simulator uses, and publishes RoundStarted plus one
 Assignment per (node, job copy).
 
 Guarantees:
@@ -42,7 +42,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from services.scheduler.config import DecisionSettings, SchedulerConfig
-from services.scheduler.core.policy import Plan, Policy, Snapshot
+from services.scheduler.core.policy import Plan, PlanRequest, Policy
 from services.scheduler.live.metrics import SchedulerCounters, SchedulerTelemetry
 from services.scheduler.live.publish import PublishGivenUp, publish_by
 from services.scheduler.live.recovery import resume
@@ -52,7 +52,7 @@ from services.scheduler.live.round_length import (
     copy_startup_s,
     stretched_round_s,
 )
-from services.scheduler.live.rounds import RoundTiming, build_snapshot, plan_to_events
+from services.scheduler.live.rounds import RoundTiming, build_request, plan_to_events
 from services.scheduler.live.snapshot import (
     SERVICE,
     SchedulerSnapshot,
@@ -88,9 +88,9 @@ RECOVERY_TOPICS = (*INPUT_TOPICS, PLACEMENTS)   # read from the start (or a snap
 RETRY_BASE_S = 0.05
 
 
-def _timed_plan(policy: Policy, snapshot: Snapshot) -> tuple[Plan, float]:
+def _timed_plan(policy: Policy, request: PlanRequest) -> tuple[Plan, float]:
     t0 = time.perf_counter()
-    return policy.plan(snapshot), time.perf_counter() - t0
+    return policy.plan(request), time.perf_counter() - t0
 
 
 class RoundFailed(HadarError):
@@ -385,14 +385,14 @@ class SchedulerService:
             timing = RoundTiming(round=self.next_round, started_at=self.clock.time(), round_s=stretch.round_s,
                                  heartbeat_s=settings.heartbeat_s)
             inputs = dict(self._folded)
-            snapshot = build_snapshot(self.state, timing, self.previous, settings.seed)
+            request = build_request(self.state, timing, self.previous, settings.seed)
             try:
-                plan, seconds = await asyncio.to_thread(_timed_plan, self.policy, snapshot)
+                plan, seconds = await asyncio.to_thread(_timed_plan, self.policy, request)
             except Exception as exc:
                 raise RoundFailed(f"policy {settings.choice.describe()}: {type(exc).__name__}: {exc}",
                                   stage="plan", round=timing.round) from exc
             events = await asyncio.to_thread(
-                plan_to_events, plan, snapshot, self.state, timing, choice=settings.choice, seed=settings.seed,
+                plan_to_events, plan, request, self.state, timing, choice=settings.choice, seed=settings.seed,
                 source=self.config.source, inputs=inputs, decision_ms=seconds * 1e3)
         published, spent = 0, False
         try:

@@ -31,16 +31,28 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from services.scheduler.core.cluster import Cluster, Node
+from services.scheduler.core.policy import Placement, Plan, PolicyState, Wait, WaitCode
+from services.scheduler.live.state import (
+    JobRecord,
+    NodeRecord,
+    RoundRecord,
+    SchedulerState,
+)
 from services.scheduler.policies.gavel.policy import GavelState, Running
 from services.scheduler.policies.hadar.ledger import Commitment, LedgerState, RowLayout
 from services.scheduler.policies.hadare.timeline import TimelineState
 from services.scheduler.policies.tiresias import TiresiasState, _JobLedger
 from services.scheduler.policies.yarn_cs import YarnState
-from services.scheduler.core.policy import Placement, Plan, PolicyState, Wait, WaitCode
-from services.scheduler.live.state import JobRecord, NodeRecord, RoundRecord, SchedulerState
-from shared.wire.records import CopyWeight, GpuInfo, Hyperparameters, JobSpec, Rejection, Waiting
-from shared.persistence.snapshot import SnapshotCorrupt, StateSnapshot
 from shared.persistence.codec import register
+from shared.persistence.snapshot import SnapshotCorrupt, StateSnapshot
+from shared.wire.records import (
+    CopyWeight,
+    GpuInfo,
+    Hyperparameters,
+    JobSpec,
+    Rejection,
+    Waiting,
+)
 from shared.wire.topics import DEADLETTER, PLACEMENTS
 
 __all__ = ["SERVICE", "SchedulerSnapshot", "capture", "restore", "input_offsets", "dead_letter_origins",

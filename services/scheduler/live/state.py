@@ -22,14 +22,33 @@ from typing import Any, ClassVar
 
 from services.scheduler.live.acceptance import CHECKS
 from services.scheduler.live.stuck import stuck_reason
-from shared.wire.dispatch import HandlerTable
 from shared.bus.rejection import Rejected
+from shared.wire.dispatch import HandlerTable
 from shared.wire.events import (
-    Assignment, CopyFinished, Event, JobCancelled, JobCompleted, JobSpec, JobSubmitted,
-    ModelConsolidated, NodeHeartbeat, NodeRegistered, Progress, RoundAbandoned, RoundStarted,
+    Assignment,
+    CopyFinished,
+    Event,
+    JobCancelled,
+    JobCompleted,
+    JobSpec,
+    JobSubmitted,
+    ModelConsolidated,
+    NodeHeartbeat,
+    NodeRegistered,
+    Progress,
+    RoundAbandoned,
+    RoundStarted,
     ThroughputEstimate,
 )
-from shared.wire.topics import DEADLETTER, JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
+from shared.wire.topics import (
+    DEADLETTER,
+    JOBS,
+    MODELS,
+    NODES,
+    PLACEMENTS,
+    PROGRESS,
+    THROUGHPUT,
+)
 
 # What ``apply`` folds: the scheduler service's INPUT_TOPICS plus its own placements, which
 # it reads back on restart (tests check this matches the service).

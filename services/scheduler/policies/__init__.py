@@ -1,4 +1,4 @@
-"""Policies by name. Each is a class whose instances have ``name`` and ``plan(snapshot)``.
+"""Policies by name. Each is a class whose instances have ``name`` and ``plan(request)``.
 
 Modules are imported on first use so that loading one policy never pays for another
 (the Gavel baselines import scipy).

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from services.scheduler.core.cluster import Cluster
-from services.scheduler.core.policy import JobState, Placement, Plan, Snapshot
+from services.scheduler.core.policy import JobState, Placement, Plan, PlanRequest
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,15 +34,15 @@ class GangRequest:
     workers: int
 
 
-def usable_types(snapshot: Snapshot, job: JobState) -> tuple[str, ...]:
+def usable_types(request: PlanRequest, job: JobState) -> tuple[str, ...]:
     """GPU types (sorted by name) on which the whole job can run: rate > 0 and >= W GPUs."""
-    counts = snapshot.cluster.gpus_by_type
+    counts = request.cluster.gpus_by_type
     return tuple(t for t, n in counts.items()
-                 if n >= job.workers and snapshot.throughput.rate(job.job_type, t, job.workers) > 0)
+                 if n >= job.workers and request.throughput.rate(job.job_type, t, job.workers) > 0)
 
 
-def infeasible_detail(snapshot: Snapshot, job: JobState) -> str:
-    counts = ", ".join(f"{t}:{n}" for t, n in snapshot.cluster.gpus_by_type.items())
+def infeasible_detail(request: PlanRequest, job: JobState) -> str:
+    counts = ", ".join(f"{t}:{n}" for t, n in request.cluster.gpus_by_type.items())
     return f"no GPU type runs W={job.workers} {job.job_type!r} (cluster {counts}; zero rate or too few GPUs)"
 
 

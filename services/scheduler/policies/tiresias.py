@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from services.scheduler.core.policy import (
     JobState,
     Plan,
+    PlanRequest,
     PolicyState,
-    Snapshot,
     Wait,
     WaitCode,
     previous_state,
@@ -104,17 +104,17 @@ class Tiresias:
                                 pending_s=0.0, promotions=old.promotions + 1)
         return ledger
 
-    def plan(self, snapshot: Snapshot) -> Plan:
-        prev = previous_state(snapshot, TiresiasState)
-        elapsed = max(0.0, snapshot.now_s - prev.now_s) if prev is not None else 0.0
-        prev_gangs = previous_gangs(snapshot.previous) if prev is not None else {}
+    def plan(self, request: PlanRequest) -> Plan:
+        prev = previous_state(request, TiresiasState)
+        elapsed = max(0.0, request.now_s - prev.now_s) if prev is not None else 0.0
+        prev_gangs = previous_gangs(request.previous) if prev is not None else {}
 
-        ledgers = {j.job_id: self._ledger(j, prev, elapsed, snapshot.round_s) for j in snapshot.jobs}
+        ledgers = {j.job_id: self._ledger(j, prev, elapsed, request.round_s) for j in request.jobs}
         queue = {jid: self.queue_of(led.attained_gpu_s - led.attained_at_promotion)
                  for jid, led in ledgers.items()}
-        order = sorted(snapshot.jobs, key=lambda j: (queue[j.job_id], j.arrival_s, j.job_id))
+        order = sorted(request.jobs, key=lambda j: (queue[j.job_id], j.arrival_s, j.job_id))
 
-        free = free_counts(snapshot.cluster)
+        free = free_counts(request.cluster)
         requests: list[GangRequest] = []
         waiting: list[Wait] = []
         explain: dict[str, dict[str, object]] = {}
@@ -126,10 +126,10 @@ class Tiresias:
                 "attained_since_promotion_gpu_s": round(led.attained_gpu_s - led.attained_at_promotion, 3),
                 "pending_since_promotion_s": round(led.pending_s, 3), "promotions": led.promotions,
             }
-            usable = usable_types(snapshot, job)
+            usable = usable_types(request, job)
             if not usable:
                 waiting.append(Wait(job_id=job.job_id, code=WaitCode.INFEASIBLE,
-                                    detail=infeasible_detail(snapshot, job)))
+                                    detail=infeasible_detail(request, job)))
                 continue
             fitting = [t for t in usable if free[t] >= job.workers]
             if not fitting:
@@ -140,13 +140,13 @@ class Tiresias:
                                            f"needs {job.workers} GPUs of one type, free {have}"))
                 continue
             last_parts = prev_gangs.get(job.job_id)
-            last_type = gang_type(snapshot.cluster, last_parts) if last_parts else None
+            last_type = gang_type(request.cluster, last_parts) if last_parts else None
             gpu_type = last_type if last_type in fitting else min(fitting, key=lambda t: (-free[t], t))
             free[gpu_type] -= job.workers
             requests.append(GangRequest(job_id=job.job_id, gpu_type=gpu_type, workers=job.workers))
 
-        gangs = assign_gangs(snapshot.cluster, requests, prev_gangs)
+        gangs = assign_gangs(request.cluster, requests, prev_gangs)
         placements = tuple(p for r in requests for p in gangs[r.job_id])
-        state = TiresiasState(now_s=snapshot.now_s, ledgers=ledgers,
+        state = TiresiasState(now_s=request.now_s, ledgers=ledgers,
                               placed=frozenset(r.job_id for r in requests))
         return Plan(placements=placements, waiting=tuple(waiting), state=state, explain=explain)

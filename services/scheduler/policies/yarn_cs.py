@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 from services.scheduler.core.policy import (
     Plan,
+    PlanRequest,
     PolicyState,
-    Snapshot,
     Wait,
     WaitCode,
     previous_state,
@@ -55,10 +55,10 @@ class YarnCS:
     def __init__(self, *, skip_blocked_head: bool = True) -> None:
         self.skip_blocked_head = skip_blocked_head
 
-    def plan(self, snapshot: Snapshot) -> Plan:
+    def plan(self, request: PlanRequest) -> Plan:
         """One YARN-CS round (rules in the module docstring).
 
-        Input: the snapshot and, from ``snapshot.previous``, copy-0 placements and the
+        Input: the request and, from ``request.previous``, copy-0 placements and the
         ``YarnState`` start times. Without a ``YarnState`` no job counts as running, and
         every job queues afresh in FIFO order.
 
@@ -74,17 +74,17 @@ class YarnCS:
 
         Cost: O(m log m + m n) for m jobs and n GPU types, plus gang placement.
         """
-        prev = previous_state(snapshot, YarnState)
+        prev = previous_state(request, YarnState)
         started_s = dict(prev.started_s) if prev is not None else {}
-        prev_gangs = previous_gangs(snapshot.previous)
-        jobs = sorted(snapshot.jobs, key=lambda j: (j.arrival_s, j.job_id))
-        free = free_counts(snapshot.cluster)
+        prev_gangs = previous_gangs(request.previous)
+        jobs = sorted(request.jobs, key=lambda j: (j.arrival_s, j.job_id))
+        free = free_counts(request.cluster)
 
         requests: list[GangRequest] = []
         running: set[str] = set()
         for job in jobs:  # running jobs first: they hold their GPUs whatever the order
             parts = prev_gangs.get(job.job_id)
-            gpu_type = gang_type(snapshot.cluster, parts) if parts and job.job_id in started_s else None
+            gpu_type = gang_type(request.cluster, parts) if parts and job.job_id in started_s else None
             if gpu_type is not None and sum(len(p.gpus) for p in parts) == job.workers:
                 requests.append(GangRequest(job_id=job.job_id, gpu_type=gpu_type, workers=job.workers))
                 free[gpu_type] -= job.workers
@@ -101,11 +101,11 @@ class YarnCS:
                 info["state"] = "running"
                 info["started_s"] = started_s[job.job_id]
                 continue
-            usable = usable_types(snapshot, job)
+            usable = usable_types(request, job)
             if not usable:
                 info["state"] = "infeasible"
                 waiting.append(Wait(job_id=job.job_id, code=WaitCode.INFEASIBLE,
-                                    detail=infeasible_detail(snapshot, job)))
+                                    detail=infeasible_detail(request, job)))
                 continue
             if blocked_head is not None and not self.skip_blocked_head:
                 info["state"] = "waiting"
@@ -117,7 +117,7 @@ class YarnCS:
                 gpu_type = min(fitting, key=lambda t: (-free[t], t))
                 free[gpu_type] -= job.workers
                 requests.append(GangRequest(job_id=job.job_id, gpu_type=gpu_type, workers=job.workers))
-                started_s[job.job_id] = snapshot.now_s
+                started_s[job.job_id] = request.now_s
                 info["state"] = "started"
                 continue
             info["state"] = "waiting"
@@ -130,7 +130,7 @@ class YarnCS:
             waiting.append(Wait(job_id=job.job_id, code=code,
                                 detail=f"needs {job.workers} GPUs of one type; free {have}; {why}"))
 
-        gangs = assign_gangs(snapshot.cluster, requests, prev_gangs)
+        gangs = assign_gangs(request.cluster, requests, prev_gangs)
         placements = tuple(p for r in requests for p in gangs[r.job_id])
         placed = {r.job_id for r in requests}
         state = YarnState(started_s={j: s for j, s in started_s.items() if j in placed})

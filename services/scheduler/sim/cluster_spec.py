@@ -35,9 +35,10 @@ from typing import Any
 import yaml
 
 from services.scheduler.core.cluster import Cluster, Node
+from shared.domain.gpus import (
+    GPU_TYPES,  # the lower-case catalog keys a cluster may name
+)
 from shared.errors import UsageError
-from shared.domain.gpus import GPU_TYPES  # the lower-case catalog keys a cluster may name
-
 
 _INLINE_ENTRY = re.compile(r"^(?P<type>[a-z0-9]+):(?:(?P<nodes>\d+)x(?P<size>\d+)|(?P<count>\d+))$")
 

@@ -23,9 +23,13 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
-from services.scheduler.sim.bounds import TtdBounds, bound_for
 from services.scheduler.core.cluster import Cluster
-from services.scheduler.sim.results import PolicyMetrics, completed_jcts_s, utilization_series
+from services.scheduler.sim.bounds import TtdBounds, bound_for
+from services.scheduler.sim.results import (
+    PolicyMetrics,
+    completed_jcts_s,
+    utilization_series,
+)
 from services.scheduler.sim.simulator import SimResult
 
 BASELINE = "gavel"

@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from services.scheduler.core.cluster import Cluster
-from services.scheduler.sim.simulator import JobRecord, SimResult
 from services.scheduler.core.throughput import ThroughputModel
+from services.scheduler.sim.simulator import JobRecord, SimResult
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,12 +3,12 @@
 Semantics (exact; metrics.py and the tests rely on them):
 
 * Rounds start at ``t0 + r*round_s`` with ``t0 = floor(first arrival / round_s) * round_s``;
-  ``Snapshot.round`` is ``r``. A job is active in a round if it arrived at or before the
+  ``PlanRequest.round`` is ``r``. A job is active in a round if it arrived at or before the
   round start and has not completed. Rounds with no active job are skipped (no plan() call,
   no record), jumping to the first round that starts at or after the next arrival; so are
   rounds where every active job is *unrunnable*: no GPU type of the cluster gives it a
   positive rate at any worker count 1..W, so no placement of any policy can move it.
-* Each simulated round builds a ``Snapshot`` (the policy's previous ``Plan``, the seed, and
+* Each simulated round builds a ``PlanRequest`` (the policy's previous ``Plan``, the seed, and
   one ``JobState`` per active job in arrival order, with steps done and attained
   GPU-seconds, and ``model_bytes``: the simulator keeps each job's from
   ``shared.domain.workloads.model_bytes``, 0 for a type it does not know, and hands it to the
@@ -17,7 +17,7 @@ Semantics (exact; metrics.py and the tests rely on them):
   and, with ``check=True``, validates the plan with ``policy.check_plan``.
 * Work is counted in samples (``shared.domain.progress``, docs/architecture.md "Work
   accounting"): a job's work is ``total_steps`` steps of its global batch (W per-worker
-  batches). Every (job, copy) of the plan steps at its own rate ``s = copy_rate(snapshot,
+  batches). Every (job, copy) of the plan steps at its own rate ``s = copy_rate(request,
   job, placements)``; a copy on k of the job's W workers keeps the per-worker batch, so
   each of its steps is k/W of a job step and it credits ``s * k / W`` job steps per
   second. A copy with more than W workers is an ``InvalidPlan``.
@@ -58,7 +58,15 @@ from dataclasses import dataclass
 
 from services.scheduler.core.cluster import Cluster
 from services.scheduler.core.policy import (
-    InvalidPlan, JobState, Placement, Plan, Policy, Snapshot, check_plan, copy_rate)
+    InvalidPlan,
+    JobState,
+    Placement,
+    Plan,
+    PlanRequest,
+    Policy,
+    check_plan,
+    copy_rate,
+)
 from services.scheduler.core.throughput import ThroughputModel
 from services.scheduler.sim.traces import TraceJob
 from shared.domain import workloads
@@ -73,7 +81,7 @@ class SimOptions:
     round_s: float = 360.0
     restart_s: float = 0.0        # per re-placed copy; 0 as in Gavel's simulator
     store_gbps: float = 1.0       # object-store bandwidth for HadarE consolidation, GB/s
-    seed: int = 0                 # Snapshot.seed
+    seed: int = 0                 # PlanRequest.seed
     check: bool = False           # check_plan on every round (tests)
     max_rounds: int = 100_000
     stall_rounds: int = 50
@@ -131,7 +139,7 @@ class SimResult:
 class RoundObservation:
     """What one round did, for observers (tests check invariants with it)."""
 
-    snapshot: Snapshot
+    request: PlanRequest
     plan: Plan
     steps: Mapping[str, float]            # job steps credited this round, per placed job
     completions: Mapping[str, float]      # completion time of jobs that finished this round
@@ -291,14 +299,14 @@ def simulate(*, policy: Policy, cluster: Cluster, jobs: Sequence[TraceJob], thro
             stop_reason = "max_rounds"
             break
 
-        snapshot = Snapshot(round=r, now_s=now, round_s=round_s, cluster=cluster,
+        request = PlanRequest(round=r, now_s=now, round_s=round_s, cluster=cluster,
                             jobs=tuple(j.state() for j in active), throughput=throughput,
                             previous=previous, seed=options.seed)
         started = time.perf_counter()
-        plan = policy.plan(snapshot)
+        plan = policy.plan(request)
         decision_ms = (time.perf_counter() - started) * 1000.0
         if options.check:
-            check_plan(snapshot, plan)
+            check_plan(request, plan)
         for wait in plan.waiting:
             if wait.job_id in live:
                 live[wait.job_id].last_wait = f"{wait.code.value}: {wait.detail}" if wait.detail else wait.code.value
@@ -324,7 +332,7 @@ def simulate(*, policy: Policy, cluster: Cluster, jobs: Sequence[TraceJob], thro
                     raise InvalidPlan(f"{job_id} copy {copy}: {len(gpus)} workers > W={job.trace.workers}")
                 rate = rate_cache.get((job.trace.job_type, gpus))
                 if rate is None:
-                    rate = rate_cache[(job.trace.job_type, gpus)] = copy_rate(snapshot, job.state(), parts)
+                    rate = rate_cache[(job.trace.job_type, gpus)] = copy_rate(request, job.state(), parts)
                 runs.append((rate, len(gpus), prev_gpus.get((job_id, copy)) != gpus))
                 next_gpus[(job_id, copy)] = gpus
             steps, held, own = _advance(job, runs, now=now, options=options)
@@ -343,7 +351,7 @@ def simulate(*, policy: Policy, cluster: Cluster, jobs: Sequence[TraceJob], thro
         rounds.append(RoundRecord(round=r, start_s=now, active_jobs=len(active), placed_gpus=dict(placed),
                                   busy_gpu_s=dict(busy), decision_ms=decision_ms))
         if observer is not None:
-            observer(RoundObservation(snapshot=snapshot, plan=plan, steps=steps_made, completions=completions,
+            observer(RoundObservation(request=request, plan=plan, steps=steps_made, completions=completions,
                                       copy_steps=copy_steps))
         simulated += 1
         end_s = now + round_s

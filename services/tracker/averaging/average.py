@@ -30,7 +30,13 @@ except ImportError:  # pragma: no cover - depends on the installation
     threadpool_limits = None
 
 from services.tracker.averaging.blas import axpy
-from services.tracker.averaging.safetensors_format import FLOAT_DTYPES, TensorInfo, bf16_to_f32, encode_header, f32_to_bf16
+from services.tracker.averaging.safetensors_format import (
+    FLOAT_DTYPES,
+    TensorInfo,
+    bf16_to_f32,
+    encode_header,
+    f32_to_bf16,
+)
 from shared.errors import HadarError
 
 if TYPE_CHECKING:  # the plan types are only annotations here

@@ -47,12 +47,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from services.tracker.averaging.average import NonFinite, ReadTally, single_threaded_blas, write_average
-from services.tracker.averaging.weighing import (
-    MAX_REPLICA_STEPS, MAX_TOTAL_STEPS, AcceptedReplica, ConsolidationPlan, Mode, NoUsableReplica, Rejected,
-    Replica, plan_consolidation, short_reason,
+from services.tracker.averaging.average import (
+    NonFinite,
+    ReadTally,
+    single_threaded_blas,
+    write_average,
 )
 from services.tracker.averaging.safetensors_format import FileRangeReader
+from services.tracker.averaging.weighing import (
+    MAX_REPLICA_STEPS,
+    MAX_TOTAL_STEPS,
+    AcceptedReplica,
+    ConsolidationPlan,
+    Mode,
+    NoUsableReplica,
+    Rejected,
+    Replica,
+    plan_consolidation,
+    short_reason,
+)
 
 __all__ = [
     "Mode", "Replica", "AcceptedReplica", "Rejected", "ConsolidationPlan", "WriteStats",

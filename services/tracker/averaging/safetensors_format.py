@@ -41,8 +41,8 @@ from typing import Protocol
 
 import numpy as np
 
-from shared.errors import HadarError
 from services.tracker.averaging import header_json
+from shared.errors import HadarError
 
 __all__ = [
     "InvalidSafetensors", "TensorInfo", "Header", "RangeReader", "FileRangeReader",

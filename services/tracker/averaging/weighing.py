@@ -41,9 +41,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from services.tracker.averaging.safetensors_format import Header, InvalidSafetensors, RangeReader, TensorInfo, read_header
+from services.tracker.averaging.safetensors_format import (
+    Header,
+    InvalidSafetensors,
+    RangeReader,
+    TensorInfo,
+    read_header,
+)
+from shared.domain.model_meta import (
+    Mode,
+    ModelDescription,
+    ModelMetadata,
+    consolidation_entries,
+)
 from shared.errors import HadarError
-from shared.domain.model_meta import Mode, ModelDescription, ModelMetadata, consolidation_entries
 from shared.wire.records import CopyWeight, Rejection
 
 __all__ = [

@@ -48,8 +48,8 @@ import numpy as np
 from services.scheduler.core.policy import (
     JobState,
     Plan,
+    PlanRequest,
     PolicyState,
-    Snapshot,
     Wait,
     WaitCode,
     previous_state,
@@ -115,10 +115,10 @@ class _GavelRounds:
         others = sorted((t for t in types if t not in listed), key=lambda t: (-speed[t], t))
         return listed + others
 
-    def plan(self, snapshot: Snapshot) -> Plan:
+    def plan(self, request: PlanRequest) -> Plan:
         """One Gavel round: the LP's time fractions, realised by priority (module docstring).
 
-        Input: the snapshot and, from ``snapshot.previous``, copy-0 placements and a
+        Input: the request and, from ``request.previous``, copy-0 placements and a
         ``GavelState`` written by this same variant (time received per job and type,
         deficits, the allocation and when it was computed). Any other state means empty
         books, as for a first round.
@@ -137,17 +137,17 @@ class _GavelRounds:
         m x n variables (``allocate``); every round then sorts the jobs once per type,
         O(n m log m), and places the gangs.
         """
-        prev = previous_state(snapshot, GavelState)
+        prev = previous_state(request, GavelState)
         if prev is not None and prev.policy != self.name:   # the other Gavel variant's books
             prev = None
-        counts = snapshot.cluster.gpus_by_type
+        counts = request.cluster.gpus_by_type
         types = list(counts)
-        usable = {j.job_id: usable_types(snapshot, j) for j in snapshot.jobs}
-        cands = sorted((j for j in snapshot.jobs if usable[j.job_id]), key=lambda j: (j.arrival_s, j.job_id))
-        rates = {j.job_id: {t: snapshot.throughput.rate(j.job_type, t, j.workers) if t in usable[j.job_id]
+        usable = {j.job_id: usable_types(request, j) for j in request.jobs}
+        cands = sorted((j for j in request.jobs if usable[j.job_id]), key=lambda j: (j.arrival_s, j.job_id))
+        rates = {j.job_id: {t: request.throughput.rate(j.job_type, t, j.workers) if t in usable[j.job_id]
                             else 0.0 for t in types} for j in cands}
 
-        books = _Books.after_round(prev, snapshot, rates)
+        books = _Books.after_round(prev, request, rates)
         allocation = dict(prev.allocation) if prev else {}
         last_reset = prev.last_reset_s if prev else None
         lp_jobs = prev.lp_jobs if prev else frozenset()
@@ -158,15 +158,15 @@ class _GavelRounds:
         # Gavel's _update_priorities treats a last reset at t=0 as "never reset" (0 doubles as
         # the unset value), so after a reset at t=0 any change resets again; mirrored on purpose.
         may_reset = (prev is None or last_reset is None or last_reset == 0.0 or not prev.running
-                     or snapshot.now_s - last_reset >= self.min_reset_interval_s)
+                     or request.now_s - last_reset >= self.min_reset_interval_s)
         if changed and may_reset:
-            books.reset(allocation, snapshot.now_s - last_reset if last_reset is not None else 0.0)
+            books.reset(allocation, request.now_s - last_reset if last_reset is not None else 0.0)
             matrix = np.array([[rates[j.job_id][t] for t in types] for j in cands])
             matrix = matrix.reshape(len(cands), len(types))
             x, lp_info = self.allocate(cands, matrix, np.array([counts[t] for t in types], dtype=float))
             allocation = {j.job_id: {t: float(x[i, k]) + 0.0 for k, t in enumerate(types)}
                           for i, j in enumerate(cands)}
-            last_reset, lp_jobs, lp_cluster = snapshot.now_s, frozenset(rates), cluster_key
+            last_reset, lp_jobs, lp_cluster = request.now_s, frozenset(rates), cluster_key
 
         priority = books.priorities(allocation, rates)
         # Selection (Gavel's _schedule_jobs_on_workers_helper).
@@ -185,17 +185,17 @@ class _GavelRounds:
                 chosen[job.job_id] = t
                 left[t] -= job.workers
                 requests.append(GangRequest(job_id=job.job_id, gpu_type=t, workers=job.workers))
-        gangs = assign_gangs(snapshot.cluster, requests, previous_gangs(snapshot.previous))
+        gangs = assign_gangs(request.cluster, requests, previous_gangs(request.previous))
 
         waiting: list[Wait] = []
         explain: dict[str, dict[str, object]] = {}
-        for job in snapshot.jobs:
+        for job in request.jobs:
             jid = job.job_id
             info: dict[str, object] = {"placed_on": chosen.get(jid)}
             explain[jid] = info
             if jid not in rates:
                 waiting.append(Wait(job_id=jid, code=WaitCode.INFEASIBLE,
-                                    detail=infeasible_detail(snapshot, job)))
+                                    detail=infeasible_detail(request, job)))
                 continue
             alloc = allocation.get(jid)
             info["allocation"] = {t: round(alloc.get(t, 0.0), 4) for t in types} if alloc is not None else None
@@ -214,11 +214,11 @@ class _GavelRounds:
                 detail = f"needs {job.workers} GPUs of one type; higher priorities first: {shown}"
             waiting.append(Wait(job_id=jid, code=WaitCode.PRIORITY, detail=detail))
 
-        remaining = {j.job_id: j.remaining for j in snapshot.jobs}
+        remaining = {j.job_id: j.remaining for j in request.jobs}
         running = {r.job_id: Running(gpu_type=r.gpu_type,
                                      run_left_s=remaining[r.job_id] / rates[r.job_id][r.gpu_type])
                    for r in requests}
-        state = GavelState(policy=self.name, now_s=snapshot.now_s, last_reset_s=last_reset, lp_jobs=lp_jobs,
+        state = GavelState(policy=self.name, now_s=request.now_s, last_reset_s=last_reset, lp_jobs=lp_jobs,
                            lp_cluster=lp_cluster, allocation=allocation, job_time_s=books.job_time,
                            worker_time_s=books.worker_time, deficits=books.deficits, running=running,
                            lp_info=lp_info)
@@ -235,17 +235,17 @@ class _Books:
         self.job_time, self.worker_time, self.deficits = job_time, worker_time, deficits
 
     @classmethod
-    def after_round(cls, prev: GavelState | None, snapshot: Snapshot,
+    def after_round(cls, prev: GavelState | None, request: PlanRequest,
                     rates: Mapping[str, Mapping[str, float]]) -> "_Books":
         """Books with the round that just ended counted in (Gavel's _done_callback) and
         jobs / types added at round_s / 2 (add_job, _register_worker_callback)."""
-        half = snapshot.round_s / 2.0
+        half = request.round_s / 2.0
         job_time = {j: dict(v) for j, v in prev.job_time_s.items()} if prev else {}
         worker_time = dict(prev.worker_time_s) if prev else {}
         deficits = {j: dict(v) for j, v in prev.deficits.items()} if prev else {}
         if prev is not None:
-            active = {j.job_id for j in snapshot.jobs}
-            elapsed = min(max(0.0, snapshot.now_s - prev.now_s), snapshot.round_s)
+            active = {j.job_id for j in request.jobs}
+            elapsed = min(max(0.0, request.now_s - prev.now_s), request.round_s)
             for job_id, run in prev.running.items():
                 if job_id in job_time:  # a job that finished ran until it finished
                     ran = elapsed if job_id in active else min(elapsed, run.run_left_s)

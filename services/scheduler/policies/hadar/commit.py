@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from services.scheduler.core.policy import JobState, Snapshot
+from services.scheduler.core.policy import JobState, PlanRequest
 from services.scheduler.core.throughput import Part
 from services.scheduler.policies.hadar.dp import Choice, pick_gpus
 from services.scheduler.policies.hadar.ledger import Commitment, Ledger, RowLayout
@@ -30,7 +30,7 @@ from services.scheduler.policies.hadar.profile import JobProfile
 
 
 def build_commitment(*, job: JobState, profile: JobProfile, choice: Choice,
-                     utility_at: Callable[[np.ndarray], np.ndarray], ledger: Ledger, snap: Snapshot, horizon: int,
+                     utility_at: Callable[[np.ndarray], np.ndarray], ledger: Ledger, request: PlanRequest, horizon: int,
                      sticky: bool) -> Commitment | None:
     """``choice`` committed on rows of ``ledger`` (None when its GPUs are not free)."""
     option = profile.options[choice.option]
@@ -40,16 +40,16 @@ def build_commitment(*, job: JobState, profile: JobProfile, choice: Choice,
     rows, counts, same_rows = got
     layout = ledger.layout
     if same_rows:
-        rate = snap.throughput.placement_rate(job.job_type, parts(layout, rows, counts[0]))
-        per_round = np.full(choice.slots.size, rate * snap.round_s)
+        rate = request.throughput.placement_rate(job.job_type, parts(layout, rows, counts[0]))
+        per_round = np.full(choice.slots.size, rate * request.round_s)
     else:
         rates: dict[bytes, float] = {}
         per_round = np.empty(choice.slots.size)
         for i in range(choice.slots.size):
             key = counts[i].tobytes()
             if key not in rates:
-                rates[key] = snap.throughput.placement_rate(job.job_type, parts(layout, rows, counts[i]))
-            per_round[i] = rates[key] * snap.round_s
+                rates[key] = request.throughput.placement_rate(job.job_type, parts(layout, rows, counts[i]))
+            per_round[i] = rates[key] * request.round_s
     done = np.cumsum(per_round)
     slots = choice.slots
     finishes = bool(done[-1] >= job.remaining - 1e-9)
@@ -66,7 +66,7 @@ def build_commitment(*, job: JobState, profile: JobProfile, choice: Choice,
         share = done[-1] / job.remaining
         utility = float(utility_at(np.array([float(horizon + rest)]))[0]) * share
     cost = float((ledger.type_price[np.ix_(layout.row_type[rows], slots)].T * counts).sum())
-    return Commitment(job_id=job.job_id, rounds=slots + snap.round, rows=rows, counts=counts,
+    return Commitment(job_id=job.job_id, rounds=slots + request.round, rows=rows, counts=counts,
                       steps=per_round, base_done=job.steps_done, finishes=finishes, signature=profile.signature,
                       option=option.label, utility=utility, cost=cost)
 

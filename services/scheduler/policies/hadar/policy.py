@@ -114,7 +114,7 @@ import numpy as np
 from services.scheduler.core.policy import (
     JobState,
     Plan,
-    Snapshot,
+    PlanRequest,
     Wait,
     WaitCode,
     previous_state,
@@ -200,28 +200,28 @@ class Hadar:
         self.drift_tolerance = float(drift_tolerance)
         self.rate_tolerance = float(rate_tolerance)
 
-    def plan(self, snapshot: Snapshot) -> Plan:
-        return _Round(self, snapshot).run()
+    def plan(self, request: PlanRequest) -> Plan:
+        return _Round(self, request).run()
 
 
 class _Round:
     """One call of ``Hadar.plan``: all working state of that round."""
 
-    def __init__(self, cfg: Hadar, snap: Snapshot) -> None:
-        self.cfg, self.snap = cfg, snap
-        self.layout = RowLayout.of(snap.cluster)
-        self.jobs = sorted(snap.jobs, key=lambda j: (j.arrival_s, j.job_id))
-        book = ProfileBook(snap.throughput, types=self.layout.types, row_type=self.layout.row_type,
+    def __init__(self, cfg: Hadar, request: PlanRequest) -> None:
+        self.cfg, self.request = cfg, request
+        self.layout = RowLayout.of(request.cluster)
+        self.jobs = sorted(request.jobs, key=lambda j: (j.arrival_s, j.job_id))
+        book = ProfileBook(request.throughput, types=self.layout.types, row_type=self.layout.row_type,
                            row_cap=self.layout.row_cap)
         self.profiles: dict[str, JobProfile] = {j.job_id: book.get(j.job_type, j.workers) for j in self.jobs}
         self.iso = {j.job_id: (j.total_steps / self.profiles[j.job_id].best_rate
                                if self.profiles[j.job_id].feasible else math.inf) for j in self.jobs}
-        self.prev = previous_state(snap, LedgerState)
+        self.prev = previous_state(request, LedgerState)
         self.explain: dict[str, dict[str, Any]] = {}
         self.waits: dict[str, Wait] = {}
         self.allowed: dict[str, set[int]] = {}     # critical job -> GPU types it may use (timeline rule)
         self.gang_credit: dict[str, float] = {}    # the timeline rule's gang rounding credit
-        self.ledger = Ledger(layout=self.layout, horizon=cfg.horizon, round_=snap.round, curve=self._curve(),
+        self.ledger = Ledger(layout=self.layout, horizon=cfg.horizon, round_=request.round, curve=self._curve(),
                              max_workers=max((j.workers for j in self.jobs), default=1))
         self.target, self.critical = self._critical()
         carried = self._carried()
@@ -241,33 +241,33 @@ class _Round:
 
     def _critical(self) -> tuple[int, list[str]]:
         """(target end round E, critical job ids in planning order): ``hadar/critical``."""
-        snap, cfg, prev = self.snap, self.cfg, self.prev
+        request, cfg, prev = self.request, self.cfg, self.prev
         previous = prev.target_end if prev is not None and prev.target_end >= 0 else None
-        new = [j.job_id for j in self.jobs if j.arrival_s > snap.now_s - snap.round_s]
+        new = [j.job_id for j in self.jobs if j.arrival_s > request.now_s - request.round_s]
         if cfg.critical and cfg.critical_rule == "timeline":
             count = np.bincount(self.layout.row_type, weights=self.layout.row_cap, minlength=len(self.layout.types))
-            decided = critical_types(self.jobs, self.profiles, count, round_=snap.round, round_s=snap.round_s,
+            decided = critical_types(self.jobs, self.profiles, count, round_=request.round, round_s=request.round_s,
                                      previous=previous, arrived=bool(new), slack=cfg.critical_slack,
                                      credit=prev.gang_credit if prev is not None else None)
             self.allowed, self.gang_credit = dict(decided.chosen), decided.credit
             return decided.end, [job_id for job_id, _ in decided.chosen]
-        need = {j.job_id: rounds_needed(j, self.profiles[j.job_id], snap.round_s) for j in self.jobs}
+        need = {j.job_id: rounds_needed(j, self.profiles[j.job_id], request.round_s) for j in self.jobs}
         capacity = (job_capacity_rounds(self.jobs, self.profiles, need, types=self.layout.row_type,
-                                        caps=self.layout.row_cap, round_s=snap.round_s)
+                                        caps=self.layout.row_cap, round_s=request.round_s)
                     if previous is None or new else 0.0)
-        target = target_end(need, new, round_=snap.round, previous=previous, slack=cfg.critical_slack,
+        target = target_end(need, new, round_=request.round, previous=previous, slack=cfg.critical_slack,
                             capacity=capacity)
         if not cfg.critical:
             return target, []
-        return target, critical_jobs(self.jobs, need, round_=snap.round, target=target)
+        return target, critical_jobs(self.jobs, need, round_=request.round, target=target)
 
     def _curve(self) -> PriceCurve:
-        snap = self.snap
+        request = self.request
         items = [DensityInput(job=j, iso_s=self.iso[j.job_id],
-                              fastest_steps=self.profiles[j.job_id].best_rate * snap.round_s,
-                              slowest_steps=self.profiles[j.job_id].worst_rate * snap.round_s)
+                              fastest_steps=self.profiles[j.job_id].best_rate * request.round_s,
+                              slowest_steps=self.profiles[j.job_id].worst_rate * request.round_s)
                  for j in self.jobs if self.profiles[j.job_id].feasible]
-        self.density = value_densities(items, self.cfg.utility, now_s=snap.now_s, round_s=snap.round_s,
+        self.density = value_densities(items, self.cfg.utility, now_s=request.now_s, round_s=request.round_s,
                                        horizon=self.cfg.horizon)
         bounds = density_bounds(self.density)
         lo, hi = bounds if bounds is not None else (1.0, 1.0)
@@ -278,8 +278,8 @@ class _Round:
 
     def _carried(self) -> list[Commitment]:
         """Previous commitments that stay, in planning order; the rest are re-planned."""
-        prev, snap, cfg = self.prev, self.snap, self.cfg
-        if prev is None or prev.horizon != cfg.horizon or prev.round_s != snap.round_s or prev.round > snap.round:
+        prev, request, cfg = self.prev, self.request, self.cfg
+        if prev is None or prev.horizon != cfg.horizon or prev.round_s != request.round_s or prev.round > request.round:
             return []
         kept = []
         for job in self.jobs:
@@ -288,7 +288,7 @@ class _Round:
                 continue
             reason = self._drift(job, c)
             if reason is None:
-                moved = remap(c, prev.layout, self.layout, snap.round)
+                moved = remap(c, prev.layout, self.layout, request.round)
                 if moved is None:
                     reason = "cluster changed"
                 else:
@@ -298,7 +298,7 @@ class _Round:
         return kept
 
     def _drift(self, job: JobState, c: Commitment) -> str | None:
-        r = self.snap.round
+        r = self.request.round
         if not c.finishes and (c.rounds >= r).sum() < self.cfg.renew_partial * self.cfg.horizon:
             return "partial schedule running out"
         if not (c.rounds >= r).any():
@@ -321,7 +321,7 @@ class _Round:
         placed_by: dict[str, str] = {}
         for job in self.jobs:
             c = self.ledger.commitments.get(job.job_id)
-            i = slot_index(c, self.snap.round) if c is not None else None
+            i = slot_index(c, self.request.round) if c is not None else None
             if i is not None:
                 slot0.append((job.job_id, (c.rows, c.counts[i])))
                 placed_by[job.job_id] = "ledger"
@@ -333,8 +333,8 @@ class _Round:
                 slot0.append((job_id, rc))
                 placed_by[job_id] = "backfill"
                 self.explain.setdefault(job_id, {})["backfill"] = label
-        previous = self.snap.previous.placements if self.snap.previous is not None else ()
-        placements = assign_indices(self.snap.cluster, self.layout, slot0, previous)
+        previous = self.request.previous.placements if self.request.previous is not None else ()
+        placements = assign_indices(self.request.cluster, self.layout, slot0, previous)
         waiting = []
         for job in self.jobs:
             info = self.explain.setdefault(job.job_id, {})
@@ -342,18 +342,18 @@ class _Round:
             c = self.ledger.commitments.get(job.job_id)
             if c is not None:
                 info.update(option=c.option, utility=c.utility, cost=c.cost, payoff=c.utility - c.cost,
-                            start_round=next_round(c, self.snap.round), rounds=int(c.rounds.size),
+                            start_round=next_round(c, self.request.round), rounds=int(c.rounds.size),
                             end_round=int(c.rounds[-1]), finishes=c.finishes)
             if job.job_id in placed_by:
                 continue
             wait = self.waits.get(job.job_id)
             if wait is None:
-                start = next_round(c, self.snap.round) if c is not None else -1
+                start = next_round(c, self.request.round) if c is not None else -1
                 wait = Wait(job_id=job.job_id, code=WaitCode.CAPACITY,
                             detail=f"schedule starts in round {start}; no idle GPUs fit it now")
             waiting.append(wait)
         return Plan(placements=tuple(placements), waiting=tuple(waiting),
-                    state=self.ledger.freeze(round_s=self.snap.round_s, target_end=self.target,
+                    state=self.ledger.freeze(round_s=self.request.round_s, target_end=self.target,
                                              gang_credit=self.gang_credit), explain=self.explain)
 
     def _density_key(self, job: JobState) -> float:
@@ -378,9 +378,9 @@ class _Round:
         if job.remaining <= 0:
             self._wait(job, WaitCode.INFEASIBLE, "no steps left to run")
             return
-        snap = self.snap
+        request = self.request
         utility_at = self._utility_at(job)
-        steps = np.array([o.rate for o in prof.options]) * snap.round_s
+        steps = np.array([o.rate for o in prof.options]) * request.round_s
         costs = round_costs(self.ledger, prof)
         if critical:
             costs = np.where(np.isfinite(costs), 0.0, np.inf)
@@ -413,17 +413,17 @@ class _Round:
                    payoff=payoff, utility=utility, cost=cost, option=option)
 
     def _utility_at(self, job: JobState):
-        snap, utility, iso = self.snap, self.cfg.utility, self.iso[job.job_id]
+        request, utility, iso = self.request, self.cfg.utility, self.iso[job.job_id]
 
         def at(tau: np.ndarray) -> np.ndarray:
-            return utility.values(job, iso, snap.now_s + np.asarray(tau, dtype=float) * snap.round_s)
+            return utility.values(job, iso, request.now_s + np.asarray(tau, dtype=float) * request.round_s)
         return at
 
     def _materialize(self, job: JobState, prof: JobProfile, choice: Choice, utility_at, *,
                      force: bool = False) -> Commitment | None:
         """The chosen schedule on concrete rows: the same rows in every round if they exist
         and keep the payoff positive (or ``force``), else the cheapest rows round by round."""
-        args = dict(job=job, profile=prof, choice=choice, utility_at=utility_at, ledger=self.ledger, snap=self.snap,
+        args = dict(job=job, profile=prof, choice=choice, utility_at=utility_at, ledger=self.ledger, request=self.request,
                     horizon=self.cfg.horizon)
         commitment = build_commitment(**args, sticky=True)
         if commitment is not None and (force or commitment.utility - commitment.cost > 0):

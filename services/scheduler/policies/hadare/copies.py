@@ -74,7 +74,7 @@ from services.scheduler.core.policy import (
     JobState,
     Placement,
     Plan,
-    Snapshot,
+    PlanRequest,
     Wait,
     WaitCode,
     previous_state,
@@ -132,11 +132,11 @@ class _Job:
         return min(self.job.remaining, sum(rates) * train)
 
 
-def plan_copies(snapshot: Snapshot, cost: CopyCost = CopyCost(), price_share: float = PRICE_SHARE,
+def plan_copies(request: PlanRequest, cost: CopyCost = CopyCost(), price_share: float = PRICE_SHARE,
                 split_slack: float = SPLIT_SLACK, split: str = "timeline",
                 timeline_slack: float = TIMELINE_SLACK, completion_weight: float = COMPLETION_WEIGHT) -> Plan:
     """The round's copies by the module's rule (placements, waiting, explain; no state)."""
-    cluster, tp, round_s = snapshot.cluster, snapshot.throughput, snapshot.round_s
+    cluster, tp, round_s = request.cluster, request.throughput, request.round_s
     free = _FreeGroups(cluster)
 
     @functools.cache
@@ -159,7 +159,7 @@ def plan_copies(snapshot: Snapshot, cost: CopyCost = CopyCost(), price_share: fl
     def pooled(job: JobState) -> float:
         return pooled_of(job.job_type, job.workers)
 
-    jobs = sorted(snapshot.jobs, key=lambda j: (j.arrival_s, j.job_id))
+    jobs = sorted(request.jobs, key=lambda j: (j.arrival_s, j.job_id))
     speed = {j.job_id: pooled(j) for j in jobs}
     runnable = [j for j in jobs if j.remaining > EPS and speed[j.job_id] > EPS]
     order = sorted(runnable, key=lambda j: j.remaining / (max(j.priority, EPS) * speed[j.job_id]))
@@ -171,7 +171,7 @@ def plan_copies(snapshot: Snapshot, cost: CopyCost = CopyCost(), price_share: fl
     for r in cluster.types if price_share > 0 else ():
         ratios = [credited(j, r, 1) / top[j.job_id] for j in order]
         best[r] = [max(ratios[i + 1: i + 1 + window], default=0.0) for i in range(len(order))] + [0.0]
-    budgets, carried = _main_pass_budgets(snapshot, order, credited, speed, split,
+    budgets, carried = _main_pass_budgets(request, order, credited, speed, split,
                                         timeline_slack if split == "timeline" else split_slack, completion_weight)
     placements: list[Placement] = []
     explain: dict[str, dict[str, object]] = {}
@@ -213,15 +213,15 @@ def plan_copies(snapshot: Snapshot, cost: CopyCost = CopyCost(), price_share: fl
     return Plan(placements=tuple(placements), waiting=tuple(waiting), explain=explain, state=carried)
 
 
-def _main_pass_budgets(snapshot: Snapshot, order: list[JobState], credited, speed: dict[str, float], split: str,
+def _main_pass_budgets(request: PlanRequest, order: list[JobState], credited, speed: dict[str, float], split: str,
                        slack: float, completion_weight: float) -> tuple[dict[str, dict[str, int]], TimelineState | None]:
     """(job id -> GPUs per type its main pass may take, the state to carry): the time-indexed
     LP's slice of this round (``split="timeline"``, ``hadare/timeline``; on classes of jobs
     above POOL_ABOVE jobs) or every GPU of the types the makespan split gives it
     (``"makespan"``, or when an LP fails)."""
-    cluster = snapshot.cluster
+    cluster = request.cluster
     if split == "timeline" and order:
-        got = _timeline_budgets(snapshot, order, credited, speed, slack, completion_weight)
+        got = _timeline_budgets(request, order, credited, speed, slack, completion_weight)
         if got is not None:
             return got
     types = type_split(order, cluster, credited, urgency=[speed[j.job_id] / j.remaining for j in order],
@@ -229,25 +229,25 @@ def _main_pass_budgets(snapshot: Snapshot, order: list[JobState], credited, spee
     return {job_id: {t: cluster.gpus_by_type[t] for t in got} for job_id, got in types.items()}, None
 
 
-def _timeline_budgets(snapshot: Snapshot, order: list[JobState], credited, speed: dict[str, float],
+def _timeline_budgets(request: PlanRequest, order: list[JobState], credited, speed: dict[str, float],
                       slack: float, completion_weight: float) -> tuple[dict[str, dict[str, int]], TimelineState] | None:
     """``_main_pass_budgets`` by the time-indexed LP; None if an LP fails. The makespan LP
     is solved only when E must be set or moved (first round, arrivals, E missed)."""
-    full = fork_lp(order, cluster := snapshot.cluster, credited)
+    full = fork_lp(order, cluster := request.cluster, credited)
     if len(order) > POOL_ABOVE:
         at = {j.job_id: i for i, j in enumerate(order)}
-        rounds = lambda j: j.remaining / max(speed[j.job_id] * snapshot.round_s, EPS)   # noqa: E731
+        rounds = lambda j: j.remaining / max(speed[j.job_id] * request.round_s, EPS)   # noqa: E731
         groups = [[at[j.job_id] for j in g] for g in job_classes(order, rounds)]
         lp = pool(full, groups)
     else:
         groups, lp = [[i] for i in range(len(order))], full
-    now, weights = snapshot.now_s, [sum(max(order[i].priority, EPS) for i in g) for g in groups]
-    ids = frozenset(j.job_id for j in snapshot.jobs)
-    previous = previous_state(snapshot, TimelineState)
+    now, weights = request.now_s, [sum(max(order[i].priority, EPS) for i in g) for g in groups]
+    ids = frozenset(j.job_id for j in request.jobs)
+    previous = previous_state(request, TimelineState)
     end, plan = solve_until(
         lp, kept_end=previous.end_s if previous is not None and not ids - previous.job_ids else None,
         new_end=lambda best: target_end_s(best, now_s=now, previous=previous, job_ids=ids, slack=slack),
-        horizon_of=lambda e: e - now, round_s=snapshot.round_s, weights=weights, completion_weight=completion_weight)
+        horizon_of=lambda e: e - now, round_s=request.round_s, weights=weights, completion_weight=completion_weight)
     if end is None or plan is None:
         return None
     types, keys = cluster.types, [order[g[0]].job_id for g in groups]

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from services.scheduler.core.policy import Placement, Plan, Snapshot, copy_rate
+from services.scheduler.core.policy import Placement, Plan, PlanRequest, copy_rate
 from services.scheduler.policies.hadar.policy import Hadar
 from services.scheduler.policies.hadare.copies import (
     PRICE_SHARE,
@@ -100,17 +100,17 @@ class HadarE:
         # speed up the long jobs, and with it mean JCT fell (aws-5, 20 jobs, seeds 1-5: 1.54x -> 1.30x gavel).
         self.primary = Hadar(**({"critical": False} | options)) if fork == "leftover" else None
 
-    def plan(self, snapshot: Snapshot) -> Plan:
+    def plan(self, request: PlanRequest) -> Plan:
         if self.primary is not None:
-            return fork(snapshot, self.primary.plan(snapshot))
-        return plan_copies(snapshot, self.cost, self.price_share, self.split_slack, self.split, self.timeline_slack,
+            return fork(request, self.primary.plan(request))
+        return plan_copies(request, self.cost, self.price_share, self.split_slack, self.split, self.timeline_slack,
                            self.completion_weight)
 
 
-def fork(snapshot: Snapshot, base: Plan) -> Plan:
+def fork(request: PlanRequest, base: Plan) -> Plan:
     """``base`` plus copies on the GPUs it leaves idle (rules in the module docstring).
 
-    Input: the snapshot and the primary policy's plan for it (Hadar's).
+    Input: the request and the primary policy's plan for it (Hadar's).
 
     Output: every placement of ``base`` unchanged and in order, then the extra copies; a
     job that got one leaves ``waiting`` and has ``forked_copies`` in ``explain``;
@@ -127,11 +127,11 @@ def fork(snapshot: Snapshot, base: Plan) -> Plan:
     node), then one scoring pass over the m jobs per copy placed: O(c m) for c copies,
     c at most the number of idle GPUs.
     """
-    jobs = sorted(snapshot.jobs, key=lambda j: (j.arrival_s, j.job_id))
-    if not jobs or not snapshot.cluster.nodes:
+    jobs = sorted(request.jobs, key=lambda j: (j.arrival_s, j.job_id))
+    if not jobs or not request.cluster.nodes:
         return base
     index = {j.job_id: i for i, j in enumerate(jobs)}
-    cluster, tp, round_s = snapshot.cluster, snapshot.throughput, snapshot.round_s
+    cluster, tp, round_s = request.cluster, request.throughput, request.round_s
     types = cluster.types
     job_types = sorted({j.job_type for j in jobs})
     max_k = max(n.size for n in cluster.nodes)
@@ -148,7 +148,7 @@ def fork(snapshot: Snapshot, base: Plan) -> Plan:
     used: set[tuple[str, int]] = set()
     for (job_id, copy), parts in base.copies().items():
         i = index[job_id]
-        rem[i] -= copy_rate(snapshot, jobs[i], parts) * round_s
+        rem[i] -= copy_rate(request, jobs[i], parts) * round_s
         copies[i] += 1
         next_copy[i] = max(next_copy[i], copy + 1)
         for p in parts:
