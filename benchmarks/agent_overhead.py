@@ -136,7 +136,7 @@ async def measure(args: argparse.Namespace, devices: NodeDevices) -> tuple[list[
 
         collector = asyncio.create_task(collect_agent())
         total_s = args.warmup_s + args.phases * args.phase_s
-        await bus.emit(Assignment(ts=time.time(), source="bench", round=0, job=spec, copy=0, node_id="bench",
+        await bus.publish(Assignment(ts=time.time(), source="bench", round=0, job=spec, copy=0, node_id="bench",
                                   gpus=(devices.gpus[0].index,), gpu_type=devices.gpus[0].type, world_size=1,
                                   ranks=(0,), step_budget=10**9, deadline=time.time() + total_s + 300))
         bare = await asyncio.create_subprocess_exec(

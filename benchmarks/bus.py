@@ -97,7 +97,7 @@ async def produce(bus: Bus, topic: str, phase: Phase, batch: list[Progress]) -> 
             ahead = start + seq / phase.rate - time.time() if phase.rate else 0.0
             await asyncio.sleep(max(0.0, ahead))
         sent_at[seq] = time.time()
-        in_flight.append(await bus.send(topic, event.job_id, event))
+        in_flight.append(await bus.publish_pipelined(event, topic=topic, key=event.job_id))
         while len(in_flight) > phase.window:
             await in_flight.popleft()
     for pending in in_flight:
@@ -151,7 +151,7 @@ async def measure(bus: Bus, phase: Phase, *, publisher: Callable[[str], Awaitabl
 
     consumer = asyncio.create_task(consume())
     try:
-        await bus.publish(topic, "warm-up", progress(phase.events))
+        await bus.publish(progress(phase.events), topic=topic, key="warm-up")
         await asyncio.wait_for(warm.wait(), 120)
         batch = events(phase) if publisher is None else []
         cpu_start = time.process_time()

@@ -6,7 +6,7 @@ then, in this order:
 
 * memcpy_gbps: single-core ``np.copyto`` of a 256 MiB array, bytes copied per second;
   best of ``--repeat`` measurements, each taken just before a timed streaming run;
-* gbps: best of ``--repeat`` runs of the tracker's streaming consolidation (plan + ``write_consolidated`` on local
+* gbps: best of ``--repeat`` runs of the tracker's streaming consolidation (weighing + ``write_consolidated`` on local
   files), replica bytes read per second, wall clock including writing the output file
   (to the page cache: neither way is timed with an fsync);
 * peak_extra_mb: its peak traced allocation (``tracemalloc``, a second run), next to
@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from services.tracker.averaging.consolidate import (  # noqa: E402
     Replica,
     WriteStats,
-    plan_consolidation,
+    weigh_replicas,
     write_consolidated,
 )
 from services.tracker.averaging.safetensors_format import FileRangeReader, encode_header  # noqa: E402
@@ -171,10 +171,10 @@ def streamed(inputs: list[tuple[Path, int]], out: Path, threads: int = 1) -> Wri
     neither way is timed with a flush to disk)."""
     readers = [FileRangeReader(path) for path, _ in inputs]
     try:
-        plan = plan_consolidation([Replica(copy=i, steps=steps, reader=reader)
+        weighing = weigh_replicas([Replica(copy=i, steps=steps, reader=reader)
                                    for i, (reader, (_, steps)) in enumerate(zip(readers, inputs))])
         with open(out, "wb") as f:
-            return write_consolidated(plan, f, threads=threads)
+            return write_consolidated(weighing, f, threads=threads)
     finally:
         for reader in readers:
             reader.close()

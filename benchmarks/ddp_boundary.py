@@ -81,9 +81,9 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
                     gpus = tuple((g + shift) % args.ranks for g in range(args.ranks))
                     before = start_seconds(agent)
                     t0 = time.time()
-                    await bus.emit(RoundStarted(ts=t0, source="bench", round=r, policy="hadar", started_at=t0,
+                    await bus.publish(RoundStarted(ts=t0, source="bench", round=r, policy="hadar", started_at=t0,
                                                 ends_at=t0 + 600))
-                    await bus.emit(Assignment(ts=t0, source="bench", round=r, job=spec, copy=0, node_id=NODE,
+                    await bus.publish(Assignment(ts=t0, source="bench", round=r, job=spec, copy=0, node_id=NODE,
                                               gpus=gpus, gpu_type="cpu", world_size=args.ranks,
                                               ranks=tuple(range(args.ranks)), step_budget=args.steps,
                                               deadline=t0 + 600, start_from=start_from))

@@ -196,19 +196,19 @@ async def _publish_junk(c: Cluster, count: int, rng: random.Random) -> None:
             kind = i % 3
             if kind == 0:
                 topic = ALL_TOPICS[i % len(ALL_TOPICS)]
-                await bus.publish_raw(topic, job, rng.randbytes(rng.randint(0, 300)))
+                await bus.write_raw(topic, job, rng.randbytes(rng.randint(0, 300)))
             elif kind == 1:
                 topic = ALL_TOPICS[i % len(ALL_TOPICS)]
                 body = {"type": rng.choice(["Assignment", "JobSubmitted", "Nope"]), "v": rng.randint(0, 9),
                         "id": "x" * rng.randint(0, 40), "junk": rng.random()}
-                await bus.publish_raw(topic, job, msgpack.packb(body))
+                await bus.write_raw(topic, job, msgpack.packb(body))
             else:
                 try:
                     event = forged[i % len(forged)](i)
                 except Exception:   # noqa: BLE001 -- a forgery the event checks refuse to build
                     continue
                 c.forged_ids.add(event.id)
-                await bus.emit(event)
+                await bus.publish(event)
     finally:
         await bus.stop()
 

@@ -48,14 +48,14 @@ async def feed(bus: MemoryBus, args: argparse.Namespace, now: float) -> None:
     rng = np.random.default_rng(args.seed)
     table = ThroughputModel.from_gavel_table()
     for node in mixed_cluster(args.nodes, rng).nodes:
-        await bus.emit(NodeRegistered(ts=now, source="bench", node_id=node.node_id,
+        await bus.publish(NodeRegistered(ts=now, source="bench", node_id=node.node_id,
                                       gpus=tuple(GpuInfo(index=i, type=t) for i, t in enumerate(node.gpus))))
     for job in gavel_jobs(args.jobs, table, rng):
         spec = JobSpec(job_id=job.job_id, user="bench", model="resnet", dataset="digits", batch_size=32,
                        workers=job.workers, iterations=job.total_steps)
-        await bus.emit(JobSubmitted(ts=now, source="bench", job=spec, submitted_at=now - job.arrival_s))
+        await bus.publish(JobSubmitted(ts=now, source="bench", job=spec, submitted_at=now - job.arrival_s))
         rates = {t: table.rate(job.job_type, t, job.workers) for t in ("k80", "p100", "v100")}
-        await bus.emit(ThroughputEstimate(ts=now, source="bench", job_id=job.job_id, basis="estimate",
+        await bus.publish(ThroughputEstimate(ts=now, source="bench", job_id=job.job_id, basis="estimate",
                                           workers=job.workers, rates={t: r for t, r in rates.items() if r > 0},
                                           model_bytes=job.model_bytes))
 

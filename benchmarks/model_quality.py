@@ -19,8 +19,8 @@ run from a :class:`WorkerSpec` (the agent daemon's subprocess body, called direc
 spare a torch import per copy), starting from the previous round's consolidated model
 (``start_from``), training its step budget and writing
 ``checkpoints/{job}/{round}/{copy}.safetensors``. After each round the copies are averaged
-as the tracker does it (:func:`plan_consolidation` with ``steps`` weights, streamed from
-the store by :class:`StoreRangeReader`, :func:`write_round_outputs`), to
+as the tracker does it (:func:`weigh_replicas` with ``steps`` weights, streamed from
+the store by :class:`StoreRangeReader`, :func:`write_model_files`), to
 ``models/{job}/{round}.safetensors`` (weights only) with the tracker's metadata
 (:mod:`shared.domain.model_meta`; ``total_steps`` is the previous total plus the copies' steps)
 and the averaged optimizer state beside it (``models/{job}/{round}.optim.safetensors``),
@@ -67,9 +67,9 @@ from services.agent.worker.main import Worker  # noqa: E402
 from services.tracker.averaging.consolidate import (  # noqa: E402
     DEFAULT_CHUNK_BYTES,
     Replica,
-    plan_consolidation,
+    weigh_replicas,
 )
-from services.tracker.model_files import RoundOutputs, write_round_outputs  # noqa: E402
+from services.tracker.model_files import ModelFiles, write_model_files  # noqa: E402
 from services.tracker.store_reader import StoreRangeReader  # noqa: E402
 from shared.domain.layout import checkpoint_key, model_key, optim_key  # noqa: E402
 from shared.domain.local_sgd import DEFAULT_SCALING, SCALINGS, LocalSgd  # noqa: E402
@@ -154,12 +154,12 @@ async def consolidate_round(store: LocalStore, job_id: str, round_: int, steps: 
     out_dir = scratch / f"{job_id}-{round_}"
     out_dir.mkdir()
 
-    def plan_and_write() -> RoundOutputs:   # off the loop: the readers wait on it
+    def plan_and_write() -> ModelFiles:   # off the loop: the readers wait on it
         # Every copy here is a whole W = 1 job: worker-steps are job steps.
-        plan = plan_consolidation(replicas, mode="steps", prior_worker_steps=prior_steps)
-        if plan.rejected:
-            raise RuntimeError(f"consolidation of {job_id}/{round_} rejected {plan.rejected}")
-        return write_round_outputs(plan, out_dir, job_id=job_id, round_=round_, missing=(), spec=None,
+        weighing = weigh_replicas(replicas, mode="steps", prior_worker_steps=prior_steps)
+        if weighing.rejected:
+            raise RuntimeError(f"consolidation of {job_id}/{round_} rejected {weighing.rejected}")
+        return write_model_files(weighing, out_dir, job_id=job_id, round_=round_, missing=(), spec=None,
                                    chunk_bytes=DEFAULT_CHUNK_BYTES)
 
     outputs = await asyncio.to_thread(plan_and_write)

@@ -96,7 +96,7 @@ async def run(args: argparse.Namespace) -> dict:
         for side in (reference, restarted):
             await side.bus.start()
         for i in range(args.dead_letters):
-            await restarted.bus.emit(dead_letter(topic=JOBS, partition=0, offset=i, reason="bench", raw=b"x",
+            await restarted.bus.publish(dead_letter(topic=JOBS, partition=0, offset=i, reason="bench", raw=b"x",
                                                  ts=restarted.clock.time(), source="bus/bench"))
         for side in (reference, restarted):
             await side.start()

@@ -173,7 +173,7 @@ async def rounds_run(args: argparse.Namespace, devices: NodeDevices, round_s: fl
             for service in services[:-1]:
                 await service.start()
             spec = job_spec(args, f"eff-{int(round_s)}")
-            await bus.emit(JobSubmitted(ts=time.time(), source="bench", job=spec, submitted_at=time.time()))
+            await bus.publish(JobSubmitted(ts=time.time(), source="bench", job=spec, submitted_at=time.time()))
             # the scheduler starts once the profiler's estimate is on the log (it reads it at start),
             # so round 0 already runs the job: the first round is the worker's first start, not a wait
             async with bus.subscribe([THROUGHPUT], "bench-estimate") as estimates:
@@ -231,9 +231,9 @@ async def move_start(args: argparse.Namespace) -> dict:
             start_from = None
             for r, (gpu, name) in enumerate(((0, "first"), (1, "moved"), (1, "kept"))):
                 now = time.time()
-                await bus.emit(RoundStarted(ts=now, source="bench", round=r, policy="hadare", started_at=now,
+                await bus.publish(RoundStarted(ts=now, source="bench", round=r, policy="hadare", started_at=now,
                                             ends_at=now + 30))
-                await bus.emit(Assignment(ts=now, source="bench", round=r, job=spec, copy=0, node_id="mover",
+                await bus.publish(Assignment(ts=now, source="bench", round=r, job=spec, copy=0, node_id="mover",
                                           gpus=(gpu,), gpu_type="cpu", world_size=1, ranks=(0,),
                                           step_budget=args.move_steps, deadline=now + 120, start_from=start_from))
                 async for d in sub:

@@ -70,8 +70,8 @@ class History:
         for _ in range(jobs):
             self.slots.append((self._new(0), 0))
 
-    async def emit(self, event: object) -> None:
-        await self.bus.emit(event)  # type: ignore[arg-type]
+    async def publish(self, event: object) -> None:
+        await self.bus.publish(event)  # type: ignore[arg-type]
         self.records += 1
 
     def _new(self, round_: int) -> JobSpec:
@@ -94,24 +94,24 @@ class History:
     async def round(self, r: int) -> None:
         at = T0 + ROUND_S * r
         for job in self._submit:
-            await self.emit(JobSubmitted(ts=at, source="cli", job=job, submitted_at=at))
+            await self.publish(JobSubmitted(ts=at, source="cli", job=job, submitted_at=at))
         self._submit = []
-        await self.emit(RoundStarted(ts=at, source="scheduler", round=r, policy="hadare", started_at=at,
+        await self.publish(RoundStarted(ts=at, source="scheduler", round=r, policy="hadare", started_at=at,
                                      ends_at=at + ROUND_S, assignments=len(self.slots)))
         for job, _ in self.slots:
-            await self.emit(self.assignment(job, r))
+            await self.publish(self.assignment(job, r))
         for job, done in self.slots:
-            await self.emit(Progress(ts=at + 30, source="agent/n1", job_id=job.job_id, round=r, copy=0,
+            await self.publish(Progress(ts=at + 30, source="agent/n1", job_id=job.job_id, round=r, copy=0,
                                      node_id="n1", gpu_type="V100", workers=1, steps_round=STEPS // 2,
                                      steps_total=STEPS * done + STEPS // 2, samples_per_s=10.0, loss=1.0))
-            await self.emit(self.finished(job.job_id, r))
+            await self.publish(self.finished(job.job_id, r))
         for i, (job, done) in enumerate(self.slots):
             total = STEPS * (done + 1)
-            await self.emit(ModelConsolidated(ts=at + 55, source="tracker", job_id=job.job_id, round=r,
+            await self.publish(ModelConsolidated(ts=at + 55, source="tracker", job_id=job.job_id, round=r,
                                               key=model_key(job.job_id, r), total_steps=total,
                                               copies=(CopyWeight(copy=0, steps=STEPS, weight=1.0),)))
             if done + 1 == self.job_rounds:
-                await self.emit(JobCompleted(ts=at + 58, source="tracker", job_id=job.job_id,
+                await self.publish(JobCompleted(ts=at + 58, source="tracker", job_id=job.job_id,
                                              final_key=final_key(job.job_id), total_steps=total,
                                              jct_s=58.0, completed_at=at + 58))
                 self.slots[i] = (self._new(r + 1), 0)
@@ -159,11 +159,11 @@ async def run(args: argparse.Namespace) -> dict:
         await store.put(checkpoint_key(a.job_id, r, 0), save({"w": rng.standard_normal(64).astype(np.float32)}))
         for number, assignments in ((r, 1), (r + 1, 1)):
             at = T0 + ROUND_S * number
-            await history.emit(RoundStarted(ts=at, source="scheduler", round=number, policy="hadare", started_at=at,
+            await history.publish(RoundStarted(ts=at, source="scheduler", round=number, policy="hadare", started_at=at,
                                             ends_at=at + ROUND_S, assignments=assignments))
-        await history.emit(history.assignment(a, r))
-        await history.emit(history.finished(b.job_id, r + 1))   # held: round r + 1's Assignment is unread
-        await history.emit(history.finished(a.job_id, r))       # decides round r: the snapshot
+        await history.publish(history.assignment(a, r))
+        await history.publish(history.finished(b.job_id, r + 1))   # held: round r + 1's Assignment is unread
+        await history.publish(history.finished(a.job_id, r))       # decides round r: the snapshot
         while not live.registry.get_sample_value("hadar_tracker_snapshots_total", {"outcome": "written"}):
             await asyncio.sleep(0.01)
         held = live.state.sizes()["pending"]

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.bus.settings import KafkaSecurity
-from shared.security.files import write_private
 from shared.security.credentials import MECHANISM, Secrets, load_or_create
+from shared.security.files import write_private
 from shared.security.principals import ADMIN
 
 __all__ = ["BrokerSecurity", "prepare", "secure_dir", "listener_properties", "scram_args", "admin_security"]
@@ -52,7 +52,7 @@ def prepare(run: Path, *, now: dt.datetime | None = None) -> BrokerSecurity:
     found = load_or_create(base / "secrets.json")
     tls = base / "tls"
     if not (tls / "server.pem").exists():
-        from shared.security.tls import make_tls   # cryptography only where a CA is made
+        from shared.security.tls import make_tls  # cryptography only where a CA is made
         make_tls(tls, hosts=TLS_HOSTS, now=now or dt.datetime.now(dt.timezone.utc))
     return BrokerSecurity(secrets=found, ca_file=tls / "ca.pem", server_pem=tls / "server.pem")
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import re
 import shutil
@@ -27,8 +26,8 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 from pathlib import Path
+from typing import TypeVar
 
 from shared.errors import HadarError
 from shared.security.files import read_json

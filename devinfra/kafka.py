@@ -30,7 +30,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from shared.bus.settings import KafkaSecurity
+from devinfra.broker_auth import (
+    BrokerSecurity,
+    admin_security,
+    listener_properties,
+    prepare,
+    scram_args,
+    write_argfile,
+)
 from devinfra.common import (
     Clock,
     InfraError,
@@ -48,10 +55,8 @@ from devinfra.common import (
     stop_group,
     wait_for,
 )
+from shared.bus.settings import KafkaSecurity
 from shared.security.files import write_private
-from devinfra.broker_auth import (
-    BrokerSecurity, admin_security, listener_properties, prepare, scram_args, write_argfile,
-)
 
 __all__ = [
     "KafkaServer", "DEFAULT_POM", "find_java", "fetch_kafka", "start_kafka", "restart_kafka", "kafka_properties",

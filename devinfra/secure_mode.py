@@ -17,14 +17,14 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from shared.store.settings import S3Settings
-from devinfra.common import InfraPaths
-from shared.security.files import write_private
 from devinfra.broker_auth import admin_security, prepare
+from devinfra.common import InfraPaths
 from devinfra.stack import DevServers
 from shared.security.credentials import MECHANISM, write_env_files
+from shared.security.files import write_private
 from shared.security.principals import ADMIN, PRINCIPALS, s3_user
 from shared.security.provision import secure_kafka, secure_minio
+from shared.store.settings import S3Settings
 
 __all__ = ["apply", "credentials_dir", "public_lines", "CLI_PRINCIPAL"]
 

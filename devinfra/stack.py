@@ -23,9 +23,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from shared.bus.settings import KafkaSettings
-
-from shared.store.settings import S3Settings
 from devinfra.common import (
     InfraError,
     InfraPaths,
@@ -34,7 +31,6 @@ from devinfra.common import (
     remove_tree,
     stop_group,
 )
-from shared.security.files import write_private
 from devinfra.kafka import (
     KafkaServer,
     fetch_kafka,
@@ -44,7 +40,17 @@ from devinfra.kafka import (
     restart_kafka,
     start_kafka,
 )
-from devinfra.minio import MinioServer, build_minio, load_minio, minio_healthy, restart_minio, start_minio
+from devinfra.minio import (
+    MinioServer,
+    build_minio,
+    load_minio,
+    minio_healthy,
+    restart_minio,
+    start_minio,
+)
+from shared.bus.settings import KafkaSettings
+from shared.security.files import write_private
+from shared.store.settings import S3Settings
 
 __all__ = [
     "DevServers", "ServerStatus", "Report", "up", "restart", "status", "down", "ensure_kafka",

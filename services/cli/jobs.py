@@ -135,7 +135,7 @@ async def submit(bus: Bus, spec: JobSpec, *, source: str = "cli") -> JobSubmitte
     """Publish a validated job; the demo and tests submit through this too."""
     now = SystemClock().time()
     event = JobSubmitted(ts=now, source=source, job=spec, submitted_at=now)
-    await bus.emit(event)
+    await bus.publish(event)
     return event
 
 
@@ -180,7 +180,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
                 raise UsageError(f"job: no job {args.job!r}")
             if not job.active:
                 return f"already_{job.state}"
-            await bus.emit(JobCancelled(ts=SystemClock().time(), source="cli", job_id=args.job, reason=args.reason))
+            await bus.publish(JobCancelled(ts=SystemClock().time(), source="cli", job_id=args.job, reason=args.reason))
             return "cancel_requested"
         finally:
             await bus.stop()

@@ -256,7 +256,7 @@ class ProfilerService:
                 workers=update.workers, rates=rates), emulated=True)
 
     async def _publish(self, event: ThroughputEstimate, *, emulated: bool) -> None:
-        partition, offset = await self.bus.emit(event)
+        partition, offset = await self.bus.publish(event)
         self._cover(THROUGHPUT, partition, offset)
         self._m_out.labels(type=event.TYPE).inc()
         self._m_published.labels(basis=event.basis, emulated=str(emulated).lower()).inc()

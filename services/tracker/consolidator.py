@@ -1,9 +1,9 @@
 """What the tracker produces for a decided round or a completed job, in the store, and the
-announcement that goes with it (:class:`RoundProducer`, used by the service).
+announcement that goes with it (:class:`Consolidator`, used by the service).
 
 Guarantees (the service's docstring states them for the whole tracker):
 
-* :meth:`RoundProducer.consolidate` stores the averaged optimizer state first, then the
+* :meth:`Consolidator.consolidate` stores the averaged optimizer state first, then the
   round model (temp file, then an atomic ``put_file``), and only then returns the
   ModelConsolidated that announces it; with no usable replica it stores nothing and
   returns a RoundAbandoned with the rejections.
@@ -14,11 +14,11 @@ Guarantees (the service's docstring states them for the whole tracker):
   and no upload follows, and nothing is announced; the round stays unannounced and the
   next tracker consolidates it. Cancelled during an upload, the upload may still complete
   (an object appears whole or not at all); the next tracker then announces it as stored.
-* :meth:`RoundProducer.existing` announces a model an earlier run stored but did not
+* :meth:`Consolidator.existing` announces a model an earlier run stored but did not
   announce, from the model's own metadata, so a restart never publishes a different model;
   a model that is not this round's, unreadable, or whose announcement ``check`` refuses
   gives None (recompute over it).
-* :meth:`RoundProducer.store_final` stores ``final.safetensors`` as a byte copy of the
+* :meth:`Consolidator.store_final` stores ``final.safetensors`` as a byte copy of the
   job's latest round model before JobCompleted is built.
 """
 
@@ -38,19 +38,19 @@ from services.tracker.averaging.consolidate import (
     NoUsableReplica,
     Rejected,
     Replica,
-    plan_consolidation,
+    weigh_replicas,
 )
 from services.tracker.averaging.safetensors_format import (
     InvalidSafetensors,
     read_header,
 )
 from services.tracker.config import TrackerConfig
-from services.tracker.due import CompletionWork, RoundWork
+from services.tracker.due import DueCompletion, DueRound
 from services.tracker.metrics import TrackerMetrics
 from services.tracker.model_files import (
-    RoundOutputs,
+    ModelFiles,
     held_out_metric,
-    write_round_outputs,
+    write_model_files,
 )
 from services.tracker.store_reader import ConsolidationStopped, StoreRangeReader
 from shared.clock import Clock
@@ -60,7 +60,7 @@ from shared.errors import HadarError
 from shared.store import InvalidKey, ObjectNotFound, ObjectStore
 from shared.wire.events import ModelConsolidated, Rejection, RoundAbandoned
 
-__all__ = ["RoundProducer", "AnnouncementRefused", "announcement", "STOP_WAIT_S"]
+__all__ = ["Consolidator", "AnnouncementRefused", "announcement", "STOP_WAIT_S"]
 
 STOP_WAIT_S = 5.0   # how long a cancelled consolidation waits for its worker thread to stop
 
@@ -70,7 +70,7 @@ class AnnouncementRefused(HadarError):
     failed attempt like any other."""
 
 
-class RoundProducer:
+class Consolidator:
     """Writes round models and final models; see the module guarantees."""
 
     def __init__(self, *, store: ObjectStore, config: TrackerConfig, clock: Clock, metrics: TrackerMetrics,
@@ -81,12 +81,12 @@ class RoundProducer:
         self._m = metrics
         self._log = log
 
-    def abandonment(self, work: RoundWork, reason: str, *,
+    def abandonment(self, work: DueRound, reason: str, *,
                     rejected: tuple[Rejection, ...] = ()) -> RoundAbandoned:
         return RoundAbandoned(ts=self.clock.time(), source=self.config.source, job_id=work.job_id, round=work.round,
                               reason=reason[:1024], rejected=rejected, missing=work.missing)
 
-    async def consolidate(self, work: RoundWork, key: str, log: Any) -> ModelConsolidated | RoundAbandoned:
+    async def consolidate(self, work: DueRound, key: str, log: Any) -> ModelConsolidated | RoundAbandoned:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         rejected = [Rejected(copy=f.copy, reason=f"copy failed: {f.reason or 'no reason given'}"[:240])
@@ -122,7 +122,7 @@ class RoundProducer:
         self._m.seconds.observe(seconds)
         self._m.models.inc()
         self._m.bytes.inc(outputs.stats.bytes_read)
-        self._m.rejected.inc(len(outputs.plan.rejected) - len(work.failed))
+        self._m.rejected.inc(len(outputs.weighing.rejected) - len(work.failed))
         return announcement(outputs.meta, key, self.clock.time(), self.config.source, seconds=seconds,
                             metric=metric)
 
@@ -142,15 +142,15 @@ class RoundProducer:
             log.warning("round.consolidation_stopped", stopped=stopped, thread_running=not task.done())
             raise
 
-    def _write(self, work: RoundWork, replicas: list[Replica], rejected: list[Rejected],
-               tmp_dir: Path, stop: threading.Event) -> tuple[RoundOutputs, tuple[str, float] | None]:
-        # The plan bounds each copy's steps and the job's total. Writing may reject replicas
-        # holding NaN or inf: the files' metadata and the announcement are those of the plan
+    def _write(self, work: DueRound, replicas: list[Replica], rejected: list[Rejected],
+               tmp_dir: Path, stop: threading.Event) -> tuple[ModelFiles, tuple[str, float] | None]:
+        # The weighing bounds each copy's steps and the job's total. Writing may reject replicas
+        # holding NaN or inf: the files' metadata and the announcement are those of the weighing
         # actually written (model_output.py).
-        plan = plan_consolidation(replicas, mode=self.config.mode, rejected=rejected,
+        weighing = weigh_replicas(replicas, mode=self.config.mode, rejected=rejected,
                                   prior_worker_steps=work.prior_worker_steps, job_workers=work.job_workers,
                                   limit_worker_steps=work.limit_worker_steps)
-        outputs = write_round_outputs(plan, tmp_dir, job_id=work.job_id, round_=work.round, missing=work.missing,
+        outputs = write_model_files(weighing, tmp_dir, job_id=work.job_id, round_=work.round, missing=work.missing,
                                       spec=work.spec, chunk_bytes=self.config.chunk_bytes,
                                       threads=self.config.consolidation_threads)
         if stop.is_set():   # the evaluation cannot be stopped midway: do not start it
@@ -161,7 +161,7 @@ class RoundProducer:
             self._log.info("round.no_metric", job=work.job_id, round=work.round, reason=why_not)
         return outputs, metric
 
-    async def existing(self, work: RoundWork, key: str, log: Any,
+    async def existing(self, work: DueRound, key: str, log: Any,
                        check: Callable[[ModelConsolidated], Refusal | None]) -> ModelConsolidated | None:
         """The ModelConsolidated of a model an earlier run wrote but did not announce."""
         size = await self.store.size(key)
@@ -184,7 +184,7 @@ class RoundProducer:
         log.info("round.existing_model_announced", key=key)
         return event
 
-    async def store_final(self, work: CompletionWork) -> str:
+    async def store_final(self, work: DueCompletion) -> str:
         """Copy the job's latest round model to its final key; returns that key."""
         key = final_key(work.job_id)
         tmp_dir = Path(tempfile.mkdtemp(prefix="hadar-tracker-", dir=self.config.temp_dir))

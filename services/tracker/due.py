@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from shared.wire.events import JobSpec
 
-__all__ = ["FinishedCopy", "RoundWork", "CompletionWork"]
+__all__ = ["FinishedCopy", "DueRound", "DueCompletion"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,7 +26,7 @@ class FinishedCopy:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RoundWork:
+class DueRound:
     """A round to consolidate now.
 
     ``usable``: finished copies with a checkpoint (status ok or preempted); ``failed``:
@@ -58,7 +58,7 @@ class RoundWork:
 
 
 @dataclass(frozen=True, kw_only=True)
-class CompletionWork:
+class DueCompletion:
     job_id: str
     model_key: str
     total_steps: int

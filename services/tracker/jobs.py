@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from services.tracker.acceptance import CopyPlacement
-from services.tracker.due import CompletionWork, FinishedCopy, RoundWork
+from services.tracker.due import DueCompletion, DueRound, FinishedCopy
 from shared.domain.deadline import copies_given_up_at
 from shared.wire.events import Assignment, JobSpec
 
@@ -40,7 +40,7 @@ class RoundRecord:
             workers=min(max(e.world_size, known.workers if known else 1), e.job.workers))
 
     def work(self, job_id: str, number: int, *, placed: bool, now: float, timeout_s: float,
-             prior_worker_steps: int, job_workers: int, spec: JobSpec | None = None) -> RoundWork | None:
+             prior_worker_steps: int, job_workers: int, spec: JobSpec | None = None) -> DueRound | None:
         """This round as work, if it is due: every copy in (``placed``: all its Assignments
         read), or once its missing copies are given up on (``shared.domain.deadline``: ``timeout_s``
         past its deadline)."""
@@ -48,7 +48,7 @@ class RoundRecord:
         if not (all_in or now >= copies_given_up_at(self.deadline, late_copy_s=timeout_s)):
             return None
         finished = [self.finished[c] for c in sorted(self.finished)]
-        return RoundWork(
+        return DueRound(
             job_id=job_id, round=number,
             usable=tuple(f for f in finished if f.status != "failed" and f.checkpoint),
             failed=tuple(f for f in finished if f.status == "failed" or not f.checkpoint),
@@ -110,14 +110,14 @@ class JobRecord:
         live = self.consolidated_worker_steps + sum(rnd.live_worker_steps() for rnd in self.rounds.values())
         return live // self.workers
 
-    def completion(self, job_id: str) -> CompletionWork | None:
+    def completion(self, job_id: str) -> DueCompletion | None:
         """The job's completion, once its consolidated steps reach its iterations
         (worker-steps reach W x iterations)."""
         if (self.spec is None or self.model_key is None or self.completion_given_up
                 or self.consolidated_steps < self.spec.iterations):
             return None
         submitted = self.submitted_at if self.submitted_at is not None else self.first_seen
-        return CompletionWork(job_id=job_id, model_key=self.model_key, total_steps=self.consolidated_steps,
+        return DueCompletion(job_id=job_id, model_key=self.model_key, total_steps=self.consolidated_steps,
                               submitted_at=submitted)
 
 

@@ -1,10 +1,10 @@
 """What the tracker stores for a round: a weights-only model that says what it is, the
 averaged optimizer state beside it, and the model's held-out metric.
 
-:func:`write_round_outputs` writes, from one :class:`ConsolidationPlan`:
+:func:`write_model_files` writes, from one :class:`Weighing`:
 
 * ``model.safetensors``: the averaged tensors *not* named ``optim.*`` -- exactly the
-  model's ``state_dict``, so ``load_state_dict(strict=True)`` takes it -- with the plan's
+  model's ``state_dict``, so ``load_state_dict(strict=True)`` takes it -- with the weighing's
   metadata plus the job's :class:`~shared.domain.model_meta.ModelDescription` (model, dataset,
   width/depth, zoo view, library version, samples), when the zoo knows the job;
 * ``optim.safetensors``, only if the replicas hold optimizer state: the averaged
@@ -12,7 +12,7 @@ averaged optimizer state beside it, and the model's held-out metric.
 
 Both are averages of the *same* copies with the same weights: if writing the optimizer
 state rejects a replica (non-finite values), the model is rewritten without it, so the
-pair is always consistent, and the returned plan and metadata are the ones written.
+pair is always consistent, and the returned weighing and metadata are the ones written.
 
 :func:`held_out_metric` evaluates the written model on its dataset's test split with
 ``shared.zoo.evaluate``. It is bounded: a model file over :data:`EVAL_MAX_BYTES` is not
@@ -27,67 +27,67 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from services.tracker.averaging.consolidate import (
-    ConsolidationPlan,
+    Weighing,
     WriteStats,
     write_consolidated,
 )
 from shared.domain.model_meta import OPTIM_PREFIX, ModelDescription, ModelMetadata
 from shared.wire.records import JobSpec
 
-__all__ = ["RoundOutputs", "write_round_outputs", "held_out_metric", "EVAL_MAX_BYTES", "OPTIM_FORMAT"]
+__all__ = ["ModelFiles", "write_model_files", "held_out_metric", "EVAL_MAX_BYTES", "OPTIM_FORMAT"]
 
 EVAL_MAX_BYTES = 256 << 20   # zoo models are a few MB; a bigger file is not evaluated in the tracker
 OPTIM_FORMAT = "hadar-optim-1"
 
 
 @dataclass(frozen=True, kw_only=True)
-class RoundOutputs:
-    plan: ConsolidationPlan       # the plan actually written (both files)
+class ModelFiles:
+    weighing: Weighing       # the weighing actually written (both files)
     meta: ModelMetadata           # what the model file says about itself
     stats: WriteStats             # of the model file
     model_path: Path
     optim_path: Path | None       # None: the replicas held no optimizer state
 
 
-def _describe(spec: JobSpec | None, plan: ConsolidationPlan) -> ModelDescription | None:
+def _describe(spec: JobSpec | None, weighing: Weighing) -> ModelDescription | None:
     if spec is None:
         return None
     from shared.zoo import describe  # torch: imported only when a model is written
 
     try:
-        return describe(spec, worker_steps=plan.total_worker_steps)
+        return describe(spec, worker_steps=weighing.total_worker_steps)
     except ValueError:
         return None   # a job the zoo does not know (refused at submission; only forged ones get here)
 
 
-def write_round_outputs(plan: ConsolidationPlan, tmp_dir: Path, *, job_id: str, round_: int,
+def write_model_files(weighing: Weighing, tmp_dir: Path, *, job_id: str, round_: int,
                         missing: tuple[int, ...], spec: JobSpec | None, chunk_bytes: int,
-                        threads: int = 1) -> RoundOutputs:
+                        threads: int = 1) -> ModelFiles:
     """Write the round's model (weights only) and its optimizer state into ``tmp_dir``,
     averaging on ``threads`` threads."""
-    weights = tuple(t for t in plan.layout if not t.name.startswith(OPTIM_PREFIX))
-    optim = tuple(t for t in plan.layout if t.name.startswith(OPTIM_PREFIX))
+    weights = tuple(t for t in weighing.layout if not t.name.startswith(OPTIM_PREFIX))
+    optim = tuple(t for t in weighing.layout if t.name.startswith(OPTIM_PREFIX))
     if not weights:   # not a model's checkpoint at all: keep every tensor in the model file
-        weights, optim = plan.layout, ()
+        weights, optim = weighing.layout, ()
     static = {"job": job_id, "round": str(round_), "missing": json.dumps(list(missing))}
     model_path, optim_path = tmp_dir / "model.safetensors", tmp_dir / "optim.safetensors"
     while True:
-        description = _describe(spec, plan)
+        description = _describe(spec, weighing)
         extra = {**static, **(description.to_metadata() if description else {})}
         with open(model_path, "wb") as out:
-            stats = write_consolidated(replace(plan, layout=weights), out, metadata=extra, chunk_bytes=chunk_bytes,
+            stats = write_consolidated(replace(weighing, layout=weights), out, metadata=extra, chunk_bytes=chunk_bytes,
                                        threads=threads)
-        plan = replace(stats.plan, layout=plan.layout)
+        weighing = replace(stats.weighing, layout=weighing.layout)
         if not optim:
             break
         with open(optim_path, "wb") as out:
-            written = write_consolidated(replace(plan, layout=optim), out, chunk_bytes=chunk_bytes, threads=threads,
+            written = write_consolidated(replace(weighing, layout=optim), out, chunk_bytes=chunk_bytes, threads=threads,
                                          metadata={**static, "format": OPTIM_FORMAT})
-        if len(written.plan.accepted) == len(plan.accepted):
+        if len(written.weighing.accepted) == len(weighing.accepted):
             break
-        plan = replace(written.plan, layout=plan.layout)   # a replica's optimizer state was not finite
-    meta = plan.model_metadata(job=job_id, round_=round_, missing=missing, description=description)
-    return RoundOutputs(plan=plan, meta=meta, stats=stats, model_path=model_path,
+        weighing = replace(written.weighing, layout=weighing.layout)   # a replica's optimizer state was not finite
+    meta = weighing.model_metadata(job=job_id, round_=round_, missing=missing, description=description)
+    return ModelFiles(weighing=weighing, meta=meta, stats=stats, model_path=model_path,
                         optim_path=optim_path if optim else None)
 
 

@@ -59,11 +59,11 @@ from prometheus_client import CollectorRegistry
 from services.tracker.acceptance import Refusal
 from services.tracker.attempts import Attempts
 from services.tracker.config import MAX_RETRY_S, TrackerConfig
-from services.tracker.consolidator import AnnouncementRefused, RoundProducer
+from services.tracker.consolidator import AnnouncementRefused, Consolidator
 from services.tracker.lifecycle import ObjectJanitor, ObjectLifecycle
 from services.tracker.metrics import TrackerMetrics
 from services.tracker.snapshot import SERVICE, Position, capture, restore
-from services.tracker.state import CompletionWork, RoundWork, TrackerState
+from services.tracker.state import DueCompletion, DueRound, TrackerState
 from shared.bus import Bus, Delivery
 from shared.bus.rejection import dead_letter_delivery
 from shared.clock import Clock, SystemClock
@@ -112,7 +112,7 @@ class TrackerService:
         self.lifecycle = ObjectLifecycle.of(self.config)
         self._janitor = ObjectJanitor(store, self.lifecycle, registry=r, log=self._log)
         self._m = TrackerMetrics(r)
-        self._produce = RoundProducer(store=store, config=self.config, clock=self.clock, metrics=self._m,
+        self._produce = Consolidator(store=store, config=self.config, clock=self.clock, metrics=self._m,
                                       log=self._log)
         self.snapshots = (SnapshotStore(store, owner=self.config.group, service=SERVICE, keep=self.config.snapshots_kept,
                                         log=self._log) if self.config.snapshot_every else None)
@@ -272,7 +272,7 @@ class TrackerService:
         for kind, size in self.state.sizes().items():
             self._m.entries.labels(kind=kind).set(size)
 
-    async def _give_up(self, work: RoundWork) -> None:
+    async def _give_up(self, work: DueRound) -> None:
         """After the last failed attempt: announce the round as abandoned if the bus takes it;
         either way the round is closed here, so later rounds of the job come due."""
         try:
@@ -298,7 +298,7 @@ class TrackerService:
         return False
 
     async def _publish(self, event: Event) -> None:
-        await self.bus.emit(event)
+        await self.bus.publish(event)
         self._m.events_out.labels(type=event.TYPE).inc()
         self._fold(event)
         await self._handle_refusals()   # reports still held for a round this decided
@@ -345,7 +345,7 @@ class TrackerService:
 
     # ------------------------------------------------------------------ rounds
 
-    async def _round(self, work: RoundWork) -> None:
+    async def _round(self, work: DueRound) -> None:
         log = self._log.bind(job=work.job_id, round=work.round)
         key = model_key(work.job_id, work.round)
         event = None
@@ -358,7 +358,7 @@ class TrackerService:
             self._m.abandoned.inc()
         else:
             refusal = self.state.check_announcement(event)
-            if refusal is not None:   # never for a model this tracker computed: its plan obeys the same rules
+            if refusal is not None:   # never for a model this tracker computed: its weighing obeys the same rules
                 raise AnnouncementRefused(f"{refusal.reason}: {refusal.detail}")
             await self._publish(event)
             log.info("round.consolidated", key=key, total_steps=event.total_steps,
@@ -370,7 +370,7 @@ class TrackerService:
 
     # ------------------------------------------------------------------ completion
 
-    async def _complete(self, work: CompletionWork) -> None:
+    async def _complete(self, work: DueCompletion) -> None:
         key = await self._produce.store_final(work)
         now = self.clock.time()
         event = JobCompleted(ts=now, source=self.config.source, job_id=work.job_id, final_key=key,

@@ -55,7 +55,7 @@ from services.tracker.acceptance import (
     key_problem,
     report_problem,
 )
-from services.tracker.due import CompletionWork, FinishedCopy, RoundWork
+from services.tracker.due import DueCompletion, DueRound, FinishedCopy
 from services.tracker.jobs import FinishedJob, JobRecord, RoundRecord
 from services.tracker.pending import HeldReport, PendingReports
 from services.tracker.placements import ROUND_HISTORY, PlacementIndex
@@ -74,7 +74,7 @@ from shared.wire.events import (
 )
 from shared.wire.topics import JOBS, MODELS, PLACEMENTS, PROGRESS
 
-__all__ = ["FinishedCopy", "RoundWork", "CompletionWork", "Refusal", "TrackerState", "FOLDED_TOPICS",
+__all__ = ["FinishedCopy", "DueRound", "DueCompletion", "Refusal", "TrackerState", "FOLDED_TOPICS",
            "ROUND_HISTORY"]
 
 # What ``apply`` folds: the tracker service's INPUT_TOPICS (tests check they match).
@@ -375,7 +375,7 @@ class TrackerState:
         if job is not None:
             job.completion_given_up = True
 
-    def due_rounds(self, now: float, timeout_s: float) -> list[RoundWork]:
+    def due_rounds(self, now: float, timeout_s: float) -> list[DueRound]:
         """Rounds to consolidate now: at most one per job, its earliest open round."""
         work = []
         for job_id in sorted(self._jobs):
@@ -390,7 +390,7 @@ class TrackerState:
                     work.append(item)
         return work
 
-    def due_completions(self) -> list[CompletionWork]:
+    def due_completions(self) -> list[DueCompletion]:
         """Jobs whose consolidated steps reached their iterations and have not completed."""
         due = (self._jobs[job_id].completion(job_id) for job_id in sorted(self._jobs))
         return [work for work in due if work is not None]

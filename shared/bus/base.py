@@ -41,6 +41,7 @@ from shared.wire.events import (
     DEADLETTER_RAW_LIMIT,
     DeadLetter,
     Event,
+    encode,
     key_for,
     topic_for,
 )
@@ -153,7 +154,7 @@ class Subscription(abc.ABC):
 class Bus(abc.ABC):
     """Publish events and consume them in groups; the port every service talks through.
 
-    Topics must exist before use; :meth:`ensure_topics` creates them, and :meth:`publish`
+    Topics must exist before use; :meth:`ensure_topics` creates them, and publishing
     and :meth:`subscribe` create a topic they have not seen yet (with the bus's partition
     count), so a missing topic is never silently created with another layout.
     """
@@ -175,27 +176,39 @@ class Bus(abc.ABC):
     async def ensure_topics(self, topics: Iterable[str] = ALL_TOPICS) -> None:
         """Create the topics that do not exist yet; existing ones are left as they are."""
 
-    @abc.abstractmethod
-    async def publish(self, topic: str, key: str, event: Event) -> tuple[int, int]:
+    async def publish(self, event: Event, *, topic: str | None = None, key: str | None = None) -> tuple[int, int]:
         """Publish one event; returns (partition, offset) once the record is durable
-        (Kafka: written to all in-sync replicas, idempotent producer)."""
+        (Kafka: written to all in-sync replicas, idempotent producer).
 
-    @abc.abstractmethod
-    async def send(self, topic: str, key: str, event: Event) -> Awaitable[tuple[int, int]]:
-        """Pipelined publish: awaiting ``send`` enqueues the record, fixing its order among
-        records with the same key; awaiting the returned awaitable waits until it is durable,
-        as :meth:`publish` does. Many sends in flight are batched together.
+        ``topic`` and ``key`` default to the event's own (:func:`topic_for`, :func:`key_for`);
+        services never pass them (the contract tests and benchmarks do, to isolate runs)."""
+        return await (await self.publish_pipelined(event, topic=topic, key=key))
+
+    async def publish_pipelined(self, event: Event, *, topic: str | None = None,
+                                key: str | None = None) -> Awaitable[tuple[int, int]]:
+        """:meth:`publish` in two steps: awaiting this enqueues the record, fixing its order
+        among records with the same key; awaiting the returned awaitable waits until it is
+        durable. Many records in flight are batched together.
 
         A record is only known to be published once its awaitable has succeeded. If one fails,
-        records sent after it with the same key may still have been written, so a caller that
-        needs a gap-free order must stop and re-publish from the failed one.
+        records enqueued after it with the same key may still have been written, so a caller
+        that needs a gap-free order must stop and re-publish from the failed one.
         """
+        return await self._enqueue(topic if topic is not None else topic_for(event),
+                                   key if key is not None else key_for(event), encode(event), None)
+
+    async def write_raw(self, topic: str, key: str | None, value: bytes | None,
+                        *, partition: int | None = None) -> tuple[int, int]:
+        """Write arbitrary bytes (``None``: a tombstone), bypassing the event codec, and wait
+        until they are durable. For tests and tools that need malformed records; services
+        publish events."""
+        return await (await self._enqueue(topic, key, value, partition))
 
     @abc.abstractmethod
-    async def publish_raw(self, topic: str, key: str | None, value: bytes | None,
-                          *, partition: int | None = None) -> tuple[int, int]:
-        """Publish arbitrary bytes (``None``: a tombstone), bypassing the event codec.
-        For tests and tools that need malformed records; services must use :meth:`publish`."""
+    async def _enqueue(self, topic: str, key: str | None, value: bytes | None,
+                       partition: int | None) -> Awaitable[tuple[int, int]]:
+        """Enqueue one record (the one primitive every publish goes through); the awaitable
+        resolves to (partition, offset) once it is durable, or raises :class:`BusError`."""
 
     @abc.abstractmethod
     def subscribe(self, topics: str | Iterable[str], group: str) -> Subscription:
@@ -219,10 +232,6 @@ class Bus(abc.ABC):
         To stop early, iterate under ``contextlib.aclosing`` so the Kafka reader closes at
         once rather than when the generator is garbage-collected.
         """
-
-    async def emit(self, event: Event) -> tuple[int, int]:
-        """Publish ``event`` on its own topic with its own key (:func:`topic_for`, :func:`key_for`)."""
-        return await self.publish(topic_for(event), key_for(event), event)
 
 
 class AckTracker:

@@ -36,14 +36,23 @@ from aiokafka.errors import KafkaError, for_code
 from aiokafka.partitioner import DefaultPartitioner, murmur2
 
 from shared.bus.base import (
-    Bus, BusError, Delivery, Position, bus_error, check_position, check_started, check_topic,
-    replay_order, start_ms, topic_list,
+    Bus,
+    BusError,
+    Delivery,
+    Position,
+    bus_error,
+    check_position,
+    check_started,
+    check_topic,
+    replay_order,
+    start_ms,
+    topic_list,
 )
 from shared.bus.kafka_group import KafkaSubscription
 from shared.bus.kafka_login import diagnose, security_options
-from shared.clock import Clock, SystemClock
 from shared.bus.settings import KafkaSecurity
-from shared.wire.events import Event, InvalidEvent, decode, encode
+from shared.clock import Clock, SystemClock
+from shared.wire.events import InvalidEvent, decode
 from shared.wire.retention import topic_configs
 from shared.wire.topics import ALL_TOPICS
 
@@ -72,7 +81,7 @@ class KafkaBus(Bus):
 
     Its consumer-group members (:class:`~shared.bus.kafka_group.KafkaSubscription`) use
     only :attr:`is_started`, :meth:`ensure_known`, :meth:`client_options`,
-    :meth:`register`/:meth:`unregister`, :meth:`emit` and the attributes ``clock``,
+    :meth:`register`/:meth:`unregister`, :meth:`~shared.bus.base.Bus.publish` and the attributes ``clock``,
     ``source`` and ``commit_interval_s``. That interface is for this package, not for
     services, which use the :class:`~shared.bus.base.Bus` contract.
     """
@@ -172,26 +181,15 @@ class KafkaBus(Bus):
                                retriable=bool(error.retriable))
         self._known_topics.update(names)
 
-    async def publish(self, topic: str, key: str, event: Event) -> tuple[int, int]:
-        return await (await self.send(topic, key, event))
-
-    async def send(self, topic: str, key: str, event: Event) -> Awaitable[tuple[int, int]]:
-        return await self._send(topic, key.encode(), encode(event), None)
-
-    async def publish_raw(self, topic: str, key: str | None, value: bytes | None,
-                          *, partition: int | None = None) -> tuple[int, int]:
-        raw_key = key.encode() if key is not None else None
-        return await (await self._send(topic, raw_key, value, partition))
-
-    async def _send(self, topic: str, key: bytes | None, value: bytes | None,
-                    partition: int | None) -> Awaitable[tuple[int, int]]:
+    async def _enqueue(self, topic: str, key: str | None, value: bytes | None,
+                       partition: int | None) -> Awaitable[tuple[int, int]]:
         check_started(self._producer is not None)
         assert self._producer is not None
         if topic not in self._known_topics:
             await self.ensure_known([check_topic(topic)])
         try:
             future = await self._producer.send(
-                topic, value=value, key=key, partition=partition,
+                topic, value=value, key=key.encode() if key is not None else None, partition=partition,
                 timestamp_ms=int(self.clock.time() * 1000))
         except (KafkaError, OSError, asyncio.TimeoutError) as exc:
             raise bus_error(f"publish to {topic}", exc) from exc

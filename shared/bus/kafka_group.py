@@ -34,7 +34,13 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import ConsumerStoppedError, KafkaError
 
 from shared.bus.base import (
-    TOMBSTONE_REASON, AckTracker, BusError, Delivery, Subscription, bus_error, check_started,
+    TOMBSTONE_REASON,
+    AckTracker,
+    BusError,
+    Delivery,
+    Subscription,
+    bus_error,
+    check_started,
     dead_letter,
 )
 from shared.wire.events import InvalidEvent, decode
@@ -167,7 +173,7 @@ class KafkaSubscription(Subscription):
                              source=f"{self.bus.source}/{self.group}")
         log.warning("bus.deadletter", topic=rec.topic, partition=rec.partition,
                     offset=rec.offset, group=self.group, reason=reason)
-        await self.bus.emit(letter)
+        await self.bus.publish(letter)
         if generation is not None:
             self._on_ack(tp, rec.offset, generation)
 

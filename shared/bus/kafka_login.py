@@ -21,7 +21,6 @@ from aiokafka.errors import KafkaError
 from aiokafka.helpers import create_ssl_context
 
 from shared.bus.settings import KafkaSecurity
-
 from shared.errors import ConfigError
 
 __all__ = ["security_options", "diagnose"]

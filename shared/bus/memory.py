@@ -16,14 +16,27 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Iterable
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 
 import structlog
 
 from shared.bus.base import (
-    TOMBSTONE_REASON, AckTracker, Bus, BusError, Delivery, Position, Subscription, TopicPartition,
-    check_position, check_started, check_topic, dead_letter, partition_position, start_ms, topic_list,
+    TOMBSTONE_REASON,
+    AckTracker,
+    Bus,
+    BusError,
+    Delivery,
+    Position,
+    Subscription,
+    TopicPartition,
+    check_position,
+    check_started,
+    check_topic,
+    dead_letter,
+    partition_position,
+    start_ms,
+    topic_list,
     yield_now,
 )
 from shared.clock import Clock, SystemClock
@@ -77,20 +90,12 @@ class MemoryBus(Bus):
         for topic in topic_list(topics):
             self._create(topic)
 
-    async def publish(self, topic: str, key: str, event: Event) -> tuple[int, int]:
-        check_started(self._started)
-        return self._append(topic, key, encode(event))
-
-    async def send(self, topic: str, key: str, event: Event) -> Awaitable[tuple[int, int]]:
+    async def _enqueue(self, topic: str, key: str | None, value: bytes | None,
+                       partition: int | None) -> Awaitable[tuple[int, int]]:
         check_started(self._started)
         done: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
-        done.set_result(self._append(topic, key, encode(event)))
+        done.set_result(self._append(topic, key, value, partition=partition))
         return done
-
-    async def publish_raw(self, topic: str, key: str | None, value: bytes | None,
-                          *, partition: int | None = None) -> tuple[int, int]:
-        check_started(self._started)
-        return self._append(topic, key, value, partition=partition)
 
     def subscribe(self, topics: str | Iterable[str], group: str) -> MemorySubscription:
         if not group:

@@ -31,7 +31,7 @@ async def dead_letter_delivery(bus: Bus, delivery: Delivery, reason: str, *, ts:
     letter = dead_letter(topic=delivery.topic, partition=delivery.partition, offset=delivery.offset,
                          reason=reason, raw=encode(delivery.event), ts=ts, source=source)
     try:
-        await bus.emit(letter)
+        await bus.publish(letter)
     except BusError as exc:
         log.error("dead_letter.publish_failed", topic=delivery.topic, offset=delivery.offset,
                   reason=reason[:200], error=str(exc)[:200])

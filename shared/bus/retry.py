@@ -1,6 +1,6 @@
 """Publishing an event that must not be lost through a broker that may be away for minutes.
 
-Rule (:func:`publish_until`): hand the record to the bus (:meth:`~shared.bus.base.Bus.send`)
+Rule (:func:`publish_until`): hand the record to the bus (:meth:`~shared.bus.base.Bus.publish_pipelined`)
 and wait until it is durable. A failure that may heal (a :class:`~shared.errors.HadarError`
 with ``retriable``, as :func:`~shared.bus.base.bus_error` sets it for a broker that is away or
 slow) is tried again -- first after ``first_s``, doubling up to ``max_s`` -- and any other
@@ -42,7 +42,7 @@ __all__ = ["Outcome", "RetryPolicy", "Send", "bus_send", "publish_until", "retri
 
 Send = Callable[[Event], Awaitable[Awaitable[object]]]
 """Hands one event to the bus; the awaitable it returns completes once the event is durable
-(:meth:`Bus.send <shared.bus.base.Bus.send>` with the event's own topic and key)."""
+(:meth:`Bus.publish_pipelined <shared.bus.base.Bus.publish_pipelined>`)."""
 
 
 class Outcome(enum.Enum):
@@ -146,5 +146,5 @@ def _consume(future: asyncio.Future[object]) -> None:
 def bus_send(bus: Bus) -> Send:
     """The :data:`Send` of ``bus``: each event on its own topic with its own key."""
     async def send(event: Event) -> Awaitable[object]:
-        return await bus.send(topic_for(event), key_for(event), event)
+        return await bus.publish_pipelined(event, topic=topic_for(event), key=key_for(event))
     return send

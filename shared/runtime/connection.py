@@ -16,10 +16,15 @@ import argparse
 import os
 
 from shared.bus import Bus, KafkaBus
-from shared.bus.settings import SASL_MECHANISMS, SECURITY_PROTOCOLS, KafkaSettings, kafka_security_from_env
-from shared.store.settings import S3Settings, s3_from_env
+from shared.bus.settings import (
+    SASL_MECHANISMS,
+    SECURITY_PROTOCOLS,
+    KafkaSettings,
+    kafka_security_from_env,
+)
 from shared.errors import UsageError
 from shared.store import MinioStore, ObjectStore
+from shared.store.settings import S3Settings, s3_from_env
 
 __all__ = ["add_bus_args", "add_store_args", "kafka_settings", "s3_settings", "make_bus", "make_store"]
 

@@ -17,9 +17,17 @@ from collections.abc import Iterable
 from typing import TypeAlias
 
 from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.protocol.api import Request, RequestStruct, Response
-from aiokafka.protocol.types import CompactArray, CompactString, Int8, Int16, Int32, Schema, TaggedFields
 from aiokafka.errors import for_code
+from aiokafka.protocol.api import Request, RequestStruct, Response
+from aiokafka.protocol.types import (
+    CompactArray,
+    CompactString,
+    Int8,
+    Int16,
+    Int32,
+    Schema,
+    TaggedFields,
+)
 
 from shared.bus.base import BusError
 from shared.security.principals import PRINCIPALS, KafkaAcl, kafka_acls

@@ -32,7 +32,15 @@ from typing import Any
 from shared.domain.layout import CHECKPOINTS as _CHECKPOINTS
 from shared.domain.layout import MODELS as _MODELS
 from shared.domain.layout import SNAPSHOTS as _SNAPSHOTS
-from shared.wire.topics import DEADLETTER, JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
+from shared.wire.topics import (
+    DEADLETTER,
+    JOBS,
+    MODELS,
+    NODES,
+    PLACEMENTS,
+    PROGRESS,
+    THROUGHPUT,
+)
 
 __all__ = [
     "Principal", "PRINCIPALS", "SERVICE_PRINCIPALS", "ADMIN", "KafkaAcl", "kafka_acls", "s3_policy",

@@ -25,11 +25,11 @@ from minio.minioadmin import MinioAdmin
 from shared.bus.kafka import KafkaBus
 from shared.bus.kafka_login import diagnose, security_options
 from shared.bus.settings import KafkaSecurity
-from shared.store.settings import S3Settings
 from shared.errors import HadarError
 from shared.security.acls import apply_acls
 from shared.security.principals import ADMIN, PRINCIPALS, s3_policy, s3_user
 from shared.security.scram import upsert_users
+from shared.store.settings import S3Settings
 
 __all__ = ["secure_kafka", "secure_minio", "SetupError"]
 

@@ -21,7 +21,14 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import for_code
 from aiokafka.protocol.api import Request, RequestStruct, Response
 from aiokafka.protocol.types import (
-    CompactArray, CompactBytes, CompactString, Int8, Int16, Int32, Schema, TaggedFields,
+    CompactArray,
+    CompactBytes,
+    CompactString,
+    Int8,
+    Int16,
+    Int32,
+    Schema,
+    TaggedFields,
 )
 
 from shared.bus.base import BusError

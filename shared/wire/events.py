@@ -38,12 +38,29 @@ from typing import Any, ClassVar, Literal, NoReturn, cast
 
 import msgpack
 
+from shared.domain.fork_cost import (
+    DEFAULT_OPTIMIZER_SLOTS,
+    MAX_MODEL_BYTES,
+    MAX_OPTIMIZER_SLOTS,
+)
 from shared.wire.bounded_msgpack import COST_PER_BYTE, UNCHARGED_MAX, TooCostly, unpack
-from shared.domain.fork_cost import DEFAULT_OPTIMIZER_SLOTS, MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS
 from shared.wire.record_codec import codec
 from shared.wire.records import (
-    JOB_ID_RE, NODE_ID_RE, CopyWeight, GpuInfo, Hyperparameters, InvalidEvent, JobSpec, Record, Rejection,
-    Waiting, check_job_id, check_node_id, new_event_id, require, short_repr,
+    JOB_ID_RE,
+    NODE_ID_RE,
+    CopyWeight,
+    GpuInfo,
+    Hyperparameters,
+    InvalidEvent,
+    JobSpec,
+    Record,
+    Rejection,
+    Waiting,
+    check_job_id,
+    check_node_id,
+    new_event_id,
+    require,
+    short_repr,
 )
 from shared.wire.topics import TOPIC_OF_TYPE
 

@@ -56,7 +56,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from shared.wire.topics import DEADLETTER, JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
+from shared.wire.topics import (
+    DEADLETTER,
+    JOBS,
+    MODELS,
+    NODES,
+    PLACEMENTS,
+    PROGRESS,
+    THROUGHPUT,
+)
 
 __all__ = ["TOPIC_CONFIGS", "topic_configs", "config_string"]
 

@@ -23,8 +23,8 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from shared.wire.events import DEADLETTER_RAW_LIMIT, EVENT_TYPES, Event
 from shared.domain.fork_cost import MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS
+from shared.wire.events import DEADLETTER_RAW_LIMIT, EVENT_TYPES, Event
 from shared.wire.records import JOB_ID_RE, NODE_ID_RE, Record, to_wire
 from shared.wire.topics import TOPIC_OF_TYPE
 

@@ -9,10 +9,23 @@ something the zoo lacks), :func:`build_model` and :func:`load_dataset` to train,
 from __future__ import annotations
 
 from shared.wire.events import JobSpec
-from shared.zoo.datasets import DATASETS, Dataset, DatasetInfo, dataset_info, load_dataset
-from shared.zoo.meta import build_from_metadata, describe, library_version
+from shared.zoo.datasets import (
+    DATASETS,
+    Dataset,
+    DatasetInfo,
+    dataset_info,
+    load_dataset,
+)
 from shared.zoo.figures import DEFAULT_DATASET, ModelFigures, job_figures, model_figures
-from shared.zoo.models import MODELS, SUPPORTS, ModelName, build_model, check_supported, parse_model_name
+from shared.zoo.meta import build_from_metadata, describe, library_version
+from shared.zoo.models import (
+    MODELS,
+    SUPPORTS,
+    ModelName,
+    build_model,
+    check_supported,
+    parse_model_name,
+)
 from shared.zoo.optim import OPTIMIZERS, make_optimizer
 from shared.zoo.tasks import Metric, evaluate, loss_function
 

@@ -21,8 +21,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 from torch import nn
 
-from shared.errors import UsageError
 from shared.domain.model_meta import InvalidModelMetadata, ModelDescription
+from shared.errors import UsageError
 from shared.wire.records import JobSpec
 from shared.zoo.datasets import dataset_info
 from shared.zoo.models import build_model, parse_model_name

@@ -98,9 +98,9 @@ async def test_round_trip_reports_where_each_record_landed(bus_kind, clock) -> N
         sent = {}
         for i in range(6):
             event = progress(f"job-{i % 3}", i)
-            sent[await bus.publish(topic, event.job_id, event)] = event
+            sent[await bus.publish(event, topic=topic, key=event.job_id)] = event
         cancel = JobCancelled(ts=2.0, source="test", job_id="job-x")
-        where = await bus.emit(cancel)  # emit: its own topic and key
+        where = await bus.publish(cancel)  # emit: its own topic and key
         async with bus.subscribe(topic, unique("group")) as sub:
             got = await take(sub, 6)
         assert {(d.partition, d.offset): d.event for d in got} == sent
@@ -114,7 +114,7 @@ async def test_round_trip_reports_where_each_record_landed(bus_kind, clock) -> N
 async def test_records_of_one_key_keep_publish_order(bus_kind, clock) -> None:
     async with open_bus(bus_kind, clock) as bus:
         topic = unique("order")
-        pending = [await bus.send(topic, f"job-{i % 4}", progress(f"job-{i % 4}", i))
+        pending = [await bus.publish_pipelined(progress(f"job-{i % 4}", i), topic=topic, key=f"job-{i % 4}")
                    for i in range(40)]
         landed = [await p for p in pending]
         async with bus.subscribe([topic], unique("group")) as sub:
@@ -132,7 +132,7 @@ async def test_restarted_member_resumes_at_first_unacked_record(bus_kind, clock)
     async with open_bus(bus_kind, clock) as bus:
         topic, group = unique("acks"), unique("group")
         for i in range(10):
-            await bus.publish(topic, "job-a", progress("job-a", i))
+            await bus.publish(progress("job-a", i), topic=topic, key="job-a")
         async with bus.subscribe(topic, group) as first:
             got = await take(first, 10, ack=False)
             for d in got:
@@ -143,7 +143,7 @@ async def test_restarted_member_resumes_at_first_unacked_record(bus_kind, clock)
             assert [d.offset for d in again] == list(range(3, 10))
             for d in reversed(again):
                 await d.ack()
-        await bus.publish(topic, "job-a", progress("job-a", 10))
+        await bus.publish(progress("job-a", 10), topic=topic, key="job-a")
         async with bus.subscribe(topic, group) as third:
             (latest,) = await take(third, 1)
         assert latest.offset == 10 and latest.event.steps_round == 10
@@ -153,7 +153,7 @@ async def test_every_group_sees_every_record(bus_kind, clock) -> None:
     async with open_bus(bus_kind, clock) as bus:
         topic = unique("groups")
         for i in range(9):
-            await bus.publish(topic, f"job-{i}", progress(f"job-{i}", i))
+            await bus.publish(progress(f"job-{i}", i), topic=topic, key=f"job-{i}")
         seen = []
         for _ in range(2):
             async with bus.subscribe(topic, unique("group")) as sub:
@@ -181,7 +181,7 @@ async def test_members_of_one_group_share_the_partitions(bus_kind, clock) -> Non
                 # second one joins while the first is consuming) and nothing is missing.
                 while not (seen[0] and seen[1] and seen[0] | seen[1] >= published):
                     step = len(published)
-                    await bus.publish(topic, f"job-{step}", progress(f"job-{step}", step))
+                    await bus.publish(progress(f"job-{step}", step), topic=topic, key=f"job-{step}")
                     published.add(step)
                     await asyncio.sleep(0.02)
         finally:
@@ -195,7 +195,7 @@ async def test_members_of_one_group_share_the_partitions(bus_kind, clock) -> Non
 async def test_stop_from_another_task_ends_the_iteration(bus_kind, clock) -> None:
     async with open_bus(bus_kind, clock) as bus:
         topic = unique("stop")
-        await bus.publish(topic, "job-a", progress("job-a", 1))
+        await bus.publish(progress("job-a", 1), topic=topic, key="job-a")
         sub = bus.subscribe(topic, unique("group"))
         got: list[Delivery] = []
 
@@ -219,8 +219,8 @@ async def test_read_by_offset_is_half_open_and_bounded(bus_kind, clock) -> None:
     async with open_bus(bus_kind, clock) as bus:
         topic = unique("replay")
         for i in range(8):
-            await bus.publish(topic, "job-a", progress("job-a", i))
-            await bus.publish(topic, f"job-{i}", progress(f"job-{i}", 100 + i))
+            await bus.publish(progress("job-a", i), topic=topic, key="job-a")
+            await bus.publish(progress(f"job-{i}", 100 + i), topic=topic, key=f"job-{i}")
         everything = await read_all(bus, topic)
         assert len(everything) == 16 and all(d.topic == topic for d in everything)
         window = await read_all(bus, topic, start=2, end=5)
@@ -236,7 +236,7 @@ async def test_read_by_offset_is_half_open_and_bounded(bus_kind, clock) -> None:
             async for d in bus.read(topic):
                 replayed.append(d)
                 if len(replayed) == 1:
-                    await bus.publish(topic, "job-a", progress("job-a", 999))
+                    await bus.publish(progress("job-a", 999), topic=topic, key="job-a")
         assert len(replayed) == 16
         assert await read_all(bus, "test.never.created." + uuid.uuid4().hex[:8]) == []
 
@@ -248,7 +248,7 @@ async def test_read_by_time_orders_by_timestamp(bus_kind, clock) -> None:
         for batch in range(3):
             marks.append(clock.time())
             for i in range(4):
-                await bus.publish(topic, f"job-{i}", progress(f"job-{i}", batch * 10 + i))
+                await bus.publish(progress(f"job-{i}", batch * 10 + i), topic=topic, key=f"job-{i}")
             clock.advance(10.0)
         tail = await read_all(bus, topic, start=marks[1])
         assert sorted(d.event.steps_round for d in tail) == [10, 11, 12, 13, 20, 21, 22, 23]
@@ -270,11 +270,11 @@ async def test_undecodable_records_are_dead_lettered_and_skipped(bus_kind, clock
             steps_round=0)))
         finished["body"]["status"] = "x" * 200_000  # the reason quotes the bad value
         huge_reason = msgpack.packb(finished)
-        bad = [await bus.publish_raw(topic, "job-a", garbage),
-               await bus.publish_raw(topic, "job-a", wrong_version),
-               await bus.publish_raw(topic, "job-a", None),
-               await bus.publish_raw(topic, "job-a", huge_reason)]
-        await bus.publish(topic, "job-a", progress("job-a", 7))
+        bad = [await bus.write_raw(topic, "job-a", garbage),
+               await bus.write_raw(topic, "job-a", wrong_version),
+               await bus.write_raw(topic, "job-a", None),
+               await bus.write_raw(topic, "job-a", huge_reason)]
+        await bus.publish(progress("job-a", 7), topic=topic, key="job-a")
         async with bus.subscribe(topic, group) as sub:
             (good,) = await take(sub, 1)
         assert good.event.steps_round == 7 and good.offset == 4
@@ -296,7 +296,7 @@ async def test_undecodable_records_are_dead_lettered_and_skipped(bus_kind, clock
         assert len(by_offset[3].reason) <= 1024 and len(by_offset[3].raw) == 1024
         assert all(dl.source.endswith(group) for dl in letters)
 
-        await bus.publish(topic, "job-a", progress("job-a", 8))
+        await bus.publish(progress("job-a", 8), topic=topic, key="job-a")
         async with bus.subscribe(topic, group) as again:
             (latest,) = await take(again, 1)
         assert latest.event.steps_round == 8  # bad records were committed, never redelivered
@@ -307,7 +307,7 @@ async def test_ensure_topics_is_idempotent_and_rejects_bad_names(bus_kind, clock
         topics = [unique("ensure"), unique("ensure")]
         await bus.ensure_topics(topics)
         await bus.ensure_topics(topics)
-        partitions = {(await bus.publish(topics[0], f"k{i}", progress("job-a", i)))[0]
+        partitions = {(await bus.publish(progress("job-a", i), topic=topics[0], key=f"k{i}"))[0]
                       for i in range(30)}
         assert partitions == {0, 1, 2}
         with pytest.raises(BusError) as err:
@@ -320,7 +320,7 @@ async def test_calls_before_start_fail_with_bus_error(bus_kind, clock) -> None:
     bus = KafkaBus(bootstrap, clock=clock) if name == "kafka" and bootstrap else MemoryBus(clock=clock)
     event = progress("job-a", 1)
     with pytest.raises(BusError):
-        await bus.publish(unique("early"), "job-a", event)
+        await bus.publish(event, topic=unique("early"), key="job-a")
     with pytest.raises(BusError):
         await bus.subscribe(unique("early"), unique("group")).start()
     await bus.stop()
@@ -370,7 +370,7 @@ async def test_read_starts_each_partition_at_its_own_offset(bus_kind, clock) -> 
         landed = {}
         for i in range(12):
             event = progress(f"job-{i % 4}", i)
-            landed[await bus.publish(topic, event.job_id, event)] = i
+            landed[await bus.publish(event, topic=topic, key=event.job_id)] = i
         partitions = sorted({p for p, _ in landed})
         assert len(partitions) >= 2, "the keys must spread over partitions for this test"
         named = partitions[0]
@@ -395,7 +395,7 @@ async def test_a_log_read_collects_every_record_of_the_topics_in_the_order_asked
         for i in range(8):
             event = progress(f"job-{i % 3}", i)
             topic = first if i % 2 else second
-            landed[(topic, *await bus.publish(topic, event.job_id, event))] = event
+            landed[(topic, *await bus.publish(event, topic=topic, key=event.job_id))] = event
         records = await read_bus(bus, [second, first])
         assert [r.topic for r in records] == [second] * 4 + [first] * 4
         assert {(r.topic, r.partition, r.offset): r.event for r in records} == landed

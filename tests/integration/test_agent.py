@@ -144,7 +144,7 @@ async def test_trains_a_copy_and_reports_it(memory_bus: Bus, tmp_path: Path) -> 
         registered = await watch.wait(lambda e: isinstance(e, NodeRegistered))
         assert isinstance(registered, NodeRegistered) and [g.type for g in registered.gpus] == ["cpu", "cpu"]
         spec = job("train1")
-        await memory_bus.emit(assign(spec, 0, budget=300))
+        await memory_bus.publish(assign(spec, 0, budget=300))
         done = await watch.finished("train1")
         assert (done.status, done.steps_round, done.node_id) == ("ok", 300, NODE)
         assert done.checkpoint == checkpoint_key("train1", 0, 0)
@@ -170,7 +170,7 @@ async def test_ddp_two_workers_match_one_process_on_both_batches(memory_bus: Bus
     steps = 12
     try:
         spec = job("ddp1", workers=2)
-        await memory_bus.emit(assign(spec, 0, budget=steps, gpus=(0, 1)))
+        await memory_bus.publish(assign(spec, 0, budget=steps, gpus=(0, 1)))
         done = await watch.finished("ddp1")
         assert (done.status, done.steps_round) == ("ok", steps), done.reason
     finally:
@@ -198,16 +198,16 @@ async def test_preempted_copy_resumes_exactly_from_its_checkpoint(memory_bus: Bu
     total = 400
     try:
         spec = job("resume1", optimizer="adam")
-        await memory_bus.emit(assign(spec, 0, budget=100_000))
+        await memory_bus.publish(assign(spec, 0, budget=100_000))
         await watch.wait(lambda e: isinstance(e, Progress) and e.job_id == "resume1")
-        await memory_bus.emit(RoundStarted(ts=time.time(), source="test", round=1, policy="hadare",
+        await memory_bus.publish(RoundStarted(ts=time.time(), source="test", round=1, policy="hadare",
                                            started_at=time.time(), ends_at=time.time() + 120))
         # The same job trained in one go, meanwhile, on the other device.
-        await memory_bus.emit(assign(replace(spec, job_id="straight1"), 1, budget=total, gpus=(1,)))
+        await memory_bus.publish(assign(replace(spec, job_id="straight1"), 1, budget=total, gpus=(1,)))
         cut = await watch.finished("resume1", 0)
         assert cut.status == "preempted" and cut.checkpoint is not None
         assert 0 < cut.steps_round < total, "preempted too late for this test"
-        await memory_bus.emit(assign(spec, 1, budget=total - cut.steps_round, start_from=cut.checkpoint))
+        await memory_bus.publish(assign(spec, 1, budget=total - cut.steps_round, start_from=cut.checkpoint))
         resumed = await watch.finished("resume1", 1)
         assert (resumed.status, resumed.steps_round) == ("ok", total - cut.steps_round), resumed.reason
         whole = await watch.finished("straight1", 1)
@@ -228,19 +228,19 @@ async def test_failing_worker_is_reported_and_agent_keeps_running(memory_bus: Bu
     await store.put(model_key("bad1", 0), b"\x00not a safetensors file at all")
     agent, watch = await start_agent(memory_bus, StoreTarget.local(tmp_path))
     try:
-        await memory_bus.emit(assign(job("bad1"), 1, budget=10, start_from=model_key("bad1", 0)))
-        await memory_bus.emit(assign(job("kill1"), 1, budget=100_000, gpus=(1,)))
+        await memory_bus.publish(assign(job("bad1"), 1, budget=10, start_from=model_key("bad1", 0)))
+        await memory_bus.publish(assign(job("kill1"), 1, budget=100_000, gpus=(1,)))
         failed = await watch.finished("bad1", 1)
         assert failed.status == "failed" and failed.checkpoint is None
         assert "bad checkpoint" in failed.reason
-        await memory_bus.emit(assign(job("bad2", model="vgg"), 1, budget=10))   # GPU 0 is free again
+        await memory_bus.publish(assign(job("bad2", model="vgg"), 1, budget=10))   # GPU 0 is free again
         unknown = await watch.finished("bad2", 1)
         assert unknown.status == "failed" and "model: unknown 'vgg'" in unknown.reason
         await watch.wait(lambda e: isinstance(e, Progress) and e.job_id == "kill1")
         os.kill(agent.runs[("kill1", 1, 0)].workers[0].pid, signal.SIGKILL)   # out of memory, say
         killed = await watch.finished("kill1", 1)
         assert killed.status == "failed" and "signal 9" in killed.reason
-        await memory_bus.emit(assign(job("good1", model="autoencoder", dataset="synthetic-ratings"), 1, budget=30))
+        await memory_bus.publish(assign(job("good1", model="autoencoder", dataset="synthetic-ratings"), 1, budget=30))
         good = await watch.finished("good1", 1)
         assert (good.status, good.steps_round) == ("ok", 30)
         assert agent.health()["ok"]
@@ -259,11 +259,11 @@ async def test_stale_duplicate_and_cancelled(memory_bus: Bus, tmp_path: Path) ->
         fresh = assign(job("dup1", model="autoencoder", dataset="synthetic-ratings"), 0, budget=20)
         other = assign(job("other1"), 0, budget=10, node="n2")
         for event in (stale, fresh, fresh, other):
-            await memory_bus.emit(event)
+            await memory_bus.publish(event)
         await watch.finished("dup1")
-        await memory_bus.emit(assign(job("cancel1"), 0, budget=100_000))
+        await memory_bus.publish(assign(job("cancel1"), 0, budget=100_000))
         await watch.wait(lambda e: isinstance(e, Progress) and e.job_id == "cancel1")
-        await memory_bus.emit(JobCancelled(ts=time.time(), source="cli", job_id="cancel1", reason="by alice"))
+        await memory_bus.publish(JobCancelled(ts=time.time(), source="cli", job_id="cancel1", reason="by alice"))
         cancelled = await watch.finished("cancel1")
         assert cancelled.status == "preempted" and "job cancelled: by alice" in cancelled.reason
     finally:
@@ -279,7 +279,7 @@ async def test_drain_checkpoints_running_copies(memory_bus: Bus, tmp_path: Path)
     try:
         registered = await watch.wait(lambda e: isinstance(e, NodeRegistered))
         assert isinstance(registered, NodeRegistered) and registered.emulated
-        await memory_bus.emit(assign(job("drain1", model="lstm", dataset="synthetic-text"), 0, budget=100_000))
+        await memory_bus.publish(assign(job("drain1", model="lstm", dataset="synthetic-text"), 0, budget=100_000))
         first = await watch.wait(lambda e: isinstance(e, Progress) and e.job_id == "drain1")
         assert isinstance(first, Progress) and first.emulated
     finally:
@@ -306,9 +306,9 @@ async def test_trains_on_kafka_and_minio(kafka_bootstrap: str, s3_settings: S3Se
                      default=-1)
     agent, watch = await start_agent(bus, StoreTarget.remote(settings), node=node)
     try:
-        await bus.emit(RoundStarted(ts=time.time(), source="test", round=round_, policy="hadare",
+        await bus.publish(RoundStarted(ts=time.time(), source="test", round=round_, policy="hadare",
                                     started_at=time.time(), ends_at=time.time() + 120))
-        await bus.emit(assign(job(job_id), round_, budget=60, node=node))
+        await bus.publish(assign(job(job_id), round_, budget=60, node=node))
         done = await watch.finished(job_id, round_)
         assert (done.status, done.steps_round, done.node_id) == ("ok", 60, node), done.reason
     finally:

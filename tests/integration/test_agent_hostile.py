@@ -90,15 +90,10 @@ class FlakyBus(MemoryBus):
         if isinstance(event, CopyFinished):
             self.finished_at.setdefault(event.job_id, time.monotonic())
 
-    async def publish(self, topic: str, key: str, event: Event) -> tuple[int, int]:
-        self._gate(event)
-        where = await super().publish(topic, key, event)
-        self._published(event)
-        return where
-
-    async def send(self, topic: str, key: str, event: Event) -> Awaitable[tuple[int, int]]:
-        self._gate(event)
-        ack = await super().send(topic, key, event)
+    async def publish_pipelined(self, event: Event, *, topic: str | None = None,
+                                key: str | None = None) -> Awaitable[tuple[int, int]]:
+        self._gate(event)   # publish goes through here too
+        ack = await super().publish_pipelined(event, topic=topic, key=key)
         self._published(event)
         return ack
 
@@ -174,13 +169,13 @@ async def test_a_forged_far_round_does_not_make_real_assignments_stale(bus: Memo
                                                                        fake_python: str) -> None:
     agent = await started_agent(bus, tmp_path, fake_python)
     try:
-        await bus.emit(round_started(2**62))
-        await bus.emit(assign("real1", 3))
+        await bus.publish(round_started(2**62))
+        await bus.publish(assign("real1", 3))
         done = await wait_finished(bus, "real1")
         assert (done.status, done.round) == ("ok", 3)
         assert agent.health()["latest_round"] == 3
         # A forged Assignment for this node, far ahead of the believed round, is refused too.
-        await bus.emit(assign("forged2", 2**61, gpus=(1,)))
+        await bus.publish(assign("forged2", 2**61, gpus=(1,)))
         await until(lambda: _count(letters(bus), 2), what="two dead letters")
         refused = await letters(bus)
         assert all(d.topic == PLACEMENTS and "ahead" in d.reason for d in refused), [d.reason for d in refused]
@@ -200,7 +195,7 @@ async def test_a_flood_of_assignments_runs_at_most_one_copy_per_gpu(bus: MemoryB
     agent = await started_agent(bus, tmp_path, fake_python, gpus=1)
     try:
         for i in range(300):
-            await bus.emit(assign(f"flood{i}", 0, budget=100_000))
+            await bus.publish(assign(f"flood{i}", 0, budget=100_000))
 
         async def all_handled() -> bool:
             return len(agent.runs) + len(await letters(bus)) >= 300
@@ -222,13 +217,13 @@ async def test_malformed_rendezvous_is_refused(bus: MemoryBus, tmp_path: Path, f
     agent = await started_agent(bus, tmp_path, fake_python)
     try:
         for i, bad in enumerate(BAD_RENDEZVOUS):
-            await bus.emit(assign(f"rdv{i}", 0, world_size=2, rendezvous=bad))
+            await bus.publish(assign(f"rdv{i}", 0, world_size=2, rendezvous=bad))
         await until(lambda: _count(letters(bus), len(BAD_RENDEZVOUS)), what="every bad rendezvous dead-lettered")
         assert all("rendezvous" in d.reason for d in await letters(bus))
         assert rejected(agent, "rendezvous") == len(BAD_RENDEZVOUS)
         assert not agent.runs
-        await bus.emit(assign("rdv-ok1", 0, world_size=2, rendezvous="node-b.example:29500"))
-        await bus.emit(assign("rdv-ok2", 0, gpus=(1,), world_size=2, rendezvous="[::1]:29500"))
+        await bus.publish(assign("rdv-ok1", 0, world_size=2, rendezvous="node-b.example:29500"))
+        await bus.publish(assign("rdv-ok2", 0, gpus=(1,), world_size=2, rendezvous="[::1]:29500"))
         assert (await wait_finished(bus, "rdv-ok1")).status == "ok"
         assert (await wait_finished(bus, "rdv-ok2")).status == "ok"
         assert len(await letters(bus)) == len(BAD_RENDEZVOUS)
@@ -247,12 +242,12 @@ async def test_implausible_assignments_are_refused(bus: MemoryBus, tmp_path: Pat
     twice = assign("twice1", 0, gpus=(0, 0))
     try:
         for event in (*bad.values(), twice):
-            await bus.emit(event)
+            await bus.publish(event)
         await until(lambda: _count(letters(bus), len(bad) + 1), what="every implausible assignment dead-lettered")
         for reason in bad:
             assert rejected(agent, reason) == (1 if reason != "gpus" else 2), reason
         assert not agent.runs and not await finished(bus, "nogpu1")
-        await bus.emit(assign("good1", 1, start_from=model_key("good1", 0), budget=3))
+        await bus.publish(assign("good1", 1, start_from=model_key("good1", 0), budget=3))
         assert (await wait_finished(bus, "good1")).status == "ok"
     finally:
         await agent.stop()
@@ -264,7 +259,7 @@ async def test_a_result_outlives_a_broker_outage_and_the_assignment_is_acked_aft
     await bus.start()
     agent = await started_agent(bus, tmp_path, fake_python, result_retry_s=0.05, result_retry_max_s=0.3)
     try:
-        await bus.emit(assign("outage1", 0, budget=5))
+        await bus.publish(assign("outage1", 0, budget=5))
         done = await wait_finished(bus, "outage1", timeout_s=15.0)
         assert done.status == "ok"
         assert bus.down_until is not None and bus.finished_at["outage1"] >= bus.down_until
@@ -289,7 +284,7 @@ async def test_stopping_during_an_outage_leaves_the_assignment_for_the_next_run(
     agent = await started_agent(bus, tmp_path, fake_python, stop_timeout_s=1.0, result_retry_s=0.05,
                                 result_retry_max_s=0.2)
     try:
-        await bus.emit(assign("restart1", 0, budget=3))
+        await bus.publish(assign("restart1", 0, budget=3))
         await until(lambda: _is(bus.down_until is not None), what="the first CopyFinished attempt")
     finally:
         began = time.monotonic()
@@ -324,8 +319,8 @@ async def test_a_handler_error_dead_letters_the_event_and_the_consumer_goes_on(
     agent = await started_agent(bus, tmp_path, fake_python)
     monkeypatch.setattr(agent, "HANDLERS", _Raising())
     try:
-        await bus.emit(JobCancelled(ts=time.time(), source="cli", job_id="victim1", reason="no"))
-        await bus.emit(assign("after1", 0))
+        await bus.publish(JobCancelled(ts=time.time(), source="cli", job_id="victim1", reason="no"))
+        await bus.publish(assign("after1", 0))
         assert (await wait_finished(bus, "after1")).status == "ok"
         [letter] = await letters(bus)
         assert "RuntimeError: handler bug" in letter.reason
@@ -341,7 +336,7 @@ async def test_a_failed_fetch_does_not_end_the_consumer(tmp_path: Path, fake_pyt
     bus.failed_fetches = 2
     agent = await started_agent(bus, tmp_path, fake_python)
     try:
-        await bus.emit(assign("fetch1", 0))
+        await bus.publish(assign("fetch1", 0))
         assert (await wait_finished(bus, "fetch1")).status == "ok"
         assert agent.health()["ok"]
     finally:
@@ -354,11 +349,11 @@ async def test_a_restarted_agent_believes_the_rounds_on_the_log(bus: MemoryBus, 
     """The cluster is at round 5000 when this agent starts: it seeds its belief from the log,
     so none of those rounds is 'far ahead' and its own assignment of the round runs at once."""
     for round_ in (4998, 4999, 5000):
-        await bus.emit(round_started(round_))
+        await bus.publish(round_started(round_))
     agent = await started_agent(bus, tmp_path, fake_python)
     try:
         assert agent.latest_round == 5000
-        await bus.emit(assign("mine1", 5000))
+        await bus.publish(assign("mine1", 5000))
         assert (await wait_finished(bus, "mine1")).status == "ok"
         assert not await letters(bus)
     finally:
@@ -375,7 +370,7 @@ async def test_results_held_by_the_bus_do_not_hold_up_the_copy_and_arrive_in_ord
     await bus.start()
     agent = await started_agent(bus, tmp_path, fake_python)
     try:
-        await bus.emit(assign("held", 0, budget=100))
+        await bus.publish(assign("held", 0, budget=100))
         await until(lambda: _is(bool(bus.held)), what="a Progress held by the bus")
         await until(lambda: _is(not agent.runs), what="the copy finished while the bus held its reports")
         assert not await finished(bus, "held")
@@ -402,7 +397,7 @@ async def test_past_the_progress_backlog_reports_are_dropped_and_counted_never_t
     await bus.start()
     agent = await started_agent(bus, tmp_path, fake_python)
     try:
-        await bus.emit(assign("backlog", 0, budget=100))
+        await bus.publish(assign("backlog", 0, budget=100))
         await until(lambda: _is(bool(bus.held)), what="a Progress held by the bus")
         await until(lambda: _is(not agent.runs), what="the copy finished while the bus held its reports")
         dropped = agent.registry.get_sample_value("hadar_agent_results_undelivered_total",
@@ -428,7 +423,7 @@ async def test_a_checkpoint_upload_outlasting_the_stop_timeout_is_not_killed(bus
     agent = await started_agent(bus, tmp_path, fake_python, deadline_grace_s=0.0, stop_timeout_s=1.0,
                                 upload_grace_s=30.0)
     try:
-        await bus.emit(assign("upload1", 0, budget=10_000, deadline=time.time() + 2.0, model="slow-upload"))
+        await bus.publish(assign("upload1", 0, budget=10_000, deadline=time.time() + 2.0, model="slow-upload"))
         done = await wait_finished(bus, "upload1", timeout_s=20.0)
         assert done.status in ("ok", "preempted"), done.reason   # the watchdog's stop may land first
         assert done.checkpoint is not None and done.steps_round > 0
@@ -441,7 +436,7 @@ async def test_an_upload_past_its_allowance_is_killed_and_the_copy_fails(bus: Me
     agent = await started_agent(bus, tmp_path, fake_python, deadline_grace_s=0.0, stop_timeout_s=1.0,
                                 upload_grace_s=0.5)
     try:
-        await bus.emit(assign("upload2", 0, budget=10_000, deadline=time.time() + 2.0, model="slow-upload"))
+        await bus.publish(assign("upload2", 0, budget=10_000, deadline=time.time() + 2.0, model="slow-upload"))
         done = await wait_finished(bus, "upload2", timeout_s=20.0)
         assert done.status == "failed" and "signal 9" in done.reason, done.reason
     finally:

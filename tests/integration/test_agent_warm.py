@@ -83,9 +83,9 @@ async def test_a_copy_kept_on_its_slot_keeps_its_worker_and_reloads_the_consolid
     try:
         start_from = None
         for r in range(first, first + 3):
-            await bus.emit(RoundStarted(ts=time.time(), source="test", round=r, policy="hadare",
+            await bus.publish(RoundStarted(ts=time.time(), source="test", round=r, policy="hadare",
                                         started_at=time.time(), ends_at=time.time() + 120))
-            await bus.emit(assign(spec, r, budget=STEPS, node=node, start_from=start_from))
+            await bus.publish(assign(spec, r, budget=STEPS, node=node, start_from=start_from))
             done = await watch.finished(job_id, r)
             assert (done.status, done.steps_round) == ("ok", STEPS), done.reason
             worker = agent.slots.process(0)

@@ -65,9 +65,9 @@ async def test_a_ddp_copy_kept_on_its_slots_keeps_its_processes_and_every_rank_r
     crashed: list = []
 
     async def round_(r: int, gpus: tuple[int, int], start_from: str | None, budget: int = STEPS) -> None:
-        await bus.emit(RoundStarted(ts=time.time(), source="test", round=r, policy="hadar",
+        await bus.publish(RoundStarted(ts=time.time(), source="test", round=r, policy="hadar",
                                     started_at=time.time(), ends_at=time.time() + 120))
-        await bus.emit(assign(spec, r, budget=budget, gpus=gpus, node=node, start_from=start_from))
+        await bus.publish(assign(spec, r, budget=budget, gpus=gpus, node=node, start_from=start_from))
 
     async def consolidate(r: int, checkpoint: str, total: int) -> str:
         """The tracker's part, by hand: a model that differs from every rank's weights."""
@@ -155,10 +155,10 @@ async def test_a_copy_spanning_two_agents_keeps_its_group_while_its_peers_stay(t
         with capture_logs() as logs:
             start_from = None
             for r in (0, 1):
-                await bus.emit(RoundStarted(ts=time.time(), source="test", round=r, policy="hadar",
+                await bus.publish(RoundStarted(ts=time.time(), source="test", round=r, policy="hadar",
                                             started_at=time.time(), ends_at=time.time() + 120))
                 for rank, node in enumerate(nodes):
-                    await bus.emit(Assignment(
+                    await bus.publish(Assignment(
                         ts=time.time(), source="test", round=r, job=spec, copy=0, node_id=node, gpus=(0,),
                         gpu_type="cpu", world_size=2, ranks=(rank,), step_budget=STEPS, deadline=time.time() + 120,
                         start_from=start_from, rendezvous=rendezvous, peers=nodes))

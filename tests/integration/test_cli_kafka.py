@@ -41,7 +41,7 @@ def _publish(bootstrap: str, *events: Event) -> None:
         try:
             await bus.ensure_topics()
             for e in events:
-                await bus.emit(e)
+                await bus.publish(e)
         finally:
             await bus.stop()
     asyncio.run(run())

@@ -65,10 +65,11 @@ class RecordingKafkaBus(KafkaBus):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.produced: dict[str, Event] = {}
 
-    async def send(self, topic: str, key: str, event: Event) -> Awaitable[tuple[int, int]]:
+    async def publish_pipelined(self, event: Event, *, topic: str | None = None,
+                                key: str | None = None) -> Awaitable[tuple[int, int]]:
         if isinstance(event, (Progress, CopyFinished)):
             self.produced.setdefault(event.id, event)
-        return await super().send(topic, key, event)
+        return await super().publish_pipelined(event, topic=topic, key=key)
 
 
 @pytest.fixture
@@ -151,14 +152,14 @@ async def _across_outage(paths: InfraPaths, tmp_path: Path, python: str) -> None
         # The observer's group must have joined before the copy trains: a fresh broker's
         # group coordinator took ~40 s under load, and the copy (~15 s) was over before the
         # kill, so no Progress fell in the outage.
-        await observer_bus.emit(Progress(ts=time.time(), source="observer", job_id="warm-up", round=0, copy=0,
+        await observer_bus.publish(Progress(ts=time.time(), source="observer", job_id="warm-up", round=0, copy=0,
                                          node_id=NODE, gpu_type="cpu", workers=1, steps_round=0,
                                          steps_total=0, samples_per_s=0.0, loss=0.0))
         await _until(lambda: len(consumed) >= 1, 120, "the observer's group joined")
         now = time.time()
-        await observer_bus.emit(RoundStarted(ts=now, source="scheduler", round=0, policy="hadare",
+        await observer_bus.publish(RoundStarted(ts=now, source="scheduler", round=0, policy="hadare",
                                              started_at=now, ends_at=now + 600))
-        await observer_bus.emit(assign("long-outage", 0, budget=STEPS, deadline=now + 600))
+        await observer_bus.publish(assign("long-outage", 0, budget=STEPS, deadline=now + 600))
 
         def copy_reports() -> int:
             return sum(isinstance(e, Progress) and e.job_id == "long-outage" for _, _, e in consumed)

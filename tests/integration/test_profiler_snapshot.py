@@ -52,10 +52,10 @@ async def run_and_restart(tmp_path, damage=None) -> tuple[ProfilerService, Memor
     first = ProfilerService(bus=bus, config=CONFIG, clock=clock, store=store)
     await first.start()
     for job in ("a", "b", "c"):
-        await bus.emit(JobSubmitted(ts=clock.time(), source="cli", job=spec(job), submitted_at=clock.time()))
+        await bus.publish(JobSubmitted(ts=clock.time(), source="cli", job=spec(job), submitted_at=clock.time()))
     await until(lambda: _has(bus, {"a", "b", "c"}))
     for steps in (0, 100, 300):            # 10 then 20 steps/s: EWMA 15 with alpha 0.5
-        await bus.emit(progress(clock, "a", steps))
+        await bus.publish(progress(clock, "a", steps))
         await until(lambda: _true(first.state.rate("a", "v100", 1) is not None or steps == 0))
         clock.advance(10)
     await until(lambda: _true(first.state.rate("a", "v100", 1) == pytest.approx(15.0)))
@@ -63,7 +63,7 @@ async def run_and_restart(tmp_path, damage=None) -> tuple[ProfilerService, Memor
     await first.stop()
     if damage is not None:
         await damage(store)
-    await bus.emit(JobSubmitted(ts=clock.time(), source="cli", job=spec("d"), submitted_at=clock.time()))
+    await bus.publish(JobSubmitted(ts=clock.time(), source="cli", job=spec("d"), submitted_at=clock.time()))
     again = ProfilerService(bus=bus, config=CONFIG, clock=clock, store=store)
     await again.start()
     await until(lambda: _has(bus, {"a", "b", "c", "d"}))

@@ -23,6 +23,7 @@ from shared.wire.events import (
     NodeRegistered,
     RoundStarted,
     ThroughputEstimate,
+    topic_for,
 )
 from shared.wire.topics import ALL_TOPICS, PLACEMENTS
 
@@ -31,12 +32,12 @@ FAST = SchedulerConfig(policy="yarn-cs", round_s=0.2, heartbeat_s=1000, late_cop
 
 async def _seed(bus: MemoryBus, now: float, jobs: tuple[str, ...] = ("a", "b")) -> None:
     for node_id in ("n1", "n2"):
-        await bus.emit(NodeRegistered(ts=now, source="agent", node_id=node_id, gpus=(GpuInfo(index=0, type="t4"),)))
+        await bus.publish(NodeRegistered(ts=now, source="agent", node_id=node_id, gpus=(GpuInfo(index=0, type="t4"),)))
     for job_id in jobs:
         spec = JobSpec(job_id=job_id, user="u", model="resnet", dataset="digits", batch_size=32, workers=1,
                        iterations=10**6)
-        await bus.emit(JobSubmitted(ts=now, source="cli", job=spec, submitted_at=now))
-        await bus.emit(ThroughputEstimate(ts=now, source="profiler", job_id=job_id, basis="estimate", workers=1,
+        await bus.publish(JobSubmitted(ts=now, source="cli", job=spec, submitted_at=now))
+        await bus.publish(ThroughputEstimate(ts=now, source="profiler", job_id=job_id, basis="estimate", workers=1,
                                           rates={"t4": 4.0}))
 
 
@@ -78,13 +79,10 @@ class FlakyBus(MemoryBus):
             self.failures -= 1
             raise BusError("publish: broker away", retriable=True)
 
-    async def publish(self, topic: str, key: str, event: Event) -> tuple[int, int]:
-        self._gate(event)
-        return await super().publish(topic, key, event)
-
-    async def send(self, topic: str, key: str, event: Event) -> Awaitable[tuple[int, int]]:
-        self._gate(event)
-        return await super().send(topic, key, event)
+    async def publish_pipelined(self, event: Event, *, topic: str | None = None,
+                                key: str | None = None) -> Awaitable[tuple[int, int]]:
+        self._gate(event)   # publish goes through here too
+        return await super().publish_pipelined(event, topic=topic, key=key)
 
 
 class HoldingBus(MemoryBus):
@@ -95,22 +93,20 @@ class HoldingBus(MemoryBus):
     def __init__(self) -> None:
         super().__init__()
         self.holding = True
-        self.held: list[tuple[str, str, Event, asyncio.Future[tuple[int, int]]]] = []
+        self.held: list[tuple[Event, asyncio.Future[tuple[int, int]]]] = []
 
-    async def publish(self, topic: str, key: str, event: Event) -> tuple[int, int]:
-        return await (await self.send(topic, key, event))
-
-    async def send(self, topic: str, key: str, event: Event) -> Awaitable[tuple[int, int]]:
-        if self.holding and topic == PLACEMENTS:
+    async def publish_pipelined(self, event: Event, *, topic: str | None = None,
+                                key: str | None = None) -> Awaitable[tuple[int, int]]:
+        if self.holding and topic_for(event) == PLACEMENTS:
             ack: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
-            self.held.append((topic, key, event, ack))
+            self.held.append((event, ack))
             return ack
-        return await super().send(topic, key, event)
+        return await super().publish_pipelined(event, topic=topic, key=key)
 
     async def release(self) -> None:
         self.holding = False
-        for topic, key, event, ack in self.held:
-            ack.set_result(await (await super().send(topic, key, event)))
+        for event, ack in self.held:
+            ack.set_result(await (await super().publish_pipelined(event)))
 
 
 async def test_a_failing_policy_does_not_kill_the_round_loop_and_runs_off_the_event_loop():
@@ -166,7 +162,7 @@ async def test_a_forged_far_ahead_round_does_not_move_the_round_counter():
         await service.plan_round()
         clock.advance(10)
     await service.stop()
-    await bus.emit(RoundStarted(ts=clock.time(), source="scheduler", round=10**6, policy="yarn-cs",
+    await bus.publish(RoundStarted(ts=clock.time(), source="scheduler", round=10**6, policy="yarn-cs",
                                 started_at=clock.time(), ends_at=clock.time() + 10))
 
     again = SchedulerService(bus=bus, config=config, clock=clock, run_rounds=False)
@@ -202,8 +198,8 @@ async def test_a_forged_model_announcement_is_dead_lettered_and_the_loop_goes_on
                                    copies=(CopyWeight(copy=0, steps=1, weight=-3.0),))
         real = ModelConsolidated(ts=clock.time(), source="tracker", job_id="a", round=0, key=model_key("a", 0),
                                  total_steps=50, copies=(CopyWeight(copy=0, steps=50, weight=1.0),))
-        await bus.emit(forged)
-        await bus.emit(real)
+        await bus.publish(forged)
+        await bus.publish(real)
         await _until(lambda: service.state.jobs["a"].steps_done == 50)
         assert service.state.jobs["a"].model_key == model_key("a", 0)
         letters = [d.event async for d in bus.read(DEADLETTER)]
@@ -232,7 +228,7 @@ async def test_a_round_whose_publish_the_broker_holds_is_given_up_at_its_end_and
             return service.registry.get_sample_value("hadar_scheduler_round_failures_total",
                                                      {"stage": "publish"}) or 0.0
         await _until(lambda: failures() >= 1, timeout_s=15.0)
-        held_rounds = {e.round for _, _, e, _ in bus.held if isinstance(e, RoundStarted)}
+        held_rounds = {e.round for e, _ in bus.held if isinstance(e, RoundStarted)}
         await bus.release()
         await _until(lambda: any(len(r.assignments) == 2 for r in service.state.rounds.values()), timeout_s=15.0)
         assert service.health()["ok"], service.health()
@@ -253,8 +249,9 @@ class SlowAckBus(MemoryBus):
         super().__init__()
         self.ack_s = ack_s
 
-    async def send(self, topic: str, key: str, event: Event) -> Awaitable[tuple[int, int]]:
-        where = await (await super().send(topic, key, event))
+    async def publish_pipelined(self, event: Event, *, topic: str | None = None,
+                                key: str | None = None) -> Awaitable[tuple[int, int]]:
+        where = await (await super().publish_pipelined(event, topic=topic, key=key))
 
         async def later() -> tuple[int, int]:
             await asyncio.sleep(self.ack_s)

@@ -30,13 +30,13 @@ YARN = SchedulerConfig(policy="yarn-cs", round_s=10, heartbeat_s=1000, late_copy
 async def _seed(bus: MemoryBus, clock: FakeClock) -> None:
     now = clock.time()
     for node_id, gpu in (("n1", "v100"), ("n2", "t4")):
-        await bus.emit(NodeRegistered(ts=now, source="agent", node_id=node_id,
+        await bus.publish(NodeRegistered(ts=now, source="agent", node_id=node_id,
                                       gpus=(GpuInfo(index=0, type=gpu),)))
     for job_id in ("a", "b", "c"):
         spec = JobSpec(job_id=job_id, user="u", model="resnet", dataset="digits", batch_size=32,
                        workers=1, iterations=100)
-        await bus.emit(JobSubmitted(ts=now, source="cli", job=spec, submitted_at=now))
-        await bus.emit(ThroughputEstimate(ts=now, source="profiler", job_id=job_id, basis="estimate",
+        await bus.publish(JobSubmitted(ts=now, source="cli", job=spec, submitted_at=now))
+        await bus.publish(ThroughputEstimate(ts=now, source="profiler", job_id=job_id, basis="estimate",
                                           workers=1, rates={"v100": 10.0, "t4": 4.0}))
 
 
@@ -66,10 +66,10 @@ async def test_rounds_recovery_and_cancellation():
     assert placed == {"a", "b"}            # FIFO on two single-GPU nodes; c waits
 
     # A consolidated model becomes the next round's start point.
-    await bus.emit(ModelConsolidated(ts=clock.time(), source="tracker", job_id="a", round=0,
+    await bus.publish(ModelConsolidated(ts=clock.time(), source="tracker", job_id="a", round=0,
                                      key="models/a/0.safetensors", total_steps=50,
                                      copies=(CopyWeight(copy=0, steps=50, weight=1.0),)))
-    await bus.emit(JobCancelled(ts=clock.time(), source="cli", job_id="b"))
+    await bus.publish(JobCancelled(ts=clock.time(), source="cli", job_id="b"))
     await _settle(lambda: service.state.jobs["b"].cancelled and service.state.jobs["a"].steps_done == 50)
     clock.advance(10)
     await service.plan_round()
@@ -109,12 +109,12 @@ async def test_rounds_describe_themselves_and_rerun_without_flags():
     clock = FakeClock()
     now = clock.time()
     for node_id in ("n1", "n2"):
-        await bus.emit(NodeRegistered(ts=now, source="agent", node_id=node_id, gpus=(GpuInfo(index=0, type="t4"),)))
+        await bus.publish(NodeRegistered(ts=now, source="agent", node_id=node_id, gpus=(GpuInfo(index=0, type="t4"),)))
     for i, (job_id, workers) in enumerate((("a", 1), ("wide", 2), ("b", 1))):   # FIFO: wide blocks b
         spec = JobSpec(job_id=job_id, user="u", model="resnet", dataset="digits", batch_size=32,
                        workers=workers, iterations=100)
-        await bus.emit(JobSubmitted(ts=now + i, source="cli", job=spec, submitted_at=now + i))
-        await bus.emit(ThroughputEstimate(ts=now, source="profiler", job_id=job_id, basis="estimate",
+        await bus.publish(JobSubmitted(ts=now + i, source="cli", job=spec, submitted_at=now + i))
+        await bus.publish(ThroughputEstimate(ts=now, source="profiler", job_id=job_id, basis="estimate",
                                           workers=workers, rates={"t4": 4.0}))
     strict = SchedulerConfig(policy="yarn-cs", policy_options={"skip_blocked_head": False}, seed=11,
                              round_s=10, heartbeat_s=1000, late_copy_s=0, consolidation_wait_s=0)

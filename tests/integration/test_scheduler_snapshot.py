@@ -228,7 +228,7 @@ async def test_a_restart_counts_dead_letters_from_the_snapshot_not_from_the_topi
         return service.registry.get_sample_value("hadar_scheduler_dead_letters", {"topic": JOBS})
 
     for offset, group in ((1, "a"), (2, "a"), (1, "b")):
-        await bus.emit(letter(offset, group))
+        await bus.publish(letter(offset, group))
     first = SchedulerService(bus=bus, config=config("yarn-cs", snapshot_every=1), clock=clock, run_rounds=False,
                              store=store)
     await first.start()
@@ -236,7 +236,7 @@ async def test_a_restart_counts_dead_letters_from_the_snapshot_not_from_the_topi
     await play(first, contended(bus, clock), clock, range(1))     # a snapshot after round 0
     await first.stop()
     for offset, group in ((2, "b"), (3, "a")):
-        await bus.emit(letter(offset, group))
+        await bus.publish(letter(offset, group))
     again = SchedulerService(bus=bus, config=config("yarn-cs", snapshot_every=1), clock=clock, run_rounds=False,
                              store=store)
     await again.start()

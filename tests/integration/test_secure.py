@@ -52,7 +52,7 @@ async def test_each_service_principal_writes_its_topics_and_the_dead_letters(sec
         await bus.start()
         try:
             for topic in (*PRINCIPALS[name].writes, DEADLETTER):
-                await bus.publish_raw(topic, "k", b"allowed")
+                await bus.write_raw(topic, "k", b"allowed")
         finally:
             await bus.stop()
 
@@ -71,7 +71,7 @@ async def test_the_broker_refuses_a_model_published_with_the_agent_credentials(s
     await bus.start()
     try:
         with pytest.raises(BusError, match="TopicAuthorizationFailed") as refused:
-            await bus.publish(MODELS, "secure-j", model_event())
+            await bus.publish(model_event(), topic=MODELS, key="secure-j")
         assert not refused.value.retriable
     finally:
         await bus.stop()
@@ -85,7 +85,7 @@ async def test_the_cli_cannot_read_jobs_with_an_agent_group(secure_servers) -> N
             async with bus.subscribe(JOBS, "hadar-agent-node-a") as sub:
                 async for _ in sub:
                     break
-        await bus.publish_raw(JOBS, "k", b"the cli may write jobs")
+        await bus.write_raw(JOBS, "k", b"the cli may write jobs")
     finally:
         await bus.stop()
 

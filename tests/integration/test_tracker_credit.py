@@ -49,14 +49,14 @@ async def memory_bus() -> AsyncIterator[MemoryBus]:
 async def run_round(bus: MemoryBus, store: LocalStore, job: JobSpec, round_: int, *, budget: int, steps: int,
                     workers: int = 1) -> None:
     started = T0 + 360 * round_
-    await bus.emit(RoundStarted(ts=started, source="scheduler", round=round_, policy="hadare",
+    await bus.publish(RoundStarted(ts=started, source="scheduler", round=round_, policy="hadare",
                                 started_at=started, ends_at=started + 360, assignments=1))
-    await bus.emit(Assignment(ts=started, source="scheduler", round=round_, job=job, copy=0, node_id="n0",
+    await bus.publish(Assignment(ts=started, source="scheduler", round=round_, job=job, copy=0, node_id="n0",
                               gpus=tuple(range(workers)), gpu_type="V100", world_size=workers,
                               ranks=tuple(range(workers)), step_budget=budget, deadline=started + 360))
     key = checkpoint_key(job.job_id, round_, 0)
     await store.put(key, save({"w": np.full((4,), float(round_), dtype=np.float32)}))
-    await bus.emit(CopyFinished(ts=started + 350, source="agent/n0", job_id=job.job_id, round=round_, copy=0,
+    await bus.publish(CopyFinished(ts=started + 350, source="agent/n0", job_id=job.job_id, round=round_, copy=0,
                                 node_id="n0", status="ok", steps_round=steps, checkpoint=key))
 
 
@@ -75,7 +75,7 @@ async def test_a_round_planned_on_a_stale_total_is_credited_only_what_the_job_ha
         memory_bus: MemoryBus, local_store: LocalStore, workers: int) -> None:
     job = JobSpec(job_id=f"j-credit-{workers}", user="alice", model="resnet-8", dataset="digits", batch_size=32,
                   workers=workers, iterations=300)
-    await memory_bus.emit(JobSubmitted(ts=T0 - 10, source="cli", job=job, submitted_at=T0 - 10))
+    await memory_bus.publish(JobSubmitted(ts=T0 - 10, source="cli", job=job, submitted_at=T0 - 10))
     service = TrackerService(bus=memory_bus, store=local_store, clock=FakeClock(T0 + 1000),
                              config=TrackerConfig(group="tracker-credit", tick_s=0.05, finish_timeout_s=3600))
     await service.start()
@@ -100,7 +100,7 @@ async def test_a_restarted_tracker_rebuilds_the_clipped_credit(memory_bus: Memor
                                                                local_store: LocalStore) -> None:
     job = JobSpec(job_id="j-credit-restart", user="alice", model="resnet-8", dataset="digits", batch_size=32,
                   workers=1, iterations=300)
-    await memory_bus.emit(JobSubmitted(ts=T0 - 10, source="cli", job=job, submitted_at=T0 - 10))
+    await memory_bus.publish(JobSubmitted(ts=T0 - 10, source="cli", job=job, submitted_at=T0 - 10))
     config = TrackerConfig(group="tracker-credit-restart", tick_s=0.05, finish_timeout_s=3600)
     first = TrackerService(bus=memory_bus, store=local_store, clock=FakeClock(T0 + 1000), config=config)
     await first.start()

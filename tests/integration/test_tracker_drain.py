@@ -78,7 +78,7 @@ async def test_a_drain_cut_short_stops_the_averaging_and_the_next_tracker_consol
     staging.mkdir()
     slow = SlowReads(local_store)
     first = tracker(memory_bus, slow, staging)
-    await memory_bus.emit(JobSubmitted(ts=T0, source="cli", job=job, submitted_at=T0))
+    await memory_bus.publish(JobSubmitted(ts=T0, source="cli", job=job, submitted_at=T0))
     await first.start()
     stopped = False
     try:
@@ -87,7 +87,7 @@ async def test_a_drain_cut_short_stops_the_averaging_and_the_next_tracker_consol
             key = checkpoint_key("j-drain", 0, copy)
             weights = np.random.default_rng(copy).standard_normal(64 << 10).astype(np.float32)
             await local_store.put(key, save({"w": weights}))
-            await memory_bus.emit(CopyFinished(ts=T0 + 350, source=f"agent/n{copy}", job_id="j-drain", round=0,
+            await memory_bus.publish(CopyFinished(ts=T0 + 350, source=f"agent/n{copy}", job_id="j-drain", round=0,
                                                copy=copy, node_id=f"n{copy}", status="ok", steps_round=steps,
                                                checkpoint=key))
         deadline = time.monotonic() + 30

@@ -72,15 +72,15 @@ async def run_round(bus: MemoryBus, store: LocalStore, job_id: str,
                              config=TrackerConfig(group=f"tracker-{job_id}", tick_s=0.05, chunk_bytes=256))
     await service.start()
     try:
-        await bus.emit(RoundStarted(ts=T0, source="scheduler", round=0, policy="hadare", started_at=T0,
+        await bus.publish(RoundStarted(ts=T0, source="scheduler", round=0, policy="hadare", started_at=T0,
                                     ends_at=T0 + 360, assignments=len(copies)))
         for copy, (steps, data) in enumerate(copies):
-            await bus.emit(Assignment(ts=T0, source="scheduler", round=0, job=job, copy=copy, node_id=f"n{copy}",
+            await bus.publish(Assignment(ts=T0, source="scheduler", round=0, job=job, copy=copy, node_id=f"n{copy}",
                                       gpus=(0,), gpu_type="V100", world_size=1, ranks=(0,), step_budget=budget,
                                       deadline=T0 + 360))
             key = f"checkpoints/{job_id}/0/{copy}.safetensors"
             await store.put(key, data)
-            await bus.emit(CopyFinished(ts=T0 + 350, source=f"agent/n{copy}", job_id=job_id, round=0, copy=copy,
+            await bus.publish(CopyFinished(ts=T0 + 350, source=f"agent/n{copy}", job_id=job_id, round=0, copy=copy,
                                         node_id=f"n{copy}", status="ok", steps_round=steps, checkpoint=key))
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -157,10 +157,10 @@ class Cluster:
 
     async def place(self, round_: int, nodes: list[str], budget: int = 1_000) -> None:
         at = T0 + 360 * round_
-        await self.bus.emit(RoundStarted(ts=at, source="scheduler", round=round_, policy="hadare", started_at=at,
+        await self.bus.publish(RoundStarted(ts=at, source="scheduler", round=round_, policy="hadare", started_at=at,
                                          ends_at=at + 360, assignments=len(nodes)))
         for copy, node in enumerate(nodes):
-            await self.bus.emit(self.assignment(round_, copy, node, budget))
+            await self.bus.publish(self.assignment(round_, copy, node, budget))
 
     def assignment(self, round_: int, copy: int, node: str, budget: int = 1_000) -> Assignment:
         at = T0 + 360 * round_
@@ -173,7 +173,7 @@ class Cluster:
         key = checkpoint or checkpoint_key(job_id, round_, copy)
         if data is not None:
             await self.store.put(key, data)
-        await self.bus.emit(CopyFinished(ts=T0 + 360 * round_ + 350, source=f"agent/{node}", job_id=job_id,
+        await self.bus.publish(CopyFinished(ts=T0 + 360 * round_ + 350, source=f"agent/{node}", job_id=job_id,
                                          round=round_, copy=copy, node_id=node, status="ok", steps_round=steps,
                                          checkpoint=key))
 
@@ -264,13 +264,13 @@ async def test_a_copyfinished_read_before_its_assignment_still_counts(memory_bus
     cluster = Cluster(memory_bus, local_store, "j-early")
     await cluster.service.start()
     try:
-        await memory_bus.emit(RoundStarted(ts=T0, source="scheduler", round=0, policy="hadare", started_at=T0,
+        await memory_bus.publish(RoundStarted(ts=T0, source="scheduler", round=0, policy="hadare", started_at=T0,
                                            ends_at=T0 + 360, assignments=2))
-        await memory_bus.emit(cluster.assignment(0, 0, "n0"))
+        await memory_bus.publish(cluster.assignment(0, 0, "n0"))
         await cluster.finish(0, 0, "n0", 30, save(weights(1)))
         await cluster.finish(0, 1, "n1", 10, save(weights(2)))   # its Assignment is still unread
         await settle()
-        await memory_bus.emit(cluster.assignment(0, 1, "n1"))
+        await memory_bus.publish(cluster.assignment(0, 1, "n1"))
         event = await cluster.wait_model(0)
         assert [(c.copy, c.steps) for c in event.copies] == [(0, 30), (1, 10)] and event.missing == ()
         assert await cluster.dead_letters() == []
@@ -292,7 +292,7 @@ async def test_a_forged_model_consolidated_changes_nothing(memory_bus: MemoryBus
         await cluster.place(0, ["n0", "n1"])
         round_ = forged.get("round", 0)
         first, second = forged.get("weights", (0.5, 0.5))
-        await memory_bus.emit(ModelConsolidated(
+        await memory_bus.publish(ModelConsolidated(
             ts=T0, source="forger", job_id="j-forged-model", round=round_,
             key=forged.get("key", model_key("j-forged-model", round_)), total_steps=10,
             copies=(CopyWeight(copy=0, steps=5, weight=first), CopyWeight(copy=1, steps=5, weight=second))))
@@ -320,7 +320,7 @@ async def test_a_forged_job_completed_is_dead_lettered_and_the_job_completes_for
     cluster = Cluster(memory_bus, local_store, "j-forged-done", iterations=10)
     await cluster.service.start()
     try:
-        await memory_bus.emit(JobCompleted(ts=T0, source="forger", job_id="j-forged-done",
+        await memory_bus.publish(JobCompleted(ts=T0, source="forger", job_id="j-forged-done",
                                            final_key=final_key("victim"), total_steps=10, jct_s=1.0,
                                            completed_at=T0))
         await settle()
@@ -395,7 +395,7 @@ async def test_a_restart_counts_what_it_refuses_again_but_does_not_dead_letter_i
     first = Cluster(memory_bus, local_store, "j-replay", group="tracker-replay")
     await first.service.start()
     await first.place(0, ["n0"])
-    await memory_bus.emit(ghost)
+    await memory_bus.publish(ghost)
     await first.finish(0, 0, "n9", 10, save(weights(1)))
     await first.finish(0, 0, "n0", 10, save(weights(1)))
     await first.wait_model(0)
@@ -422,7 +422,7 @@ async def test_progress_for_many_unknown_jobs_is_dead_lettered_and_leaves_the_st
     try:
         before = cluster.service.state.sizes()
         for i in range(500):
-            await memory_bus.emit(Progress(ts=T0, source="forger", job_id=f"ghost-{i}", round=0, copy=0,
+            await memory_bus.publish(Progress(ts=T0, source="forger", job_id=f"ghost-{i}", round=0, copy=0,
                                            node_id="n0", gpu_type="V100", workers=1, steps_round=1, steps_total=1,
                                            samples_per_s=1.0, loss=1.0))
         deadline = time.monotonic() + 10

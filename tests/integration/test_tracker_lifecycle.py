@@ -61,10 +61,10 @@ def tracker(bus: MemoryBus, store: ObjectStore, **config: object) -> TrackerServ
 async def place(bus: MemoryBus, job: JobSpec, round_: int, copies: list[int], *,
                 start_from: str | None = None) -> None:
     started = T0 + 360 * round_
-    await bus.emit(RoundStarted(ts=started, source="scheduler", round=round_, policy="hadare",
+    await bus.publish(RoundStarted(ts=started, source="scheduler", round=round_, policy="hadare",
                                 started_at=started, ends_at=started + 360, assignments=len(copies)))
     for copy in copies:
-        await bus.emit(Assignment(ts=started, source="scheduler", round=round_, job=job, copy=copy,
+        await bus.publish(Assignment(ts=started, source="scheduler", round=round_, job=job, copy=copy,
                                   node_id=f"n{copy}", gpus=(0,), gpu_type="V100", world_size=1, ranks=(0,),
                                   step_budget=1_000, deadline=started + 360, start_from=start_from))
 
@@ -96,7 +96,7 @@ async def run_rounds(bus: MemoryBus, store: ObjectStore, job: JobSpec, rounds: r
 
 
 async def submit(bus: MemoryBus, job: JobSpec) -> None:
-    await bus.emit(JobSubmitted(ts=T0 - 100, source="cli", job=job, submitted_at=T0 - 100))
+    await bus.publish(JobSubmitted(ts=T0 - 100, source="cli", job=job, submitted_at=T0 - 100))
 
 
 async def test_decided_rounds_checkpoints_and_old_round_models_are_deleted(memory_bus: MemoryBus,

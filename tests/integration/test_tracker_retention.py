@@ -63,7 +63,7 @@ def tracker(bus: Bus, store: ObjectStore, group: str) -> TrackerService:
 
 async def started(bus: Bus, round_: int, assignments: int) -> None:
     at = T0 + 360 * round_
-    await bus.emit(RoundStarted(ts=at, source="scheduler", round=round_, policy="hadare", started_at=at,
+    await bus.publish(RoundStarted(ts=at, source="scheduler", round=round_, policy="hadare", started_at=at,
                                 ends_at=at + 360, assignments=assignments))
 
 
@@ -114,7 +114,7 @@ async def scenario(bus: Bus, store: ObjectStore, *, retention: tuple[str, FakeCl
     renamed = {a: "A", b: "B", c: "C"}
     group = f"tracker-retention-{tag}"
     for job_id, iterations in ((a, A_ITERATIONS), (b, 10_000)):
-        await bus.emit(JobSubmitted(ts=T0 - 100, source="cli", job=spec(job_id, iterations), submitted_at=T0 - 100))
+        await bus.publish(JobSubmitted(ts=T0 - 100, source="cli", job=spec(job_id, iterations), submitted_at=T0 - 100))
     service = tracker(bus, store, group)
     await service.start()
     info: dict[str, Any] = {}
@@ -134,7 +134,7 @@ async def scenario(bus: Bus, store: ObjectStore, *, retention: tuple[str, FakeCl
             seen = await _announced(bus, renamed)   # retention deletes these: read them now
             await set_retention(bootstrap, INPUT_TOPICS, int(DAY_S * 1000))
             clock.advance(10 * DAY_S)
-        await bus.emit(JobSubmitted(ts=T0 + 360 * OLD_ROUNDS, source="cli", job=spec(c, 10_000),
+        await bus.publish(JobSubmitted(ts=T0 + 360 * OLD_ROUNDS, source="cli", job=spec(c, 10_000),
                                     submitted_at=T0 + 360 * OLD_ROUNDS))
         await one_round(bus, store, {a: A_ITERATIONS, b: 10_000}, OLD_ROUNDS)
         if retention is not None:

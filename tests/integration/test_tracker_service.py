@@ -20,7 +20,7 @@ from safetensors.numpy import load, save
 
 from services.tracker.averaging.consolidate import (
     Replica,
-    plan_consolidation,
+    weigh_replicas,
     write_consolidated,
 )
 from services.tracker.averaging.safetensors_format import FileRangeReader
@@ -58,10 +58,10 @@ def tensors(seed: int) -> dict[str, np.ndarray]:
 
 async def place(bus: Bus, job: JobSpec, round_: int, copies: list[int], *, others: int = 0) -> None:
     started = T0 + 360 * round_
-    await bus.emit(RoundStarted(ts=started, source="scheduler", round=round_, policy="hadare",
+    await bus.publish(RoundStarted(ts=started, source="scheduler", round=round_, policy="hadare",
                                 started_at=started, ends_at=started + 360, assignments=len(copies) + others))
     for copy in copies:
-        await bus.emit(Assignment(ts=started, source="scheduler", round=round_, job=job, copy=copy,
+        await bus.publish(Assignment(ts=started, source="scheduler", round=round_, job=job, copy=copy,
                                   node_id=f"n{copy}", gpus=(0,), gpu_type="V100", world_size=1, ranks=(0,),
                                   step_budget=1_000, deadline=started + 360))
 
@@ -71,7 +71,7 @@ async def finish(bus: Bus, store: ObjectStore, job_id: str, round_: int, copy: i
     key = checkpoint_key(job_id, round_, copy)
     weights = tensors(seed=100 * round_ + copy)
     await store.put(key, save(weights) if data is None else data)
-    await bus.emit(CopyFinished(ts=T0 + 360 * round_ + 350, source=f"agent/n{copy}", job_id=job_id,
+    await bus.publish(CopyFinished(ts=T0 + 360 * round_ + 350, source=f"agent/n{copy}", job_id=job_id,
                                 round=round_, copy=copy, node_id=f"n{copy}", status="ok", steps_round=steps,
                                 checkpoint=key))
     return weights
@@ -115,7 +115,7 @@ async def full_scenario(bus: Bus, store: ObjectStore) -> None:
     r1 = r0 + 1
     job_id = f"job-{uuid.uuid4().hex[:8]}"
     job = spec(job_id)
-    await bus.emit(JobSubmitted(ts=T0 - 100, source="cli", job=job, submitted_at=T0 - 100))
+    await bus.publish(JobSubmitted(ts=T0 - 100, source="cli", job=job, submitted_at=T0 - 100))
     service = tracker(bus, store, clock=FakeClock(T0 + 1000))
     await service.start()
     try:
@@ -245,8 +245,8 @@ async def test_a_model_written_but_not_announced_is_announced_as_is(memory_bus: 
         paths.append(path)
     replicas = [Replica(copy=i, steps=s, reader=FileRangeReader(p)) for i, (p, s) in enumerate(zip(paths, (90, 10)))]
     buffer = io.BytesIO()
-    plan = plan_consolidation(replicas, mode="uniform")
-    write_consolidated(plan, buffer, metadata=plan.model_metadata(job="j-crash", round_=0).to_metadata())
+    weighing = weigh_replicas(replicas, mode="uniform")
+    write_consolidated(weighing, buffer, metadata=weighing.model_metadata(job="j-crash", round_=0).to_metadata())
     await local_store.put(model_key("j-crash", 0), buffer.getvalue())
 
     service = tracker(memory_bus, local_store)  # steps mode: a recomputation would weigh 0.9 / 0.1
@@ -328,7 +328,7 @@ async def test_a_two_worker_job_forked_into_two_one_worker_copies_is_credited_ha
     """Samples, not copy steps (issue 11): two copies on 1 of the job's W=2 workers train
     (s0 + s1) x b samples, i.e. (s0 + s1) / 2 job steps; weights are by samples."""
     job = replace(spec("j-half", iterations=1_000), workers=2)
-    await memory_bus.emit(JobSubmitted(ts=T0, source="cli", job=job, submitted_at=T0))
+    await memory_bus.publish(JobSubmitted(ts=T0, source="cli", job=job, submitted_at=T0))
     await place(memory_bus, job, 0, [0, 1])
     await finish(memory_bus, local_store, "j-half", 0, 0, steps=90)
     await finish(memory_bus, local_store, "j-half", 0, 1, steps=31)

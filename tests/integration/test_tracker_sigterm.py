@@ -102,12 +102,12 @@ async def feed(bus: Bus, store: ObjectStore, elements: int = ELEMENTS) -> Round:
                 default=-1)
     job = spec(f"job-{uuid.uuid4().hex[:8]}")
     now = time.time()
-    await bus.emit(JobSubmitted(ts=now, source="cli", job=job, submitted_at=now))
-    await bus.emit(RoundStarted(ts=now, source="scheduler", round=r, policy="hadare", started_at=now,
+    await bus.publish(JobSubmitted(ts=now, source="cli", job=job, submitted_at=now))
+    await bus.publish(RoundStarted(ts=now, source="scheduler", round=r, policy="hadare", started_at=now,
                                 ends_at=now + 3600, assignments=len(STEPS)))
     replicas = []
     for copy in range(len(STEPS)):
-        await bus.emit(Assignment(ts=now, source="scheduler", round=r, job=job, copy=copy, node_id=f"n{copy}",
+        await bus.publish(Assignment(ts=now, source="scheduler", round=r, job=job, copy=copy, node_id=f"n{copy}",
                                   gpus=(0,), gpu_type="V100", world_size=1, ranks=(0,), step_budget=1_000,
                                   deadline=now + 3600))
     for copy, steps in enumerate(STEPS):
@@ -115,7 +115,7 @@ async def feed(bus: Bus, store: ObjectStore, elements: int = ELEMENTS) -> Round:
         key = checkpoint_key(job.job_id, r, copy)
         await store.put(key, save(weights))
         replicas.append(weights)
-        await bus.emit(CopyFinished(ts=time.time(), source=f"agent/n{copy}", job_id=job.job_id, round=r, copy=copy,
+        await bus.publish(CopyFinished(ts=time.time(), source=f"agent/n{copy}", job_id=job.job_id, round=r, copy=copy,
                                     node_id=f"n{copy}", status="ok", steps_round=steps, checkpoint=key))
     return Round(job_id=job.job_id, round=r, replicas=replicas)
 
@@ -297,7 +297,7 @@ async def _stored_not_announced(bus: KafkaBus, store: MinioStore, env: dict[str,
         async for d in bus.read(topic):
             if getattr(d.event, "job_id", None) == fed.job_id or getattr(d.event, "round", None) == fed.round:
                 if isinstance(d.event, (JobSubmitted, RoundStarted, Assignment, CopyFinished)):
-                    await private.emit(d.event)
+                    await private.publish(d.event)
     writer = TrackerService(bus=private, store=store, config=TrackerConfig(
         group="writer", tick_s=0.05, finish_timeout_s=1e9, snapshot_every=0, delete_checkpoints=False,
         delete_completed_models=False))

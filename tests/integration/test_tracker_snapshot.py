@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Awaitable
 from dataclasses import replace
 from typing import Any
 
@@ -59,13 +60,13 @@ def tracker(bus: Bus, store: ObjectStore, group: str) -> TrackerService:
 
 async def started(bus: Bus, round_: int, assignments: int) -> None:
     at = T0 + 360 * round_
-    await bus.emit(RoundStarted(ts=at, source="scheduler", round=round_, policy="hadare", started_at=at,
+    await bus.publish(RoundStarted(ts=at, source="scheduler", round=round_, policy="hadare", started_at=at,
                                 ends_at=at + 360, assignments=assignments))
 
 
 async def assign(bus: Bus, job_id: str, iterations: int, round_: int, copy: int) -> None:
     at = T0 + 360 * round_
-    await bus.emit(Assignment(ts=at, source="scheduler", round=round_, job=spec(job_id, iterations), copy=copy,
+    await bus.publish(Assignment(ts=at, source="scheduler", round=round_, job=spec(job_id, iterations), copy=copy,
                               node_id=f"n{copy}", gpus=(0,), gpu_type="V100", world_size=1, ranks=(0,),
                               step_budget=1_000, deadline=at + 360))
 
@@ -106,7 +107,7 @@ async def scenario(bus: Bus, store: ObjectStore, *, restart: bool, damage: bool 
     a_iterations = STEPS * (PLAIN_ROUNDS + 2)
     group = f"tracker-snap-{tag}"
     for job_id, iterations in ((a, a_iterations), (b, 10_000)):
-        await bus.emit(JobSubmitted(ts=T0 - 100, source="cli", job=spec(job_id, iterations), submitted_at=T0 - 100))
+        await bus.publish(JobSubmitted(ts=T0 - 100, source="cli", job=spec(job_id, iterations), submitted_at=T0 - 100))
     service = tracker(bus, store, group)
     await service.start()
     info: dict[str, Any] = {}
@@ -222,10 +223,11 @@ async def test_kafka_and_minio_restart_from_a_snapshot(tmp_path: Any, kafka_boot
 class AbandonmentsLost(MemoryBus):
     """A MemoryBus that refuses every RoundAbandoned, as a broker away at that moment would."""
 
-    async def emit(self, event: Any) -> tuple[int, int]:
+    async def publish_pipelined(self, event: Any, *, topic: str | None = None,
+                                key: str | None = None) -> Awaitable[tuple[int, int]]:
         if isinstance(event, RoundAbandoned):
             raise BusError("broker away", retriable=True)
-        return await super().emit(event)
+        return await super().publish_pipelined(event, topic=topic, key=key)
 
 
 async def test_no_snapshot_keeps_a_round_closed_that_the_log_does_not_close(local_store: LocalStore) -> None:
@@ -240,7 +242,7 @@ async def test_no_snapshot_keeps_a_round_closed_that_the_log_does_not_close(loca
         await started(bus, 0, 2)
         await assign(bus, "x", 10_000, 0, 0)
         await assign(bus, "y", 10_000, 0, 1)
-        await bus.emit(CopyFinished(ts=T0 + 300, source="agent/n0", job_id="x", round=0, copy=0, node_id="n0",
+        await bus.publish(CopyFinished(ts=T0 + 300, source="agent/n0", job_id="x", round=0, copy=0, node_id="n0",
                                     status="failed", steps_round=0, checkpoint=None, reason="oom"))
         await until("x's round closed here", lambda: asyncio.sleep(0, service.state.open_rounds() <= 1))
         await finish_copy(bus, local_store, "y", 0, 1, steps=STEPS)

@@ -128,10 +128,10 @@ async def scrapes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             await service.start()
         spec = JobSpec(job_id="j1", user="u", model="resnet", dataset="digits", batch_size=8, workers=1,
                        iterations=10**6)
-        await bus.emit(JobSubmitted(ts=now, source="cli", job=spec, submitted_at=now))
-        await bus.emit(ThroughputEstimate(ts=now, source="test", job_id="j1", basis="estimate", workers=1,
+        await bus.publish(JobSubmitted(ts=now, source="cli", job=spec, submitted_at=now))
+        await bus.publish(ThroughputEstimate(ts=now, source="test", job_id="j1", basis="estimate", workers=1,
                                           rates={"cpu": 50.0}))
-        await bus.publish_raw(JOBS, "bad", b"\xc1 not msgpack")
+        await bus.write_raw(JOBS, "bad", b"\xc1 not msgpack")
         rounds = lambda: scheduler.registry.get_sample_value("hadar_scheduler_rounds_total") or 0  # noqa: E731
         await _until(lambda: rounds() >= 3, "three rounds")
         await _until(lambda: (tracker.registry.get_sample_value("hadar_tracker_consolidation_seconds_count") or 0)

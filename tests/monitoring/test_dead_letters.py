@@ -36,7 +36,7 @@ async def test_one_bad_record_met_by_three_groups_and_a_restart_counts_once():
     bus = MemoryBus()
     await bus.start()
     await bus.ensure_topics()
-    await bus.publish_raw(JOBS, "bad", b"\xc1 not msgpack")
+    await bus.write_raw(JOBS, "bad", b"\xc1 not msgpack")
     others = [asyncio.create_task(_follow(bus, group)) for group in ("hadar-tracker", "hadar-profiler")]
 
     async def two_letters() -> bool:   # other services' groups met it first

@@ -26,19 +26,20 @@ class HeldAcks(MemoryBus):
     def __init__(self) -> None:
         super().__init__()
         self.sent: list[Event] = []
-        self.held: list[tuple[asyncio.Future[tuple[int, int]], str, str, Event]] = []
+        self.held: list[tuple[asyncio.Future[tuple[int, int]], Event]] = []
 
-    async def send(self, topic: str, key: str, event: Event) -> Awaitable[tuple[int, int]]:
+    async def publish_pipelined(self, event: Event, *, topic: str | None = None,
+                                key: str | None = None) -> Awaitable[tuple[int, int]]:
         self.sent.append(event)
         ack: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
-        self.held.append((ack, topic, key, event))
+        self.held.append((ack, event))
         return ack
 
     async def release(self) -> None:
         """The broker is back: the client writes what it held."""
-        for ack, topic, key, event in self.held:
+        for ack, event in self.held:
             if not ack.done():
-                ack.set_result(await self.publish(topic, key, event))
+                ack.set_result(await (await super().publish_pipelined(event)))
         self.held.clear()
 
     def fail_held(self, error: BaseException) -> None:

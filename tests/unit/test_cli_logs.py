@@ -88,7 +88,7 @@ def publish(bus: MemoryBus, events: list[object]) -> None:
         await bus.start()
         await bus.ensure_topics()
         for e in events:
-            await bus.emit(e)   # type: ignore[arg-type]
+            await bus.publish(e)   # type: ignore[arg-type]
     asyncio.run(run())
 
 
@@ -156,12 +156,12 @@ def test_follow_prints_events_as_they_come_until_the_job_ends(bus, capsys, endin
         async def later() -> None:
             for event in events[5:]:
                 await asyncio.sleep(0.02)
-                await bus.emit(event)   # type: ignore[arg-type]
+                await bus.publish(event)   # type: ignore[arg-type]
             await asyncio.sleep(0.1)
             last = (JobCompleted(ts=time.time(), source="tracker", job_id="lg-1", final_key=final_key("lg-1"),
                                  total_steps=500, jct_s=1.0, completed_at=time.time()) if ending == "completed"
                     else JobCancelled(ts=time.time(), source="cli", job_id="lg-1", reason="test"))
-            await bus.emit(last)
+            await bus.publish(last)
         task = asyncio.create_task(later())
         result = await asyncio.wait_for(logs_cli.show_logs(bus, "lg-1", round_=None, follow=True, as_json=True,
                                                            wait_s=5, poll_s=0.05), 20)

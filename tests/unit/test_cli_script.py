@@ -46,7 +46,7 @@ def publish(bus: MemoryBus, *events: object) -> None:
         await bus.start()
         await bus.ensure_topics()
         for e in events:
-            await bus.emit(e)   # type: ignore[arg-type]
+            await bus.publish(e)   # type: ignore[arg-type]
     asyncio.run(run())
 
 
@@ -76,7 +76,7 @@ def cancelled(job_id: str, at: float) -> JobCancelled:
 def test_status_json_is_one_document_even_with_a_bad_record_in_the_log(bus, capsys):
     now = time.time()
     publish(bus, submitted(spec("good-1"), now))
-    asyncio.run(bus.publish_raw(JOBS, "junk", b"\x93not-an-event"))
+    asyncio.run(bus.write_raw(JOBS, "junk", b"\x93not-an-event"))
     assert main(["status", "good-1", "--json"]) == 0
     out, err = capsys.readouterr()
     doc = json.loads(out)
@@ -257,15 +257,15 @@ async def test_watch_follows_a_live_job_to_completion_without_a_group(capsys):
     await live.start()
     await live.ensure_topics()
     now = time.time()
-    await live.emit(submitted(spec("live-1"), now))
+    await live.publish(submitted(spec("live-1"), now))
 
     async def finish_later() -> None:
         await asyncio.sleep(0.3)
-        await live.emit(Progress(ts=time.time(), source="test", job_id="live-1", round=0, copy=0, node_id="n1",
+        await live.publish(Progress(ts=time.time(), source="test", job_id="live-1", round=0, copy=0, node_id="n1",
                                  gpu_type="v100", workers=1, steps_round=40, steps_total=40, samples_per_s=1.0,
                                  loss=0.1))
         await asyncio.sleep(0.3)
-        await live.emit(completed("live-1", time.time()))
+        await live.publish(completed("live-1", time.time()))
 
     task = asyncio.create_task(finish_later())
     code = await asyncio.wait_for(watch_job(live, "live-1", wait_s=5, poll_s=0.05, as_json=True), 10)
@@ -283,13 +283,13 @@ async def test_a_follower_reads_records_stamped_a_little_in_the_past():
     await live.start()
     await live.ensure_topics()
     now = clock.time()
-    await live.emit(submitted(spec("skew-1"), now))
+    await live.publish(submitted(spec("skew-1"), now))
     clock.advance(100)
-    await live.emit(submitted(spec("skew-2"), now + 100))
+    await live.publish(submitted(spec("skew-2"), now + 100))
     follower = LogFollower(live, slack_s=30, clock=clock)
     assert {"skew-1", "skew-2"} <= set((await follower.poll()).state.jobs)
     clock.advance(-10)   # the next producer's clock is 10 s behind the newest record seen
-    await live.emit(cancelled("skew-1", clock.time()))
+    await live.publish(cancelled("skew-1", clock.time()))
     view = await follower.poll()
     assert view.state.jobs["skew-1"].state == "cancelled"
 
@@ -301,9 +301,9 @@ async def test_a_record_stamped_in_the_future_does_not_stall_a_follow():
     live = MemoryBus(clock=producer)
     await live.start()
     await live.ensure_topics()
-    await live.emit(submitted(spec("ahead-1"), producer.time()))
+    await live.publish(submitted(spec("ahead-1"), producer.time()))
     follower = LogFollower(live)
     await follower.poll()
     producer.advance(-3600)   # a producer with the right time
-    await live.emit(submitted(spec("ahead-2"), producer.time()))
+    await live.publish(submitted(spec("ahead-2"), producer.time()))
     assert "ahead-2" in (await follower.poll()).state.jobs

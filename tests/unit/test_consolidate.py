@@ -22,7 +22,7 @@ from services.tracker.averaging.consolidate import (
     NoUsableReplica,
     Replica,
     consolidate_local,
-    plan_consolidation,
+    weigh_replicas,
     write_consolidated,
 )
 from services.tracker.averaging.safetensors_format import (
@@ -73,9 +73,9 @@ def _expected_average(inputs: list[tuple[Path, int]], weights: list[float]) -> d
 def test_weighted_average_matches_an_independent_computation(tmp_path: Path, chunk_bytes: int) -> None:
     steps = [100, 300, 600]
     inputs = _write_replicas(tmp_path, steps)
-    plan, stats = consolidate_local(inputs, tmp_path / "out.safetensors", chunk_bytes=chunk_bytes)
-    assert [r.weight for r in plan.accepted] == pytest.approx([0.1, 0.3, 0.6])
-    assert plan.rejected == () and plan.round_steps == 1000
+    weighing, stats = consolidate_local(inputs, tmp_path / "out.safetensors", chunk_bytes=chunk_bytes)
+    assert [r.weight for r in weighing.accepted] == pytest.approx([0.1, 0.3, 0.6])
+    assert weighing.rejected == () and weighing.round_steps == 1000
     out = load_file(str(tmp_path / "out.safetensors"))
     expected = _expected_average(inputs, [0.1, 0.3, 0.6])
     for name in ("conv.weight", "fc.weight", "fc.bias"):
@@ -100,8 +100,8 @@ def test_integer_and_bool_tensors_come_from_the_copy_with_most_steps(tmp_path: P
 
 def test_uniform_mode_ignores_steps(tmp_path: Path) -> None:
     inputs = _write_replicas(tmp_path, [1, 5, 1000])
-    plan, _ = consolidate_local(inputs, tmp_path / "out.safetensors", mode="uniform")
-    assert [r.weight for r in plan.accepted] == pytest.approx([1 / 3] * 3)
+    weighing, _ = consolidate_local(inputs, tmp_path / "out.safetensors", mode="uniform")
+    assert [r.weight for r in weighing.accepted] == pytest.approx([1 / 3] * 3)
     out = load_file(str(tmp_path / "out.safetensors"))
     expected = _expected_average(inputs, [1 / 3] * 3)
     np.testing.assert_allclose(out["fc.weight"], expected["fc.weight"], rtol=2e-6, atol=2e-7)
@@ -109,8 +109,8 @@ def test_uniform_mode_ignores_steps(tmp_path: Path) -> None:
 
 def test_zero_steps_everywhere_falls_back_to_uniform(tmp_path: Path) -> None:
     inputs = _write_replicas(tmp_path, [0, 0])
-    plan, _ = consolidate_local(inputs, tmp_path / "out.safetensors")
-    assert [r.weight for r in plan.accepted] == [0.5, 0.5]
+    weighing, _ = consolidate_local(inputs, tmp_path / "out.safetensors")
+    assert [r.weight for r in weighing.accepted] == [0.5, 0.5]
 
 
 class ReadOnlyReader:
@@ -145,7 +145,7 @@ def test_a_copy_with_zero_weight_is_not_read(tmp_path: Path) -> None:
         replicas = [Replica(copy=0, steps=0, reader=idle),
                     Replica(copy=1, steps=10, reader=FileRangeReader(inputs[1][0]))]
         with open(tmp_path / "out.safetensors", "wb") as out:
-            write_consolidated(plan_consolidation(replicas), out)
+            write_consolidated(weigh_replicas(replicas), out)
     assert idle_reader.data_reads == 0 and idle_mapper.maps == 0
     np.testing.assert_array_equal(load_file(str(tmp_path / "out.safetensors"))["fc.weight"],
                                   load_file(str(inputs[1][0]))["fc.weight"])
@@ -160,7 +160,7 @@ def test_mapped_and_chunk_read_replicas_give_identical_bytes(tmp_path: Path, chu
         readers = [make(path) for path, _ in inputs]
         replicas = [Replica(copy=i, steps=s, reader=r) for i, (r, (_, s)) in enumerate(zip(readers, inputs))]
         with open(tmp_path / f"{name}.safetensors", "wb") as out:
-            write_consolidated(plan_consolidation(replicas), out, chunk_bytes=chunk_bytes,
+            write_consolidated(weigh_replicas(replicas), out, chunk_bytes=chunk_bytes,
                                window_bytes=window_bytes)
         outputs.append((tmp_path / f"{name}.safetensors").read_bytes())
         if name == "mapped":
@@ -242,15 +242,15 @@ def test_mismatched_and_garbage_replicas_are_rejected_with_reasons(tmp_path: Pat
     truncated.write_bytes(good[0].read_bytes()[:-5])
     inputs = [(good[0], 10), (shape, 10), (good[1], 20), (dtype, 10), (names, 99), (garbage, 5),
               (truncated, 5), (good[2], 30)]
-    plan, _ = consolidate_local(inputs, tmp_path / "out.safetensors")
-    reasons = {r.copy: r.reason for r in plan.rejected}
+    weighing, _ = consolidate_local(inputs, tmp_path / "out.safetensors")
+    reasons = {r.copy: r.reason for r in weighing.rejected}
     assert sorted(reasons) == [1, 3, 4, 5, 6]
     assert "'w'" in reasons[1] and "shape [3, 4]" in reasons[1] and "expected [4, 3]" in reasons[1]
     assert "dtype F16" in reasons[3] and "expected F32" in reasons[3]
     assert "missing tensors ['b']" in reasons[4] and "unexpected tensors ['c']" in reasons[4]
     assert reasons[5].startswith("not valid safetensors") and "header length" in reasons[5]
     assert "past the file" in reasons[6]
-    assert [r.copy for r in plan.accepted] == [0, 2, 7]
+    assert [r.copy for r in weighing.accepted] == [0, 2, 7]
     out = load_file(str(tmp_path / "out.safetensors"))
     expected = sum(w * load_file(str(p))["w"].astype(np.float64) for w, p in zip([1 / 6, 2 / 6, 3 / 6], good))
     np.testing.assert_allclose(out["w"], expected, rtol=2e-6, atol=2e-7)
@@ -281,7 +281,7 @@ def test_peak_memory_stays_within_a_few_tensors(tmp_path: Path) -> None:
         tracemalloc.start()
         try:
             with open(tmp_path / "out.safetensors", "wb") as out:
-                write_consolidated(plan_consolidation(replicas), out, chunk_bytes=chunk_bytes)
+                write_consolidated(weigh_replicas(replicas), out, chunk_bytes=chunk_bytes)
             _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()

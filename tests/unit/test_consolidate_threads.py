@@ -19,7 +19,7 @@ from services.tracker.averaging.consolidate import (
     Replica,
     WriteStats,
     consolidate_local,
-    plan_consolidation,
+    weigh_replicas,
     write_consolidated,
 )
 from services.tracker.averaging.safetensors_format import (
@@ -61,10 +61,10 @@ def _replica_bytes(layout: list[tuple[str, str, tuple[int, ...]]], seed: int,
 
 def _average(readers: list, steps: list[int], mode: str, threads: int, chunk_bytes: int,
              window_bytes: int) -> tuple[bytes, WriteStats]:
-    plan = plan_consolidation([Replica(copy=i, steps=s, reader=r) for i, (r, s) in enumerate(zip(readers, steps))],
+    weighing = weigh_replicas([Replica(copy=i, steps=s, reader=r) for i, (r, s) in enumerate(zip(readers, steps))],
                               mode=mode)
     out = io.BytesIO()
-    stats = write_consolidated(plan, out, chunk_bytes=chunk_bytes, window_bytes=window_bytes, threads=threads)
+    stats = write_consolidated(weighing, out, chunk_bytes=chunk_bytes, window_bytes=window_bytes, threads=threads)
     return out.getvalue(), stats
 
 
@@ -106,10 +106,10 @@ def test_threads_give_the_one_thread_bytes(tensors: list[tuple[str, tuple[int, .
     (one, one_stats), (many, many_stats) = results
     assert many == one
     if isinstance(one_stats, WriteStats):
-        assert many_stats.plan.copy_weights() == one_stats.plan.copy_weights()
-        assert many_stats.plan.rejections() == one_stats.plan.rejections()
+        assert many_stats.weighing.copy_weights() == one_stats.weighing.copy_weights()
+        assert many_stats.weighing.rejections() == one_stats.weighing.rejections()
         assert many_stats.bytes_written == one_stats.bytes_written
-        if not one_stats.plan.rejected:
+        if not one_stats.weighing.rejected:
             assert many_stats.bytes_read == one_stats.bytes_read
 
 

@@ -101,8 +101,8 @@ async def test_profiler_re_estimates_by_the_agents_slowdowns_for_a_non_default_r
                               estimator=lambda spec: {measured_on: 1.0})
     await service.start()
     try:
-        await bus.emit(JobSubmitted(ts=T0, source="cli", job=SPEC, submitted_at=T0))
-        await bus.emit(progress)   # first report: samples_per_s / batch_size = 10 steps/s
+        await bus.publish(JobSubmitted(ts=T0, source="cli", job=SPEC, submitted_at=T0))
+        await bus.publish(progress)   # first report: samples_per_s / batch_size = 10 steps/s
         derived = await _derived_estimate(bus)
     finally:
         await service.stop()

@@ -14,7 +14,7 @@ from safetensors.numpy import save_file
 from services.tracker.averaging.consolidate import (
     Rejected,
     Replica,
-    plan_consolidation,
+    weigh_replicas,
     write_consolidated,
 )
 from services.tracker.averaging.safetensors_format import FileRangeReader, read_header
@@ -55,12 +55,12 @@ def test_a_consolidated_file_carries_exactly_the_model_metadata(tmp_path: Path) 
         path = tmp_path / f"{copy}.safetensors"
         save_file({"w": np.full(4, float(copy), np.float32)}, str(path), metadata={"format": "hadar-checkpoint-1"})
         replicas.append(Replica(copy=copy, steps=steps, reader=FileRangeReader(path)))
-    plan = plan_consolidation(replicas, rejected=[Rejected(copy=1, reason="copy failed: oom")], prior_worker_steps=210)
-    meta = plan.model_metadata(job="j1", round_=3, missing=(3, 4))
+    weighing = weigh_replicas(replicas, rejected=[Rejected(copy=1, reason="copy failed: oom")], prior_worker_steps=210)
+    meta = weighing.model_metadata(job="j1", round_=3, missing=(3, 4))
     assert meta == META
     out = tmp_path / "model.safetensors"
     with open(out, "wb") as f:
-        write_consolidated(plan, f, metadata=meta.to_metadata())
+        write_consolidated(weighing, f, metadata=meta.to_metadata())
     header = read_header(FileRangeReader(out))
     assert header.metadata == WRITTEN   # the entries, not their order, are the contract
     assert ModelMetadata.from_metadata(header.metadata) == META

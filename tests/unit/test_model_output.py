@@ -21,12 +21,12 @@ from services.agent.worker.checkpoint import (
     state_tensors,
     with_optimizer_state,
 )
-from services.tracker.averaging.consolidate import Replica, plan_consolidation
+from services.tracker.averaging.consolidate import Replica, weigh_replicas
 from services.tracker.averaging.safetensors_format import FileRangeReader
 from services.tracker.model_files import (
     OPTIM_FORMAT,
     held_out_metric,
-    write_round_outputs,
+    write_model_files,
 )
 from shared.domain.model_meta import ModelMetadata
 from shared.errors import UsageError
@@ -74,11 +74,11 @@ def checkpoint(tmp_path: Path, copy: int, steps: int, *, poison_optim: bool = Fa
 def outputs_of(tmp_path: Path, paths: list[tuple[Path, int]], prior: int = 0):
     readers = [FileRangeReader(p) for p, _ in paths]
     replicas = [Replica(copy=i, steps=s, reader=r, workers=1) for i, (r, (_, s)) in enumerate(zip(readers, paths))]
-    plan = plan_consolidation(replicas, prior_worker_steps=prior, job_workers=SPEC.workers,
+    weighing = weigh_replicas(replicas, prior_worker_steps=prior, job_workers=SPEC.workers,
                               limit_worker_steps=SPEC.workers * SPEC.iterations)
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
-    return write_round_outputs(plan, out, job_id="j1", round_=0, missing=(), spec=SPEC, chunk_bytes=4096)
+    return write_model_files(weighing, out, job_id="j1", round_=0, missing=(), spec=SPEC, chunk_bytes=4096)
 
 
 def test_the_model_file_is_weights_only_and_loads_strictly_into_the_module_its_metadata_names(
@@ -108,11 +108,11 @@ def test_the_optimizer_state_beside_it_resumes_a_copy_exactly_as_the_combined_fi
         optim = {k: f.get_tensor(k) for k in f.keys()}
     # The same average written the old way (one file, weights and optimizer state together):
     readers = [FileRangeReader(p) for p, _ in paths]
-    plan = plan_consolidation([Replica(copy=i, steps=s, reader=r) for i, (r, (_, s)) in
+    weighing = weigh_replicas([Replica(copy=i, steps=s, reader=r) for i, (r, (_, s)) in
                                enumerate(zip(readers, paths))], job_workers=SPEC.workers)
     from services.tracker.averaging.consolidate import write_consolidated
     with open(tmp_path / "combined.safetensors", "wb") as out:
-        write_consolidated(plan, out, chunk_bytes=4096)
+        write_consolidated(weighing, out, chunk_bytes=4096)
     combined = load_file(str(tmp_path / "combined.safetensors"))
     split = with_optimizer_state(load_file(str(result.model_path)), optim)
     assert split.keys() == combined.keys()

@@ -137,9 +137,9 @@ async def test_service_publishes_estimates_then_measurements_and_survives_a_rest
                               estimator=estimator, sizer=lambda spec: (1000, 2))
     await service.start()
     try:
-        await bus.emit(JobSubmitted(ts=T0, source="cli", job=SPEC, submitted_at=T0))
-        await bus.emit(progress(T0 + 1, 0, emulated=True))
-        await bus.emit(progress(T0 + 11, 80, emulated=True))
+        await bus.publish(JobSubmitted(ts=T0, source="cli", job=SPEC, submitted_at=T0))
+        await bus.publish(progress(T0 + 1, 0, emulated=True))
+        await bus.publish(progress(T0 + 11, 80, emulated=True))
         found = await _estimates(bus, lambda es: len(es) >= 3)
         assert [(e.basis, e.workers, e.rates, e.model_bytes) for e in found[:2]] == [
             ("estimate", 2, {"v100": 12.5, "k80": 2.0}, 1000), ("measured", 2, {"v100": pytest.approx(8.0)}, 0)]
@@ -159,7 +159,7 @@ async def test_service_publishes_estimates_then_measurements_and_survives_a_rest
                             estimator=estimator)
     await again.start()
     try:
-        await bus.emit(progress(T0 + 21, 161))  # 8.1 steps/s: within 5% of the published 8.0
+        await bus.publish(progress(T0 + 21, 161))  # 8.1 steps/s: within 5% of the published 8.0
         await asyncio.sleep(0.2)
         assert len([d async for d in bus.read(THROUGHPUT)]) == 3
         assert calls == ["j1"]
@@ -178,7 +178,7 @@ async def test_service_counts_a_job_it_cannot_estimate() -> None:
     service = ProfilerService(bus=bus, config=ProfilerConfig(group="prof"), estimator=estimator)
     await service.start()
     try:
-        await bus.emit(JobSubmitted(ts=T0, source="cli", job=SPEC, submitted_at=T0))
+        await bus.publish(JobSubmitted(ts=T0, source="cli", job=SPEC, submitted_at=T0))
         deadline = time.monotonic() + 5
         while service.registry.get_sample_value("hadar_profiler_estimate_failures_total") != 1:
             assert time.monotonic() < deadline
@@ -199,9 +199,9 @@ async def test_service_publishes_the_checkpoint_size_with_the_estimate() -> None
                               estimator=lambda spec: {"v100": 3.0})
     await service.start()
     try:
-        await bus.emit(JobSubmitted(ts=T0, source="cli", job=adam, submitted_at=T0))
-        await bus.emit(progress(T0 + 1, 0, job="j2", workers=1))
-        await bus.emit(progress(T0 + 11, 40, job="j2", workers=1))
+        await bus.publish(JobSubmitted(ts=T0, source="cli", job=adam, submitted_at=T0))
+        await bus.publish(progress(T0 + 1, 0, job="j2", workers=1))
+        await bus.publish(progress(T0 + 11, 40, job="j2", workers=1))
         # the default sizer counts the zoo model's figures (seconds on a loaded machine)
         found = await _estimates(bus, lambda es: len(es) >= 2, timeout_s=60.0)
         figures = job_figures_for(adam)
@@ -227,7 +227,7 @@ async def test_an_unknown_or_implausible_size_is_published_as_none(size) -> None
                               estimator=lambda spec: {"v100": 3.0}, sizer=sizer)
     await service.start()
     try:
-        await bus.emit(JobSubmitted(ts=T0, source="cli", job=SPEC, submitted_at=T0))
+        await bus.publish(JobSubmitted(ts=T0, source="cli", job=SPEC, submitted_at=T0))
         found = await _estimates(bus, lambda es: len(es) >= 1)
         assert [(e.rates, e.model_bytes) for e in found] == [({"v100": 3.0}, 0)]
     finally:

@@ -68,10 +68,10 @@ async def test_a_handler_error_dead_letters_the_event_and_the_consumer_goes_on()
     await service.start()
     try:
         bad = JobSubmitted(ts=T0, source="cli", job=dataclasses.replace(SPEC, job_id="bad"), submitted_at=T0)
-        await bus.emit(bad)
-        await bus.emit(progress(0.0, 0))
-        await bus.emit(progress(5e-324, 100))
-        await bus.emit(JobSubmitted(ts=T0, source="cli", job=SPEC, submitted_at=T0))
+        await bus.publish(bad)
+        await bus.publish(progress(0.0, 0))
+        await bus.publish(progress(5e-324, 100))
+        await bus.publish(JobSubmitted(ts=T0, source="cli", job=SPEC, submitted_at=T0))
 
         async def estimated() -> bool:
             return any([d.event.job_id == "j1" async for d in bus.read(THROUGHPUT)])

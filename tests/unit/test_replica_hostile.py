@@ -22,7 +22,7 @@ from services.tracker.averaging.consolidate import (
     NoUsableReplica,
     Replica,
     consolidate_local,
-    plan_consolidation,
+    weigh_replicas,
     write_consolidated,
 )
 from services.tracker.averaging.safetensors_format import (
@@ -141,10 +141,10 @@ def test_a_round_with_a_malformed_replica_averages_the_others(name: str) -> None
     replicas = [Replica(copy=0, steps=10, reader=BytesReader(goods[0])),
                 Replica(copy=1, steps=1000, reader=BytesReader(safetensors_bytes(header, data))),
                 Replica(copy=2, steps=30, reader=BytesReader(goods[1]))]
-    plan = plan_consolidation(replicas)
-    assert [r.copy for r in plan.rejected] == [1]
-    assert plan.rejected[0].reason.startswith("not valid safetensors")
-    assert [(r.copy, r.weight) for r in plan.accepted] == [(0, 0.25), (2, 0.75)]
+    weighing = weigh_replicas(replicas)
+    assert [r.copy for r in weighing.rejected] == [1]
+    assert weighing.rejected[0].reason.startswith("not valid safetensors")
+    assert [(r.copy, r.weight) for r in weighing.accepted] == [(0, 0.25), (2, 0.75)]
 
 
 # ---------------------------------------------------------------- non-finite values
@@ -177,11 +177,11 @@ def test_a_non_finite_replica_among_good_ones_is_left_out(tmp_path: Path, tensor
     flat[len(flat) // 2] = bad_value
     bad = _write(tmp_path / "bad.safetensors", tensors)
     # Weight 1/1001 for the bad copy: once enough to turn the whole average into NaN.
-    plan, _ = consolidate_local([(good[0], 600), (bad, 1), (good[1], 400)], tmp_path / "out.safetensors",
+    weighing, _ = consolidate_local([(good[0], 600), (bad, 1), (good[1], 400)], tmp_path / "out.safetensors",
                                 chunk_bytes=chunk_bytes)
-    assert [r.copy for r in plan.accepted] == [0, 2] and [r.copy for r in plan.rejected] == [1]
-    assert "non-finite" in plan.rejected[0].reason and tensor in plan.rejected[0].reason
-    assert [r.weight for r in plan.accepted] == [0.6, 0.4] and plan.round_steps == 1000
+    assert [r.copy for r in weighing.accepted] == [0, 2] and [r.copy for r in weighing.rejected] == [1]
+    assert "non-finite" in weighing.rejected[0].reason and tensor in weighing.rejected[0].reason
+    assert [r.weight for r in weighing.accepted] == [0.6, 0.4] and weighing.round_steps == 1000
     expected_plan, _ = consolidate_local([(good[0], 600), (good[1], 400)], tmp_path / "expected.safetensors",
                                          chunk_bytes=chunk_bytes)
     out, expected = load_file(str(tmp_path / "out.safetensors")), load_file(str(tmp_path / "expected.safetensors"))
@@ -203,9 +203,9 @@ def test_a_non_finite_bf16_replica_read_from_a_store_is_left_out(tmp_path: Path)
     replicas = [Replica(copy=i, steps=s, reader=BytesReader(p.read_bytes()))
                 for i, (p, s) in enumerate(zip(paths, (1, 1, 2)))]
     buffer = io.BytesIO()
-    stats = write_consolidated(plan_consolidation(replicas), buffer, chunk_bytes=256)
-    assert [r.copy for r in stats.plan.rejected] == [1]
-    assert [r.weight for r in stats.plan.accepted] == pytest.approx([1 / 3, 2 / 3])
+    stats = write_consolidated(weigh_replicas(replicas), buffer, chunk_bytes=256)
+    assert [r.copy for r in stats.weighing.rejected] == [1]
+    assert [r.weight for r in stats.weighing.accepted] == pytest.approx([1 / 3, 2 / 3])
     consolidate_local([(paths[0], 1), (paths[2], 2)], tmp_path / "expected.safetensors", chunk_bytes=256)
     out = read_header(BytesReader(buffer.getvalue()))
     expected_bytes = (tmp_path / "expected.safetensors").read_bytes()
@@ -234,8 +234,8 @@ def test_a_non_finite_copy_of_weight_zero_is_never_read_and_never_matters(tmp_pa
     tensors["a.weight"][:] = np.nan
     idle = _write(tmp_path / "idle.safetensors", tensors)
     good = _write(tmp_path / "good.safetensors", _model(rng, 2))
-    plan, _ = consolidate_local([(idle, 0), (good, 7)], tmp_path / "out.safetensors")
-    assert [r.copy for r in plan.accepted] == [0, 1] and plan.rejected == ()
+    weighing, _ = consolidate_local([(idle, 0), (good, 7)], tmp_path / "out.safetensors")
+    assert [r.copy for r in weighing.accepted] == [0, 1] and weighing.rejected == ()
     np.testing.assert_array_equal(load_file(str(tmp_path / "out.safetensors"))["a.weight"],
                                   load_file(str(good))["a.weight"])
 

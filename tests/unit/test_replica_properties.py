@@ -21,7 +21,7 @@ from replica_bytes import BytesReader, safetensors_bytes
 from services.tracker.averaging.consolidate import (
     NoUsableReplica,
     Replica,
-    plan_consolidation,
+    weigh_replicas,
     write_consolidated,
 )
 from services.tracker.averaging.safetensors_format import (
@@ -159,8 +159,8 @@ def tensors_of(data: bytes) -> dict[str, np.ndarray]:
 
 def consolidate_bytes(replicas: list[Replica], chunk_bytes: int):  # noqa: ANN201
     buffer = io.BytesIO()
-    stats = write_consolidated(plan_consolidation(replicas), buffer, chunk_bytes=chunk_bytes)
-    return stats.plan, buffer.getvalue()
+    stats = write_consolidated(weigh_replicas(replicas), buffer, chunk_bytes=chunk_bytes)
+    return stats.weighing, buffer.getvalue()
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -171,18 +171,18 @@ def test_a_round_with_one_corrupted_replica_is_the_exact_average_of_the_valid_on
     valid = [valid_replica(seed) for seed in (1, 2, 3)]
     files = valid[:position] + [corrupted] + valid[position:]
     replicas = [Replica(copy=i, steps=s, reader=BytesReader(f)) for i, (f, s) in enumerate(zip(files, steps))]
-    plan, out = consolidate_bytes(replicas, chunk_bytes)
+    weighing, out = consolidate_bytes(replicas, chunk_bytes)
     good = [r for r in replicas if r.copy != position]
     expected_plan, expected = consolidate_bytes(good, chunk_bytes)
-    if [r.copy for r in plan.rejected] == [position]:
+    if [r.copy for r in weighing.rejected] == [position]:
         # Left out: byte-identical tensor data to a round that never had it.
-        assert [(r.copy, r.weight) for r in plan.accepted] == [(r.copy, r.weight) for r in expected_plan.accepted]
+        assert [(r.copy, r.weight) for r in weighing.accepted] == [(r.copy, r.weight) for r in expected_plan.accepted]
         got, want = read_header(BytesReader(out)), read_header(BytesReader(expected))
         assert out[got.data_start:] == expected[want.data_start:]
     else:
         # Kept: the mutation left a valid replica of the same layout (e.g. a different but
         # consistent order, or harmless whitespace); it is averaged like the others.
-        assert plan.rejected == () and len(plan.accepted) == 4
+        assert weighing.rejected == () and len(weighing.accepted) == 4
         header = read_header(BytesReader(corrupted))
         check_well_formed(header, len(corrupted))
         inputs = [tensors_of(f) for f in files]
@@ -198,7 +198,7 @@ def test_nothing_valid_at_all_is_no_usable_replica() -> None:
     replicas = [Replica(copy=0, steps=1, reader=BytesReader(b"\x00" * 7)),
                 Replica(copy=1, steps=1, reader=BytesReader(safetensors_bytes(b"{", b"")))]
     try:
-        plan_consolidation(replicas)
+        weigh_replicas(replicas)
     except NoUsableReplica as exc:
         assert [r.copy for r in exc.rejected] == [0, 1]
     else:  # pragma: no cover - the assertion below reports it

@@ -24,7 +24,7 @@ from tracker_events import (
     submitted,
 )
 
-from services.tracker.state import RoundWork, TrackerState
+from services.tracker.state import DueRound, TrackerState
 from shared.domain.layout import checkpoint_key, final_key, model_key
 from shared.wire.events import (
     Assignment,
@@ -462,7 +462,7 @@ class HostileTracker(RuleBasedStateMachine):
 
 
 def nodes_of(assigned: dict[tuple[str, int, int], dict[str, tuple[tuple[int, ...], int]]],
-             work: RoundWork, copy: int) -> dict[str, tuple[tuple[int, ...], int]]:
+             work: DueRound, copy: int) -> dict[str, tuple[tuple[int, ...], int]]:
     return assigned[(work.job_id, work.round, copy)]
 
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from replica_bytes import BytesReader, entry, safetensors_bytes
 from tracker_events import T0, assignment, finished, spec, started, submitted
 
-from services.tracker.averaging.consolidate import Replica, plan_consolidation
+from services.tracker.averaging.consolidate import Replica, weigh_replicas
 from services.tracker.state import TrackerState
 from shared.domain.layout import model_key
 from shared.domain.progress import credited_steps
@@ -32,7 +32,7 @@ def replica_bytes(seed: int) -> bytes:
 
 
 def _round(state: TrackerState, round_: int, job, copies: list[tuple[int, int, int]]) -> ModelConsolidated:
-    """Place copies ``(k, budget, steps)`` of ``job`` in ``round_``, finish them, plan the round
+    """Place copies ``(k, budget, steps)`` of ``job`` in ``round_``, finish them, weighing the round
     from the state's work, fold the announcement; return it."""
     state.apply(started(round_, len(copies)))
     for i, (k, budget, steps) in enumerate(copies):
@@ -41,11 +41,11 @@ def _round(state: TrackerState, round_: int, job, copies: list[tuple[int, int, i
     (work,) = state.due_rounds(T0 + round_ * 360 + 351, timeout_s=3600)
     replicas = [Replica(copy=f.copy, steps=f.steps, max_steps=f.budget, workers=f.workers,
                         reader=BytesReader(replica_bytes(f.copy))) for f in work.usable]
-    plan = plan_consolidation(replicas, prior_worker_steps=work.prior_worker_steps, job_workers=work.job_workers)
+    weighing = weigh_replicas(replicas, prior_worker_steps=work.prior_worker_steps, job_workers=work.job_workers)
     event = ModelConsolidated(ts=T0 + 400 + round_ * 360, source="tracker", job_id=job.job_id, round=round_,
-                              key=model_key(job.job_id, round_), total_steps=plan.total_steps,
+                              key=model_key(job.job_id, round_), total_steps=weighing.total_steps,
                               copies=tuple(CopyWeight(copy=r.copy, steps=r.steps, weight=r.weight)
-                                           for r in plan.accepted))
+                                           for r in weighing.accepted))
     assert state.apply(event)
     assert state.drain_refusals() == []
     return event

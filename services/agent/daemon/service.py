@@ -206,7 +206,7 @@ class AgentDaemon:
     # ------------------------------------------------------------ loops
 
     async def _publish(self, event: Event) -> None:
-        await self.bus.emit(event)
+        await self.bus.publish(event)
         self.metrics.event(event.TYPE)
 
     async def _beat(self) -> None:

@@ -38,7 +38,7 @@ async def publish_by(bus: Bus, event: Event, *, give_up: Callable[[], bool],
             placed(*ack.result())
 
     async def send(ev: Event) -> asyncio.Future[tuple[int, int]]:
-        ack = asyncio.ensure_future(await bus.send(topic_for(ev), key_for(ev), ev))
+        ack = asyncio.ensure_future(await bus.publish_pipelined(ev, topic=topic_for(ev), key=key_for(ev)))
         ack.add_done_callback(note)
         return ack
 

@@ -51,7 +51,7 @@ class ScriptedCluster:
     _finished: set[str] = field(default_factory=set)
 
     async def _emit(self, event) -> None:
-        await self.bus.emit(event)
+        await self.bus.publish(event)
         self.published += 1
 
     async def before_round(self, r: int, ran: list[Assignment]) -> None:

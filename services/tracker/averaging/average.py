@@ -1,11 +1,11 @@
 """The streaming weighted average behind :func:`services.tracker.averaging.consolidate.write_consolidated`.
 
 Pure apart from reads of the replicas and writes to ``out``. Guarantees (the caller's
-plan decides which replicas, with which weights, into which layout):
+weighing decides which replicas, with which weights, into which layout):
 
 * Floating tensors are averaged element-wise in chunks of at most ``chunk_bytes`` of
   accumulator, one replica at a time (float32, float64 for F64), and rounded back to the
-  stored dtype; integer and bool tensors are copied from the plan's integer source.
+  stored dtype; integer and bool tensors are copied from the weighing's integer source.
   Extra memory is a few chunks, never more than about 3x the largest tensor.
 * Non-finite values: each chunk's accumulator is checked once, after every replica has
   been added (NaN and inf survive any sum with positive weights, so a bad input always
@@ -39,8 +39,8 @@ from services.tracker.averaging.safetensors_format import (
 )
 from shared.errors import HadarError
 
-if TYPE_CHECKING:  # the plan types are only annotations here
-    from services.tracker.averaging.weighing import AcceptedReplica, ConsolidationPlan
+if TYPE_CHECKING:  # the weighing types are only annotations here
+    from services.tracker.averaging.weighing import AcceptedReplica, Weighing
 
 __all__ = ["NonFinite", "ReadTally", "single_threaded_blas", "write_average"]
 
@@ -84,20 +84,20 @@ def single_threaded_blas() -> AbstractContextManager[object]:
     return threadpool_limits(limits=1, user_api="blas")
 
 
-def write_average(plan: ConsolidationPlan, out: BinaryIO, metadata: Mapping[str, str] | None,
+def write_average(weighing: Weighing, out: BinaryIO, metadata: Mapping[str, str] | None,
                   chunk_bytes: int, window_bytes: int, tally: ReadTally, threads: int = 1) -> int:
-    """Write the header, then every tensor of ``plan.layout``; the bytes written. ``threads``
+    """Write the header, then every tensor of ``weighing.layout``; the bytes written. ``threads``
     > 1 averages each window's chunks on that many threads (see :class:`_Parallel`)."""
-    meta = {**plan.format_metadata, **plan.metadata(), **(metadata or {})}
+    meta = {**weighing.format_metadata, **weighing.metadata(), **(metadata or {})}
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise TypeError("safetensors metadata must map str to str")
-    header, _ = encode_header([(t.name, t.dtype, t.shape) for t in plan.layout], meta)
+    header, _ = encode_header([(t.name, t.dtype, t.shape) for t in weighing.layout], meta)
     out.write(header)
-    readers = [r for r in plan.accepted if r.weight > 0.0]
+    readers = [r for r in weighing.accepted if r.weight > 0.0]
     bytes_written = len(header)
     with _Parallel(threads) if threads > 1 else nullcontext() as parallel:
         bufs = _Buffers()
-        for tensor in plan.layout:
+        for tensor in weighing.layout:
             if tensor.dtype in FLOAT_DTYPES and parallel is not None:
                 bytes_written += parallel.average_tensor(tensor, readers, out, chunk_bytes, window_bytes, tally)
             elif tensor.dtype in FLOAT_DTYPES:
@@ -105,7 +105,7 @@ def write_average(plan: ConsolidationPlan, out: BinaryIO, metadata: Mapping[str,
             else:
                 if parallel is not None:
                     parallel.flush(out)
-                bytes_written += _copy_tensor(tensor, plan.integer_source, out, bufs, chunk_bytes, tally)
+                bytes_written += _copy_tensor(tensor, weighing.integer_source, out, bufs, chunk_bytes, tally)
         if parallel is not None:
             parallel.flush(out)
     return bytes_written

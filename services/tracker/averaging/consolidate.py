@@ -1,6 +1,6 @@
 """Streaming weight averaging of a job's copies (HadarE consolidation), pure apart from reads.
 
-:func:`write_consolidated` writes the average a :class:`ConsolidationPlan` describes
+:func:`write_consolidated` writes the average a :class:`Weighing` describes
 (:mod:`services.tracker.averaging.weighing`: which replicas, their weights, the layout; its names are
 re-exported here). The arithmetic is in :mod:`services.tracker.averaging.average`. Guarantees:
 
@@ -58,18 +58,18 @@ from services.tracker.averaging.weighing import (
     MAX_REPLICA_STEPS,
     MAX_TOTAL_STEPS,
     AcceptedReplica,
-    ConsolidationPlan,
     Mode,
     NoUsableReplica,
     Rejected,
     Replica,
-    plan_consolidation,
+    Weighing,
     short_reason,
+    weigh_replicas,
 )
 
 __all__ = [
-    "Mode", "Replica", "AcceptedReplica", "Rejected", "ConsolidationPlan", "WriteStats",
-    "NoUsableReplica", "plan_consolidation", "write_consolidated", "consolidate_local",
+    "Mode", "Replica", "AcceptedReplica", "Rejected", "Weighing", "WriteStats",
+    "NoUsableReplica", "weigh_replicas", "write_consolidated", "consolidate_local",
     "DEFAULT_CHUNK_BYTES", "DEFAULT_WINDOW_BYTES", "MAX_REPLICA_STEPS", "MAX_TOTAL_STEPS",
 ]
 
@@ -79,28 +79,28 @@ DEFAULT_WINDOW_BYTES = 16 << 20   # mapped at once per replica (local files): fe
 
 @dataclass(frozen=True, kw_only=True)
 class WriteStats:
-    """``plan``: the plan actually written -- the one given, less any replica found to hold
+    """``weighing``: the weighing actually written -- the one given, less any replica found to hold
     non-finite values. ``bytes_read`` counts every read, including passes that were redone."""
 
     bytes_read: int
     bytes_written: int
     tensors: int
-    plan: ConsolidationPlan
+    weighing: Weighing
 
 
 
-def write_consolidated(plan: ConsolidationPlan, out: BinaryIO, *,
+def write_consolidated(weighing: Weighing, out: BinaryIO, *,
                        metadata: Mapping[str, str] | None = None,
                        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                        window_bytes: int = DEFAULT_WINDOW_BYTES, threads: int = 1) -> WriteStats:
-    """Stream the average described by ``plan`` into ``out`` (header first, then tensors).
+    """Stream the average described by ``weighing`` into ``out`` (header first, then tensors).
 
-    ``metadata`` (str -> str) is added to the plan's own (mode, steps, copies, weights,
+    ``metadata`` (str -> str) is added to the weighing's own (mode, steps, copies, weights,
     rejected). ``chunk_bytes`` bounds the accumulator (and each read of a reader that
     cannot map); ``window_bytes`` bounds what is mapped at once per replica for readers
     that can. ``out`` must be seekable: a replica found holding non-finite values is
     rejected, ``out`` truncated back to where it started and rewritten without it; the
-    returned ``WriteStats.plan`` is the plan actually written. Raises
+    returned ``WriteStats.weighing`` is the weighing actually written. Raises
     :class:`NoUsableReplica` if that leaves nothing to average, ``OSError`` if a replica
     cannot be read to the end; ``out`` is then incomplete. ``threads`` > 1 averages on
     that many threads, with the same bytes as a result (readers are then read from
@@ -115,12 +115,12 @@ def write_consolidated(plan: ConsolidationPlan, out: BinaryIO, *,
     with single_threaded_blas():
         while True:
             try:
-                written = write_average(plan, out, metadata, chunk_bytes, window_bytes, tally, threads)
-                return WriteStats(bytes_read=tally.read, bytes_written=written, tensors=len(plan.layout),
-                                  plan=plan)
+                written = write_average(weighing, out, metadata, chunk_bytes, window_bytes, tally, threads)
+                return WriteStats(bytes_read=tally.read, bytes_written=written, tensors=len(weighing.layout),
+                                  weighing=weighing)
             except NonFinite as bad:
                 reason = short_reason(f"non-finite values (NaN or inf) in tensor {bad.tensor!r}")
-                plan = plan.without([Rejected(copy=copy, reason=reason) for copy in bad.copies])
+                weighing = weighing.without([Rejected(copy=copy, reason=reason) for copy in bad.copies])
                 out.seek(start)
                 out.truncate()
 
@@ -128,10 +128,10 @@ def write_consolidated(plan: ConsolidationPlan, out: BinaryIO, *,
 def consolidate_local(inputs: Sequence[tuple[str | os.PathLike[str], int]], out_path: str | os.PathLike[str],
                       *, mode: Mode = "steps", metadata: Mapping[str, str] | None = None,
                       chunk_bytes: int = DEFAULT_CHUNK_BYTES, threads: int = 1
-                      ) -> tuple[ConsolidationPlan, WriteStats]:
+                      ) -> tuple[Weighing, WriteStats]:
     """Average local files ``(path, steps)`` into ``out_path``, atomically (temp + rename).
 
-    Copy ids are the inputs' positions. Returns the plan actually written (see
+    Copy ids are the inputs' positions. Returns the weighing actually written (see
     :func:`write_consolidated`). Raises :class:`NoUsableReplica` if none is usable; no
     file is left behind then.
     """
@@ -140,19 +140,19 @@ def consolidate_local(inputs: Sequence[tuple[str | os.PathLike[str], int]], out_
     try:
         replicas = [Replica(copy=i, steps=steps, reader=reader)
                     for i, (reader, (_, steps)) in enumerate(zip(readers, inputs))]
-        plan = plan_consolidation(replicas, mode=mode)
+        weighing = weigh_replicas(replicas, mode=mode)
         fd, tmp_name = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp",
                                         dir=out_path.parent or Path("."))
         try:
             with os.fdopen(fd, "wb") as out:
-                stats = write_consolidated(plan, out, metadata=metadata, chunk_bytes=chunk_bytes, threads=threads)
+                stats = write_consolidated(weighing, out, metadata=metadata, chunk_bytes=chunk_bytes, threads=threads)
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(tmp_name, out_path)
         except BaseException:
             Path(tmp_name).unlink(missing_ok=True)
             raise
-        return stats.plan, stats
+        return stats.weighing, stats
     finally:
         for reader in readers:
             reader.close()

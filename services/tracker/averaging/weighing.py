@@ -1,4 +1,4 @@
-"""Planning the consolidation of a job's copies (HadarE): which replicas, weighed how, into which layout.
+"""Weighing a round's replicas before they are averaged (HadarE): which replicas, weighed how, into which layout.
 
 Pure apart from reading each replica's header (no tensor data is read here; the
 streaming average is :mod:`services.tracker.averaging.consolidate`). Given replicas (one
@@ -58,8 +58,8 @@ from shared.errors import HadarError
 from shared.wire.records import CopyWeight, Rejection
 
 __all__ = [
-    "Mode", "Replica", "AcceptedReplica", "Rejected", "ConsolidationPlan", "NoUsableReplica",
-    "plan_consolidation", "short_reason", "MAX_REPLICA_STEPS", "MAX_TOTAL_STEPS",
+    "Mode", "Replica", "AcceptedReplica", "Rejected", "Weighing", "NoUsableReplica",
+    "weigh_replicas", "short_reason", "MAX_REPLICA_STEPS", "MAX_TOTAL_STEPS",
 ]
 
 MAX_REPLICA_STEPS = 2**53
@@ -103,7 +103,7 @@ class Rejected:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ConsolidationPlan:
+class Weighing:
     """What will be averaged, with which weights, into which layout (reference file order)."""
 
     mode: Mode
@@ -151,8 +151,8 @@ class ConsolidationPlan:
     def rejections(self) -> tuple[Rejection, ...]:
         return tuple(Rejection(copy=r.copy, reason=r.reason) for r in self.rejected)
 
-    def without(self, rejected: Sequence[Rejected]) -> "ConsolidationPlan":
-        """This plan less the copies in ``rejected``, re-weighted as if they had never been.
+    def without(self, rejected: Sequence[Rejected]) -> "Weighing":
+        """This weighing less the copies in ``rejected``, re-weighted as if they had never been.
 
         The layout stays the one chosen when planning. Raises :class:`NoUsableReplica`
         if no accepted copy is left.
@@ -167,15 +167,15 @@ class ConsolidationPlan:
                        rejected=all_rejected)
 
     def metadata(self) -> dict[str, str]:
-        """The ``__metadata__`` entries every output of this plan carries (str -> str): those of
+        """The ``__metadata__`` entries every output of this weighing carries (str -> str): those of
         :func:`shared.domain.model_meta.consolidation_entries` and ``total_steps``. They describe the
-        plan actually written, so a replica rejected while writing is not in them."""
+        weighing actually written, so a replica rejected while writing is not in them."""
         return {**consolidation_entries(mode=self.mode, copies=self.copy_weights(), rejected=self.rejections()),
                 "total_steps": str(self.total_steps)}
 
     def model_metadata(self, *, job: str, round_: int, missing: Sequence[int] = (),
                        description: ModelDescription | None = None) -> ModelMetadata:
-        """What this plan's output says about itself as round ``round_`` of ``job``;
+        """What this weighing's output says about itself as round ``round_`` of ``job``;
         ``missing``: copies that never reported; ``description``: what the model is."""
         return ModelMetadata(job=job, round=round_, total_steps=self.total_steps, mode=self.mode,
                              copies=self.copy_weights(), rejected=self.rejections(), missing=tuple(missing),
@@ -192,12 +192,12 @@ class NoUsableReplica(HadarError):
         self.rejected = tuple(rejected)
 
 
-def plan_consolidation(replicas: Sequence[Replica], *, mode: Mode = "steps",
+def weigh_replicas(replicas: Sequence[Replica], *, mode: Mode = "steps",
                        rejected: Sequence[Rejected] = (), prior_worker_steps: int = 0,
-                       job_workers: int = 1, limit_worker_steps: int | None = None) -> ConsolidationPlan:
+                       job_workers: int = 1, limit_worker_steps: int | None = None) -> Weighing:
     """Parse every replica's header, reject the odd ones out, bound the steps, fix the weights.
 
-    ``rejected`` lists copies the caller already excluded (kept in the plan's record);
+    ``rejected`` lists copies the caller already excluded (kept in the weighing's record);
     ``prior_worker_steps`` the job's worker-steps before this round; ``job_workers`` its W;
     ``limit_worker_steps`` the most worker-steps the job may be credited (W x iterations).
     See the module guarantees. Raises :class:`NoUsableReplica` when nothing is left to average.
@@ -246,7 +246,7 @@ def plan_consolidation(replicas: Sequence[Replica], *, mode: Mode = "steps",
                         tensors={t.name: t for t in h.tensors})
         for (r, h), w in zip(kept, weights))
     fmt = {k: v for k, v in reference.metadata.items() if k == "format"}
-    return ConsolidationPlan(mode=mode, accepted=accepted, layout=reference.tensors,
+    return Weighing(mode=mode, accepted=accepted, layout=reference.tensors,
                              rejected=tuple(sorted(out_rejected, key=lambda r: r.copy)),
                              format_metadata=fmt, prior_worker_steps=prior_worker_steps,
                              job_workers=job_workers, limit_worker_steps=limit_worker_steps)
