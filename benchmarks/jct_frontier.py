@@ -49,7 +49,7 @@ from scipy.sparse import coo_matrix
 from services.scheduler.policies import make_policy
 from services.scheduler.sim.bounds import ttd_bounds
 from services.scheduler.sim.cluster_spec import parse_cluster
-from services.scheduler.sim.results import compute_metrics
+from services.scheduler.sim.results import compute_results
 from services.scheduler.sim.simulator import SimOptions, build_throughput, simulate
 from services.scheduler.sim.traces import load_trace
 
@@ -102,7 +102,7 @@ def run_trace(cluster_name: str, jobs_n: int, seed: int, factors: list[float], r
     cluster = parse_cluster(cluster_name)
     jobs = load_trace(f"gen:jobs={jobs_n},rate=0,seed={seed},multi_gpu=false", throughput=throughput)
     bound = ttd_bounds(jobs, cluster, throughput).ttd_nofork_s
-    gavel = compute_metrics(simulate(policy=make_policy("gavel"), cluster=cluster, jobs=jobs, throughput=throughput,
+    gavel = compute_results(simulate(policy=make_policy("gavel"), cluster=cluster, jobs=jobs, throughput=throughput,
                                      options=SimOptions(round_s=round_s)), throughput)
     p = processing_rounds(jobs, [g for node in cluster.nodes for g in node.gpus], throughput, round_s)
     out = []

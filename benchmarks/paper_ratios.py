@@ -27,7 +27,7 @@ import time
 from services.scheduler.policies import make_policy
 from services.scheduler.sim.bounds import bound_for, ttd_bounds
 from services.scheduler.sim.cluster_spec import parse_cluster
-from services.scheduler.sim.results import compute_metrics
+from services.scheduler.sim.results import compute_results
 from services.scheduler.sim.simulator import SimOptions, build_throughput, simulate
 from services.scheduler.sim.traces import load_trace
 
@@ -58,7 +58,7 @@ def run_cluster(cluster_name: str, traces: list[str], round_s: float) -> dict:
         for name in POLICIES:
             result = simulate(policy=make_policy(name), cluster=cluster, jobs=jobs, throughput=throughput,
                               options=SimOptions(round_s=round_s))
-            metrics[name] = compute_metrics(result, throughput)
+            metrics[name] = compute_results(result, throughput)
             completed[name] += metrics[name].jobs_completed
             bound[name] = bound_for(name, bounds, gangs_only=result.gangs_only)[1]
         g = metrics["gavel"]

@@ -72,7 +72,7 @@ def run_task(task: Task) -> list[dict]:
     from services.scheduler.policies import make_policy
     from services.scheduler.sim.bounds import bound_for, ttd_bounds
     from services.scheduler.sim.cluster_spec import parse_cluster
-    from services.scheduler.sim.results import compute_metrics
+    from services.scheduler.sim.results import compute_results
     from services.scheduler.sim.simulator import SimOptions, build_throughput, simulate
     from services.scheduler.sim.traces import load_trace
 
@@ -86,7 +86,7 @@ def run_task(task: Task) -> list[dict]:
         opts = {key: value for policy, key, value in task.options if policy == name}
         result = simulate(policy=make_policy(name, **opts), cluster=cluster, jobs=jobs, throughput=throughput,
                           options=SimOptions(round_s=task.round_s))
-        m = compute_metrics(result, throughput)
+        m = compute_results(result, throughput)
         kind, bound = bound_for(name, bounds, gangs_only=result.gangs_only)
         rows.append({"cluster": task.cluster, "mix": task.mix, "arrivals": task.arrivals, "jobs": task.jobs,
                      "seed": task.seed, "policy": name, "ttd_s": m.ttd_s, "jct_mean_s": m.jct_mean_s,

@@ -189,7 +189,7 @@ def _simulate_same_jobs(specs, rates: dict[tuple[str, str, int], float], round_s
     from services.scheduler.core.throughput import ThroughputModel
     from services.scheduler.policies import make_policy
     from services.scheduler.sim.cluster_spec import lab_5
-    from services.scheduler.sim.results import compute_metrics
+    from services.scheduler.sim.results import compute_results
     from services.scheduler.sim.simulator import SimOptions, simulate
     from services.scheduler.sim.traces import TraceJob
     from shared.zoo import model_figures
@@ -203,7 +203,7 @@ def _simulate_same_jobs(specs, rates: dict[tuple[str, str, int], float], round_s
     for name in COMPARED:
         result = simulate(policy=make_policy(name), cluster=cluster, jobs=trace, throughput=throughput,
                           options=SimOptions(round_s=round_s), model_bytes=sizes.__getitem__)
-        m = compute_metrics(result, throughput)
+        m = compute_results(result, throughput)
         results[name] = {"ttd_s": m.ttd_s, "cru": m.cru, "jct_mean_s": m.jct_mean_s,
                          "jobs_completed": m.jobs_completed, "jobs_total": m.jobs_total}
     return results

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from services.scheduler.sim import report
     from services.scheduler.sim.bounds import ttd_bounds
     from services.scheduler.sim.cluster_spec import ClusterSpecError, parse_cluster
-    from services.scheduler.sim.results import compute_metrics
+    from services.scheduler.sim.results import compute_results
     from services.scheduler.sim.simulator import SimOptions, build_throughput, simulate
     from services.scheduler.sim.traces import TraceError, load_trace
 
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     for name, policy in zip(names, policies):
         started = time.perf_counter()
         result = simulate(policy=policy, cluster=cluster, jobs=jobs, throughput=throughput, options=options)
-        metrics[name] = compute_metrics(result, throughput)
+        metrics[name] = compute_results(result, throughput)
         results.append(result)
         print(f"{name}: {len(result.rounds)} rounds, {metrics[name].jobs_completed}/{len(jobs)} jobs completed, "
               f"stopped: {result.stop_reason}, {time.perf_counter() - started:.1f} s", file=sys.stderr)

@@ -17,7 +17,7 @@ from services.scheduler.sim.report import (
     format_text_table,
     render_markdown,
 )
-from services.scheduler.sim.results import PolicyMetrics, UnfinishedJob
+from services.scheduler.sim.results import PolicyResults, UnfinishedJob
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "traces" / "small.csv"
 METRIC_KEYS = {"ttd_s", "cru", "gru", "jct_mean_s", "jct_median_s", "jct_p95_s", "queue_delay_mean_s", "ftf_mean",
@@ -107,8 +107,8 @@ def test_bad_trace_line_names_line_and_field(tmp_path, capsys) -> None:
     assert "line 3: field scale_factor" in err and "\n" not in err
 
 
-def policy_metrics(ttd: float | None, cru: float, jct: float, unfinished: tuple[str, ...] = ()) -> PolicyMetrics:
-    return PolicyMetrics(
+def policy_metrics(ttd: float | None, cru: float, jct: float, unfinished: tuple[str, ...] = ()) -> PolicyResults:
+    return PolicyResults(
         ttd_s=ttd, cru=cru, gru={"v100": cru}, jct_mean_s=jct, jct_median_s=jct, jct_p95_s=jct,
         queue_delay_mean_s=0.0, ftf_mean=1.0, decision_ms_p50=1.0, decision_ms_max=2.0, jobs_total=3,
         jobs_completed=3 - len(unfinished), stop_reason="stalled" if unfinished else "completed",

@@ -30,7 +30,7 @@ from services.scheduler.core.policy import (
 from services.scheduler.core.throughput import ThroughputModel
 from services.scheduler.policies import make_policy
 from services.scheduler.sim.cluster_spec import parse_cluster
-from services.scheduler.sim.results import compute_metrics
+from services.scheduler.sim.results import compute_results
 from services.scheduler.sim.simulator import (
     RoundObservation,
     SimOptions,
@@ -115,7 +115,7 @@ def test_issue_11_example_counts_samples_for_gangs_and_copies_alike() -> None:
     for name in ("hadar", "hadare"):
         result = simulate(policy=make_policy(name), cluster=cluster, jobs=[job], throughput=tp,
                           options=SimOptions(check=True))
-        ttd[name] = compute_metrics(result, tp).ttd_s
+        ttd[name] = compute_results(result, tp).ttd_s
     # Hadar: one 4-worker copy that must mix types across nodes; it steps at the K80's pace
     # times the worse cross-node factor of the two types.
     factor = min(min(1.0, gavel_entry(RESNET18, f"{t}_unconsolidated", 4) / gavel_entry(RESNET18, t, 4))

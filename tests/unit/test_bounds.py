@@ -23,7 +23,7 @@ from services.scheduler.sim.bounds import (
     ttd_bounds,
 )
 from services.scheduler.sim.cluster_spec import parse_cluster
-from services.scheduler.sim.results import compute_metrics
+from services.scheduler.sim.results import compute_results
 from services.scheduler.sim.simulator import SimOptions, simulate
 from services.scheduler.sim.traces import TraceJob
 
@@ -159,7 +159,7 @@ def test_no_policy_beats_its_bound(case: tuple[Cluster, list[TraceJob], float]) 
     for name in registered():
         result = simulate(policy=make_policy(name), cluster=cluster, jobs=jobs, throughput=TABLE,
                           options=SimOptions(restart_s=restart_s, check=True, stall_rounds=3))
-        metrics = compute_metrics(result, TABLE)
+        metrics = compute_results(result, TABLE)
         if metrics.jobs_completed < metrics.jobs_total:
             continue
         ttd = metrics.ttd_s

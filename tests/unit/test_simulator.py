@@ -23,7 +23,7 @@ from services.scheduler.core.policy import (
 from services.scheduler.core.throughput import ThroughputModel
 from services.scheduler.policies import _REGISTRY, make_policy
 from services.scheduler.sim.cluster_spec import parse_cluster
-from services.scheduler.sim.results import compute_metrics, utilization_series
+from services.scheduler.sim.results import compute_results, utilization_series
 from services.scheduler.sim.simulator import (
     RoundObservation,
     SimOptions,
@@ -160,7 +160,7 @@ def test_invariants_hold_every_round_and_every_job_completes(policy_name: str) -
     for rnd in result.rounds:
         assert sum(rnd.busy_gpu_s.values()) <= cluster.total_gpus * round_s + 1e-6
         assert sum(rnd.placed_gpus.values()) <= cluster.total_gpus
-    metrics = compute_metrics(result, TABLE)
+    metrics = compute_results(result, TABLE)
     assert metrics.jobs_completed == metrics.jobs_total == len(jobs)
     assert 0 < metrics.cru <= 1
 
@@ -178,7 +178,7 @@ def test_two_job_example_metrics_are_exact() -> None:
     assert (records["b"].first_start_s, records["b"].completion_s) == (200.0, 250.0)
     assert [r.start_s for r in result.rounds] == [0.0, 100.0, 200.0] and result.gangs_only
     assert [r.busy_gpu_s["v100"] for r in result.rounds] == [100.0, 50.0, 50.0]
-    m = compute_metrics(result, model)
+    m = compute_results(result, model)
     assert m.ttd_s == 250.0
     assert m.cru == pytest.approx(200 / 250) and m.gru == {"v100": pytest.approx(0.8)}
     assert (m.jct_mean_s, m.jct_median_s) == (175.0, 175.0)
@@ -205,7 +205,7 @@ def test_forked_copies_pay_restart_once_and_consolidation_every_round() -> None:
     assert rec.completion_s == pytest.approx(260.0)
     assert [r.busy_gpu_s["v100"] for r in result.rounds] == pytest.approx([200.0, 200.0, 120.0])
     assert rec.gpu_s == pytest.approx(520.0)
-    m = compute_metrics(result, model)
+    m = compute_results(result, model)
     assert m.ttd_s == pytest.approx(260.0) and m.cru == pytest.approx(1.0)
     assert m.ftf_mean == pytest.approx(260.0 / 200.0)   # isolated: 200 steps at rate 1
 
@@ -247,7 +247,7 @@ def test_rounds_align_to_round_multiples_and_skip_idle_gaps() -> None:
                       jobs=[job("a", 500, "A", 100), job("b", 5000, "A", 100)], options=SimOptions(round_s=360))
     # t0 = 360; a is active from the round at 720; b from the round at 5040.
     assert [(r.round, r.start_s) for r in result.rounds] == [(1, 720.0), (13, 5040.0)]
-    m = compute_metrics(result, model)
+    m = compute_results(result, model)
     assert m.ttd_s == 5140.0 - 500.0
     assert m.queue_delay_mean_s == pytest.approx(((720 - 500) + (5040 - 5000)) / 2)
     times, util = utilization_series(result)
@@ -273,7 +273,7 @@ def test_job_no_policy_can_place_stalls_without_looping_forever() -> None:
                       options=SimOptions(stall_rounds=5, check=True))
     assert result.stop_reason == "stalled"
     assert len(result.rounds) == 1 + 5
-    m = compute_metrics(result, TABLE)
+    m = compute_results(result, TABLE)
     assert (m.jobs_total, m.jobs_completed, m.stop_reason) == (2, 1, "stalled")
     assert m.ttd_s is None                             # it never drained the trace
     (left,) = m.unfinished
@@ -320,7 +320,7 @@ def test_options_and_inputs_are_validated() -> None:
 def test_empty_trace() -> None:
     result = simulate(policy=GreedyFifo(), cluster=parse_cluster("v100:1"), jobs=[], throughput=TABLE)
     assert (result.rounds, result.stop_reason) == ((), "completed")
-    m = compute_metrics(result, TABLE)
+    m = compute_results(result, TABLE)
     assert (m.ttd_s, m.cru, m.jct_mean_s, m.jobs_total) == (0.0, None, None, 0)
 
 

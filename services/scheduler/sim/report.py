@@ -26,7 +26,7 @@ from matplotlib.figure import Figure
 from services.scheduler.core.cluster import Cluster
 from services.scheduler.sim.bounds import TtdBounds, bound_for
 from services.scheduler.sim.results import (
-    PolicyMetrics,
+    PolicyResults,
     completed_jcts_s,
     utilization_series,
 )
@@ -53,7 +53,7 @@ def versus(policy: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, floa
             else None for key, metric, lower in RATIOS}
 
 
-def build_summary(*, cluster: Cluster, trace: str, jobs: int, metrics: Mapping[str, PolicyMetrics],
+def build_summary(*, cluster: Cluster, trace: str, jobs: int, metrics: Mapping[str, PolicyResults],
                   bounds: TtdBounds, gangs_only: Mapping[str, bool]) -> dict[str, Any]:
     """The ``summary.json`` document (module docstring); seconds and ms."""
     policies: dict[str, dict[str, Any]] = {}

@@ -1,4 +1,4 @@
-"""Per-policy metrics from a ``SimResult`` (docs/architecture.md "Simulator and metrics").
+"""Per-policy results of a simulated run (a ``SimResult``; docs/architecture.md "Simulator and metrics").
 
 * TTD: first arrival to last completion; None if some job did not complete (the run
   never drained the trace, so it has no drain time). ``unfinished`` then lists each such
@@ -39,7 +39,7 @@ class UnfinishedJob:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PolicyMetrics:
+class PolicyResults:
     ttd_s: float | None
     cru: float | None
     gru: Mapping[str, float | None]
@@ -107,7 +107,7 @@ def unfinished_jobs(result: SimResult) -> tuple[UnfinishedJob, ...]:
     return tuple(out)
 
 
-def compute_metrics(result: SimResult, throughput: ThroughputModel) -> PolicyMetrics:
+def compute_results(result: SimResult, throughput: ThroughputModel) -> PolicyResults:
     cluster = result.cluster
     span = span_s(result)
     busy_by_type: dict[str, float] = {t: 0.0 for t in cluster.types}
@@ -127,7 +127,7 @@ def compute_metrics(result: SimResult, throughput: ThroughputModel) -> PolicyMet
         if isolated is not None and job.completion_s is not None:
             ftfs.append((job.completion_s - job.arrival_s) / isolated)
     decisions = [r.decision_ms for r in result.rounds]
-    return PolicyMetrics(
+    return PolicyResults(
         ttd_s=ttd_s(result), cru=cru, gru=gru,
         jct_mean_s=_mean(jcts), jct_median_s=_percentile(jcts, 50), jct_p95_s=_percentile(jcts, 95),
         queue_delay_mean_s=_mean(delays), ftf_mean=_mean(ftfs),
