@@ -18,22 +18,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.profiler.state import ProfilerState, _Last
-from shared.persistence.codec import register
+from services.profiler.state import ProfilerState
+from shared.persistence.codec import snapshot_type
 from shared.persistence.snapshot import SnapshotCorrupt, StateSnapshot
-from shared.wire.records import Hyperparameters, JobSpec
 
 __all__ = ["SERVICE", "ProfilerSnapshot", "capture", "restore"]
 
 SERVICE = "profiler"
 
 
+@snapshot_type("profiler.ProfilerSnapshot", formerly="services.profiler.snapshot.ProfilerSnapshot")
 @dataclass(frozen=True, kw_only=True)
 class ProfilerSnapshot:
     state: ProfilerState
 
-
-register(ProfilerSnapshot, ProfilerState, _Last, JobSpec, Hyperparameters)
 
 
 def capture(state: ProfilerState, offsets: dict[str, int], *, created_at: float) -> StateSnapshot:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from shared.persistence.codec import snapshot_type
 from shared.wire.events import JobSpec, Progress, ThroughputEstimate
 
 __all__ = ["MeasuredUpdate", "ProfilerState", "RateKey", "DEFAULT_ALPHA", "DEFAULT_THRESHOLD",
@@ -48,12 +49,14 @@ class MeasuredUpdate:
     emulation_reference: str = ""   # of the Progress that moved the rate ("" = catalog default)
 
 
+@snapshot_type("profiler.LastReport", formerly="services.profiler.state._Last")
 @dataclass(frozen=True, kw_only=True)
 class _Last:
     ts: float
     steps: int
 
 
+@snapshot_type("profiler.ProfilerState", formerly="services.profiler.state.ProfilerState")
 class ProfilerState:
     """EWMA of measured rates and what was last published; see the module docstring."""
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from shared.domain.layout import checkpoint_key, final_key, model_key
+from shared.persistence.codec import snapshot_type
 from shared.wire.events import (
     CopyFinished,
     Event,
@@ -78,6 +79,7 @@ class Refusal:
     origin: object = None
 
 
+@snapshot_type("tracker.CopyPlacement", formerly="services.tracker.acceptance.CopyPlacement")
 @dataclass(frozen=True, kw_only=True)
 class CopyPlacement:
     """What the Assignments of one copy in one round say: its nodes, the nodes hosting

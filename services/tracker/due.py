@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.persistence.codec import snapshot_type
 from shared.wire.events import JobSpec
 
 __all__ = ["FinishedCopy", "DueRound", "DueCompletion"]
 
 
+@snapshot_type("tracker.FinishedCopy", formerly="services.tracker.work.FinishedCopy")
 @dataclass(frozen=True, kw_only=True)
 class FinishedCopy:
     """An accepted CopyFinished: from a node the copy was placed on, its checkpoint (if any)

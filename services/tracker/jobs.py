@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 from services.tracker.acceptance import CopyPlacement
 from services.tracker.due import DueCompletion, DueRound, FinishedCopy
 from shared.domain.deadline import copies_given_up_at
+from shared.persistence.codec import snapshot_type
 from shared.wire.events import Assignment, JobSpec
 
 __all__ = ["RoundRecord", "JobRecord", "FinishedJob"]
 
 
+@snapshot_type("tracker.RoundRecord", formerly="services.tracker.jobs.RoundRecord")
 @dataclass(kw_only=True)
 class RoundRecord:
     """An open round of one job: its placed copies, their accepted reports, its deadline."""
@@ -72,6 +74,7 @@ class RoundRecord:
         return live
 
 
+@snapshot_type("tracker.JobRecord", formerly="services.tracker.jobs.JobRecord")
 @dataclass(kw_only=True)
 class JobRecord:
     """A job not finished: every round up to ``floor`` is decided and forgotten; ``rounds``
@@ -121,6 +124,7 @@ class JobRecord:
                               submitted_at=submitted)
 
 
+@snapshot_type("tracker.FinishedJob", formerly="services.tracker.jobs.FinishedJob")
 @dataclass(frozen=True, kw_only=True)
 class FinishedJob:
     """What is left of a completed or cancelled job: that it finished, and its steps."""

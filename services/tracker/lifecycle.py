@@ -71,6 +71,7 @@ from shared.domain.layout import (
     parse_model_key,
     parse_optim_key,
 )
+from shared.persistence.codec import snapshot_type
 from shared.store import ObjectStore
 from shared.wire.events import (
     Assignment,
@@ -87,6 +88,7 @@ MAX_JOBS_PER_SWEEP = 8
 MAX_FINISHED = 16384      # completed or cancelled jobs still waiting for their last sweep
 
 
+@snapshot_type("tracker.LifecycleJob", formerly="services.tracker.lifecycle._Job")
 @dataclass(kw_only=True)
 class _Job:
     floor: int = -1                                          # latest decided round

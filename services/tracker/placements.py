@@ -10,17 +10,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.persistence.codec import snapshot_type
+
 __all__ = ["PlacementIndex", "ROUND_HISTORY"]
 
 ROUND_HISTORY = 16          # rounds behind the latest whose placements are kept (if none is open)
 
 
+@snapshot_type("tracker.PlacedRound", formerly="services.tracker.placements._Round")
 @dataclass(kw_only=True)
 class _Round:
     expected: int | None = None                                     # RoundStarted.assignments
     placed: set[tuple[str, int, str]] = field(default_factory=set)  # (job, copy, node)
 
 
+@snapshot_type("tracker.PlacementIndex", formerly="services.tracker.placements.PlacementIndex")
 class PlacementIndex:
     """See the module docstring. ``latest``: the highest round of any RoundStarted or
     recorded Assignment (-1 before any)."""

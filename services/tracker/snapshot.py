@@ -36,15 +36,12 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from services.tracker.acceptance import CopyPlacement
-from services.tracker.due import FinishedCopy
-from services.tracker.jobs import FinishedJob, JobRecord, RoundRecord
+from services.tracker.jobs import FinishedJob, JobRecord
 from services.tracker.lifecycle import ObjectLifecycle, _Job
-from services.tracker.placements import PlacementIndex, _Round
+from services.tracker.placements import PlacementIndex
 from services.tracker.state import TrackerState
-from shared.persistence.codec import register
+from shared.persistence.codec import snapshot_type
 from shared.persistence.snapshot import SnapshotCorrupt, StateSnapshot
-from shared.wire.records import Hyperparameters, JobSpec
 
 __all__ = ["SERVICE", "Position", "TrackerSnapshot", "covered_offsets", "capture", "restore"]
 
@@ -61,6 +58,7 @@ class Position:
     offset: int
 
 
+@snapshot_type("tracker.TrackerSnapshot", formerly="services.tracker.snapshot.TrackerSnapshot")
 @dataclass(frozen=True, kw_only=True)
 class TrackerSnapshot:
     """The body of a tracker snapshot (see the module docstring)."""
@@ -72,9 +70,6 @@ class TrackerSnapshot:
     sweeps: dict[str, _Job]                          # lifecycle per job; due_s holds a wall-clock time
     swept_finished: list[str]                        # lifecycle's finished jobs, oldest first
 
-
-register(TrackerSnapshot, JobRecord, RoundRecord, FinishedJob, FinishedCopy, CopyPlacement, PlacementIndex, _Round,
-         _Job, JobSpec, Hyperparameters)
 
 
 def covered_offsets(folded: dict[str, int], held: Iterable[object]) -> dict[str, int] | None:

@@ -9,8 +9,12 @@ tree as msgpack, :func:`unpack` gives back an equal tree of the same types. Guar
   ext type with a tag (below), so a tuple comes back a tuple, a ``numpy.float64`` a
   ``numpy.float64``, a set a set, a deque a deque with its ``maxlen``.
 * **Nothing is imported or called by name from the data.** Objects (dataclasses and plain
-  classes) and enums are written under a registered name (:func:`register`); decoding an
-  unregistered name fails. Instances are rebuilt without calling ``__init__`` (attributes
+  classes) and enums are written under the stable name they were registered with
+  (:func:`snapshot_type`, next to the class: ``"policy.hadar.LedgerState"``), never their
+  module path, so moving or renaming a module changes nothing on disk; decoding an
+  unregistered name fails. ``formerly`` lists the names earlier versions wrote (module
+  paths before names were stable), so their snapshots still load. Wire records
+  (``JobSpec``...) are registered here, as ``"wire.<Class>"``. Instances are rebuilt without calling ``__init__`` (attributes
   set one by one), so a class's constructor checks and side effects do not run twice.
   Events travel as their own wire form (:func:`shared.wire.events.encode`) and are decoded and
   validated by :func:`shared.wire.events.decode`; nested records (``JobSpec``) by their codec.
@@ -22,25 +26,39 @@ tree as msgpack, :func:`unpack` gives back an equal tree of the same types. Guar
 from __future__ import annotations
 
 import enum
+import re
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import MISSING, fields, is_dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
 
 from shared.errors import HadarError
 from shared.wire.events import Event, decode, encode
-from shared.wire.records import InvalidEvent, Record, to_wire
+from shared.wire.records import (
+    CopyWeight,
+    GpuInfo,
+    Hyperparameters,
+    InvalidEvent,
+    JobSpec,
+    Record,
+    Rejection,
+    Waiting,
+    to_wire,
+)
 
-__all__ = ["SnapshotDecodeError", "register", "registered", "pack", "unpack"]
+__all__ = ["SnapshotDecodeError", "snapshot_type", "register", "registered", "name_of", "pack", "unpack"]
 
 _TUPLE, _SET, _FROZENSET, _UNUSED, _OBJECT, _ENUM, _NDARRAY, _NPSCALAR, _EVENT, _RECORD, _DEQUE, _PROXY = range(1, 13)
 _ALLOWED_KINDS = frozenset("biuf")   # numpy dtype kinds: bool, int, uint, float
 
-_BY_NAME: dict[str, type] = {}
-_NAME_OF: dict[type, str] = {}
+_BY_NAME: dict[str, type] = {}   # current and former names -> class
+_NAME_OF: dict[type, str] = {}   # class -> the name it is written under
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+T = TypeVar("T", bound=type)
 
 
 class SnapshotDecodeError(HadarError):
@@ -50,20 +68,38 @@ class SnapshotDecodeError(HadarError):
         super().__init__(message, retriable=False)
 
 
-def register(*classes: type) -> None:
-    """Allow instances of ``classes`` (dataclasses, plain classes, enums, records) in a
-    snapshot, under their module and qualified name. Idempotent."""
-    for cls in classes:
-        name = f"{cls.__module__}.{cls.__qualname__}"
-        known = _BY_NAME.get(name)
+def register(cls: type, name: str, *, formerly: str | Iterable[str] = ()) -> None:
+    """Allow instances of ``cls`` (a dataclass, plain class, enum or record) in a snapshot,
+    written under ``name`` and read under ``name`` or any of ``formerly``. Idempotent; two
+    classes under one name, or one class under two, is a programming error (ValueError)."""
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"snapshot name {name!r}: dotted identifiers only")
+    if _NAME_OF.get(cls, name) != name:
+        raise ValueError(f"{cls.__qualname__} is already registered as {_NAME_OF[cls]!r}")
+    for alias in (name, *([formerly] if isinstance(formerly, str) else formerly)):
+        known = _BY_NAME.get(alias)
         if known is not None and known is not cls:
-            raise ValueError(f"two classes registered as {name}")
-        _BY_NAME[name] = cls
-        _NAME_OF[cls] = name
+            raise ValueError(f"two classes registered as {alias!r}: {known.__qualname__}, {cls.__qualname__}")
+        _BY_NAME[alias] = cls
+    _NAME_OF[cls] = name
+
+
+def snapshot_type(name: str, *, formerly: str | Iterable[str] = ()) -> Callable[[T], T]:
+    """Class decorator: :func:`register` the class under ``name``."""
+    def mark(cls: T) -> T:
+        register(cls, name, formerly=formerly)
+        return cls
+    return mark
+
+
+def name_of(cls: type) -> str | None:
+    """The name ``cls`` is written under, None if it is not registered."""
+    return _NAME_OF.get(cls)
 
 
 def registered() -> frozenset[str]:
-    return frozenset(_BY_NAME)
+    """The names snapshots are written under (former names apart)."""
+    return frozenset(_NAME_OF.values())
 
 
 def pack(value: Any) -> bytes:
@@ -196,3 +232,7 @@ def _fill_added_fields(obj: Any, cls: type, attributes: dict[str, Any]) -> None:
             object.__setattr__(obj, f.name, f.default_factory())
         else:
             raise SnapshotDecodeError(f"snapshot {cls.__name__} lacks field {f.name!r}, which has no default")
+
+
+for _record in (JobSpec, Hyperparameters, GpuInfo, Waiting, CopyWeight, Rejection):
+    register(_record, f"wire.{_record.__name__}", formerly=f"shared.records.{_record.__name__}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -85,6 +86,23 @@ async def test_restart_replays_only_what_follows_the_snapshot(tmp_path):
     assert again.recovery["records"] == 1          # only d's submission follows the snapshot
     assert await estimates(bus) == {"a": 1, "b": 1, "c": 1, "d": 1}   # none estimated twice
     assert rate == pytest.approx(15.0)
+
+
+async def test_a_profiler_snapshot_written_before_names_were_stable_restores(tmp_path):
+    # The same first run's snapshot, as the code before the layout change wrote it
+    # (classes named by module path: tests/data/snapshots/README.md).
+    legacy = (Path(__file__).resolve().parents[1] / "data" / "snapshots" / "profiler.snapshot").read_bytes()
+    assert b"services.profiler." in legacy
+
+    async def written_before(store):
+        (key,) = await store.list("snapshots/")
+        await store.put(key, legacy)
+
+    again, bus, rate = await run_and_restart(tmp_path, damage=written_before)
+    assert again.recovery["snapshot"] is not None and again.recovery["skipped"] == []
+    assert again.recovery["records"] == 1
+    assert await estimates(bus) == {"a": 1, "b": 1, "c": 1, "d": 1}
+    assert rate == pytest.approx(15.0)             # the EWMA the old snapshot carried
 
 
 async def test_a_damaged_snapshot_falls_back_to_the_whole_topics(tmp_path):

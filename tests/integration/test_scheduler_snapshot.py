@@ -8,6 +8,7 @@ import asyncio
 import struct
 from collections import defaultdict
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.live.rerun import assignment_decision
 from services.scheduler.live.scripted_cluster import ScriptedCluster
 from services.scheduler.live.service import SchedulerService
+from services.scheduler.policies import POLICY_NAMES
 from shared.bus import MemoryBus
 from shared.bus.base import dead_letter
 from shared.clock import FakeClock
@@ -98,7 +100,7 @@ async def interrupted(policy: str, rounds: int, stop_after: int, tmp_path, damag
     return again, await decisions(bus), store
 
 
-@pytest.mark.parametrize("policy", ["hadar", "hadare", "gavel", "tiresias", "yarn-cs"])
+@pytest.mark.parametrize("policy", POLICY_NAMES)
 async def test_restart_from_a_snapshot_replays_only_what_follows_and_decides_identically(policy, tmp_path):
     # Snapshots after rounds 2 and 5; stopped after round 7: rounds 6 and 7 are re-derived.
     again, got, _ = await interrupted(policy, 14, 8, tmp_path, snapshot_every=3)
@@ -107,6 +109,27 @@ async def test_restart_from_a_snapshot_replays_only_what_follows_and_decides_ide
     reference = await uninterrupted(policy, 14)
     assert got == reference
     assert any(got.values()), "the workload must place jobs"
+
+
+LEGACY = Path(__file__).resolve().parents[1] / "data" / "snapshots"
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+async def test_a_snapshot_written_before_names_were_stable_restores(policy, tmp_path):
+    """The snapshot after round 5 as the code before the layout change wrote it (classes
+    named by module path: tests/data/snapshots/README.md) stands in for today's: the
+    restarted scheduler takes it, re-derives rounds 6 and 7 identically and then decides
+    every round as a scheduler that never stopped."""
+    legacy = (LEGACY / f"scheduler-{policy}.snapshot").read_bytes()
+    assert b"services.scheduler." in legacy            # the old, module-path names
+
+    async def written_before(store):
+        await store.put(AFTER_ROUND_5, legacy)
+
+    again, got, _ = await interrupted(policy, 14, 8, tmp_path, damage=written_before, snapshot_every=3)
+    assert again.recovery["snapshot"] == AFTER_ROUND_5 and again.recovery["skipped"] == []
+    assert again.recovery["rounds_rederived"] == 2 and again.recovery["differing_rounds"] == []
+    assert got == await uninterrupted(policy, 14)
 
 
 async def _truncate(store):

@@ -44,7 +44,8 @@ class _Unregistered:
     pass
 
 
-register(_Frozen, _Plain)
+register(_Frozen, "tests.Frozen")
+register(_Plain, "tests.Plain")
 
 
 def _sample() -> dict:
@@ -110,7 +111,7 @@ def test_unregistered_and_unsafe_values_are_refused() -> None:
         pack(_Unregistered())
     with pytest.raises(TypeError, match="dtype"):
         pack(np.array([object()], dtype=object))
-    forged = pack(_Frozen(a=1, b=())).replace(b"test_snapshot._Frozen", b"test_snapshot._Fozren")
+    forged = pack(_Frozen(a=1, b=())).replace(b"tests.Frozen", b"tests.Fozren")
     with pytest.raises(SnapshotDecodeError, match="not registered"):
         unpack(forged)
 
@@ -271,3 +272,23 @@ def test_scheduler_dead_letter_origins_round_trip_and_malformed_ones_are_refused
     for bad in ({"hadar.jobs": [1]}, {"hadar.jobs:0": [1.5]}, {"hadar.jobs:0": (1,)}, [("hadar.jobs", 0, 1)]):
         with pytest.raises(SnapshotCorrupt, match="dead-letter"):
             restore(StateSnapshot(service="scheduler", created_at=1.0, body=replace(body, dead_letters=bad)))
+
+
+def test_every_policy_state_type_is_registered_under_a_stable_name() -> None:
+    """A policy's state registers itself beside the policy (``snapshot_type``); one that
+    forgot would fail every snapshot write. Names are not module paths, so a move changes
+    nothing on disk."""
+    from services.scheduler.core.policy import PolicyState
+    from services.scheduler.policies import import_all
+    from shared.persistence.codec import name_of, registered
+
+    import_all()
+    pending, states = [PolicyState], []
+    while pending:
+        cls = pending.pop()
+        states.append(cls)
+        pending.extend(cls.__subclasses__())
+    assert len(states) >= 6          # the base and one per policy that keeps books
+    unnamed = [cls.__qualname__ for cls in states if name_of(cls) is None]
+    assert unnamed == []
+    assert all(not name.startswith(("services.", "shared.")) for name in registered())

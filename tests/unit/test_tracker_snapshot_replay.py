@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from services.tracker.lifecycle import ObjectLifecycle
@@ -74,6 +76,22 @@ def test_a_snapshot_at_any_point_then_its_replay_equals_the_whole_log(cut: int) 
         folded([(offset, LOG[offset])], resumed)
         folded([(offset, LOG[offset])], whole)
     assert view(resumed) == view(whole)
+
+
+def test_a_tracker_snapshot_written_before_names_were_stable_restores() -> None:
+    # LOG folded up to offset 10 by the code before the layout change (tests/data/snapshots).
+    data = (Path(__file__).resolve().parents[1] / "data" / "snapshots" / "tracker.snapshot").read_bytes()
+    assert b"services.tracker." in data
+    loaded = load(data, service="tracker")
+    resumed = TrackerState()
+    restore(loaded, resumed, ObjectLifecycle(), wall_now=T0 + 50, mono_now=1.0)
+    whole = folded(list(enumerate(LOG[:10])), TrackerState())
+    folded([(o, e) for o, e in enumerate(LOG[:10]) if o >= loaded.offsets[TP]], resumed)
+    for offset in range(10, len(LOG)):
+        assert view(resumed) == view(whole), offset
+        folded([(offset, LOG[offset])], resumed)
+        folded([(offset, LOG[offset])], whole)
+    assert view(resumed) == view(whole) and resumed.is_completed("j1")
 
 
 def test_lifecycle_sweeps_keep_their_wall_clock_time_and_given_up_completions_are_retried() -> None:

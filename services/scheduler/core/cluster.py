@@ -10,7 +10,10 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
 
+from shared.persistence.codec import snapshot_type
 
+
+@snapshot_type("core.Node", formerly="services.scheduler.cluster.Node")
 @dataclass(frozen=True, kw_only=True)
 class Node:
     """One machine. ``gpus[i]`` is the catalog type (lower case, e.g. ``v100``) of GPU index i."""
@@ -36,6 +39,7 @@ class Node:
         return tuple(sorted(set(self.gpus)))
 
 
+@snapshot_type("core.Cluster", formerly="services.scheduler.cluster.Cluster")
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
     name: str

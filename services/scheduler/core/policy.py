@@ -24,6 +24,7 @@ from typing import Any, Protocol, TypeVar
 from services.scheduler.core.cluster import Cluster
 from services.scheduler.core.throughput import Part, ThroughputModel
 from shared.errors import HadarError
+from shared.persistence.codec import snapshot_type
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +51,7 @@ class JobState:
         return max(0.0, self.total_steps - self.steps_done)
 
 
+@snapshot_type("core.Placement", formerly="services.scheduler.policy.Placement")
 @dataclass(frozen=True, kw_only=True)
 class Placement:
     """``gpus`` (indices on ``node_id``) given to copy ``copy`` of ``job_id`` this round."""
@@ -60,6 +62,7 @@ class Placement:
     gpus: tuple[int, ...]
 
 
+@snapshot_type("core.WaitCode", formerly="services.scheduler.policy.WaitCode")
 class WaitCode(str, enum.Enum):
     CAPACITY = "capacity"        # not enough free GPUs of a usable kind this round
     PRIORITY = "priority"        # GPUs went to jobs ahead of it (queue order, fairness)
@@ -68,6 +71,7 @@ class WaitCode(str, enum.Enum):
     NON_PREEMPTIVE = "non-preemptive"  # a running job holds the GPUs (YARN-CS)
 
 
+@snapshot_type("core.Wait", formerly="services.scheduler.policy.Wait")
 @dataclass(frozen=True, kw_only=True)
 class Wait:
     job_id: str
@@ -75,6 +79,7 @@ class Wait:
     detail: str = ""
 
 
+@snapshot_type("core.PolicyState", formerly="services.scheduler.policy.PolicyState")
 @dataclass(frozen=True, eq=False)
 class PolicyState:
     """Base of the state a policy carries from one round to the next (``Plan.state``).
@@ -96,6 +101,7 @@ class PolicyState:
 S = TypeVar("S", bound=PolicyState)
 
 
+@snapshot_type("core.Plan", formerly="services.scheduler.policy.Plan")
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     placements: tuple[Placement, ...] = ()

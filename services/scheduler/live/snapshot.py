@@ -30,29 +30,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from services.scheduler.core.cluster import Cluster, Node
-from services.scheduler.core.policy import Placement, Plan, PolicyState, Wait, WaitCode
-from services.scheduler.live.state import (
-    JobRecord,
-    NodeRecord,
-    RoundRecord,
-    SchedulerState,
-)
-from services.scheduler.policies.gavel.policy import GavelState, Running
-from services.scheduler.policies.hadar.ledger import Commitment, LedgerState, RowLayout
-from services.scheduler.policies.hadare.timeline import TimelineState
-from services.scheduler.policies.tiresias import TiresiasState, _JobLedger
-from services.scheduler.policies.yarn_cs import YarnState
-from shared.persistence.codec import register
+from services.scheduler.core.policy import Plan
+from services.scheduler.live.state import SchedulerState
+from services.scheduler.policies import import_all
+from shared.persistence.codec import snapshot_type
 from shared.persistence.snapshot import SnapshotCorrupt, StateSnapshot
-from shared.wire.records import (
-    CopyWeight,
-    GpuInfo,
-    Hyperparameters,
-    JobSpec,
-    Rejection,
-    Waiting,
-)
 from shared.wire.topics import DEADLETTER, PLACEMENTS
 
 __all__ = ["SERVICE", "SchedulerSnapshot", "capture", "restore", "input_offsets", "dead_letter_origins",
@@ -60,7 +42,12 @@ __all__ = ["SERVICE", "SchedulerSnapshot", "capture", "restore", "input_offsets"
 
 SERVICE = "scheduler"
 
+# Every type a snapshot may hold registers itself where it is defined (a policy's state
+# beside the policy); importing every policy makes all of them known before one is read.
+import_all()
 
+
+@snapshot_type("scheduler.SchedulerSnapshot", formerly="services.scheduler.snapshot.SchedulerSnapshot")
 @dataclass(frozen=True, kw_only=True)
 class SchedulerSnapshot:
     """The body of a scheduler snapshot (see the module docstring)."""
@@ -71,13 +58,6 @@ class SchedulerSnapshot:
     next_round: int
     dead_letters: dict[str, list[int]] | None = None   # None: written before they were kept
 
-
-register(
-    SchedulerSnapshot, SchedulerState, JobRecord, NodeRecord, RoundRecord,
-    Plan, Placement, Wait, WaitCode, PolicyState, Cluster, Node,
-    LedgerState, RowLayout, Commitment, GavelState, Running, TiresiasState, _JobLedger, YarnState, TimelineState,
-    JobSpec, Hyperparameters, GpuInfo, Waiting, CopyWeight, Rejection,
-)
 
 
 def capture(*, state: SchedulerState, previous: Plan | None, previous_key: tuple[str, str] | None,

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 from services.scheduler.live.acceptance import CHECKS
 from services.scheduler.live.stuck import stuck_reason
 from shared.bus.rejection import Rejected
+from shared.persistence.codec import snapshot_type
 from shared.wire.dispatch import HandlerTable
 from shared.wire.events import (
     Assignment,
@@ -55,6 +56,7 @@ from shared.wire.topics import (
 FOLDED_TOPICS: tuple[str, ...] = (JOBS, NODES, THROUGHPUT, PROGRESS, MODELS, PLACEMENTS)
 
 
+@snapshot_type("scheduler.JobRecord", formerly="services.scheduler.state.JobRecord")
 @dataclass(kw_only=True)
 class JobRecord:
     spec: JobSpec
@@ -98,6 +100,7 @@ class JobRecord:
         return min(self.spec.iterations, self.steps_done + pending // self.spec.workers)
 
 
+@snapshot_type("scheduler.NodeRecord", formerly="services.scheduler.state.NodeRecord")
 @dataclass(kw_only=True)
 class NodeRecord:
     registered: NodeRegistered
@@ -105,6 +108,7 @@ class NodeRecord:
     incarnation: int = 0     # times the node came back with other devices
 
 
+@snapshot_type("scheduler.RoundRecord", formerly="services.scheduler.state.RoundRecord")
 @dataclass(kw_only=True)
 class RoundRecord:
     started: RoundStarted
@@ -117,6 +121,7 @@ SEEN_WINDOW = 65_536   # event ids remembered for dedupe (~8 MB): far more than 
 ROUNDS_KEPT = 64       # rounds kept in memory; older ones live on in the log only
 
 
+@snapshot_type("scheduler.SchedulerState", formerly="services.scheduler.state.SchedulerState")
 class SchedulerState:
     """Memory stays bounded however long the log: dedupe remembers the last
     ``seen_window`` event ids, only the last ``rounds_kept`` rounds are kept (older ones

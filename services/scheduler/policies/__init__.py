@@ -34,6 +34,13 @@ class UnknownPolicy(UsageError):
     """A policy name that is not registered; the message lists the valid ones."""
 
 
+def import_all() -> None:
+    """Import every registered policy's module, so that the state types each registers for
+    snapshots (``shared.persistence.codec.snapshot_type``) are all known."""
+    for module_name, _ in _REGISTRY.values():
+        importlib.import_module(module_name)
+
+
 def make_policy(name: str, **options: Any) -> Policy:
     """A fresh policy instance; ``options`` go to its constructor (thresholds, horizon...)."""
     try:

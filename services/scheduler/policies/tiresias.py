@@ -52,8 +52,10 @@ from services.scheduler.policies.gang import (
     previous_gangs,
     usable_types,
 )
+from shared.persistence.codec import snapshot_type
 
 
+@snapshot_type("policy.tiresias.JobLedger", formerly="services.scheduler.policies.tiresias._JobLedger")
 @dataclass(frozen=True, kw_only=True)
 class _JobLedger:
     attained_gpu_s: float = 0.0        # a
@@ -62,6 +64,7 @@ class _JobLedger:
     promotions: int = 0
 
 
+@snapshot_type("policy.tiresias.TiresiasState", formerly="services.scheduler.policies.tiresias.TiresiasState")
 @dataclass(frozen=True, kw_only=True)
 class TiresiasState(PolicyState):
     now_s: float

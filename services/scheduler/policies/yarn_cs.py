@@ -42,8 +42,10 @@ from services.scheduler.policies.gang import (
     previous_gangs,
     usable_types,
 )
+from shared.persistence.codec import snapshot_type
 
 
+@snapshot_type("policy.yarn_cs.YarnState", formerly="services.scheduler.policies.yarn_cs.YarnState")
 @dataclass(frozen=True, kw_only=True)
 class YarnState(PolicyState):
     started_s: Mapping[str, float] = field(default_factory=dict)  # job -> when it started, for running jobs

@@ -62,18 +62,21 @@ from services.scheduler.policies.gang import (
     usable_types,
 )
 from services.scheduler.policies.gavel.lp import max_min_fairness, min_total_duration
+from shared.persistence.codec import snapshot_type
 
 GAVEL_TYPE_ORDER = ("v100", "p100", "k80")
 DEFAULT_MIN_RESET_INTERVAL_S = 1920.0
 NEW_JOB_PRIORITY = 1e9
 
 
+@snapshot_type("policy.gavel.Running", formerly="services.scheduler.policies.gavel.Running")
 @dataclass(frozen=True, kw_only=True)
 class Running:
     gpu_type: str
     run_left_s: float  # remaining steps / rate when placed: a finishing job's run time
 
 
+@snapshot_type("policy.gavel.GavelState", formerly="services.scheduler.policies.gavel.GavelState")
 @dataclass(frozen=True, kw_only=True)
 class GavelState(PolicyState):
     policy: str

@@ -40,6 +40,7 @@ from services.scheduler.core.cluster import Cluster
 from services.scheduler.core.policy import PolicyState
 from services.scheduler.policies.hadar.prices import PriceCurve
 from shared.errors import HadarError
+from shared.persistence.codec import snapshot_type
 
 PRICE_BLOCK = 8   # slots per priced block of a GPU type's capacity
 
@@ -48,6 +49,7 @@ class LedgerError(HadarError):
     """A commitment would exceed a row's capacity or release more than was committed."""
 
 
+@snapshot_type("policy.hadar.RowLayout", formerly="services.scheduler.policies.hadar_ledger.RowLayout")
 @dataclass(frozen=True, kw_only=True, eq=False)
 class RowLayout:
     node_ids: tuple[str, ...]
@@ -78,6 +80,7 @@ class RowLayout:
         return len(self.keys)
 
 
+@snapshot_type("policy.hadar.Commitment", formerly="services.scheduler.policies.hadar_ledger.Commitment")
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Commitment:
     job_id: str
@@ -97,6 +100,7 @@ class Commitment:
         return self.base_done + float(self.steps[self.rounds < before_round].sum())
 
 
+@snapshot_type("policy.hadar.LedgerState", formerly="services.scheduler.policies.hadar_ledger.LedgerState")
 @dataclass(frozen=True, kw_only=True, eq=False)
 class LedgerState(PolicyState):
     """Hadar's policy state, carried in ``Plan.state`` from one round to the next."""

@@ -52,6 +52,7 @@ import numpy as np
 
 from services.scheduler.core.policy import PolicyState
 from services.scheduler.policies.lp.timeline import SHARE_EPS
+from shared.persistence.codec import snapshot_type
 
 __all__ = ["TimelineState", "target_end_s", "budgets", "TIMELINE_SLACK", "COMPLETION_WEIGHT"]
 
@@ -59,6 +60,7 @@ TIMELINE_SLACK = 0.045
 COMPLETION_WEIGHT = 0.75  # beta: the objective's share of completion bounds (module docstring)
 
 
+@snapshot_type("policy.hadare.TimelineState", formerly="services.scheduler.policies.hadare_timeline.TimelineState")
 @dataclass(frozen=True, kw_only=True)
 class TimelineState(PolicyState):
     """HadarE's books between rounds: the target end E (absolute seconds, the simulator's or
