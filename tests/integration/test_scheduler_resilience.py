@@ -9,7 +9,7 @@ import time
 from collections.abc import Awaitable
 
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.core.policy import Plan, PlanRequest
+from services.scheduler.core.policy import Placement, Plan, PlanRequest
 from services.scheduler.live.rerun import LoggedEvent, rerun
 from services.scheduler.live.service import SchedulerService
 from shared.bus import BusError, MemoryBus
@@ -64,6 +64,22 @@ class FlakyPolicy:
         if self.failures > 0:
             self.failures -= 1
             raise ZeroDivisionError("policy bug")
+        return self.inner.plan(request)
+
+
+class DoubleBookingPolicy:
+    """Wraps a policy: its first ``bad`` plans give one GPU to two jobs (a policy bug that
+    check_plan catches); then it plans as the wrapped policy."""
+
+    def __init__(self, inner, bad: int) -> None:
+        self.inner, self.bad, self.name = inner, bad, inner.name
+
+    def plan(self, request: PlanRequest) -> Plan:
+        if self.bad > 0:
+            self.bad -= 1
+            node = request.cluster.nodes[0].node_id
+            return Plan(placements=tuple(Placement(job_id=j.job_id, copy=0, node_id=node, gpus=(0,))
+                                         for j in request.jobs))
         return self.inner.plan(request)
 
 
@@ -123,6 +139,27 @@ async def test_a_failing_policy_does_not_kill_the_round_loop_and_runs_off_the_ev
         failures = service.registry.get_sample_value("hadar_scheduler_round_failures_total", {"stage": "plan"})
         assert failures == 2
         assert threading.get_ident() not in flaky.threads     # plan() ran in a worker thread
+    finally:
+        await service.stop()
+        await bus.stop()
+
+
+async def test_a_plan_that_breaks_an_invariant_is_never_published_and_the_round_is_retried():
+    bus = MemoryBus()
+    await bus.start()
+    await _seed(bus, time.time())
+    service = SchedulerService(bus=bus, config=FAST)
+    service.policy = DoubleBookingPolicy(service.policy, bad=2)
+    await service.start()
+    try:
+        await _until(lambda: service.next_round >= 2)
+        failures = service.registry.get_sample_value("hadar_scheduler_round_failures_total", {"stage": "invalid_plan"})
+        assert failures == 2
+        assignments = [e for e in await _placements(bus) if isinstance(e, Assignment)]
+        used = [(a.round, a.node_id, g) for a in assignments for g in a.gpus]
+        assert len(used) == len(set(used)), "a GPU given twice in one round was published"
+        rounds = sorted({e.round for e in await _placements(bus) if isinstance(e, RoundStarted)})
+        assert rounds == list(range(len(rounds)))     # no round number skipped by the refusals
     finally:
         await service.stop()
         await bus.stop()

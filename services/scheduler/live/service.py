@@ -42,7 +42,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from services.scheduler.config import DecisionSettings, SchedulerConfig
-from services.scheduler.core.policy import Plan, PlanRequest, Policy
+from services.scheduler.core.policy import InvalidPlan, Plan, PlanRequest, Policy, check_plan
 from services.scheduler.live.metrics import SchedulerCounters, SchedulerTelemetry
 from services.scheduler.live.publish import PublishGivenUp, publish_by
 from services.scheduler.live.recovery import resume
@@ -94,9 +94,11 @@ def _timed_plan(policy: Policy, request: PlanRequest) -> tuple[Plan, float]:
 
 
 class RoundFailed(HadarError):
-    """A round could not be planned (``stage="plan"``) or published (``"publish"``); the
-    round loop logs it, counts it and tries again after a back-off (a plan failure may pass
-    once the inputs change; a publish failure once the bus is back)."""
+    """A round could not be planned (``stage="plan"``: the policy raised), was planned
+    against an invariant (``"invalid_plan"``: :func:`check_plan` refused it, so nothing of it
+    is published and its number is not spent) or could not be published (``"publish"``);
+    the round loop logs it, counts it and tries again after a back-off (a plan failure may
+    pass once the inputs change; a publish failure once the bus is back)."""
 
     def __init__(self, message: str, *, stage: str, round: int, maybe_written: bool = False) -> None:
         super().__init__(message, retriable=stage == "publish")
@@ -391,6 +393,11 @@ class SchedulerService:
             except Exception as exc:
                 raise RoundFailed(f"policy {settings.choice.describe()}: {type(exc).__name__}: {exc}",
                                   stage="plan", round=timing.round) from exc
+            try:
+                check_plan(request, plan)   # fail closed: a plan that breaks an invariant is never published
+            except InvalidPlan as exc:
+                raise RoundFailed(f"policy {settings.choice.describe()} broke an invariant, plan not published: {exc}",
+                                  stage="invalid_plan", round=timing.round) from exc
             events = await asyncio.to_thread(
                 plan_to_events, plan, request, self.state, timing, choice=settings.choice, seed=settings.seed,
                 source=self.config.source, inputs=inputs, decision_ms=seconds * 1e3)
