@@ -7,11 +7,9 @@ derive their ACLs and policies from :data:`PRINCIPALS`; nothing else lists them.
 
 Kafka (``User:<name>``):
 
-* ``writes``: WRITE (+ DESCRIBE) on those topics; everyone also writes
-  :data:`~shared.wire.topics.DEADLETTER`.
-* ``reads``: READ (+ DESCRIBE) on those topics -- the service's input topics, the topics it
-  rebuilds its state from at start (the scheduler its own placements, the profiler its own
-  estimates) and the dead-letter topic for the services that count dead letters.
+* ``writes``: WRITE (+ DESCRIBE) on those topics; ``reads``: READ (+ DESCRIBE). Both are
+  read off the topic table (:data:`shared.wire.topics.TOPICS`: the topics that name the
+  principal as a writer or a reader), so the ACLs and the documented contract cannot differ.
 * ``groups``: READ on consumer groups whose id starts with the prefix (PREFIXED), so an
   agent's ``hadar-agent-<node>`` works and nothing else does; the CLI gets no group.
 * ``admin`` is a super user: it creates topics and ACLs. No service runs as admin.
@@ -32,15 +30,8 @@ from typing import Any
 from shared.domain.layout import CHECKPOINTS as _CHECKPOINTS
 from shared.domain.layout import MODELS as _MODELS
 from shared.domain.layout import SNAPSHOTS as _SNAPSHOTS
-from shared.wire.topics import (
-    DEADLETTER,
-    JOBS,
-    MODELS,
-    NODES,
-    PLACEMENTS,
-    PROGRESS,
-    THROUGHPUT,
-)
+from shared.wire.topics import PRINCIPALS as TOPIC_PRINCIPALS
+from shared.wire.topics import read_by, written_by
 
 __all__ = [
     "Principal", "PRINCIPALS", "SERVICE_PRINCIPALS", "ADMIN", "KafkaAcl", "kafka_acls", "s3_policy",
@@ -73,19 +64,18 @@ class Principal:
 
 
 PRINCIPALS: dict[str, Principal] = {p.name: p for p in (
-    Principal(name="cli", writes=(JOBS,),
-              reads=(JOBS, NODES, THROUGHPUT, PROGRESS, PLACEMENTS, MODELS, DEADLETTER),
-              s3_read=(MODELS_PREFIX,)),   # CLI reads never join a group (services/cli/follow.py)
-    Principal(name="scheduler", writes=(PLACEMENTS,),
-              reads=(JOBS, NODES, THROUGHPUT, PROGRESS, MODELS, PLACEMENTS, DEADLETTER),
+    # Kafka topics come from the topic table: a principal writes and reads exactly the
+    # topics that name it there. CLI reads never join a group (services/cli/follow.py).
+    Principal(name="cli", writes=written_by("cli"), reads=read_by("cli"), s3_read=(MODELS_PREFIX,)),
+    Principal(name="scheduler", writes=written_by("scheduler"), reads=read_by("scheduler"),
               group_prefix="hadar-scheduler",
               s3_read=_own_snapshots("hadar-scheduler"), s3_write=_own_snapshots("hadar-scheduler")),
-    Principal(name="agent", writes=(NODES, PROGRESS), reads=(PLACEMENTS, JOBS), group_prefix="hadar-agent",
+    Principal(name="agent", writes=written_by("agent"), reads=read_by("agent"), group_prefix="hadar-agent",
               s3_read=(CHECKPOINTS, MODELS_PREFIX), s3_write=(CHECKPOINTS,)),
-    Principal(name="tracker", writes=(MODELS,), reads=(JOBS, PLACEMENTS, MODELS, PROGRESS, DEADLETTER),
+    Principal(name="tracker", writes=written_by("tracker"), reads=read_by("tracker"),
               group_prefix="hadar-tracker", s3_read=(CHECKPOINTS, MODELS_PREFIX, *_own_snapshots("hadar-tracker")),
               s3_write=(CHECKPOINTS, MODELS_PREFIX, *_own_snapshots("hadar-tracker"))),
-    Principal(name="profiler", writes=(THROUGHPUT,), reads=(JOBS, PROGRESS, MODELS, THROUGHPUT, DEADLETTER),
+    Principal(name="profiler", writes=written_by("profiler"), reads=read_by("profiler"),
               group_prefix="hadar-profiler",
               s3_read=_own_snapshots("hadar-profiler"), s3_write=_own_snapshots("hadar-profiler")),
     Principal(name=ADMIN),
@@ -116,7 +106,7 @@ def kafka_acls(principal: Principal) -> list[KafkaAcl]:
         return []
     user = f"User:{principal.name}"
     acls: list[KafkaAcl] = []
-    for topic in sorted({*principal.writes, DEADLETTER}):
+    for topic in sorted(principal.writes):
         acls += [KafkaAcl(resource_type=TOPIC, resource_name=topic, pattern_type=LITERAL, principal=user,
                           operation=op) for op in (WRITE, DESCRIBE)]
     for topic in sorted(principal.reads):
@@ -152,3 +142,7 @@ def s3_policy(principal: Principal, bucket: str) -> dict[str, Any]:
                                                          "s3:AbortMultipartUpload"],
                            "Resource": objects(principal.s3_write)})
     return {"Version": "2012-10-17", "Statement": statements}
+
+
+if set(TOPIC_PRINCIPALS) != set(SERVICE_PRINCIPALS):   # the topic table and this one name the same principals
+    raise ImportError(f"principals differ: topics {sorted(TOPIC_PRINCIPALS)}, security {sorted(SERVICE_PRINCIPALS)}")

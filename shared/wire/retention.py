@@ -1,4 +1,6 @@
-"""How long each Hadar topic keeps its records, and how Kafka cleans it: the one place it is set.
+"""How long each Hadar topic keeps its records, how Kafka cleans it, and why.
+
+The configs themselves are in the topic table (:data:`shared.wire.topics.TOPICS`).
 
 Applied when a topic is created -- by :meth:`shared.bus.kafka.KafkaBus.ensure_topics` and
 by deploy/stack.yml's ``topics`` job, which also alters existing topics to it. Without it
@@ -56,31 +58,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from shared.wire.topics import (
-    DEADLETTER,
-    JOBS,
-    MODELS,
-    NODES,
-    PLACEMENTS,
-    PROGRESS,
-    THROUGHPUT,
-)
+from shared.wire.topics import TOPICS
 
 __all__ = ["TOPIC_CONFIGS", "topic_configs", "config_string"]
 
-_FOREVER: Mapping[str, str] = {"cleanup.policy": "delete", "retention.ms": "-1"}
-_DAY_MS = 24 * 3600 * 1000
-_HOUR_MS = 3600 * 1000
-
-TOPIC_CONFIGS: Mapping[str, Mapping[str, str]] = MappingProxyType({
-    JOBS: _FOREVER,
-    PLACEMENTS: _FOREVER,
-    MODELS: _FOREVER,
-    THROUGHPUT: _FOREVER,
-    NODES: _FOREVER,
-    DEADLETTER: _FOREVER,
-    PROGRESS: {"cleanup.policy": "delete", "retention.ms": str(_DAY_MS), "segment.ms": str(_HOUR_MS)},
-})
+# Set in the topic table (shared/wire/topics.py, each Topic's ``retention``); explained here.
+TOPIC_CONFIGS: Mapping[str, Mapping[str, str]] = MappingProxyType({t.name: t.retention for t in TOPICS})
 
 
 def topic_configs(topic: str) -> dict[str, str]:

@@ -26,7 +26,7 @@ from typing import Any, Literal
 from shared.domain.fork_cost import MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS
 from shared.wire.events import DEADLETTER_RAW_LIMIT, EVENT_TYPES, Event
 from shared.wire.records import JOB_ID_RE, NODE_ID_RE, Record, to_wire
-from shared.wire.topics import TOPIC_OF_TYPE
+from shared.wire.topics import PRINCIPALS, TOPIC_BY_NAME, TOPIC_OF_TYPE
 
 __all__ = ["schema", "reference_markdown", "write", "CONSTRAINTS"]
 
@@ -99,28 +99,6 @@ CONSTRAINTS: dict[tuple[str, str], dict[str, Any]] = {
     ("DeadLetter", "raw"): {"maxLength": 4 * -(-DEADLETTER_RAW_LIMIT // 3)},  # base64 of the byte limit
 }
 
-# Who writes each event type and who reads each topic (docs/architecture.md "Services";
-# tests/unit/test_event_schema.py checks CONSUMERS against the services' input topics).
-PRODUCERS: dict[str, str] = {
-    "JobSubmitted": "CLI (`hadar submit`), outside producers",
-    "JobCancelled": "CLI (`hadar cancel`), outside producers",
-    "NodeRegistered": "agent", "NodeHeartbeat": "agent",
-    "ThroughputEstimate": "profiler",
-    "RoundStarted": "scheduler", "Assignment": "scheduler",
-    "Progress": "agent", "CopyFinished": "agent",
-    "ModelConsolidated": "tracker", "RoundAbandoned": "tracker", "JobCompleted": "tracker",
-    "DeadLetter": "any consumer (the bus, or a service refusing a record)",
-}
-CONSUMERS: dict[str, tuple[str, ...]] = {
-    "hadar.jobs": ("scheduler", "agent", "tracker", "profiler"),
-    "hadar.nodes": ("scheduler",),
-    "hadar.throughput": ("scheduler",),
-    "hadar.progress": ("scheduler", "tracker", "profiler"),
-    "hadar.placements": ("agent", "tracker"),
-    "hadar.models": ("scheduler", "tracker", "profiler"),
-    "hadar.deadletter": ("scheduler",),
-}
-CLI_READERS = "the CLI's read-only views (`hadar jobs`, `watch`, `replay`) read the topics too."
 
 
 # ---------------------------------------------------------------- generation
@@ -325,13 +303,17 @@ def reference_markdown() -> str:
     s = schema()
     defs = s["$defs"]
     out = [BEGIN, ""]
-    out += ["| type | v | topic | key (`key_for`) | produced by | consumed by |", "|---|---|---|---|---|---|"]
+    out += ["| type | v | topic | key (`key_for`) | written by | read by |", "|---|---|---|---|---|---|"]
     for etype, cls in EVENT_TYPES.items():
-        topic = TOPIC_OF_TYPE[etype]
-        readers = ", ".join(CONSUMERS[topic])
-        out.append(f"| [{etype}](#{etype.lower()}) | {cls.VERSION} | `{topic}` | {_key_text(cls)} | "
-                   f"{PRODUCERS[etype]} | {readers} |")
-    out += ["", "Consumers are the services; " + CLI_READERS]
+        topic = TOPIC_BY_NAME[TOPIC_OF_TYPE[etype]]
+        writers = "every principal" if set(topic.writers) == set(PRINCIPALS) else ", ".join(topic.writers)
+        out.append(f"| [{etype}](#{etype.lower()}) | {cls.VERSION} | `{topic.name}` | {_key_text(cls)} | "
+                   f"{writers} | {', '.join(topic.readers)} |")
+    out += ["", "Writers and readers are principals, from the topic table (`shared/wire/topics.py`), "
+            "which the Kafka ACLs of a secured deployment are made from: `cli` is every user's `hadar` "
+            "command (and an outside producer submitting jobs), which reads every topic for its views "
+            "and replay without joining a consumer group; a service reads a topic it follows or "
+            "rebuilds its state from."]
     for etype in EVENT_TYPES:
         body = defs[f"{etype}Body"]
         out += ["", f"### {etype}", ""]
@@ -364,5 +346,5 @@ def write(root: Path) -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    write(Path(__file__).resolve().parent.parent)
+    write(Path(__file__).resolve().parents[2])
     print("wrote docs/events.schema.json and the reference section of docs/events.md")

@@ -1,39 +1,88 @@
-"""The Kafka topics, and which event types travel on each: the one place topic names live.
+"""The Kafka topics: the one table that says what travels on each, who writes it, who reads
+it and how long it is kept.
 
-Every service imports its topic names from here; nothing else spells ``"hadar.…"``.
-Each event type travels on exactly one topic, keyed so that per-job (or per-node) order
-holds (:func:`shared.wire.events.key_for`).
+Every service imports its topic names from here; nothing else spells ``"hadar.…"``. The
+table is read by the bus (topic configs at creation), by the principals' ACLs
+(:mod:`shared.security.principals`: a principal may write and read exactly the topics that
+name it here), and by the generated event reference (docs/events.md). Each event type
+travels on exactly one topic, keyed so that per-job (or per-node) order holds
+(:func:`shared.wire.events.key_for`).
+
+``writers`` and ``readers`` are principals: ``cli`` (every user's ``hadar`` command) and the
+services. A reader either follows the topic or rebuilds its state from it at start (the
+scheduler its own placements, the profiler its own estimates); the CLI reads every topic
+for its views and replay, never in a consumer group. Every principal also writes
+``hadar.deadletter`` (a consumer refuses a record there); only the scheduler follows it, to
+count bad records once. Retention (``retention``, Kafka topic configs) and why each topic
+keeps what it keeps: :mod:`shared.wire.retention`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 
 __all__ = [
-    "JOBS", "NODES", "THROUGHPUT", "PROGRESS", "PLACEMENTS", "MODELS", "DEADLETTER",
-    "ALL_TOPICS", "TOPIC_OF_TYPE", "event_types_on",
+    "JOBS", "NODES", "THROUGHPUT", "PROGRESS", "PLACEMENTS", "MODELS", "DEADLETTER", "PRINCIPALS",
+    "Topic", "TOPICS", "TOPIC_BY_NAME", "ALL_TOPICS", "TOPIC_OF_TYPE", "event_types_on", "written_by", "read_by",
 ]
 
-JOBS = "hadar.jobs"                # JobSubmitted, JobCancelled (CLI -> everyone)
-NODES = "hadar.nodes"              # NodeRegistered, NodeHeartbeat (agents -> scheduler)
-THROUGHPUT = "hadar.throughput"    # ThroughputEstimate (profiler -> scheduler)
-PROGRESS = "hadar.progress"        # Progress, CopyFinished (agents -> tracker, profiler, scheduler)
-PLACEMENTS = "hadar.placements"    # RoundStarted, Assignment (scheduler -> agents, tracker)
-MODELS = "hadar.models"            # ModelConsolidated, RoundAbandoned, JobCompleted (tracker -> scheduler, CLI)
-DEADLETTER = "hadar.deadletter"    # DeadLetter: anything undecodable or rejected, with the reason
+JOBS = "hadar.jobs"
+NODES = "hadar.nodes"
+THROUGHPUT = "hadar.throughput"
+PROGRESS = "hadar.progress"
+PLACEMENTS = "hadar.placements"
+MODELS = "hadar.models"
+DEADLETTER = "hadar.deadletter"
 
+PRINCIPALS = ("cli", "scheduler", "agent", "tracker", "profiler")
+
+_FOREVER: Mapping[str, str] = MappingProxyType({"cleanup.policy": "delete", "retention.ms": "-1"})
+_DAY_MS = 24 * 3600 * 1000
+_HOUR_MS = 3600 * 1000
+
+
+@dataclass(frozen=True, kw_only=True)
+class Topic:
+    """One topic: its ``events`` (type names; each record keyed by ``key_for``), the
+    principals that write and read it, and its Kafka topic configs."""
+
+    name: str
+    events: tuple[str, ...]
+    writers: tuple[str, ...]
+    readers: tuple[str, ...]
+    retention: Mapping[str, str]
+
+
+TOPICS: tuple[Topic, ...] = (
+    Topic(name=JOBS, events=("JobSubmitted", "JobCancelled"), writers=("cli",),
+          readers=("scheduler", "agent", "tracker", "profiler", "cli"), retention=_FOREVER),
+    Topic(name=NODES, events=("NodeRegistered", "NodeHeartbeat"), writers=("agent",),
+          readers=("scheduler", "cli"), retention=_FOREVER),
+    Topic(name=THROUGHPUT, events=("ThroughputEstimate",), writers=("profiler",),
+          readers=("scheduler", "profiler", "cli"), retention=_FOREVER),
+    Topic(name=PROGRESS, events=("Progress", "CopyFinished"), writers=("agent",),
+          readers=("scheduler", "tracker", "profiler", "cli"),
+          retention=MappingProxyType({"cleanup.policy": "delete", "retention.ms": str(_DAY_MS),
+                                      "segment.ms": str(_HOUR_MS)})),
+    Topic(name=PLACEMENTS, events=("RoundStarted", "Assignment"),
+          writers=("scheduler",), readers=("scheduler", "agent", "tracker", "cli"), retention=_FOREVER),
+    Topic(name=MODELS, events=("ModelConsolidated", "RoundAbandoned", "JobCompleted"),
+          writers=("tracker",), readers=("scheduler", "tracker", "profiler", "cli"), retention=_FOREVER),
+    Topic(name=DEADLETTER, events=("DeadLetter",), writers=PRINCIPALS,
+          readers=("scheduler", "cli"), retention=_FOREVER),
+)
+
+TOPIC_BY_NAME: Mapping[str, Topic] = MappingProxyType({t.name: t for t in TOPICS})
+ALL_TOPICS: tuple[str, ...] = tuple(sorted(TOPIC_BY_NAME))
 # Event type name -> its topic.
-TOPIC_OF_TYPE: dict[str, str] = {
-    "JobSubmitted": JOBS, "JobCancelled": JOBS,
-    "NodeRegistered": NODES, "NodeHeartbeat": NODES,
-    "ThroughputEstimate": THROUGHPUT,
-    "Progress": PROGRESS, "CopyFinished": PROGRESS,
-    "RoundStarted": PLACEMENTS, "Assignment": PLACEMENTS,
-    "ModelConsolidated": MODELS, "RoundAbandoned": MODELS, "JobCompleted": MODELS,
-    "DeadLetter": DEADLETTER,
-}
+TOPIC_OF_TYPE: Mapping[str, str] = MappingProxyType({e: t.name for t in TOPICS for e in t.events})
 
-ALL_TOPICS: tuple[str, ...] = tuple(sorted(set(TOPIC_OF_TYPE.values())))
+if len(TOPIC_OF_TYPE) != sum(len(t.events) for t in TOPICS):
+    raise ImportError("an event type is listed on two topics")
+if any(p not in PRINCIPALS for t in TOPICS for p in (*t.writers, *t.readers)):
+    raise ImportError("a topic names a principal that does not exist")
 
 
 def event_types_on(topics: Iterable[str]) -> frozenset[str]:
@@ -43,3 +92,13 @@ def event_types_on(topics: Iterable[str]) -> frozenset[str]:
     if unknown:
         raise ValueError(f"not a Hadar topic: {sorted(unknown)}")
     return frozenset(t for t, topic in TOPIC_OF_TYPE.items() if topic in wanted)
+
+
+def written_by(principal: str) -> tuple[str, ...]:
+    """The topics ``principal`` may publish to, in table order."""
+    return tuple(t.name for t in TOPICS if principal in t.writers)
+
+
+def read_by(principal: str) -> tuple[str, ...]:
+    """The topics ``principal`` may read, in table order."""
+    return tuple(t.name for t in TOPICS if principal in t.readers)

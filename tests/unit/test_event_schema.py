@@ -24,8 +24,8 @@ import pytest
 from shared.wire import schema as event_schema
 from shared.wire.events import EVENT_TYPES, InvalidEvent, decode, topic_for
 from shared.wire.records import Record
-from shared.wire.schema import BEGIN, CONSTRAINTS, CONSUMERS, END, schema
-from shared.wire.topics import DEADLETTER, TOPIC_OF_TYPE
+from shared.wire.schema import BEGIN, CONSTRAINTS, END, schema
+from shared.wire.topics import ALL_TOPICS, DEADLETTER, PRINCIPALS, TOPIC_OF_TYPE, read_by
 from tests.unit.json_schema_check import json_to_wire, validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -147,18 +147,17 @@ def test_bytes_are_base64_in_json_and_bin_on_the_wire() -> None:
     assert prop["contentEncoding"] == "base64" and prop["maxLength"] == 1368
 
 
-def test_consumers_table_matches_the_services() -> None:
+def test_the_topic_table_names_exactly_the_topics_each_service_reads() -> None:
     from services.agent.daemon.service import TOPICS as AGENT
     from services.profiler.service import INPUT_TOPICS as PROFILER
-    from services.scheduler.live.service import INPUT_TOPICS as SCHEDULER
+    from services.profiler.service import RECOVERY_TOPICS as PROFILER_START
+    from services.scheduler.live.service import RECOVERY_TOPICS as SCHEDULER
     from services.tracker.service import INPUT_TOPICS as TRACKER
 
     # the scheduler alone follows hadar.deadletter, to count bad records once (issue 17)
     reads = {"scheduler": {*SCHEDULER, DEADLETTER}, "agent": set(AGENT), "tracker": set(TRACKER),
-             "profiler": set(PROFILER)}
-    expected = {topic: {s for s, topics in reads.items() if topic in topics} for topic in CONSUMERS}
-    assert {t: set(s) for t, s in CONSUMERS.items()} == expected
-    assert set(CONSUMERS) == set(TOPIC_OF_TYPE.values())
+             "profiler": {*PROFILER, *PROFILER_START}, "cli": set(ALL_TOPICS)}
+    assert {p: set(read_by(p)) for p in PRINCIPALS} == reads
 
 
 def test_replay_shows_raw_as_base64_with_its_length() -> None:
