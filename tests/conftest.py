@@ -12,12 +12,10 @@ skips it elsewhere, with the reason.
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import NoReturn
 
 import pytest
 from minio import Minio
@@ -36,13 +34,7 @@ from shared.bus.settings import kafka_from_env
 from shared.errors import HadarError
 from shared.store import LocalStore, MinioStore, ObjectStore
 from shared.store.settings import S3Settings, s3_from_env
-
-
-def unavailable(reason: str) -> NoReturn:
-    """Fail under CI (a real server is required there), skip elsewhere."""
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(reason, pytrace=False)
-    pytest.skip(reason)
+from tests.required import unavailable
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,7 @@ from shared.store import MinioStore
 from shared.store.settings import S3Settings
 from shared.wire.events import RoundAbandoned
 from tests.integration.test_tracker_hostile import T0, Cluster, weights
+from tests.required import unavailable
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
 
@@ -60,9 +61,7 @@ def private_minio(tmp_path: Path):
     try:
         server, _ = ensure_minio(paths)
     except InfraError as exc:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"minio could not start: {exc}")
-        pytest.skip(f"minio could not start: {exc}")
+        unavailable(f"minio could not start: {exc}")
     try:
         yield paths, server
     finally:

@@ -4,7 +4,7 @@ The package is fetched with ``apt-get download prometheus`` (no root needed), un
 ``dpkg-deb -x`` and only ``promtool`` is kept, in ``<cache>/prometheus/promtool`` (cache as
 ``hadar infra``: ``HADAR_CACHE`` or ``~/.cache/hadar``), so the second session reuses it.
 If it cannot be had, the tests that need it fail under ``CI=true`` and skip elsewhere
-(as ``tests/conftest.py``'s ``unavailable``).
+(``tests/required.py``).
 """
 
 from __future__ import annotations
@@ -34,14 +34,9 @@ from shared.runtime.service import HttpEndpoint
 from shared.store import LocalStore
 from shared.wire.events import JobSpec, JobSubmitted, ThroughputEstimate
 from shared.wire.topics import JOBS
+from tests.required import unavailable
 
 PACKAGE = "prometheus"
-
-
-def _unavailable(reason: str) -> None:
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(reason, pytrace=False)
-    pytest.skip(reason)
 
 
 def fetch_promtool(cache: Path) -> Path:
@@ -78,8 +73,7 @@ def promtool() -> Path:
     try:
         return fetch_promtool(InfraPaths.from_env().cache)
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        _unavailable(f"promtool unavailable: {exc}")
-        raise   # not reached: _unavailable fails or skips
+        unavailable(f"promtool unavailable: {exc}")
 
 
 

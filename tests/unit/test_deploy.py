@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from services.cli.main import build_parser
+from tests.required import unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 STACK = ROOT / "deploy" / "stack.yml"
@@ -22,9 +23,7 @@ IMAGE = "registry.example.internal/hadar:1.2.3@sha256:" + "ab" * 32
 def _stack() -> dict:
     docker = shutil.which("docker")
     if docker is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("the docker client is needed to validate deploy/stack.yml")
-        pytest.skip("docker client not installed")
+        unavailable("the docker client is needed to validate deploy/stack.yml")
     env = {**os.environ, "HADAR_IMAGE": IMAGE}
     out = subprocess.run([docker, "stack", "config", "-c", str(STACK)], capture_output=True, text=True, timeout=60,
                          env=env)

@@ -25,7 +25,13 @@ from shared.wire import schema as event_schema
 from shared.wire.events import EVENT_TYPES, InvalidEvent, decode, topic_for
 from shared.wire.records import Record
 from shared.wire.schema import BEGIN, CONSTRAINTS, END, schema
-from shared.wire.topics import ALL_TOPICS, DEADLETTER, PRINCIPALS, TOPIC_OF_TYPE, read_by
+from shared.wire.topics import (
+    ALL_TOPICS,
+    DEADLETTER,
+    PRINCIPALS,
+    TOPIC_OF_TYPE,
+    read_by,
+)
 from tests.unit.json_schema_check import json_to_wire, validate
 
 ROOT = Path(__file__).resolve().parents[2]
