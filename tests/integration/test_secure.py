@@ -25,11 +25,11 @@ from shared.bus import KafkaBus
 from shared.bus.base import BusError
 from shared.bus.kafka_login import diagnose, security_options
 from shared.bus.settings import kafka_from_env
-from shared.security.principals import DEADLETTER, PRINCIPALS, SERVICE_PRINCIPALS
+from shared.security.principals import PRINCIPALS, SERVICE_PRINCIPALS
 from shared.store import MinioStore
 from shared.store.settings import s3_from_env
 from shared.wire.events import CopyWeight, ModelConsolidated, encode
-from shared.wire.topics import JOBS, MODELS
+from shared.wire.topics import DEADLETTER, JOBS, MODELS
 
 pytestmark = [pytest.mark.kafka, pytest.mark.s3]
 ROOT = Path(__file__).resolve().parents[2]
