@@ -18,8 +18,8 @@ each agent phase's rate over the mean of the bare phases around it. Usage::
 
     python benchmarks/agent_overhead.py [--phases 12] [--phase-s 3] [--model resnet] [--device cuda]
 
-Last output line: one JSON object ``{"agent_samples_s": a, "bare_samples_s": b, "ratio": a/b, ...}``.
-Target: ratio >= 0.95.
+Last output line: one JSON object ``{"agent_samples_s": a, "bare_samples_s": b, "ratio":
+a/b, ...}``. Target: ratio >= 0.95.
 """
 
 from __future__ import annotations
@@ -37,24 +37,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.agent.daemon.discovery import (  # noqa: E402
+from services.agent.daemon.discovery import (
     NodeDevices,
     cpu_devices,
     discover_in_subprocess,
 )
-from services.agent.daemon.process import child_env  # noqa: E402
-from services.agent.daemon.service import AgentConfig, AgentDaemon  # noqa: E402
-from services.agent.protocol import StoreTarget  # noqa: E402
-from shared.bus import MemoryBus  # noqa: E402
-from shared.wire.events import (  # noqa: E402
+from services.agent.daemon.process import child_env
+from services.agent.daemon.service import AgentConfig, AgentDaemon
+from services.agent.protocol import StoreTarget
+from shared.bus import MemoryBus
+from shared.wire.events import (
     Assignment,
     CopyFinished,
     Hyperparameters,
     JobSpec,
     Progress,
 )
-from shared.wire.topics import PROGRESS  # noqa: E402
-from shared.zoo import validate_job  # noqa: E402
+from shared.wire.topics import PROGRESS
+from shared.zoo import validate_job
 
 Sample = tuple[float, int]   # (unix time, total steps)
 

@@ -48,8 +48,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.bus import Bus, KafkaBus, MemoryBus  # noqa: E402
-from shared.wire.events import Progress  # noqa: E402
+from shared.bus import Bus, KafkaBus, MemoryBus
+from shared.wire.events import Progress
 
 KEYS = 64  # distinct job ids, spread over the topic's partitions
 YIELD_EVERY = 100  # sends between yields to the loop (lets an in-process consumer run)

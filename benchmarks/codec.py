@@ -35,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.wire.events import (  # noqa: E402
+from shared.wire.events import (
     Assignment,
     Event,
     JobSpec,

@@ -6,8 +6,8 @@ then, in this order:
 
 * memcpy_gbps: single-core ``np.copyto`` of a 256 MiB array, bytes copied per second;
   best of ``--repeat`` measurements, each taken just before a timed streaming run;
-* gbps: best of ``--repeat`` runs of the tracker's streaming consolidation (weighing + ``write_consolidated`` on local
-  files), replica bytes read per second, wall clock including writing the output file
+* gbps: best of ``--repeat`` runs of the tracker's streaming consolidation (weighing +
+  ``write_consolidated`` on local files), replica bytes read per second, wall clock including writing the output file
   (to the page cache: neither way is timed with an fsync);
 * peak_extra_mb: its peak traced allocation (``tracemalloc``, a second run), next to
   ``largest_tensor_mb``; rss_extra_mb: its peak RSS growth over the timed run (sampled);
@@ -31,10 +31,10 @@ then, in this order:
 * max_abs_diff: largest difference between the two outputs (a correctness check).
 
 The files sit in the page cache, so both read at memory speed: the comparison is of the
-averaging, not of the disk. Targets (one core): gbps >= 0.5 x memcpy_gbps, peak_extra_mb
-<= 3 x largest_tensor_mb. The multi-core figure is reported beside them, not as a target.
-Last output line: one JSON object.
-Run: ``.venv/bin/python benchmarks/consolidate.py --replicas 8 --size-mb 1024 [--threads 2] [--hogs 2]``.
+averaging, not of the disk. Targets (one core): gbps >= 0.5 x memcpy_gbps, peak_extra_mb <=
+3 x largest_tensor_mb. The multi-core figure is reported beside them, not as a target. Last
+output line: one JSON object. Run: ``.venv/bin/python benchmarks/consolidate.py --replicas 8
+--size-mb 1024 [--threads 2] [--hogs 2]``.
 """
 
 from __future__ import annotations
@@ -59,13 +59,15 @@ from safetensors.numpy import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.tracker.averaging.consolidate import (  # noqa: E402
+from typing import Self
+
+from services.tracker.averaging.consolidate import (
     Replica,
     WriteStats,
     weigh_replicas,
     write_consolidated,
 )
-from services.tracker.averaging.safetensors_format import FileRangeReader, encode_header  # noqa: E402
+from services.tracker.averaging.safetensors_format import FileRangeReader, encode_header
 
 MIB = 1 << 20
 
@@ -134,7 +136,7 @@ class RssPeak:
             self.peak = max(self.peak, rss_bytes())
             self._stop.wait(self.interval_s)
 
-    def __enter__(self) -> "RssPeak":
+    def __enter__(self) -> Self:
         gc.collect()
         self.base = self.peak = rss_bytes()
         self._thread.start()

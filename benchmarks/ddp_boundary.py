@@ -33,19 +33,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.agent.daemon.discovery import cpu_devices  # noqa: E402
-from services.agent.daemon.service import AgentConfig, AgentDaemon  # noqa: E402
-from services.agent.protocol import StoreTarget  # noqa: E402
-from shared.bus import MemoryBus  # noqa: E402
-from shared.runtime.logging import configure_logging  # noqa: E402
-from shared.wire.events import (  # noqa: E402
+from services.agent.daemon.discovery import cpu_devices
+from services.agent.daemon.service import AgentConfig, AgentDaemon
+from services.agent.protocol import StoreTarget
+from shared.bus import MemoryBus
+from shared.runtime.logging import configure_logging
+from shared.wire.events import (
     Assignment,
     CopyFinished,
     Hyperparameters,
     JobSpec,
     RoundStarted,
 )
-from shared.wire.topics import PROGRESS  # noqa: E402
+from shared.wire.topics import PROGRESS
 
 NODE = "bench"
 

@@ -22,23 +22,23 @@ import os
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
+import argparse
+import json
+import statistics
+import sys
+import time
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from services.scheduler.core.cluster import Cluster, Node  # noqa: E402
-from services.scheduler.core.policy import JobState, PlanRequest, check_plan  # noqa: E402
-from services.scheduler.core.throughput import ThroughputModel  # noqa: E402
-from services.scheduler.policies import (  # noqa: E402
+from services.scheduler.core.cluster import Cluster, Node
+from services.scheduler.core.policy import JobState, PlanRequest, check_plan
+from services.scheduler.core.throughput import ThroughputModel
+from services.scheduler.policies import (
     UnknownPolicy,
     make_policy,
     parse_scoped_policy_option,
 )
-from services.scheduler.sim.simulator import default_model_bytes  # noqa: E402
+from services.scheduler.sim.simulator import default_model_bytes
 
 GPU_TYPES = ("k80", "p100", "v100")
 SCALES = (1, 2, 4, 8)

@@ -64,7 +64,8 @@ def payloads() -> dict[str, bytes]:
     from shared.wire.events import RoundStarted, Waiting, encode
     inner = 1 << 16
     outer = MIB // inner
-    nested = lambda item: _array_header(outer) + (_array_header(inner) + item * inner) * outer  # noqa: E731
+    def nested(item):
+        return _array_header(outer) + (_array_header(inner) + item * inner) * outer
     legit = RoundStarted(ts=1.0, source="scheduler", round=1, policy="hadar", started_at=1.0, ends_at=2.0,
                          waiting=tuple(Waiting(job_id=f"job-{i:05d}", code="no_gpu", detail="needs 4 x V100")
                                        for i in range(5000)))

@@ -26,8 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.scheduler.core.throughput import ThroughputModel  # noqa: E402
-from shared.domain.workloads import estimate  # noqa: E402
+from services.scheduler.core.throughput import ThroughputModel
+from shared.domain.workloads import estimate
 
 SCORED_TYPES = ("k80", "p100", "v100")
 

@@ -37,6 +37,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 from safetensors.numpy import load_file
@@ -121,7 +122,7 @@ class Cluster:
 
     # ------------------------------------------------------------------ start, stop
 
-    def __enter__(self) -> Cluster:
+    def __enter__(self) -> Self:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._mark = time.monotonic()
         servers = up(self.paths)
@@ -158,7 +159,7 @@ class Cluster:
             self._terminate(svc)
         try:   # the servers' data and logs stay in the run directory, for a post-mortem
             down(self.paths, keep_data=True)
-        except Exception:   # noqa: BLE001 -- best effort at the end of a run
+        except Exception:
             pass
         self.phase("stopped")
 
@@ -168,7 +169,7 @@ class Cluster:
     def start(self, name: str) -> None:
         """Start (or restart) one service; its output is appended to ``<name>.log``."""
         svc = self.services[name]
-        log = open(self.workdir / f"{name.replace(':', '-')}.log", "a")
+        log = open(self.workdir / f"{name.replace(':', '-')}.log", "a")  # noqa: SIM115 - the child process writes to it until it exits
         svc.proc = subprocess.Popen(svc.argv, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         svc.expected_exit = False
@@ -273,7 +274,7 @@ class Cluster:
         """Every decodable record of every topic, ``(topic, event)``; [] while the broker is away."""
         try:
             return asyncio.run(asyncio.wait_for(_read_log(self.bootstrap), 60))
-        except Exception:   # noqa: BLE001 -- the broker may be down in a scenario: try again later
+        except Exception:
             return []
 
     def completed(self, records: list[tuple[str, Event]]) -> set[str]:
@@ -389,7 +390,7 @@ async def verify_models(s3: S3Settings, models: list[ModelConsolidated], records
     for m in models:
         try:
             ok += await _verify_one(store, m, workers, scratch)
-        except Exception:   # noqa: BLE001 -- a model or replica that cannot be read does not verify
+        except Exception:
             pass
     return ok
 

@@ -32,7 +32,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.fault_harness import (  # noqa: E402
+from benchmarks.fault_harness import (
     Cluster,
     Workload,
     events_lost,
@@ -40,9 +40,9 @@ from benchmarks.fault_harness import (  # noqa: E402
     rounds_lost,
     verify_models,
 )
-from shared.bus import KafkaBus  # noqa: E402
-from shared.runtime.logging import configure_logging  # noqa: E402
-from shared.wire.events import (  # noqa: E402
+from shared.bus import KafkaBus
+from shared.runtime.logging import configure_logging
+from shared.wire.events import (
     Assignment,
     CopyFinished,
     CopyWeight,
@@ -54,7 +54,7 @@ from shared.wire.events import (  # noqa: E402
     RoundStarted,
     ThroughputEstimate,
 )
-from shared.wire.topics import ALL_TOPICS  # noqa: E402
+from shared.wire.topics import ALL_TOPICS
 
 FIELDS = ("jobs_completed", "jobs_total", "models_verified", "models_total", "events_lost", "service_crashes",
           "rounds_lost_max", "recovery_s")
@@ -179,7 +179,8 @@ async def _publish_junk(c: Cluster, count: int, rng: random.Random) -> None:
             lambda i: RoundStarted(ts=now, source="forger", round=10**6 + i, policy="hadare", started_at=now,
                                    ends_at=now + 10),
             lambda i: CopyFinished(ts=now, source="forger", job_id=job, round=i % 5, copy=7, node_id=node,
-                                   status="ok", steps_round=10**6, checkpoint=f"checkpoints/{job}/{i % 5}/9.safetensors"),
+                                   status="ok", steps_round=10**6,
+                                   checkpoint=f"checkpoints/{job}/{i % 5}/9.safetensors"),
             lambda i: ModelConsolidated(ts=now, source="forger", job_id=job, round=i % 5,
                                         key=f"models/{job}/forged-{i}.safetensors", total_steps=10**6,
                                         copies=(CopyWeight(copy=0, steps=1, weight=1.0),)),
@@ -205,7 +206,7 @@ async def _publish_junk(c: Cluster, count: int, rng: random.Random) -> None:
             else:
                 try:
                     event = forged[i % len(forged)](i)
-                except Exception:   # noqa: BLE001 -- a forgery the event checks refuse to build
+                except Exception:
                     continue
                 c.forged_ids.add(event.id)
                 await bus.publish(event)
@@ -329,15 +330,15 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="hadar-faults-"))
     out.mkdir(parents=True, exist_ok=True)
     # The harness's own log (e.g. every junk record its log reads skip) goes to a file.
-    configure_logging("faults", level="INFO", stream=open(out / "harness.log", "a", encoding="utf-8"))
+    configure_logging("faults", level="INFO", stream=open(out / "harness.log", "a", encoding="utf-8"))  # noqa: SIM115 - the harness logs there until it exits
     results: dict[str, dict] = {}
     for name in args.scenarios:
         began = time.monotonic()
         try:
             figures = run_scenario(name, scaled(workload, SCENARIO_SCALE.get(name, 1.0)), out / name)
-        except Exception as exc:   # noqa: BLE001 -- one broken scenario must not hide the others
+        except Exception as exc:
             print(f"{name}: {type(exc).__name__}: {exc}", file=sys.stderr)
-            figures = {k: 0 for k in FIELDS} | {"recovery_s": None, "jobs_total": len(workload.jobs),
+            figures = dict.fromkeys(FIELDS, 0) | {"recovery_s": None, "jobs_total": len(workload.jobs),
                                                  "error": f"{type(exc).__name__}: {exc}"[:300]}
         figures["wall_s"] = round(time.monotonic() - began, 1)
         results[name] = figures

@@ -27,15 +27,15 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decision_time import gavel_jobs, mixed_cluster  # noqa: E402
+from decision_time import gavel_jobs, mixed_cluster
 
-from services.scheduler.config import SchedulerConfig  # noqa: E402
-from services.scheduler.core.throughput import ThroughputModel  # noqa: E402
-from services.scheduler.live.rounds import RoundTiming, build_request  # noqa: E402
-from services.scheduler.live.service import SchedulerService  # noqa: E402
-from shared.bus import MemoryBus  # noqa: E402
-from shared.runtime.service import HttpEndpoint  # noqa: E402
-from shared.wire.events import (  # noqa: E402
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.core.throughput import ThroughputModel
+from services.scheduler.live.rounds import RoundTiming, build_request
+from services.scheduler.live.service import SchedulerService
+from shared.bus import MemoryBus
+from shared.runtime.service import HttpEndpoint
+from shared.wire.events import (
     GpuInfo,
     JobSpec,
     JobSubmitted,

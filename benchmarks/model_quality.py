@@ -59,22 +59,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from services.agent.protocol import StoreTarget, WorkerSpec, parse_worker_line  # noqa: E402
-from services.agent.worker.checkpoint import read_checkpoint, restore  # noqa: E402
-from services.agent.worker.main import Worker  # noqa: E402
-from services.tracker.averaging.consolidate import (  # noqa: E402
+from services.agent.protocol import StoreTarget, WorkerSpec, parse_worker_line
+from services.agent.worker.checkpoint import read_checkpoint, restore
+from services.agent.worker.main import Worker
+from services.tracker.averaging.consolidate import (
     DEFAULT_CHUNK_BYTES,
     Replica,
     weigh_replicas,
 )
-from services.tracker.model_files import ModelFiles, write_model_files  # noqa: E402
-from services.tracker.store_reader import StoreRangeReader  # noqa: E402
-from shared.domain.layout import checkpoint_key, model_key, optim_key  # noqa: E402
-from shared.domain.local_sgd import DEFAULT_SCALING, SCALINGS, LocalSgd  # noqa: E402
-from shared.store import LocalStore  # noqa: E402
-from shared.zoo import build_model, evaluate, load_dataset  # noqa: E402
+from services.tracker.model_files import ModelFiles, write_model_files
+from services.tracker.store_reader import StoreRangeReader
+from shared.domain.layout import checkpoint_key, model_key, optim_key
+from shared.domain.local_sgd import DEFAULT_SCALING, SCALINGS, LocalSgd
+from shared.store import LocalStore
+from shared.zoo import build_model, evaluate, load_dataset
 
 DEADLINE_S = 24 * 3600.0   # rounds end by step budget, never by the clock
 ARMS = ("single", "forked", "single_wall")

@@ -48,7 +48,7 @@ def run_cluster(cluster_name: str, traces: list[str], round_s: float) -> dict:
     keys = ("hadar_ttd", "hadar_cru", "hadar_jct", "hadare_ttd", "hadare_cru", "hadare_jct",
             "hadar_ttd_ceiling", "hadare_ttd_ceiling", "gavel_over_bound", "hadar_over_bound", "hadare_over_bound")
     ratios: dict[str, list[float]] = {k: [] for k in keys}
-    completed: dict[str, int] = {p: 0 for p in POLICIES}
+    completed: dict[str, int] = dict.fromkeys(POLICIES, 0)
     total = 0
     for spec in traces:
         jobs = load_trace(spec, throughput=throughput)

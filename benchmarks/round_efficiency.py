@@ -1,10 +1,10 @@
 """Round efficiency: the fraction of wall time a job kept on one GPU spends training.
 
 The live path end to end in this process (MemoryBus, LocalStore): scheduler (HadarE),
-tracker, profiler and one agent with one device (the CPU standing for a ``--emulate``
-type, unthrottled: it is its own emulation reference; or ``--device cuda``), one job that cannot finish. For each round length in ``--round-s`` it runs
-``--rounds`` rounds after a first one (the worker's first start, reported apart) and
-measures, over those rounds:
+tracker, profiler and one agent with one device (the CPU standing for a ``--emulate`` type,
+unthrottled: it is its own emulation reference; or ``--device cuda``), one job that cannot
+finish. For each round length in ``--round-s`` it runs ``--rounds`` rounds after a first one
+(the worker's first start, reported apart) and measures, over those rounds:
 
 * samples/s through the system: the copies' reported steps (CopyFinished) x batch size,
   over the wall time from the first measured RoundStarted to the RoundStarted after the
@@ -43,24 +43,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.agent.daemon.discovery import (  # noqa: E402
+from services.agent.daemon.discovery import (
     NodeDevices,
     cpu_devices,
     discover_in_subprocess,
     emulated_devices,
 )
-from services.agent.daemon.process import child_env  # noqa: E402
-from services.agent.daemon.service import AgentConfig, AgentDaemon  # noqa: E402
-from services.agent.protocol import StoreTarget  # noqa: E402
-from services.profiler.service import ProfilerConfig, ProfilerService  # noqa: E402
-from services.scheduler.config import SchedulerConfig  # noqa: E402
-from services.scheduler.live.service import SchedulerService  # noqa: E402
-from services.tracker.service import TrackerConfig, TrackerService  # noqa: E402
-from shared.bus import MemoryBus  # noqa: E402
-from shared.domain.layout import model_key  # noqa: E402
-from shared.runtime.logging import configure_logging  # noqa: E402
-from shared.store import LocalStore  # noqa: E402
-from shared.wire.events import (  # noqa: E402
+from services.agent.daemon.process import child_env
+from services.agent.daemon.service import AgentConfig, AgentDaemon
+from services.agent.protocol import StoreTarget
+from services.profiler.service import ProfilerConfig, ProfilerService
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.live.service import SchedulerService
+from services.tracker.service import TrackerConfig, TrackerService
+from shared.bus import MemoryBus
+from shared.domain.layout import model_key
+from shared.runtime.logging import configure_logging
+from shared.store import LocalStore
+from shared.wire.events import (
     Assignment,
     CopyFinished,
     Hyperparameters,
@@ -69,7 +69,7 @@ from shared.wire.events import (  # noqa: E402
     RoundStarted,
     ThroughputEstimate,
 )
-from shared.wire.topics import ALL_TOPICS, PLACEMENTS, PROGRESS, THROUGHPUT  # noqa: E402
+from shared.wire.topics import ALL_TOPICS, PLACEMENTS, PROGRESS, THROUGHPUT
 
 
 def job_spec(args: argparse.Namespace, job_id: str) -> JobSpec:

@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{i:>9} events: state +{samples[-1][1]:.1f} MB", file=sys.stderr)
     seconds = time.perf_counter() - t0
     warm = samples[0][1]
-    result = {"state": args.state + ("-unbounded" if args.unbounded else ""), "events": len(stream), "nodes": args.nodes, "rejected": rejected,
+    result = {"state": args.state + ("-unbounded" if args.unbounded else ""), "events": len(stream),
+              "nodes": args.nodes, "rejected": rejected,
               "rss_after_warmup_mb": warm, "rss_end_mb": samples[-1][1],
               "growth_after_warmup_mb": round(samples[-1][1] - warm, 1),
               "us_per_event": round(seconds / len(stream) * 1e6, 2)}

@@ -53,7 +53,7 @@ def prepare(run: Path, *, now: dt.datetime | None = None) -> BrokerSecurity:
     tls = base / "tls"
     if not (tls / "server.pem").exists():
         from shared.security.tls import make_tls  # cryptography only where a CA is made
-        make_tls(tls, hosts=TLS_HOSTS, now=now or dt.datetime.now(dt.timezone.utc))
+        make_tls(tls, hosts=TLS_HOSTS, now=now or dt.datetime.now(dt.UTC))
     return BrokerSecurity(secrets=found, ca_file=tls / "ca.pem", server_pem=tls / "server.pem")
 
 

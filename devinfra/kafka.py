@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 NAME = "kafka"
-DEFAULT_POM = Path(__file__).resolve().parents[2] / "deploy" / "kafka" / "pom.xml"
+DEFAULT_POM = Path(__file__).resolve().parents[1] / "deploy" / "kafka" / "pom.xml"
 JVM_HEAP = ("-Xms256m", "-Xmx512m")
 READY_TIMEOUT_S = 120.0
 _POM_NS = "{http://maven.apache.org/POM/4.0.0}"
@@ -117,11 +117,11 @@ EXTRA_PROPERTIES = "kafka-extra.properties"
 
 
 def extra_properties(run: Path) -> dict[str, str]:
-    """Operator overrides of the broker config: ``key=value`` lines of ``{run}/kafka-extra.properties``
-    (``#`` comments and blank lines ignored), applied at every start and restart. The file is
-    outside the server's own directory, so a fresh start does not remove it. E.g. a test
-    that needs time-based retention to act within seconds sets
-    ``log.retention.check.interval.ms`` (the broker's default checks every 5 minutes)."""
+    """Operator overrides of the broker config: ``key=value`` lines of
+    ``{run}/kafka-extra.properties`` (``#`` comments and blank lines ignored), applied at
+    every start and restart. The file is outside the server's own directory, so a fresh start
+    does not remove it. E.g. a test that needs time-based retention to act within seconds
+    sets ``log.retention.check.interval.ms`` (the broker's default checks every 5 minutes)."""
     path = run / EXTRA_PROPERTIES
     if not path.exists():
         return {}
@@ -375,12 +375,13 @@ def _metadata_lists_broker(bootstrap: str, timeout: float, security: KafkaSecuri
     # or not the caller is inside an event loop.
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         try:
-            return pool.submit(asyncio.run, _metadata_request(bootstrap, timeout, security)).result(timeout + 5)
-        except Exception:  # noqa: BLE001 -- any failure means "not ready yet"
+            request = _metadata_request(bootstrap, timeout_s=timeout, security=security)
+            return pool.submit(asyncio.run, request).result(timeout + 5)
+        except Exception:
             return False
 
 
-async def _metadata_request(bootstrap: str, timeout: float, security: KafkaSecurity | None) -> bool:
+async def _metadata_request(bootstrap: str, *, timeout_s: float, security: KafkaSecurity | None) -> bool:
     from aiokafka.client import AIOKafkaClient
 
     from shared.bus.kafka_login import security_options
@@ -388,10 +389,10 @@ async def _metadata_request(bootstrap: str, timeout: float, security: KafkaSecur
     quiet = logging.getLogger("aiokafka")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # a broker still starting refuses; that is expected here
-    client = AIOKafkaClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout * 1000),
+    client = AIOKafkaClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000),
                             **(security_options(security) if security is not None else {}))
     try:
-        await asyncio.wait_for(client.bootstrap(), timeout)
+        await asyncio.wait_for(client.bootstrap(), timeout_s)
         return bool(client.cluster.brokers())
     finally:
         await client.close()

@@ -87,6 +87,6 @@ class EmbeddedSystem:
         for service in reversed(self.services):
             try:
                 await asyncio.wait_for(service.stop(), timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         await self.store.stop()

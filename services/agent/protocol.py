@@ -93,7 +93,8 @@ class WorkerSpec:
     progress_s: float = 2.0
     threads: int = 1
     env: dict[str, str] = dataclasses.field(default_factory=dict)   # set before any CUDA call
-    local_sgd: LocalSgd = LocalSgd()  # forked copies' learning-rate recipe (shared/domain/local_sgd.py)
+    # forked copies' learning-rate recipe (shared/domain/local_sgd.py)
+    local_sgd: LocalSgd = dataclasses.field(default_factory=LocalSgd)
     # the copy's layout, which a warm DDP rank is bound to (services/agent/slots.py):
     local_gpus: tuple[int, ...] = ()  # this node's GPUs of the copy, one per entry of local_ranks
     local_ranks: tuple[int, ...] = ()  # this node's ranks of the copy
@@ -140,7 +141,8 @@ def parse_worker_line(line: str | bytes) -> dict[str, Any] | None:
         data = json.loads(line)
     except (ValueError, UnicodeDecodeError):
         return None
-    if not isinstance(data, dict) or data.get("event") not in ("started", "progress", "uploading", "finished", "failed"):
+    if not isinstance(data, dict) or data.get("event") not in ("started", "progress", "uploading", "finished",
+                                                               "failed"):
         return None
     return data
 

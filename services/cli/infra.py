@@ -1,15 +1,16 @@
 """``hadar infra up|restart|status|down``: the development Kafka and MinIO on 127.0.0.1.
 
-``up`` prints shell-ready ``HADAR_*=...`` lines on stdout without secret values (those
-are named by ``*_FILE`` paths; ``--env-file`` gets the full lines, owner-only); progress
-and timings go to stderr. ``up --secure`` starts Kafka with SASL_SSL, SCRAM users and ACLs
-and MinIO with a user per service, and writes ``$HADAR_RUN_DIR/credentials/<principal>.env``
-(see :mod:`devinfra.secure_mode`); ``secure-init`` applies the same to a running stack. A server that crashed (or was stopped
-with ``down --keep-data``) comes back from ``up`` or ``restart NAME`` with its data, port
-and credentials, so the ``HADAR_*`` settings stay valid and running services reconnect.
-``status`` exits 0 only when both servers are up and answering, and names the command
-that brings a crashed one back. ``down`` stops both and deletes their data unless
-``--keep-data``; running it twice is fine. Failures print one line and exit 1.
+``up`` prints shell-ready ``HADAR_*=...`` lines on stdout without secret values (those are
+named by ``*_FILE`` paths; ``--env-file`` gets the full lines, owner-only); progress and
+timings go to stderr. ``up --secure`` starts Kafka with SASL_SSL, SCRAM users and ACLs and
+MinIO with a user per service, and writes ``$HADAR_RUN_DIR/credentials/<principal>.env``
+(see :mod:`devinfra.secure_mode`); ``secure-init`` applies the same to a running stack. A
+server that crashed (or was stopped with ``down --keep-data``) comes back from ``up`` or
+``restart NAME`` with its data, port and credentials, so the ``HADAR_*`` settings stay valid
+and running services reconnect. ``status`` exits 0 only when both servers are up and
+answering, and names the command that brings a crashed one back. ``down`` stops both and
+deletes their data unless ``--keep-data``; running it twice is fine. Failures print one line
+and exit 1.
 """
 
 from __future__ import annotations

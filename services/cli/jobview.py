@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection, Mapping
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from services.cli.joblog import TrainingLog
@@ -140,7 +140,7 @@ def format_duration(seconds: float | None) -> str:
 
 
 def _utc_minute(ts: float) -> str:
-    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%MZ")
 
 
 def jobs_table(state: SchedulerState, *, include_done: bool, now: float | None = None,
@@ -194,7 +194,7 @@ def parse_instant(text: str) -> float | None:
     except ValueError:
         return None
     if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=timezone.utc)
+        dt = dt.replace(tzinfo=UTC)
     return dt.timestamp()
 
 

@@ -11,7 +11,7 @@ import asyncio
 import json
 import os
 from collections.abc import Callable, Iterable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from services.cli.jobview import parse_instant
@@ -71,7 +71,7 @@ def parse_position(text: str | None, flag: str) -> int | float | None:
     return when
 
 
-def _within(record: LogRecord, start: int | float | None, end: int | float | None) -> bool:
+def _within(record: LogRecord, start: float | None, end: float | None) -> bool:
     for bound, is_start in ((start, True), (end, False)):
         if bound is None:
             continue
@@ -93,7 +93,7 @@ def load_records(args: argparse.Namespace) -> list[LogRecord]:
 
 
 def _when(ts: float) -> str:
-    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%H:%M:%S.%f")[:-3]
+    return datetime.fromtimestamp(ts, tz=UTC).strftime("%H:%M:%S.%f")[:-3]
 
 
 def _round_started(e: RoundStarted) -> str:

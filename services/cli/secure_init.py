@@ -52,7 +52,7 @@ def _certs(args: argparse.Namespace) -> int:
     import datetime as dt
 
     from shared.security.tls import make_tls
-    files = make_tls(args.dir, hosts=tuple(args.host or ["kafka"]), now=dt.datetime.now(dt.timezone.utc),
+    files = make_tls(args.dir, hosts=tuple(args.host or ["kafka"]), now=dt.datetime.now(dt.UTC),
                      days=args.days)
     for path in (files.ca_cert, files.server_pem):
         print(path)

@@ -2,9 +2,10 @@
 
 Every service serves ``/healthz`` and ``/metrics`` on ``--http-host`` (default
 ``$HADAR_HTTP_HOST``, else 127.0.0.1: loopback in development; the stack sets 0.0.0.0)
-``:--http-port`` (default ``$HADAR_HTTP_PORT``, else the service's own port; the image
-sets 8080, which its HEALTHCHECK probes) and logs structlog JSON to stderr. ``/healthz`` reports state and the
-kind of the last error, never an exception's text. Each service adds its own flags from its package (`services/<name>/cli.py`).
+``:--http-port`` (default ``$HADAR_HTTP_PORT``, else the service's own port; the image sets 8080,
+which its HEALTHCHECK probes) and logs structlog JSON to stderr. ``/healthz`` reports state and the
+kind of the last error, never an exception's text. Each service adds its own flags from its package
+(`services/<name>/cli.py`).
 """
 
 from __future__ import annotations

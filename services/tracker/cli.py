@@ -44,7 +44,8 @@ def add_tracker_parser(services: argparse._SubParsersAction,
                         help="attempts at consolidating a round or completing a job before giving it up (default: 6)")
     parser.add_argument("--temp-dir", default=None, help="where consolidated models are staged")
     parser.add_argument("--consolidation-threads", type=int, default=None,
-                        help="threads that average a round's replicas (default: 1; more only help with spare memory bandwidth)")
+                        help="threads that average a round's replicas "
+                             "(default: 1; more only help with spare memory bandwidth)")
     parser.add_argument("--keep-round-models", type=int, default=None,
                         help="round models kept per running job, the latest ones (default: 2, at least 1)")
     parser.add_argument("--keep-checkpoints", dest="delete_checkpoints", action="store_const", const=False,

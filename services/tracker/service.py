@@ -114,7 +114,8 @@ class TrackerService:
         self._m = TrackerMetrics(r)
         self._produce = Consolidator(store=store, config=self.config, clock=self.clock, metrics=self._m,
                                       log=self._log)
-        self.snapshots = (SnapshotStore(store, owner=self.config.group, service=SERVICE, keep=self.config.snapshots_kept,
+        self.snapshots = (SnapshotStore(store, owner=self.config.group, service=SERVICE,
+                                        keep=self.config.snapshots_kept,
                                         log=self._log) if self.config.snapshot_every else None)
         self._folded: dict[str, int] = {}        # "topic:partition" -> next offset not folded
         self._fold_lock = asyncio.Lock()         # the consumer folds, or a snapshot is taken
@@ -228,7 +229,7 @@ class TrackerService:
             await self.process_due()
             try:
                 await asyncio.wait_for(self._wake.wait(), self.config.tick_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def process_due(self) -> None:

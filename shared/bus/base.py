@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Self
 
 from shared.errors import HadarError
 from shared.wire.events import (
@@ -142,7 +143,7 @@ class Subscription(abc.ABC):
     async def stop(self) -> None:
         """Commit acked offsets and leave the group. Idempotent; iteration then ends."""
 
-    async def __aenter__(self) -> Subscription:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
@@ -168,7 +169,7 @@ class Bus(abc.ABC):
         """Stop every subscription (committing acked offsets), flush pending publishes,
         disconnect. Idempotent."""
 
-    async def ping(self, timeout_s: float = 5.0) -> None:
+    async def ping(self, timeout_s: float = 5.0) -> None:  # noqa: B027 - a default, not abstract
         """Raise a retriable :class:`BusError` if the broker cannot be reached now (within
         ``timeout_s``). A bus without a broker is always reachable."""
 
@@ -224,13 +225,14 @@ class Bus(abc.ABC):
         seconds (the first record at/after it), an offset per partition (``{partition:
         offset}``, e.g. the offsets a state snapshot covers; partitions not named as for
         None), or None (the log start / the end offsets current when the iteration starts).
-        An offset below the log start (deleted by retention) starts at the log start. Records appended after that are never
-        yielded, so replay always terminates. Partition order always holds: if timestamps
-        within a partition go backwards (producers' clocks disagree) the merge keeps each
-        partition in offset order. Undecodable records are skipped (consumers dead-letter
-        them). An unknown topic yields nothing. ``ack()`` on these deliveries is a no-op.
-        To stop early, iterate under ``contextlib.aclosing`` so the Kafka reader closes at
-        once rather than when the generator is garbage-collected.
+        An offset below the log start (deleted by retention) starts at the log start.
+        Records appended after that are never yielded, so replay always terminates.
+        Partition order always holds: if timestamps within a partition go backwards
+        (producers' clocks disagree) the merge keeps each partition in offset order.
+        Undecodable records are skipped (consumers dead-letter them). An unknown topic
+        yields nothing. ``ack()`` on these deliveries is a no-op. To stop early, iterate
+        under ``contextlib.aclosing`` so the Kafka reader closes at once rather than when
+        the generator is garbage-collected.
         """
 
 
@@ -315,7 +317,7 @@ def topic_list(topics: str | Iterable[str]) -> tuple[str, ...]:
 
 
 def check_position(name: str, value: Position) -> Position:
-    if value is None or isinstance(value, float) and math.isfinite(value):
+    if value is None or (isinstance(value, float) and math.isfinite(value)):
         return value
     if isinstance(value, Mapping):
         if all(_natural(k) and _natural(v) for k, v in value.items()):

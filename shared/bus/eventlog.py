@@ -54,7 +54,7 @@ def write_log(path: str | Path, records: Iterable[LogRecord]) -> int:
 
 def read_log(path: str | Path) -> Iterator[LogRecord]:
     try:
-        fh = open(path, "rb")
+        fh = open(path, "rb")  # noqa: SIM115 - opened apart to name an unreadable log; closed by "with fh"
     except OSError as exc:
         raise EventLogError(f"cannot read event log {path}: {exc.strerror}") from None
     with fh:

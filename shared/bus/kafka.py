@@ -79,11 +79,11 @@ class KafkaBus(Bus):
     a start that fails for a security reason raises a non-retriable BusError whose one
     line names the setting (:mod:`shared.bus.kafka_login`).
 
-    Its consumer-group members (:class:`~shared.bus.kafka_group.KafkaSubscription`) use
-    only :attr:`is_started`, :meth:`ensure_known`, :meth:`client_options`,
-    :meth:`register`/:meth:`unregister`, :meth:`~shared.bus.base.Bus.publish` and the attributes ``clock``,
-    ``source`` and ``commit_interval_s``. That interface is for this package, not for
-    services, which use the :class:`~shared.bus.base.Bus` contract.
+    Its consumer-group members (:class:`~shared.bus.kafka_group.KafkaSubscription`) use only
+    :attr:`is_started`, :meth:`ensure_known`, :meth:`client_options`,
+    :meth:`register`/:meth:`unregister`, :meth:`~shared.bus.base.Bus.publish` and the
+    attributes ``clock``, ``source`` and ``commit_interval_s``. That interface is for this
+    package, not for services, which use the :class:`~shared.bus.base.Bus` contract.
     """
 
     def __init__(self, bootstrap: str, *, partitions: int = 3, replication_factor: int = 1,
@@ -123,7 +123,7 @@ class KafkaBus(Bus):
         try:
             await producer.start()
             await admin.start()
-        except (KafkaError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, KafkaError, OSError) as exc:
             await producer.stop()
             await admin.close()
             reason = await diagnose(self.bootstrap, self.security) if self.security.protocol != "PLAINTEXT" else None
@@ -160,7 +160,7 @@ class KafkaBus(Bus):
                    for t in names]
         try:
             response = await self._admin.create_topics(request)
-        except (KafkaError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, KafkaError, OSError) as exc:
             raise bus_error("create topics", exc) from exc
         for topic, code, message in (e[:3] for e in response.topic_errors):
             if code == TOPIC_AUTHORIZATION_FAILED:
@@ -191,7 +191,7 @@ class KafkaBus(Bus):
             future = await self._producer.send(
                 topic, value=value, key=key.encode() if key is not None else None, partition=partition,
                 timestamp_ms=int(self.clock.time() * 1000))
-        except (KafkaError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, KafkaError, OSError) as exc:
             raise bus_error(f"publish to {topic}", exc) from exc
         return _durable(topic, future)
 
@@ -200,7 +200,7 @@ class KafkaBus(Bus):
         assert self._admin is not None
         try:
             (described,) = await self._admin.describe_topics([topic])
-        except (KafkaError, OSError, asyncio.TimeoutError):
+        except (TimeoutError, KafkaError, OSError):
             return False
         if described["error_code"] == TOPIC_AUTHORIZATION_FAILED:
             return None
@@ -219,7 +219,7 @@ class KafkaBus(Bus):
         check_position("end", end)
         try:
             partitions = await _partitions(self._admin, check_topic(topic))
-        except (KafkaError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, KafkaError, OSError) as exc:
             raise bus_error(f"replay {topic}", exc) from exc
         if not partitions:
             return
@@ -231,7 +231,7 @@ class KafkaBus(Bus):
             bounds = await _replay_bounds(consumer, topic, partitions, start, end)
             async for delivery in _merged(consumer, bounds):
                 yield delivery
-        except (KafkaError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, KafkaError, OSError) as exc:
             raise bus_error(f"replay {topic}", exc) from exc
         finally:
             await consumer.stop()
@@ -295,7 +295,7 @@ class KeyPartitioner:
 async def _durable(topic: str, future: asyncio.Future[Any]) -> tuple[int, int]:
     try:
         meta = await future
-    except (KafkaError, OSError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, KafkaError, OSError) as exc:
         raise bus_error(f"publish to {topic}", exc) from exc
     return meta.partition, meta.offset
 
@@ -329,7 +329,7 @@ async def _replay_bounds(consumer: AIOKafkaConsumer, topic: str, partitions: lis
             return {tp: last[tp] if found.get(tp) is None else found[tp].offset for tp in tps}
         if isinstance(position, Mapping):
             return {tp: position.get(tp.partition, default[tp]) for tp in tps}
-        return {tp: position for tp in tps}
+        return dict.fromkeys(tps, position)
 
     lo, hi = await resolve(start, first), await resolve(end, last)
     bounds = {}

@@ -99,7 +99,7 @@ class KafkaSubscription(Subscription):
         self._consumer = consumer
         try:
             await consumer.start()
-        except (KafkaError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, KafkaError, OSError) as exc:
             self._consumer = None
             await consumer.stop()
             raise bus_error(f"join group {self.group}", exc) from exc
@@ -214,7 +214,7 @@ class KafkaSubscription(Subscription):
                 return
             try:
                 await self._consumer.commit(offsets)
-            except (KafkaError, OSError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, KafkaError, OSError) as exc:
                 log.warning("bus.commit.failed", group=self.group, error=f"{type(exc).__name__}: {exc}")
                 return
             for tp, point in offsets.items():

@@ -83,7 +83,7 @@ async def diagnose(bootstrap: str, security: KafkaSecurity, *, timeout_s: float 
             return (f"HADAR_KAFKA_SASL_MECHANISM={security.mechanism}: the kafka broker at {address} "
                     f"does not accept it ({name})")
         return None
-    except (OSError, asyncio.TimeoutError):
+    except (TimeoutError, OSError):
         return None
     conn.close()
     return None

@@ -191,7 +191,7 @@ def _rebalance(group: _Group) -> None:
         member.assign(tps, group.committed)
 
 
-def _bound(records: list[_Record], position: int | float | None, default: int) -> int:
+def _bound(records: list[_Record], position: float | None, default: int) -> int:
     """Index in ``records`` (offset == index) of a start/end position."""
     if position is None:
         return default

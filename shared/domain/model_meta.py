@@ -267,7 +267,8 @@ def _copy_weight(item: Any) -> CopyWeight:
 def _rejection(item: Any) -> Rejection:
     fields = _json_object("rejected", item, frozenset({"copy", "reason"}))
     if not isinstance(fields["reason"], str):
-        raise InvalidModelMetadata(f"model metadata: rejected.reason: expected a string, got {_short(fields['reason'])}")
+        got = _short(fields["reason"])
+        raise InvalidModelMetadata(f"model metadata: rejected.reason: expected a string, got {got}")
     return _record(Rejection, copy=_json_count("rejected.copy", fields["copy"]), reason=fields["reason"])
 
 

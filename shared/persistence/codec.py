@@ -12,13 +12,13 @@ tree as msgpack, :func:`unpack` gives back an equal tree of the same types. Guar
   classes) and enums are written under the stable name they were registered with
   (:func:`snapshot_type`, next to the class: ``"policy.hadar.LedgerState"``), never their
   module path, so moving or renaming a module changes nothing on disk; decoding an
-  unregistered name fails. ``formerly`` lists the names earlier versions wrote (module
-  paths before names were stable), so their snapshots still load. Wire records
-  (``JobSpec``...) are registered here, as ``"wire.<Class>"``. Instances are rebuilt without calling ``__init__`` (attributes
-  set one by one), so a class's constructor checks and side effects do not run twice.
-  Events travel as their own wire form (:func:`shared.wire.events.encode`) and are decoded and
-  validated by :func:`shared.wire.events.decode`; nested records (``JobSpec``) by their codec.
-  numpy arrays only of numeric or bool dtypes (never ``object``), as raw bytes.
+  unregistered name fails. ``formerly`` lists the names earlier versions wrote (module paths
+  before names were stable), so their snapshots still load. Wire records (``JobSpec``...) are
+  registered here, as ``"wire.<Class>"``. Instances are rebuilt without calling ``__init__``
+  (attributes set one by one), so a class's constructor checks and side effects do not run
+  twice. Events travel as their own wire form (:func:`shared.wire.events.encode`) and are
+  decoded and validated by :func:`shared.wire.events.decode`; nested records (``JobSpec``) by
+  their codec. numpy arrays only of numeric or bool dtypes (never ``object``), as raw bytes.
 * **Fail closed.** Anything :func:`unpack` cannot rebuild raises :class:`SnapshotDecodeError`.
   Integrity (checksums, versions) is the format's job: :mod:`shared.persistence.snapshot`.
 """
@@ -122,7 +122,7 @@ def _ext(tag: int, value: Any) -> msgpack.ExtType:
     return msgpack.ExtType(tag, pack(value))
 
 
-def _default(value: Any) -> Any:  # noqa: C901 -- one branch per carried type
+def _default(value: Any) -> Any:
     t = type(value)
     if t is tuple:
         return _ext(_TUPLE, list(value))
@@ -167,7 +167,7 @@ def _cls(name: Any) -> type:
     return cls
 
 
-def _ext_hook(tag: int, data: bytes) -> Any:  # noqa: C901 -- one branch per carried type
+def _ext_hook(tag: int, data: bytes) -> Any:
     if tag == _EVENT:
         try:
             return decode(data)

@@ -2,9 +2,10 @@
 
 Settings come from flags or the environment (``HADAR_BOOTSTRAP``, ``HADAR_KAFKA_*``,
 ``HADAR_S3_ENDPOINT``, ``HADAR_S3_BUCKET``, ``HADAR_S3_ACCESS_KEY``, ``HADAR_S3_SECRET_KEY``,
-see :mod:`shared.bus.settings` and :mod:`shared.store.settings`); a flag wins over its variable. Secret values are read from the
-environment or from files (``*_FILE``, ``--kafka-password-file``: docker secrets), never
-from a flag's value (a command line is visible to every local user), and never printed.
+see :mod:`shared.bus.settings` and :mod:`shared.store.settings`); a flag wins over its
+variable. Secret values are read from the environment or from files (``*_FILE``,
+``--kafka-password-file``: docker secrets), never from a flag's value (a command line is
+visible to every local user), and never printed.
 
 Guarantees: a missing or malformed setting raises :class:`~shared.errors.UsageError` with
 one line naming the flag and the variable, before any connection is attempted.

@@ -32,7 +32,7 @@ import logging
 import sys
 import threading
 import traceback
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, TextIO
 
 import structlog
@@ -101,7 +101,7 @@ class _JsonLinesHandler(logging.StreamHandler[TextIO]):
                 "event": f"could not format a log record: {str(record.msg)[:500]}",
                 "exception": traceback.format_exc().rstrip(), "level": "error", "logger": record.name,
                 "service": self._service,
-                "timestamp": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z"),
+                "timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
             }, sort_keys=True, default=repr)
             self.stream.write(line + "\n")
             self.flush()

@@ -86,7 +86,7 @@ class BusWatchdog:
                     return
             try:
                 await asyncio.wait_for(stop.wait(), self._interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
 
@@ -167,7 +167,7 @@ async def run_service(service: Service, *, http_host: str = "127.0.0.1", http_po
         log.info("service.draining", timeout_s=drain_timeout_s)
         try:
             await asyncio.wait_for(service.stop(), drain_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.error("service.drain_timeout", timeout_s=drain_timeout_s)
         log.info("service.stopped")
     finally:

@@ -105,7 +105,7 @@ async def apply_acls(admin: AIOKafkaAdminClient, acls: Iterable[KafkaAcl] | None
     wanted = list(all_acls() if acls is None else acls)
     if not wanted:
         return 0
-    response = await admin._send_request(CreateAcls(wanted))  # noqa: SLF001 -- no public hook
+    response = await admin._send_request(CreateAcls(wanted))
     for acl, (code, message, *_rest) in zip(wanted, response.results, strict=True):
         if code:
             error = for_code(code)

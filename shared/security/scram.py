@@ -95,7 +95,7 @@ async def upsert_users(admin: AIOKafkaAdminClient, passwords: Mapping[str, str],
         salt = random_bytes(32)
         upserts.append((user, MECHANISM_CODES[mechanism], ITERATIONS, salt,
                         salted_password(mechanism, password, salt)))
-    response = await admin._send_request(AlterUserScramCredentials(upserts))  # noqa: SLF001 -- no public hook
+    response = await admin._send_request(AlterUserScramCredentials(upserts))
     for user, code, message, *_ in response.results:
         if code:
             error = for_code(code)

@@ -130,7 +130,7 @@ class LocalStore:
             if target.is_dir():
                 raise InvalidKey(f"key {key!r} is a prefix of existing objects (a LocalStore limit)")
             try:
-                out = open(tmp, "xb")
+                out = open(tmp, "xb")  # noqa: SIM115 - retried in a loop; closed below
                 break
             except FileNotFoundError:
                 # A concurrent delete pruned the directory, empty until our temporary file

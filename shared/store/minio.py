@@ -207,7 +207,7 @@ class MinioStore:
             if exc.code not in _BUCKET_TAKEN_CODES:
                 raise
 
-    def _open(self, key: str, offset: int, length: int):  # noqa: ANN202 -- urllib3 response
+    def _open(self, key: str, offset: int, length: int):
         try:
             return self._client.get_object(self.bucket, key, offset=offset, length=length)
         except S3Error as exc:

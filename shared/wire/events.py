@@ -216,12 +216,12 @@ class Assignment(Event):
     spanning nodes (Hadar's task-level placement) names ``rendezvous`` (host:port of rank 0)
     and ``peers``, the node of every rank in rank order (its agents keep the ranks' worker
     processes and process group across rounds while the peers stay the same; without
-    ``peers`` they start new ones every round). ``start_from`` is the store key of the
-    model to start from (None: initialise from seed).
-    ``copies`` is how many copies of the job run this round (HadarE forks; 1 otherwise) and
-    ``fork_workers`` the workers of all of them together (K; 0: not stated, as in records
-    written before the field existed): what a copy's local-SGD recipe (``shared/domain/local_sgd.py``)
-    scales by. With more than one copy K is at least this copy's ``world_size``.
+    ``peers`` they start new ones every round). ``start_from`` is the store key of the model
+    to start from (None: initialise from seed). ``copies`` is how many copies of the job run
+    this round (HadarE forks; 1 otherwise) and ``fork_workers`` the workers of all of them
+    together (K; 0: not stated, as in records written before the field existed): what a
+    copy's local-SGD recipe (``shared/domain/local_sgd.py``) scales by. With more than one
+    copy K is at least this copy's ``world_size``.
     """
 
     TYPE: ClassVar[str] = "Assignment"
@@ -320,7 +320,8 @@ class ModelConsolidated(Event):
     """A round's model is stored at ``key``. ``metric_name``/``metric_value``: the model's
     held-out metric (``shared.zoo.evaluate``: "accuracy", higher is better, or "mse", lower
     is better), computed by the tracker on the dataset's test split; absent (``metric_value``
-    None; the tracker then leaves ``metric_name`` "") when it could not be computed (a model the zoo cannot rebuild, one too large to
+    None; the tracker then leaves ``metric_name`` "") when it could not be computed (a model
+    the zoo cannot rebuild, one too large to
     evaluate, or a model announced from an earlier run's file)."""
 
     TYPE: ClassVar[str] = "ModelConsolidated"

@@ -186,7 +186,7 @@ def _predicate(test: str | None, label: str, *, pairs: bool = False) -> Callable
 def _define(source: str, name: str, namespace: dict[str, Any], label: str) -> Any:
     filename = f"<record_codec {label}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # for tracebacks
-    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - code generated from annotations
+    exec(compile(source, filename, "exec"), namespace)
     return namespace[name]
 
 

@@ -127,7 +127,8 @@ def _from_wire(fields: list[Field], checks: tuple[str, ...]) -> list[str]:
              "            pass", "        except KeyError:", f"            {explain}", "    else:"]
     if optional:
         lines += ["        try:", *(f"            v{f.index} = data[{f.name!r}]" for f in required),
-                  "            pass", "        except KeyError:", f"            {explain}", f"        n = {len(required)}"]
+                  "            pass", "        except KeyError:", f"            {explain}",
+                  f"        n = {len(required)}"]
         for f in optional:
             lines += [f"        v{f.index} = data.get({f.name!r}, _M)", f"        if v{f.index} is not _M: n += 1"]
         lines.append(f"        if len(data) != n: {explain}")

@@ -380,7 +380,7 @@ async def test_read_starts_each_partition_at_its_own_offset(bus_kind, clock) -> 
         assert {(d.partition, d.offset) for d in got} == expected
         ends = await read_all(bus, topic, start={named: 1}, end={named: 2})
         assert {(d.partition, d.offset) for d in ends if d.partition == named} == {(named, 1)}
-        assert not await read_all(bus, topic, start={p: 100 for p in partitions})
+        assert not await read_all(bus, topic, start=dict.fromkeys(partitions, 100))
         with pytest.raises(ValueError):
             await read_all(bus, topic, start={named: -1})
 

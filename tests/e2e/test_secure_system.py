@@ -61,7 +61,7 @@ def test_a_job_completes_with_every_service_as_its_own_principal(secure_servers,
     leaks: list[str] = []
 
     def serve(principal: str, *args: str) -> None:
-        log = open(tmp_path / f"{principal}.log", "w")
+        log = open(tmp_path / f"{principal}.log", "w")  # noqa: SIM115 - the child process writes to it until it exits
         procs.append(subprocess.Popen([*HADAR, "serve", principal, *args, "--http-port", "0"],
                                       env=principal_env(secure_servers, principal), cwd=ROOT, stdout=log,
                                       stderr=subprocess.STDOUT, start_new_session=True))

@@ -70,7 +70,7 @@ def _hadar(args: list[str], env: dict[str, str], **kw) -> subprocess.CompletedPr
 
 
 def _service(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    fh = open(log, "w")
+    fh = open(log, "w")  # noqa: SIM115 - the child process writes to it until it exits
     return subprocess.Popen(HADAR + ["serve", *args, "--http-port", "0"], env=env,
                             cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -93,7 +93,7 @@ def _not_json_lines(workdir: Path) -> list[str]:
                 record = json.loads(line)
             except ValueError:
                 record = None
-            if not (isinstance(record, dict) and STABLE_KEYS <= record.keys()):
+            if not (isinstance(record, dict) and record.keys() >= STABLE_KEYS):
                 bad.append(f"{path.name}:{n}: {line[:200]}")
     return bad
 
@@ -206,8 +206,8 @@ async def _fetch(store: MinioStore, key: str, path: Path) -> Path:
 async def _check_average(store: MinioStore, event: ModelConsolidated, workers: dict[int, int],
                          tmp: Path) -> None:
     """Recompute the samples-weighted average (steps x the copy's ``workers``; equal weights
-    when every copy did 0 steps, as ``services/tracker/averaging/weighing.py`` states) from the stored
-    replicas; compare with the model."""
+    when every copy did 0 steps, as ``services/tracker/averaging/weighing.py`` states) from
+    the stored replicas; compare with the model."""
     model = load_file(str(await _fetch(store, event.key, tmp / "model.safetensors")))
     replicas = []
     for c in event.copies:

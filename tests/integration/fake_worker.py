@@ -1,15 +1,16 @@
-"""A stand-in for ``python -m services.agent.worker.main`` that speaks the worker protocol without torch.
+"""A stand-in for ``python -m services.agent.worker.main`` that speaks the worker protocol
+without torch.
 
 Reads WorkerSpecs (JSON lines) from stdin until it closes; for each, reports ``started``,
 "trains" one step every ``STEP_S`` seconds (reporting ``progress`` every ``progress_s``)
 until the step budget, the deadline, a stop line for its copy or SIGTERM, then reports
-``finished`` (``ok``/``preempted``) with the spec's checkpoint key; it writes no
-checkpoint. Like the real worker it stays for the next spec of a single-rank copy and
-exits after SIGTERM or a copy with a rendezvous. A spec whose model is ``crash`` exits
-with code 3 without reporting; one whose model is ``slow-upload`` reports ``uploading`` after
-training and takes ``UPLOAD_S`` to "upload" its checkpoint (a store retrying through an
-outage), ignoring stop requests and SIGTERM meanwhile, as the real worker does. Starts in tens of milliseconds, so agent tests can run
-many copies.
+``finished`` (``ok``/``preempted``) with the spec's checkpoint key; it writes no checkpoint.
+Like the real worker it stays for the next spec of a single-rank copy and exits after SIGTERM
+or a copy with a rendezvous. A spec whose model is ``crash`` exits with code 3 without
+reporting; one whose model is ``slow-upload`` reports ``uploading`` after training and takes
+``UPLOAD_S`` to "upload" its checkpoint (a store retrying through an outage), ignoring stop
+requests and SIGTERM meanwhile, as the real worker does. Starts in tens of milliseconds, so
+agent tests can run many copies.
 
 Run through an executable wrapper (see ``fake_python`` in the tests): the daemon starts it
 as ``PYTHON -m services.agent.worker.main`` and the wrapper ignores those arguments.

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -37,7 +36,6 @@ from shared.wire.events import (
 from shared.wire.topics import DEADLETTER, PLACEMENTS, PROGRESS
 
 NODE = "n1"
-FAKE_WORKER = Path(__file__).with_name("fake_worker.py")
 
 
 def spec(job_id: str, model: str = "resnet") -> JobSpec:
@@ -57,15 +55,6 @@ def assign(job_id: str, round_: int, *, budget: int = 5, gpus: tuple[int, ...] =
 def round_started(round_: int) -> RoundStarted:
     now = time.time()
     return RoundStarted(ts=now, source="scheduler", round=round_, policy="hadare", started_at=now, ends_at=now + 60)
-
-
-@pytest.fixture
-def fake_python(tmp_path: Path) -> str:
-    """An executable the daemon runs as its ``python``: it runs the fake worker, whatever the arguments."""
-    script = tmp_path / "fake-python"
-    script.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE_WORKER}\n")
-    script.chmod(0o755)
-    return str(script)
 
 
 class FlakyBus(MemoryBus):

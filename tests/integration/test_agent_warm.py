@@ -27,7 +27,7 @@ from shared.store.settings import S3Settings
 from shared.wire.events import CopyFinished, RoundStarted
 from shared.wire.topics import PLACEMENTS
 from shared.zoo import build_model, load_dataset, loss_function, make_optimizer
-from tests.integration.test_agent import assign, job, one_thread, start_agent  # noqa: F401  (fixture)
+from tests.integration.test_agent import assign, job, start_agent
 
 STEPS = 20
 

@@ -31,7 +31,7 @@ from shared.store.settings import S3Settings
 from shared.wire.events import Progress, RoundStarted
 from shared.wire.topics import PLACEMENTS
 from shared.zoo import build_model, load_dataset
-from tests.integration.test_agent import assign, job, one_thread, start_agent  # noqa: F401  (fixture)
+from tests.integration.test_agent import assign, job, start_agent
 from tests.integration.test_agent_warm import averaged_with_seed
 
 STEPS = 10

@@ -59,7 +59,7 @@ def test_scripted_session_on_kafka(kafka_bootstrap: str, monkeypatch: pytest.Mon
     _publish(kafka_bootstrap, JobSubmitted(ts=now, source="test", job=spec, submitted_at=now))
 
     assert main(["status", job, "--json"]) == 0
-    out, err = capsys.readouterr()
+    out, _err = capsys.readouterr()
     assert json.loads(out)["state"] == "waiting" and "bus.read.skip" not in out
 
     assert main(["submit", "--id", job, "--model", "resnet", "--dataset", "digits", "--workers", "1",

@@ -1,4 +1,5 @@
-"""Long outages of Kafka and MinIO, under the limits that end a service, cost nothing (issue 13 item 4).
+"""Long outages of Kafka and MinIO, under the limits that end a service, cost nothing (issue
+13 item 4).
 
 A private broker and MinIO (their own run directory, never the session's) are SIGKILLed
 together, as a host outage would take both, while an agent on the broker runs a copy (the
@@ -48,7 +49,7 @@ from shared.store import MinioStore
 from shared.store.settings import S3Settings
 from shared.wire.events import CopyFinished, Event, Progress, RoundStarted
 from shared.wire.topics import PROGRESS
-from tests.integration.test_agent_hostile import NODE, assign, fake_python  # noqa: F401 (fixture)
+from tests.integration.test_agent_hostile import NODE, assign
 from tests.required import unavailable
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

@@ -57,7 +57,7 @@ async def run_and_restart(tmp_path, damage=None) -> tuple[ProfilerService, Memor
     await until(lambda: _has(bus, {"a", "b", "c"}))
     for steps in (0, 100, 300):            # 10 then 20 steps/s: EWMA 15 with alpha 0.5
         await bus.publish(progress(clock, "a", steps))
-        await until(lambda: _true(first.state.rate("a", "v100", 1) is not None or steps == 0))
+        await until(lambda steps=steps: _true(first.state.rate("a", "v100", 1) is not None or steps == 0))
         clock.advance(10)
     await until(lambda: _true(first.state.rate("a", "v100", 1) == pytest.approx(15.0)))
     await first.write_snapshot()

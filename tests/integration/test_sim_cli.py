@@ -119,7 +119,8 @@ def policy_metrics(ttd: float | None, cru: float, jct: float, unfinished: tuple[
 def test_report_ratios_against_gavel() -> None:
     cluster = parse_cluster("v100:1")
     summary = build_summary(cluster=cluster, trace="t", jobs=3, bounds=TtdBounds(ttd_fork_s=1800, ttd_nofork_s=3600),
-                            metrics={"gavel": policy_metrics(7200, 0.5, 3600), "hadar": policy_metrics(3600, 0.75, 1800)},
+                            metrics={"gavel": policy_metrics(7200, 0.5, 3600),
+                                     "hadar": policy_metrics(3600, 0.75, 1800)},
                             gangs_only={"gavel": True, "hadar": True})
     assert summary["policies"]["hadar"]["vs_gavel"] == {"ttd": 2.0, "cru": 1.5, "jct_mean": 2.0, "jct_median": 2.0}
     assert summary["policies"]["gavel"]["ttd_over_bound"] == 2.0
@@ -145,7 +146,7 @@ def test_ratios_only_between_runs_that_completed_the_same_jobs() -> None:
     policies = summary["policies"]
     assert policies["gavel"]["ttd_s"] is None and policies["gavel"]["ttd_over_bound"] is None
     assert policies["hadar"]["vs_gavel"] == {"ttd": None, "cru": 1.2, "jct_mean": 2.0, "jct_median": 2.0}
-    assert policies["hadare"]["vs_gavel"] == {k: None for k in RATIO_KEYS}
+    assert policies["hadare"]["vs_gavel"] == dict.fromkeys(RATIO_KEYS)
     assert policies["hadare"]["ttd_over_bound"] == 3.0
     text = format_text_table(policies)
     ttd_row = next(line for line in text.splitlines() if line.startswith("TTD (h)"))

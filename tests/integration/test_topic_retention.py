@@ -29,7 +29,7 @@ from shared.store import LocalStore
 from shared.wire.events import Assignment, JobSubmitted
 from shared.wire.retention import topic_configs
 from shared.wire.topics import ALL_TOPICS, JOBS, MODELS, NODES, PLACEMENTS, THROUGHPUT
-from tests.integration.retention_kafka import private_bootstrap, set_retention  # noqa: F401 (a fixture)
+from tests.integration.retention_kafka import set_retention
 
 pytestmark = pytest.mark.kafka
 UNKNOWN_TOPIC = 3

@@ -48,7 +48,7 @@ class SlowReads:
         self._inner = inner
         self.reads = 0
 
-    def __getattr__(self, name: str):  # noqa: ANN204 - delegate the rest of the port
+    def __getattr__(self, name: str):
         return getattr(self._inner, name)
 
     async def get_range(self, key: str, offset: int, length: int) -> bytes:

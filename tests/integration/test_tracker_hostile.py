@@ -345,7 +345,7 @@ class FailingModelStore:
         self.failing_key = failing_key
         self.failures = 0
 
-    def __getattr__(self, name: str):  # noqa: ANN204 - delegate the rest of the port
+    def __getattr__(self, name: str):
         return getattr(self._inner, name)
 
     async def put_file(self, key: str, path: Path) -> None:

@@ -167,7 +167,7 @@ class NoModelWrites:
     def __init__(self, inner: LocalStore) -> None:
         self._inner = inner
 
-    def __getattr__(self, name: str):  # noqa: ANN204 - delegate the rest of the port
+    def __getattr__(self, name: str):
         return getattr(self._inner, name)
 
     async def put_file(self, key: str, path: Path) -> None:
@@ -201,7 +201,7 @@ class FailingDeletes:
         self.failing = failing
         self.failures = 0
 
-    def __getattr__(self, name: str):  # noqa: ANN204 - delegate the rest of the port
+    def __getattr__(self, name: str):
         return getattr(self._inner, name)
 
     async def delete(self, key: str) -> None:
@@ -237,7 +237,8 @@ async def test_a_restarted_tracker_deletes_what_was_missed(memory_bus: MemoryBus
     try:
         await run_rounds(memory_bus, local_store, job, range(3))
         await wait_for(memory_bus, "j-restart", lambda es: any(isinstance(e, JobCompleted) for e in es))
-        await eventually(lambda: (first.registry.get_sample_value("hadar_tracker_object_deletions_failed_total") or 0) > 0)
+        failed = "hadar_tracker_object_deletions_failed_total"
+        await eventually(lambda: (first.registry.get_sample_value(failed) or 0) > 0)
     finally:
         await first.stop()
     assert len(await keys(local_store, "j-restart")) == 7   # 3 checkpoints, 3 round models, final
@@ -254,7 +255,8 @@ def counts(service: TrackerService) -> tuple[float | None, ...]:
     """Checkpoints deleted, models deleted, failed listings or deletions."""
     value = service.registry.get_sample_value
     return (value("hadar_tracker_objects_deleted_total", {"kind": "checkpoint"}),
-            value("hadar_tracker_objects_deleted_total", {"kind": "model"}), value("hadar_tracker_object_deletions_failed_total"))
+            value("hadar_tracker_objects_deleted_total",
+                  {"kind": "model"}), value("hadar_tracker_object_deletions_failed_total"))
 
 
 async def _equals(found: object, expected: set[str]) -> bool:

@@ -35,7 +35,7 @@ from shared.domain.layout import final_key, model_key
 from shared.store import LocalStore, ObjectStore
 from shared.wire.events import JobSubmitted, RoundStarted
 from shared.wire.topics import JOBS, MODELS, PLACEMENTS, PROGRESS
-from tests.integration.retention_kafka import private_bootstrap, set_retention  # noqa: F401 (a fixture)
+from tests.integration.retention_kafka import set_retention
 from tests.integration.test_tracker_service import T0, spec, tensors
 from tests.integration.test_tracker_service import finish as finish_copy
 from tests.integration.test_tracker_snapshot import (
@@ -97,11 +97,11 @@ def _state(service: TrackerService, renamed: dict[str, str]) -> dict[str, Any]:
     """What the tracker holds per job that is still running: credited worker-steps, the last
     decided round and the latest model (names renamed), and how many jobs it finished."""
     jobs = {}
-    for job_id, job in service.state._jobs.items():   # noqa: SLF001 -- the state is what is compared
+    for job_id, job in service.state._jobs.items():
         if job_id in renamed:
             jobs[renamed[job_id]] = (job.consolidated_worker_steps, job.floor,
                                      None if job.model_key is None else job.model_key.replace(job_id, renamed[job_id]))
-    return {"jobs": jobs, "finished": sorted(renamed[j] for j in renamed if j in service.state._finished)}  # noqa: SLF001
+    return {"jobs": jobs, "finished": sorted(renamed[j] for j in renamed if j in service.state._finished)}
 
 
 async def scenario(bus: Bus, store: ObjectStore, *, retention: tuple[str, FakeClock] | None = None) -> dict[str, Any]:
@@ -127,7 +127,7 @@ async def scenario(bus: Bus, store: ObjectStore, *, retention: tuple[str, FakeCl
         # is owed, so the newest covers the last old round of both jobs.
         await asyncio.sleep(0.3)
         await until("the last old round's snapshot",
-                    lambda: asyncio.sleep(0, written(service) >= 1 and service._decided == 0))  # noqa: SLF001
+                    lambda: asyncio.sleep(0, written(service) >= 1 and service._decided == 0))
         if retention is not None:
             bootstrap, clock = retention
             await service.stop()

@@ -138,7 +138,8 @@ async def full_scenario(bus: Bus, store: ObjectStore) -> None:
         (second,) = consolidations(events, r1)
         assert second.total_steps == 300 and [c.weight for c in second.copies] == [1.0]
         (done,) = [e for e in events if isinstance(e, JobCompleted)]
-        assert done.final_key == final_key(job_id) and done.total_steps == 300  # 160 + 200 trained; credited up to its 300 iterations
+        # 160 + 200 trained; credited up to its 300 iterations
+        assert done.final_key == final_key(job_id) and done.total_steps == 300
         assert done.jct_s == pytest.approx(done.completed_at - (T0 - 100))
         # The final model is a copy of the last round model, which the tracker may already have
         # deleted (tests/integration/test_tracker_lifecycle.py): it holds the one copy's weights.
@@ -267,7 +268,7 @@ class FlakyStore:
         self._inner = inner
         self.failures = 0
 
-    def __getattr__(self, name: str):  # noqa: ANN204 - delegate the rest of the port
+    def __getattr__(self, name: str):
         return getattr(self._inner, name)
 
     async def put_file(self, key: str, path: Path) -> None:

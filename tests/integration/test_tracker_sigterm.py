@@ -295,9 +295,9 @@ async def _stored_not_announced(bus: KafkaBus, store: MinioStore, env: dict[str,
     await private.start()
     for topic in (JOBS, PLACEMENTS, PROGRESS):
         async for d in bus.read(topic):
-            if getattr(d.event, "job_id", None) == fed.job_id or getattr(d.event, "round", None) == fed.round:
-                if isinstance(d.event, (JobSubmitted, RoundStarted, Assignment, CopyFinished)):
-                    await private.publish(d.event)
+            mine = getattr(d.event, "job_id", None) == fed.job_id or getattr(d.event, "round", None) == fed.round
+            if mine and isinstance(d.event, (JobSubmitted, RoundStarted, Assignment, CopyFinished)):
+                await private.publish(d.event)
     writer = TrackerService(bus=private, store=store, config=TrackerConfig(
         group="writer", tick_s=0.05, finish_timeout_s=1e9, snapshot_every=0, delete_checkpoints=False,
         delete_completed_models=False))

@@ -126,7 +126,8 @@ async def scrapes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         await bus.publish(ThroughputEstimate(ts=now, source="test", job_id="j1", basis="estimate", workers=1,
                                           rates={"cpu": 50.0}))
         await bus.write_raw(JOBS, "bad", b"\xc1 not msgpack")
-        rounds = lambda: scheduler.registry.get_sample_value("hadar_scheduler_rounds_total") or 0  # noqa: E731
+        def rounds():
+            return scheduler.registry.get_sample_value("hadar_scheduler_rounds_total") or 0
         await _until(lambda: rounds() >= 3, "three rounds")
         await _until(lambda: (tracker.registry.get_sample_value("hadar_tracker_consolidation_seconds_count") or 0)
                      + (tracker.registry.get_sample_value("hadar_tracker_rounds_without_model_total") or 0) >= 1,

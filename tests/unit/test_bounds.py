@@ -124,7 +124,7 @@ def test_unrunnable_job_has_no_bound_and_empty_trace_has_zero() -> None:
 
 def test_bound_for_a_policy() -> None:
     b = TtdBounds(ttd_fork_s=1.0, ttd_nofork_s=2.0)
-    assert FORKING_POLICIES == frozenset({"hadare"})
+    assert frozenset({"hadare"}) == FORKING_POLICIES
     assert bound_for("hadare", b, gangs_only=True) == ("fork", 1.0)
     assert bound_for("gavel", b, gangs_only=True) == ("nofork", 2.0)
     assert bound_for("gavel", b, gangs_only=False) == ("fork", 1.0)

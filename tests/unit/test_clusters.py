@@ -29,7 +29,7 @@ def test_aws_5_mixes_v100_k80_t4_single_gpu_instances() -> None:
 
 def test_lab_5_has_one_node_of_each_lab_gpu() -> None:
     cluster = parse_cluster("lab-5")
-    assert cluster.gpus_by_type == {t: 1 for t in ("a2000", "rtx3090", "t4", "t400", "titanrtx")}
+    assert cluster.gpus_by_type == dict.fromkeys(("a2000", "rtx3090", "t4", "t400", "titanrtx"), 1)
     assert [n.node_id for n in cluster.nodes] == ["titanrtx-0", "t4-0", "t400-0", "rtx3090-0", "a2000-0"]
 
 

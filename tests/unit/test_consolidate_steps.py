@@ -35,7 +35,7 @@ def replica(copy: int, steps: int, max_steps: int | None = None) -> Replica:
     return Replica(copy=copy, steps=steps, reader=BytesReader(replica_bytes(copy)), max_steps=max_steps)
 
 
-def event_of(weighing) -> ModelConsolidated:  # noqa: ANN001 - a Weighing
+def event_of(weighing) -> ModelConsolidated:
     return ModelConsolidated(
         ts=1.0, source="tracker", job_id="j1", round=0, key="models/j1/0.safetensors",
         total_steps=weighing.total_steps,
@@ -127,7 +127,8 @@ def test_copies_on_fewer_workers_weigh_and_count_by_samples() -> None:
                 Replica(copy=1, steps=10, workers=3, reader=BytesReader(replica_bytes(1)))]
     weighing = weigh_replicas(replicas, prior_worker_steps=7, job_workers=4)
     assert [r.weight for r in weighing.accepted] == [0.5, 0.5]
-    assert (weighing.round_steps, weighing.round_worker_steps, weighing.total_worker_steps, weighing.total_steps) == (40, 60, 67, 16)
+    assert (weighing.round_steps, weighing.round_worker_steps, weighing.total_worker_steps,
+            weighing.total_steps) == (40, 60, 67, 16)
     with pytest.raises(ValueError):
         weigh_replicas(replicas, job_workers=2)   # a copy on 3 workers of a 2-worker job
 

@@ -128,7 +128,7 @@ def test_a_table_over_every_topic_must_decide_about_every_event_type() -> None:
     with pytest.raises(HandlerTableError):
         HandlerTable({cls: noop for cls in EVENT_TYPES.values() if cls is not ModelConsolidated},
                      topics=ALL_TOPICS)
-    assert_covers(HandlerTable({cls: noop for cls in EVENT_TYPES.values()}, topics=ALL_TOPICS), ALL_TOPICS)
+    assert_covers(HandlerTable(dict.fromkeys(EVENT_TYPES.values(), noop), topics=ALL_TOPICS), ALL_TOPICS)
 
 
 # ---------------------------------------------------------------- every consumer has one

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,7 +86,7 @@ def test_retriable_can_be_set_per_raise() -> None:
 
 
 @pytest.mark.parametrize("exc, retriable", [
-    (asyncio.TimeoutError(), True),
+    (TimeoutError(), True),
     (ConnectionRefusedError(111, "refused"), True),
     (OSError("Multiple exceptions: [Errno 111] Connect call failed"), True),
     (KafkaConnectionError("broker down"), True),

@@ -67,7 +67,7 @@ def test_every_event_type_has_an_example() -> None:
 def test_example_validates_and_decodes(doc: dict[str, Any]) -> None:
     assert validate(doc) == []
     event = decode(wire(doc))
-    assert event.TYPE == doc["type"] and event.id == doc["id"]
+    assert doc["type"] == event.TYPE and event.id == doc["id"]
     assert topic_for(event) == TOPIC_OF_TYPE[doc["type"]]
 
 
@@ -117,7 +117,7 @@ def test_a_missing_field_names_the_field() -> None:
     doc = _job_submitted()
     del doc["body"]["job"]["iterations"]
     assert any("'iterations'" in e for e in validate(doc))
-    with pytest.raises(InvalidEvent, match="JobSubmitted.job: missing field 'iterations'"):
+    with pytest.raises(InvalidEvent, match=r"JobSubmitted.job: missing field 'iterations'"):
         decode(msgpack.packb(doc, use_bin_type=True))
 
 

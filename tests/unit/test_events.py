@@ -329,9 +329,9 @@ def test_bad_records_are_rejected_with_their_reason(wire: Any, reason: str) -> N
 
 
 def test_bytes_that_are_not_msgpack_say_so() -> None:
-    with pytest.raises(InvalidEvent, match="^not msgpack"):
+    with pytest.raises(InvalidEvent, match=r"^not msgpack"):
         decode(b"\xc1")
-    with pytest.raises(InvalidEvent, match="^not bytes"):
+    with pytest.raises(InvalidEvent, match=r"^not bytes"):
         decode("a string")  # type: ignore[arg-type]
 
 

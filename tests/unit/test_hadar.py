@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 
@@ -137,7 +138,7 @@ def test_ledger_prices_rise_with_each_commitment_and_fall_back_on_release():
         seen.append(ledger.price[1, 0])
         assert ledger.price[0, 0] == seen[-1]                          # same block, same price
         assert ledger.price[2, 0] == ledger.price[3, 0] == seen[0]     # other block untouched
-    assert all(b > a for a, b in zip(seen, seen[1:]))
+    assert all(b > a for a, b in itertools.pairwise(seen))
     with pytest.raises(LedgerError):
         ledger.commit(_one_gpu("over", 1, 0))
     for k in range(4):
@@ -297,7 +298,8 @@ def test_job_worth_less_than_its_cheapest_schedule_waits_with_its_payoff():
     assert not plan.placements and not state.commitments
     # With back-fill on, the idle GPU goes to it anyway (it costs nothing this round).
     filled = Hadar(utility=FixedUtility({"worthless": 0.0})).plan(req)
-    assert [p.job_id for p in filled.placements] == ["worthless"] and filled.explain["worthless"]["source"] == "backfill"
+    assert [p.job_id for p in filled.placements] == ["worthless"]
+    assert filled.explain["worthless"]["source"] == "backfill"
 
 
 def test_low_priority_job_is_priced_out_by_a_committed_one():

@@ -126,7 +126,8 @@ def test_gangs_run_whole_one_at_a_time_shortest_first_and_the_long_one_when_it_m
 @st.composite
 def gang_instances(draw):
     cluster = Cluster(name="prop", nodes=tuple(
-        Node(node_id=f"n{i}", gpus=tuple(draw(st.lists(st.sampled_from(("k80", "p100", "v100")), min_size=1, max_size=4))))
+        Node(node_id=f"n{i}",
+             gpus=tuple(draw(st.lists(st.sampled_from(("k80", "p100", "v100")), min_size=1, max_size=4))))
         for i in range(draw(st.integers(1, 5)))))
     jobs = [JobState(job_id=f"j{i}", job_type=draw(st.sampled_from((RESNET18, RESNET50, LM))),
                      workers=draw(st.sampled_from((1, 2, 4))), total_steps=draw(st.integers(1_000, 3_000_000)))
@@ -157,7 +158,6 @@ def test_the_gang_lp_is_a_relaxation_of_running_whole_gangs(instance):
 
 
 def test_the_gangs_rounding_credit_is_carried_in_hadars_state_and_survives_a_snapshot():
-    import services.scheduler.live.snapshot  # noqa: F401  (registers the scheduler's classes)
     cluster = nodes(*AWS5)
     jobs = gangs(cluster, 100, 60) + [JobState(job_id="s", job_type=RESNET18, workers=1,
                                                total_steps=steps(RESNET18, "v100", 50))]

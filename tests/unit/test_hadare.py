@@ -110,12 +110,12 @@ def test_forked_plans_are_valid_and_extend_hadars(cluster, jobs):
     used = {(p.node_id, g) for p in base.placements for g in p.gpus}
     nodes_of: dict[str, list[str]] = defaultdict(list)
     workers = {j.job_id: j.workers for j in jobs}
-    for (job_id, copy), parts in plan.copies().items():
+    for (job_id, _copy), parts in plan.copies().items():
         nodes_of[job_id] += [p.node_id for p in parts]
         if any(p not in base.placements for p in parts):
             assert len(parts) == 1 and len(parts[0].gpus) <= workers[job_id]    # one node, <= W GPUs
             assert not used & {(parts[0].node_id, g) for g in parts[0].gpus}    # only idle GPUs
-    for job_id, nodes in nodes_of.items():
+    for _job_id, nodes in nodes_of.items():
         assert len(nodes) == len(set(nodes)) and len(nodes) <= len(cluster.nodes)
 
 

@@ -77,7 +77,8 @@ def test_the_horizon_makes_the_long_job_start_now():
 def instances(draw):
     nodes = tuple(Node(node_id=f"n{i}", gpus=tuple(draw(st.lists(st.sampled_from(TYPES), min_size=1, max_size=3))))
                   for i in range(draw(st.integers(1, 4))))
-    jobs = [JobState(job_id=f"j{i}", job_type=draw(st.sampled_from(JOB_TYPES)), workers=draw(st.sampled_from((1, 1, 2))),
+    jobs = [JobState(job_id=f"j{i}", job_type=draw(st.sampled_from(JOB_TYPES)),
+                     workers=draw(st.sampled_from((1, 1, 2))),
                      total_steps=draw(st.integers(1_000, 3_000_000))) for i in range(draw(st.integers(1, 6)))]
     return Cluster(name="prop", nodes=nodes), jobs, draw(st.sampled_from((0.0, 0.03, 0.5)))
 
@@ -172,7 +173,6 @@ def test_the_target_end_moves_only_for_arrivals_or_when_it_cannot_be_met():
 
 
 def test_timeline_state_survives_a_scheduler_snapshot():
-    import services.scheduler.live.snapshot  # noqa: F401  (registers the scheduler's classes)
     state = TimelineState(end_s=12.5, job_ids=frozenset({"a", "b"}), credit={"a": {"v100": 0.25, "k80": -0.5}})
     assert unpack(pack(state)) == state
 

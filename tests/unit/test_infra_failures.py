@@ -55,7 +55,7 @@ def test_a_server_seen_gone_before_it_has_exited_still_reports_its_exit_code(tmp
     # A JVM that is exiting drops its command line (``/proc/<pid>/cmdline`` reads empty) before
     # the kernel makes it a zombie, so ``alive`` can say it is gone while ``poll`` says it still
     # runs. CI once printed "exit status unknown: still running" for a broker exiting with code 1.
-    pid, marker, log = _start(tmp_path, "echo broken; sleep 0.5; exit 1")
+    pid, _marker, log = _start(tmp_path, "echo broken; sleep 0.5; exit 1")
     with pytest.raises(InfraError) as caught:
         wait_for(lambda: False, what="server", timeout=30, alive=lambda: False, log=log, pid=pid)
     assert "exited while starting (exit code 1)" in str(caught.value), caught.value

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import re
+from typing import ClassVar
 
 import pytest
 from aiokafka.partitioner import DefaultPartitioner
@@ -76,7 +77,7 @@ def test_the_key_partitioner_forgets_when_full_and_spreads_keyless_records() -> 
 class _Client:
     """Stands in for an aiokafka client: records its settings, talks to no broker."""
 
-    made: list[dict[str, object]] = []
+    made: ClassVar[list[dict[str, object]]] = []
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         type(self).made.append(kwargs)

@@ -118,7 +118,7 @@ def test_a_bad_setting_is_one_line_naming_it(env: dict[str, str], named: str) ->
 def test_an_unreadable_ca_file_is_named_when_the_client_is_built(tmp_path: Path) -> None:
     (tmp_path / "ca.pem").write_text("not a certificate")
     for path in (tmp_path / "ca.pem", tmp_path / "missing.pem"):
-        with pytest.raises(ConfigError, match="^HADAR_KAFKA_CA_FILE="):
+        with pytest.raises(ConfigError, match=r"^HADAR_KAFKA_CA_FILE="):
             security_options(kafka_security_from_env({**SASL, "HADAR_KAFKA_CA_FILE": str(path)}))
 
 
@@ -126,7 +126,7 @@ def test_generated_certificate_verifies_for_loopback_and_carries_its_key(tmp_pat
     import datetime as dt
 
     from cryptography import x509
-    files = make_tls(tmp_path, hosts=("127.0.0.1", "kafka"), now=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc))
+    files = make_tls(tmp_path, hosts=("127.0.0.1", "kafka"), now=dt.datetime(2026, 1, 1, tzinfo=dt.UTC))
     pem = files.server_pem.read_text()
     assert pem.startswith("-----BEGIN PRIVATE KEY-----") and pem.count("BEGIN CERTIFICATE") == 2
     assert files.server_pem.stat().st_mode & 0o077 == 0 and files.ca_key.stat().st_mode & 0o077 == 0

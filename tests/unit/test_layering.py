@@ -86,3 +86,13 @@ def test_the_checker_sees_every_form_of_import() -> None:
               "from .. import agent\n")
     names = set(imported_modules(source, "services.profiler.estimate"))
     assert {"services.cli.main", "services.cli", "services.agent.daemon.emulation", "services.agent"} <= names
+
+
+def test_paths_derived_from_module_locations_point_into_the_checkout() -> None:
+    # A module that finds the checkout from its own location must be updated when it moves
+    # (the agent's worker cwd and PYTHONPATH, the Kafka pom of the development servers).
+    from devinfra.kafka import DEFAULT_POM
+    from services.agent.daemon.process import PROJECT_ROOT
+
+    assert PROJECT_ROOT == ROOT and (PROJECT_ROOT / "services" / "agent" / "worker" / "main.py").is_file()
+    assert DEFAULT_POM.is_file()

@@ -26,7 +26,7 @@ def json_lines(text: str) -> list[dict[str, Any]]:
     for line in text.splitlines():
         record = json.loads(line)
         assert isinstance(record, dict), line
-        assert STABLE_KEYS <= record.keys(), line
+        assert record.keys() >= STABLE_KEYS, line
         assert record["level"] in LEVELS, line
         assert isinstance(record["event"], str) and isinstance(record["logger"], str), line
         assert datetime.fromisoformat(record["timestamp"]).utcoffset() is not None, line
@@ -71,7 +71,7 @@ def test_structlog_stdlib_warnings_and_exceptions_are_json_with_stable_keys(log_
         warnings.simplefilter("always")
         warnings.warn("lr is very large", UserWarning, stacklevel=1)
     try:
-        1 / 0
+        _ = 1 / 0
     except ZeroDivisionError:
         structlog.get_logger(__name__).exception("round.failed")
         logging.getLogger("asyncio").exception("Task exception was never retrieved")

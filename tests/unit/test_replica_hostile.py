@@ -182,7 +182,7 @@ def test_a_non_finite_replica_among_good_ones_is_left_out(tmp_path: Path, tensor
     assert [r.copy for r in weighing.accepted] == [0, 2] and [r.copy for r in weighing.rejected] == [1]
     assert "non-finite" in weighing.rejected[0].reason and tensor in weighing.rejected[0].reason
     assert [r.weight for r in weighing.accepted] == [0.6, 0.4] and weighing.round_steps == 1000
-    expected_plan, _ = consolidate_local([(good[0], 600), (good[1], 400)], tmp_path / "expected.safetensors",
+    _expected_plan, _ = consolidate_local([(good[0], 600), (good[1], 400)], tmp_path / "expected.safetensors",
                                          chunk_bytes=chunk_bytes)
     out, expected = load_file(str(tmp_path / "out.safetensors")), load_file(str(tmp_path / "expected.safetensors"))
     assert out.keys() == expected.keys()

@@ -157,7 +157,7 @@ def tensors_of(data: bytes) -> dict[str, np.ndarray]:
     return out
 
 
-def consolidate_bytes(replicas: list[Replica], chunk_bytes: int):  # noqa: ANN201
+def consolidate_bytes(replicas: list[Replica], chunk_bytes: int):
     buffer = io.BytesIO()
     stats = write_consolidated(weigh_replicas(replicas), buffer, chunk_bytes=chunk_bytes)
     return stats.weighing, buffer.getvalue()

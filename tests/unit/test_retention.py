@@ -59,4 +59,5 @@ def test_the_stack_creates_each_topic_with_the_policy() -> None:
     found = dict(re.findall(r"\btopic (hadar\.[a-z]+) (\S+);", script))
     assert found == {topic: config_string(topic) for topic in ALL_TOPICS}
     # Both created with it and altered to it, so a cluster from before the policy gets it too.
-    assert "kafka-configs.sh --bootstrap-server kafka:9094 --command-config $$cfg --alter --entity-type topics" in script
+    alter = "kafka-configs.sh --bootstrap-server kafka:9094 --command-config $$cfg --alter --entity-type topics"
+    assert alter in script

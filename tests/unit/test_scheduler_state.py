@@ -148,8 +148,8 @@ def test_step_budget_is_split_across_copies_by_rate():
     plan = Plan(placements=(Placement(job_id="b", copy=0, node_id="n1", gpus=(0,)),
                             Placement(job_id="b", copy=1, node_id="n2", gpus=(0,))),
                 waiting=(Wait(job_id="a", code=WaitCode.CAPACITY),))
-    budgets = {e.copy: e.step_budget for e in plan_to_events(plan, request, state, timing, choice=YARN, seed=0,
-                                                             source="s", inputs={}, decision_ms=0) if isinstance(e, Assignment)}
+    events = plan_to_events(plan, request, state, timing, choice=YARN, seed=0, source="s", inputs={}, decision_ms=0)
+    budgets = {e.copy: e.step_budget for e in events if isinstance(e, Assignment)}
     assert budgets == {0: 75, 1: 25}
 
 

@@ -137,9 +137,9 @@ def test_the_embedded_system_validates_its_services_configs(tmp_path: Path) -> N
     system = build()
     assert [a.devices.gpus[0].type for a in system.agents] == ["v100", "k80"]
     assert system.profiler.config == ProfilerConfig()
-    with pytest.raises(ConfigError, match="^finish_timeout_s: must be >= 0"):
+    with pytest.raises(ConfigError, match=r"^finish_timeout_s: must be >= 0"):
         build(copy_finish_timeout_s=-1.0)
-    with pytest.raises(ConfigError, match="^progress_s: must be > 0"):
+    with pytest.raises(ConfigError, match=r"^progress_s: must be > 0"):
         build(progress_s=0.0)
 
 

@@ -137,7 +137,7 @@ def test_file_errors_name_the_file_and_key(tmp_path: Path) -> None:
 
 
 def test_every_given_value_is_converted_even_when_overridden() -> None:
-    with pytest.raises(ConfigError, match="^HADAR_TEST_COUNT: "):
+    with pytest.raises(ConfigError, match=r"^HADAR_TEST_COUNT: "):
         load_config(Sample, flags={"count": 2}, env={"HADAR_TEST_COUNT": "two"}, env_prefix=P)
 
 
@@ -152,12 +152,12 @@ def test_validation_names_the_source_of_the_bad_value(tmp_path: Path) -> None:
             load_config(Sample, flags=flags, env=env, env_prefix=P, file=file)
         assert str(info.value) == f"{source}: must be >= 0, got -1"
         assert info.value.field == "count" and isinstance(info.value, ConfigError)
-    with pytest.raises(FieldError, match="^count: must be >= 0"):   # built directly: named by field
+    with pytest.raises(FieldError, match=r"^count: must be >= 0"):   # built directly: named by field
         Sample(count=-1)
 
 
 def test_a_required_field_no_source_gives_is_an_error() -> None:
-    with pytest.raises(ConfigError, match="^node_id: required: pass --node-id, set HADAR_TEST_NODE_ID "
+    with pytest.raises(ConfigError, match=r"^node_id: required: pass --node-id, set HADAR_TEST_NODE_ID "
                                           "or put node_id in the config file$"):
         load_config(Needs, env={}, env_prefix=P)
     assert load_config(Needs, env={"HADAR_TEST_NODE_ID": "a"}, env_prefix=P) == Needs(node_id="a")

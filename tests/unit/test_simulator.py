@@ -147,7 +147,7 @@ def test_invariants_hold_every_round_and_every_job_completes(policy_name: str) -
             assert 0 <= steps <= bound[job_id] + 1e-6, (job_id, steps, bound[job_id])
             assert steps <= states[job_id].remaining + 1e-6
             steps_seen[job_id] += steps
-        for job_id, done_at in obs.completions.items():
+        for _job_id, done_at in obs.completions.items():
             assert obs.request.now_s < done_at <= obs.request.now_s + round_s
 
     result = simulate(policy=POLICY_FACTORIES[policy_name](), cluster=cluster, jobs=jobs, throughput=TABLE,

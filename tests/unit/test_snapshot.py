@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from services.scheduler.core.policy import Placement, Plan, Wait, WaitCode
-from services.scheduler.live.snapshot import SERVICE  # noqa: F401  (registers the scheduler's classes)
 from shared.domain.layout import parse_snapshot_key, snapshot_key
 from shared.persistence.codec import SnapshotDecodeError, pack, register, unpack
 from shared.persistence.snapshot import (
@@ -224,7 +223,7 @@ async def test_a_store_written_by_the_old_numbering_loads_and_new_snapshots_come
     for owner, seqs in old.items():
         for seq in seqs:   # exactly as the old SnapshotStore.save wrote them
             await store.put(snapshot_key(owner, seq), dump(_snapshot(seq)))
-    for owner, (older, newest) in old.items():
+    for owner, (_older, newest) in old.items():
         snaps = SnapshotStore(store, owner=owner, service="scheduler", keep=2)
         found = await snaps.recover(_accept)
         assert found.key == snapshot_key(owner, newest) and found.value.body["plan"] == _sample()["plan"]
@@ -267,7 +266,8 @@ def test_scheduler_dead_letter_origins_round_trip_and_malformed_ones_are_refused
     assert body.dead_letters == {"hadar.jobs:0": [3, 7], "hadar.jobs:1": [0], "hadar.progress:2": [1]}
     assert sorted(dead_letter_origins(body)) == sorted(origins)
     assert dead_letter_start(snap, body) == {0: 12, 2: 3}
-    old = restore(StateSnapshot(service="scheduler", created_at=1.0, body=replace(body, dead_letters=None)))   # written before
+    # written before
+    old = restore(StateSnapshot(service="scheduler", created_at=1.0, body=replace(body, dead_letters=None)))
     assert list(dead_letter_origins(old)) == [] and dead_letter_start(snap, old) is None
     for bad in ({"hadar.jobs": [1]}, {"hadar.jobs:0": [1.5]}, {"hadar.jobs:0": (1,)}, [("hadar.jobs", 0, 1)]):
         with pytest.raises(SnapshotCorrupt, match="dead-letter"):

@@ -142,7 +142,7 @@ async def discover_in_subprocess(python: str = sys.executable, timeout_s: float 
                                                 stdout=asyncio.subprocess.PIPE)
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         proc.kill()
         await proc.wait()
         raise RuntimeError(f"device discovery did not finish within {timeout_s:.0f} s") from None

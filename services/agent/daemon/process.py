@@ -44,7 +44,7 @@ from services.agent.slots import (
 
 __all__ = ["PROJECT_ROOT", "child_env", "WorkerProcess", "WorkerPool", "WorkerSlots"]
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ROOT = Path(__file__).resolve().parents[3]
 LINE_LIMIT = 1 << 20
 RETIRE_WAIT_S = 5.0   # an idle worker told to exit (stdin closed) is killed after this
 
@@ -108,7 +108,7 @@ class WorkerProcess:
             stdin.close()
         try:
             await asyncio.wait_for(self.proc.wait(), RETIRE_WAIT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.kill()
             await self.proc.wait()
 

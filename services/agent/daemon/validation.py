@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Set
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from shared.domain.layout import parse_checkpoint_key, parse_model_key
@@ -88,7 +88,8 @@ def _host_problem(host: str) -> str | None:
     return None
 
 
-def assignment_problem(a: Assignment, *, gpus: Set[int], now: float, max_deadline_ahead_s: float) -> Problem | None:
+def assignment_problem(a: Assignment, *, gpus: AbstractSet[int], now: float,
+                       max_deadline_ahead_s: float) -> Problem | None:
     """The first reason ``a`` must not run on a node with devices ``gpus`` at time ``now``; None if none."""
     if a.deadline > now + max_deadline_ahead_s:
         return Problem(code="deadline", detail=f"deadline {a.deadline:.0f} is {a.deadline - now:.0f} s ahead; "

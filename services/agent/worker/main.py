@@ -35,7 +35,7 @@ import time
 
 PROCESS_START = time.time()   # before the heavy imports: "setup_s" in reports includes them
 
-import math  # noqa: E402
+import math
 import os
 import queue
 import signal
@@ -252,8 +252,8 @@ def _claim_stdout() -> TextIO:
 
 def _prewarm() -> None:
     """Import what a spec will need, while this process may still be a waiting spare."""
-    import sklearn.datasets  # noqa: F401  (the digits and diabetes loaders)
-    import torch.distributed  # noqa: F401
+    import sklearn.datasets  # noqa: F401 - imported ahead for its cost (the digits and diabetes loaders)
+    import torch.distributed  # noqa: F401 - imported ahead for its cost
 
 
 class Control:

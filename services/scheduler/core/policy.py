@@ -63,7 +63,7 @@ class Placement:
 
 
 @snapshot_type("core.WaitCode", formerly="services.scheduler.policy.WaitCode")
-class WaitCode(str, enum.Enum):
+class WaitCode(str, enum.Enum):  # noqa: UP042 - str() and format() of a member stay as logged and replayed
     CAPACITY = "capacity"        # not enough free GPUs of a usable kind this round
     PRIORITY = "priority"        # GPUs went to jobs ahead of it (queue order, fairness)
     INFEASIBLE = "infeasible"    # no GPU type in the cluster can run it (zero throughput / too few GPUs)

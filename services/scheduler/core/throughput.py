@@ -69,7 +69,7 @@ class ThroughputModel:
 
     @classmethod
     def from_gavel_table(cls, path: str | None = None, *, fallback: Fallback | None = None,
-                         cross_node: bool = True) -> "ThroughputModel":
+                         cross_node: bool = True) -> ThroughputModel:
         """Load Gavel's ``simulation_throughputs.json`` (the packaged copy by default), each
         entry divided by its worker count (module docstring)."""
         if path is None:
@@ -92,7 +92,7 @@ class ThroughputModel:
                 target[(m["job"], gpu_type, scale)] = float(value["null"]) / scale
         return cls(rates=rates, unconsolidated=uncons, fallback=fallback, cross_node=cross_node)
 
-    def with_rates(self, extra: Mapping[tuple[str, str, int], float]) -> "ThroughputModel":
+    def with_rates(self, extra: Mapping[tuple[str, str, int], float]) -> ThroughputModel:
         """A model where ``extra`` entries override or add to this one's (e.g. measurements)."""
         merged = dict(self.rates)
         merged.update(extra)

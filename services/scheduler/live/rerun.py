@@ -129,7 +129,7 @@ def rerun(log: Iterable[LoggedEvent], *, state: SchedulerState | None = None,
             inputs[f"{item.topic}:{item.partition}"].append(item)
     for records in inputs.values():
         records.sort(key=lambda r: r.offset)
-    folded = {tp: 0 for tp in inputs}   # index into inputs[tp] of the next record to fold
+    folded = dict.fromkeys(inputs, 0)   # index into inputs[tp] of the next record to fold
     policies: dict[tuple[str, str], Policy] = {}
     expected: int | None = first_round
     for r in sorted(started):

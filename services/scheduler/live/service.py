@@ -317,7 +317,7 @@ class SchedulerService:
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), min(remaining, 0.5))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return True
 
@@ -338,7 +338,7 @@ class SchedulerService:
         while not self._stopping:
             await self.clock.sleep(next_start - self.clock.time())
             previous_round = self.next_round - 1
-            if not await self._wait_for(lambda: not self.state.awaiting_consolidation(previous_round),
+            if not await self._wait_for(lambda r=previous_round: not self.state.awaiting_consolidation(r),
                                         self.wait_left(previous_round, now=self.clock.time())):
                 self._log.warning("round.consolidation_timeout", round=previous_round,
                                   jobs=self.state.awaiting_consolidation(previous_round))

@@ -248,7 +248,8 @@ def plot_ttd_bounds(summary: Mapping[str, Any]) -> Figure:
     for i, t in enumerate(ttds):
         if t is None:
             ax.annotate("n/a", (i, 0), ha="center", va="bottom")
-    for key, label, style in (("ttd_nofork_s", "bound without forking", "--"), ("ttd_fork_s", "bound with forking", ":")):
+    for key, label, style in (("ttd_nofork_s", "bound without forking", "--"),
+                              ("ttd_fork_s", "bound with forking", ":")):
         bound = summary["bounds"][key]
         if bound is not None:
             ax.axhline(bound / 3600, color="black", linestyle=style, linewidth=1, label=label)

@@ -1,4 +1,5 @@
-"""Per-policy results of a simulated run (a ``SimResult``; docs/architecture.md "Simulator and metrics").
+"""Per-policy results of a simulated run (a ``SimResult``; docs/architecture.md "Simulator
+and metrics").
 
 * TTD: first arrival to last completion; None if some job did not complete (the run
   never drained the trace, so it has no drain time). ``unfinished`` then lists each such
@@ -110,7 +111,7 @@ def unfinished_jobs(result: SimResult) -> tuple[UnfinishedJob, ...]:
 def compute_results(result: SimResult, throughput: ThroughputModel) -> PolicyResults:
     cluster = result.cluster
     span = span_s(result)
-    busy_by_type: dict[str, float] = {t: 0.0 for t in cluster.types}
+    busy_by_type: dict[str, float] = dict.fromkeys(cluster.types, 0.0)
     for rnd in result.rounds:
         for gpu_type, gpu_s in rnd.busy_gpu_s.items():
             busy_by_type[gpu_type] += gpu_s

@@ -149,8 +149,17 @@ class RoundObservation:
 class _LiveJob:
     """Mutable per-job progress; ``state()`` caches the JobState until the job changes."""
 
-    __slots__ = ("trace", "model_bytes", "steps_done", "attained_gpu_s", "rounds_run",
-                 "first_start_s", "completion_s", "last_wait", "_state")
+    __slots__ = (
+        "_state",
+        "attained_gpu_s",
+        "completion_s",
+        "first_start_s",
+        "last_wait",
+        "model_bytes",
+        "rounds_run",
+        "steps_done",
+        "trace",
+    )
 
     def __init__(self, trace: TraceJob, model_bytes: int) -> None:
         self.trace = trace
@@ -374,8 +383,9 @@ def simulate(*, policy: Policy, cluster: Cluster, jobs: Sequence[TraceJob], thro
 
 
 def build_throughput(*, cross_node: bool = True, table_path: str | None = None) -> ThroughputModel:
-    """Gavel's table, with ``shared.domain.workloads.calibrated_fallback`` (memoised: it is pure) for
-    GPU types the table lacks; ``cross_node=False`` ignores node boundaries, as Gavel does."""
+    """Gavel's table, with ``shared.domain.workloads.calibrated_fallback`` (memoised: it is
+    pure) for GPU types the table lacks; ``cross_node=False`` ignores node boundaries, as
+    Gavel does."""
     base = ThroughputModel.from_gavel_table(table_path, cross_node=cross_node)
     fallback = functools.lru_cache(maxsize=None)(workloads.calibrated_fallback(base, reference="v100"))
     return dataclasses.replace(base, fallback=fallback)

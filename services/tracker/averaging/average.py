@@ -1,4 +1,5 @@
-"""The streaming weighted average behind :func:`services.tracker.averaging.consolidate.write_consolidated`.
+"""The streaming weighted average behind
+:func:`services.tracker.averaging.consolidate.write_consolidated`.
 
 Pure apart from reads of the replicas and writes to ``out``. Guarantees (the caller's
 weighing decides which replicas, with which weights, into which layout):
@@ -20,7 +21,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, Self
 
 import numpy as np
 
@@ -111,7 +112,8 @@ def write_average(weighing: Weighing, out: BinaryIO, metadata: Mapping[str, str]
     return bytes_written
 
 
-def _grid(tensor: TensorInfo, chunk_bytes: int, window_bytes: int, min_chunks: int = 1) -> tuple[np.dtype, int, int]:
+def _grid(tensor: TensorInfo, chunk_bytes: int, window_bytes: int,
+          min_chunks: int = 1) -> tuple[np.dtype, int, int]:
     """The accumulator dtype, the chunk (elements) and the window (elements, a whole number of
     chunks, at least ``min_chunks``) of ``tensor``: the same chunk grid whatever the threads."""
     acc_dtype = np.dtype(np.float64) if tensor.dtype == "F64" else np.dtype(np.float32)
@@ -140,7 +142,8 @@ def _average_tensor(tensor: TensorInfo, readers: Sequence[AcceptedReplica], out:
 
 def _average_chunk(tensor: TensorInfo, readers: Sequence[AcceptedReplica], mapped: Sequence[np.ndarray | None],
                    window_first: int, first: int, count: int, acc_dtype: np.dtype, bufs: _Buffers,
-                   tally: ReadTally, release_gil: bool = False, acc: np.ndarray | None = None) -> np.ndarray:
+                   tally: ReadTally, release_gil: bool = False,
+                   acc: np.ndarray | None = None) -> np.ndarray:
     """Elements [first, first + count) of the average, in the stored dtype (a view of
     ``bufs``, or ``acc`` itself when given and of the stored dtype). Raises
     :class:`NonFinite` if an input's chunk holds NaN or inf. ``release_gil``: other
@@ -189,7 +192,7 @@ class _Window:
                                         self.acc_dtype, bufs, tally, release_gil=True, acc=acc)
                 if acc is None:
                     np.copyto(target, result.view(np.uint8))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller by raise_first
+            except BaseException as exc:
                 self.errors[k] = exc
                 return
 
@@ -220,7 +223,7 @@ class _Parallel:
         self._flip = 0
         self._pending: np.ndarray | None = None
 
-    def __enter__(self) -> "_Parallel":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *_: object) -> None:
@@ -272,8 +275,9 @@ def _chunk(replica: AcceptedReplica, view: np.ndarray | None, tensor: TensorInfo
 
 
 def _raise_if_an_input_is_non_finite(tensor: TensorInfo, readers: Sequence[AcceptedReplica],
-                                     mapped: Sequence[np.ndarray | None], window_first: int, first: int,
-                                     count: int, bufs: _Buffers, tally: ReadTally) -> None:
+                                     mapped: Sequence[np.ndarray | None], window_first: int,
+                                     first: int, count: int, bufs: _Buffers, tally:
+                                     ReadTally) -> None:
     """The chunk's average is not finite: raise :class:`NonFinite` naming the replicas
     whose chunk holds NaN or inf. Finite inputs whose float32 sum overflowed (values near
     the dtype's maximum) name nobody, and the write goes on."""

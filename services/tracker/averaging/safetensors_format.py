@@ -37,7 +37,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, Self
 
 import numpy as np
 
@@ -178,7 +178,7 @@ class FileRangeReader:
             os.close(self._fd)
             self._fd = None
 
-    def __enter__(self) -> "FileRangeReader":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *_: object) -> None:

@@ -1,4 +1,5 @@
-"""Weighing a round's replicas before they are averaged (HadarE): which replicas, weighed how, into which layout.
+"""Weighing a round's replicas before they are averaged (HadarE): which replicas, weighed
+how, into which layout.
 
 Pure apart from reading each replica's header (no tensor data is read here; the
 streaming average is :mod:`services.tracker.averaging.consolidate`). Given replicas (one
@@ -151,7 +152,7 @@ class Weighing:
     def rejections(self) -> tuple[Rejection, ...]:
         return tuple(Rejection(copy=r.copy, reason=r.reason) for r in self.rejected)
 
-    def without(self, rejected: Sequence[Rejected]) -> "Weighing":
+    def without(self, rejected: Sequence[Rejected]) -> Weighing:
         """This weighing less the copies in ``rejected``, re-weighted as if they had never been.
 
         The layout stays the one chosen when planning. Raises :class:`NoUsableReplica`
@@ -167,9 +168,10 @@ class Weighing:
                        rejected=all_rejected)
 
     def metadata(self) -> dict[str, str]:
-        """The ``__metadata__`` entries every output of this weighing carries (str -> str): those of
-        :func:`shared.domain.model_meta.consolidation_entries` and ``total_steps``. They describe the
-        weighing actually written, so a replica rejected while writing is not in them."""
+        """The ``__metadata__`` entries every output of this weighing carries (str -> str):
+        those of :func:`shared.domain.model_meta.consolidation_entries` and ``total_steps``.
+        They describe the weighing actually written, so a replica rejected while writing is
+        not in them."""
         return {**consolidation_entries(mode=self.mode, copies=self.copy_weights(), rejected=self.rejections()),
                 "total_steps": str(self.total_steps)}
 

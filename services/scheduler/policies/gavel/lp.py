@@ -20,11 +20,12 @@ where ``iso[j] = rates[j] . X_eq[j]`` is the job's throughput under an equal sha
 cluster. Gavel obtains ``X_eq`` from ``MaxMinFairnessPolicy`` (the same LP with every rate
 set to 1). One optimal point of that LP gives each job ``min(sf[j], G / m)`` GPUs' worth of
 time, G the total GPUs, but the LP only fixes the minimum (Gavel's ECOS returned e.g. 1.68
-and 3.21 GPUs' worth for scale factors 2 and 4 on a 40-job mix). It has many optimal points; we take the one that spreads the share over
-types in proportion to their GPU counts, ``X_eq[j, t] = min(1, G / (m sf[j])) gpus[t] / G``,
-so normalisation does not depend on which vertex a solver returns. Deviation: Gavel's code
-also passes the priority weights to that equal-share LP, so a weight w acts as w^2; we
-follow the paper (unweighted equal share, weight applied once).
+and 3.21 GPUs' worth for scale factors 2 and 4 on a 40-job mix). It has many optimal points;
+we take the one that spreads the share over types in proportion to their GPU counts,
+``X_eq[j, t] = min(1, G / (m sf[j])) gpus[t] / G``, so normalisation does not depend on
+which vertex a solver returns. Deviation: Gavel's code also passes the priority weights to
+that equal-share LP, so a weight w acts as w^2; we follow the paper (unweighted equal share,
+weight applied once).
 
 A min-max LP only fixes the minimum: which optimal point the solver returns decides what
 non-bottleneck jobs get (Gavel's ECOS returns an interior point; HiGHS a vertex, which can

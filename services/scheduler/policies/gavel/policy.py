@@ -110,7 +110,7 @@ class _GavelRounds:
 
     def _types_in_order(self, types: Sequence[str], rates: dict[str, dict[str, float]]) -> list[str]:
         listed = [t for t in self.type_order if t in types]
-        speed = {t: 0.0 for t in types}
+        speed = dict.fromkeys(types, 0.0)
         for per_type in rates.values():
             best = max(per_type.values())
             for t, r in per_type.items():
@@ -239,7 +239,7 @@ class _Books:
 
     @classmethod
     def after_round(cls, prev: GavelState | None, request: PlanRequest,
-                    rates: Mapping[str, Mapping[str, float]]) -> "_Books":
+                    rates: Mapping[str, Mapping[str, float]]) -> _Books:
         """Books with the round that just ended counted in (Gavel's _done_callback) and
         jobs / types added at round_s / 2 (add_job, _register_worker_callback)."""
         half = request.round_s / 2.0

@@ -257,7 +257,8 @@ def pick_gpus(ledger: Ledger, profile: JobProfile, index: int, slots: np.ndarray
     allowed = option.eligible[row_type]
     per_slot = []
     for t in slots:
-        got = select_rows(ledger.type_price[row_type, t], ledger.free(int(t)), allowed, profile.workers, profile.tie_order,
+        got = select_rows(ledger.type_price[row_type, t], ledger.free(int(t)), allowed, profile.workers,
+                          profile.tie_order,
                           option.one_node)
         if got is None:
             return None

@@ -60,7 +60,7 @@ class RowLayout:
     keys: tuple[tuple[str, str, int], ...]  # (node id, type, capacity) per row
 
     @classmethod
-    def of(cls, cluster: Cluster) -> "RowLayout":
+    def of(cls, cluster: Cluster) -> RowLayout:
         types = cluster.types
         tindex = {t: i for i, t in enumerate(types)}
         nodes, rtypes, caps, keys = [], [], [], []
@@ -122,10 +122,11 @@ class Ledger:
 
     Besides ``z`` and ``hist`` it keeps ``Z`` (committed GPU-rounds per type and block),
     ``type_price[r, t]``, ``cum_fill`` (prefix sums over slots of each row's committed share,
-    to prefer emptier rows among equally priced ones) and, for gang sizes up to ``max_workers``, ``node_ok[r, t, w]`` (0 if
-    some row of type r has >= w free GPUs at slot t, else +inf) and ``marg_ok[r, t, x]`` (0 if
-    type r has >= x free GPUs at t, else +inf). All are updated for the touched rows, types,
-    blocks and (type, slot) pairs on every commit and release.
+    to prefer emptier rows among equally priced ones) and, for gang sizes up to
+    ``max_workers``, ``node_ok[r, t, w]`` (0 if some row of type r has >= w free GPUs at slot
+    t, else +inf) and ``marg_ok[r, t, x]`` (0 if type r has >= x free GPUs at t, else +inf).
+    All are updated for the touched rows, types, blocks and (type, slot) pairs on every commit
+    and release.
     """
 
     def __init__(self, *, layout: RowLayout, horizon: int, round_: int, curve: PriceCurve,
@@ -139,7 +140,7 @@ class Ledger:
         self.commitments: dict[str, Commitment] = {}
         self.z = np.zeros((horizon, layout.rows), dtype=np.int64)
         max_cap = int(self.cap.max()) if layout.rows else 1
-        pairs = sorted(((z / c, c, z) for c in range(1, max_cap + 1) for z in range(c + 1)))
+        pairs = sorted((z / c, c, z) for c in range(1, max_cap + 1) for z in range(c + 1))
         self.bucket_id = np.full((max_cap + 1, max_cap + 1), -1, dtype=np.int64)
         for b, (_, c, z) in enumerate(pairs):
             self.bucket_id[c, z] = b

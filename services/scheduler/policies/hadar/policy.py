@@ -423,7 +423,8 @@ class _Round:
                      force: bool = False) -> Commitment | None:
         """The chosen schedule on concrete rows: the same rows in every round if they exist
         and keep the payoff positive (or ``force``), else the cheapest rows round by round."""
-        args = dict(job=job, profile=prof, choice=choice, utility_at=utility_at, ledger=self.ledger, request=self.request,
+        args = dict(job=job, profile=prof, choice=choice, utility_at=utility_at, ledger=self.ledger,
+                    request=self.request,
                     horizon=self.cfg.horizon)
         commitment = build_commitment(**args, sticky=True)
         if commitment is not None and (force or commitment.utility - commitment.cost > 0):

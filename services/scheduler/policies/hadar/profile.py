@@ -103,10 +103,7 @@ def signature_drifted(old: tuple[float, ...], new: tuple[float, ...], tolerance:
     """True when any rate changed by more than ``tolerance`` (relative) or the shape changed."""
     if len(old) != len(new):
         return True
-    for a, b in zip(old, new):
-        if abs(a - b) > tolerance * max(abs(a), abs(b), RATE_EPS):
-            return True
-    return False
+    return any(abs(a - b) > tolerance * max(abs(a), abs(b), RATE_EPS) for a, b in zip(old, new))
 
 
 class ProfileBook:

@@ -214,7 +214,8 @@ def plan_copies(request: PlanRequest, cost: CopyCost = CopyCost(), price_share: 
 
 
 def _main_pass_budgets(request: PlanRequest, order: list[JobState], credited, speed: dict[str, float], split: str,
-                       slack: float, completion_weight: float) -> tuple[dict[str, dict[str, int]], TimelineState | None]:
+                       slack: float, completion_weight: float) -> tuple[dict[str, dict[str, int]],
+                                                                        TimelineState | None]:
     """(job id -> GPUs per type its main pass may take, the state to carry): the time-indexed
     LP's slice of this round (``split="timeline"``, ``hadare/timeline``; on classes of jobs
     above POOL_ABOVE jobs) or every GPU of the types the makespan split gives it
@@ -236,7 +237,8 @@ def _timeline_budgets(request: PlanRequest, order: list[JobState], credited, spe
     full = fork_lp(order, cluster := request.cluster, credited)
     if len(order) > POOL_ABOVE:
         at = {j.job_id: i for i, j in enumerate(order)}
-        rounds = lambda j: j.remaining / max(speed[j.job_id] * request.round_s, EPS)   # noqa: E731
+        def rounds(j):
+            return j.remaining / max(speed[j.job_id] * request.round_s, EPS)
         groups = [[at[j.job_id] for j in g] for g in job_classes(order, rounds)]
         lp = pool(full, groups)
     else:

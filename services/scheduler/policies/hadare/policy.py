@@ -7,9 +7,9 @@ cluster, each job's GPUs this round from the time-indexed LP of ``lp/timeline``
 (``split="makespan"``), marginal steps net of the consolidation cost of
 ``shared.domain.fork_cost``, then a back-fill pass).
 
-``fork="leftover"`` (the earlier behaviour, kept for comparison): the primary plan is Hadar's (``hadar.Hadar``: ledger, back-fill, copy 0 of each placed
-job, the ledger as policy state). Then the GPUs still idle this round are handed out as
-extra copies:
+``fork="leftover"`` (the earlier behaviour, kept for comparison): the primary plan is
+Hadar's (``hadar.Hadar``: ledger, back-fill, copy 0 of each placed job, the ledger as policy
+state). Then the GPUs still idle this round are handed out as extra copies:
 
 * A copy of job j runs on ONE node, on k <= W_j GPUs of one type of that node, at
   ``rate(job, type, k)``; copies train independently and their weights are averaged at the

@@ -200,7 +200,7 @@ def job_classes(jobs: Sequence[JobState], rounds: Callable[[JobState], float]) -
     left at its best rate) in powers of CLASS_BASE; in order of first member."""
     out: dict[tuple[str, int, int], list[JobState]] = {}
     for j in jobs:
-        bucket = int(math.floor(math.log(max(rounds(j), 1.0), CLASS_BASE)))
+        bucket = math.floor(math.log(max(rounds(j), 1.0), CLASS_BASE))
         out.setdefault((j.job_type, j.workers, bucket), []).append(j)
     return list(out.values())
 
