@@ -83,7 +83,7 @@ def listener_properties(security: BrokerSecurity, *, port: int, controller_port:
 
 def scram_args(security: BrokerSecurity) -> list[str]:
     """``--add-scram`` arguments for StorageTool: the admin user only. The services' users
-    are made by :func:`shared.security.provision.secure_init`, as in the stack."""
+    are made by :func:`shared.security.provision.secure_kafka`, as in the stack."""
     return ["--add-scram", f'{MECHANISM}=[name={ADMIN},password={security.secrets.kafka[ADMIN]}]']
 
 

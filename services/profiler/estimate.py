@@ -18,12 +18,7 @@ from collections.abc import Callable
 
 from shared import zoo
 from shared.domain import gpus, workloads
-from shared.domain.fork_cost import (
-    DEFAULT_OPTIMIZER_SLOTS,
-    MAX_MODEL_BYTES,
-    MAX_OPTIMIZER_SLOTS,
-)
-from shared.wire.events import JobSpec
+from shared.wire.events import DEFAULT_OPTIMIZER_SLOTS, MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS, JobSpec
 
 __all__ = ["Sizer", "catalog_rates", "checkpoint_size", "emulated_rates", "job_figures_for", "size_or_unknown"]
 

@@ -17,15 +17,11 @@ any job that is preempted and resumed, and no policy is charged for it.
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_OPTIMIZER_SLOTS", "DEFAULT_STORE_GBPS", "MAX_MODEL_BYTES", "MAX_OPTIMIZER_SLOTS",
-           "checkpoint_bytes", "consolidation_s"]
+from shared.wire.events import DEFAULT_OPTIMIZER_SLOTS
 
-DEFAULT_OPTIMIZER_SLOTS = 1     # SGD with momentum: one state tensor per parameter
+__all__ = ["DEFAULT_STORE_GBPS", "checkpoint_bytes", "consolidation_s"]
+
 DEFAULT_STORE_GBPS = 1.0
-# Bounds on a model size stated as data (ThroughputEstimate): 4 TiB of FP32 weights (~1.1e12
-# parameters) is far above any job this scheduler runs; slots as the zoo's optimizers (Adam: 2).
-MAX_MODEL_BYTES = 2**42
-MAX_OPTIMIZER_SLOTS = 2
 
 
 def checkpoint_bytes(model_bytes: float, *, optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS) -> float:

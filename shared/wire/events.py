@@ -38,11 +38,6 @@ from typing import Any, ClassVar, Literal, NoReturn, cast
 
 import msgpack
 
-from shared.domain.fork_cost import (
-    DEFAULT_OPTIMIZER_SLOTS,
-    MAX_MODEL_BYTES,
-    MAX_OPTIMIZER_SLOTS,
-)
 from shared.wire.bounded_msgpack import COST_PER_BYTE, UNCHARGED_MAX, TooCostly, unpack
 from shared.wire.record_codec import codec
 from shared.wire.records import (
@@ -70,10 +65,18 @@ __all__ = [
     "NodeHeartbeat", "ThroughputEstimate", "RoundStarted", "Assignment", "Progress",
     "CopyFinished", "ModelConsolidated", "RoundAbandoned", "JobCompleted", "DeadLetter", "EVENT_TYPES",
     "topic_for", "key_for", "encode", "decode", "JOB_ID_RE", "NODE_ID_RE",
+    "DEFAULT_OPTIMIZER_SLOTS", "MAX_OPTIMIZER_SLOTS", "MAX_MODEL_BYTES", "DEADLETTER_RAW_LIMIT",
 ]
 
 
 DEADLETTER_RAW_LIMIT = 1024
+# A model's size as a ThroughputEstimate states it (what HadarE charges for consolidating:
+# shared/domain/fork_cost.py): optimizer state tensors per parameter, 1 by default (SGD with
+# momentum) and at most 2 (the zoo's Adam); at most 4 TiB of FP32 weights (~1.1e12
+# parameters), far above any job this scheduler runs.
+DEFAULT_OPTIMIZER_SLOTS = 1
+MAX_OPTIMIZER_SLOTS = 2
+MAX_MODEL_BYTES = 2**42
 _MAX_WIRE_BYTES = 16 * 1024 * 1024
 
 # ---------------------------------------------------------------- events
@@ -153,9 +156,10 @@ class ThroughputEstimate(Event):
     """Whole-job steps/s on ``workers`` GPUs of each type in ``rates``.
 
     ``model_bytes``: the job's FP32 weights in bytes and ``optimizer_slots`` the state
-    tensors per parameter its optimizer keeps (``shared.domain.fork_cost``), what HadarE charges
-    for consolidating forked copies; ``model_bytes`` 0 states no size (a measurement, or a
-    record written before sizes were carried), and the scheduler keeps the last size stated."""
+    tensors per parameter its optimizer keeps (bounds above), what HadarE charges for
+    consolidating forked copies (``shared.domain.fork_cost``); ``model_bytes`` 0 states no
+    size (a measurement, or a record written before sizes were carried), and the scheduler
+    keeps the last size stated."""
 
     TYPE: ClassVar[str] = "ThroughputEstimate"
     job_id: str
@@ -427,7 +431,7 @@ _DECODER_OF: dict[str, tuple[int, Callable[[dict[Any, Any], str, Any, Any, Any],
     name: (cls.VERSION, cast(Callable[..., Event], codec(cls).from_wire)) for name, cls in EVENT_TYPES.items()}
 # One Packer for the process: packing validated events runs no Python code, so under the
 # GIL a pack is never interleaved with another, and Packer resets itself on error.
-_pack = msgpack.Packer(use_bin_type=True).pack
+_pack: Callable[[object], bytes] = msgpack.Packer(use_bin_type=True).pack
 _unpackb = msgpack.unpackb
 
 

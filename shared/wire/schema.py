@@ -23,8 +23,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from shared.domain.fork_cost import MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS
-from shared.wire.events import DEADLETTER_RAW_LIMIT, EVENT_TYPES, Event
+from shared.wire.events import DEADLETTER_RAW_LIMIT, EVENT_TYPES, MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS, Event
 from shared.wire.records import JOB_ID_RE, NODE_ID_RE, Record, to_wire
 from shared.wire.topics import PRINCIPALS, TOPIC_BY_NAME, TOPIC_OF_TYPE
 
@@ -151,7 +150,7 @@ def _with_constraint(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, A
     return {**base, **extra}
 
 
-def _default(f: dataclasses.Field) -> tuple[bool, Any]:
+def _default(f: dataclasses.Field[Any]) -> tuple[bool, Any]:
     if f.default is not dataclasses.MISSING:
         return True, to_wire(f.default)
     if f.default_factory is not dataclasses.MISSING:
@@ -239,7 +238,7 @@ def _type_text(s: dict[str, Any]) -> str:
         return f"{_type_text(s['anyOf'][0])} or null"
     if "enum" in s:
         return " \\| ".join(f"`{json.dumps(v)}`" for v in s["enum"])
-    t = s.get("type")
+    t: Any = s.get("type")   # a JSON Schema type name, or absent
     if t == "array":
         return f"array of {_type_text(s['items'])}"
     if t == "object":

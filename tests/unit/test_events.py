@@ -18,11 +18,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.domain.fork_cost import MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS
 from shared.wire.events import (
     DEADLETTER_RAW_LIMIT,
     EVENT_TYPES,
     JOB_ID_RE,
+    MAX_MODEL_BYTES,
+    MAX_OPTIMIZER_SLOTS,
     NODE_ID_RE,
     Assignment,
     CopyFinished,

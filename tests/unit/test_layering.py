@@ -1,10 +1,22 @@
 """Package layering, read from the source: which package may import which.
 
-* ``shared`` is the bottom layer: it imports no ``services`` package.
+``shared`` is built in layers; a module may import its own layer and the layers listed
+before it, never one after it:
+
+    foundation (errors, clock, secrets) < wire < domain < zoo < bus, store (neither imports
+    the other) < persistence < runtime < security
+
+* ``shared`` imports no ``services`` package and no ``devinfra`` (development tooling).
+  Only the CLI (``services.cli``) may import ``devinfra``.
 * The services (agent, tracker, profiler, scheduler) do not import the CLI package
-  ``services.cli``; the CLI wires them, never the other way round.
-* The profiler does not import the agent: what both need (the emulation's slowdowns)
-  lives in ``shared``.
+  ``services.cli``; the CLI wires them, never the other way round. The profiler does not
+  import the agent (what both need, the emulation's slowdowns, lives in ``shared``).
+* The scheduler: ``core`` imports nothing else of the scheduler; ``policies`` only
+  ``core``; ``live`` and ``sim`` import ``core`` and ``policies`` but not each other.
+  Within ``policies``, ``lp`` imports no policy, and base ``hadar`` imports no ``hadare``.
+* The agent: ``daemon`` (the asyncio service) and ``worker`` (the training subprocess)
+  never import each other; what crosses the process boundary is ``protocol``.
+* The tracker: ``averaging`` (the pure numerical core) imports nothing else of the tracker.
 
 Every import statement counts, also one inside a function or an ``if TYPE_CHECKING``
 block; relative imports are resolved first.
@@ -20,6 +32,43 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("agent", "tracker", "profiler", "scheduler")
+
+# shared's layers, lowest first; a module may import its own layer and those before it.
+SHARED_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("shared.errors", "shared.clock", "shared.secrets"),
+    ("shared.wire",),
+    ("shared.domain",),
+    ("shared.zoo",),
+    ("shared.bus", "shared.store"),
+    ("shared.persistence",),
+    ("shared.runtime",),
+    ("shared.security",),
+)
+
+# (importing package, forbidden package, why), beyond shared's layers.
+RULES: tuple[tuple[str, str, str], ...] = (
+    ("shared", "services", "shared imports no service"),
+    ("shared", "devinfra", "shared imports no development tooling"),
+    *((f"services.{s}", "services.cli", "only the CLI imports the CLI package") for s in SERVICES),
+    *((f"services.{s}", "devinfra", "only the CLI imports development tooling") for s in SERVICES),
+    ("shared.bus", "shared.store", "the two ports are independent"),
+    ("shared.store", "shared.bus", "the two ports are independent"),
+    ("services.profiler", "services.agent", "the profiler does not import the agent"),
+    *(("services.scheduler.core", f"services.scheduler.{p}", "core imports nothing else of the scheduler")
+      for p in ("policies", "live", "sim", "cli", "config")),
+    *(("services.scheduler.policies", f"services.scheduler.{p}", "policies import only core")
+      for p in ("live", "sim", "cli", "config")),
+    ("services.scheduler.live", "services.scheduler.sim", "the live loop does not import the simulator"),
+    ("services.scheduler.sim", "services.scheduler.live", "the simulator does not import the live loop"),
+    *(("services.scheduler.policies.lp", f"services.scheduler.policies.{p}", "the shared LP imports no policy")
+      for p in ("hadar", "hadare", "gavel", "gang", "tiresias", "yarn_cs")),
+    ("services.scheduler.policies.hadar", "services.scheduler.policies.hadare", "base Hadar does not import HadarE"),
+    ("services.agent.daemon", "services.agent.worker", "the daemon talks to workers only through protocol"),
+    ("services.agent.worker", "services.agent.daemon", "a worker talks to the daemon only through protocol"),
+    *(("services.tracker.averaging", f"services.tracker.{m}", "averaging imports nothing else of the tracker")
+      for m in ("service", "state", "consolidator", "model_files", "jobs", "acceptance", "config", "snapshot",
+                "lifecycle", "due", "placements", "pending", "attempts", "metrics", "store_reader", "cli")),
+)
 
 
 def module_name(path: Path) -> str:
@@ -49,29 +98,39 @@ def within(name: str, package: str) -> bool:
     return name == package or name.startswith(package + ".")
 
 
+def shared_layer(name: str) -> int | None:
+    for level, packages in enumerate(SHARED_LAYERS):
+        if any(within(name, p) for p in packages):
+            return level
+    return None
+
+
 def violations(path: Path) -> list[str]:
-    module = module_name(path)
-    rules: list[tuple[str, str]] = []   # (forbidden package, why)
-    if within(module, "shared"):
-        rules.append(("services", "shared imports no service"))
-    if within(module, "shared") or any(within(module, f"services.{s}") for s in SERVICES):
-        rules.append(("services.cli", "only the CLI imports the CLI package"))
-    if within(module, "services.profiler"):
-        rules.append(("services.agent", "the profiler does not import the agent"))
-    names = set(imported_modules(path.read_text(encoding="utf-8"), module, is_package=path.name == "__init__.py"))
-    return [f"{module} imports {name}: {why}" for name in sorted(names)
-            for package, why in rules if within(name, package)]
+    return violations_of(module_name(path), path.read_text(encoding="utf-8"), is_package=path.name == "__init__.py")
+
+
+def violations_of(module: str, source: str, *, is_package: bool = False) -> list[str]:
+    names = set(imported_modules(source, module, is_package=is_package))
+    found = [f"{module} imports {name}: {why}" for name in sorted(names)
+             for importer, forbidden, why in RULES if within(module, importer) and within(name, forbidden)]
+    mine = shared_layer(module)
+    if mine is not None:
+        found += [f"{module} imports {name}: a lower layer of shared imports a higher one"
+                  for name in sorted(names) if (theirs := shared_layer(name)) is not None and theirs > mine]
+    return found
 
 
 def checked_files() -> list[Path]:
-    dirs = [ROOT / "shared", *(ROOT / "services" / s for s in SERVICES)]
+    dirs = [ROOT / "shared", ROOT / "devinfra", *(ROOT / "services" / s for s in (*SERVICES, "cli"))]
     return sorted(p for d in dirs for p in d.rglob("*.py"))
 
 
 def test_the_checked_packages_exist() -> None:
-    files = checked_files()
-    for top in ("shared", *(f"services.{s}" for s in SERVICES)):
-        assert any(within(module_name(p), top) for p in files), top
+    files = {module_name(p) for p in checked_files()}
+    for package in {*(p for layer in SHARED_LAYERS for p in layer), *(r[0] for r in RULES)}:
+        assert any(within(m, package) for m in files), package
+    assert all(shared_layer(m) is not None for m in files if within(m, "shared") and m != "shared"), \
+        "every module of shared belongs to a layer"
 
 
 @pytest.mark.parametrize("path", checked_files(), ids=lambda p: str(p.relative_to(ROOT)))
@@ -86,6 +145,15 @@ def test_the_checker_sees_every_form_of_import() -> None:
               "from .. import agent\n")
     names = set(imported_modules(source, "services.profiler.estimate"))
     assert {"services.cli.main", "services.cli", "services.agent.daemon.emulation", "services.agent"} <= names
+
+
+def test_a_lower_layer_importing_a_higher_one_is_caught() -> None:
+    found = violations_of("shared.wire.probe", "from shared.runtime.service import run_service\n")
+    assert "shared.wire.probe imports shared.runtime.service: a lower layer of shared imports a higher one" in found
+    assert violations_of("shared.runtime.probe", "from shared.wire.events import encode\n") == []
+    assert violations_of("services.agent.daemon.probe", "import services.agent.worker.training\n") == [
+        "services.agent.daemon.probe imports services.agent.worker.training: "
+        "the daemon talks to workers only through protocol"]
 
 
 def test_paths_derived_from_module_locations_point_into_the_checkout() -> None:

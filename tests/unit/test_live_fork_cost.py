@@ -20,9 +20,10 @@ from services.scheduler.policies import PolicyChoice, make_policy
 from services.scheduler.sim.simulator import RoundObservation, SimOptions, simulate
 from services.scheduler.sim.traces import TraceJob
 from shared.domain import workloads
-from shared.domain.fork_cost import MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS
 from shared.persistence.snapshot import dump, load
 from shared.wire.events import (
+    MAX_MODEL_BYTES,
+    MAX_OPTIMIZER_SLOTS,
     GpuInfo,
     InvalidEvent,
     JobCancelled,

@@ -66,10 +66,12 @@ from __future__ import annotations
 
 import bisect
 import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from services.scheduler.core.cluster import Cluster
 from services.scheduler.core.policy import (
     JobState,
     Placement,
@@ -94,17 +96,16 @@ from services.scheduler.policies.lp.timeline import (
     pool,
     solve_until,
 )
-from shared.domain.fork_cost import (
-    DEFAULT_OPTIMIZER_SLOTS,
-    DEFAULT_STORE_GBPS,
-    consolidation_s,
-)
+from shared.domain.fork_cost import DEFAULT_STORE_GBPS, consolidation_s
 from shared.domain.progress import credited_steps
+from shared.wire.events import DEFAULT_OPTIMIZER_SLOTS
 
 EPS = 1e-9
 PRICE_SHARE = 0.0
 SPLIT_SLACK = 0.01
 WINDOW = 1.0
+
+_Credited = Callable[[JobState, str, int], float]   # credited(job, gpu type, k): a copy's job steps/s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -213,9 +214,9 @@ def plan_copies(request: PlanRequest, cost: CopyCost = CopyCost(), price_share: 
     return Plan(placements=tuple(placements), waiting=tuple(waiting), explain=explain, state=carried)
 
 
-def _main_pass_budgets(request: PlanRequest, order: list[JobState], credited, speed: dict[str, float], split: str,
-                       slack: float, completion_weight: float) -> tuple[dict[str, dict[str, int]],
-                                                                        TimelineState | None]:
+def _main_pass_budgets(request: PlanRequest, order: list[JobState], credited: _Credited, speed: dict[str, float],
+                       split: str, slack: float,
+                       completion_weight: float) -> tuple[dict[str, dict[str, int]], TimelineState | None]:
     """(job id -> GPUs per type its main pass may take, the state to carry): the time-indexed
     LP's slice of this round (``split="timeline"``, ``hadare/timeline``; on classes of jobs
     above POOL_ABOVE jobs) or every GPU of the types the makespan split gives it
@@ -230,14 +231,14 @@ def _main_pass_budgets(request: PlanRequest, order: list[JobState], credited, sp
     return {job_id: {t: cluster.gpus_by_type[t] for t in got} for job_id, got in types.items()}, None
 
 
-def _timeline_budgets(request: PlanRequest, order: list[JobState], credited, speed: dict[str, float],
+def _timeline_budgets(request: PlanRequest, order: list[JobState], credited: _Credited, speed: dict[str, float],
                       slack: float, completion_weight: float) -> tuple[dict[str, dict[str, int]], TimelineState] | None:
     """``_main_pass_budgets`` by the time-indexed LP; None if an LP fails. The makespan LP
     is solved only when E must be set or moved (first round, arrivals, E missed)."""
     full = fork_lp(order, cluster := request.cluster, credited)
     if len(order) > POOL_ABOVE:
         at = {j.job_id: i for i, j in enumerate(order)}
-        def rounds(j):
+        def rounds(j: JobState) -> float:
             return j.remaining / max(speed[j.job_id] * request.round_s, EPS)
         groups = [[at[j.job_id] for j in g] for g in job_classes(order, rounds)]
         lp = pool(full, groups)
@@ -267,7 +268,7 @@ class _FreeGroups:
     """Idle GPUs by (node, type), indexed by (type, idle count) in cluster order, so a job's
     candidates are the first group of each (type, count) not on a node it already uses."""
 
-    def __init__(self, cluster) -> None:
+    def __init__(self, cluster: Cluster) -> None:
         self.order = {n.node_id: i for i, n in enumerate(cluster.nodes)}
         self.idle: dict[tuple[str, str], list[int]] = {}
         self.buckets: dict[tuple[str, int], list[str]] = {}
@@ -276,7 +277,7 @@ class _FreeGroups:
                 self.idle[(n.node_id, t)] = list(n.indices_of(t))
                 self.buckets.setdefault((t, len(self.idle[(n.node_id, t)])), []).append(n.node_id)
 
-    def candidates(self, used: set[str], allowed: dict[str, int] | None):
+    def candidates(self, used: set[str], allowed: dict[str, int] | None) -> Iterator[tuple[str, str, int]]:
         """(node, type, idle count) of the first group of each (type, count) off ``used``
         whose type has GPUs left in ``allowed`` (None: every type)."""
         for (t, count), nodes in self.buckets.items():
@@ -301,7 +302,7 @@ class _FreeGroups:
         return got
 
 
-def _best_group(state: _Job, free: _FreeGroups, credited, best: dict[str, list[float]],
+def _best_group(state: _Job, free: _FreeGroups, credited: _Credited, best: dict[str, list[float]],
                 pos: int, round_s: float, cost: CopyCost,
                 price_share: float, top: float,
                 allowed: dict[str, int] | None = None) -> tuple[tuple[str, str], int, float] | None:

@@ -51,7 +51,8 @@ from services.scheduler.policies.hadare.timeline import (
     COMPLETION_WEIGHT,
     TIMELINE_SLACK,
 )
-from shared.domain.fork_cost import DEFAULT_OPTIMIZER_SLOTS, DEFAULT_STORE_GBPS
+from shared.domain.fork_cost import DEFAULT_STORE_GBPS
+from shared.wire.events import DEFAULT_OPTIMIZER_SLOTS
 
 EPS = 1e-9
 
