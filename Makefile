@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 INFRA_ENV := $(CURDIR)/.infra.env
 
-.PHONY: test demo venv bench clean
+.PHONY: test lint demo venv bench clean
 
 venv: $(STAMP)
 
@@ -16,14 +16,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	rm -f $(VENV)/.installed-* && touch $@
 
-# Starts real Kafka and MinIO (fetched and built into ~/.cache/hadar on first use), runs
-# every test against them, and stops them whatever the outcome.
-test: $(STAMP)
+# Lints and type-checks (ruff, mypy: configured in pyproject.toml), then starts real Kafka
+# and MinIO (fetched and built into ~/.cache/hadar on first use), runs every test against
+# them, and stops them whatever the outcome.
+test: $(STAMP) lint
 	@set -e; \
 	$(BIN)/hadar infra up --env-file $(INFRA_ENV) >/dev/null; \
 	trap '$(BIN)/hadar infra down' EXIT; \
 	set -a; . $(INFRA_ENV); set +a; \
 	$(BIN)/python -m pytest -p no:cacheprovider tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check
+	$(BIN)/mypy
 
 demo: $(STAMP)
 	$(BIN)/hadar demo --out demo-out

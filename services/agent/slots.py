@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 from services.agent.protocol import WorkerSpec
 from shared.errors import HadarError
@@ -89,7 +89,7 @@ class WarmKey:
 def warm_key(spec: WorkerSpec) -> WarmKey | None:
     """The spec's key, or None if its process must not outlive it (a DDP rank whose
     copy's layout -- this node's GPUs and ranks, every rank's node -- is not known)."""
-    base = dict(job_id=spec.job_id, model=spec.model, dataset=spec.dataset, seed=spec.seed,
+    base: dict[str, Any] = dict(job_id=spec.job_id, model=spec.model, dataset=spec.dataset, seed=spec.seed,
                 optimizer=spec.optimizer, lr=spec.lr, device=spec.device, threads=spec.threads,
                 env=tuple(sorted(spec.env.items())))
     if spec.rendezvous is None:

@@ -73,9 +73,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _make_ports(args: argparse.Namespace, out: Path):
     from services.agent.protocol import StoreTarget
-    from shared.bus import KafkaBus, MemoryBus
+    from shared.bus import Bus, KafkaBus, MemoryBus
     from shared.store import LocalStore, MinioStore
 
+    bus: Bus
     if args.bootstrap:
         bus = KafkaBus.from_settings(kafka_settings(args), source="demo")
     else:
@@ -161,6 +162,7 @@ async def _summarise(specs, state: SchedulerState, rates: dict[tuple[str, str, i
             entry["steps"] = record.steps_done
             entry["rounds_run"] = record.rounds_run
         if entry["completed"]:
+            assert record is not None and record.completed_at is not None   # what "completed" says
             entry["jct_s"] = round(record.completed_at - record.submitted_at, 2)
             path = models / f"{spec.job_id}.safetensors"
             await store.get_file(record.final_key, path)

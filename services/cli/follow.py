@@ -27,7 +27,7 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from services.cli.joblog import TrainingLog
+from services.cli.joblog import FoldedEvent, TrainingLog
 from services.scheduler.live.state import SchedulerState
 from shared.bus import Bus
 from shared.bus.rejection import Rejected
@@ -56,7 +56,7 @@ class ClusterView:
         seen_window=sys.maxsize, rounds_kept=sys.maxsize, finished_kept=sys.maxsize, rounds_in_order=False))
     cancelled_at: dict[str, float] = field(default_factory=dict)
     training: TrainingLog = field(default_factory=TrainingLog)   # loss, samples/s, metrics (``hadar logs``)
-    new_training: list[Event] = field(default_factory=list)      # what the last fold added to ``training``
+    new_training: list[FoldedEvent] = field(default_factory=list)   # what the last fold added to ``training``
 
     def fold(self, items: Iterable[tuple[str, Event]]) -> None:
         """Apply a batch as :func:`~services.scheduler.live.state.fold_log` orders a whole log:
@@ -99,7 +99,7 @@ class LogFollower:
         """Read what was appended since the last poll (the whole log the first time) and fold it."""
         items: list[tuple[str, Event]] = []
         for topic in READ_ORDER:
-            async with contextlib.aclosing(self._bus.read(topic, start=self._start)) as records:  # type: ignore[type-var]
+            async with contextlib.aclosing(self._bus.read(topic, start=self._start)) as records:
                 async for delivery in records:
                     items.append((topic, delivery.event))
                     if self._newest_ms is None or delivery.timestamp_ms > self._newest_ms:

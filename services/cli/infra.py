@@ -25,7 +25,7 @@ from services.cli.secure_init import register_secure_init
 from shared.errors import HadarError
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "infra", help="start, check or stop the development Kafka and MinIO",
         description="Development Kafka (KRaft, from Maven Central) and MinIO (built with go "

@@ -20,7 +20,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeAlias
 
 from shared.wire.events import (
     Assignment,
@@ -31,9 +31,10 @@ from shared.wire.events import (
     RoundAbandoned,
 )
 
-__all__ = ["TrainingLog", "CopyRun", "RoundModel", "log_line"]
+__all__ = ["TrainingLog", "CopyRun", "RoundModel", "FoldedEvent", "log_line"]
 
 FOLDED = (Assignment, Progress, CopyFinished, ModelConsolidated, RoundAbandoned)
+FoldedEvent: TypeAlias = Assignment | Progress | CopyFinished | ModelConsolidated | RoundAbandoned   # one of FOLDED
 
 
 def _job_of(event: Event) -> str | None:
@@ -92,7 +93,7 @@ class RoundModel:
 class _Job:
     copies: dict[tuple[int, int], CopyRun] = field(default_factory=dict)
     models: dict[int, RoundModel] = field(default_factory=dict)
-    events: list[Event] = field(default_factory=list)   # the job's folded events, for log lines
+    events: list[FoldedEvent] = field(default_factory=list)   # the job's folded events, for log lines
 
 
 class TrainingLog:
@@ -102,11 +103,11 @@ class TrainingLog:
         self._jobs: dict[str, _Job] = {}
         self._seen: set[str] = set()
 
-    def fold(self, events: Iterable[Event]) -> list[Event]:
+    def fold(self, events: Iterable[Event]) -> list[FoldedEvent]:
         """Apply ``events`` (repeats are skipped); the newly applied ones, in event time."""
         new = sorted((e for e in events if isinstance(e, FOLDED) and e.id not in self._seen),
                      key=lambda e: (e.ts, _RANK[type(e)]))
-        applied = []
+        applied: list[FoldedEvent] = []
         for event in new:
             if event.id in self._seen:
                 continue
@@ -120,7 +121,7 @@ class TrainingLog:
             applied.append(event)
         return applied
 
-    def events(self, job_id: str, round_: int | None = None) -> list[Event]:
+    def events(self, job_id: str, round_: int | None = None) -> list[FoldedEvent]:
         """The job's folded events (of round ``round_`` only, if given), in event time."""
         job = self._jobs.get(job_id)
         if job is None:
@@ -148,8 +149,8 @@ class TrainingLog:
         reported = [c for c in job.copies.values() if c.loss is not None]
         if reported:
             newest = max(c.round for c in reported)
-            losses = [c.loss for c in reported if c.round == newest]
-            loss = {"round": newest, "value": _number(sum(losses) / len(losses), 6)}   # type: ignore[arg-type]
+            losses = [c.loss for c in reported if c.round == newest and c.loss is not None]   # all of them
+            loss = {"round": newest, "value": _number(sum(losses) / len(losses), 6)}
         metric = None
         scored = [r for r in sorted(job.models) if job.models[r].metric_value is not None]
         if scored:
@@ -202,7 +203,7 @@ def _time(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def log_line(e: Event) -> str:
+def log_line(e: FoldedEvent) -> str:
     """One human line for one of a job's events: time, round, copy, then what happened."""
     head = f"{_time(e.ts)}  round {e.round:<4}"
     if isinstance(e, Assignment):

@@ -24,12 +24,11 @@ from dataclasses import asdict
 from typing import Any
 
 from services.cli.follow import LogFollower
-from services.cli.joblog import log_line
+from services.cli.joblog import FoldedEvent, log_line
 from shared.bus import Bus
 from shared.clock import SystemClock
 from shared.errors import UsageError
 from shared.runtime.connection import add_bus_args, make_bus
-from shared.wire.events import Event
 
 __all__ = ["register", "show_logs"]
 
@@ -68,13 +67,13 @@ def cmd_logs(args: argparse.Namespace) -> int:
     return asyncio.run(run())
 
 
-def _event_doc(event: Event) -> dict[str, Any]:
+def _event_doc(event: FoldedEvent) -> dict[str, Any]:
     body = {k: v for k, v in asdict(event).items() if k not in ("id", "ts", "source")}
     body.pop("job", None)   # an Assignment's whole job spec: the job is known
     return {"type": event.TYPE, "ts": event.ts, "round": event.round, "line": log_line(event), "event": body}
 
 
-def _emit(events: list[Event], round_: int | None, as_json: bool) -> None:
+def _emit(events: list[FoldedEvent], round_: int | None, as_json: bool) -> None:
     for event in events:
         if round_ is not None and event.round != round_:
             continue

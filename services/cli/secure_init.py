@@ -30,7 +30,7 @@ from shared.store.settings import s3_from_env
 __all__ = ["register_secure_init", "read_secrets"]
 
 
-def register_secure_init(actions: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register_secure_init(actions: argparse._SubParsersAction) -> None:
     certs = actions.add_parser("certs", help="make a CA and a Kafka broker certificate (PEM) for the stack")
     certs.add_argument("--dir", type=Path, required=True, help="where to write ca.pem, ca.key, server.pem")
     certs.add_argument("--host", action="append", default=None,

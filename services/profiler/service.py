@@ -276,6 +276,7 @@ class ProfilerService:
         self.recovery.update(found.recovery())
         if found.snapshot is None:
             return None
+        assert found.value is not None   # set with the snapshot
         self.state = found.value
         self._covered = dict(found.snapshot.offsets)
         self._log.info("profiler.snapshot_loaded", key=found.key)
@@ -297,6 +298,7 @@ class ProfilerService:
         except Exception as exc:
             self._log.warning("profiler.snapshot_failed", error=f"{type(exc).__name__}: {exc}"[:300])
             return
+        assert saved is not None   # capture() always returns a snapshot
         self._log.info("profiler.snapshot_written", key=saved.key, bytes=saved.bytes)
 
     HANDLERS: ClassVar[HandlerTable[Callable[[ProfilerService, Any], Awaitable[None]]]] = HandlerTable({

@@ -349,7 +349,7 @@ class TrackerService:
     async def _round(self, work: DueRound) -> None:
         log = self._log.bind(job=work.job_id, round=work.round)
         key = model_key(work.job_id, work.round)
-        event = None
+        event: ModelConsolidated | RoundAbandoned | None = None
         if await self.store.exists(key):
             event = await self._produce.existing(work, key, log, self.state.check_announcement)
         if event is None:

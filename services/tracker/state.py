@@ -347,8 +347,9 @@ class TrackerState:
 
     def _forget_job(self, job_id: str, finished: FinishedJob) -> None:
         job = self._jobs.pop(job_id, None)
-        for number in list(job.rounds) if job is not None else ():
-            self._close(job, number)   # type: ignore[arg-type]
+        if job is not None:
+            for number in list(job.rounds):
+                self._close(job, number)
         self._pending.take_where(lambda e: e.job_id == job_id)   # moot now: dropped, not refused
         self._finished[job_id] = finished
         while len(self._finished) > self._max_finished:

@@ -32,10 +32,10 @@ import hashlib
 import math
 import re
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Self
+from typing import Self, final
 
 from shared.errors import HadarError
 from shared.wire.events import (
@@ -97,6 +97,7 @@ def bus_error(what: str, exc: BaseException) -> BusError:
     return BusError(f"{what}: {type(exc).__name__}: {exc}", retriable=retriable)
 
 
+@final   # never subclassed: readers test ``type(x) is Delivery``
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Delivery:
     """One decoded record. ``key`` is ``""`` for a record published without a key.
@@ -217,7 +218,7 @@ class Bus(abc.ABC):
 
     @abc.abstractmethod
     def read(self, topic: str, *, start: Position = None, end: Position = None
-             ) -> AsyncIterator[Delivery]:
+             ) -> AsyncGenerator[Delivery, None]:
         """Replay ``topic``: every partition's records in [start, end), ordered by
         (timestamp, partition, offset), then stop.
 

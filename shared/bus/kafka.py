@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -212,7 +212,7 @@ class KafkaBus(Bus):
         return KafkaSubscription(self, topic_list(topics), group)
 
     async def read(self, topic: str, *, start: Position = None, end: Position = None
-                   ) -> AsyncIterator[Delivery]:
+                   ) -> AsyncGenerator[Delivery, None]:
         check_started(self._admin is not None)
         assert self._admin is not None
         check_position("start", start)
@@ -276,7 +276,7 @@ class KeyPartitioner:
     def __init__(self, capacity: int = 4096) -> None:
         self._capacity = capacity
         self._hashes: dict[bytes, int] = {}
-        self._default = DefaultPartitioner()
+        self._default: Callable[[bytes | None, list[int], list[int]], int] = DefaultPartitioner()
 
     def __len__(self) -> int:
         return len(self._hashes)

@@ -55,7 +55,7 @@ __all__ = ["KafkaSubscription"]
 log = structlog.get_logger(__name__)
 
 
-class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka is untyped: an Any base
     def __init__(self, sub: KafkaSubscription) -> None:
         self._sub = sub
 

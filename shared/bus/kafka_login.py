@@ -43,7 +43,7 @@ def security_options(security: KafkaSecurity) -> dict[str, Any]:
 
 def _ssl_context(security: KafkaSecurity) -> ssl.SSLContext:
     try:
-        context = create_ssl_context(cafile=security.ca_file or None)
+        context: ssl.SSLContext = create_ssl_context(cafile=security.ca_file or None)
     except (OSError, ssl.SSLError) as exc:
         raise ConfigError(f"HADAR_KAFKA_CA_FILE={security.ca_file!r}: cannot be used: {_reason(exc)}") from None
     if security.cert_file:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Iterable
 from dataclasses import dataclass
 from functools import partial
 
@@ -103,7 +103,7 @@ class MemoryBus(Bus):
         return MemorySubscription(self, topic_list(topics), group)
 
     async def read(self, topic: str, *, start: Position = None, end: Position = None
-                   ) -> AsyncIterator[Delivery]:
+                   ) -> AsyncGenerator[Delivery, None]:
         check_started(self._started)
         check_position("start", start)
         check_position("end", end)

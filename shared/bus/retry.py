@@ -33,6 +33,7 @@ import asyncio
 import enum
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from shared.bus.base import Bus
 from shared.errors import HadarError
@@ -121,8 +122,9 @@ async def _acknowledged(ack: asyncio.Future[object], *, policy: RetryPolicy, giv
     is left to the client, which may still write it."""
     while True:
         tick = asyncio.ensure_future(sleep(policy.check_s))
+        waiting: set[asyncio.Future[Any]] = {ack, tick}
         try:
-            await asyncio.wait({ack, tick}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             ack.cancel()   # stops our wait only: a record the client accepted may still be written
             raise

@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # JobFigures lives with the job figures; only its fields are used here.
     from shared.domain.workloads import JobFigures
@@ -97,8 +97,8 @@ class GpuSpec:
         return max(self.nvlink_gb_s, self.pcie_gb_s, host)
 
 
-def _spec(**kw: object) -> GpuSpec:
-    return GpuSpec(**kw)  # type: ignore[arg-type]
+def _spec(**kw: Any) -> GpuSpec:
+    return GpuSpec(**kw)
 
 
 # Sources: NVIDIA datasheets and architecture whitepapers (Kepler GK210, Pascal GP100,
@@ -312,7 +312,7 @@ def estimate_step(spec: GpuSpec, job: JobFigures, n: int = 1) -> StepEstimate:
     flops = TRAIN_FLOPS_FACTOR * job.flops_per_sample * b
     compute_s = flops / (peak * 1e12 * spec.sustained_clock_fraction * spec.issue_fraction * eff)
     act_scale = MIXED_ACTIVATION_SCALE if job.mixed_precision else 1.0
-    moved = job.params * _FP32 * (6 + 2 * job.optimizer_slots)
+    moved: float = job.params * _FP32 * (6 + 2 * job.optimizer_slots)
     moved += ACTIVATION_PASSES * b * job.activation_bytes_per_sample * act_scale
     memory_s = moved / (spec.memory_bw_gb_s * 1e9 * MEMORY_EFFICIENCY)
     dispatch_s = job.ops_per_step * HOST_SECONDS_PER_OP

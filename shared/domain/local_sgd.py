@@ -82,7 +82,8 @@ class LocalSgd:
         1 for one whole copy (or K unknown)."""
         if self.fork_workers <= 0:
             return 1.0
-        return min(self.max_factor, (self.fork_workers / self.job_workers) ** SCALINGS[self.scaling])
+        factor: float = (self.fork_workers / self.job_workers) ** SCALINGS[self.scaling]   # positive base: a float
+        return min(self.max_factor, factor)
 
     @property
     def job_steps_per_copy_step(self) -> float:

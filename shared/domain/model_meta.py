@@ -46,7 +46,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from shared.errors import HadarError
 from shared.wire.records import JOB_ID_RE, CopyWeight, InvalidEvent, Rejection
@@ -272,7 +272,10 @@ def _rejection(item: Any) -> Rejection:
     return _record(Rejection, copy=_json_count("rejected.copy", fields["copy"]), reason=fields["reason"])
 
 
-def _record(cls: type[Any], **fields: Any) -> Any:
+_R = TypeVar("_R")
+
+
+def _record(cls: type[_R], **fields: Any) -> _R:
     try:
         return cls(**fields)
     except InvalidEvent as exc:   # e.g. a reason that is not valid UTF-8

@@ -104,7 +104,8 @@ def registered() -> frozenset[str]:
 
 def pack(value: Any) -> bytes:
     """``value`` as msgpack; TypeError for a value of a type this module cannot carry."""
-    return msgpack.packb(value, use_bin_type=True, strict_types=True, default=_default)
+    packed: bytes = msgpack.packb(value, use_bin_type=True, strict_types=True, default=_default)
+    return packed
 
 
 def unpack(data: bytes) -> Any:
@@ -211,7 +212,7 @@ def _ext_hook(tag: int, data: bytes) -> Any:
     if tag == _OBJECT:
         name, attributes = value
         cls = _cls(name)
-        obj = object.__new__(cls)
+        obj: object = object.__new__(cls)
         for attr, item in attributes.items():
             object.__setattr__(obj, attr, item)
         if is_dataclass(cls):

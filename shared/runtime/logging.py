@@ -161,8 +161,10 @@ def _install_hooks(also_default: bool) -> None:
         if args.exc_type is SystemExit:   # as the default hook: a thread's sys.exit() is silent
             return
         name = args.thread.name if args.thread is not None else "?"
+        # exc_value is None for a thread that raised no instance; logging formats that as well
         uncaught.critical("uncaught exception in thread %s", name,
-                          exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+                          exc_info=(args.exc_type, args.exc_value,  # type: ignore[arg-type]  # value may be None
+                                    args.exc_traceback))
         if also_default:
             threading.__excepthook__(args)
 
@@ -232,11 +234,11 @@ class _PrintsToLog(io.TextIOBase):
         self._lock = threading.Lock()
 
     @property
-    def encoding(self) -> str:   # type: ignore[override]
+    def encoding(self) -> str:   # type: ignore[override]  # TextIOBase declares a plain attribute
         return "utf-8"
 
     @property
-    def errors(self) -> str:   # type: ignore[override]
+    def errors(self) -> str:   # type: ignore[override]  # TextIOBase declares a plain attribute
         return "strict"
 
     def writable(self) -> bool:

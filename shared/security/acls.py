@@ -38,7 +38,7 @@ ALLOW = 3
 ANY_HOST = "*"
 
 
-class CreateAclsResponse_v2(Response):
+class CreateAclsResponse_v2(Response):  # type: ignore[misc]  # aiokafka is untyped: an Any base
     API_KEY = 30
     API_VERSION = 2
     SCHEMA = Schema(
@@ -49,13 +49,13 @@ class CreateAclsResponse_v2(Response):
     )
 
 
-class CreateAclsResponse_v3(Response):
+class CreateAclsResponse_v3(Response):  # type: ignore[misc]  # aiokafka is untyped: an Any base
     API_KEY = 30
     API_VERSION = 3
     SCHEMA = CreateAclsResponse_v2.SCHEMA
 
 
-class CreateAclsRequest_v2(RequestStruct):
+class CreateAclsRequest_v2(RequestStruct):  # type: ignore[misc]  # aiokafka is untyped: an Any base
     FLEXIBLE_VERSION = True
     API_KEY = 30
     API_VERSION = 2
@@ -70,7 +70,7 @@ class CreateAclsRequest_v2(RequestStruct):
     )
 
 
-class CreateAclsRequest_v3(RequestStruct):
+class CreateAclsRequest_v3(RequestStruct):  # type: ignore[misc]  # aiokafka is untyped: an Any base
     FLEXIBLE_VERSION = True
     API_KEY = 30
     API_VERSION = 3
@@ -81,7 +81,7 @@ class CreateAclsRequest_v3(RequestStruct):
 _Struct: TypeAlias = CreateAclsRequest_v2 | CreateAclsRequest_v3
 
 
-class CreateAcls(Request[_Struct]):
+class CreateAcls(Request[_Struct]):  # type: ignore[misc]  # aiokafka is untyped: an Any base
     API_KEY = 30
 
     def __init__(self, acls: list[KafkaAcl]) -> None:

@@ -15,6 +15,7 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from shared.security.files import read_json, write_private
 from shared.security.principals import ADMIN, PRINCIPALS, s3_user
@@ -40,6 +41,7 @@ def load_or_create(path: Path, token: Callable[[int], str] = secrets.token_urlsa
     """The secrets recorded in ``path``, or new ones written there (0600)."""
     recorded = read_json(path)
     if recorded is not None:
+        # the str -> str maps this function wrote (read_json types values as object)
         return Secrets(kafka=dict(recorded["kafka"]), s3=dict(recorded["s3"]))  # type: ignore[call-overload]
     made = Secrets(kafka={name: token(24) for name in PRINCIPALS},
                    s3={name: token(30) for name, p in PRINCIPALS.items() if p.uses_s3})
@@ -67,11 +69,11 @@ def env_lines(principal: str, found: Secrets, *, bootstrap: str, ca_file: Path, 
     return lines
 
 
-def write_env_files(directory: Path, found: Secrets, **where: object) -> dict[str, Path]:
+def write_env_files(directory: Path, found: Secrets, **where: Any) -> dict[str, Path]:
     """``<directory>/<principal>.env`` for every principal (0600); returns the paths."""
     written = {}
     for name in PRINCIPALS:
         path = directory / f"{name}.env"
-        write_private(path, "\n".join(env_lines(name, found, **where)) + "\n")  # type: ignore[arg-type]
+        write_private(path, "\n".join(env_lines(name, found, **where)) + "\n")
         written[name] = path
     return written

@@ -40,7 +40,7 @@ _HASHES = {"SCRAM-SHA-256": "sha256", "SCRAM-SHA-512": "sha512"}
 ITERATIONS = 4096
 
 
-class AlterUserScramCredentialsResponse_v0(Response):
+class AlterUserScramCredentialsResponse_v0(Response):  # type: ignore[misc]  # aiokafka is untyped: an Any base
     API_KEY = 51
     API_VERSION = 0
     SCHEMA = Schema(
@@ -51,7 +51,7 @@ class AlterUserScramCredentialsResponse_v0(Response):
     )
 
 
-class AlterUserScramCredentialsRequest_v0(RequestStruct):
+class AlterUserScramCredentialsRequest_v0(RequestStruct):  # type: ignore[misc]  # aiokafka is untyped: an Any base
     FLEXIBLE_VERSION = True
     API_KEY = 51
     API_VERSION = 0
@@ -69,7 +69,7 @@ class AlterUserScramCredentialsRequest_v0(RequestStruct):
 _Struct: TypeAlias = AlterUserScramCredentialsRequest_v0
 
 
-class AlterUserScramCredentials(Request[_Struct]):
+class AlterUserScramCredentials(Request[_Struct]):  # type: ignore[misc]  # aiokafka is untyped: an Any base
     API_KEY = 51
 
     def __init__(self, upsertions: list[tuple[str, int, int, bytes, bytes]]) -> None:

@@ -20,7 +20,7 @@ import builtins
 import io
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import structlog
 import urllib3
@@ -103,7 +103,7 @@ class MinioStore:
     def __repr__(self) -> str:
         return f"MinioStore(endpoint={self.settings.endpoint!r}, bucket={self.bucket!r})"
 
-    async def _call(self, what: str, key: str, fn: Callable[..., T], *args, **kwargs) -> T:
+    async def _call(self, what: str, key: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` in a worker thread, retried across an outage."""
         for attempt, delay in enumerate([*self._delays, None]):
             try:
@@ -207,7 +207,7 @@ class MinioStore:
             if exc.code not in _BUCKET_TAKEN_CODES:
                 raise
 
-    def _open(self, key: str, offset: int, length: int):
+    def _open(self, key: str, offset: int, length: int) -> urllib3.BaseHTTPResponse | None:
         try:
             return self._client.get_object(self.bucket, key, offset=offset, length=length)
         except S3Error as exc:

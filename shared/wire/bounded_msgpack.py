@@ -16,6 +16,7 @@ by the accounting above, no input is charged more than 112 bytes per byte (see
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import msgpack
 
@@ -37,7 +38,7 @@ class TooCostly(HadarError):
     """The objects built so far exceed the input's memory budget."""
 
 
-def cost(container: dict | list) -> int:
+def cost(container: dict[Any, Any] | list[Any]) -> int:
     """What one completed map or array is charged (its items' own containers apart)."""
     return sys.getsizeof(container) + ELEMENT_COST * len(container)
 
@@ -64,7 +65,7 @@ def unpack(data: bytes) -> object:
         return msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0)
     budget = COST_PER_BYTE * len(data) + COST_SLACK
 
-    def charge(container: dict | list) -> dict | list:
+    def charge(container: dict[Any, Any] | list[Any]) -> dict[Any, Any] | list[Any]:
         # Called as each map or array is completed, before its parent: the budget is
         # enforced while building, so the peak stays near it. Scalars in a container are
         # charged with it (hooks see no scalars), hence the per-item cost and the cap on

@@ -180,7 +180,8 @@ def _predicate(test: str | None, label: str, *, pairs: bool = False) -> Callable
     loop = "for k, x in value.items()" if pairs else "for x in value"
     source = (f"def test(value):\n    {loop}:\n        if not ({test}):\n"
               "            return False\n    return True\n")
-    return _define(source, "test", dict(NAMES), label)
+    test_fn: Callable[[Any], bool] = _define(source, "test", dict(NAMES), label)
+    return test_fn
 
 
 def _define(source: str, name: str, namespace: dict[str, Any], label: str) -> Any:
@@ -242,6 +243,7 @@ def _compile(cls: type[Record]) -> Codec:
         "_explain": explain_keys, "_outer": outer, "InvalidEvent": InvalidEvent, "_record_wire": _record_wire,
     }
     fields = []
+    default: Literal["required", "value", "factory"]
     for i, f in enumerate(dataclasses.fields(cls)):
         namespace[f"_c{i}"] = converter(hints[f.name])
         if f.default_factory is not dataclasses.MISSING:

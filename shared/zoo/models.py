@@ -107,7 +107,8 @@ class ResNetImage(nn.Module):
         self.head = nn.Linear(2 * width, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.stem(x)).mean(dim=(2, 3)))
+        y: torch.Tensor = self.head(self.blocks(self.stem(x)).mean(dim=(2, 3)))
+        return y
 
 
 class _MlpBlock(nn.Module):
@@ -118,7 +119,8 @@ class _MlpBlock(nn.Module):
         self.fc2 = nn.Linear(2 * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
+        y: torch.Tensor = x + self.fc2(torch.relu(self.fc1(self.norm(x))))
+        return y
 
 
 class ResNetTabular(nn.Module):
@@ -129,7 +131,8 @@ class ResNetTabular(nn.Module):
         self.head = nn.Linear(width, outputs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.blocks(self.stem(x))))
+        y: torch.Tensor = self.head(torch.relu(self.blocks(self.stem(x))))
+        return y
 
 
 # ---------------------------------------------------------------- sequence models
@@ -169,7 +172,8 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h, src_mask=self._mask, is_causal=self.lm)
         h = self.norm(h)
-        return self.head(h if self.lm else h.mean(dim=1))
+        y: torch.Tensor = self.head(h if self.lm else h.mean(dim=1))
+        return y
 
 
 class Lstm(nn.Module):
@@ -188,7 +192,8 @@ class Lstm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, _ = self.lstm(self.embed(x if self.lm else _rows(x)))
-        return self.head(out if self.lm else out[:, -1])
+        y: torch.Tensor = self.head(out if self.lm else out[:, -1])
+        return y
 
 
 class AutoEncoder(nn.Module):
@@ -205,7 +210,8 @@ class AutoEncoder(nn.Module):
         self.net = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+        y: torch.Tensor = self.net(x)
+        return y
 
 
 def check_supported(name: ModelName, info: DatasetInfo) -> None:

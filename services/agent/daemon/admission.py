@@ -147,7 +147,7 @@ class Admission:
             return ACCEPT
         if not self._believe(event.round, event.id):
             return self._far(event.round)
-        return Verdict(action="accept", preempt=self._advance(event.round))
+        return Verdict(action="accept", preempt=tuple(self._advance(event.round)))
 
     def cancelled(self, job_id: str, reason: str) -> Verdict:
         why = f"job cancelled: {reason}" if reason else "job cancelled"

@@ -25,7 +25,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -113,7 +113,7 @@ def assigned_gpus(env: Mapping[str, str] = os.environ) -> str | None:
     return ",".join(found) if found else None
 
 
-def apply_assigned_gpus(env: dict[str, str]) -> None:
+def apply_assigned_gpus(env: MutableMapping[str, str]) -> None:
     """Set ``CUDA_VISIBLE_DEVICES`` in ``env`` to the swarm-assigned GPUs unless it is set."""
     assigned = assigned_gpus(env)
     if assigned and not env.get("CUDA_VISIBLE_DEVICES"):

@@ -39,7 +39,7 @@ import asyncio
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, cast
 
 import structlog
 
@@ -56,6 +56,7 @@ from shared.wire.events import Assignment, CopyFinished, Event, Progress
 __all__ = ["RunContext", "CopyRun", "CopyKey", "free_port", "local_sgd_recipe"]
 
 CopyKey = tuple[str, int, int]   # (job, round, copy)
+_CopyStatus = Literal["ok", "preempted", "failed"]   # CopyFinished.status
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -332,7 +333,8 @@ class CopyRun:
         if status == "failed":
             self.log.error("copy.failed", reason=reason)
         event = CopyFinished(ts=self.ctx.clock.time(), source=self.ctx.source, job_id=a.job_id, round=a.round,
-                             copy=a.copy, node_id=self.ctx.node_id, status=status, steps_round=steps,
+                             copy=a.copy, node_id=self.ctx.node_id, steps_round=steps,
+                             status=cast(_CopyStatus, status),   # as the worker reported it: checked here
                              gpu_type=a.gpu_type, checkpoint=checkpoint, reason=reason[:500],
                              emulated=self.ctx.devices.emulated)
         self.ctx.metrics.finished(status)

@@ -187,10 +187,10 @@ class AgentDaemon:
                 self.log.warning("agent.results_left", count=len(late),
                                  note="their assignments stay un-acked: the next run gets them again")
                 await asyncio.gather(*late, return_exceptions=True)
-        for task in (self._consumer, self._heartbeat):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        for background in (self._consumer, self._heartbeat):
+            if background is not None:
+                background.cancel()
+                await asyncio.gather(background, return_exceptions=True)
         if self._sub is not None:
             await self._sub.stop()
         await self.slots.close()

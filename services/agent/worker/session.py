@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -36,6 +37,9 @@ from services.agent.protocol import StoreTarget, WorkerSpec
 from services.agent.slots import WarmKey
 from shared.store import ObjectStore
 from shared.zoo import Dataset
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["StoreClient", "Session", "RankGroup", "on_device", "open_group", "agree_start", "state_digest",
            "close_group", "AGREE_GRACE_S", "GROUP_GRACE_S", "GROUP_MIN_TIMEOUT_S"]
@@ -74,7 +78,7 @@ class RankGroup:
     """A DDP rank's process group, kept with its session."""
 
     ddp: nn.Module                 # DistributedDataParallel over the session's model
-    control: object | None         # gloo group for the stop code (CUDA); None: the default group
+    control: ProcessGroup | None   # gloo group for the stop code (CUDA); None: the default group
     formed_round: int              # the round whose spec formed it
 
 
@@ -111,7 +115,7 @@ def state_digest(state: Mapping[str, torch.Tensor]) -> str:
     for name in sorted(state):
         t = state[name].detach().to("cpu").contiguous()
         h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy stubs: a buffer on 3.12+
     return h.hexdigest()
 
 
@@ -126,7 +130,8 @@ def open_group(spec: WorkerSpec, model: nn.Module, device: torch.device, now: fl
     wait_s = max(GROUP_MIN_TIMEOUT_S, spec.deadline - now + GROUP_GRACE_S)
     dist.init_process_group(backend, init_method=f"tcp://{spec.rendezvous}", rank=spec.rank,
                             world_size=spec.world_size, timeout=timedelta(seconds=wait_s))
-    control = dist.new_group(backend="gloo") if backend == "nccl" else None
+    # a group of every rank: never NON_GROUP_MEMBER (-100), which new_group returns to a rank outside it
+    control = cast("ProcessGroup", dist.new_group(backend="gloo")) if backend == "nccl" else None
     wrapped = DistributedDataParallel(model, device_ids=[0] if device.type == "cuda" else None)
     return RankGroup(ddp=wrapped, control=control, formed_round=spec.round)
 

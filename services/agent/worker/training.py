@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,6 +30,9 @@ from torch import nn
 
 from shared.errors import HadarError
 from shared.zoo import Dataset, loss_function
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["DivergedError", "StopCode", "BatchSampler", "LoopResult", "TrainingLoop", "ProgressFn"]
 
@@ -101,7 +105,7 @@ class TrainingLoop:
 
     def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer, data: Dataset,
                  sampler: BatchSampler, device: torch.device, world_size: int = 1,
-                 slowdown: float = 1.0, progress_s: float = 2.0, control_group: object | None = None,
+                 slowdown: float = 1.0, progress_s: float = 2.0, control_group: ProcessGroup | None = None,
                  clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep) -> None:
         self.model, self.optimizer, self.sampler = model, optimizer, sampler
         self.loss_fn = loss_function(data.info.task)

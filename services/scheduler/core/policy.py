@@ -116,7 +116,7 @@ class Plan:
             grouped[(p.job_id, p.copy)].append(p)
         return dict(grouped)
 
-    def decision(self) -> tuple:
+    def decision(self) -> tuple[object, ...]:
         """What the plan decides, without policy-private state: compare plans with this."""
         return (tuple(sorted((p.job_id, p.copy, p.node_id, p.gpus) for p in self.placements)),
                 tuple(sorted((w.job_id, w.code.value) for w in self.waiting)))

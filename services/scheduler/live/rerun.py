@@ -120,11 +120,11 @@ def rerun(log: Iterable[LoggedEvent], *, state: SchedulerState | None = None,
     """
     state = state if state is not None else SchedulerState()
     inputs: dict[str, list[LoggedEvent]] = defaultdict(list)
-    recorded = _RecordedRounds()
-    started, assigned = recorded.started, recorded.assigned
+    placements = _RecordedRounds()
+    started, assigned = placements.started, placements.assigned
     for item in log:
         if item.topic == PLACEMENTS:
-            recorded.add(item.event)
+            placements.add(item.event)
         else:
             inputs[f"{item.topic}:{item.partition}"].append(item)
     for records in inputs.values():

@@ -147,7 +147,8 @@ def plan_to_events(plan: Plan, request: PlanRequest, state: SchedulerState, timi
         world = _workers(parts)
         budget = _budget(remaining, share, copy_workers=world, job_workers=record.spec.workers)
         first_node = state.nodes[parts[0].node_id].registered
-        rendezvous, peers = None, ()
+        rendezvous: str | None = None
+        peers: tuple[str, ...] = ()
         if len(parts) > 1:
             host = first_node.address or parts[0].node_id
             rendezvous = f"{host}:{rendezvous_port(job_id, copy)}"

@@ -237,6 +237,7 @@ class SchedulerService:
             self._log.warning("scheduler.snapshot_failed", round=self.next_round - 1,
                               error=f"{type(exc).__name__}: {exc}"[:300])
             return
+        assert saved is not None   # capture() always returns a snapshot
         self.counters.snapshots.labels(outcome="written").inc()
         self._log.info("scheduler.snapshot_written", key=saved.key, round=self.next_round - 1, bytes=saved.bytes)
 

@@ -306,11 +306,12 @@ class SchedulerState:
         job = self.jobs.get(e.job_id)
         if job is not None:
             record = self.rounds.get(e.round)
-            for a in record.assignments if record is not None and job.decided_round < e.round else ():
-                if a.job_id == e.job_id:
-                    seconds = max(0.0, record.started.ends_at - record.started.started_at)
-                    job.attained_gpu_s = max(0.0, job.attained_gpu_s - seconds * len(a.gpus))
-                    job.time_by_type[a.gpu_type] = max(0.0, job.time_by_type.get(a.gpu_type, 0.0) - seconds)
+            if record is not None and job.decided_round < e.round:
+                for a in record.assignments:
+                    if a.job_id == e.job_id:
+                        seconds = max(0.0, record.started.ends_at - record.started.started_at)
+                        job.attained_gpu_s = max(0.0, job.attained_gpu_s - seconds * len(a.gpus))
+                        job.time_by_type[a.gpu_type] = max(0.0, job.time_by_type.get(a.gpu_type, 0.0) - seconds)
             job.decided_round = max(job.decided_round, e.round)
             job.live_steps = {k: v for k, v in job.live_steps.items() if k[0] != e.round}
             job.last_outcome = f"round {e.round} abandoned: {e.reason[:200]}"

@@ -48,7 +48,8 @@ def make_policy(name: str, **options: Any) -> Policy:
     except KeyError:
         raise UnknownPolicy(f"unknown policy {name!r}; valid: {', '.join(POLICY_NAMES)}") from None
     cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(**options)
+    policy: Policy = cls(**options)
+    return policy
 
 
 @dataclass(frozen=True, kw_only=True)

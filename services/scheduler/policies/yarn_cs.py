@@ -87,7 +87,7 @@ class YarnCS:
         for job in jobs:  # running jobs first: they hold their GPUs whatever the order
             parts = prev_gangs.get(job.job_id)
             gpu_type = gang_type(request.cluster, parts) if parts and job.job_id in started_s else None
-            if gpu_type is not None and sum(len(p.gpus) for p in parts) == job.workers:
+            if parts and gpu_type is not None and sum(len(p.gpus) for p in parts) == job.workers:
                 requests.append(GangRequest(job_id=job.job_id, gpu_type=gpu_type, workers=job.workers))
                 free[gpu_type] -= job.workers
                 running.add(job.job_id)

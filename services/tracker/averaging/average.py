@@ -134,7 +134,7 @@ def _average_tensor(tensor: TensorInfo, readers: Sequence[AcceptedReplica], out:
         for first in range(window_first, window_first + window_count, step):
             count = min(step, window_first + window_count - first)
             result = _average_chunk(tensor, readers, mapped, window_first, first, count, acc_dtype, bufs, tally)
-            out.write(memoryview(result.view(np.uint8)))
+            out.write(memoryview(result.view(np.uint8)))  # type: ignore[arg-type]  # numpy stubs: a buffer on 3.12+
             bytes_written += count * size
         del mapped  # unmaps the windows
     return bytes_written
@@ -232,7 +232,7 @@ class _Parallel:
     def flush(self, out: BinaryIO) -> None:
         """Write the window averaged last, if not written yet."""
         if self._pending is not None:
-            out.write(memoryview(self._pending))
+            out.write(memoryview(self._pending))  # type: ignore[arg-type]  # numpy stubs: a buffer on 3.12+
             self._pending = None
 
     def average_tensor(self, tensor: TensorInfo, readers: Sequence[AcceptedReplica], out: BinaryIO,
@@ -270,7 +270,7 @@ def _chunk(replica: AcceptedReplica, view: np.ndarray | None, tensor: TensorInfo
     stored = FLOAT_DTYPES[tensor.dtype]
     raw = bufs.array("raw", stored, count)
     replica.reader.read_into(replica.tensors[tensor.name].begin + first * stored.itemsize,
-                             memoryview(raw.view(np.uint8)))
+                             memoryview(raw.view(np.uint8)))  # type: ignore[arg-type]  # numpy stubs: a buffer on 3.12+
     return raw
 
 
@@ -340,7 +340,8 @@ def _copy_tensor(tensor: TensorInfo, source: AcceptedReplica, out: BinaryIO, buf
     for offset in range(0, tensor.nbytes, chunk_bytes):
         count = min(chunk_bytes, tensor.nbytes - offset)
         raw = bufs.array("raw", np.dtype(np.uint8), count)
-        source.reader.read_into(begin + offset, memoryview(raw))
-        out.write(memoryview(raw))
+        source.reader.read_into(begin + offset,
+                                memoryview(raw))  # type: ignore[arg-type]  # numpy stubs: a buffer on 3.12+
+        out.write(memoryview(raw))  # type: ignore[arg-type]  # numpy stubs: a buffer on 3.12+
     tally.read += tensor.nbytes
     return tensor.nbytes

@@ -83,7 +83,8 @@ def equal_share_throughputs(rates: np.ndarray, sf: np.ndarray, gpus: np.ndarray)
     total = float(gpus.sum())
     time_share = np.minimum(1.0, total / (m * sf.astype(float)))
     x_eq = time_share[:, None] * (gpus[None, :] / total)
-    return (rates * x_eq).sum(axis=1)
+    iso: np.ndarray = (rates * x_eq).sum(axis=1)
+    return iso
 
 
 def max_min_fairness(rates: np.ndarray, sf: np.ndarray, weights: np.ndarray, gpus: np.ndarray) -> np.ndarray:
@@ -113,7 +114,8 @@ def max_min_fairness(rates: np.ndarray, sf: np.ndarray, weights: np.ndarray, gpu
     b_ub2 = np.concatenate([np.full(m, -z_star * (1 - FACE_SLACK)), base_rhs])
     res2 = linprog(-coef.ravel(), A_ub=a_ub2, b_ub=b_ub2, bounds=bounds, method="highs")
     x = res2.x if res2.status == 0 else res.x[:-1]
-    return np.clip(x.reshape(m, n), 0.0, 1.0)
+    allocation: np.ndarray = np.clip(x.reshape(m, n), 0.0, 1.0)
+    return allocation
 
 
 def _feasible_at(rates: np.ndarray, remaining: np.ndarray, makespan: float, base: csr_matrix,

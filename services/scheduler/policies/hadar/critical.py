@@ -125,8 +125,8 @@ def capacity_rounds(gpu_rounds: np.ndarray, workers: np.ndarray, capacity: np.nd
     a_ub = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
                       shape=(2 * n_jobs + n_types, t_col + 1)).tocsr()
     b_ub = np.concatenate([-np.ones(n_jobs), np.zeros(n_types + n_jobs)])
-    upper = np.where(usable.ravel(), None, 0.0)
-    bounds = [(0.0, u) for u in upper.tolist()] + [(0.0, None)]
+    bounds: list[tuple[float, float | None]] = [(0.0, None if u else 0.0) for u in usable.ravel().tolist()]
+    bounds.append((0.0, None))
     cost = np.zeros(t_col + 1)
     cost[t_col] = 1.0
     res = linprog(cost, A_ub=a_ub, b_ub=b_ub, bounds=bounds, method="highs")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -81,7 +82,9 @@ def prefix_costs(costs: np.ndarray, need: np.ndarray) -> np.ndarray:
         if not step.any():                      # every row constant: need x the price
             tau = np.arange(1, h + 1)[None, :]
             return np.where(tau >= need[:, None], (need * costs[:, 0])[:, None], np.inf)
-        nonincreasing, nondecreasing = (step <= 0).all(axis=1), (step >= 0).all(axis=1)
+        # axis given: arrays (numpy's stubs say "or a scalar")
+        nonincreasing = cast(np.ndarray, (step <= 0).all(axis=1))
+        nondecreasing = cast(np.ndarray, (step >= 0).all(axis=1))
         if (nonincreasing | nondecreasing).all():
             cs = np.zeros((k, h + 1))
             np.cumsum(costs, axis=1, out=cs[:, 1:])
@@ -90,7 +93,7 @@ def prefix_costs(costs: np.ndarray, need: np.ndarray) -> np.ndarray:
             start = np.arange(1, h + 1)[None, :] - need[:, None]
             window = cs[:, 1:] - flat[np.maximum(start, 0) + offset[:, None]]
             first = flat[offset + np.minimum(need, h)]
-            out = np.where(nonincreasing[:, None], window, first[:, None])
+            out: np.ndarray = np.where(nonincreasing[:, None], window, first[:, None])
             out[start < 0] = np.inf
             return out
     n_inf = h - finite.sum(axis=1)
@@ -129,7 +132,8 @@ def best_choice(costs: np.ndarray, steps: np.ndarray, remaining: float,
         return None
     need = np.maximum(1, np.ceil(remaining / steps - 1e-9)).astype(np.int64)
     taus = np.arange(1, h + 1)
-    o = j = 0
+    o: int | np.intp = 0
+    j: int | np.intp = 0
     found = False
     if (need <= h).any():
         payoff = utility_at(taus.astype(float))[None, :] - prefix_costs(costs, need)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -174,12 +175,14 @@ class Ledger:
     @property
     def price(self) -> np.ndarray:
         """(H, rows): the price of one GPU of each row at each slot (its type's price)."""
-        return self.type_price[self.layout.row_type].T
+        price: np.ndarray = self.type_price[self.layout.row_type].T
+        return price
 
     @property
     def cum_price(self) -> np.ndarray:
         """(H + 1, rows): ``cum_price[t, row]`` = sum of price[:t, row]."""
-        return self.cum_type_price()[self.layout.row_type].T
+        cum: np.ndarray = self.cum_type_price()[self.layout.row_type].T
+        return cum
 
     def cum_type_price(self) -> np.ndarray:
         """(R, H + 1): prefix sums of ``type_price`` over slots (kept up to date; do not modify)."""
@@ -308,7 +311,8 @@ class Ledger:
     # ------------------------------------------------------------------ queries
 
     def free(self, slot: int) -> np.ndarray:
-        return self.cap - self.z[slot]
+        left: np.ndarray = self.cap - self.z[slot]
+        return left
 
     def freeze(self, *, round_s: float, target_end: int = -1,
                gang_credit: Mapping[str, float] | None = None) -> LedgerState:
@@ -323,7 +327,7 @@ def remap(c: Commitment, old: RowLayout, new: RowLayout, from_round: int) -> Com
     if old is new or old.keys == new.keys:
         return c
     index = {k: i for i, k in enumerate(new.keys)}
-    future = c.counts[c.rounds >= from_round].any(axis=0)
+    future = cast(np.ndarray, c.counts[c.rounds >= from_round].any(axis=0))   # axis given: an array
     rows = np.empty_like(c.rows)
     for j, row in enumerate(c.rows):
         target = index.get(old.keys[row])

@@ -107,6 +107,7 @@ plus the timeline rule's three LPs (HiGHS; on classes of jobs above 256 jobs, se
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -322,7 +323,7 @@ class _Round:
         for job in self.jobs:
             c = self.ledger.commitments.get(job.job_id)
             i = slot_index(c, self.request.round) if c is not None else None
-            if i is not None:
+            if c is not None and i is not None:
                 slot0.append((job.job_id, (c.rows, c.counts[i])))
                 placed_by[job.job_id] = "ledger"
         if self.cfg.backfill:
@@ -412,20 +413,20 @@ class _Round:
                    f"best payoff {payoff:.6g} <= 0 (utility {utility:.6g}, cost {cost:.6g}, {option})",
                    payoff=payoff, utility=utility, cost=cost, option=option)
 
-    def _utility_at(self, job: JobState):
+    def _utility_at(self, job: JobState) -> Callable[[np.ndarray], np.ndarray]:
         request, utility, iso = self.request, self.cfg.utility, self.iso[job.job_id]
 
         def at(tau: np.ndarray) -> np.ndarray:
             return utility.values(job, iso, request.now_s + np.asarray(tau, dtype=float) * request.round_s)
         return at
 
-    def _materialize(self, job: JobState, prof: JobProfile, choice: Choice, utility_at, *,
+    def _materialize(self, job: JobState, prof: JobProfile, choice: Choice,
+                     utility_at: Callable[[np.ndarray], np.ndarray], *,
                      force: bool = False) -> Commitment | None:
         """The chosen schedule on concrete rows: the same rows in every round if they exist
         and keep the payoff positive (or ``force``), else the cheapest rows round by round."""
-        args = dict(job=job, profile=prof, choice=choice, utility_at=utility_at, ledger=self.ledger,
-                    request=self.request,
-                    horizon=self.cfg.horizon)
+        args: dict[str, Any] = dict(job=job, profile=prof, choice=choice, utility_at=utility_at,
+                                    ledger=self.ledger, request=self.request, horizon=self.cfg.horizon)
         commitment = build_commitment(**args, sticky=True)
         if commitment is not None and (force or commitment.utility - commitment.cost > 0):
             return commitment

@@ -279,9 +279,9 @@ def _whole_gangs(lp: WorkLp, groups: Sequence[Sequence[JobState]], share: np.nda
         for job in _in_turn(groups[c])[:runs]:
             if taken + width > budget + width / 2.0:
                 break
-            takes = [(column, _take_gang(width, now, usable, rates[c], free, one_node=column < 0))
+            tried = [(column, _take_gang(width, now, usable, rates[c], free, one_node=column < 0))
                      for column, now, usable in options]
-            takes = [(column, take) for column, take in takes if take is not None]
+            takes = [(column, take) for column, take in tried if take is not None]
             if not takes:
                 continue
             # an option within what the LP leaves to the others first: rounded up, it
@@ -348,4 +348,5 @@ def _transport(value: np.ndarray, workers: np.ndarray, cap: np.ndarray, count: n
                   bounds=np.column_stack([np.zeros(var.size), upper]), method="highs-ds")
     if res.status != 0:
         return None
-    return np.round(res.x).reshape(n_j, n_r)
+    y: np.ndarray = np.round(res.x).reshape(n_j, n_r)
+    return y

@@ -24,6 +24,7 @@ Cost: per width and interval, 1 + S variables and S + 3 rows (S narrow jobs).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,7 +42,8 @@ class GangRows:
 
     @property
     def n_extra(self) -> int:
-        return self.extra.shape[1]
+        n: int = self.extra.shape[1]
+        return n
 
 
 def gang_rows(*, width: np.ndarray, members: np.ndarray, total: float, col_job: np.ndarray) -> GangRows:
@@ -49,7 +51,7 @@ def gang_rows(*, width: np.ndarray, members: np.ndarray, total: float, col_job: 
     each standing for ``members[j]`` gangs (a pooled class), ``total`` GPUs, and columns of
     jobs ``col_job``."""
     n_c = col_job.size
-    rows_x: list[tuple[int, int, float]] = []
+    rows_x: list[tuple[int, int | np.intp, float]] = []   # columns from np.flatnonzero are numpy ints
     rows_e: list[tuple[int, int, float]] = []
     length: list[float] = []
     n_e = 0
@@ -89,7 +91,7 @@ def gang_rows(*, width: np.ndarray, members: np.ndarray, total: float, col_job: 
                     length=np.array(length))
 
 
-def _sparse(entries: list[tuple[int, int, float]], shape: tuple[int, int]) -> csr_matrix:
+def _sparse(entries: Sequence[tuple[int, int | np.intp, float]], shape: tuple[int, int]) -> csr_matrix:
     if not entries:
         return csr_matrix(shape)
     r, c, v = zip(*entries)

@@ -133,7 +133,8 @@ def fork_lp(jobs: Sequence[JobState], cluster: Cluster,
                   count=np.array([cluster.gpus_by_type.get(r, 0) for r in types], dtype=float))
 
 
-def makespan_lp(lp: WorkLp, cols: Columns):
+def makespan_lp(lp: WorkLp,
+                cols: Columns) -> tuple[np.ndarray, csr_matrix, np.ndarray, list[tuple[float, float | None]]]:
     """(cost, A_ub, b_ub, bounds) of the makespan LP over the columns, then T, then the
     gang cuts' variables (module docstring)."""
     n_j, n_r = lp.rho.shape

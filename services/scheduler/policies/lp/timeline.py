@@ -132,8 +132,9 @@ def solve(lp: WorkLp, *, round_s: float, horizon_s: float, weights: Sequence[flo
                     spread_now=cols.per_spread_type(x[:, 0] / lengths[0], (lp.spread_job.size, n_r)))
 
 
-def _with_completion_bounds(lp: WorkLp, cols: Columns, a_ub, rhs: list, objective: np.ndarray, upper: np.ndarray, *,
-                            lengths: np.ndarray, weights: np.ndarray, beta: float):
+def _with_completion_bounds(lp: WorkLp, cols: Columns, a_ub: csr_matrix, rhs: list[np.ndarray], objective: np.ndarray,
+                            upper: np.ndarray, *, lengths: np.ndarray, weights: np.ndarray,
+                            beta: float) -> tuple[csr_matrix, list[np.ndarray], np.ndarray, np.ndarray]:
     """The LP with a variable C_j per job that can run and its rows C_j >= start_k +
     (work of j in k) / F_j for every interval k; the objective becomes (1 - beta) x mean
     busy time + beta x sum_j w_j C_j (both over E, as the busy-time cost is)."""
