@@ -34,6 +34,8 @@ from shared.wire.events import (
     NodeHeartbeat,
     NodeRegistered,
     Progress,
+    QueuesApplied,
+    QueueSpec,
     RoundAbandoned,
     RoundStarted,
     ThroughputEstimate,
@@ -160,6 +162,13 @@ def _throughput(e: ThroughputEstimate) -> str:
     return f"throughput {e.job_id} ({e.basis}, W={e.workers}): {rates} steps/s"
 
 
+def _queues_applied(e: QueuesApplied) -> str:
+    def one(q: QueueSpec) -> str:
+        quota = ",".join(f"{t}:{n}" for t, n in sorted(q.quota.items())) or "no quota"
+        return f"{q.name} (weight {q.weight:g}, {quota})"
+    return f"queues applied: {'; '.join(one(q) for q in e.config.queues)}; default {e.config.default_queue}"
+
+
 def _dead_letter(e: DeadLetter) -> str:
     # raw is bytes: shown as base64 with its length (docs/events.md "Dead letters"), never a repr
     import base64
@@ -174,7 +183,7 @@ _FORMATTERS: HandlerTable[Callable[[Any], str]] = HandlerTable({
     CopyFinished: _copy_finished, ModelConsolidated: _model_consolidated, RoundAbandoned: _round_abandoned,
     JobCompleted: _job_completed,
     JobSubmitted: _job_submitted, JobCancelled: _job_cancelled, NodeRegistered: _node_registered,
-    ThroughputEstimate: _throughput, DeadLetter: _dead_letter,
+    ThroughputEstimate: _throughput, QueuesApplied: _queues_applied, DeadLetter: _dead_letter,
 }, topics=ALL_TOPICS, ignore=(NodeHeartbeat,))
 _VERBOSE: frozenset[type[Event]] = frozenset({Progress})  # shown only with --show-progress
 

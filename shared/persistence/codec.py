@@ -38,6 +38,7 @@ import numpy as np
 
 from shared.errors import HadarError
 from shared.wire.events import Event, decode, encode
+from shared.wire.queues import QueueConfig, QueueSpec, QueueStanding
 from shared.wire.records import (
     CopyWeight,
     GpuInfo,
@@ -237,3 +238,5 @@ def _fill_added_fields(obj: Any, cls: type, attributes: dict[str, Any]) -> None:
 
 for _record in (JobSpec, Hyperparameters, GpuInfo, Waiting, CopyWeight, Rejection):
     register(_record, f"wire.{_record.__name__}", formerly=f"shared.records.{_record.__name__}")
+for _new in (QueueSpec, QueueConfig, QueueStanding):
+    register(_new, f"wire.{_new.__name__}")

@@ -144,5 +144,5 @@ def s3_policy(principal: Principal, bucket: str) -> dict[str, Any]:
     return {"Version": "2012-10-17", "Statement": statements}
 
 
-if set(TOPIC_PRINCIPALS) != set(SERVICE_PRINCIPALS):   # the topic table and this one name the same principals
-    raise ImportError(f"principals differ: topics {sorted(TOPIC_PRINCIPALS)}, security {sorted(SERVICE_PRINCIPALS)}")
+if set(TOPIC_PRINCIPALS) != set(PRINCIPALS):   # the topic table and this one name the same principals
+    raise ImportError(f"principals differ: topics {sorted(TOPIC_PRINCIPALS)}, security {sorted(PRINCIPALS)}")

@@ -39,6 +39,7 @@ from typing import Any, ClassVar, Literal, NoReturn, cast
 import msgpack
 
 from shared.wire.bounded_msgpack import COST_PER_BYTE, UNCHARGED_MAX, TooCostly, unpack
+from shared.wire.queues import QueueConfig, QueueSpec, QueueStanding
 from shared.wire.record_codec import codec
 from shared.wire.records import (
     JOB_ID_RE,
@@ -63,7 +64,8 @@ __all__ = [
     "InvalidEvent", "Record", "Event", "Hyperparameters", "JobSpec", "GpuInfo", "Waiting",
     "CopyWeight", "Rejection", "JobSubmitted", "JobCancelled", "NodeRegistered",
     "NodeHeartbeat", "ThroughputEstimate", "RoundStarted", "Assignment", "Progress",
-    "CopyFinished", "ModelConsolidated", "RoundAbandoned", "JobCompleted", "DeadLetter", "EVENT_TYPES",
+    "CopyFinished", "ModelConsolidated", "RoundAbandoned", "JobCompleted", "QueuesApplied", "DeadLetter",
+    "EVENT_TYPES", "QueueConfig", "QueueSpec", "QueueStanding",
     "topic_for", "key_for", "encode", "decode", "JOB_ID_RE", "NODE_ID_RE",
     "DEFAULT_OPTIMIZER_SLOTS", "MAX_OPTIMIZER_SLOTS", "MAX_MODEL_BYTES", "DEADLETTER_RAW_LIMIT",
 ]
@@ -202,6 +204,8 @@ class RoundStarted(Event):
     seed: int = 0
     round_s: float = 0.0
     heartbeat_s: float = 0.0
+    # What the round gave each queue (empty without queues): shared/wire/queues.py.
+    queues: tuple[QueueStanding, ...] = ()
 
     def _check(self) -> None:
         require(self.round >= 0, "RoundStarted.round: must be >= 0")
@@ -380,6 +384,15 @@ class JobCompleted(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class QueuesApplied(Event):
+    """An operator applied the queues in ``config`` (``hadar queues apply``); the latest one
+    applied is in force from the next round on. Only the admin principal may publish it."""
+
+    TYPE: ClassVar[str] = "QueuesApplied"
+    config: QueueConfig
+
+
+@dataclass(frozen=True, kw_only=True)
 class DeadLetter(Event):
     TYPE: ClassVar[str] = "DeadLetter"
     topic: str
@@ -397,7 +410,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
     cls.TYPE: cls for cls in (
         JobSubmitted, JobCancelled, NodeRegistered, NodeHeartbeat, ThroughputEstimate,
         RoundStarted, Assignment, Progress, CopyFinished, ModelConsolidated, RoundAbandoned, JobCompleted,
-        DeadLetter,
+        QueuesApplied, DeadLetter,
     )
 }
 

@@ -19,12 +19,13 @@ from shared.errors import HadarError
 
 __all__ = [
     "InvalidEvent", "Record", "Hyperparameters", "JobSpec", "GpuInfo", "Waiting", "CopyWeight",
-    "Rejection", "JOB_ID_RE", "NODE_ID_RE", "new_event_id", "to_wire", "require", "check_job_id",
-    "check_node_id", "short_repr",
+    "Rejection", "JOB_ID_RE", "NODE_ID_RE", "QUEUE_NAME_RE", "new_event_id", "to_wire", "require",
+    "check_job_id", "check_node_id", "check_queue_name", "short_repr",
 ]
 
 JOB_ID_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+QUEUE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 
 
 
@@ -131,6 +132,12 @@ def check_job_id(job_id: str, where: str) -> None:
     _remember(_VALID_JOB_IDS, job_id)
 
 
+def check_queue_name(name: str, where: str) -> None:
+    if not QUEUE_NAME_RE.fullmatch(name):
+        raise InvalidEvent(f"{where}: {name!r} must be 1-32 chars of lowercase letters, digits, '-', '_', "
+                           "starting with a letter or digit")
+
+
 def check_node_id(node_id: str, where: str) -> None:
     if type(node_id) is str and node_id in _VALID_NODE_IDS:
         return
@@ -170,6 +177,10 @@ class JobSpec(Record):
     priority: float = 1.0
     deadline_s: float | None = None
     hyper: Hyperparameters = field(default_factory=Hyperparameters)
+    # The team queue it belongs to ("": the default queue) and its priority class there:
+    # a higher class is placed first and may preempt a lower one (services/scheduler/core/queues.py).
+    queue: str = ""
+    priority_class: int = 0
 
     def _check(self) -> None:
         check_job_id(self.job_id, "JobSpec")
@@ -185,6 +196,10 @@ class JobSpec(Record):
         if not (0 < self.priority <= 1000):
             raise InvalidEvent(f"JobSpec.priority: must be in (0, 1000], got {self.priority}")
         require(self.deadline_s is None or self.deadline_s > 0, "JobSpec.deadline_s: must be > 0")
+        if self.queue:
+            check_queue_name(self.queue, "JobSpec.queue")
+        if not (0 <= self.priority_class <= 100):
+            raise InvalidEvent(f"JobSpec.priority_class: must be in 0..100, got {self.priority_class}")
 
     @property
     def job_type(self) -> str:

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from shared.wire.events import DEADLETTER_RAW_LIMIT, EVENT_TYPES, MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS, Event
 from shared.wire.records import JOB_ID_RE, NODE_ID_RE, Record, to_wire
-from shared.wire.topics import PRINCIPALS, TOPIC_BY_NAME, TOPIC_OF_TYPE
+from shared.wire.topics import TOPIC_BY_NAME, TOPIC_OF_TYPE
 
 __all__ = ["schema", "reference_markdown", "write", "CONSTRAINTS"]
 
@@ -305,7 +305,7 @@ def reference_markdown() -> str:
     out += ["| type | v | topic | key (`key_for`) | written by | read by |", "|---|---|---|---|---|---|"]
     for etype, cls in EVENT_TYPES.items():
         topic = TOPIC_BY_NAME[TOPIC_OF_TYPE[etype]]
-        writers = "every principal" if set(topic.writers) == set(PRINCIPALS) else ", ".join(topic.writers)
+        writers = ", ".join(topic.writers)
         out.append(f"| [{etype}](#{etype.lower()}) | {cls.VERSION} | `{topic.name}` | {_key_text(cls)} | "
                    f"{writers} | {', '.join(topic.readers)} |")
     out += ["", "Writers and readers are principals, from the topic table (`shared/wire/topics.py`), "

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 __all__ = [
-    "JOBS", "NODES", "THROUGHPUT", "PROGRESS", "PLACEMENTS", "MODELS", "DEADLETTER", "PRINCIPALS",
+    "JOBS", "NODES", "THROUGHPUT", "PROGRESS", "PLACEMENTS", "MODELS", "DEADLETTER", "QUEUES", "PRINCIPALS",
     "Topic", "TOPICS", "TOPIC_BY_NAME", "ALL_TOPICS", "TOPIC_OF_TYPE", "event_types_on", "written_by", "read_by",
 ]
 
@@ -35,8 +35,11 @@ PROGRESS = "hadar.progress"
 PLACEMENTS = "hadar.placements"
 MODELS = "hadar.models"
 DEADLETTER = "hadar.deadletter"
+QUEUES = "hadar.queues"
 
-PRINCIPALS = ("cli", "scheduler", "agent", "tracker", "profiler")
+# ``admin`` is Kafka's super user in a secured deployment (it needs no ACL); the table still
+# says it is the one writer of the queues.
+PRINCIPALS = ("cli", "scheduler", "agent", "tracker", "profiler", "admin")
 
 _FOREVER: Mapping[str, str] = MappingProxyType({"cleanup.policy": "delete", "retention.ms": "-1"})
 _DAY_MS = 24 * 3600 * 1000
@@ -70,7 +73,9 @@ TOPICS: tuple[Topic, ...] = (
           writers=("scheduler",), readers=("scheduler", "agent", "tracker", "cli"), retention=_FOREVER),
     Topic(name=MODELS, events=("ModelConsolidated", "RoundAbandoned", "JobCompleted"),
           writers=("tracker",), readers=("scheduler", "tracker", "profiler", "cli"), retention=_FOREVER),
-    Topic(name=DEADLETTER, events=("DeadLetter",), writers=PRINCIPALS,
+    Topic(name=QUEUES, events=("QueuesApplied",), writers=("admin",), readers=("scheduler", "cli"),
+          retention=_FOREVER),
+    Topic(name=DEADLETTER, events=("DeadLetter",), writers=tuple(p for p in PRINCIPALS if p != "admin"),
           readers=("scheduler", "cli"), retention=_FOREVER),
 )
 

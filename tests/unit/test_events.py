@@ -36,11 +36,14 @@ from shared.wire.events import (
     NodeHeartbeat,
     NodeRegistered,
     Progress,
+    QueueConfig,
+    QueueSpec,
     Record,
     RoundStarted,
     decode,
     encode,
 )
+from shared.wire.records import QUEUE_NAME_RE
 
 INT64 = (-(2**63), 2**63 - 1)  # what msgpack can carry
 # Twelve types times ROUND_TRIP examples: kept small so the suite stays fast on 2 cores.
@@ -60,6 +63,8 @@ def text(lo: int = 0, hi: int = 24) -> st.SearchStrategy[str]:
 job_ids = st.from_regex(JOB_ID_RE, fullmatch=True)
 node_ids = st.from_regex(NODE_ID_RE, fullmatch=True)
 non_negative = st.integers(0, INT64[1])
+queue_names = st.from_regex(QUEUE_NAME_RE, fullmatch=True)
+gpu_counts = st.dictionaries(text(1, 32), st.integers(0, 1 << 20), max_size=3)
 
 # (class name or "*", field) -> strategy, for fields whose _check narrows the annotation.
 FIELDS: dict[tuple[str, str], st.SearchStrategy[Any]] = {
@@ -86,6 +91,25 @@ FIELDS: dict[tuple[str, str], st.SearchStrategy[Any]] = {
     ("JobSpec", "iterations"): st.integers(1, 10**12),
     ("JobSpec", "priority"): floats(0, 1000, exclude_lo=True),
     ("JobSpec", "deadline_s"): st.none() | floats(0, exclude_lo=True),
+    ("JobSpec", "queue"): st.just("") | queue_names,
+    ("JobSpec", "priority_class"): st.integers(0, 100),
+    ("QueueSpec", "name"): queue_names,
+    ("QueueSpec", "weight"): floats(0, 1000, exclude_lo=True),
+    ("QueueSpec", "quota"): gpu_counts,
+    ("QueueSpec", "borrowing_limit"): st.none() | st.integers(0, 1 << 20),
+    ("QueueSpec", "user_max_gpus"): st.none() | st.integers(0, 1 << 20),
+    ("QueueSpec", "user_max_queued"): st.none() | st.integers(0, 1 << 20),
+    ("QueueConfig", "fair_share_half_life_s"): floats(60, 365 * 86400),
+    ("QueueConfig", "queues"): st.lists(st.deferred(lambda: records(QueueSpec)), min_size=1, max_size=4,
+                                        unique_by=lambda q: q.name).map(tuple),
+    ("QueueStanding", "name"): queue_names,
+    ("QueueStanding", "entitled"): gpu_counts,
+    ("QueueStanding", "used"): gpu_counts,
+    ("QueueStanding", "borrowed"): st.integers(0, 1 << 20),
+    ("QueueStanding", "lent"): st.integers(0, 1 << 20),
+    ("QueueStanding", "usage"): floats(0),
+    ("QueueStanding", "pending"): non_negative,
+    ("QueueStanding", "running"): non_negative,
     ("GpuInfo", "index"): st.integers(0, 1023),
     ("GpuInfo", "type"): text(1, 32),
     ("ThroughputEstimate", "workers"): st.integers(1, 64),
@@ -172,6 +196,8 @@ def _joint(kwargs: dict[str, Any], cls: type[Record]) -> dict[str, Any]:
         kwargs["steps_total"] = min(INT64[1], kwargs["steps_round"] + abs(kwargs["steps_total"]))
     elif cls is CopyFinished and kwargs["status"] != "failed" and kwargs.get("checkpoint") is None:
         kwargs["checkpoint"] = "checkpoints/x/0/0.safetensors"
+    elif cls is QueueConfig:
+        kwargs["default_queue"] = kwargs["queues"][0].name
     elif cls is RoundStarted:
         low, high = sorted((kwargs["started_at"], kwargs["ends_at"]))
         kwargs["started_at"], kwargs["ends_at"] = low, high

@@ -25,6 +25,7 @@ from services.scheduler.core.cluster import Cluster
 from services.scheduler.core.throughput import Part, ThroughputModel
 from shared.errors import HadarError
 from shared.persistence.codec import snapshot_type
+from shared.wire.queues import QueueConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +46,11 @@ class JobState:
     # workload (shared.domain.workloads.model_bytes).
     model_bytes: int = 0
     optimizer_slots: int | None = None
+    # Teams (services/scheduler/core/queues.py): the queue named at submission ("": the
+    # default queue), the submitting user and the job's priority class in its queue.
+    queue: str = ""
+    user: str = ""
+    priority_class: int = 0
 
     @property
     def remaining(self) -> float:
@@ -69,6 +75,7 @@ class WaitCode(str, enum.Enum):  # noqa: UP042 - str() and format() of a member 
     INFEASIBLE = "infeasible"    # no GPU type in the cluster can run it (zero throughput / too few GPUs)
     PAYOFF = "payoff"            # Hadar: no schedule's utility exceeds its cost at current prices
     NON_PREEMPTIVE = "non-preemptive"  # a running job holds the GPUs (YARN-CS)
+    QUOTA = "quota"              # its queue's quota, a user limit or a higher priority class holds it back
 
 
 @snapshot_type("core.Wait", formerly="services.scheduler.policy.Wait")
@@ -132,6 +139,7 @@ class PlanRequest:
     throughput: ThroughputModel
     previous: Plan | None = None
     seed: int = 0
+    queues: QueueConfig | None = None   # the teams' queues in force (None: no quotas)
 
 
 class Policy(Protocol):

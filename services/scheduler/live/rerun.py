@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 
 from services.scheduler.config import DecisionSettings
 from services.scheduler.core.policy import Plan, PlanRequest, Policy
+from services.scheduler.core.queues import plan_with_queues
 from services.scheduler.live.rounds import RoundTiming, build_request, plan_to_events
 from services.scheduler.live.state import SchedulerState
 from services.scheduler.policies import PolicyChoice, UnknownPolicy
@@ -164,7 +165,7 @@ def rerun(log: Iterable[LoggedEvent], *, state: SchedulerState | None = None,
             carried = previous if previous_key == choice.key else None
             request = build_request(state, timing, carried, settings.seed, nodes=rs.nodes)
             t0 = time.perf_counter()
-            plan = policy.plan(request)
+            plan = plan_with_queues(policy, request)
             ms = (time.perf_counter() - t0) * 1e3
             events = plan_to_events(plan, request, state, timing, choice=choice, seed=settings.seed,
                                     source="replay", inputs=rs.inputs, decision_ms=ms)

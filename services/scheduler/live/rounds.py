@@ -20,6 +20,7 @@ from services.scheduler.core.policy import (
     PlanRequest,
     copy_rate,
 )
+from services.scheduler.core.queues import QueuedState
 from services.scheduler.core.throughput import ThroughputModel
 from services.scheduler.live.state import SchedulerState
 from services.scheduler.policies import PolicyChoice
@@ -78,13 +79,15 @@ def build_request(state: SchedulerState, timing: RoundTiming, previous: Plan | N
             job_id=j.spec.job_id, job_type=j.spec.job_id, workers=j.spec.workers,
             total_steps=j.spec.iterations, steps_done=float(j.steps_done), arrival_s=j.submitted_at,
             priority=j.spec.priority, attained_gpu_s=j.attained_gpu_s,
+            queue=j.spec.queue, user=j.spec.user, priority_class=j.spec.priority_class,
             **_size(state.sizes.get(j.spec.job_id)),
         )
         for j in state.active_jobs()
     )
     return PlanRequest(round=timing.round, now_s=timing.started_at, round_s=timing.round_s,
                     cluster=cluster_from_state(state, timing, nodes), jobs=jobs,
-                    throughput=throughput_from_state(state), previous=previous, seed=seed)
+                    throughput=throughput_from_state(state), previous=previous, seed=seed,
+                    queues=state.queues)
 
 
 def _size(size: tuple[int, int] | None) -> dict[str, int]:
@@ -133,6 +136,7 @@ def plan_to_events(plan: Plan, request: PlanRequest, state: SchedulerState, timi
         assignments=sum(len(p) for p in copies.values()),
         waiting=tuple(Waiting(job_id=w.job_id, code=w.code.value, detail=w.detail[:200]) for w in plan.waiting),
         decision_ms=decision_ms, inputs=dict(sorted(inputs.items())),
+        queues=plan.state.standings if isinstance(plan.state, QueuedState) else (),
     )]
     fork: dict[str, tuple[int, int]] = {}     # job -> (copies, workers of all its copies)
     for (job_id, _), parts in copies.items():

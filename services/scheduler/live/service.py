@@ -43,6 +43,7 @@ from prometheus_client import CollectorRegistry
 
 from services.scheduler.config import DecisionSettings, SchedulerConfig
 from services.scheduler.core.policy import InvalidPlan, Plan, PlanRequest, Policy, check_plan
+from services.scheduler.core.queues import plan_with_queues
 from services.scheduler.live.metrics import SchedulerCounters, SchedulerTelemetry
 from services.scheduler.live.publish import PublishGivenUp, publish_by
 from services.scheduler.live.recovery import resume
@@ -80,17 +81,18 @@ from shared.wire.topics import (
     NODES,
     PLACEMENTS,
     PROGRESS,
+    QUEUES,
     THROUGHPUT,
 )
 
-INPUT_TOPICS = (JOBS, NODES, THROUGHPUT, PROGRESS, MODELS)
+INPUT_TOPICS = (JOBS, NODES, THROUGHPUT, PROGRESS, MODELS, QUEUES)
 RECOVERY_TOPICS = (*INPUT_TOPICS, PLACEMENTS)   # read from the start (or a snapshot) at start-up
 RETRY_BASE_S = 0.05
 
 
 def _timed_plan(policy: Policy, request: PlanRequest) -> tuple[Plan, float]:
     t0 = time.perf_counter()
-    return policy.plan(request), time.perf_counter() - t0
+    return plan_with_queues(policy, request), time.perf_counter() - t0
 
 
 class RoundFailed(HadarError):

@@ -94,6 +94,7 @@ def restore(snapshot: StateSnapshot) -> SchedulerSnapshot:
     # A snapshot written before sizes were folded: no job's size is known yet (the estimates
     # before it are not replayed), so HadarE charges those jobs nothing, as it did then.
     vars(body.state).setdefault("sizes", {})
+    vars(body.state).setdefault("queues", None)   # written before queues existed: none applied
     return body
 
 

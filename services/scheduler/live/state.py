@@ -37,6 +37,8 @@ from shared.wire.events import (
     NodeHeartbeat,
     NodeRegistered,
     Progress,
+    QueueConfig,
+    QueuesApplied,
     RoundAbandoned,
     RoundStarted,
     ThroughputEstimate,
@@ -48,12 +50,13 @@ from shared.wire.topics import (
     NODES,
     PLACEMENTS,
     PROGRESS,
+    QUEUES,
     THROUGHPUT,
 )
 
 # What ``apply`` folds: the scheduler service's INPUT_TOPICS plus its own placements, which
 # it reads back on restart (tests check this matches the service).
-FOLDED_TOPICS: tuple[str, ...] = (JOBS, NODES, THROUGHPUT, PROGRESS, MODELS, PLACEMENTS)
+FOLDED_TOPICS: tuple[str, ...] = (JOBS, NODES, THROUGHPUT, PROGRESS, MODELS, QUEUES, PLACEMENTS)
 
 
 @snapshot_type("scheduler.JobRecord", formerly="services.scheduler.state.JobRecord")
@@ -142,6 +145,7 @@ class SchedulerState:
         # job_id -> (model_bytes, optimizer_slots): the last size a ThroughputEstimate stated
         # (HadarE's consolidation cost); like rates, it may come before the job and goes with it
         self.sizes: dict[str, tuple[int, int]] = {}
+        self.queues: QueueConfig | None = None   # the latest QueuesApplied (None: no queues, no quotas)
         self.rounds: dict[int, RoundRecord] = {}
         self.last_round: int = -1
         self.events_applied = 0
@@ -324,6 +328,9 @@ class SchedulerState:
             job.steps_done = max(job.steps_done, e.total_steps)
             self._finished(job)
 
+    def _on_QueuesApplied(self, e: QueuesApplied) -> None:
+        self.queues = e.config
+
     CHECKS: ClassVar[dict[type, Callable[[SchedulerState, Any], str | None]]] = CHECKS   # acceptance.py
 
     HANDLERS: ClassVar[HandlerTable[Callable[[SchedulerState, Any], None]]] = HandlerTable({
@@ -333,7 +340,7 @@ class SchedulerState:
         RoundStarted: _on_RoundStarted, Assignment: _on_Assignment,
         Progress: _on_Progress, CopyFinished: _on_CopyFinished,
         ModelConsolidated: _on_ModelConsolidated, RoundAbandoned: _on_RoundAbandoned,
-        JobCompleted: _on_JobCompleted,
+        JobCompleted: _on_JobCompleted, QueuesApplied: _on_QueuesApplied,
     }, topics=FOLDED_TOPICS)
 
     # ------------------------------------------------------------------ queries

@@ -67,11 +67,13 @@ from services.scheduler.core.policy import (
     check_plan,
     copy_rate,
 )
+from services.scheduler.core.queues import plan_with_queues
 from services.scheduler.core.throughput import ThroughputModel
 from services.scheduler.sim.traces import TraceJob
 from shared.domain import workloads
 from shared.domain.fork_cost import consolidation_s
 from shared.domain.progress import credited_steps
+from shared.wire.queues import QueueConfig
 
 _DONE_EPS = 1e-9  # steps: a job this close to its total is complete (float sums of rate x time)
 
@@ -85,6 +87,7 @@ class SimOptions:
     check: bool = False           # check_plan on every round (tests)
     max_rounds: int = 100_000
     stall_rounds: int = 50
+    queues: QueueConfig | None = None   # team queues in force for the whole run (None: no quotas)
 
     def __post_init__(self) -> None:
         if not self.round_s > 0:
@@ -178,7 +181,8 @@ class _LiveJob:
             self._state = JobState(
                 job_id=t.job_id, job_type=t.job_type, workers=t.workers, total_steps=t.total_steps,
                 steps_done=self.steps_done, arrival_s=t.arrival_s, priority=t.priority,
-                attained_gpu_s=self.attained_gpu_s, model_bytes=self.model_bytes)
+                attained_gpu_s=self.attained_gpu_s, model_bytes=self.model_bytes, queue=t.queue, user=t.user,
+                priority_class=t.priority_class)
         return self._state
 
     @property
@@ -310,9 +314,9 @@ def simulate(*, policy: Policy, cluster: Cluster, jobs: Sequence[TraceJob], thro
 
         request = PlanRequest(round=r, now_s=now, round_s=round_s, cluster=cluster,
                             jobs=tuple(j.state() for j in active), throughput=throughput,
-                            previous=previous, seed=options.seed)
+                            previous=previous, seed=options.seed, queues=options.queues)
         started = time.perf_counter()
-        plan = policy.plan(request)
+        plan = plan_with_queues(policy, request)
         decision_ms = (time.perf_counter() - started) * 1000.0
         if options.check:
             check_plan(request, plan)

@@ -3,8 +3,10 @@
 Three sources, all producing ``TraceJob`` records sorted by (arrival, input order):
 
 * CSV with a header naming the columns ``job_id,arrival_time_s,job_type,scale_factor,
-  total_steps`` (any order) and optionally ``priority`` (default 1). ``job_type`` must be a
-  job type of the throughput table, e.g. ``ResNet-50 (batch size 64)``.
+  total_steps`` (any order) and optionally ``priority`` (default 1), ``queue`` (default: the
+  default queue), ``user`` and ``priority_class`` (default 0) for runs with team queues
+  (``hadar sim --queues``). ``job_type`` must be a job type of the throughput table, e.g.
+  ``ResNet-50 (batch size 64)``.
 * Gavel's 10-column tab-separated trace (``scheduler/traces/*.trace`` in
   stanford-futuredata/gavel): job_type, command, working_directory, num_steps_arg,
   needs_data_dir, total_steps, scale_factor, priority_weight, SLO, arrival_time. Jobs get
@@ -29,14 +31,16 @@ import csv
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from services.scheduler.core.throughput import ThroughputModel
 from shared.errors import UsageError
+from shared.wire.records import QUEUE_NAME_RE
 
 CSV_REQUIRED = ("job_id", "arrival_time_s", "job_type", "scale_factor", "total_steps")
-CSV_OPTIONAL = ("priority",)
+CSV_OPTIONAL = ("priority", "queue", "user", "priority_class")
 GAVEL_COLUMNS = ("job_type", "command", "working_directory", "num_steps_arg", "needs_data_dir",
                  "total_steps", "scale_factor", "priority_weight", "SLO", "arrival_time")
 REFERENCE_GPU = "v100"  # total steps of generated jobs = duration x throughput on this type
@@ -54,6 +58,9 @@ class TraceJob:
     workers: int        # scale factor W
     total_steps: int
     priority: float = 1.0
+    queue: str = ""          # "": the default queue
+    user: str = ""
+    priority_class: int = 0
 
 
 # ---------------------------------------------------------------------------- field parsing
@@ -107,7 +114,7 @@ def parse_csv(text: str, *, job_types: Iterable[str], source: str = "<csv>") -> 
     for name in columns:
         if name not in CSV_REQUIRED + CSV_OPTIONAL:
             raise TraceError(f"{_where(source, 1, name)}: unknown column (expected "
-                             f"{','.join(CSV_REQUIRED)}[,priority])")
+                             f"{','.join(CSV_REQUIRED)}[,{','.join(CSV_OPTIONAL)}])")
     if len(set(columns)) != len(columns):
         raise TraceError(f"{source}: line 1: a column is named twice")
     missing = [c for c in CSV_REQUIRED if c not in columns]
@@ -141,8 +148,27 @@ def parse_csv(text: str, *, job_types: Iterable[str], source: str = "<csv>") -> 
             total_steps=_int_field(cell["total_steps"], source=source, line=index, field="total_steps",
                                    minimum=1),
             priority=priority,
+            **_team_fields(cell, source=source, line=index),
         ))
     return _sorted(jobs)
+
+
+def _team_fields(cell: dict[str, str], *, source: str, line: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    queue = cell.get("queue", "").strip()
+    if queue:
+        if not QUEUE_NAME_RE.fullmatch(queue):
+            raise TraceError(f"{_where(source, line, 'queue')}: {queue!r} is not a queue name "
+                             "(1-32 of a-z, 0-9, '-', '_')")
+        out["queue"] = queue
+    if cell.get("user", "").strip():
+        out["user"] = cell["user"].strip()
+    if cell.get("priority_class", "").strip():
+        value = _int_field(cell["priority_class"], source=source, line=line, field="priority_class", minimum=0)
+        if value > 100:
+            raise TraceError(f"{_where(source, line, 'priority_class')}: {value} is above 100")
+        out["priority_class"] = value
+    return out
 
 
 # ---------------------------------------------------------------------------- Gavel TSV

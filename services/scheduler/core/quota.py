@@ -1,0 +1,159 @@
+"""How many GPUs of each type every queue may hold this round: quotas, borrowing, fair share.
+
+Pure integer arithmetic over the round's capacity, the queues in force and the jobs; the
+rules and their guarantees are stated in :mod:`services.scheduler.core.queues`, which
+turns these counts into concrete GPUs and runs the policy on them. Terms:
+
+* ``capacity[r]``: GPUs of type r in the round's cluster.
+* A queue's *nominal* quota, scaled down type by type (largest remainders, ties by queue
+  name) where the quotas of a type add up to more than the cluster has (nodes down).
+* *Demand*: the GPUs (the jobs' W, summed) of the queue's visible jobs that can run on the
+  cluster at all.
+* *Guaranteed*: the nominal quota when the demand reaches it; else as much of it as the
+  demand, on the types the queue's jobs run best on (``affinity``).
+* *Borrowed*: idle GPUs (nobody's guaranteed share) lent to queues with demand left, one at
+  a time to the queue whose fair-share standing is lowest, within its borrowing limit.
+* *Standing*: ``(usage + GPUs given this round x round_s) / weight``; usage is normalized
+  GPU-seconds decayed with the half-life (:func:`decayed`, :func:`charge`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from services.scheduler.core.policy import JobState
+from shared.wire.queues import QueueConfig, QueueSpec
+
+__all__ = ["Rate", "Entitlement", "scaled_quotas", "affinity", "entitlements", "decayed", "charge"]
+
+Rate = Callable[[JobState, str], float]   # a job's steps/s on one GPU of a type (0: cannot run there)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Entitlement:
+    """What one queue may hold this round: ``gpus[r]`` of each type, of which ``borrowed``
+    are beyond its (scaled) nominal quota; ``lent``: GPUs of its quota it left to others;
+    ``demand``: its visible jobs' W, summed."""
+
+    gpus: Mapping[str, int]
+    nominal: Mapping[str, int]
+    borrowed: int
+    lent: int
+    demand: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.gpus.values())
+
+
+def scaled_quotas(queues: Sequence[QueueSpec], capacity: Mapping[str, int]) -> dict[str, dict[str, int]]:
+    """Each queue's quota per type, scaled down where the quotas of a type exceed the
+    capacity: floor of the proportional share, then one each by largest remainder (ties by
+    queue name). Types the cluster lacks give nothing."""
+    out: dict[str, dict[str, int]] = {q.name: {} for q in queues}
+    for gpu_type, have in capacity.items():
+        asked = {q.name: q.quota.get(gpu_type, 0) for q in queues if q.quota.get(gpu_type, 0) > 0}
+        total = sum(asked.values())
+        if total <= have:
+            for name, n in asked.items():
+                out[name][gpu_type] = n
+            continue
+        exact = {name: n * have / total for name, n in asked.items()}
+        given = {name: math.floor(x) for name, x in exact.items()}
+        left = have - sum(given.values())
+        for name in sorted(asked, key=lambda n: (-(exact[n] - given[n]), n))[:left]:
+            given[name] += 1
+        for name, n in given.items():
+            if n:
+                out[name][gpu_type] = n
+    return out
+
+
+def affinity(jobs: Sequence[JobState], types: Sequence[str], rate: Rate) -> dict[str, float]:
+    """How well a queue's jobs use each type: the sum over its jobs of their rate on the type
+    relative to their best type (1 for a job's best type, 0 where it cannot run)."""
+    out = dict.fromkeys(types, 0.0)
+    for job in jobs:
+        rates = {t: rate(job, t) for t in types}
+        best = max(rates.values(), default=0.0)
+        if best > 0:
+            for t, r in rates.items():
+                out[t] += r / best
+    return out
+
+
+def _preferred(types: Mapping[str, float], available: Mapping[str, int]) -> str | None:
+    """The available type (count > 0) with the highest affinity (ties: the name)."""
+    candidates = [t for t, n in available.items() if n > 0]
+    return min(candidates, key=lambda t: (-types.get(t, 0.0), t)) if candidates else None
+
+
+def entitlements(config: QueueConfig, capacity: Mapping[str, int], jobs: Mapping[str, Sequence[JobState]],
+                 rate: Rate, *, usage: Mapping[str, float], round_s: float) -> dict[str, Entitlement]:
+    """Every queue's entitlement for the round (module docstring). ``jobs``: each queue's
+    visible jobs; ``usage``: decayed normalized GPU-seconds by queue."""
+    types = sorted(capacity)
+    nominal = scaled_quotas(config.queues, capacity)
+    prefs = {q.name: affinity(jobs.get(q.name, ()), types, rate) for q in config.queues}
+    demand = {q.name: sum(j.workers for j in jobs.get(q.name, ()) if any(rate(j, t) > 0 for t in types))
+              for q in config.queues}
+    gpus: dict[str, dict[str, int]] = {}
+    for q in config.queues:
+        need, mine = demand[q.name], dict(nominal[q.name])
+        if need < sum(mine.values()):
+            kept: dict[str, int] = {}
+            while need > 0:
+                t = _preferred(prefs[q.name], {r: mine[r] - kept.get(r, 0) for r in mine})
+                if t is None:
+                    break
+                take = min(need, mine[t] - kept.get(t, 0))
+                kept[t] = kept.get(t, 0) + take
+                need -= take
+            mine = kept
+        gpus[q.name] = mine
+    idle = {t: capacity[t] - sum(g.get(t, 0) for g in gpus.values()) for t in types}
+    extra = dict.fromkeys(gpus, 0)
+    weight = {q.name: q.weight for q in config.queues}
+    limit = {q.name: math.inf if q.borrowing_limit is None else q.borrowing_limit for q in config.queues}
+
+    def standing(name: str) -> tuple[float, str]:
+        held = sum(gpus[name].values())
+        return ((usage.get(name, 0.0) + held * round_s) / weight[name], name)
+
+    def lend(eligible: Callable[[str], bool]) -> None:
+        while any(idle.values()):
+            takers = [n for n in gpus if extra[n] < limit[n] and eligible(n)]
+            if not takers:
+                return
+            name = min(takers, key=standing)
+            t = _preferred(prefs[name], idle)
+            assert t is not None
+            gpus[name][t] = gpus[name].get(t, 0) + 1
+            idle[t] -= 1
+            extra[name] += 1
+
+    # First to queues with demand left, then (work conservation: forked copies use more than
+    # W) to queues with any visible job.
+    lend(lambda n: sum(gpus[n].values()) < demand[n])
+    lend(lambda n: bool(jobs.get(n)))
+    lent_out = {n: max(0, sum(nominal[n].values()) - (sum(gpus[n].values()) - extra[n])) for n in gpus}
+    return {n: Entitlement(gpus={t: c for t, c in sorted(gpus[n].items()) if c}, nominal=nominal[n],
+                           borrowed=extra[n], lent=lent_out[n], demand=demand[n]) for n in gpus}
+
+
+def decayed(usage: Mapping[str, float], elapsed_s: float, half_life_s: float) -> dict[str, float]:
+    """``usage`` after ``elapsed_s`` of halving every ``half_life_s``."""
+    factor = 0.5 ** (max(elapsed_s, 0.0) / half_life_s)
+    return {q: u * factor for q, u in usage.items()}
+
+
+def charge(job: JobState, gpu_type: str, gpus: int, seconds: float, rate: Rate, types: Sequence[str]) -> float:
+    """Normalized GPU-seconds of ``gpus`` GPUs of ``gpu_type`` held ``seconds`` by ``job``:
+    each second weighs the job's rate on the type over its rate on its best type (a job 10x
+    slower on a K80 than on a V100 is charged 0.1 of a second per K80 second); a job with no
+    known rate is charged plain GPU-seconds."""
+    best = max((rate(job, t) for t in types), default=0.0)
+    relative = rate(job, gpu_type) / best if best > 0 else 1.0
+    return gpus * seconds * relative
