@@ -27,11 +27,14 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 
+from services.cli.queuefile import load_queue_file
 from services.scheduler.core.cluster import Cluster, Node
 from services.scheduler.core.policy import JobState, PlanRequest, check_plan
+from services.scheduler.core.queues import plan_with_queues
 from services.scheduler.core.throughput import ThroughputModel
 from services.scheduler.policies import (
     UnknownPolicy,
@@ -79,7 +82,7 @@ def time_policy(name: str, request: PlanRequest, repeats: int, options: dict | N
     samples, walls = [], []
     for _ in range(repeats):
         start, wall = time.process_time(), time.perf_counter()
-        plan = policy.plan(request)
+        plan = plan_with_queues(policy, request)   # policy.plan(request) itself when there are no queues
         samples.append((time.process_time() - start) * 1e3)
         walls.append((time.perf_counter() - wall) * 1e3)
     check_plan(request, plan)
@@ -97,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policies", default="hadar,hadare,gavel")
+    parser.add_argument("--queues", default=None, metavar="FILE",
+                        help="plan under these team queues (a queue file); jobs go to them in turn, by index")
     parser.add_argument("--policy-option", action="append", default=[], metavar="POLICY:KEY=VALUE",
                         help="a constructor option for one policy, e.g. hadar:critical_rule=laxity (repeatable)")
     args = parser.parse_args(argv)
@@ -111,9 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     throughput = ThroughputModel.from_gavel_table()
     cluster = mixed_cluster(args.nodes, rng)
     jobs = gavel_jobs(args.jobs, throughput, rng)
+    queues = load_queue_file(args.queues) if args.queues else None
+    if queues is not None:
+        names = [q.name for q in queues.queues]
+        jobs = tuple(replace(j, queue=names[i % len(names)]) for i, j in enumerate(jobs))
     request = PlanRequest(round=0, now_s=3600.0, round_s=360.0, cluster=cluster, jobs=jobs,
-                        throughput=throughput, seed=args.seed)
-    result: dict[str, float | int | None] = {"jobs": args.jobs, "nodes": args.nodes}
+                        throughput=throughput, seed=args.seed, queues=queues)
+    result: dict[str, float | int | str | None] = {"jobs": args.jobs, "nodes": args.nodes, "queues": args.queues}
     for name in ("hadar", "hadare", "gavel"):
         p50 = time_policy(name, request, args.repeats, options.get(name)) if name in args.policies.split(",") else None
         result[f"{name}_ms_p50"] = None if p50 is None else round(p50, 1)

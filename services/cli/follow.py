@@ -8,7 +8,7 @@ what is new; the fold drops what it has already applied by event id.
 Guarantees:
 
 * A poll reads the topics effects-first (models, progress, placements, throughput,
-  nodes, jobs), so every effect it sees has its cause in the same or an earlier poll.
+  nodes, jobs, queues), so every effect it sees has its cause in the same or an earlier poll.
 * The cursor trails the newest record timestamp seen by :data:`FOLLOW_SLACK_S`, and
   each partition is read from its first record stamped at or after the cursor, so a
   record appended later stamped up to that much older (producers' clocks disagree, a
@@ -39,13 +39,13 @@ from shared.wire.events import (
     JobSubmitted,
     RoundStarted,
 )
-from shared.wire.topics import JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, THROUGHPUT
+from shared.wire.topics import JOBS, MODELS, NODES, PLACEMENTS, PROGRESS, QUEUES, THROUGHPUT
 
 __all__ = ["ClusterView", "LogFollower", "read_view", "submitted_ids", "FOLLOW_SLACK_S", "READ_ORDER"]
 
 FOLLOW_SLACK_S = 30.0
-READ_ORDER: tuple[str, ...] = (MODELS, PROGRESS, PLACEMENTS, THROUGHPUT, NODES, JOBS)
-_FOLD_RANK = {JOBS: 0, NODES: 1, THROUGHPUT: 2, PROGRESS: 3, MODELS: 4}   # causes before effects
+READ_ORDER: tuple[str, ...] = (MODELS, PROGRESS, PLACEMENTS, THROUGHPUT, NODES, JOBS, QUEUES)
+_FOLD_RANK = {QUEUES: 0, JOBS: 1, NODES: 2, THROUGHPUT: 3, PROGRESS: 4, MODELS: 5}   # causes before effects
 
 
 @dataclass

@@ -20,8 +20,8 @@ from shared.errors import UsageError
 from shared.wire.events import Hyperparameters, InvalidEvent, JobSpec
 
 FIELDS = ("id", "user", "model", "dataset", "batch_size", "workers", "iterations", "priority",
-          "deadline_s", "optimizer", "lr", "seed")
-_INT_FIELDS = {"batch_size", "workers", "iterations", "seed"}
+          "deadline_s", "optimizer", "lr", "seed", "queue", "priority_class")
+_INT_FIELDS = {"batch_size", "workers", "iterations", "seed", "priority_class"}
 _FLOAT_FIELDS = {"priority", "deadline_s", "lr"}
 
 
@@ -108,7 +108,8 @@ def parse_job(data: Mapping[str, Any], *, default_user: str = "anonymous") -> Jo
             job_id=values.get("id") or new_job_id(values["model"]), user=values.get("user", default_user),
             model=values["model"], dataset=values["dataset"], batch_size=values.get("batch_size", 32),
             workers=values["workers"], iterations=values["iterations"], priority=values.get("priority", 1.0),
-            deadline_s=values.get("deadline_s"), hyper=hyper,
+            deadline_s=values.get("deadline_s"), hyper=hyper, queue=values.get("queue", ""),
+            priority_class=values.get("priority_class", 0),
         )
     except InvalidEvent as exc:
         # "JobSpec.workers: must be ..." -> "workers: must be ..."

@@ -33,6 +33,7 @@ from services.cli.jobview import (
     parse_since,
     select_jobs,
 )
+from services.cli.queues import check_fits, latest_queues
 from services.cli.watch import watch_job
 from shared.bus import Bus
 from shared.clock import SystemClock
@@ -52,11 +53,14 @@ FIELD_HELP: dict[str, str] = {
     "batch_size": "per-worker batch size (default 32)",
     "workers": "data-parallel workers (GPUs) per copy",
     "iterations": "steps of the global batch to train",
-    "priority": "scheduling weight (default 1.0)",
+    "priority": "weight in the policy's objective among jobs of its class (default 1.0)",
     "deadline_s": "deadline in seconds from submission (default: none)",
     "optimizer": "optimizer name (default: the model's)",
     "lr": "learning rate (default: the model's)",
     "seed": "random seed",
+    "queue": "team queue (default: the queues' default queue; see hadar queues)",
+    "priority_class": "priority class in its queue, 0-100 (default 0): a higher class runs first "
+                      "and may preempt a lower one at a round boundary",
 }
 
 
@@ -153,6 +157,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         await bus.start()
         try:
             await bus.ensure_topics()
+            check_fits(spec, await latest_queues(bus))
             taken = await submitted_ids(bus)
             final = spec
             if final.job_id in taken:

@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from services.cli.joblog import TrainingLog
+from services.cli.queueview import job_queue_doc, queue_jobs, queue_of, reclaim_reason
 from services.scheduler.live.state import JobRecord, SchedulerState
 from services.scheduler.live.stuck import stuck_reason
 from shared.errors import UsageError
@@ -53,6 +54,10 @@ def waiting_reason(state: SchedulerState, job: JobRecord) -> str | None:
         return stuck
     if job.last_round is None and not any(k[0] == job.spec.job_id for k in state.rates):
         return NO_ESTIMATE
+    if state.queues is not None:
+        reclaim = reclaim_reason(state, state.queues, job)
+        if reclaim is not None:
+            return reclaim
     if state.last_round < 0 or state.last_round not in state.rounds:
         return None
     for w in state.rounds[state.last_round].started.waiting:
@@ -103,6 +108,7 @@ def job_doc(state: SchedulerState, job_id: str, *, now: float,
         "rounds_run": job.rounds_run, "attained_gpu_s": round(job.attained_gpu_s, 1),
         "latest_model": job.model_key, "final_model": job.final_key,
         "jct_s": None if job.completed_at is None else round(job.completed_at - job.submitted_at, 3),
+        "queue": job_queue_doc(state, job, now),
         **((training or TrainingLog()).latest(job_id)),
     }
 
@@ -157,11 +163,19 @@ def jobs_table(state: SchedulerState, *, include_done: bool, now: float | None =
         now = max((t for j in state.jobs.values() for t in (j.submitted_at, j.completed_at) if t is not None),
                   default=0.0)
     cancels = cancelled_at or {}
-    rows = [("JOB", "USER", "STATE", "PROGRESS", "GPUS", "ROUND", "SUBMITTED", "ELAPSED", "WAITING")]
+    config = state.queues
+    teams = ("QUEUE", "POS") if config is not None else ()
+    rows: list[tuple[str, ...]] = [("JOB", "USER", *teams, "STATE", "PROGRESS", "GPUS", "ROUND", "SUBMITTED",
+                                    "ELAPSED", "WAITING")]
     for job in picked:
         gpus = _gpus(state, job)
         pct = 100.0 * min(job.steps_done, job.spec.iterations) / job.spec.iterations
-        rows.append((job.spec.job_id, job.spec.user, job.state, f"{pct:5.1f}%",
+        place: tuple[str, ...] = ()
+        if config is not None:
+            name = queue_of(config, job)
+            ids = [j.spec.job_id for j in queue_jobs(state, config, name)]
+            place = (name, f"{ids.index(job.spec.job_id) + 1}/{len(ids)}" if job.spec.job_id in ids else "-")
+        rows.append((job.spec.job_id, job.spec.user, *place, job.state, f"{pct:5.1f}%",
                      ",".join(f"{t}x{n}" for t, n in sorted(gpus.items())) or "-",
                      "-" if job.last_round is None else str(job.last_round), _utc_minute(job.submitted_at),
                      format_duration(elapsed_s(job, now, cancels)), waiting_reason(state, job) or "-"))

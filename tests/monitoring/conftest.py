@@ -32,7 +32,7 @@ from services.tracker.service import TrackerConfig, TrackerService
 from shared.bus import MemoryBus
 from shared.runtime.service import HttpEndpoint
 from shared.store import LocalStore
-from shared.wire.events import JobSpec, JobSubmitted, ThroughputEstimate
+from shared.wire.events import JobSpec, JobSubmitted, QueueConfig, QueuesApplied, QueueSpec, ThroughputEstimate
 from shared.wire.topics import JOBS
 from tests.required import unavailable
 
@@ -122,6 +122,9 @@ async def scrapes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             await service.start()
         spec = JobSpec(job_id="j1", user="u", model="resnet", dataset="digits", batch_size=8, workers=1,
                        iterations=10**6)
+        # under team queues, so the queue gauges are served too
+        await bus.publish(QueuesApplied(ts=now, source="cli/admin", config=QueueConfig(
+            queues=(QueueSpec(name="team", quota={"cpu": 1}),), default_queue="team")))
         await bus.publish(JobSubmitted(ts=now, source="cli", job=spec, submitted_at=now))
         await bus.publish(ThroughputEstimate(ts=now, source="test", job_id="j1", basis="estimate", workers=1,
                                           rates={"cpu": 50.0}))

@@ -163,9 +163,13 @@ def _visible_jobs(jobs: Sequence[JobState], config: QueueConfig) -> tuple[dict[s
         queued: dict[str, int] = defaultdict(int)
         asked: dict[str, int] = defaultdict(int)
         shown = []
+        most = None if spec.borrowing_limit is None else spec.nominal + spec.borrowing_limit
         for job in members:
             queued[job.user] += 1
-            if spec.user_max_queued is not None and queued[job.user] > spec.user_max_queued:
+            if most is not None and job.workers > most:
+                waits.append(Wait(job_id=job.job_id, code=WaitCode.QUOTA,
+                                  detail=f"never fits {name}: asks {job.workers} GPUs, the queue may hold {most}"))
+            elif spec.user_max_queued is not None and queued[job.user] > spec.user_max_queued:
                 detail = f"user limit: {job.user or '?'} has {spec.user_max_queued} jobs queued in {name}"
                 waits.append(Wait(job_id=job.job_id, code=WaitCode.QUOTA, detail=detail))
             elif spec.user_max_gpus is not None and asked[job.user] + job.workers > spec.user_max_gpus:

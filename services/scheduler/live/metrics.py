@@ -18,6 +18,12 @@ the first scrape after a restart, not only after the next round:
   for active jobs: the last consolidated model's steps and the job's iterations.
 * ``hadar_scheduler_dead_letters{topic}`` -- distinct bad records in ``hadar.deadletter``,
   by origin topic (:class:`DeadLetterTally`).
+* Team queues, from the latest round's standings (absent without queues):
+  ``hadar_scheduler_queue_gpus{queue,gpu_type,kind="quota"|"entitled"|"used"}``,
+  ``hadar_scheduler_queue_borrowed_gpus{queue}`` / ``..._lent_gpus{queue}`` (beyond its quota /
+  of its quota left to others), ``hadar_scheduler_queue_jobs{queue,state="running"|"pending"}``
+  and ``hadar_scheduler_queue_usage_gpu_seconds{queue}`` (decayed normalized usage, the
+  fair-share order: services/scheduler/core/queues.py).
 * ``hadar_scheduler_last_round_start_timestamp_seconds`` (absent before any round),
   ``hadar_scheduler_round_length_seconds`` and ``hadar_scheduler_heartbeat_period_seconds``
   (the configured periods, so alert rules need no copy of them).
@@ -31,14 +37,14 @@ later than ``previous start + round_s`` the latest round started, e.g. waiting f
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from services.scheduler.live.state import SchedulerState
-from shared.wire.events import DeadLetter
+from shared.wire.events import DeadLetter, QueueStanding
 
 __all__ = ["ClusterView", "DeadLetterTally", "SchedulerCounters", "SchedulerTelemetry", "cluster_view"]
 
@@ -93,6 +99,8 @@ class ClusterView:
     consolidated_steps: Mapping[str, int]  # active job -> steps of its last model
     target_steps: Mapping[str, int]      # active job -> iterations asked for
     last_round_start: float | None
+    queues: tuple[QueueStanding, ...] = ()
+    quotas: Mapping[str, Mapping[str, int]] = field(default_factory=dict)   # queue -> GPU type -> quota
 
 
 def cluster_view(state: SchedulerState, *, now: float, heartbeat_s: float) -> ClusterView:
@@ -121,6 +129,8 @@ def cluster_view(state: SchedulerState, *, now: float, heartbeat_s: float) -> Cl
         consolidated_steps={j.spec.job_id: j.steps_done for j in active},
         target_steps={j.spec.job_id: j.spec.iterations for j in active},
         last_round_start=current.started.started_at if current is not None else None,
+        queues=current.started.queues if current is not None else (),
+        quotas={q.name: dict(q.quota) for q in state.queues.queues} if state.queues is not None else {},
     )
 
 
@@ -146,6 +156,7 @@ class _ViewCollector(Collector):
                       v.target_steps)
         yield _family("hadar_scheduler_dead_letters", "Distinct bad records in hadar.deadletter, by origin topic",
                       "topic", self._dead.by_topic())
+        yield from _queue_families(v)
         last = GaugeMetricFamily("hadar_scheduler_last_round_start_timestamp_seconds",
                                  "Unix time the latest round started (absent before the first)")
         if v.last_round_start is not None:
@@ -155,6 +166,32 @@ class _ViewCollector(Collector):
                                 value=self._round_s)
         yield GaugeMetricFamily("hadar_scheduler_heartbeat_period_seconds", "Configured agent heartbeat period",
                                 value=self._heartbeat_s)
+
+
+def _queue_families(v: ClusterView) -> Iterator[Metric]:
+    gpus = GaugeMetricFamily("hadar_scheduler_queue_gpus", "GPUs of each team queue by type: its quota, what "
+                             "the latest round entitled it to, what it used", labels=["queue", "gpu_type", "kind"])
+    borrowed = GaugeMetricFamily("hadar_scheduler_queue_borrowed_gpus", "GPUs a queue holds beyond its quota",
+                                 labels=["queue"])
+    lent = GaugeMetricFamily("hadar_scheduler_queue_lent_gpus", "GPUs of a queue's quota it left to others",
+                             labels=["queue"])
+    jobs = GaugeMetricFamily("hadar_scheduler_queue_jobs", "A queue's active jobs: running (placed in the latest "
+                             "round) or pending", labels=["queue", "state"])
+    usage = GaugeMetricFamily("hadar_scheduler_queue_usage_gpu_seconds", "A queue's decayed, normalized GPU-seconds "
+                              "(lower comes first for idle GPUs, per unit of weight)", labels=["queue"])
+    for queue, quota in sorted(v.quotas.items()):
+        for gpu_type, n in sorted(quota.items()):
+            gpus.add_metric([queue, gpu_type, "quota"], n)
+    for s in v.queues:
+        for kind, counts in (("entitled", s.entitled), ("used", s.used)):
+            for gpu_type, n in sorted(counts.items()):
+                gpus.add_metric([s.name, gpu_type, kind], n)
+        borrowed.add_metric([s.name], s.borrowed)
+        lent.add_metric([s.name], s.lent)
+        jobs.add_metric([s.name, "running"], s.running)
+        jobs.add_metric([s.name, "pending"], s.pending)
+        usage.add_metric([s.name], s.usage)
+    yield from (gpus, borrowed, lent, jobs, usage)
 
 
 def _family(name: str, documentation: str, label: str, values: Mapping[str, float]) -> GaugeMetricFamily:
