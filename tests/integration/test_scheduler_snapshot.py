@@ -23,7 +23,7 @@ from shared.clock import FakeClock
 from shared.domain.layout import snapshot_key
 from shared.persistence.snapshot import MAGIC, SnapshotStore, dump, load
 from shared.store import LocalStore
-from shared.wire.events import Assignment
+from shared.wire.events import Assignment, QueueConfig, QueuesApplied, QueueSpec
 from shared.wire.topics import JOBS, PLACEMENTS
 
 ROUND_S = 60.0
@@ -37,10 +37,19 @@ def config(policy: str, **extra) -> SchedulerConfig:
                            group="sched-snap", **extra)
 
 
-def contended(bus: MemoryBus, clock: FakeClock) -> ScriptedCluster:
+def contended(bus: MemoryBus, clock: FakeClock, queues: tuple[str, ...] = ()) -> ScriptedCluster:
     """A job a round, each needing many rounds: queues form, so carried policy state matters
     (a restart that dropped it decides differently: checked by hand for every policy)."""
-    return ScriptedCluster(bus=bus, clock=clock, job_every=1, steps_per_copy=15)
+    return ScriptedCluster(bus=bus, clock=clock, job_every=1, steps_per_copy=15, queues=queues)
+
+
+TEAMS = QueueConfig(queues=(QueueSpec(name="vision", weight=2.0, quota={"v100": 2}, borrowing_limit=2),
+                            QueueSpec(name="audio")), default_queue="audio")
+
+
+async def _teams(bus: MemoryBus, clock: FakeClock) -> ScriptedCluster:
+    await bus.publish(QueuesApplied(ts=clock.time(), source="cli/admin", config=TEAMS))
+    return contended(bus, clock, queues=("vision", "audio", "vision"))
 
 
 async def settle(predicate) -> None:
@@ -68,24 +77,26 @@ async def decisions(bus: MemoryBus) -> dict[int, tuple]:
     return {r: assignment_decision(a) for r, a in sorted(by_round.items())}
 
 
-async def uninterrupted(policy: str, rounds: int) -> dict[int, tuple]:
+async def uninterrupted(policy: str, rounds: int, teams: bool = False) -> dict[int, tuple]:
     bus, clock = MemoryBus(), FakeClock()
     await bus.start()
     service = SchedulerService(bus=bus, config=config(policy), clock=clock, run_rounds=False)
     await service.start()
-    await play(service, contended(bus, clock), clock, range(rounds))
+    cluster = await _teams(bus, clock) if teams else contended(bus, clock)
+    await play(service, cluster, clock, range(rounds))
     await service.stop()
     return await decisions(bus)
 
 
-async def interrupted(policy: str, rounds: int, stop_after: int, tmp_path, damage=None, **extra):
+async def interrupted(policy: str, rounds: int, stop_after: int, tmp_path, damage=None, teams: bool = False,
+                      **extra):
     """Run ``stop_after`` rounds, stop, optionally damage the newest snapshot, restart, run the rest."""
     bus, clock = MemoryBus(), FakeClock()
     store = LocalStore(tmp_path)
     await bus.start()
     await store.start()
     cfg = config(policy, **extra)
-    cluster = contended(bus, clock)
+    cluster = await _teams(bus, clock) if teams else contended(bus, clock)
     first = SchedulerService(bus=bus, config=cfg, clock=clock, run_rounds=False, store=store)
     await first.start()
     await play(first, cluster, clock, range(stop_after))
@@ -109,6 +120,16 @@ async def test_restart_from_a_snapshot_replays_only_what_follows_and_decides_ide
     reference = await uninterrupted(policy, 14)
     assert got == reference
     assert any(got.values()), "the workload must place jobs"
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+async def test_under_team_queues_a_restart_from_a_snapshot_decides_identically(policy, tmp_path):
+    again, got, _ = await interrupted(policy, 14, 8, tmp_path, snapshot_every=3, teams=True)
+    assert again.recovery["snapshot"] == AFTER_ROUND_5
+    assert again.recovery["rounds_rederived"] == 2 and again.recovery["differing_rounds"] == []
+    assert again.state.queues == TEAMS
+    assert got == await uninterrupted(policy, 14, teams=True)
+    assert got != await uninterrupted(policy, 14), "the queues must change the decisions"
 
 
 LEGACY = Path(__file__).resolve().parents[1] / "data" / "snapshots"

@@ -45,6 +45,7 @@ class ScriptedCluster:
     nodes: tuple[tuple[str, str, int], ...] = DEFAULT_NODES
     job_every: int = 3
     steps_per_copy: int = 40
+    queues: tuple[str, ...] = ()           # jobs go to these team queues in turn ("": the default queue)
     published: int = 0                     # input records published so far
     _done: dict[str, int] = field(default_factory=dict)
     _specs: dict[str, JobSpec] = field(default_factory=dict)
@@ -87,8 +88,9 @@ class ScriptedCluster:
     async def _submit(self, r: int, now: float) -> None:
         job_id = f"job-{r}"
         workers = 1 + (r // self.job_every) % 2
+        queue = self.queues[(r // self.job_every) % len(self.queues)] if self.queues else ""
         spec = JobSpec(job_id=job_id, user="bench", model="resnet", dataset="digits", batch_size=32,
-                       workers=workers, iterations=120 + 40 * (r % 7))
+                       workers=workers, iterations=120 + 40 * (r % 7), queue=queue)
         self._specs[job_id] = spec
         await self._emit(JobSubmitted(ts=now, source="cli", job=spec, submitted_at=now))
         factor = 1.0 + (r % 5) / 10
