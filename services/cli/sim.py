@@ -4,6 +4,15 @@ Writes ``OUT/summary.json``, ``OUT/report.md``, ``OUT/utilization.png``,
 ``OUT/jct_cdf.png`` and ``OUT/ttd_bounds.png``, and prints the comparison table. Each
 policy gets a fresh instance and the identical trace, cluster, throughput model and
 options. The TTD lower bounds (``services/scheduler/sim/bounds.py``) are solved once per run.
+
+With ``--queues FILE`` (a queue file, as ``hadar queues apply`` takes) every policy runs
+under those team queues (quotas, borrowing, weights; ``services/scheduler/core/queues.py``)
+and the output gets a per-queue section: jobs, JCT, attained share of normalized
+GPU-seconds against the weight share while every queue has demand, Jain's index and
+finish-time fairness (``services/scheduler/sim/fairness.py``). Jobs take their queue from
+the trace's ``queue`` column, or from ``gen:...,queues=A/B/C``: each generated job's queue
+is drawn uniformly from the names (a name listed twice, twice as often) with numpy
+``default_rng([seed, 1])``, apart from the draws that make the jobs.
 """
 
 from __future__ import annotations
@@ -25,7 +34,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster", required=True,
                    help="built-in (gavel-108, aws-5, lab-5), a YAML file, or inline like v100:4,k80:2x4")
     p.add_argument("--trace", required=True,
-                   help="CSV file, Gavel .trace file, or gen:jobs=N,rate=R,seed=S,multi_gpu=true|false")
+                   help="CSV file, Gavel .trace file, or gen:jobs=N,rate=R,seed=S,multi_gpu=true|false"
+                   "[,queues=A/B/C] (queues: job i's queue is names[k_i], k = numpy default_rng([S, 1])"
+                   ".integers(len(names), size=N): uniform, a name listed twice drawn twice as often; the jobs "
+                   "are those of the spec without it)")
     p.add_argument("--policies", required=True, help="comma-separated policy names, e.g. yarn-cs,gavel,hadar")
     p.add_argument("--round-s", type=float, default=360.0, help="round length in seconds (default 360)")
     p.add_argument("--seed", type=int, default=0, help="policy seed, and generator seed unless gen: gives one")
@@ -35,6 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--store-gbps", type=float, default=1.0,
                    help="object-store GB/s for HadarE consolidation (default 1.0)")
     p.add_argument("--max-rounds", type=int, default=100_000, help="stop after this many rounds per policy")
+    p.add_argument("--queues", metavar="FILE", help="run every policy under the team queues of this queue file "
+                   "(YAML, as for 'hadar queues apply') and report per-queue shares and fairness")
     p.add_argument("--out", required=True, help="output directory")
     p.set_defaults(func=run)
 
@@ -54,8 +68,9 @@ def _policy_names(raw: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from services.cli.queuefile import load_queue_file
     from services.scheduler.policies import make_policy
-    from services.scheduler.sim import report
+    from services.scheduler.sim import fairness, report
     from services.scheduler.sim.bounds import ttd_bounds
     from services.scheduler.sim.cluster_spec import ClusterSpecError, parse_cluster
     from services.scheduler.sim.results import compute_results
@@ -63,9 +78,15 @@ def run(args: argparse.Namespace) -> int:
     from services.scheduler.sim.traces import TraceError, load_trace
 
     names = _policy_names(args.policies)
+    queues = None
+    if args.queues is not None:
+        try:
+            queues = load_queue_file(args.queues)
+        except UsageError as exc:
+            raise UsageError(f"--queues: {exc}") from None
     try:
         options = SimOptions(round_s=args.round_s, restart_s=args.restart_s, store_gbps=args.store_gbps,
-                             seed=args.seed, max_rounds=args.max_rounds)
+                             seed=args.seed, max_rounds=args.max_rounds, queues=queues)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     try:
@@ -77,6 +98,10 @@ def run(args: argparse.Namespace) -> int:
         jobs = load_trace(args.trace, throughput=throughput, default_seed=args.seed)
     except TraceError as exc:
         raise UsageError(f"--trace: {exc}") from None
+    if queues is not None:
+        unknown = sorted({queues.queue_of(j.queue) for j in jobs} - {q.name for q in queues.queues})
+        if unknown:
+            raise UsageError(f"--queues: the trace names queue {unknown[0]!r}, which {args.queues} does not define")
     policies = []
     for name in names:
         try:
@@ -86,18 +111,25 @@ def run(args: argparse.Namespace) -> int:
                 raise
             raise UsageError(f"--policies: policy {name!r} is not available in this build") from None
 
-    results, metrics = [], {}
+    results, metrics, per_queue = [], {}, {}
     for name, policy in zip(names, policies):
         started = time.perf_counter()
-        result = simulate(policy=policy, cluster=cluster, jobs=jobs, throughput=throughput, options=options)
+        observer = fairness.QueueObserver(queues) if queues is not None else None
+        result = simulate(policy=policy, cluster=cluster, jobs=jobs, throughput=throughput, options=options,
+                          observer=observer)
         metrics[name] = compute_results(result, throughput)
+        if queues is not None and observer is not None:
+            per_queue[name] = fairness.queue_fairness(result, queues, observer.rounds,
+                                                      queue_of=fairness.queues_of(jobs, queues),
+                                                      throughput=throughput)
         results.append(result)
         print(f"{name}: {len(result.rounds)} rounds, {metrics[name].jobs_completed}/{len(jobs)} jobs completed, "
               f"stopped: {result.stop_reason}, {time.perf_counter() - started:.1f} s", file=sys.stderr)
 
     summary = report.build_summary(cluster=cluster, trace=args.trace, jobs=len(jobs), metrics=metrics,
                                    bounds=ttd_bounds(jobs, cluster, throughput),
-                                   gangs_only={name: r.gangs_only for name, r in zip(names, results)})
+                                   gangs_only={name: r.gangs_only for name, r in zip(names, results)},
+                                   queue_config=queues, fairness=per_queue if queues is not None else None)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as fh:
         json.dump(summary, fh, indent=2)

@@ -25,12 +25,14 @@ from matplotlib.figure import Figure
 
 from services.scheduler.core.cluster import Cluster
 from services.scheduler.sim.bounds import TtdBounds, bound_for
+from services.scheduler.sim.fairness import QueueFairness
 from services.scheduler.sim.results import (
     PolicyResults,
     completed_jcts_s,
     utilization_series,
 )
 from services.scheduler.sim.simulator import SimResult
+from shared.wire.queues import QueueConfig
 
 BASELINE = "gavel"
 RATIOS = (("ttd", "ttd_s", True), ("cru", "cru", False), ("jct_mean", "jct_mean_s", True),
@@ -54,8 +56,10 @@ def versus(policy: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, floa
 
 
 def build_summary(*, cluster: Cluster, trace: str, jobs: int, metrics: Mapping[str, PolicyResults],
-                  bounds: TtdBounds, gangs_only: Mapping[str, bool]) -> dict[str, Any]:
-    """The ``summary.json`` document (module docstring); seconds and ms."""
+                  bounds: TtdBounds, gangs_only: Mapping[str, bool], queue_config: QueueConfig | None = None,
+                  fairness: Mapping[str, QueueFairness] | None = None) -> dict[str, Any]:
+    """The ``summary.json`` document (module docstring); seconds and ms. ``queue_config`` and
+    ``fairness`` (per policy) only for runs under queues."""
     policies: dict[str, dict[str, Any]] = {}
     for name, m in metrics.items():
         kind, bound = bound_for(name, bounds, gangs_only=gangs_only.get(name, False))
@@ -65,12 +69,20 @@ def build_summary(*, cluster: Cluster, trace: str, jobs: int, metrics: Mapping[s
         base = dict(policies[BASELINE])
         for p in policies.values():
             p["vs_gavel"] = versus(p, base)
-    return {
+    for name, f in (fairness or {}).items():
+        policies[name]["queues"] = f.as_dict()
+    out: dict[str, Any] = {
         "cluster": {"name": cluster.name, "nodes": len(cluster.nodes), "gpus": dict(cluster.gpus_by_type)},
         "trace": {"spec": trace, "jobs": jobs},
         "bounds": {"ttd_fork_s": bounds.ttd_fork_s, "ttd_nofork_s": bounds.ttd_nofork_s},
         "policies": policies,
     }
+    if queue_config is not None:
+        out["queues"] = {"default_queue": queue_config.default_queue,
+                         "fair_share_half_life_s": queue_config.fair_share_half_life_s,
+                         "queues": {q.name: {"weight": q.weight, "quota": dict(q.quota),
+                                             "borrowing_limit": q.borrowing_limit} for q in queue_config.queues}}
+    return out
 
 
 def _plural(n: int, word: str) -> str:
@@ -149,9 +161,46 @@ def ratio_rows(policies: Mapping[str, Mapping[str, Any]]) -> list[list[str]]:
     return [[label, *(cell(p, key) for p in policies.values())] for key, label in labels.items()]
 
 
+def _share(share: float | None, ratio: float | None) -> str:
+    return "-" if share is None or ratio is None else f"{share:.3f} ({ratio:.2f}x)"
+
+
+def queue_rows(policies: Mapping[str, Mapping[str, Any]]) -> list[list[str]]:
+    """Per-queue rows from each policy's ``queues`` (fairness.py); empty without queues.
+    A share cell is ``share (share / weight share)``."""
+    runs: list[Mapping[str, Any] | None] = [p.get("queues") for p in policies.values()]
+    first = next((r for r in runs if r), None)
+    if first is None:
+        return []
+
+    def row(label: str, fmt: Callable[[Mapping[str, Any]], str]) -> list[str]:
+        return [label, *("-" if not r else fmt(r) for r in runs)]
+
+    rows = [row("all queues active (h)", lambda r: _hours(r["contended_s"])),
+            row("all queues backlogged (h)", lambda r: _hours(r["backlogged_s"])),
+            row("Jain (share / weight)", lambda r: _frac(r["jain"])),
+            row("Jain backlogged", lambda r: _frac(r["backlogged_jain"])),
+            row("rho mean", lambda r: _times(r["rho_mean"])),
+            row("rho max", lambda r: _times(r["rho_max"]))]
+    for q, figures in first["queues"].items():
+        def cells(fmt: Callable[[Mapping[str, Any]], str], q: str = q) -> Callable[[Mapping[str, Any]], str]:
+            return lambda r: fmt(r["queues"][q])
+        rows += [
+            row(f"{q}: jobs completed", cells(lambda f: f"{f['completed']}/{f['jobs']}")),
+            row(f"{q}: JCT mean (h)", cells(lambda f: _hours(f["jct_mean_s"]))),
+            row(f"{q}: JCT p95 (h)", cells(lambda f: _hours(f["jct_p95_s"]))),
+            row(f"{q}: share (weight {figures['weight_share']:.3f})",
+                cells(lambda f: _share(f["share"], f["share_ratio"]))),
+            row(f"{q}: share backlogged", cells(lambda f: _share(f["backlogged_share"], f["backlogged_ratio"]))),
+            row(f"{q}: rho mean", cells(lambda f: _times(f["rho_mean"]))),
+            row(f"{q}: rho max", cells(lambda f: _times(f["rho_max"]))),
+        ]
+    return rows
+
+
 def format_text_table(policies: Mapping[str, Mapping[str, Any]]) -> str:
     header = ["metric", *policies]
-    rows = [header, *table_rows(policies), *ratio_rows(policies)]
+    rows = [header, *table_rows(policies), *ratio_rows(policies), *queue_rows(policies)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
@@ -187,6 +236,15 @@ def render_markdown(summary: Mapping[str, Any], *, plots: Sequence[str] = ()) ->
         parts += ["", f"## Ratios vs {BASELINE}", "", _markdown_table(["ratio", *policies], ratios),
                   "", "Ratios only between runs that completed the same jobs; TTD ratios only between runs "
                   "that completed all of them."]
+    queues = queue_rows(policies)
+    if queues:
+        weights = ", ".join(f"`{name}` {q['weight']:g}" for name, q in summary["queues"]["queues"].items())
+        parts += ["", "## Queues", "", f"Weights: {weights}; default queue `{summary['queues']['default_queue']}`.",
+                  "", _markdown_table(["queue figure", *policies], queues),
+                  "", "Share: the queue's normalized GPU-seconds over all queues' while every queue had an active "
+                  "job (backlogged: while every queue asked for at least its weight share of the GPUs), and in "
+                  "parentheses over its weight share. Jain: Jain's index of those ratios. rho: JCT over the "
+                  "job's JCT alone on 1/N of the cluster (N queues; `services/scheduler/sim/fairness.py`)."]
     unfinished = [[name, u["job"], "yes" if u["placed"] else "no", u["reason"]]
                   for name, p in policies.items() for u in p["unfinished"]]
     if unfinished:

@@ -17,10 +17,15 @@ Three sources, all producing ``TraceJob`` records sorted by (arrival, input orde
 
 ``TraceJob.total_steps`` is in steps of the job's global batch, as a live job's
 iterations (``shared.domain.progress``); a CSV's ``total_steps`` column is read as such.
-* ``gen:jobs=N,rate=R,seed=S,multi_gpu=true|false``: Gavel's job distribution (see
-  ``generate_jobs``). ``rate`` is jobs per hour (default 0: every job arrives at t=0),
-  ``seed`` defaults to the caller's seed, ``multi_gpu`` defaults to false (as Gavel's
-  generator does without --generate-multi-gpu-jobs).
+* ``gen:jobs=N,rate=R,seed=S,multi_gpu=true|false,queues=A/B/...``: Gavel's job
+  distribution (see ``generate_jobs``). ``rate`` is jobs per hour (default 0: every job
+  arrives at t=0), ``seed`` defaults to the caller's seed, ``multi_gpu`` defaults to false
+  (as Gavel's generator does without --generate-multi-gpu-jobs). ``queues`` (optional,
+  '/'-separated queue names) gives every job a queue: ``assign_queues`` draws job i's
+  queue as ``names[k_i]`` where ``k = numpy.random.default_rng([seed, 1]).integers(len(names),
+  size=N)`` -- uniformly, from a generator of its own, so the jobs themselves are those of
+  the same spec without ``queues``. A name listed k times is drawn k times as often
+  (``queues=a/b/b`` puts about two thirds of the jobs in b).
 
 A bad line raises ``TraceError`` whose one-line message names the file, line and field.
 """
@@ -29,8 +34,8 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -207,17 +212,23 @@ class GeneratorSpec:
     rate_per_hour: float = 0.0
     seed: int = 0
     multi_gpu: bool = False
+    queues: tuple[str, ...] = ()    # drawn from by assign_queues; (): every job in the default queue
+
+
+GEN_FIELDS = ("jobs", "rate", "seed", "multi_gpu", "queues")
 
 
 def parse_generator_spec(spec: str, *, default_seed: int = 0) -> GeneratorSpec:
-    """``gen:jobs=N,rate=R,seed=S,multi_gpu=true|false`` -> GeneratorSpec (jobs required)."""
+    """``gen:jobs=N,rate=R,seed=S,multi_gpu=true|false,queues=A/B`` -> GeneratorSpec (jobs
+    required)."""
     body = spec.removeprefix("gen:")
     values: dict[str, str] = {}
     for item in filter(None, (p.strip() for p in body.split(","))):
         key, sep, value = item.partition("=")
         key = key.strip()
-        if not sep or key not in ("jobs", "rate", "seed", "multi_gpu"):
-            raise TraceError(f"trace {spec!r}: field {key or item!r}: expected jobs=, rate=, seed= or multi_gpu=")
+        if not sep or key not in GEN_FIELDS:
+            raise TraceError(f"trace {spec!r}: field {key or item!r}: expected jobs=, rate=, seed=, multi_gpu= "
+                             "or queues=")
         if key in values:
             raise TraceError(f"trace {spec!r}: field {key}: given twice")
         values[key] = value.strip()
@@ -230,7 +241,23 @@ def parse_generator_spec(spec: str, *, default_seed: int = 0) -> GeneratorSpec:
     flag = values.get("multi_gpu", "false").lower()
     if flag not in ("true", "false"):
         raise TraceError(f"{where}: field multi_gpu: {flag!r} is not true or false")
-    return GeneratorSpec(jobs=jobs, rate_per_hour=rate, seed=seed, multi_gpu=flag == "true")
+    queues: tuple[str, ...] = ()
+    if "queues" in values:
+        queues = tuple(name.strip() for name in values["queues"].split("/"))
+        for name in queues:
+            if not QUEUE_NAME_RE.fullmatch(name):
+                raise TraceError(f"{where}: field queues: {name!r} is not a queue name (1-32 of a-z, 0-9, '-', '_'; "
+                                 "names separated by '/')")
+    return GeneratorSpec(jobs=jobs, rate_per_hour=rate, seed=seed, multi_gpu=flag == "true", queues=queues)
+
+
+def assign_queues(jobs: Sequence[TraceJob], names: Sequence[str], *, seed: int) -> tuple[TraceJob, ...]:
+    """``jobs`` with job i in queue ``names[k_i]``, ``k = default_rng([seed, 1]).integers(len(names),
+    size=len(jobs))`` (module docstring); ``names`` empty: ``jobs`` unchanged."""
+    if not names:
+        return tuple(jobs)
+    picks = np.random.default_rng([seed, 1]).integers(len(names), size=len(jobs))
+    return tuple(replace(job, queue=names[int(k)]) for job, k in zip(jobs, picks))
 
 
 def _draw_scale_factor(rng: np.random.Generator) -> int:
@@ -299,8 +326,9 @@ def load_trace(spec: str, *, throughput: ThroughputModel, default_seed: int = 0)
     """
     if spec.startswith("gen:"):
         gen = parse_generator_spec(spec, default_seed=default_seed)
-        return generate_jobs(jobs=gen.jobs, rate_per_hour=gen.rate_per_hour, multi_gpu=gen.multi_gpu,
+        jobs = generate_jobs(jobs=gen.jobs, rate_per_hour=gen.rate_per_hour, multi_gpu=gen.multi_gpu,
                              rng=np.random.default_rng(gen.seed), throughput=throughput)
+        return assign_queues(jobs, gen.queues, seed=gen.seed)
     try:
         with open(spec, encoding="utf-8") as fh:
             text = fh.read()
