@@ -143,6 +143,37 @@ def test_idle_gpus_follow_the_weights_over_time() -> None:
     assert share == pytest.approx(0.75, abs=0.03)
 
 
+
+# Beside JOB (which runs on both types at any scale): a job type that runs only on V100s,
+# and one that runs on a K80 alone but not as a pair (too little memory for its share).
+V100_ONLY, PAIR_ON_V100 = "bert", "wide"
+MIXED_TABLE = ThroughputModel(rates={**TABLE.rates, **{(V100_ONLY, "v100", n): 1.5 * n for n in range(1, 9)},
+                                     **{(PAIR_ON_V100, "v100", n): 1.5 * n for n in range(1, 9)},
+                                     (PAIR_ON_V100, "k80", 1): 0.5,
+                                     **{(PAIR_ON_V100, "k80", n): 0.0 for n in range(2, 9)}})
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+@pytest.mark.parametrize("vision_jobs", [[(V100_ONLY, 1), (V100_ONLY, 1)], [(PAIR_ON_V100, 2)]],
+                         ids=["v100-only", "pair-not-on-k80"])
+def test_jobs_that_cannot_use_part_of_their_quota_borrow_idle_gpus_they_can_run_on(
+        name: str, vision_jobs: list[tuple[str, int]]) -> None:
+    """vision's quota is one V100 and two K80s but its jobs cannot run on K80s (at their
+    number of workers); audio holds V100s of its quota idle. Counting GPUs alone, vision's
+    quota covers its demand of two and the idle V100s go by fair share, to audio: a job of
+    vision's would wait beside an idle V100 it could use. Counting what its jobs run on,
+    vision borrows an idle V100."""
+    c = cluster(("v100", 4), ("k80", 2))
+    queues = config(QueueSpec(name="vision", quota={"v100": 1, "k80": 2}), QueueSpec(name="audio", quota={"v100": 3}))
+    jobs = [replace(job(f"v{i}", "vision", workers=w), job_type=t) for i, (t, w) in enumerate(vision_jobs)]
+    jobs.append(job("a", "audio"))
+    req = replace(request(c, jobs, queues), throughput=MIXED_TABLE)
+    plan = plan_with_queues(make_policy(name), req)
+    check_plan(req, plan)
+    assert {p.job_id for p in plan.placements} == {j.job_id for j in jobs}, plan.waiting
+    vision = next(s for s in plan.state.standings if s.name == "vision")
+    assert vision.entitled.get("v100", 0) >= 2 and vision.borrowed >= 1
+
 # ---------------------------------------------------------------- properties, every policy
 
 @st.composite

@@ -9,11 +9,11 @@ unchanged. With queues (``shared/wire/queues.py``), each round:
    order: higher priority class first, then arrival, then id. A user's jobs past
    ``user_max_queued``, or whose W would take the user past ``user_max_gpus``, wait.
 2. **Entitlements** (:mod:`services.scheduler.core.quota`): GPUs of each type each queue
-   may hold: its quota (scaled down where nodes are missing) when its demand reaches it,
-   else as much as its demand on the types its jobs run best on; idle GPUs lent one at a
-   time to the queue with demand left whose fair-share standing (decayed usage over
-   weight) is lowest, within its borrowing limit; what is still idle, to queues with jobs
-   (forked copies use more than W).
+   may hold: the part of its quota (scaled down where nodes are missing) its jobs can use,
+   each on types it runs on at its number of workers (:func:`job_rate`); idle GPUs lent
+   one at a time to the queue with jobs still short whose fair-share standing (decayed
+   usage over weight) is lowest, within its borrowing limit, of a type the job runs on;
+   what is still idle, to queues with jobs (forked copies use more than W).
 3. **Partition.** The entitlement becomes concrete GPUs: a queue keeps the GPUs it held
    last round (those its jobs ran on first), then takes free ones on nodes where it already
    holds GPUs, then on the nodes with the most free GPUs of the type. Queues take in name
@@ -31,8 +31,9 @@ for every policy):
 * no queue holds more GPUs of a type than its entitlement, nor more in all than its quota
   plus its borrowing limit;
 * a queue with demand gets at least ``min(demand, quota)`` GPUs in the first round that
-  sees the demand: borrowed GPUs are reclaimed at that round boundary, which loses nothing
-  (every placement is renewed each round and every copy checkpoints at a round's end);
+  sees the demand, counting the GPUs of its quota its jobs can run on: borrowed GPUs are
+  reclaimed at that round boundary, which loses nothing (every placement is renewed each
+  round and every copy checkpoints at a round's end);
 * a job leaves its queue's GPUs to another queue only because that queue reclaims its own
   quota or stands lower in fair share for idle ones; to a job of its own queue only of a
   higher class (within a class, the policy's own rules decide, as without queues).
@@ -56,7 +57,7 @@ from services.scheduler.core.quota import Entitlement, Rate, charge, decayed, en
 from shared.persistence.codec import snapshot_type
 from shared.wire.queues import QueueConfig, QueueStanding
 
-__all__ = ["QueuedState", "plan_with_queues", "queue_order", "previous_queued"]
+__all__ = ["QueuedState", "plan_with_queues", "queue_order", "previous_queued", "job_rate"]
 
 Gpu = tuple[str, int]   # (node id, GPU index on it)
 
@@ -92,7 +93,7 @@ def plan_with_queues(policy: Policy, request: PlanRequest) -> Plan:
         return policy.plan(request)
     prev = previous_queued(request)
     visible, waits = _visible_jobs(request.jobs, config)
-    rate = _rate_of(request)
+    rate = job_rate(request)
     capacity = request.cluster.gpus_by_type
     usage = decayed(prev.usage, request.now_s - prev.usage_at, config.fair_share_half_life_s) if prev else {}
     ent = entitlements(config, capacity, visible, rate, usage=usage, round_s=request.round_s)
@@ -140,9 +141,11 @@ def plan_with_queues(policy: Policy, request: PlanRequest) -> Plan:
     return Plan(placements=tuple(placements), waiting=tuple(waits), state=state, explain=explain)
 
 
-def _rate_of(request: PlanRequest) -> Rate:
+def job_rate(request: PlanRequest) -> Rate:
+    """The rate the mechanism counts with: a job's steps/s on a type at its own number of
+    workers (a job that runs on a K80 alone but not as a pair of them does not run there)."""
     def rate(job: JobState, gpu_type: str) -> float:
-        return request.throughput.rate(job.job_type, gpu_type, 1)
+        return request.throughput.rate(job.job_type, gpu_type, job.workers)
     return rate
 
 

@@ -9,10 +9,21 @@ turns these counts into concrete GPUs and runs the policy on them. Terms:
   name) where the quotas of a type add up to more than the cluster has (nodes down).
 * *Demand*: the GPUs (the jobs' W, summed) of the queue's visible jobs that can run on the
   cluster at all.
-* *Guaranteed*: the nominal quota when the demand reaches it; else as much of it as the
-  demand, on the types the queue's jobs run best on (``affinity``).
-* *Borrowed*: idle GPUs (nobody's guaranteed share) lent to queues with demand left, one at
-  a time to the queue whose fair-share standing is lowest, within its borrowing limit.
+* *Cover* (:func:`shortfall`): the queue's jobs take their W GPUs from a set of GPUs, each
+  only of types it runs on (rate > 0), fastest first; within a priority class the job with
+  the fewest types it runs on first (the usual greedy for matching, so a flexible job does
+  not take the V100 a V100-only job needs), then queue order. What the jobs lack after it
+  is their *shortfall*.
+* *Guaranteed*: the part of the nominal quota the queue's jobs use in the cover of it: the
+  whole quota when the demand reaches it and its jobs run on every type; never a GPU its
+  jobs cannot run on (that one is idle, and lent).
+* *Borrowed*: idle GPUs (nobody's guaranteed share) lent to queues whose jobs have a
+  shortfall, one at a time to the queue whose fair-share standing is lowest, within its
+  borrowing limit, of a type its first short job runs on (its fastest idle one). Counting
+  GPUs alone is not enough: a queue whose quota is K80s and whose jobs run only on V100s
+  covers its demand in number and would wait beside an idle V100.
+* *Work conservation*: what is still idle goes, by the same order, to queues with any job
+  (forked copies use more than W), on the types their jobs run best on (``affinity``).
 * *Standing*: ``(usage + GPUs given this round x round_s) / weight``; usage is normalized
   GPU-seconds decayed with the half-life (:func:`decayed`, :func:`charge`).
 """
@@ -26,9 +37,9 @@ from dataclasses import dataclass
 from services.scheduler.core.policy import JobState
 from shared.wire.queues import QueueConfig, QueueSpec
 
-__all__ = ["Rate", "Entitlement", "scaled_quotas", "affinity", "entitlements", "decayed", "charge"]
+__all__ = ["Rate", "Entitlement", "scaled_quotas", "affinity", "shortfall", "entitlements", "decayed", "charge"]
 
-Rate = Callable[[JobState, str], float]   # a job's steps/s on one GPU of a type (0: cannot run there)
+Rate = Callable[[JobState, str], float]   # a job's steps/s on a type at its W (0: cannot run there)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +101,43 @@ def _preferred(types: Mapping[str, float], available: Mapping[str, int]) -> str 
     return min(candidates, key=lambda t: (-types.get(t, 0.0), t)) if candidates else None
 
 
+@dataclass(kw_only=True)
+class _Short:
+    """A job the cover left short: the types it runs on, fastest first, and the GPUs it lacks."""
+
+    runs_on: tuple[str, ...]
+    lacks: int
+
+
+def shortfall(jobs: Sequence[JobState], gpus: Mapping[str, int], rate: Rate,
+              types: Sequence[str]) -> tuple[dict[str, int], list[_Short]]:
+    """The cover of ``jobs`` by ``gpus`` (module docstring): the GPUs of each type the jobs
+    take, and the jobs left short, in the order the cover took them."""
+    runs_on = {}
+    for job in jobs:
+        if job.job_type not in runs_on:
+            speeds = {t: rate(job, t) for t in types}
+            runs_on[job.job_type] = tuple(sorted((t for t in types if speeds[t] > 0), key=lambda t: (-speeds[t], t)))
+    left = dict(gpus)
+    taken: dict[str, int] = {}
+    short: list[_Short] = []
+    order = sorted(range(len(jobs)), key=lambda i: (-jobs[i].priority_class, len(runs_on[jobs[i].job_type]), i))
+    for i in order:
+        job, need = jobs[i], jobs[i].workers
+        kinds = runs_on[job.job_type]
+        if not kinds:
+            continue
+        for t in kinds:
+            take = min(need, left.get(t, 0))
+            if take:
+                left[t] -= take
+                taken[t] = taken.get(t, 0) + take
+                need -= take
+        if need:
+            short.append(_Short(runs_on=kinds, lacks=need))
+    return taken, short
+
+
 def entitlements(config: QueueConfig, capacity: Mapping[str, int], jobs: Mapping[str, Sequence[JobState]],
                  rate: Rate, *, usage: Mapping[str, float], round_s: float) -> dict[str, Entitlement]:
     """Every queue's entitlement for the round (module docstring). ``jobs``: each queue's
@@ -100,19 +148,9 @@ def entitlements(config: QueueConfig, capacity: Mapping[str, int], jobs: Mapping
     demand = {q.name: sum(j.workers for j in jobs.get(q.name, ()) if any(rate(j, t) > 0 for t in types))
               for q in config.queues}
     gpus: dict[str, dict[str, int]] = {}
+    short: dict[str, list[_Short]] = {}
     for q in config.queues:
-        need, mine = demand[q.name], dict(nominal[q.name])
-        if need < sum(mine.values()):
-            kept: dict[str, int] = {}
-            while need > 0:
-                t = _preferred(prefs[q.name], {r: mine[r] - kept.get(r, 0) for r in mine})
-                if t is None:
-                    break
-                take = min(need, mine[t] - kept.get(t, 0))
-                kept[t] = kept.get(t, 0) + take
-                need -= take
-            mine = kept
-        gpus[q.name] = mine
+        gpus[q.name], short[q.name] = shortfall(jobs.get(q.name, ()), nominal[q.name], rate, types)
     idle = {t: capacity[t] - sum(g.get(t, 0) for g in gpus.values()) for t in types}
     extra = dict.fromkeys(gpus, 0)
     weight = {q.name: q.weight for q in config.queues}
@@ -122,22 +160,38 @@ def entitlements(config: QueueConfig, capacity: Mapping[str, int], jobs: Mapping
         held = sum(gpus[name].values())
         return ((usage.get(name, 0.0) + held * round_s) / weight[name], name)
 
-    def lend(eligible: Callable[[str], bool]) -> None:
-        while any(idle.values()):
-            takers = [n for n in gpus if extra[n] < limit[n] and eligible(n)]
-            if not takers:
-                return
-            name = min(takers, key=standing)
-            t = _preferred(prefs[name], idle)
-            assert t is not None
-            gpus[name][t] = gpus[name].get(t, 0) + 1
-            idle[t] -= 1
-            extra[name] += 1
+    def give(name: str, gpu_type: str) -> None:
+        gpus[name][gpu_type] = gpus[name].get(gpu_type, 0) + 1
+        idle[gpu_type] -= 1
+        extra[name] += 1
 
-    # First to queues with demand left, then (work conservation: forked copies use more than
-    # W) to queues with any visible job.
-    lend(lambda n: sum(gpus[n].values()) < demand[n])
-    lend(lambda n: bool(jobs.get(n)))
+    def first_short(name: str) -> _Short | None:
+        """The queue's first short job with an idle type it runs on; jobs with none are
+        dropped for good (idle GPUs only get fewer while lending)."""
+        pending = short[name]
+        while pending and not any(idle[t] > 0 for t in pending[0].runs_on):
+            pending.pop(0)
+        return pending[0] if pending else None
+
+    while any(idle.values()):
+        takers = [n for n in gpus if extra[n] < limit[n] and first_short(n) is not None]
+        if not takers:
+            break
+        name = min(takers, key=standing)
+        head = first_short(name)
+        assert head is not None
+        give(name, next(t for t in head.runs_on if idle[t] > 0))
+        head.lacks -= 1
+        if head.lacks == 0:
+            short[name].pop(0)
+    while any(idle.values()):
+        takers = [n for n in gpus if extra[n] < limit[n] and jobs.get(n)]
+        if not takers:
+            break
+        name = min(takers, key=standing)
+        t = _preferred(prefs[name], idle)
+        assert t is not None
+        give(name, t)
     lent_out = {n: max(0, sum(nominal[n].values()) - (sum(gpus[n].values()) - extra[n])) for n in gpus}
     return {n: Entitlement(gpus={t: c for t, c in sorted(gpus[n].items()) if c}, nominal=nominal[n],
                            borrowed=extra[n], lent=lent_out[n], demand=demand[n]) for n in gpus}

@@ -8,8 +8,8 @@ queue q, with ``N`` the number of queues and ``w_q`` its weight:
   linear interpolation), as ``results.py`` does for the whole trace.
 * Usage: each round, every GPU a job of q is placed on is charged
   ``quota.charge(job, type, 1, round_s, rate, types)`` normalized GPU-seconds with
-  ``rate(job, t) = throughput.rate(job_type, t, 1)`` -- the charge the mechanism books for
-  fair share (``services/scheduler/core/queues.py`` step 5): the whole round, as GPUs are
+  ``rate = queues.job_rate(request)`` (the job's rate on the type at its W) -- the charge the
+  mechanism books for fair share (``services/scheduler/core/queues.py`` step 5): the whole round, as GPUs are
   freed only at a round's end; each GPU at its own type.
 * Contended rounds: simulated rounds in which every queue had at least one active job
   ("while all queues have demand"); ``contended_s`` is their number x round_s (rounds
@@ -47,6 +47,7 @@ import numpy as np
 
 from services.scheduler.core.cluster import Cluster
 from services.scheduler.core.policy import JobState
+from services.scheduler.core.queues import job_rate
 from services.scheduler.core.quota import charge
 from services.scheduler.core.throughput import ThroughputModel
 from services.scheduler.sim.simulator import JobRecord, RoundObservation, SimResult
@@ -77,17 +78,13 @@ class QueueObserver:
 
     config: QueueConfig
     rounds: list[QueueRound] = field(default_factory=list)
-    _relative: dict[tuple[str, str], float] = field(default_factory=dict)   # (job type, GPU type) -> charge/s
-    _runnable: dict[str, bool] = field(default_factory=dict)                # job type -> some type runs it
+    _relative: dict[tuple[str, int, str], float] = field(default_factory=dict)   # (type, W, GPU type) -> charge/s
+    _runnable: dict[tuple[str, int], bool] = field(default_factory=dict)         # (job type, W) -> some type runs it
 
     def _rel(self, job: JobState, gpu_type: str, obs: RoundObservation) -> float:
-        key = (job.job_type, gpu_type)
+        key = (job.job_type, job.workers, gpu_type)
         if key not in self._relative:
-            req = obs.request
-
-            def rate(j: JobState, t: str) -> float:
-                return req.throughput.rate(j.job_type, t, 1)
-            self._relative[key] = charge(job, gpu_type, 1, 1.0, rate, req.cluster.types)
+            self._relative[key] = charge(job, gpu_type, 1, 1.0, job_rate(obs.request), obs.request.cluster.types)
         return self._relative[key]
 
     def __call__(self, obs: RoundObservation) -> None:
@@ -101,10 +98,11 @@ class QueueObserver:
             q = queue_of[j.job_id]
             if q in names:
                 active[q] += 1
-                if j.job_type not in self._runnable:
-                    self._runnable[j.job_type] = any(req.throughput.rate(j.job_type, t, 1) > 0
-                                                     for t in req.cluster.types)
-                if self._runnable[j.job_type]:
+                kind = (j.job_type, j.workers)
+                if kind not in self._runnable:
+                    rate = job_rate(req)
+                    self._runnable[kind] = any(rate(j, t) > 0 for t in req.cluster.types)
+                if self._runnable[kind]:
                     demand[q] += j.workers
         used: dict[str, float] = dict.fromkeys(sorted(names), 0.0)
         gpus: dict[str, int] = dict.fromkeys(sorted(names), 0)
