@@ -10,7 +10,10 @@ reports the process CPU time of each ``plan()`` call, which is its time on one c
 unlike wall time, does not grow when other processes share the machine (stderr also shows
 wall times). Last output line: one JSON object {"jobs", "nodes", "hadar_ms_p50",
 "hadare_ms_p50", "gavel_ms_p50"} (a policy that is missing or fails reports null; see
-stderr).
+stderr). With ``--queues FILE`` jobs go to the file's queues in turn and each policy is
+also timed on the same request without queues, call by call alternated with the queued
+one, as ``<policy>_ms_p50_without_queues``: the mechanism's cost as a ratio measured on the
+same machine state.
 
     .venv/bin/python benchmarks/decision_time.py --jobs 2000 --nodes 1000
 """
@@ -73,24 +76,34 @@ def mixed_cluster(n: int, rng: np.random.Generator, gpus_per_node: int = 8) -> C
     return Cluster(name=f"mixed-{n}", nodes=nodes)
 
 
-def time_policy(name: str, request: PlanRequest, repeats: int, options: dict | None = None) -> float | None:
+def time_policy(name: str, request: PlanRequest, repeats: int, options: dict | None = None) -> list[float] | None:
+    """CPU ms of each of ``repeats`` plans of ``request``; with queues, also of the same request
+    without them, alternated call by call so both see the same machine (the second list)."""
     try:
         policy = make_policy(name, **(options or {}))
     except Exception as exc:  # the policy module may not exist yet
         print(f"{name}: unavailable ({type(exc).__name__}: {exc})", file=sys.stderr)
         return None
-    samples, walls = [], []
+    variants = [("", request)]
+    if request.queues is not None:
+        variants.append((" without queues", replace(request, queues=None)))
+    samples: dict[str, list[float]] = {label: [] for label, _ in variants}
+    walls: dict[str, list[float]] = {label: [] for label, _ in variants}
+    plans = {}
     for _ in range(repeats):
-        start, wall = time.process_time(), time.perf_counter()
-        plan = plan_with_queues(policy, request)   # policy.plan(request) itself when there are no queues
-        samples.append((time.process_time() - start) * 1e3)
-        walls.append((time.perf_counter() - wall) * 1e3)
-    check_plan(request, plan)
-    placed = len({p.job_id for p in plan.placements})
-    print(f"{name}: cpu ms {[round(s, 1) for s in samples]}, wall ms {[round(s, 1) for s in walls]}; "
-          f"jobs placed {placed}/{len(request.jobs)}, "
-          f"GPUs used {sum(len(p.gpus) for p in plan.placements)}/{request.cluster.total_gpus}", file=sys.stderr)
-    return statistics.median(samples)
+        for label, req in variants:
+            start, wall = time.process_time(), time.perf_counter()
+            plans[label] = plan_with_queues(policy, req)   # policy.plan(req) itself when there are no queues
+            samples[label].append((time.process_time() - start) * 1e3)
+            walls[label].append((time.perf_counter() - wall) * 1e3)
+    for label, req in variants:
+        plan = plans[label]
+        check_plan(req, plan)
+        placed = len({p.job_id for p in plan.placements})
+        print(f"{name}{label}: cpu ms {[round(s, 1) for s in samples[label]]}, "
+              f"wall ms {[round(s, 1) for s in walls[label]]}; jobs placed {placed}/{len(req.jobs)}, "
+              f"GPUs used {sum(len(p.gpus) for p in plan.placements)}/{req.cluster.total_gpus}", file=sys.stderr)
+    return [statistics.median(samples[label]) for label, _ in variants]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,8 +137,10 @@ def main(argv: list[str] | None = None) -> int:
                         throughput=throughput, seed=args.seed, queues=queues)
     result: dict[str, float | int | str | None] = {"jobs": args.jobs, "nodes": args.nodes, "queues": args.queues}
     for name in ("hadar", "hadare", "gavel"):
-        p50 = time_policy(name, request, args.repeats, options.get(name)) if name in args.policies.split(",") else None
-        result[f"{name}_ms_p50"] = None if p50 is None else round(p50, 1)
+        p50s = time_policy(name, request, args.repeats, options.get(name)) if name in args.policies.split(",") else None
+        result[f"{name}_ms_p50"] = None if p50s is None else round(p50s[0], 1)
+        if queues is not None:
+            result[f"{name}_ms_p50_without_queues"] = None if p50s is None else round(p50s[1], 1)
     print(json.dumps(result))
     return 0
 
