@@ -174,6 +174,23 @@ def test_jobs_that_cannot_use_part_of_their_quota_borrow_idle_gpus_they_can_run_
     vision = next(s for s in plan.state.standings if s.name == "vision")
     assert vision.entitled.get("v100", 0) >= 2 and vision.borrowed >= 1
 
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_gpus_no_job_needs_are_lent_only_to_a_policy_that_forks(name: str) -> None:
+    """Two queues with one job each on eight V100s: HadarE forks jobs onto idle GPUs, so the
+    six no job needs are lent (work conservation); any other policy cannot place a job on
+    more than its W, so they stay out of every queue's partition, where the policy would
+    only plan over them."""
+    c = cluster(("v100", 4), ("v100", 4))
+    queues = config(QueueSpec(name="a", quota={"v100": 4}), QueueSpec(name="b", quota={"v100": 4}))
+    jobs = [job("a1", "a"), job("b1", "b")]
+    policy = make_policy(name)
+    plan = plan_with_queues(policy, request(c, jobs, queues))
+    assert {p.job_id for p in plan.placements} == {"a1", "b1"}
+    entitled = sum(sum(s.entitled.values()) for s in plan.state.standings)
+    assert entitled == (8 if getattr(policy, "forks", False) else 2)
+    assert getattr(policy, "forks", False) == (name == "hadare")
+
 # ---------------------------------------------------------------- properties, every policy
 
 @st.composite

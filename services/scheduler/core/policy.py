@@ -143,9 +143,19 @@ class PlanRequest:
 
 
 class Policy(Protocol):
+    """A scheduling policy: ``plan`` is pure (all it carries between rounds is in
+    ``Plan.state``). A policy whose plans may put a job on more GPUs than its W (HadarE's
+    forked copies) says so with a class attribute ``forks = True`` (read by
+    :func:`forks`); the queue mechanism lends it GPUs no job needs."""
+
     name: str
 
     def plan(self, request: PlanRequest) -> Plan: ...
+
+
+def forks(policy: Policy) -> bool:
+    """Whether ``policy`` may place a job on more GPUs than its W (``Policy`` docstring)."""
+    return bool(getattr(policy, "forks", False))
 
 
 def previous_state(request: PlanRequest, kind: type[S]) -> S | None:

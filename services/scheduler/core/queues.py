@@ -13,7 +13,8 @@ unchanged. With queues (``shared/wire/queues.py``), each round:
    each on types it runs on at its number of workers (:func:`job_rate`); idle GPUs lent
    one at a time to the queue with jobs still short whose fair-share standing (decayed
    usage over weight) is lowest, within its borrowing limit, of a type the job runs on;
-   what is still idle, to queues with jobs (forked copies use more than W).
+   for a policy that forks (``forks``: its copies use more than W), what is still idle,
+   to queues with jobs; for the others it stays in no queue's partition.
 3. **Partition.** The entitlement becomes concrete GPUs: a queue keeps the GPUs it held
    last round (those its jobs ran on first), then takes free ones on nodes where it already
    holds GPUs, then on the nodes with the most free GPUs of the type. Queues take in name
@@ -52,7 +53,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from services.scheduler.core.cluster import Cluster, Node
-from services.scheduler.core.policy import JobState, Placement, Plan, PlanRequest, Policy, PolicyState, Wait, WaitCode
+from services.scheduler.core.policy import (
+    JobState,
+    Placement,
+    Plan,
+    PlanRequest,
+    Policy,
+    PolicyState,
+    Wait,
+    WaitCode,
+    forks,
+)
 from services.scheduler.core.quota import Entitlement, Rate, charge, decayed, entitlements
 from shared.persistence.codec import snapshot_type
 from shared.wire.queues import QueueConfig, QueueStanding
@@ -96,7 +107,7 @@ def plan_with_queues(policy: Policy, request: PlanRequest) -> Plan:
     rate = job_rate(request)
     capacity = request.cluster.gpus_by_type
     usage = decayed(prev.usage, request.now_s - prev.usage_at, config.fair_share_half_life_s) if prev else {}
-    ent = entitlements(config, capacity, visible, rate, usage=usage, round_s=request.round_s)
+    ent = entitlements(config, capacity, visible, rate, usage=usage, round_s=request.round_s, spare=forks(policy))
     ran_on = _previous_gpus(request.previous)
     held = _partition(request.cluster, ent, prev.held if prev else {}, visible, ran_on)
     placements: list[Placement] = []

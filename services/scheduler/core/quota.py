@@ -22,8 +22,9 @@ turns these counts into concrete GPUs and runs the policy on them. Terms:
   borrowing limit, of a type its first short job runs on (its fastest idle one). Counting
   GPUs alone is not enough: a queue whose quota is K80s and whose jobs run only on V100s
   covers its demand in number and would wait beside an idle V100.
-* *Work conservation*: what is still idle goes, by the same order, to queues with any job
-  (forked copies use more than W), on the types their jobs run best on (``affinity``).
+* *Spare*: with ``spare=True`` (a policy that forks: its copies use more than W), what is
+  still idle goes, by the same order, to queues with any job, on the types their jobs run
+  best on (``affinity``). Otherwise no job could use it, and it is nobody's.
 * *Standing*: ``(usage + GPUs given this round x round_s) / weight``; usage is normalized
   GPU-seconds decayed with the half-life (:func:`decayed`, :func:`charge`).
 """
@@ -139,9 +140,11 @@ def shortfall(jobs: Sequence[JobState], gpus: Mapping[str, int], rate: Rate,
 
 
 def entitlements(config: QueueConfig, capacity: Mapping[str, int], jobs: Mapping[str, Sequence[JobState]],
-                 rate: Rate, *, usage: Mapping[str, float], round_s: float) -> dict[str, Entitlement]:
+                 rate: Rate, *, usage: Mapping[str, float], round_s: float,
+                 spare: bool = False) -> dict[str, Entitlement]:
     """Every queue's entitlement for the round (module docstring). ``jobs``: each queue's
-    visible jobs; ``usage``: decayed normalized GPU-seconds by queue."""
+    visible jobs; ``usage``: decayed normalized GPU-seconds by queue; ``spare``: lend what
+    no job needs too."""
     types = sorted(capacity)
     nominal = scaled_quotas(config.queues, capacity)
     prefs = {q.name: affinity(jobs.get(q.name, ()), types, rate) for q in config.queues}
@@ -184,7 +187,7 @@ def entitlements(config: QueueConfig, capacity: Mapping[str, int], jobs: Mapping
         head.lacks -= 1
         if head.lacks == 0:
             short[name].pop(0)
-    while any(idle.values()):
+    while spare and any(idle.values()):
         takers = [n for n in gpus if extra[n] < limit[n] and jobs.get(n)]
         if not takers:
             break

@@ -77,6 +77,7 @@ class HadarE:
     """
 
     name = "hadare"
+    forks = True   # copies use GPUs beyond a job's W: the queue mechanism lends it spare ones
 
     def __init__(self, *, fork: str = "first-class", store_gbps: float = DEFAULT_STORE_GBPS,
                  optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS, price_share: float = PRICE_SHARE,
