@@ -15,8 +15,8 @@ import csv
 from collections.abc import Iterable
 
 from services.scheduler.sim.sia_profiles import APPLICATIONS
-from services.scheduler.sim.sia_table import job_type_name
-from services.scheduler.sim.sia_work import total_steps, validated_batches
+from services.scheduler.sim.sia_table import job_type_name, parse_job_type
+from services.scheduler.sim.sia_work import RESTART_S, total_steps, validated_batches
 from services.scheduler.sim.traces import TraceError, TraceJob, float_field, int_field, sort_jobs, where
 
 SIA_COLUMNS = ("name", "time", "application", "num_replicas", "batch_size")
@@ -72,3 +72,13 @@ def parse_sia_jobs(text: str, *, job_types: Iterable[str], source: str = "<sia>"
             total_steps=total_steps(app, batch, calibrated=calibrated),
         ))
     return sort_jobs(jobs)
+
+
+def restart_s_by_job_type(jobs: Iterable[TraceJob]) -> dict[str, float]:
+    """``SimOptions.restart_s_by_job_type`` charging each Sia job its application's restart time."""
+    out: dict[str, float] = {}
+    for job in jobs:
+        parsed = parse_job_type(job.job_type)
+        if parsed is not None:
+            out[job.job_type] = RESTART_S[parsed[0]]
+    return out

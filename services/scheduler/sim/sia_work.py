@@ -38,6 +38,9 @@ from importlib import resources
 
 from services.scheduler.sim.sia_profiles import APPLICATIONS
 
+# Seconds a job loses to checkpoint-restore when (re)placed: Sia's per-application
+# ``rescale_time`` (applications.py), charged by its simulator on every change of allocation.
+RESTART_S = {"bert": 120.0, "cifar10": 50.0, "deepspeech2": 25.0, "imagenet": 250.0, "yolov3": 80.0}
 EPOCH_LIMITS = {"bert": 2, "cifar10": 100, "deepspeech2": 80, "imagenet": 90, "yolov3": 50}
 CALIBRATION_SLOWDOWN = {"bert": 1.2, "cifar10": 1.8, "deepspeech2": 1.2, "imagenet": 1.2, "yolov3": 1.2}
 _VALIDATION_RE = re.compile(r"^validation-(?P<batch>\d+)\.csv$")
