@@ -1,0 +1,152 @@
+"""Sia's eight Philly-derived workloads on sia-64, beside what Sia's own simulator reports.
+
+Runs each policy on ``shared/domain/data/sia/workloads/philly/workload-{1..8}.csv`` with
+Sia's measured throughput table (``services/scheduler/sim/sia_table.py``), its work rule
+(``sia_work.py``) and, by default, its per-application restart time on every change of
+placement (``--restart sia``; ``none`` charges nothing), at 360 s rounds. Prints per workload
+mean JCT, p99 JCT, makespan (last completion) and restarts per job beside
+``reference_philly.csv`` (Sia's simulator, its Gavel baseline: ``max_sum_throughput_perf``),
+then the mean over workloads of ours / reference. Last line: one JSON object.
+
+A policy is a registered name, optionally with a preset of options after a colon:
+``gavel-throughput:sia`` is our max_sum_throughput_perf driven the way Sia's gavel.py drives
+it (LP whenever the jobs change, one queue over every (job, type), time received never reset,
+Sia's cluster order t4, a100, rtx2080ti, GPUs assigned by its sequential pointer).
+
+    python benchmarks/sia_philly.py [--policies gavel-throughput,gavel-throughput:sia]
+        [--workloads 1,2,...,8] [--cluster sia-64] [--round-s 360] [--restart sia|none]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import time
+from collections.abc import Mapping
+from importlib import resources
+from typing import Any
+
+import numpy as np
+
+from services.scheduler.policies import make_policy
+from services.scheduler.sim.cluster_spec import parse_cluster
+from services.scheduler.sim.sia_table import build_sia_throughput
+from services.scheduler.sim.sia_traces import restart_s_by_job_type
+from services.scheduler.sim.simulator import RoundObservation, SimOptions, SimResult, simulate
+from services.scheduler.sim.traces import TraceJob, load_trace
+
+PRESETS: Mapping[str, Mapping[str, Any]] = {
+    "sia": {"min_reset_interval_s": 0.0, "global_queue": True, "reset_books": False,
+            "type_order": ["t4", "a100", "rtx2080ti"], "sequential_placement": True},
+}
+METRICS = ("jct_mean_s", "jct_p99_s", "makespan_s", "restarts_mean")
+
+
+def workload_path(i: int) -> str:
+    return str(resources.files("shared.domain").joinpath(f"data/sia/workloads/philly/workload-{i}.csv"))
+
+
+def reference() -> dict[str, dict[str, float]]:
+    text = resources.files("shared.domain").joinpath("data/sia/reference_philly.csv").read_text(encoding="utf-8")
+    return {row["workload"]: {m: float(row[m]) for m in METRICS}
+            for row in csv.DictReader(text.splitlines()) if row["policy"] == "gavel"}
+
+
+class RestartCounter:
+    """Restarts per job as Sia counts them: every placement on a new set of GPUs but the first."""
+
+    def __init__(self) -> None:
+        self.placed: dict[str, int] = {}
+        self._last_round = -2
+        self._gpus: dict[str, frozenset[tuple[str, int]]] = {}
+
+    def __call__(self, obs: RoundObservation) -> None:
+        previous = self._gpus if obs.request.round == self._last_round + 1 else {}
+        now = {}
+        for (job_id, _copy), parts in obs.plan.copies().items():
+            now[job_id] = frozenset((p.node_id, g) for p in parts for g in p.gpus)
+            if previous.get(job_id) != now[job_id]:
+                self.placed[job_id] = self.placed.get(job_id, 0) + 1
+        self._gpus, self._last_round = now, obs.request.round
+
+    def mean_restarts(self, jobs: int) -> float:
+        return sum(max(0, n - 1) for n in self.placed.values()) / jobs if jobs else 0.0
+
+
+def metrics_of(result: SimResult, restarts: RestartCounter) -> dict[str, float | None]:
+    done = [j for j in result.jobs if j.completion_s is not None]
+    jcts = [j.completion_s - j.arrival_s for j in done if j.completion_s is not None]
+    return {
+        "completed": len(done),
+        "jct_mean_s": statistics.fmean(jcts) if jcts else None,
+        "jct_p99_s": float(np.percentile(jcts, 99)) if jcts else None,
+        "makespan_s": max(j.completion_s for j in done if j.completion_s is not None) if done else None,
+        "restarts_mean": restarts.mean_restarts(len(result.jobs)),
+    }
+
+
+def run_one(policy_spec: str, jobs: tuple[TraceJob, ...], *, cluster_name: str, round_s: float,
+            restart: str) -> dict[str, float | None]:
+    name, _, preset = policy_spec.partition(":")
+    options = dict(PRESETS[preset]) if preset else {}
+    throughput = build_sia_throughput()
+    restarts = RestartCounter()
+    sim_options = SimOptions(round_s=round_s,
+                             restart_s_by_job_type=restart_s_by_job_type(jobs) if restart == "sia" else {})
+    result = simulate(policy=make_policy(name, **options), cluster=parse_cluster(cluster_name), jobs=jobs,
+                      throughput=throughput, options=sim_options, observer=restarts)
+    return metrics_of(result, restarts)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}" if abs(value) >= 100 else f"{value:.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--policies", default="gavel-throughput,gavel-throughput:sia")
+    parser.add_argument("--workloads", default="1,2,3,4,5,6,7,8")
+    parser.add_argument("--cluster", default="sia-64")
+    parser.add_argument("--round-s", type=float, default=360.0)
+    parser.add_argument("--restart", choices=("sia", "none"), default="sia")
+    args = parser.parse_args()
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for spec in policies:
+        if spec.partition(":")[2] and spec.partition(":")[2] not in PRESETS:
+            parser.error(f"unknown preset in {spec!r}; known: {', '.join(PRESETS)}")
+    workloads = [int(w) for w in args.workloads.split(",")]
+    ref = reference()
+    throughput = build_sia_throughput()
+    started = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    for i in workloads:
+        jobs = load_trace(workload_path(i), throughput=throughput)
+        for spec in policies:
+            t = time.perf_counter()
+            got = run_one(spec, jobs, cluster_name=args.cluster, round_s=args.round_s, restart=args.restart)
+            want = ref[f"workload-{i}"]
+            ratio = {m: (got[m] / want[m] if got[m] is not None and want[m] else None) for m in METRICS}
+            rows.append({"workload": i, "policy": spec, **got, "reference": want, "ratio": ratio,
+                         "wall_s": round(time.perf_counter() - t, 2)})
+    header = f"{'wl':>3} {'policy':<24} " + " ".join(f"{m:>22}" for m in METRICS)
+    print(header + "   (ours / Sia's simulator, ratio)")
+    for row in rows:
+        cells = " ".join(f"{_fmt(row[m]) + ' / ' + _fmt(row['reference'][m]):>17} {row['ratio'][m] or 0:4.2f}"
+                         for m in METRICS)
+        print(f"{row['workload']:>3} {row['policy']:<24} {cells}")
+    summary: dict[str, dict[str, float]] = {}
+    for spec in policies:
+        mine = [r for r in rows if r["policy"] == spec]
+        summary[spec] = {m: round(statistics.fmean(r["ratio"][m] for r in mine if r["ratio"][m] is not None), 3)
+                         for m in METRICS}
+        print(f"mean ratio {spec:<24} " + " ".join(f"{m}={v:.3f}" for m, v in summary[spec].items()))
+    out = {"benchmark": "sia_philly", "cluster": args.cluster, "round_s": args.round_s, "restart": args.restart,
+           "workloads": workloads, "mean_ratio": summary, "rows": rows,
+           "wall_s": round(time.perf_counter() - started, 1)}
+    print(json.dumps(out, separators=(",", ":")))
+
+
+if __name__ == "__main__":
+    main()
