@@ -2,8 +2,9 @@
 
 ``Gavel`` uses ``max_min_fairness_perf``, ``GavelMakespan`` ``min_total_duration_perf`` and
 ``GavelThroughput`` ``max_sum_throughput_perf`` (all in lp.py; the last is what Sia's simulator
-runs as "Gavel"). Both share the round mechanism of Gavel's ``scheduler/scheduler.py``
-(commit c4fa400, the one our throughput table comes from), which this module mirrors:
+runs as "Gavel"; ``GavelThroughputSia`` is it with the options below set as Sia runs it). All
+share the round mechanism of Gavel's ``scheduler/scheduler.py`` (commit c4fa400, the one our
+throughput table comes from), which this module mirrors:
 
 * Time-so-far (``_job_time_so_far`` / ``_worker_time_so_far``): every job starts with
   ``round_s / 2`` on each type (``add_job``). After a round, a job that ran on type t adds
@@ -73,6 +74,7 @@ from services.scheduler.policies.gavel.lp import max_min_fairness, max_sum_throu
 from shared.persistence.codec import snapshot_type
 
 GAVEL_TYPE_ORDER = ("v100", "p100", "k80")
+SIA_TYPE_ORDER = ("t4", "a100", "rtx2080ti")   # Sia's cluster order: aws, dgx-ext, rtx
 DEFAULT_MIN_RESET_INTERVAL_S = 1920.0
 NEW_JOB_PRIORITY = 1e9
 
@@ -350,3 +352,22 @@ class GavelThroughput(_GavelRounds):
                  gpus: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
         sf = np.array([j.workers for j in jobs], dtype=float)
         return max_sum_throughput(rates, sf, gpus), {}
+
+
+class GavelThroughputSia(GavelThroughput):
+    """max_sum_throughput_perf driven as Sia's simulator drives it (``sia-simulator/gavel.py``).
+
+    GavelThroughput with the options of the module docstring set to Sia's: the LP whenever the
+    active jobs change (``min_reset_interval_s=0``), one queue over every (job, type), books
+    never reset, GPUs by Sia's sequential pointer, and Sia's cluster order (t4, a100,
+    rtx2080ti; other types after them). What benchmarks/sia_philly.py checks against Sia's
+    published Gavel figures.
+    """
+
+    name = "gavel-throughput-sia"
+
+    def __init__(self, *, min_reset_interval_s: float = 0.0, type_order: Sequence[str] = SIA_TYPE_ORDER,
+                 global_queue: bool = True, reset_books: bool = False, sequential_placement: bool = True) -> None:
+        super().__init__(min_reset_interval_s=min_reset_interval_s, type_order=type_order,
+                         global_queue=global_queue, reset_books=reset_books,
+                         sequential_placement=sequential_placement)
