@@ -8,12 +8,11 @@ mean JCT, p99 JCT, makespan (last completion) and restarts per job beside
 ``reference_philly.csv`` (Sia's simulator, its Gavel baseline: ``max_sum_throughput_perf``),
 then the mean over workloads of ours / reference. Last line: one JSON object.
 
-A policy is a registered name, optionally with a preset of options after a colon:
-``gavel-throughput:sia`` is our max_sum_throughput_perf driven the way Sia's gavel.py drives
-it (LP whenever the jobs change, one queue over every (job, type), time received never reset,
-Sia's cluster order t4, a100, rtx2080ti, GPUs assigned by its sequential pointer).
+Policies are registered names: ``gavel-throughput`` is max_sum_throughput_perf in our Gavel
+round mechanism (the one checked against Gavel's own simulator), ``gavel-throughput-sia`` the
+same LP driven the way Sia's gavel.py drives it (``services/scheduler/policies/gavel/policy.py``).
 
-    python benchmarks/sia_philly.py [--policies gavel-throughput,gavel-throughput:sia]
+    python benchmarks/sia_philly.py [--policies gavel-throughput,gavel-throughput-sia]
         [--workloads 1,2,...,8] [--cluster sia-64] [--round-s 360] [--restart sia|none]
 """
 
@@ -24,7 +23,6 @@ import csv
 import json
 import statistics
 import time
-from collections.abc import Mapping
 from importlib import resources
 from typing import Any
 
@@ -37,10 +35,6 @@ from services.scheduler.sim.sia_traces import restart_s_by_job_type
 from services.scheduler.sim.simulator import RoundObservation, SimOptions, SimResult, simulate
 from services.scheduler.sim.traces import TraceJob, load_trace
 
-PRESETS: Mapping[str, Mapping[str, Any]] = {
-    "sia": {"min_reset_interval_s": 0.0, "global_queue": True, "reset_books": False,
-            "type_order": ["t4", "a100", "rtx2080ti"], "sequential_placement": True},
-}
 METRICS = ("jct_mean_s", "jct_p99_s", "makespan_s", "restarts_mean")
 
 
@@ -89,13 +83,11 @@ def metrics_of(result: SimResult, restarts: RestartCounter) -> dict[str, float |
 
 def run_one(policy_spec: str, jobs: tuple[TraceJob, ...], *, cluster_name: str, round_s: float,
             restart: str) -> dict[str, float | None]:
-    name, _, preset = policy_spec.partition(":")
-    options = dict(PRESETS[preset]) if preset else {}
     throughput = build_sia_throughput()
     restarts = RestartCounter()
     sim_options = SimOptions(round_s=round_s,
                              restart_s_by_job_type=restart_s_by_job_type(jobs) if restart == "sia" else {})
-    result = simulate(policy=make_policy(name, **options), cluster=parse_cluster(cluster_name), jobs=jobs,
+    result = simulate(policy=make_policy(policy_spec), cluster=parse_cluster(cluster_name), jobs=jobs,
                       throughput=throughput, options=sim_options, observer=restarts)
     return metrics_of(result, restarts)
 
@@ -106,16 +98,13 @@ def _fmt(value: float | None) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--policies", default="gavel-throughput,gavel-throughput:sia")
+    parser.add_argument("--policies", default="gavel-throughput,gavel-throughput-sia")
     parser.add_argument("--workloads", default="1,2,3,4,5,6,7,8")
     parser.add_argument("--cluster", default="sia-64")
     parser.add_argument("--round-s", type=float, default=360.0)
     parser.add_argument("--restart", choices=("sia", "none"), default="sia")
     args = parser.parse_args()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    for spec in policies:
-        if spec.partition(":")[2] and spec.partition(":")[2] not in PRESETS:
-            parser.error(f"unknown preset in {spec!r}; known: {', '.join(PRESETS)}")
     workloads = [int(w) for w in args.workloads.split(",")]
     ref = reference()
     throughput = build_sia_throughput()
@@ -127,7 +116,7 @@ def main() -> None:
             t = time.perf_counter()
             got = run_one(spec, jobs, cluster_name=args.cluster, round_s=args.round_s, restart=args.restart)
             want = ref[f"workload-{i}"]
-            ratio = {m: (got[m] / want[m] if got[m] is not None and want[m] else None) for m in METRICS}
+            ratio = {m: (value / want[m] if (value := got[m]) is not None and want[m] else None) for m in METRICS}
             rows.append({"workload": i, "policy": spec, **got, "reference": want, "ratio": ratio,
                          "wall_s": round(time.perf_counter() - t, 2)})
     header = f"{'wl':>3} {'policy':<24} " + " ".join(f"{m:>22}" for m in METRICS)
