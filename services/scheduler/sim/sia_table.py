@@ -19,7 +19,10 @@ states where each comes from):
   the order the parts name the nodes: ``1 / iteration(shape, B).seconds``, so 4 GPUs as
   2 + 2 on two nodes pay the measured cross-node synchronisation (``step_time +
   sync_time`` of that placement row) and 4 on one node do not. A copy mixing GPU types
-  runs at the slowest type's rate for that shape (synchronous data parallelism).
+  runs at the slowest type's rate for that shape (synchronous data parallelism). A shape
+  across nodes the profiles cannot describe (outside the measured hull, or more nodes than
+  were profiled) runs at the packed rate times ``default_cross_node`` (0.8, as
+  ``ThroughputModel``'s own default), so a placement the packed rate allows never stalls.
   ``cross_node=False`` ignores the shape (always the packed rate).
 * With ``n`` workers below the job's ``W`` (a HadarE copy) the copy still steps the full
   global batch; the simulator credits it ``k / W`` of a step per step, so such copies are
@@ -104,10 +107,14 @@ class ProfiledThroughputModel(ThroughputModel):
         parsed = parse_job_type(job_type)
         profile = self.profiles.get((parsed[0], gpu_type)) if parsed else None
         value = 0.0
-        if parsed is not None and profile is not None and len(shape) <= self.profiled_gpus[gpu_type][1]:
+        if parsed is not None and profile is not None:
             low, high = self.batch_range[parsed[0]]
-            it = profile.iteration(shape, parsed[1], min_batch=low, max_batch=high)
-            value = 1.0 / it.seconds if it is not None else 0.0
+            it = (profile.iteration(shape, parsed[1], min_batch=low, max_batch=high)
+                  if len(shape) <= self.profiled_gpus[gpu_type][1] else None)
+            if it is not None:
+                value = 1.0 / it.seconds
+            elif len(shape) > 1:   # a shape the data cannot describe: the packed rate, slowed
+                value = self.rate(job_type, gpu_type, sum(shape)) * self.default_cross_node
         self._shape_rates[key] = value
         return value
 
