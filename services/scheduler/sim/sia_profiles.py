@@ -155,12 +155,21 @@ class AppProfile:
     def min_local_bsz(self) -> int:
         return min(r.local_bsz for r in self.rows)
 
-    def step_and_sync_s(self, placement: Sequence[int], local_bsz: float) -> tuple[float, float] | None:
-        """(step, sync) seconds of one pass at ``local_bsz`` per GPU, or None where unmeasured."""
+    def measured_shapes(self, replicas: int) -> tuple[tuple[int, ...], ...]:
+        """The placements with rows that hold ``replicas`` GPUs in all."""
+        return tuple(shape for shape in self._by_placement if sum(shape) == replicas)
+
+    def step_and_sync_s(self, placement: Sequence[int], local_bsz: float, *,
+                        use_rows: bool = True) -> tuple[float, float] | None:
+        """(step, sync) seconds of one pass at ``local_bsz`` per GPU, or None where unmeasured.
+
+        ``use_rows=False``: as for a placement without rows (the interpolation, which depends
+        only on the node and replica counts).
+        """
         shape = canonical_placement(placement)
         if not shape:
             return None
-        measured = self._by_placement.get(shape)
+        measured = self._by_placement.get(shape) if use_rows else None
         if measured is not None:
             bsz, step, sync = measured
             if not bsz[0] <= local_bsz <= bsz[-1]:
@@ -172,9 +181,9 @@ class AppProfile:
             return None
         return float(value[0]), float(value[1])
 
-    def max_local_bsz(self, placement: Sequence[int]) -> int | None:
+    def max_local_bsz(self, placement: Sequence[int], *, use_rows: bool = True) -> int | None:
         shape = canonical_placement(placement)
-        measured = self._by_placement.get(shape)
+        measured = self._by_placement.get(shape) if use_rows else None
         if measured is not None:
             return int(measured[0][-1])
         nodes, replicas = len(shape), sum(shape)
@@ -182,7 +191,7 @@ class AppProfile:
         return max(wider) if wider else None
 
     def iteration(self, placement: Sequence[int], batch: int, *, min_batch: int,
-                  max_batch: int) -> Iteration | None:
+                  max_batch: int, use_rows: bool = True) -> Iteration | None:
         """One iteration of global ``batch`` on ``placement`` (module docstring), or None.
 
         ``min_batch`` / ``max_batch``: the application's smallest and largest validated
@@ -190,7 +199,7 @@ class AppProfile:
         """
         shape = canonical_placement(placement)
         n = sum(shape)
-        max_local = self.max_local_bsz(shape)
+        max_local = self.max_local_bsz(shape, use_rows=use_rows)
         if n == 0 or max_local is None:
             return None
         local = math.ceil(batch / n - _EPS)
@@ -201,7 +210,7 @@ class AppProfile:
         if n in self._max_local_at:
             atomic = min(atomic, self._max_local_at[n])
         atomic = min(atomic, int(max_batch / (n * (accum + 1))))
-        times = self.step_and_sync_s(shape, atomic) if atomic > 0 else None
+        times = self.step_and_sync_s(shape, atomic, use_rows=use_rows) if atomic > 0 else None
         if times is None:
             return None
         step, sync = times

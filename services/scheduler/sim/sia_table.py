@@ -118,6 +118,28 @@ class ProfiledThroughputModel(ThroughputModel):
         self._shape_rates[key] = value
         return value
 
+    def spanning_bound(self, job_type: str, gpu_type: str, n: int) -> float:
+        """The most steps/s any placement of ``n`` workers across nodes with a ``gpu_type`` GPU
+        gets: the best of the measured shapes of n GPUs on 2+ nodes, the interpolation at every
+        node count 2..n (it depends only on node and replica counts), and the fallback
+        (packed rate x ``default_cross_node``). A mixed copy runs at most at its slowest type's
+        shape rate, so this bounds it too."""
+        parsed = parse_job_type(job_type)
+        profile = self.profiles.get((parsed[0], gpu_type)) if parsed else None
+        if parsed is None or profile is None or n < 2:
+            return 0.0
+        low, high = self.batch_range[parsed[0]]
+        best = self.rate(job_type, gpu_type, n) * self.default_cross_node
+        for shape in profile.measured_shapes(n):
+            if len(shape) > 1:
+                best = max(best, self.shape_rate(job_type, gpu_type, shape))
+        for nodes in range(2, min(n, MAX_INTERPOLATED_NODES) + 1):
+            shape = (n - nodes + 1,) + (1,) * (nodes - 1)   # stands for every shape of that many nodes
+            it = profile.iteration(shape, parsed[1], min_batch=low, max_batch=high, use_rows=False)
+            if it is not None:
+                best = max(best, 1.0 / it.seconds)
+        return best
+
     def placement_rate(self, job_type: str, parts: Iterable[Part]) -> float:
         parts = [p for p in parts if p.count > 0]
         if not parts:
