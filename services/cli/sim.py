@@ -34,7 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster", required=True,
                    help="built-in (gavel-108, aws-5, lab-5), a YAML file, or inline like v100:4,k80:2x4")
     p.add_argument("--trace", required=True,
-                   help="CSV file, Gavel .trace file, or gen:jobs=N,rate=R,seed=S,multi_gpu=true|false"
+                   help="CSV file, Gavel .trace file, Sia/Pollux job list (name,time,application,num_replicas,"
+                        "batch_size), or gen:jobs=N,rate=R,seed=S,multi_gpu=true|false"
                    "[,queues=A/B/C] (queues: job i's queue is names[k_i], k = numpy default_rng([S, 1])"
                    ".integers(len(names), size=N): uniform, a name listed twice drawn twice as often; the jobs "
                    "are those of the spec without it)")
@@ -43,7 +44,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="policy seed, and generator seed unless gen: gives one")
     p.add_argument("--cross-node", choices=("table", "off"), default="table",
                    help="cross-node slowdown from the table (default) or none, as Gavel's simulator")
-    p.add_argument("--restart-s", type=float, default=0.0, help="seconds lost per re-placed copy (default 0)")
+    p.add_argument("--restart-s", default="0",
+                   help="seconds lost per re-placed copy (default 0), or 'sia': each Sia application's own")
+    p.add_argument("--table", choices=("auto", "gavel", "sia"), default="auto",
+                   help="throughput table: Gavel's, or Sia's measured profiles (auto: Sia's for a Sia job list)")
     p.add_argument("--store-gbps", type=float, default=1.0,
                    help="object-store GB/s for HadarE consolidation (default 1.0)")
     p.add_argument("--max-rounds", type=int, default=100_000, help="stop after this many rounds per policy")
@@ -67,6 +71,18 @@ def _policy_names(raw: str) -> list[str]:
     return names
 
 
+def _is_sia_job_list(spec: str) -> bool:
+    from services.scheduler.sim.sia_traces import looks_like_sia
+
+    if spec.startswith("gen:"):
+        return False
+    try:
+        with open(spec, encoding="utf-8") as fh:
+            return looks_like_sia(fh.readline())
+    except (OSError, UnicodeDecodeError):
+        return False   # load_trace reports it
+
+
 def run(args: argparse.Namespace) -> int:
     from services.cli.queuefile import load_queue_file
     from services.scheduler.policies import make_policy
@@ -74,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
     from services.scheduler.sim.bounds import ttd_bounds
     from services.scheduler.sim.cluster_spec import ClusterSpecError, parse_cluster
     from services.scheduler.sim.results import compute_results
+    from services.scheduler.sim.sia_table import build_sia_throughput
+    from services.scheduler.sim.sia_traces import restart_s_by_job_type
     from services.scheduler.sim.simulator import SimOptions, build_throughput, simulate
     from services.scheduler.sim.traces import TraceError, load_trace
 
@@ -85,15 +103,15 @@ def run(args: argparse.Namespace) -> int:
         except UsageError as exc:
             raise UsageError(f"--queues: {exc}") from None
     try:
-        options = SimOptions(round_s=args.round_s, restart_s=args.restart_s, store_gbps=args.store_gbps,
-                             seed=args.seed, max_rounds=args.max_rounds, queues=queues)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    try:
         cluster = parse_cluster(args.cluster)
     except ClusterSpecError as exc:
         raise UsageError(f"--cluster: {exc}") from None
-    throughput = build_throughput(cross_node=args.cross_node == "table")
+    table = args.table
+    if table == "auto":
+        table = "sia" if _is_sia_job_list(args.trace) else "gavel"
+    cross_node = args.cross_node == "table"
+    throughput = build_sia_throughput(cross_node=cross_node) if table == "sia" else build_throughput(
+        cross_node=cross_node)
     try:
         jobs = load_trace(args.trace, throughput=throughput, default_seed=args.seed)
     except TraceError as exc:
@@ -102,6 +120,13 @@ def run(args: argparse.Namespace) -> int:
         unknown = sorted({queues.queue_of(j.queue) for j in jobs} - {q.name for q in queues.queues})
         if unknown:
             raise UsageError(f"--queues: the trace names queue {unknown[0]!r}, which {args.queues} does not define")
+    try:
+        restart_s = 0.0 if args.restart_s == "sia" else float(args.restart_s)
+        options = SimOptions(round_s=args.round_s, restart_s=restart_s, store_gbps=args.store_gbps,
+                             restart_s_by_job_type=restart_s_by_job_type(jobs) if args.restart_s == "sia" else {},
+                             seed=args.seed, max_rounds=args.max_rounds, queues=queues)
+    except ValueError as exc:
+        raise UsageError(f"--restart-s / --round-s: {exc}") from None
     policies = []
     for name in names:
         try:

@@ -1,7 +1,7 @@
 """GPU catalog (public datasheet figures) and the roofline throughput estimator.
 
 Catalog keys are the lower-case GPU type names used everywhere in Hadar: ``k80``,
-``p100``, ``v100``, ``t4``, ``t400``, ``a2000``, ``rtx3090``, ``titanrtx``, ``a100``,
+``p100``, ``v100``, ``t4``, ``t400``, ``a2000``, ``rtx3090``, ``rtx2080ti``, ``titanrtx``, ``a100``,
 ``l4``, ``h100``, ``h200``, plus ``cpu``, a pseudo-type with modest figures for agents
 without CUDA. One key is one variant: the one named in its ``name`` (a K80 is ONE
 GK210 die -- what CUDA and Gavel call a K80 GPU -- so it gets half the board's
@@ -134,6 +134,12 @@ _SPECS = (
     _spec(key="rtx3090", name="NVIDIA GeForce RTX 3090", architecture="ampere",
           fp32_tflops=35.6, fp16_tflops=71.0, tensor_cores=True, memory_gb=24,
           memory_bw_gb_s=936, pcie_gen=4, pcie_lanes=16),
+    # GeForce RTX 2080 Ti (TU102, 4352 cores, 1545 MHz reference boost): 13.4 TFLOPS FP32;
+    # 544 tensor cores give 107.6 FP16-accumulate, half that (53.8) with FP32 accumulate on
+    # GeForce parts (Turing whitepaper). 11 GB GDDR6 at 616 GB/s. The GPU of Sia's "rtx" nodes.
+    _spec(key="rtx2080ti", name="NVIDIA GeForce RTX 2080 Ti", architecture="turing",
+          fp32_tflops=13.4, fp16_tflops=53.8, tensor_cores=True, memory_gb=11,
+          memory_bw_gb_s=616, pcie_gen=3, pcie_lanes=16),
     _spec(key="titanrtx", name="NVIDIA TITAN RTX", architecture="turing", fp32_tflops=16.3,
           fp16_tflops=130.5, tensor_cores=True, memory_gb=24, memory_bw_gb_s=672,
           pcie_gen=3, pcie_lanes=16),
@@ -185,6 +191,7 @@ _NAME_PATTERNS: tuple[tuple[re.Pattern[str], str | None], ...] = tuple(
         (r"\bt4\b", "t4"),
         (r"\ba2000\b", "a2000"),
         (r"\brtx\s*3090\b", "rtx3090"),
+        (r"\b2080\s*ti\b", "rtx2080ti"),
         (r"\btitan\s*rtx\b", "titanrtx"),
         (r"^cpu$", "cpu"),
     )

@@ -133,9 +133,11 @@ async def test_under_team_queues_a_restart_from_a_snapshot_decides_identically(p
 
 
 LEGACY = Path(__file__).resolve().parents[1] / "data" / "snapshots"
+# The policies the code of tests/data/snapshots/README.md had (later ones have no legacy snapshot).
+LEGACY_POLICIES = ("yarn-cs", "tiresias", "gavel", "gavel-makespan", "hadar", "hadare")
 
 
-@pytest.mark.parametrize("policy", POLICY_NAMES)
+@pytest.mark.parametrize("policy", LEGACY_POLICIES)
 async def test_a_snapshot_written_before_names_were_stable_restores(policy, tmp_path):
     """The snapshot after round 5 as the code before the layout change wrote it (classes
     named by module path: tests/data/snapshots/README.md) stands in for today's: the

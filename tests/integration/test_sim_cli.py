@@ -107,6 +107,22 @@ def test_bad_trace_line_names_line_and_field(tmp_path, capsys) -> None:
     assert "line 3: field scale_factor" in err and "\n" not in err
 
 
+def test_a_sia_job_list_runs_on_sia_s_table_with_its_restart_times(tmp_path, capsys) -> None:
+    workload = Path(__file__).resolve().parents[2] / "shared/domain/data/sia/workloads/philly/workload-3.csv"
+    trace = tmp_path / "sia.csv"
+    trace.write_text("".join(workload.read_text().splitlines(keepends=True)[:13]))   # header + 12 jobs
+    out = tmp_path / "out"
+    assert main(["sim", "--cluster", "sia-64", "--trace", str(trace), "--policies", "gavel-throughput-sia,yarn-cs",
+                 "--restart-s", "sia", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["cluster"]["gpus"] == {"a100": 16, "rtx2080ti": 24, "t4": 24}
+    assert all(m["jobs_completed"] == 12 and m["ttd_over_bound"] >= 1 - 1e-6 for m in summary["policies"].values())
+    # Gavel's table has none of Sia's job types: the trace's first row says so.
+    assert main(["sim", "--cluster", "sia-64", "--trace", str(trace), "--policies", "yarn-cs", "--table", "gavel",
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "line 2: field batch_size" in capsys.readouterr().err
+
+
 def policy_metrics(ttd: float | None, cru: float, jct: float, unfinished: tuple[str, ...] = ()) -> PolicyResults:
     return PolicyResults(
         ttd_s=ttd, cru=cru, gru={"v100": cru}, jct_mean_s=jct, jct_median_s=jct, jct_p95_s=jct,

@@ -1,4 +1,4 @@
-"""Job-level baselines: YARN-CS, Tiresias, Gavel (max-min fairness) and Gavel (makespan)."""
+"""Job-level baselines: YARN-CS, Tiresias, Gavel (max-min fairness, makespan, total throughput)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from services.scheduler.policies import make_policy
 from services.scheduler.policies.gavel.lp import max_min_fairness, min_total_duration
 
 ROUND_S = 360.0
-BASELINES = ("yarn-cs", "tiresias", "gavel", "gavel-makespan")
+BASELINES = ("yarn-cs", "tiresias", "gavel", "gavel-makespan", "gavel-throughput", "gavel-throughput-sia")
 GAVEL_TABLE = ThroughputModel.from_gavel_table()
 
 # "fast" runs 10x faster on a V100 than on a K80; "even" runs the same on both.

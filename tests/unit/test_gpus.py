@@ -25,7 +25,8 @@ from shared.domain.workloads import (
     model_bytes,
 )
 
-TWELVE = {"k80", "p100", "v100", "t4", "t400", "a2000", "rtx3090", "titanrtx", "a100", "l4", "h100", "h200"}
+THIRTEEN = {"k80", "p100", "v100", "t4", "t400", "a2000", "rtx3090", "rtx2080ti", "titanrtx", "a100", "l4", "h100",
+            "h200"}
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +36,9 @@ def table() -> ThroughputModel:
 
 # ----------------------------------------------------------------------------- catalog
 
-def test_catalog_has_the_twelve_gpu_types_and_cpu() -> None:
-    assert set(GPU_TYPES) == TWELVE
-    assert set(CATALOG) == TWELVE | {"cpu"}
+def test_catalog_has_the_thirteen_gpu_types_and_cpu() -> None:
+    assert set(GPU_TYPES) == THIRTEEN
+    assert set(CATALOG) == THIRTEEN | {"cpu"}
     for key, spec in CATALOG.items():
         assert spec.key == key
         assert spec.fp32_tflops > 0 and spec.fp16_tflops >= spec.fp32_tflops
@@ -80,6 +81,8 @@ def test_gpu_spec_rejects_bad_figures_and_unknown_keys() -> None:
     ("Tesla K80", "k80"),
     ("Tesla P100-PCIE-16GB", "p100"),
     ("NVIDIA TITAN RTX", "titanrtx"),
+    ("NVIDIA GeForce RTX 2080 Ti", "rtx2080ti"),
+    ("NVIDIA GeForce RTX 2080", None),
     ("NVIDIA L4", "l4"),
     ("cpu", "cpu"),
     ("NVIDIA GeForce RTX 3090 Ti", None),

@@ -138,6 +138,13 @@ class ThroughputModel:
                 factors.append(min(1.0, unc / cons))
         return min(factors) if factors else self.default_cross_node
 
+    def spanning_bound(self, job_type: str, gpu_type: str, n: int) -> float | None:
+        """An upper bound on a copy's steps/s on any placement of ``n`` workers across nodes
+        that includes a ``gpu_type`` GPU, for a model whose spanning rates are not ``rate``
+        times a factor (``services.scheduler.sim.sia_table``); None here: the lower bounds use
+        ``rate`` and the cross-node factor (``services/scheduler/sim/bounds.py``)."""
+        return None
+
     def placement_rate(self, job_type: str, parts: Iterable[Part]) -> float:
         """A copy's own steps/s on a placement made of ``parts`` (see module docstring)."""
         parts = [p for p in parts if p.count > 0]

@@ -23,6 +23,8 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "tiresias": ("services.scheduler.policies.tiresias", "Tiresias"),
     "gavel": ("services.scheduler.policies.gavel.policy", "Gavel"),
     "gavel-makespan": ("services.scheduler.policies.gavel.policy", "GavelMakespan"),
+    "gavel-throughput": ("services.scheduler.policies.gavel.policy", "GavelThroughput"),
+    "gavel-throughput-sia": ("services.scheduler.policies.gavel.policy", "GavelThroughputSia"),
     "hadar": ("services.scheduler.policies.hadar.policy", "Hadar"),
     "hadare": ("services.scheduler.policies.hadare.policy", "HadarE"),
 }

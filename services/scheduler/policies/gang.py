@@ -130,6 +130,52 @@ def assign_gangs(cluster: Cluster, requests: Sequence[GangRequest],
     return placed
 
 
+def sequential_gangs(cluster: Cluster, requests: Sequence[GangRequest],
+                     previous: Mapping[str, Sequence[Placement]]) -> dict[str, tuple[Placement, ...]]:
+    """Concrete GPUs the way Sia's gavel.py assigns workers (``schedule_jobs_on_workers``).
+
+    Per GPU type, GPUs are numbered node by node in cluster order and a pointer walks them
+    once. Jobs go by scale factor, largest first (ties: request order); for each scale factor,
+    first every job whose previous GPUs are of this type, exactly W, none taken yet keeps
+    them; then every other job of that scale factor takes the next free GPUs at the
+    pointer, which may split it across nodes. A smaller job's previous GPUs can be taken by
+    a larger one before it is considered, so it moves: Sia's simulator restarts it. Never
+    fails when the per-type counts fit the cluster.
+    """
+    placed: dict[str, tuple[Placement, ...]] = {}
+    for gpu_type in sorted({r.gpu_type for r in requests}):
+        order = [(n.node_id, g) for n in cluster.nodes for g, t in enumerate(n.gpus) if t == gpu_type]
+        taken: set[tuple[str, int]] = set()
+        pointer = 0
+        mine = sorted((r for r in requests if r.gpu_type == gpu_type), key=lambda r: -r.workers)
+        for size in sorted({r.workers for r in mine}, reverse=True):
+            same = [r for r in mine if r.workers == size]
+            for req in same:
+                parts = previous.get(req.job_id)
+                gpus = {(p.node_id, g) for p in parts for g in p.gpus} if parts else set()
+                if (parts and gang_type(cluster, parts) == gpu_type and len(gpus) == size
+                        and not gpus & taken):
+                    placed[req.job_id] = tuple(parts)
+                    taken |= gpus
+            for req in same:
+                if req.job_id in placed:
+                    continue
+                chosen: list[tuple[str, int]] = []
+                while len(chosen) < size and pointer < len(order):
+                    if order[pointer] not in taken:
+                        chosen.append(order[pointer])
+                        taken.add(order[pointer])
+                    pointer += 1
+                if len(chosen) < size:
+                    raise RuntimeError(f"{req.job_id}: {size} x {gpu_type} do not fit; the policy over-counted")
+                by_node: dict[str, list[int]] = {}
+                for node_id, g in chosen:
+                    by_node.setdefault(node_id, []).append(g)
+                placed[req.job_id] = tuple(Placement(job_id=req.job_id, copy=0, node_id=node_id, gpus=tuple(g))
+                                           for node_id, g in by_node.items())
+    return placed
+
+
 def free_counts(cluster: Cluster) -> dict[str, int]:
     """GPUs per type, as a mutable working copy for count-based selection."""
     return dict(cluster.gpus_by_type)

@@ -20,7 +20,10 @@ Notation, for a trace on a cluster:
   so it is at most ``f(r, n)`` for each of its types r: r's own table ratio, else the
   largest of ``default_cross_node`` and the other cluster types' ratios at n; 1 with
   ``cross_node=False``. A copy with a GPU of type r thus runs at most at
-  ``q(r, n) = rate(t_j, r, n) * (1 if a node holding r has >= n GPUs, else f(r, n))``.
+  ``q(r, n) = rate(t_j, r, n) * (1 if a node holding r has >= n GPUs, else f(r, n))``. A model
+  whose spanning rates come from measured shapes (Sia's table) states its own bound instead of
+  ``rate * f`` (``ThroughputModel.spanning_bound``): then ``q`` is the larger of the one-node
+  rate (where a node holds n) and that bound.
 * Per-GPU rate ``rho[j,r] = max_{n in K_j} q(r, n) / W_j``: a copy of n is credited at
   most that per GPU of type r it holds, so the job steps a job is credited are at most
   ``sum_r rho[j,r] * (GPU-seconds of r it held)``; restarts, consolidation and rounds only
@@ -106,9 +109,20 @@ def per_gpu_rate(job_type: str, workers: int, gpu_type: str, cluster: Cluster, t
     biggest = max((node.size for node in cluster.nodes if gpu_type in node.gpus), default=0)
     best = 0.0
     for n in _sizes(workers, cluster, gang=gang):
-        factor = 1.0 if n <= biggest else span_factor(job_type, gpu_type, n, cluster, throughput)
-        best = max(best, throughput.rate(job_type, gpu_type, n) * factor)
+        if n <= biggest:
+            best = max(best, throughput.rate(job_type, gpu_type, n))
+        best = max(best, _spanning(job_type, gpu_type, n, cluster, throughput))
     return best / workers
+
+
+def _spanning(job_type: str, gpu_type: str, n: int, cluster: Cluster, throughput: ThroughputModel) -> float:
+    """The most a copy of n workers spanning nodes with a ``gpu_type`` GPU steps per second."""
+    if len(cluster.nodes) < 2:
+        return 0.0
+    bound = throughput.spanning_bound(job_type, gpu_type, n)
+    if bound is not None:
+        return bound
+    return throughput.rate(job_type, gpu_type, n) * span_factor(job_type, gpu_type, n, cluster, throughput)
 
 
 def _best_min(values: list[tuple[float, int]], n: int) -> float:
@@ -130,8 +144,8 @@ def best_copy_rate(job_type: str, workers: int, cluster: Cluster, throughput: Th
                         for node in cluster.nodes if node.size >= n), default=0.0)
         spanning = 0.0
         if len(cluster.nodes) > 1:
-            spanning = _best_min([(throughput.rate(job_type, t, n) * span_factor(job_type, t, n, cluster, throughput),
-                                   c) for t, c in cluster.gpus_by_type.items()], n)
+            spanning = _best_min([(_spanning(job_type, t, n, cluster, throughput), c)
+                                  for t, c in cluster.gpus_by_type.items()], n)
         best = max(best, max(one_node, spanning) * n / workers)
     return best
 

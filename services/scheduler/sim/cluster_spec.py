@@ -14,6 +14,11 @@
     p3.8xlarge-like nodes of 4x V100, two p2.8xlarge of 8x K80 and one g4dn.12xlarge of 4x T4
     (28 GPUs). Our choice, not the paper's.
   - ``lab-5-multi``: lab-5's types, four of each per node (20 GPUs). Our choice.
+  - ``sia-64``: Sia's (SOSP'23) default simulated cluster (``sia-simulator/simulator_config.py``
+    in siasosp23/artifacts): 6 AWS g4dn.12xlarge nodes of 4x T4, 3 nodes of 8x RTX 2080 Ti and
+    2 DGX-A100 nodes of 8x A100 (64 GPUs), the types of Sia's measured profiles.
+  - ``sia-64x2``, ``sia-64x4``, ``sia-64x8``: every node count of sia-64 times 2, 4 or 8
+    (Sia's ``--cluster_scale``), 128 to 512 GPUs.
 
 * a path to a YAML file ``{name, nodes: [{id, gpus: {type: count}}]}``; a node's GPUs are
   indexed in the order its mapping lists the types;
@@ -27,6 +32,7 @@ order. Every error is a ``ClusterSpecError`` with a one-line message.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -86,12 +92,25 @@ def lab_5_multi() -> Cluster:
     return _typed_nodes("lab-5-multi", [(t, 1, 4) for t in ("titanrtx", "t4", "t400", "rtx3090", "a2000")])
 
 
+SIA_SCALES = (2, 4, 8)
+
+
+def sia_64(scale: int = 1) -> Cluster:
+    """Sia's default cluster with every node count times ``scale`` (>= 1)."""
+    if scale < 1:
+        raise ValueError("scale must be >= 1")
+    name = "sia-64" if scale == 1 else f"sia-64x{scale}"
+    return _typed_nodes(name, [("t4", 6 * scale, 4), ("rtx2080ti", 3 * scale, 8), ("a100", 2 * scale, 8)])
+
+
 BUILTIN_CLUSTERS: Mapping[str, Callable[[], Cluster]] = {
     "gavel-108": gavel_108,
     "aws-5": aws_5,
     "lab-5": lab_5,
     "aws-5-multi": aws_5_multi,
     "lab-5-multi": lab_5_multi,
+    "sia-64": sia_64,
+    **{f"sia-64x{k}": functools.partial(sia_64, k) for k in SIA_SCALES},
 }
 
 

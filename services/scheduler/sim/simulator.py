@@ -22,7 +22,8 @@ Semantics (exact; metrics.py and the tests rely on them):
   each of its steps is k/W of a job step and it credits ``s * k / W`` job steps per
   second. A copy with more than W workers is an ``InvalidPlan``.
 * A copy whose set of (node, GPU) differs from the same copy's in the previous simulated
-  round (including a copy that did not run then) first spends ``restart_s`` restarting. A
+  round (including a copy that did not run then) first spends ``restart_s`` restarting
+  (``restart_s_by_job_type[job type]`` where given). A
   job with n > 1 copies this round (HadarE) spends ``shared.domain.fork_cost.consolidation_s``
   at the round end: (2 n + 1) checkpoints (weights and optimizer state: n uploads, n
   downloads, one write) through ``store_gbps``; every copy trains in
@@ -54,7 +55,7 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.scheduler.core.cluster import Cluster
 from services.scheduler.core.policy import (
@@ -82,6 +83,8 @@ _DONE_EPS = 1e-9  # steps: a job this close to its total is complete (float sums
 class SimOptions:
     round_s: float = 360.0
     restart_s: float = 0.0        # per re-placed copy; 0 as in Gavel's simulator
+    # per job type, overriding restart_s (Sia charges each application its own checkpoint-restore time)
+    restart_s_by_job_type: Mapping[str, float] = field(default_factory=dict)
     store_gbps: float = 1.0       # object-store bandwidth for HadarE consolidation, GB/s
     seed: int = 0                 # PlanRequest.seed
     check: bool = False           # check_plan on every round (tests)
@@ -92,7 +95,7 @@ class SimOptions:
     def __post_init__(self) -> None:
         if not self.round_s > 0:
             raise ValueError("round_s must be positive")
-        if self.restart_s < 0:
+        if self.restart_s < 0 or any(not v >= 0 for v in self.restart_s_by_job_type.values()):
             raise ValueError("restart_s must be >= 0")
         if not self.store_gbps > 0:
             raise ValueError("store_gbps must be positive")
@@ -248,7 +251,8 @@ def _advance(job: _LiveJob, copies: Sequence[tuple[float, int, bool]], *, now: f
     round_s = options.round_s
     consolidation = consolidation_s(job.model_bytes, len(copies), store_gbps=options.store_gbps)
     train_end = max(0.0, round_s - consolidation)
-    starts = [min(options.restart_s if again else 0.0, train_end) for _, _, again in copies]
+    restart_s = options.restart_s_by_job_type.get(job.trace.job_type, options.restart_s)
+    starts = [min(restart_s if again else 0.0, train_end) for _, _, again in copies]
     credit = [credited_steps(rate, copy_workers=k, job_workers=job.trace.workers) for rate, k, _ in copies]
     capacity = sum(c * (train_end - start) for c, start in zip(credit, starts))
     remaining = job.remaining

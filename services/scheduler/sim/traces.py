@@ -1,6 +1,6 @@
-"""Job traces for the simulator: CSV files, Gavel's TSV traces and a seeded generator.
+"""Job traces for the simulator: CSV files, Gavel's TSV traces, Sia's job lists and a seeded generator.
 
-Three sources, all producing ``TraceJob`` records sorted by (arrival, input order):
+Four sources, all producing ``TraceJob`` records sorted by (arrival, input order):
 
 * CSV with a header naming the columns ``job_id,arrival_time_s,job_type,scale_factor,
   total_steps`` (any order) and optionally ``priority`` (default 1), ``queue`` (default: the
@@ -26,6 +26,8 @@ iterations (``shared.domain.progress``); a CSV's ``total_steps`` column is read 
   size=N)`` -- uniformly, from a generator of its own, so the jobs themselves are those of
   the same spec without ``queues``. A name listed k times is drawn k times as often
   (``queues=a/b/b`` puts about two thirds of the jobs in b).
+* Sia's and Pollux's job lists, ``name,time,application,num_replicas,batch_size``: rigid jobs
+  on Sia's measured profiles (``services/scheduler/sim/sia_traces.py``).
 
 A bad line raises ``TraceError`` whose one-line message names the file, line and field.
 """
@@ -70,40 +72,40 @@ class TraceJob:
 
 # ---------------------------------------------------------------------------- field parsing
 
-def _where(source: str, line: int, field: str) -> str:
+def where(source: str, line: int, field: str) -> str:
     return f"{source}: line {line}: field {field}"
 
 
-def _int_field(text: str, *, source: str, line: int, field: str, minimum: int) -> int:
+def int_field(text: str, *, source: str, line: int, field: str, minimum: int) -> int:
     try:
         value = int(text.strip())
     except ValueError:
-        raise TraceError(f"{_where(source, line, field)}: {text.strip()!r} is not an integer") from None
+        raise TraceError(f"{where(source, line, field)}: {text.strip()!r} is not an integer") from None
     if value < minimum:
-        raise TraceError(f"{_where(source, line, field)}: {value} is below {minimum}")
+        raise TraceError(f"{where(source, line, field)}: {value} is below {minimum}")
     return value
 
 
-def _float_field(text: str, *, source: str, line: int, field: str, positive: bool = False) -> float:
+def float_field(text: str, *, source: str, line: int, field: str, positive: bool = False) -> float:
     try:
         value = float(text.strip())
     except ValueError:
-        raise TraceError(f"{_where(source, line, field)}: {text.strip()!r} is not a number") from None
+        raise TraceError(f"{where(source, line, field)}: {text.strip()!r} is not a number") from None
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         bound = "positive" if positive else "non-negative"
-        raise TraceError(f"{_where(source, line, field)}: {text.strip()!r} must be finite and {bound}")
+        raise TraceError(f"{where(source, line, field)}: {text.strip()!r} must be finite and {bound}")
     return value
 
 
 def _job_type_field(text: str, job_types: frozenset[str], *, source: str, line: int) -> str:
     job_type = text.strip()
     if job_type not in job_types:
-        raise TraceError(f"{_where(source, line, 'job_type')}: {job_type!r} is not a job type of the "
+        raise TraceError(f"{where(source, line, 'job_type')}: {job_type!r} is not a job type of the "
                          "throughput table")
     return job_type
 
 
-def _sorted(jobs: Iterable[TraceJob]) -> tuple[TraceJob, ...]:
+def sort_jobs(jobs: Iterable[TraceJob]) -> tuple[TraceJob, ...]:
     return tuple(sorted(jobs, key=lambda j: j.arrival_s))  # stable: input order breaks ties
 
 
@@ -118,44 +120,44 @@ def parse_csv(text: str, *, job_types: Iterable[str], source: str = "<csv>") -> 
     columns = [h.strip() for h in header]
     for name in columns:
         if name not in CSV_REQUIRED + CSV_OPTIONAL:
-            raise TraceError(f"{_where(source, 1, name)}: unknown column (expected "
+            raise TraceError(f"{where(source, 1, name)}: unknown column (expected "
                              f"{','.join(CSV_REQUIRED)}[,{','.join(CSV_OPTIONAL)}])")
     if len(set(columns)) != len(columns):
         raise TraceError(f"{source}: line 1: a column is named twice")
     missing = [c for c in CSV_REQUIRED if c not in columns]
     if missing:
-        raise TraceError(f"{_where(source, 1, missing[0])}: missing column")
+        raise TraceError(f"{where(source, 1, missing[0])}: missing column")
     jobs: list[TraceJob] = []
     seen: set[str] = set()
     for index, row in enumerate(rows, start=2):
         if not row or all(not cell.strip() for cell in row):
             continue
         if len(row) < len(columns):
-            raise TraceError(f"{_where(source, index, columns[len(row)])}: missing ({len(row)} fields, "
+            raise TraceError(f"{where(source, index, columns[len(row)])}: missing ({len(row)} fields, "
                              f"header has {len(columns)})")
         if len(row) > len(columns):
             raise TraceError(f"{source}: line {index}: {len(row)} fields, header has {len(columns)}")
         cell = dict(zip(columns, row))
         job_id = cell["job_id"].strip()
         if not job_id:
-            raise TraceError(f"{_where(source, index, 'job_id')}: empty")
+            raise TraceError(f"{where(source, index, 'job_id')}: empty")
         if job_id in seen:
-            raise TraceError(f"{_where(source, index, 'job_id')}: duplicate id {job_id!r}")
+            raise TraceError(f"{where(source, index, 'job_id')}: duplicate id {job_id!r}")
         seen.add(job_id)
         priority = 1.0
         if "priority" in cell and cell["priority"].strip():
-            priority = _float_field(cell["priority"], source=source, line=index, field="priority", positive=True)
+            priority = float_field(cell["priority"], source=source, line=index, field="priority", positive=True)
         jobs.append(TraceJob(
             job_id=job_id,
-            arrival_s=_float_field(cell["arrival_time_s"], source=source, line=index, field="arrival_time_s"),
+            arrival_s=float_field(cell["arrival_time_s"], source=source, line=index, field="arrival_time_s"),
             job_type=_job_type_field(cell["job_type"], known, source=source, line=index),
-            workers=_int_field(cell["scale_factor"], source=source, line=index, field="scale_factor", minimum=1),
-            total_steps=_int_field(cell["total_steps"], source=source, line=index, field="total_steps",
+            workers=int_field(cell["scale_factor"], source=source, line=index, field="scale_factor", minimum=1),
+            total_steps=int_field(cell["total_steps"], source=source, line=index, field="total_steps",
                                    minimum=1),
             priority=priority,
             **_team_fields(cell, source=source, line=index),
         ))
-    return _sorted(jobs)
+    return sort_jobs(jobs)
 
 
 def _team_fields(cell: dict[str, str], *, source: str, line: int) -> dict[str, Any]:
@@ -163,15 +165,15 @@ def _team_fields(cell: dict[str, str], *, source: str, line: int) -> dict[str, A
     queue = cell.get("queue", "").strip()
     if queue:
         if not QUEUE_NAME_RE.fullmatch(queue):
-            raise TraceError(f"{_where(source, line, 'queue')}: {queue!r} is not a queue name "
+            raise TraceError(f"{where(source, line, 'queue')}: {queue!r} is not a queue name "
                              "(1-32 of a-z, 0-9, '-', '_')")
         out["queue"] = queue
     if cell.get("user", "").strip():
         out["user"] = cell["user"].strip()
     if cell.get("priority_class", "").strip():
-        value = _int_field(cell["priority_class"], source=source, line=line, field="priority_class", minimum=0)
+        value = int_field(cell["priority_class"], source=source, line=line, field="priority_class", minimum=0)
         if value > 100:
-            raise TraceError(f"{_where(source, line, 'priority_class')}: {value} is above 100")
+            raise TraceError(f"{where(source, line, 'priority_class')}: {value} is above 100")
         out["priority_class"] = value
     return out
 
@@ -189,19 +191,19 @@ def parse_gavel_trace(text: str, *, job_types: Iterable[str], source: str = "<tr
             raise TraceError(f"{source}: line {index}: {len(fields)} tab-separated fields, Gavel's "
                              f"format has {len(GAVEL_COLUMNS)}")
         cell = dict(zip(GAVEL_COLUMNS, fields))
-        _int_field(cell["needs_data_dir"], source=source, line=index, field="needs_data_dir", minimum=0)
-        workers = _int_field(cell["scale_factor"], source=source, line=index, field="scale_factor", minimum=1)
-        gavel_steps = _int_field(cell["total_steps"], source=source, line=index, field="total_steps", minimum=1)
+        int_field(cell["needs_data_dir"], source=source, line=index, field="needs_data_dir", minimum=0)
+        workers = int_field(cell["scale_factor"], source=source, line=index, field="scale_factor", minimum=1)
+        gavel_steps = int_field(cell["total_steps"], source=source, line=index, field="total_steps", minimum=1)
         jobs.append(TraceJob(
             job_id=f"j{index}",
-            arrival_s=_float_field(cell["arrival_time"], source=source, line=index, field="arrival_time"),
+            arrival_s=float_field(cell["arrival_time"], source=source, line=index, field="arrival_time"),
             job_type=_job_type_field(cell["job_type"], known, source=source, line=index),
             workers=workers,
             total_steps=max(1, round(gavel_steps / workers)),
-            priority=_float_field(cell["priority_weight"], source=source, line=index, field="priority_weight",
+            priority=float_field(cell["priority_weight"], source=source, line=index, field="priority_weight",
                                   positive=True),
         ))
-    return _sorted(jobs)
+    return sort_jobs(jobs)
 
 
 # ---------------------------------------------------------------------------- generator
@@ -235,9 +237,9 @@ def parse_generator_spec(spec: str, *, default_seed: int = 0) -> GeneratorSpec:
     if "jobs" not in values:
         raise TraceError(f"trace {spec!r}: field jobs: missing")
     where = f"trace {spec!r}"
-    jobs = _int_field(values["jobs"], source=where, line=1, field="jobs", minimum=1)
-    rate = _float_field(values.get("rate", "0"), source=where, line=1, field="rate")
-    seed = _int_field(values.get("seed", str(default_seed)), source=where, line=1, field="seed", minimum=0)
+    jobs = int_field(values["jobs"], source=where, line=1, field="jobs", minimum=1)
+    rate = float_field(values.get("rate", "0"), source=where, line=1, field="rate")
+    seed = int_field(values.get("seed", str(default_seed)), source=where, line=1, field="seed", minimum=0)
     flag = values.get("multi_gpu", "false").lower()
     if flag not in ("true", "false"):
         raise TraceError(f"{where}: field multi_gpu: {flag!r} is not true or false")
@@ -322,7 +324,9 @@ def _looks_like_gavel(text: str) -> bool:
 def load_trace(spec: str, *, throughput: ThroughputModel, default_seed: int = 0) -> tuple[TraceJob, ...]:
     """The jobs a ``--trace`` value names: ``gen:...``, a ``.csv`` file or a Gavel trace file.
 
-    A file whose first line has 9 tabs is read as Gavel's format, anything else as CSV.
+    A file whose first line has 9 tabs is read as Gavel's format; a CSV whose header is
+    ``name,time,application,num_replicas,batch_size`` as Sia's (``sia_traces``; its job types
+    are those of ``sia_table``, so ``throughput`` must be that table); anything else as CSV.
     """
     if spec.startswith("gen:"):
         gen = parse_generator_spec(spec, default_seed=default_seed)
@@ -338,4 +342,8 @@ def load_trace(spec: str, *, throughput: ThroughputModel, default_seed: int = 0)
         raise TraceError(f"{spec}: not a UTF-8 text file") from None
     if _looks_like_gavel(text):
         return parse_gavel_trace(text, job_types=throughput.job_types, source=spec)
+    from services.scheduler.sim import sia_traces  # imports this module: not at the top
+
+    if sia_traces.looks_like_sia(text):
+        return sia_traces.parse_sia_jobs(text, job_types=throughput.job_types, source=spec)
     return parse_csv(text, job_types=throughput.job_types, source=spec)

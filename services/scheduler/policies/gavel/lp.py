@@ -32,6 +32,17 @@ non-bottleneck jobs get (Gavel's ECOS returns an interior point; HiGHS a vertex,
 leave GPUs unallocated). We therefore solve a second LP on the optimal face: keep every
 job's normalised throughput >= z* (1 - 1e-6) and maximise the sum of normalised throughputs.
 
+``max_sum_throughput`` mirrors ``ThroughputSumWithPerf.get_allocation``
+(``scheduler/policies/max_sum_throughput.py``; the ``max_sum_throughput_perf`` policy Sia's
+simulator runs as its Gavel baseline)::
+
+    maximize  sum_j rates[j] . X[j]
+
+over the base constraints. Gavel's code computes a per-job normalisation ``1 / sum_t
+rates[j, t]`` there but does not use it: the objective is the raw sum of whole-job steps/s, so
+a job with short steps weighs more than one with long steps. We follow the code. The LP has
+many optimal points when jobs tie; HiGHS returns a vertex (deterministic for equal input).
+
 ``min_total_duration`` mirrors ``MinTotalDurationPolicy.get_allocation``
 (``scheduler/policies/min_total_duration.py``): binary search on the makespan T in
 [100 s, 1e6 s] (stopping when max < 1.05 min, widening the range x10 while nothing is
@@ -116,6 +127,40 @@ def max_min_fairness(rates: np.ndarray, sf: np.ndarray, weights: np.ndarray, gpu
     x = res2.x if res2.status == 0 else res.x[:-1]
     allocation: np.ndarray = np.clip(x.reshape(m, n), 0.0, 1.0)
     return allocation
+
+
+def max_sum_throughput(rates: np.ndarray, sf: np.ndarray, gpus: np.ndarray) -> np.ndarray:
+    """X for Gavel's max_sum_throughput_perf: the most total steps/s the cluster can give.
+
+    Identical jobs (equal rates and scale factor) get identical allocations: the LP is solved
+    over classes of them, a class of k jobs having k times one job's time to spend
+    (``sum_t Y[c, t] <= k``), and each member gets ``Y[c] / k``. This is an optimal point
+    (averaging optimal points of a symmetric LP stays optimal), the one an interior-point
+    solver such as Gavel's ECOS returns for a symmetric problem; a simplex vertex would
+    instead pick arbitrary members to run full time and starve the rest.
+    """
+    m, n = rates.shape
+    if m == 0:
+        return np.zeros((0, n))
+    classes: dict[tuple[float, tuple[float, ...]], list[int]] = {}
+    for j in range(m):
+        classes.setdefault((float(sf[j]), tuple(rates[j].tolist())), []).append(j)
+    members = list(classes.values())
+    c_rates = np.array([rates[group[0]] for group in members]).reshape(len(members), n)
+    c_sf = np.array([sf[group[0]] for group in members], dtype=float)
+    sizes = np.array([len(group) for group in members], dtype=float)
+    base, base_rhs = _base_constraints(c_sf, gpus)
+    base_rhs[:len(members)] = sizes
+    bounds = [(0.0, size if r > 0 else 0.0) for size, row in zip(sizes, c_rates) for r in row]
+    res = linprog(-c_rates.ravel(), A_ub=base, b_ub=base_rhs, bounds=bounds, method="highs")
+    if res.status != 0:
+        raise AllocationError(f"max-sum-throughput LP failed: {res.message}")
+    y = res.x.reshape(len(members), n)
+    allocation = np.zeros((m, n))
+    for c, group in enumerate(members):
+        allocation[group] = y[c] / sizes[c]
+    clipped: np.ndarray = np.clip(allocation, 0.0, 1.0)
+    return clipped
 
 
 def _feasible_at(rates: np.ndarray, remaining: np.ndarray, makespan: float, base: csr_matrix,

@@ -1,8 +1,10 @@
 """Gavel (Narayanan et al., OSDI'20): heterogeneity-aware LP allocation, realised in rounds.
 
-``Gavel`` uses ``max_min_fairness_perf`` and ``GavelMakespan`` ``min_total_duration_perf``
-(both in gavel_lp.py). Both share the round mechanism of Gavel's ``scheduler/scheduler.py``
-(commit c4fa400, the one our throughput table comes from), which this module mirrors:
+``Gavel`` uses ``max_min_fairness_perf``, ``GavelMakespan`` ``min_total_duration_perf`` and
+``GavelThroughput`` ``max_sum_throughput_perf`` (all in lp.py; the last is what Sia's simulator
+runs as "Gavel"; ``GavelThroughputSia`` is it with the options below set as Sia runs it). All
+share the round mechanism of Gavel's ``scheduler/scheduler.py`` (commit c4fa400, the one our
+throughput table comes from), which this module mirrors:
 
 * Time-so-far (``_job_time_so_far`` / ``_worker_time_so_far``): every job starts with
   ``round_s / 2`` on each type (``add_job``). After a round, a job that ran on type t adds
@@ -28,6 +30,12 @@
   a job is taken if it is not yet scheduled, can run on the type, and W <= GPUs of the
   type left. Jobs with zero allocation on a type still take leftover GPUs there (this is
   what makes Gavel work-conserving).
+* Options for Sia's variant of this mechanism (its ``sia-simulator/gavel.py``):
+  ``global_queue`` sorts every (job, type) pair in one queue instead of type by type;
+  ``reset_books=False`` never folds time received into deficits nor restarts the clocks
+  (Sia's never reset), with ``min_reset_interval_s=0`` the LP is solved whenever the active
+  jobs change, as Sia solves it every round; ``sequential_placement`` assigns GPUs as Sia does
+  (``gang.sequential_gangs``) instead of by best fit.
 * Placement (``_schedule_jobs_on_workers`` / ``_assign_workers_to_job``): a job keeps last
   round's GPUs when it stays on the same type (lease extension); others go largest first
   on as few nodes as possible (gang.assign_gangs).
@@ -59,12 +67,14 @@ from services.scheduler.policies.gang import (
     assign_gangs,
     infeasible_detail,
     previous_gangs,
+    sequential_gangs,
     usable_types,
 )
-from services.scheduler.policies.gavel.lp import max_min_fairness, min_total_duration
+from services.scheduler.policies.gavel.lp import max_min_fairness, max_sum_throughput, min_total_duration
 from shared.persistence.codec import snapshot_type
 
 GAVEL_TYPE_ORDER = ("v100", "p100", "k80")
+SIA_TYPE_ORDER = ("t4", "a100", "rtx2080ti")   # Sia's cluster order: aws, dgx-ext, rtx
 DEFAULT_MIN_RESET_INTERVAL_S = 1920.0
 NEW_JOB_PRIORITY = 1e9
 
@@ -98,11 +108,15 @@ class _GavelRounds:
     name = "gavel-base"
 
     def __init__(self, *, min_reset_interval_s: float = DEFAULT_MIN_RESET_INTERVAL_S,
-                 type_order: Sequence[str] = GAVEL_TYPE_ORDER) -> None:
+                 type_order: Sequence[str] = GAVEL_TYPE_ORDER, global_queue: bool = False,
+                 reset_books: bool = True, sequential_placement: bool = False) -> None:
         if min_reset_interval_s < 0:
             raise ValueError(f"min_reset_interval_s must be >= 0: {min_reset_interval_s}")
         self.min_reset_interval_s = float(min_reset_interval_s)
         self.type_order = tuple(type_order)
+        self.global_queue = bool(global_queue)
+        self.reset_books = bool(reset_books)
+        self.sequential_placement = bool(sequential_placement)
 
     def allocate(self, jobs: Sequence[JobState], rates: np.ndarray,
                  gpus: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
@@ -117,6 +131,20 @@ class _GavelRounds:
                 speed[t] += r / best
         others = sorted((t for t in types if t not in listed), key=lambda t: (-speed[t], t))
         return listed + others
+
+    def _queue(self, cands: Sequence[JobState], types: Sequence[str], priority: Mapping[str, Mapping[str, float]],
+               books: _Books, allocation: Mapping[str, Mapping[str, float]]) -> list[tuple[JobState, str]]:
+        """(job, type) in the order selection considers them: type by type (Gavel), or one
+        queue over every (job, type) (``global_queue``, as Sia's gavel.py); within either, by
+        priority, deficit and allocation, descending, ties by type order then arrival."""
+        def key(entry: tuple[JobState, str]) -> tuple[float, float, float]:
+            job, t = entry
+            return (-priority[job.job_id][t], -books.deficits[job.job_id][t], -allocation[job.job_id].get(t, 0.0))
+
+        ranked = [j for j in cands if j.job_id in priority]
+        if self.global_queue:
+            return sorted(((j, t) for t in types for j in ranked), key=key)
+        return [entry for t in types for entry in sorted(((j, t) for j in ranked), key=key)]
 
     def plan(self, request: PlanRequest) -> Plan:
         """One Gavel round: the LP's time fractions, realised by priority (module docstring).
@@ -163,7 +191,8 @@ class _GavelRounds:
         may_reset = (prev is None or last_reset is None or last_reset == 0.0 or not prev.running
                      or request.now_s - last_reset >= self.min_reset_interval_s)
         if changed and may_reset:
-            books.reset(allocation, request.now_s - last_reset if last_reset is not None else 0.0)
+            if self.reset_books:
+                books.reset(allocation, request.now_s - last_reset if last_reset is not None else 0.0)
             matrix = np.array([[rates[j.job_id][t] for t in types] for j in cands])
             matrix = matrix.reshape(len(cands), len(types))
             x, lp_info = self.allocate(cands, matrix, np.array([counts[t] for t in types], dtype=float))
@@ -176,19 +205,14 @@ class _GavelRounds:
         left = dict(counts)
         chosen: dict[str, str] = {}
         requests: list[GangRequest] = []
-        for t in self._types_in_order(types, rates):
-            entries = sorted((j for j in cands if j.job_id in priority), key=lambda j: (
-                -priority[j.job_id][t], -books.deficits[j.job_id][t], -allocation[j.job_id].get(t, 0.0),
-                j.arrival_s, j.job_id))
-            for job in entries:
-                if left[t] == 0:
-                    break
-                if job.job_id in chosen or rates[job.job_id][t] <= 0.0 or job.workers > left[t]:
-                    continue
-                chosen[job.job_id] = t
-                left[t] -= job.workers
-                requests.append(GangRequest(job_id=job.job_id, gpu_type=t, workers=job.workers))
-        gangs = assign_gangs(request.cluster, requests, previous_gangs(request.previous))
+        for job, t in self._queue(cands, self._types_in_order(types, rates), priority, books, allocation):
+            if left[t] == 0 or job.job_id in chosen or rates[job.job_id][t] <= 0.0 or job.workers > left[t]:
+                continue
+            chosen[job.job_id] = t
+            left[t] -= job.workers
+            requests.append(GangRequest(job_id=job.job_id, gpu_type=t, workers=job.workers))
+        place = sequential_gangs if self.sequential_placement else assign_gangs
+        gangs = place(request.cluster, requests, previous_gangs(request.previous))
 
         waiting: list[Wait] = []
         explain: dict[str, dict[str, object]] = {}
@@ -317,3 +341,33 @@ class GavelMakespan(_GavelRounds):
         remaining = np.array([j.remaining for j in jobs], dtype=float)
         x, makespan = min_total_duration(rates, sf, remaining, gpus)
         return x, {"lp_makespan_s": round(float(makespan), 1)}
+
+
+class GavelThroughput(_GavelRounds):
+    """max_sum_throughput_perf: the allocation with the most total steps/s (Sia's Gavel baseline)."""
+
+    name = "gavel-throughput"
+
+    def allocate(self, jobs: Sequence[JobState], rates: np.ndarray,
+                 gpus: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
+        sf = np.array([j.workers for j in jobs], dtype=float)
+        return max_sum_throughput(rates, sf, gpus), {}
+
+
+class GavelThroughputSia(GavelThroughput):
+    """max_sum_throughput_perf driven as Sia's simulator drives it (``sia-simulator/gavel.py``).
+
+    GavelThroughput with the options of the module docstring set to Sia's: the LP whenever the
+    active jobs change (``min_reset_interval_s=0``), one queue over every (job, type), books
+    never reset, GPUs by Sia's sequential pointer, and Sia's cluster order (t4, a100,
+    rtx2080ti; other types after them). What benchmarks/sia_philly.py checks against Sia's
+    published Gavel figures.
+    """
+
+    name = "gavel-throughput-sia"
+
+    def __init__(self, *, min_reset_interval_s: float = 0.0, type_order: Sequence[str] = SIA_TYPE_ORDER,
+                 global_queue: bool = True, reset_books: bool = False, sequential_placement: bool = True) -> None:
+        super().__init__(min_reset_interval_s=min_reset_interval_s, type_order=type_order,
+                         global_queue=global_queue, reset_books=reset_books,
+                         sequential_placement=sequential_placement)

@@ -1,0 +1,169 @@
+"""Sia's public workloads: the job-list loader, the measured throughput table, the work rule,
+the sia-64 preset, and one policy run on a truncated workload."""
+
+from __future__ import annotations
+
+import csv
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from services.scheduler.core.throughput import Part
+from services.scheduler.policies import make_policy
+from services.scheduler.sim.cluster_spec import parse_cluster
+from services.scheduler.sim.sia_profiles import canonical_placement, packed_placement
+from services.scheduler.sim.sia_table import build_sia_throughput, parse_job_type
+from services.scheduler.sim.sia_traces import restart_s_by_job_type
+from services.scheduler.sim.sia_work import (
+    CALIBRATION_SLOWDOWN,
+    iterations_to_finish,
+    naive_iterations,
+    total_steps,
+    validation_curves,
+)
+from services.scheduler.sim.simulator import SimOptions, simulate
+from services.scheduler.sim.traces import TraceError, load_trace
+
+DATA = resources.files("shared.domain").joinpath("data/sia")
+HEADER = "name,time,application,num_replicas,batch_size\n"
+
+
+@pytest.fixture(scope="module")
+def table():
+    return build_sia_throughput()
+
+
+def _row(app: str, cluster: str, placement: str, local_bsz: int) -> dict[str, str]:
+    rows = csv.DictReader(DATA.joinpath(f"profiles/{app}/placements-{cluster}.csv").read_text().splitlines())
+    return next(r for r in rows if r["placement"] == placement and int(r["local_bsz"]) == local_bsz)
+
+
+# ------------------------------------------------------------------ loader
+
+def test_a_sia_workload_loads_as_rigid_jobs_with_the_work_rule(table) -> None:
+    jobs = load_trace(str(DATA.joinpath("workloads/philly/workload-1.csv")), throughput=table)
+    assert len(jobs) == 160
+    assert [j.arrival_s for j in jobs] == sorted(j.arrival_s for j in jobs)
+    first = jobs[0]   # cifar10-0,107,cifar10,6,2048
+    assert (first.job_id, first.arrival_s, first.job_type, first.workers) == (
+        "cifar10-0", 107.0, "cifar10 (batch size 2048)", 6)
+    assert first.total_steps == total_steps("cifar10", 2048)
+    assert {parse_job_type(j.job_type)[0] for j in jobs} <= {"bert", "cifar10", "deepspeech2", "imagenet", "yolov3"}
+
+
+@pytest.mark.parametrize(("row", "field"), [
+    ("a,1,cifar10,0,2048", "num_replicas"),
+    ("a,-1,cifar10,2,2048", "time"),
+    ("a,1,resnet,2,2048", "application"),
+    ("a,1,cifar10,2,100", "batch_size"),
+    ("a,1,cifar10,2,many", "batch_size"),
+    (",1,cifar10,2,2048", "name"),
+])
+def test_a_bad_row_names_file_line_and_field(table, tmp_path: Path, row: str, field: str) -> None:
+    path = tmp_path / "bad.csv"
+    path.write_text(HEADER + "ok,0,cifar10,2,2048\n" + row + "\n")
+    with pytest.raises(TraceError) as err:
+        load_trace(str(path), throughput=table)
+    message = str(err.value)
+    assert message.startswith(f"{path}: line 3: field {field}") and "\n" not in message
+
+
+def test_a_sia_job_list_needs_sia_s_table(tmp_path: Path) -> None:
+    from services.scheduler.sim.simulator import build_throughput
+
+    path = tmp_path / "w.csv"
+    path.write_text(HEADER + "a,0,cifar10,2,2048\n")
+    with pytest.raises(TraceError, match="line 2: field batch_size"):
+        load_trace(str(path), throughput=build_throughput())
+
+
+# ------------------------------------------------------------------ throughput table
+
+def test_a_rate_is_one_over_the_measured_step_time_of_its_placement_row(table) -> None:
+    job_type = "cifar10 (batch size 2048)"    # 2 GPUs: 1024 each, the largest measured: no accumulation
+    one_node = _row("cifar10", "aws", "2", 1024)
+    assert table.rate(job_type, "t4", 2) == pytest.approx(1.0 / float(one_node["step_time"]))
+    # 4096 on 2 GPUs: 2048 each, twice the largest measured batch -> one accumulation step,
+    # which computes without synchronising: step + (step - sync).
+    step, sync = float(one_node["step_time"]), float(one_node["sync_time"])
+    assert table.rate("cifar10 (batch size 4096)", "t4", 2) == pytest.approx(1.0 / (2 * step - sync))
+
+
+def test_two_nodes_pay_the_measured_cross_node_placement(table) -> None:
+    job_type = "cifar10 (batch size 4096)"    # 4 GPUs: 1024 each
+    split = float(_row("cifar10", "aws", "22", 1024)["step_time"])
+    together = float(_row("cifar10", "aws", "4", 1024)["step_time"])
+    assert split != together
+    assert table.placement_rate(job_type, [Part("a", "t4", 2), Part("b", "t4", 2)]) == pytest.approx(1.0 / split)
+    assert table.placement_rate(job_type, [Part("a", "t4", 4)]) == pytest.approx(1.0 / together)
+    assert table.rate(job_type, "t4", 4) == pytest.approx(1.0 / together)   # rate(): packed on one node
+
+
+def test_table_types_shapes_and_limits(table) -> None:
+    assert canonical_placement((2, 1, 0, 3)) == (1, 3, 2) and packed_placement(10, 4) == (4, 4, 2)
+    job_type = "imagenet (batch size 1600)"
+    assert all(table.rate(job_type, t, 8) > 0 for t in ("t4", "rtx2080ti", "a100"))
+    assert table.rate(job_type, "a100", 8) > table.rate(job_type, "rtx2080ti", 8) > table.rate(job_type, "t4", 8)
+    assert table.rate(job_type, "a100", 17) == 0.0      # beyond the 2 profiled DGX nodes
+    assert table.rate(job_type, "v100", 1) == 0.0       # no profile, no estimate
+    assert job_type in table.job_types and table.scales(job_type, "rtx2080ti") == tuple(range(1, 25))
+    mixed = table.placement_rate(job_type, [Part("a", "a100", 4), Part("b", "t4", 4)])
+    assert mixed == pytest.approx(table.shape_rate(job_type, "t4", (4, 4)))   # the slowest type sets the pace
+
+
+def test_the_spanning_bound_covers_every_shape_across_nodes(table) -> None:
+    from services.scheduler.sim.bounds import ttd_bounds
+
+    for job_type, gpu_type in (("cifar10 (batch size 4096)", "t4"), ("imagenet (batch size 1600)", "a100")):
+        bound = table.spanning_bound(job_type, gpu_type, 4)
+        for shape in ((2, 2), (1, 3), (1, 1, 2), (1, 1, 1, 1)):
+            assert table.shape_rate(job_type, gpu_type, shape) <= bound + 1e-12
+    # (2, 2) measured faster than one node of 4 for cifar10 at 1024 per GPU: the bound sees it.
+    assert table.spanning_bound("cifar10 (batch size 4096)", "t4", 4) > table.rate("cifar10 (batch size 4096)", "t4", 4)
+    jobs = load_trace(str(DATA.joinpath("workloads/philly/workload-3.csv")), throughput=table)[:10]
+    bounds = ttd_bounds(jobs, parse_cluster("sia-64"), table)
+    assert 0 < bounds.ttd_fork_s <= bounds.ttd_nofork_s
+
+
+# ------------------------------------------------------------------ work rule
+
+def test_at_the_smallest_batch_the_work_is_the_progress_column() -> None:
+    curves = validation_curves("cifar10")
+    assert curves[0].batch == 128
+    epochs_end = min(c.progress[99] for c in curves)      # 100 epochs
+    assert iterations_to_finish("cifar10", 128) == pytest.approx(epochs_end)
+    assert naive_iterations("cifar10", 128) == pytest.approx(100 * 391, rel=1e-3)   # 50,000 images / 128
+
+
+def test_large_batches_need_more_iterations_than_perfect_scaling() -> None:
+    for app, batch in (("cifar10", 4096), ("imagenet", 3200), ("bert", 384)):
+        assert iterations_to_finish(app, batch) >= naive_iterations(app, batch) * (1 - 1e-9)
+    calibrated = iterations_to_finish("cifar10", 2048) * CALIBRATION_SLOWDOWN["cifar10"]
+    assert total_steps("cifar10", 2048) == round(calibrated)
+    assert total_steps("cifar10", 2048, calibrated=False) == round(iterations_to_finish("cifar10", 2048))
+    with pytest.raises(ValueError):
+        iterations_to_finish("cifar10", 8192)
+
+
+# ------------------------------------------------------------------ presets
+
+def test_sia_64_is_sia_s_default_cluster_and_scales_by_nodes() -> None:
+    c = parse_cluster("sia-64")
+    assert c.total_gpus == 64 and dict(c.gpus_by_type) == {"a100": 16, "rtx2080ti": 24, "t4": 24}
+    sizes = {(n.gpus[0], n.size) for n in c.nodes}
+    assert sizes == {("t4", 4), ("rtx2080ti", 8), ("a100", 8)} and len(c.nodes) == 11
+    big = parse_cluster("sia-64x4")
+    assert big.total_gpus == 256 and len(big.nodes) == 44 and big.name == "sia-64x4"
+
+
+# ------------------------------------------------------------------ one run
+
+def test_gavel_throughput_sia_finishes_a_truncated_workload_with_valid_plans(table) -> None:
+    jobs = load_trace(str(DATA.joinpath("workloads/philly/workload-3.csv")), throughput=table)[:20]
+    options = SimOptions(round_s=360.0, restart_s_by_job_type=restart_s_by_job_type(jobs), check=True)
+    result = simulate(policy=make_policy("gavel-throughput-sia"), cluster=parse_cluster("sia-64"), jobs=jobs,
+                      throughput=table, options=options)
+    assert result.stop_reason == "completed"
+    assert all(j.completion_s is not None and j.completion_s > j.arrival_s for j in result.jobs)
+    assert restart_s_by_job_type(jobs)["cifar10 (batch size 2048)"] == 50.0
