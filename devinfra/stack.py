@@ -135,14 +135,15 @@ def write_env_file(path: Path, servers: DevServers) -> None:
     write_private(path, "\n".join(env_lines(servers)) + "\n")
 
 
-def up(paths: InfraPaths, *, report: Report = lambda _: None, secure: bool = False, brokers: int = 1,
-       drives: int = 1) -> DevServers:
+def up(paths: InfraPaths, *, report: Report = lambda _: None, secure: bool = False, brokers: int | None = None,
+       drives: int | None = None) -> DevServers:
     """Ensure both servers run and answer: reuse what runs, restart what is recorded but
     gone (same data, ports, credentials), and start anew only what is not recorded.
     Fetches and builds whatever is missing first, and reports how long each phase took.
     ``secure``: the broker is (or becomes) the secured one; see the module doc.
-    ``brokers``/``drives``: the size of a new Kafka cluster / MinIO erasure set; a recorded
-    one of another size is refused (``down`` first)."""
+    ``brokers``/``drives``: the size of a new Kafka cluster / MinIO erasure set (default 1);
+    a recorded one of another size is refused (``down`` first), and without them what is
+    recorded is brought up as it was."""
     with file_lock(paths.run / ".lock"):
         recorded = load_kafka(paths)
         if recorded is not None and recorded.secure != secure:
@@ -159,10 +160,10 @@ def up(paths: InfraPaths, *, report: Report = lambda _: None, secure: bool = Fal
         minio_binary = None if minio is not None else build_minio(paths, report=report)
         prepared = time.monotonic()
         if kafka_needs is not None:
-            kafka = _start_kafka(paths, *kafka_needs, report, brokers=brokers, secure=secure)
+            kafka = _start_kafka(paths, *kafka_needs, report, brokers=brokers or 1, secure=secure)
         try:
             if minio_binary is not None:
-                minio = _start_minio(paths, minio_binary, report, drives=drives)
+                minio = _start_minio(paths, minio_binary, report, drives=drives or 1)
         except BaseException:
             if kafka_needs is not None:
                 _stop_kafka(paths, keep_data=True)

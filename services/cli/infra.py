@@ -44,12 +44,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     start.add_argument("--secure", action="store_true",
                        help="Kafka with SASL_SSL, SCRAM users and ACLs; MinIO with a user per service; "
                             "credentials in $HADAR_RUN_DIR/credentials/<principal>.env")
-    start.add_argument("--brokers", type=int, choices=SUPPORTED_BROKERS, default=1,
-                       help="Kafka brokers: 1 (default), or 3 (KRaft quorum of three; every topic replicated "
-                            "3 times, min.insync.replicas=2)")
-    start.add_argument("--drives", type=_drives, default=1, metavar="N",
-                       help="MinIO drives: 1 (default), or 4 to 16 as one erasure set (4: objects survive the "
-                            "loss of one drive for writes, two for reads)")
+    start.add_argument("--brokers", type=int, choices=SUPPORTED_BROKERS, default=None,
+                       help="Kafka brokers: 1 (default for a new one), or 3 (KRaft quorum of three; every topic "
+                            "replicated 3 times, min.insync.replicas=2); without it, what is recorded")
+    start.add_argument("--drives", type=_drives, default=None, metavar="N",
+                       help="MinIO drives: 1 (default for a new one), or 4 to 16 as one erasure set (4: objects "
+                            "survive the loss of one drive for writes, two for reads); without it, what is recorded")
     start.set_defaults(func=_up)
     again = actions.add_parser(
         "restart", help="restart one server with its data, port and credentials",
