@@ -217,7 +217,8 @@ def _start_fresh(paths: InfraPaths, binary: Path, *, drives: int, clock: Clock) 
 def _launch(paths: InfraPaths, binary: Path, server: MinioServer, *, clock: Clock) -> MinioServer:
     run_dir = Path(server.run_dir)
     for drive in server.drive_dirs:
-        drive.mkdir(parents=True, exist_ok=True)
+        if not drive.exists():   # a path that exists but is no directory is a drive MinIO finds offline
+            drive.mkdir(parents=True)
     env = {
         **os.environ,
         "MINIO_ROOT_USER": server.access_key,

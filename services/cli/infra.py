@@ -104,7 +104,10 @@ def _restart(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    found = status(InfraPaths.from_env())
+    try:
+        found = status(InfraPaths.from_env())
+    except InfraError as exc:   # a cluster whose records are incomplete
+        return _fail(exc)
     for entry in found:
         print(entry.line())
     return 0 if all(entry.state == "up" for entry in found) else 1

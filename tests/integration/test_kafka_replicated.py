@@ -68,7 +68,7 @@ def cluster(cluster_paths: InfraPaths) -> KafkaCluster:
     return ensure_kafka_cluster(cluster_paths, brokers=3)[0]
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class Producer:
     """Publishes JobCancelled events one after another and keeps what was acknowledged when."""
 
