@@ -7,13 +7,14 @@ the official images instead (deploy/). See deploy/README-dev.md.
 """
 
 from devinfra.common import InfraError, InfraPaths
-from devinfra.kafka import KafkaServer
+from devinfra.kafka import KafkaCluster, KafkaServer
 from devinfra.minio import MINIO_VERSION, MinioServer
 from devinfra.stack import (
     DevServers,
     ServerStatus,
     down,
     ensure_kafka,
+    ensure_kafka_cluster,
     ensure_minio,
     env_lines,
     restart,
@@ -24,7 +25,8 @@ from devinfra.stack import (
 )
 
 __all__ = [
-    "InfraError", "InfraPaths", "KafkaServer", "MinioServer", "MINIO_VERSION", "DevServers",
-    "ServerStatus", "up", "restart", "status", "down", "ensure_kafka", "ensure_minio", "stop_server",
+    "InfraError", "InfraPaths", "KafkaServer", "KafkaCluster", "MinioServer", "MINIO_VERSION", "DevServers",
+    "ServerStatus", "up", "restart", "status", "down", "ensure_kafka", "ensure_kafka_cluster", "ensure_minio",
+    "stop_server",
     "env_lines", "write_env_file",
 ]

@@ -33,8 +33,8 @@ from shared.errors import HadarError
 from shared.security.files import read_json
 
 __all__ = [
-    "InfraError", "InfraPaths", "Clock", "free_port", "spawn", "is_running", "stop_group",
-    "wait_for", "port_accepts", "file_lock", "log_tail",
+    "InfraError", "InfraPaths", "Clock", "free_port", "free_ports", "spawn", "is_running", "stop_group",
+    "stop_groups", "wait_for", "port_accepts", "file_lock", "log_tail",
     "remove_tree", "keep_previous", "port_released", "exit_status", "failure_tail", "FAILURE_LINES",
 ]
 
@@ -89,6 +89,16 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports on 127.0.0.1 that were free a moment ago (each bound until
+    all are chosen, so none repeats; the servers may still race for them)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
 
 
 def port_accepts(port: int, host: str = "127.0.0.1", timeout: float = 1.0) -> bool:
@@ -163,18 +173,28 @@ def stop_group(pid: int, marker: str, *, grace: float = 10.0, clock: Clock = tim
 
     Does nothing when ``pid`` is not running ``marker`` any more (already stopped).
     """
-    if not is_running(pid, marker):
-        return  # never signal a group whose leader is gone: its id may belong to another now
-    _signal_group(pid, signal.SIGTERM)
+    stop_groups([(pid, marker)], grace=grace, clock=clock, sleep=sleep)
+
+
+def stop_groups(leaders: Sequence[tuple[int, str]], *, grace: float = 10.0, clock: Clock = time.monotonic,
+                sleep: Callable[[float], None] = time.sleep) -> None:
+    """:func:`stop_group` for several groups at once, each ``(pid, marker)``: all get SIGTERM
+    together, so the nodes of a cluster shut down while their peers still answer."""
+    # never signal a group whose leader is gone: its id may belong to another now
+    running = [(pid, marker) for pid, marker in leaders if is_running(pid, marker)]
+    for pid, _ in running:
+        _signal_group(pid, signal.SIGTERM)
     deadline = clock() + grace
-    while clock() < deadline and is_running(pid, marker):
+    while clock() < deadline and any(is_running(pid, marker) for pid, marker in running):
         sleep(0.1)
-    _signal_group(pid, signal.SIGKILL)
+    for pid, _ in running:
+        _signal_group(pid, signal.SIGKILL)
     deadline = clock() + 5.0
-    while clock() < deadline and is_running(pid, marker):
+    while clock() < deadline and any(is_running(pid, marker) for pid, marker in running):
         sleep(0.05)
-    if is_running(pid, marker):
-        raise InfraError(f"process {pid} survived SIGKILL")
+    for pid, marker in running:
+        if is_running(pid, marker):
+            raise InfraError(f"process {pid} survived SIGKILL")
 
 
 def wait_for(ready: Callable[[], bool], *, what: str, timeout: float, alive: Callable[[], bool],

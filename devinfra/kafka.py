@@ -1,49 +1,39 @@
-"""A single-node Apache Kafka (KRaft, combined broker+controller) for development and tests.
+"""Apache Kafka for development and tests: one broker, or a cluster of three, each node a
+combined KRaft broker+controller of a static quorum.
 
-Jars come from Maven Central through ``mvn`` and deploy/kafka/pom.xml, once, into the
-cache. The broker binds 127.0.0.1 only, on free ports, with settings for fast tests
-(no initial rebalance delay, one offsets partition, replication 1) and a small heap.
-It counts as ready when its port accepts and a Metadata request lists a broker.
+Jars and java: :mod:`devinfra.kafka_jars`; the config files: :mod:`devinfra.kafka_config`.
+Every node binds 127.0.0.1 only, on free ports, with a small heap. Node 1 lives in
+``run/kafka/``, nodes 2 and 3 of a cluster in ``run/kafka-2/`` and ``run/kafka-3/``; each
+records its own ``state.json`` (with the quorum's voters), so each can be killed and
+restarted alone. A node counts as ready when its port accepts and a Metadata request to it
+lists that node: it has registered with the quorum and is not fenced.
 
-A new broker gets free ports and a new cluster id; a restarted one (:func:`restart_kafka`)
-gets the recorded ones and its existing storage, so clients find it where it was.
-``secure=True`` starts it with a SASL_SSL listener, SCRAM users and the StandardAuthorizer
-(:mod:`devinfra.broker_auth`); a restart keeps the mode it was recorded with.
+A new cluster gets free ports and a new cluster id; a restarted node (:func:`restart_kafka`,
+:func:`restart_kafka_nodes`) gets the recorded ones and its existing storage, so clients
+find it where it was. ``secure=True`` (one broker only) starts it with a SASL_SSL listener,
+SCRAM users and the StandardAuthorizer (:mod:`devinfra.broker_auth`); a restart keeps the
+mode it was recorded with.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import concurrent.futures
-import hashlib
+import functools
 import json
 import logging
-import os
-import re
-import secrets
-import shutil
 import subprocess
 import time
-import xml.etree.ElementTree as ET
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from devinfra.broker_auth import (
-    BrokerSecurity,
-    admin_security,
-    listener_properties,
-    prepare,
-    scram_args,
-    write_argfile,
-)
+from devinfra.broker_auth import BrokerSecurity, admin_security, prepare, scram_args, write_argfile
 from devinfra.common import (
     Clock,
     InfraError,
     InfraPaths,
-    file_lock,
-    free_port,
+    free_ports,
     is_running,
     keep_previous,
     load_recorded,
@@ -55,42 +45,43 @@ from devinfra.common import (
     stop_group,
     wait_for,
 )
+from devinfra.kafka_config import (
+    EXTRA_PROPERTIES,
+    LOG4J2_PROPERTIES,
+    extra_properties,
+    kafka_properties,
+    new_cluster_id,
+    replication_properties,
+)
+from devinfra.kafka_jars import DEFAULT_POM, fetch_kafka, find_java
 from shared.bus.settings import KafkaSecurity
 from shared.security.files import write_private
 
 __all__ = [
-    "KafkaServer", "DEFAULT_POM", "find_java", "fetch_kafka", "start_kafka", "restart_kafka", "kafka_properties",
-    "EXTRA_PROPERTIES", "extra_properties",
-    "load_kafka", "kafka_healthy", "new_cluster_id",
+    "KafkaServer", "KafkaCluster", "DEFAULT_POM", "find_java", "fetch_kafka", "start_kafka", "start_kafka_cluster",
+    "restart_kafka", "restart_kafka_nodes", "kafka_properties", "EXTRA_PROPERTIES", "extra_properties",
+    "load_kafka", "load_kafka_cluster", "kafka_node_names", "node_name", "kafka_healthy", "new_cluster_id",
 ]
 
 NAME = "kafka"
-DEFAULT_POM = Path(__file__).resolve().parents[1] / "deploy" / "kafka" / "pom.xml"
 JVM_HEAP = ("-Xms256m", "-Xmx512m")
+# Three JVMs share the machine: each gets half the heap of a lone broker, plenty for a few topics.
+CLUSTER_JVM_HEAP = ("-Xms128m", "-Xmx256m")
 READY_TIMEOUT_S = 120.0
-_POM_NS = "{http://maven.apache.org/POM/4.0.0}"
 
-LOG4J2_PROPERTIES = """\
-# Written by `hadar infra up`: everything to the console, which goes to kafka.log.
-status = warn
-appender.console.type = Console
-appender.console.name = STDOUT
-appender.console.layout.type = PatternLayout
-appender.console.layout.pattern = [%d] %p %m (%c)%n
-rootLogger.level = INFO
-rootLogger.appenderRef.stdout.ref = STDOUT
-logger.controller.name = org.apache.kafka.controller
-logger.controller.level = WARN
-logger.raft.name = org.apache.kafka.raft
-logger.raft.level = WARN
-logger.statechange.name = state.change.logger
-logger.statechange.level = WARN
-"""
+
+def node_name(node_id: int) -> str:
+    """The server name (and run directory) of node ``node_id``: ``kafka``, ``kafka-2``, ..."""
+    return NAME if node_id == 1 else f"{NAME}-{node_id}"
 
 
 @dataclass(frozen=True, kw_only=True)
 class KafkaServer:
-    """A running (or recorded) development broker."""
+    """A running (or recorded) development broker: one node of its cluster.
+
+    ``voters`` is the quorum (``controller.quorum.voters``) of a cluster; empty for a lone
+    broker, which votes for itself.
+    """
 
     pid: int
     port: int
@@ -98,6 +89,16 @@ class KafkaServer:
     run_dir: str
     cluster_id: str
     secure: bool = False
+    node_id: int = 1
+    voters: str = ""
+
+    @property
+    def name(self) -> str:
+        return node_name(self.node_id)
+
+    @property
+    def cluster_size(self) -> int:
+        return len(self.voters.split(",")) if self.voters else 1
 
     @property
     def bootstrap(self) -> str:
@@ -113,160 +114,84 @@ class KafkaServer:
         return str(Path(self.run_dir) / "server.properties")
 
 
-EXTRA_PROPERTIES = "kafka-extra.properties"
+@dataclass(frozen=True, kw_only=True)
+class KafkaCluster:
+    """Every broker of a development cluster, node 1 first (one broker or three)."""
+
+    brokers: tuple[KafkaServer, ...]
+
+    @property
+    def bootstrap(self) -> str:
+        """Every broker's address, comma-separated, as ``HADAR_BOOTSTRAP`` takes them."""
+        return ",".join(broker.bootstrap for broker in self.brokers)
+
+    @property
+    def secure(self) -> bool:
+        return self.brokers[0].secure
 
 
-def extra_properties(run: Path) -> dict[str, str]:
-    """Operator overrides of the broker config: ``key=value`` lines of
-    ``{run}/kafka-extra.properties`` (``#`` comments and blank lines ignored), applied at
-    every start and restart. The file is outside the server's own directory, so a fresh start
-    does not remove it. E.g. a test that needs time-based retention to act within seconds
-    sets ``log.retention.check.interval.ms`` (the broker's default checks every 5 minutes)."""
-    path = run / EXTRA_PROPERTIES
-    if not path.exists():
-        return {}
-    found: dict[str, str] = {}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        key, sep, value = line.partition("=")
-        if not sep or not key.strip():
-            raise InfraError(f"{path}:{number}: expected key=value, got {line!r}")
-        found[key.strip()] = value.strip()
-    return found
+def load_kafka(paths: InfraPaths, name: str = NAME) -> KafkaServer | None:
+    """The recorded broker ``name`` of this run directory, whether or not it still runs."""
+    return load_recorded(paths.state_file(name), KafkaServer)
 
 
-def kafka_properties(*, port: int, controller_port: int, data_dir: Path,
-                     security: BrokerSecurity | None = None,
-                     extra: Mapping[str, str] | None = None) -> str:
-    """The broker config: one combined KRaft node with a static quorum, tuned for tests
-    (with ``security``: a SASL_SSL client listener and ACLs, see :mod:`.kafka_secure`);
-    ``extra`` entries are added last and win."""
-    settings = {
-        "process.roles": "broker,controller",
-        "node.id": "1",
-        "controller.quorum.voters": f"1@127.0.0.1:{controller_port}",
-        "listeners": f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
-        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port}",
-        "controller.listener.names": "CONTROLLER",
-        "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
-        "inter.broker.listener.name": "PLAINTEXT",
-        "log.dirs": str(data_dir),
-        "num.partitions": "1",
-        "offsets.topic.replication.factor": "1",
-        "offsets.topic.num.partitions": "1",
-        "transaction.state.log.replication.factor": "1",
-        "transaction.state.log.min.isr": "1",
-        "share.coordinator.state.topic.replication.factor": "1",
-        "share.coordinator.state.topic.min.isr": "1",
-        "group.initial.rebalance.delay.ms": "0",
-        "auto.create.topics.enable": "true",
-    }
-    if security is not None:
-        settings.update(listener_properties(security, port=port, controller_port=controller_port))
-        settings["auto.create.topics.enable"] = "false"
-    settings.update(extra or {})
-    lines = ["# Written by `hadar infra up` for development and tests."]
-    lines += [f"{name}={value}" for name, value in settings.items()]
-    return "\n".join(lines) + "\n"
+def load_kafka_cluster(paths: InfraPaths) -> tuple[KafkaServer, ...]:
+    """Every recorded broker of this run directory, node 1 first; empty when none is."""
+    first = load_kafka(paths)
+    if first is None:
+        return ()
+    nodes = [first]
+    for node_id in range(2, first.cluster_size + 1):
+        node = load_kafka(paths, node_name(node_id))
+        if node is None:
+            raise InfraError(f"kafka: {paths.run} records node 1 of {first.cluster_size} brokers but not "
+                             f"{node_name(node_id)}; `hadar infra down` deletes them")
+        nodes.append(node)
+    return tuple(nodes)
 
 
-def new_cluster_id(random_bytes: Callable[[int], bytes] = secrets.token_bytes) -> str:
-    """A Kafka cluster id as ``StorageTool random-uuid`` makes one (without starting a JVM):
-    16 random bytes, URL-safe base64 without padding, never starting with '-'."""
-    while True:
-        text = base64.urlsafe_b64encode(random_bytes(16)).decode().rstrip("=")
-        if not text.startswith("-"):
-            return text
-
-
-def find_java(env: Mapping[str, str] = os.environ) -> str:
-    """Path of a ``java`` of version 17 or newer (``$JAVA_HOME`` first, then ``PATH``)."""
-    candidates = []
-    if env.get("JAVA_HOME"):
-        candidates.append(str(Path(env["JAVA_HOME"]) / "bin" / "java"))
-    on_path = shutil.which("java", path=env.get("PATH"))
-    if on_path:
-        candidates.append(on_path)
-    found: list[str] = []
-    for java in candidates:
-        version = _java_major(java)
-        if version is not None and version >= 17:
-            return java
-        if version is not None:
-            found.append(f"{version} at {java}")
-    raise InfraError("java 17+ not found" + (f" (found {', '.join(found)})" if found else ""))
-
-
-def fetch_kafka(paths: InfraPaths, *, pom: Path = DEFAULT_POM,
-                report: Callable[[str], None] = lambda _: None) -> Path:
-    """The directory of Kafka's runtime jars, fetched with ``mvn`` on first use (cached).
-
-    The cache entry is keyed by the pom's content, so editing the pom fetches again.
-    """
-    try:
-        pom_bytes = pom.read_bytes()
-    except OSError:
-        raise InfraError(f"{pom} not found: run from a Hadar checkout") from None
-    home = paths.cache / f"kafka-{_pom_kafka_version(pom_bytes)}-{hashlib.sha256(pom_bytes).hexdigest()[:10]}"
-    lib = home / "lib"
-    with file_lock(paths.cache / ".fetch-kafka.lock"):
-        if (home / ".complete").exists():
-            report(f"kafka: jars cached in {lib}")
-            return lib
-        mvn = shutil.which("mvn")
-        if mvn is None:
-            raise InfraError("mvn not found: needed once to fetch Kafka's jars from Maven Central")
-        started = time.monotonic()
-        staging = home / "lib.partial"
-        remove_tree(staging)
-        remove_tree(lib)
-        home.mkdir(parents=True, exist_ok=True)
-        paths.logs.mkdir(parents=True, exist_ok=True)
-        log = paths.logs / "kafka-fetch.log"
-        with open(log, "wb") as out:
-            result = subprocess.run(
-                [mvn, "-B", "-q", "-Dstyle.color=never", "-f", str(pom), "dependency:copy-dependencies",
-                 "-DincludeScope=runtime", f"-DoutputDirectory={staging}"],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, check=False,
-            )
-        if result.returncode != 0 or not any(staging.glob("kafka_2.13-*.jar")):
-            raise InfraError(f"mvn failed: {_mvn_error(log)} (log: {log})")
-        staging.rename(lib)
-        (home / ".complete").write_text("ok\n")
-        report(f"kafka: fetched jars with mvn in {time.monotonic() - started:.1f}s")
-        return lib
-
-
-def load_kafka(paths: InfraPaths) -> KafkaServer | None:
-    """The recorded broker of this run directory, whether or not it still runs."""
-    return load_recorded(paths.state_file(NAME), KafkaServer)
+def kafka_node_names(paths: InfraPaths) -> list[str]:
+    """The names of every broker directory in this run directory (``kafka`` always first),
+    recorded or left over, for ``down`` to stop and remove."""
+    others = sorted((p.name for p in paths.run.glob(f"{NAME}-[0-9]*") if p.is_dir()),
+                    key=lambda name: int(name.rpartition("-")[2]))
+    return [NAME, *others]
 
 
 def kafka_healthy(server: KafkaServer, timeout: float = 5.0) -> bool:
-    """Whether the broker's port accepts and a Metadata request lists at least one broker
+    """Whether the broker's port accepts and a Metadata request to it lists this broker
     (as the admin, for a secured broker)."""
     security = admin_security(Path(server.run_dir).parent) if server.secure else None
-    return port_accepts(server.port) and _metadata_lists_broker(server.bootstrap, timeout, security)
+    return port_accepts(server.port) and _metadata_lists_node(server.bootstrap, server.node_id, timeout, security)
 
 
 def start_kafka(paths: InfraPaths, lib: Path, java: str, *, clock: Clock = time.monotonic,
                 attempts: int = 3, secure: bool = False) -> KafkaServer:
-    """Format fresh storage and start a new broker; return once it is ready (state recorded).
+    """Format fresh storage and start a new single broker; see :func:`start_kafka_cluster`."""
+    return start_kafka_cluster(paths, lib, java, brokers=1, clock=clock, attempts=attempts, secure=secure).brokers[0]
+
+
+def start_kafka_cluster(paths: InfraPaths, lib: Path, java: str, *, brokers: int, clock: Clock = time.monotonic,
+                        attempts: int = 3, secure: bool = False) -> KafkaCluster:
+    """Format fresh storage and start ``brokers`` new nodes (1 or 3); return once every one
+    is ready (states recorded).
 
     Retries with new ports when one was taken between choosing it and binding it. Refuses
-    (and touches nothing) when the run directory holds broker data that no state file
+    (and touches nothing) when a node's directory holds broker data that no state file
     describes: data is only ever deleted by ``down``. A start that fails removes what it
     created, so the next ``up`` starts afresh again.
     """
-    data_dir = paths.server_dir(NAME) / "data"
-    if data_dir.is_dir() and any(data_dir.iterdir()):
-        raise InfraError(f"kafka: {data_dir} holds data but no usable state.json records its port and "
-                         "cluster id; `hadar infra down` deletes it")
+    replication_properties(brokers)  # refuses an unsupported count in one line
+    if secure and brokers != 1:
+        raise InfraError("kafka: a secured broker runs alone; `hadar infra up --secure` takes no --brokers")
+    for node_id in range(1, brokers + 1):
+        data_dir = paths.server_dir(node_name(node_id)) / "data"
+        if data_dir.is_dir() and any(data_dir.iterdir()):
+            raise InfraError(f"kafka: {data_dir} holds data but no usable state.json records its port and "
+                             "cluster id; `hadar infra down` deletes it")
     for attempt in range(1, attempts + 1):
         try:
-            return _start_fresh(paths, lib, java, clock=clock, secure=secure)
+            return _start_fresh(paths, lib, java, brokers=brokers, clock=clock, secure=secure)
         except InfraError as exc:
             if attempt == attempts or "Address already in use" not in str(exc):
                 raise
@@ -275,79 +200,106 @@ def start_kafka(paths: InfraPaths, lib: Path, java: str, *, clock: Clock = time.
 
 def restart_kafka(paths: InfraPaths, lib: Path, java: str, recorded: KafkaServer, *,
                   clock: Clock = time.monotonic) -> KafkaServer:
-    """Start the recorded broker again: the same data directory, ports and cluster id, so
-    clients reconnect to the address they had and find every record it had stored.
+    """Start the recorded broker again; see :func:`restart_kafka_nodes`. A node of a cluster
+    becomes ready only while a majority of the quorum runs (its peers, or ``up``)."""
+    return restart_kafka_nodes(paths, lib, java, [recorded], clock=clock)[0]
 
-    The recorded process must be gone (stop it first). Never formats storage that exists
-    and never picks another port: a port another process took is an error. On failure
-    the data and the state file are kept for the next try.
+
+def restart_kafka_nodes(paths: InfraPaths, lib: Path, java: str, recorded: Sequence[KafkaServer], *,
+                        clock: Clock = time.monotonic) -> tuple[KafkaServer, ...]:
+    """Start the recorded brokers again, together: the same data directories, ports and
+    cluster id, so clients reconnect to the addresses they had and find every record stored.
+
+    The recorded processes must be gone (stop them first). Never formats storage that
+    exists and never picks another port: a port another process took is an error. On
+    failure the data and the state files are kept for the next try.
     """
-    if is_running(recorded.pid, recorded.marker):
-        raise InfraError(f"kafka: still running (pid {recorded.pid}); stop it before restarting")
-    for port in (recorded.port, recorded.controller_port):
-        if not port_released(port):
-            raise InfraError(f"kafka: port {port} is taken by another process; free it and run "
-                             "`hadar infra restart kafka` (`hadar infra down` deletes the data instead)")
-    run_dir = Path(recorded.run_dir)
-    formatted = (run_dir / "data" / "meta.properties").exists()
-    return _launch(paths, lib, java, port=recorded.port, controller_port=recorded.controller_port,
-                   cluster_id=recorded.cluster_id, format_storage=not formatted, clock=clock,
-                   secure=recorded.secure)
+    for server in recorded:
+        if is_running(server.pid, server.marker):
+            raise InfraError(f"{server.name}: still running (pid {server.pid}); stop it before restarting")
+        for port in (server.port, server.controller_port):
+            if not port_released(port):
+                raise InfraError(f"{server.name}: port {port} is taken by another process; free it and run "
+                                 f"`hadar infra restart {server.name}` (`hadar infra down` deletes the data instead)")
+    return _launch(paths, lib, java, recorded, clock=clock)
 
 
-def _start_fresh(paths: InfraPaths, lib: Path, java: str, *, clock: Clock, secure: bool) -> KafkaServer:
-    run_dir = paths.server_dir(NAME)
-    remove_tree(run_dir)
-    port, controller_port = free_port(), free_port()
-    while controller_port == port:
-        controller_port = free_port()
+def _start_fresh(paths: InfraPaths, lib: Path, java: str, *, brokers: int, clock: Clock,
+                 secure: bool) -> KafkaCluster:
+    names = [node_name(node_id) for node_id in range(1, brokers + 1)]
+    for name in names:
+        remove_tree(paths.server_dir(name))
+    ports = free_ports(2 * brokers)
+    client_ports, controller_ports = ports[:brokers], ports[brokers:]
+    voters = "" if brokers == 1 else ",".join(f"{i}@127.0.0.1:{port}" for i, port in enumerate(controller_ports, 1))
+    cluster_id = new_cluster_id()
+    planned = [KafkaServer(pid=0, port=port, controller_port=controller_port, run_dir=str(paths.server_dir(name)),
+                           cluster_id=cluster_id, secure=secure, node_id=node_id, voters=voters)
+               for node_id, (name, port, controller_port)
+               in enumerate(zip(names, client_ports, controller_ports), 1)]
     try:
-        return _launch(paths, lib, java, port=port, controller_port=controller_port,
-                       cluster_id=new_cluster_id(), format_storage=True, clock=clock, secure=secure)
+        return KafkaCluster(brokers=_launch(paths, lib, java, planned, clock=clock))
     except InfraError:
         # Nothing of value was stored yet; keep the logs, forget the rest.
-        paths.state_file(NAME).unlink(missing_ok=True)
-        remove_tree(run_dir / "data")
+        for server in planned:
+            paths.state_file(server.name).unlink(missing_ok=True)
+            remove_tree(Path(server.run_dir) / "data")
         raise
 
 
-def _launch(paths: InfraPaths, lib: Path, java: str, *, port: int, controller_port: int,
-            cluster_id: str, format_storage: bool, clock: Clock, secure: bool = False) -> KafkaServer:
-    run_dir = paths.server_dir(NAME)
+def _launch(paths: InfraPaths, lib: Path, java: str, servers: Sequence[KafkaServer], *,
+            clock: Clock) -> tuple[KafkaServer, ...]:
+    """Configure, format where no storage is, and start every node of ``servers`` before
+    waiting for any: a node of a cluster is ready only once a majority of the quorum runs."""
+    security = prepare(paths.run) if servers[0].secure else None
+    extra = extra_properties(paths.run)
+    heap = JVM_HEAP if servers[0].cluster_size == 1 else CLUSTER_JVM_HEAP
+    jvms = {server.name: _configure(server, java, lib, heap, security, extra) for server in servers}
+    unformatted = [s for s in servers if not (Path(s.run_dir) / "data" / "meta.properties").exists()]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(unformatted))) as pool:
+        formats = [pool.submit(_format, jvms[s.name], s, extra=scram_args(security) if security else [])
+                   for s in unformatted]
+        for done in formats:
+            done.result()
+    started: list[KafkaServer] = []
+    try:
+        for server in servers:
+            keep_previous(server.log)
+            pid = spawn([*jvms[server.name], "kafka.Kafka", server.marker], log=server.log, cwd=Path(server.run_dir))
+            started.append(replace(server, pid=pid))
+            write_private(paths.state_file(server.name), json.dumps(asdict(started[-1]), indent=2) + "\n")
+        for server in started:
+            wait_for(functools.partial(_ready_or_bind_failure, server), what=server.name, timeout=READY_TIMEOUT_S,
+                     alive=functools.partial(is_running, server.pid, server.marker), log=server.log, clock=clock,
+                     interval=0.25, pid=server.pid)
+    except InfraError:
+        for server in started:
+            stop_group(server.pid, server.marker)
+        raise
+    return tuple(started)
+
+
+def _configure(server: KafkaServer, java: str, lib: Path, heap: tuple[str, ...], security: BrokerSecurity | None,
+               extra: dict[str, str]) -> list[str]:
+    """Write the node's config files; return the JVM command line that runs Kafka's classes."""
+    run_dir = Path(server.run_dir)
     data_dir = run_dir / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
-    config = run_dir / "server.properties"
-    security = prepare(paths.run) if secure else None
-    write_private(config, kafka_properties(port=port, controller_port=controller_port, data_dir=data_dir,
-                                           security=security, extra=extra_properties(paths.run)))
+    write_private(Path(server.marker), kafka_properties(
+        port=server.port, controller_port=server.controller_port, data_dir=data_dir, node_id=server.node_id,
+        voters=server.voters, security=security, extra=extra))
     log4j = run_dir / "log4j2.properties"
     log4j.write_text(LOG4J2_PROPERTIES)
-    jvm = [java, *JVM_HEAP, "-XX:+UseG1GC", "-Djava.awt.headless=true",
-           f"-Dlog4j2.configurationFile=file:{log4j}", f"-Dkafka.logs.dir={run_dir}",
-           "-cp", f"{lib}/*"]
-    if format_storage:
-        _format(jvm, cluster_id, config, run_dir / "format.log",
-                extra=scram_args(security) if security is not None else [])
-    log = run_dir / "kafka.log"
-    keep_previous(log)
-    pid = spawn([*jvm, "kafka.Kafka", str(config)], log=log, cwd=run_dir)
-    server = KafkaServer(pid=pid, port=port, controller_port=controller_port,
-                         run_dir=str(run_dir), cluster_id=cluster_id, secure=secure)
-    write_private(paths.state_file(NAME), json.dumps(asdict(server), indent=2) + "\n")
-    try:
-        wait_for(lambda: _ready_or_bind_failure(server), what="kafka", timeout=READY_TIMEOUT_S,
-                 alive=lambda: is_running(pid, server.marker), log=server.log, clock=clock,
-                 interval=0.25, pid=pid)
-    except InfraError:
-        stop_group(pid, server.marker)
-        raise
-    return server
+    return [java, *heap, "-XX:+UseG1GC", "-Djava.awt.headless=true",
+            f"-Dlog4j2.configurationFile=file:{log4j}", f"-Dkafka.logs.dir={run_dir}", "-cp", f"{lib}/*"]
 
 
-def _format(jvm: list[str], cluster_id: str, config: Path, format_log: Path, *, extra: list[str]) -> None:
+def _format(jvm: list[str], server: KafkaServer, *, extra: list[str]) -> None:
+    config = Path(server.marker)
+    format_log = config.with_name("format.log")
     # The tool's arguments go in a Java @argfile: SCRAM passwords must not be on a command line.
     argfile = write_argfile(config.with_name(".format.args"),
-                            ["kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config), *extra])
+                            ["kafka.tools.StorageTool", "format", "-t", server.cluster_id, "-c", str(config), *extra])
     try:
         with open(format_log, "wb") as out:
             formatted = subprocess.run(
@@ -355,33 +307,34 @@ def _format(jvm: list[str], cluster_id: str, config: Path, format_log: Path, *, 
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, check=False, timeout=180,
             )
     except subprocess.TimeoutExpired:
-        raise InfraError(f"kafka storage format timed out after 180s (log: {format_log})",
+        raise InfraError(f"{server.name} storage format timed out after 180s (log: {format_log})",
                          retriable=True) from None
     finally:
         argfile.unlink(missing_ok=True)
     if formatted.returncode != 0:
-        raise InfraError(f"kafka storage format failed: {log_tail(format_log)} (log: {format_log})")
+        raise InfraError(f"{server.name} storage format failed: {log_tail(format_log)} (log: {format_log})")
 
 
 def _ready_or_bind_failure(server: KafkaServer) -> bool:
-    # A broker whose port was taken after free_port() chose it may hang instead of exiting.
+    # A broker whose port was taken after free_ports() chose it may hang instead of exiting.
     if "Address already in use" in server.log.read_text(errors="replace"):
-        raise InfraError(f"kafka: Address already in use (log: {server.log})", retriable=True)
+        raise InfraError(f"{server.name}: Address already in use (log: {server.log})", retriable=True)
     return kafka_healthy(server, timeout=3.0)
 
 
-def _metadata_lists_broker(bootstrap: str, timeout: float, security: KafkaSecurity | None = None) -> bool:
+def _metadata_lists_node(bootstrap: str, node_id: int, timeout: float, security: KafkaSecurity | None = None) -> bool:
     # aiokafka is async; run it on a private loop in a worker thread so this works whether
     # or not the caller is inside an event loop.
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         try:
-            request = _metadata_request(bootstrap, timeout_s=timeout, security=security)
+            request = _metadata_request(bootstrap, node_id, timeout_s=timeout, security=security)
             return pool.submit(asyncio.run, request).result(timeout + 5)
         except Exception:
             return False
 
 
-async def _metadata_request(bootstrap: str, *, timeout_s: float, security: KafkaSecurity | None) -> bool:
+async def _metadata_request(bootstrap: str, node_id: int, *, timeout_s: float,
+                            security: KafkaSecurity | None) -> bool:
     from aiokafka.client import AIOKafkaClient
 
     from shared.bus.kafka_login import security_options
@@ -393,37 +346,7 @@ async def _metadata_request(bootstrap: str, *, timeout_s: float, security: Kafka
                             **(security_options(security) if security is not None else {}))
     try:
         await asyncio.wait_for(client.bootstrap(), timeout_s)
-        return bool(client.cluster.brokers())
+        return any(broker.nodeId == node_id for broker in client.cluster.brokers())
     finally:
         await client.close()
         quiet.setLevel(level)
-
-
-def _java_major(java: str) -> int | None:
-    try:
-        result = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    match = re.search(r'version "(\d+)(?:\.(\d+))?', result.stderr + result.stdout)
-    if not match:
-        return None
-    major = int(match.group(1))
-    return int(match.group(2) or 0) if major == 1 else major
-
-
-def _pom_kafka_version(pom_bytes: bytes) -> str:
-    try:
-        root = ET.fromstring(pom_bytes)
-    except ET.ParseError as exc:
-        raise InfraError(f"deploy/kafka/pom.xml is not valid XML: {exc}") from None
-    version = root.findtext(f"{_POM_NS}properties/{_POM_NS}kafka.version")
-    if not version:
-        raise InfraError("deploy/kafka/pom.xml has no <kafka.version> property")
-    return version.strip()
-
-
-def _mvn_error(log: Path) -> str:
-    text = re.sub(r"\x1b\[[0-9;]*m", "", log.read_text(errors="replace")) if log.exists() else ""
-    errors = [line.removeprefix("[ERROR]").strip() for line in text.splitlines() if line.startswith("[ERROR]")]
-    errors = [line for line in errors if line]
-    return errors[0] if errors else log_tail(log)

@@ -5,6 +5,12 @@ proxy serves. The binary goes to ``cache/bin/minio`` beside a stamp naming the v
 was built at; a different pin rebuilds. MinIO is AGPL-3.0: it only ever runs as a separate
 server; Hadar talks plain S3 to it. A new server gets fresh random credentials and free
 ports; a restarted one (:func:`restart_minio`) keeps its recorded ones and its data.
+
+``drives=1`` (the default) serves one directory. ``drives=4`` (4 to 16) serves one erasure set
+over as many directories (``minio server DIR/drive{1...4}``): each object is split into data
+and parity shards across them (4 drives: 2 + 2, MinIO's default parity), so every object stays
+readable and writable with one drive gone, and readable with two. A drive that comes back
+empty is healed by MinIO itself; objects a returning drive missed are healed when read.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ MINIO_MODULE = "github.com/minio/minio"
 # = @latest on the Go proxy on 2026-02-12; the repository has no semver tags.
 MINIO_VERSION = "v0.0.0-20260212201848-7aac2a2c5b7c"
 READY_TIMEOUT_S = 60.0
+MAX_DRIVES = 16   # one erasure set
 BUILD_TIMEOUT_S = 3600.0
 
 
@@ -61,6 +68,7 @@ class MinioServer:
     run_dir: str
     access_key: str
     secret_key: str = field(repr=False)
+    drives: int = 1
 
     @property
     def endpoint(self) -> str:
@@ -74,6 +82,18 @@ class MinioServer:
     def marker(self) -> str:
         """A string only this server's command line contains (its data directory)."""
         return str(Path(self.run_dir) / "data")
+
+    @property
+    def drive_dirs(self) -> list[Path]:
+        """The directory of each drive: the data directory itself for a single drive."""
+        if self.drives == 1:
+            return [Path(self.marker)]
+        return [Path(self.marker) / f"drive{number}" for number in range(1, self.drives + 1)]
+
+    @property
+    def server_args(self) -> list[str]:
+        """The drives as ``minio server`` takes them (it expands ``{1...N}`` itself)."""
+        return [self.marker if self.drives == 1 else f"{self.marker}/drive{{1...{self.drives}}}"]
 
 
 def new_credentials(token_hex: Callable[[int], str] = secrets.token_hex) -> tuple[str, str]:
@@ -124,29 +144,35 @@ def load_minio(paths: InfraPaths) -> MinioServer | None:
 
 
 def minio_healthy(server: MinioServer, timeout: float = 2.0) -> bool:
-    """Whether ``/minio/health/live`` answers 200."""
+    """Whether ``/minio/health/live`` answers 200 -- with several drives
+    ``/minio/health/cluster``: enough of them are online to write (MinIO answers the live
+    check before it has found its drives)."""
+    check = "live" if server.drives == 1 else "cluster"
     try:
-        with urllib.request.urlopen(f"{server.endpoint}/minio/health/live", timeout=timeout) as response:
+        with urllib.request.urlopen(f"{server.endpoint}/minio/health/{check}", timeout=timeout) as response:
             return bool(response.status == 200)
     except (urllib.error.URLError, OSError, ValueError):
         return False
 
 
-def start_minio(paths: InfraPaths, binary: Path, *, clock: Clock = time.monotonic,
+def start_minio(paths: InfraPaths, binary: Path, *, drives: int = 1, clock: Clock = time.monotonic,
                 attempts: int = 3) -> MinioServer:
-    """Start a new MinIO on free 127.0.0.1 ports with new credentials; return once it is live.
+    """Start a new MinIO over ``drives`` directories on free 127.0.0.1 ports with new
+    credentials; return once it is live.
 
     Refuses (and touches nothing) when the run directory holds objects that no state file
     describes: data is only ever deleted by ``down``. A start that fails removes what it
     created, so the next ``up`` starts afresh again.
     """
+    if drives != 1 and not 4 <= drives <= MAX_DRIVES:
+        raise InfraError(f"minio: {drives} drives not supported; use 1, or 4 to {MAX_DRIVES} (one erasure set)")
     data_dir = paths.server_dir(NAME) / "data"
     if data_dir.is_dir() and any(data_dir.iterdir()):
         raise InfraError(f"minio: {data_dir} holds data but no usable state.json records its port and "
                          "credentials; `hadar infra down` deletes it")
     for attempt in range(1, attempts + 1):
         try:
-            return _start_fresh(paths, binary, clock=clock)
+            return _start_fresh(paths, binary, drives=drives, clock=clock)
         except InfraError as exc:
             if attempt == attempts or "address already in use" not in str(exc).lower():
                 raise
@@ -170,7 +196,7 @@ def restart_minio(paths: InfraPaths, binary: Path, recorded: MinioServer, *,
     return _launch(paths, binary, recorded, clock=clock)
 
 
-def _start_fresh(paths: InfraPaths, binary: Path, *, clock: Clock) -> MinioServer:
+def _start_fresh(paths: InfraPaths, binary: Path, *, drives: int, clock: Clock) -> MinioServer:
     run_dir = paths.server_dir(NAME)
     remove_tree(run_dir)
     port, console_port = free_port(), free_port()
@@ -178,7 +204,7 @@ def _start_fresh(paths: InfraPaths, binary: Path, *, clock: Clock) -> MinioServe
         console_port = free_port()
     access_key, secret_key = new_credentials()
     server = MinioServer(pid=0, port=port, console_port=console_port, run_dir=str(run_dir),
-                         access_key=access_key, secret_key=secret_key)
+                         access_key=access_key, secret_key=secret_key, drives=drives)
     try:
         return _launch(paths, binary, server, clock=clock)
     except InfraError:
@@ -190,7 +216,9 @@ def _start_fresh(paths: InfraPaths, binary: Path, *, clock: Clock) -> MinioServe
 
 def _launch(paths: InfraPaths, binary: Path, server: MinioServer, *, clock: Clock) -> MinioServer:
     run_dir = Path(server.run_dir)
-    (run_dir / "data").mkdir(parents=True, exist_ok=True)
+    for drive in server.drive_dirs:
+        if not drive.exists():   # a path that exists but is no directory is a drive MinIO finds offline
+            drive.mkdir(parents=True)
     env = {
         **os.environ,
         "MINIO_ROOT_USER": server.access_key,
@@ -198,9 +226,13 @@ def _launch(paths: InfraPaths, binary: Path, server: MinioServer, *, clock: Cloc
         "MINIO_BROWSER": "off",
         "MINIO_UPDATE": "off",
     }
+    if server.drives > 1:
+        # Erasure mode refuses drives on the root filesystem (a real deployment gives each its
+        # own disk); here they are directories of one disk on purpose. CI/CD mode allows that.
+        env["MINIO_CI_CD"] = "on"
     keep_previous(server.log)
     pid = spawn(
-        [str(binary), "server", server.marker, "--address", f"127.0.0.1:{server.port}",
+        [str(binary), "server", *server.server_args, "--address", f"127.0.0.1:{server.port}",
          "--console-address", f"127.0.0.1:{server.console_port}"],
         log=server.log, env=env, cwd=run_dir,
     )

@@ -7,10 +7,12 @@ MinIO with a user per service, and writes ``$HADAR_RUN_DIR/credentials/<principa
 (see :mod:`devinfra.secure_mode`); ``secure-init`` applies the same to a running stack. A
 server that crashed (or was stopped with ``down --keep-data``) comes back from ``up`` or
 ``restart NAME`` with its data, port and credentials, so the ``HADAR_*`` settings stay valid
-and running services reconnect. ``status`` exits 0 only when both servers are up and
-answering, and names the command that brings a crashed one back. ``down`` stops both and
-deletes their data unless ``--keep-data``; running it twice is fine. Failures print one line
-and exit 1.
+and running services reconnect. ``up --brokers 3`` starts a three-broker Kafka cluster
+(every topic replicated three times, ``min.insync.replicas=2``) and ``HADAR_BOOTSTRAP`` lists
+all three; ``up --drives 4`` starts MinIO over four drives (one erasure set). ``status``
+shows each broker and exits 0 only when every server is up and answering, and names the
+command that brings a crashed one back. ``down`` stops them all and deletes their data
+unless ``--keep-data``; running it twice is fine. Failures print one line and exit 1.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ import sys
 from pathlib import Path
 
 from devinfra import InfraError, InfraPaths, down, restart, status, up, write_env_file
+from devinfra.kafka import node_name
+from devinfra.kafka_config import SUPPORTED_BROKERS
+from devinfra.minio import MAX_DRIVES
 from devinfra.secure_mode import apply, credentials_dir, public_lines
 from services.cli.secure_init import register_secure_init
 from shared.errors import HadarError
@@ -39,12 +44,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     start.add_argument("--secure", action="store_true",
                        help="Kafka with SASL_SSL, SCRAM users and ACLs; MinIO with a user per service; "
                             "credentials in $HADAR_RUN_DIR/credentials/<principal>.env")
+    start.add_argument("--brokers", type=int, choices=SUPPORTED_BROKERS, default=None,
+                       help="Kafka brokers: 1 (default for a new one), or 3 (KRaft quorum of three; every topic "
+                            "replicated 3 times, min.insync.replicas=2); without it, what is recorded")
+    start.add_argument("--drives", type=_drives, default=None, metavar="N",
+                       help="MinIO drives: 1 (default for a new one), or 4 to 16 as one erasure set (4: objects "
+                            "survive the loss of one drive for writes, two for reads); without it, what is recorded")
     start.set_defaults(func=_up)
     again = actions.add_parser(
         "restart", help="restart one server with its data, port and credentials",
         description="Stop the server if it runs, then start it again with the same data directory, "
                     "port and cluster id (Kafka) or credentials (MinIO), so running services reconnect.")
-    again.add_argument("server", choices=("kafka", "minio"))
+    again.add_argument("server", type=_server_name, metavar="{kafka,kafka-2,kafka-3,minio}",
+                       help="a server; kafka-2 and kafka-3 are the other brokers of a cluster")
     again.set_defaults(func=_restart)
     actions.add_parser("status", help="say whether each server is up").set_defaults(func=_status)
     register_secure_init(actions)
@@ -61,7 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _up(args: argparse.Namespace) -> int:
     paths = InfraPaths.from_env()
     try:
-        servers = up(paths, report=_progress, secure=args.secure)
+        servers = up(paths, report=_progress, secure=args.secure, brokers=args.brokers, drives=args.drives)
         if args.secure:
             written = apply(paths, servers)
             _progress(f"infra up: users, ACLs and policies applied; credentials in {credentials_dir(paths)}")
@@ -92,7 +104,10 @@ def _restart(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    found = status(InfraPaths.from_env())
+    try:
+        found = status(InfraPaths.from_env())
+    except InfraError as exc:   # a cluster whose records are incomplete
+        return _fail(exc)
     for entry in found:
         print(entry.line())
     return 0 if all(entry.state == "up" for entry in found) else 1
@@ -106,6 +121,19 @@ def _down(args: argparse.Namespace) -> int:
     for message in messages:
         print(message, file=sys.stderr)
     return 0
+
+
+def _drives(text: str) -> int:
+    drives = int(text) if text.isdigit() else 0
+    if drives != 1 and not 4 <= drives <= MAX_DRIVES:
+        raise argparse.ArgumentTypeError(f"expected 1, or 4 to {MAX_DRIVES} (one erasure set), got {text!r}")
+    return drives
+
+
+def _server_name(text: str) -> str:
+    if text not in ("kafka", "minio", *(node_name(i) for i in range(2, max(SUPPORTED_BROKERS) + 1))):
+        raise argparse.ArgumentTypeError(f"expected kafka, kafka-2, kafka-3 or minio, got {text!r}")
+    return text
 
 
 def _progress(message: str) -> None:

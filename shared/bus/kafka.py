@@ -5,10 +5,15 @@ batch is never written twice and a partition keeps send order. Record timestamps
 bus clock's time at publish (CreateTime).
 
 Durability: a publish is durable when its future resolves -- the partition leader has
-the record and so do all in-sync replicas (``acks=all``). With the default replication
-factor 1 (a single broker: development, loopback) that is the leader's log only; give
-topics ``replication_factor`` >= 2 (and the broker ``min.insync.replicas`` >= 2) for a
-record to survive a broker. The latency settings below never weaken this.
+the record and so do all in-sync replicas (``acks=all``). Topics this bus creates are
+replicated as the cluster's ``default.replication.factor`` says (:mod:`shared.bus.kafka_topics`):
+on a single broker (development, loopback) that is the leader's log only; on a cluster of
+three with ``min.insync.replicas=2`` (``hadar infra up --brokers 3``, production) a record
+acknowledged is on at least two brokers and survives the loss of one; with only one broker
+left a publish is not acknowledged -- the producer retries it until a second broker is back
+in sync, or it fails -- never acknowledged with one copy. ``bootstrap`` may list several
+brokers; any one that answers will do, and the clients follow partition leaders as they
+move. The latency settings below never weaken this.
 
 Latency settings (issue 14): aiokafka keeps one produce request in flight per broker,
 so records gather into batches while it is out; ``linger_ms=0`` therefore sends a lone
@@ -31,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError, for_code
 from aiokafka.partitioner import DefaultPartitioner, murmur2
 
@@ -50,10 +55,10 @@ from shared.bus.base import (
 )
 from shared.bus.kafka_group import KafkaSubscription
 from shared.bus.kafka_login import diagnose, security_options
+from shared.bus.kafka_topics import UNKNOWN_TOPIC, admin_request, cluster_replication_factor, create_topics
 from shared.bus.settings import KafkaSecurity
 from shared.clock import Clock, SystemClock
 from shared.wire.events import InvalidEvent, decode
-from shared.wire.retention import topic_configs
 from shared.wire.topics import ALL_TOPICS
 
 if TYPE_CHECKING:
@@ -64,15 +69,13 @@ if TYPE_CHECKING:
 __all__ = ["KafkaBus", "KeyPartitioner"]
 
 log = structlog.get_logger(__name__)
-TOPIC_ALREADY_EXISTS = 36
-UNKNOWN_TOPIC = 3
-TOPIC_AUTHORIZATION_FAILED = 29
 
 
 class KafkaBus(Bus):
     """The bus on a Kafka cluster at ``bootstrap`` (``host:port[,host:port]``).
 
-    ``partitions``/``replication_factor`` apply to topics this bus creates.
+    ``partitions``/``replication_factor`` apply to topics this bus creates; no
+    ``replication_factor`` means the cluster's ``default.replication.factor``.
     ``linger_ms`` makes the producer wait that long for more records before a batch
     goes out (0: batches form only while a request is in flight; see the module doc).
     ``security`` says how every client of this bus authenticates (default PLAINTEXT);
@@ -86,11 +89,11 @@ class KafkaBus(Bus):
     package, not for services, which use the :class:`~shared.bus.base.Bus` contract.
     """
 
-    def __init__(self, bootstrap: str, *, partitions: int = 3, replication_factor: int = 1,
+    def __init__(self, bootstrap: str, *, partitions: int = 3, replication_factor: int | None = None,
                  clock: Clock | None = None, source: str = "bus", linger_ms: int = 0,
                  commit_interval_s: float = 0.2, request_timeout_ms: int = 30_000,
                  security: KafkaSecurity | None = None) -> None:
-        if partitions < 1 or replication_factor < 1:
+        if partitions < 1 or (replication_factor is not None and replication_factor < 1):
             raise ValueError("partitions and replication_factor must be >= 1")
         self.bootstrap = bootstrap
         self.security = security or KafkaSecurity()
@@ -105,6 +108,7 @@ class KafkaBus(Bus):
         self._producer: AIOKafkaProducer | None = None
         self._admin: AIOKafkaAdminClient | None = None
         self._known_topics: set[str] = set()
+        self._cluster_replication: int | None = None
         self._subscriptions: set[KafkaSubscription] = set()
 
     @classmethod
@@ -148,7 +152,7 @@ class KafkaBus(Bus):
         check_started(self._admin is not None)
         assert self._admin is not None
         try:
-            await asyncio.wait_for(self._admin.describe_cluster(), timeout_s)
+            await asyncio.wait_for(admin_request(self._admin, self._admin.describe_cluster), timeout_s)
         except Exception as exc:   # whatever the client raises, the broker was not reached
             raise bus_error("ping", exc) from exc
 
@@ -156,29 +160,11 @@ class KafkaBus(Bus):
         check_started(self._admin is not None)
         assert self._admin is not None
         names = topic_list(topics)
-        request = [NewTopic(t, self.partitions, self.replication_factor, topic_configs=topic_configs(t))
-                   for t in names]
-        try:
-            response = await self._admin.create_topics(request)
-        except (TimeoutError, KafkaError, OSError) as exc:
-            raise bus_error("create topics", exc) from exc
-        for topic, code, message in (e[:3] for e in response.topic_errors):
-            if code == TOPIC_AUTHORIZATION_FAILED:
-                exists = await self._exists(topic)
-                if exists is None:
-                    # Not even visible to this principal: nothing to ensure. Using it anyway
-                    # fails at the broker (TopicAuthorizationFailedError on publish/read).
-                    log.debug("bus.topic_not_visible", topic=topic, principal=self.security.describe())
-                    continue
-                if exists:
-                    continue   # only an admin creates topics (least privilege); it did
-                raise BusError(f"create topic {topic}: not authorized as {self.security.describe()} and the "
-                               "topic does not exist (an admin creates topics: `hadar infra secure-init`)",
-                               retriable=False)
-            if code not in (0, TOPIC_ALREADY_EXISTS):
-                error = for_code(code)
-                raise BusError(f"create topic {topic}: {error.__name__}: {message}",
-                               retriable=bool(error.retriable))
+        factor = self.replication_factor or self._cluster_replication
+        if factor is None:
+            factor = self._cluster_replication = await cluster_replication_factor(self._admin)
+        await create_topics(self._admin, names, partitions=self.partitions, replication_factor=factor,
+                            security=self.security)
         self._known_topics.update(names)
 
     async def _enqueue(self, topic: str, key: str | None, value: bytes | None,
@@ -194,17 +180,6 @@ class KafkaBus(Bus):
         except (TimeoutError, KafkaError, OSError) as exc:
             raise bus_error(f"publish to {topic}", exc) from exc
         return _durable(topic, future)
-
-    async def _exists(self, topic: str) -> bool | None:
-        """Whether ``topic`` exists; ``None`` when this principal may not even describe it."""
-        assert self._admin is not None
-        try:
-            (described,) = await self._admin.describe_topics([topic])
-        except (TimeoutError, KafkaError, OSError):
-            return False
-        if described["error_code"] == TOPIC_AUTHORIZATION_FAILED:
-            return None
-        return not described["error_code"] and bool(described["partitions"])
 
     def subscribe(self, topics: str | Iterable[str], group: str) -> KafkaSubscription:
         if not group:
@@ -302,7 +277,7 @@ async def _durable(topic: str, future: asyncio.Future[Any]) -> tuple[int, int]:
 
 async def _partitions(admin: AIOKafkaAdminClient, topic: str) -> list[int]:
     """Partition ids of ``topic``; empty when it does not exist (describing never creates)."""
-    (described,) = await admin.describe_topics([topic])
+    (described,) = await admin_request(admin, lambda: admin.describe_topics([topic]))
     if described["error_code"] == UNKNOWN_TOPIC:
         return []
     if described["error_code"]:

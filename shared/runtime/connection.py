@@ -32,7 +32,8 @@ __all__ = ["add_bus_args", "add_store_args", "kafka_settings", "s3_settings", "m
 
 def add_bus_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bootstrap", default=None,
-                        help="Kafka bootstrap host:port (default: $HADAR_BOOTSTRAP)")
+                        help="Kafka bootstrap HOST:PORT[,HOST:PORT...], any of the brokers "
+                             "(default: $HADAR_BOOTSTRAP)")
     group = parser.add_argument_group("Kafka security (default: $HADAR_KAFKA_*)")
     group.add_argument("--kafka-security-protocol", choices=SECURITY_PROTOCOLS, default=None,
                        help="PLAINTEXT (default), SSL, SASL_PLAINTEXT or SASL_SSL")

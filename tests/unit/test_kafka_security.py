@@ -20,8 +20,9 @@ from services.scheduler.live.service import INPUT_TOPICS as SCHEDULER_TOPICS
 from services.scheduler.live.service import RECOVERY_TOPICS as SCHEDULER_RECOVERY
 from services.tracker.config import TrackerConfig
 from services.tracker.service import INPUT_TOPICS as TRACKER_TOPICS
+from shared.bus import KafkaBus
 from shared.bus.kafka_login import security_options
-from shared.bus.settings import KafkaSecurity, kafka_from_env, kafka_security_from_env
+from shared.bus.settings import KafkaSecurity, KafkaSettings, kafka_from_env, kafka_security_from_env
 from shared.errors import ConfigError
 from shared.runtime.connection import add_bus_args, kafka_settings
 from shared.security.principals import (
@@ -199,3 +200,16 @@ def test_store_policies_follow_the_layout_prefixes() -> None:
         own = {f"snapshots/hadar-{service}*"}
         assert actions(service, "s3:GetObject") == own and actions(service, "s3:PutObject") == own
     assert s3_user(PRINCIPALS["agent"]) == "hadar-agent"
+
+
+def test_a_bootstrap_list_of_several_brokers_reaches_every_client_as_given() -> None:
+    # `hadar infra up --brokers 3` writes HADAR_BOOTSTRAP with all three brokers.
+    listed = "127.0.0.1:9092,127.0.0.1:9093,127.0.0.1:9094"
+    settings = kafka_from_env({"HADAR_BOOTSTRAP": listed})
+    assert settings is not None and settings.bootstrap == listed
+    parser = argparse.ArgumentParser()
+    add_bus_args(parser)
+    assert kafka_settings(parser.parse_args(["--bootstrap", listed])).bootstrap == listed
+    assert KafkaBus.from_settings(settings, source="scheduler").client_options("g")["bootstrap_servers"] == listed
+    with pytest.raises(ConfigError, match=r"host:port\[,host:port\.\.\.\]"):
+        KafkaSettings(bootstrap="127.0.0.1:9092,broker-without-port")
