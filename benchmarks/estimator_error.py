@@ -42,6 +42,12 @@ class Score:
     wrong_order: tuple[str, ...]
 
 
+def _copy_rate(job_type: str, gpu_type: str, n: int) -> float:
+    """The estimate in the model's unit: a copy's steps/s (the estimator counts a step per
+    worker, ``ThroughputModel`` one step of the whole copy: ``shared.domain.progress``)."""
+    return estimate(job_type, gpu_type, n) / n
+
+
 def _order(rates: dict[str, float]) -> tuple[str, ...]:
     return tuple(sorted(rates, key=rates.__getitem__))
 
@@ -50,7 +56,7 @@ def score(model: ThroughputModel) -> Score:
     errors: list[float] = []
     for (job_type, gpu_type, n), measured in sorted(model.rates.items()):
         if gpu_type in SCORED_TYPES and measured > 0:
-            errors.append(abs(estimate(job_type, gpu_type, n) - measured) / measured)
+            errors.append(abs(_copy_rate(job_type, gpu_type, n) - measured) / measured)
     calibrated: list[float] = []
     for (job_type, gpu_type, n), measured in sorted(model.rates.items()):
         reference = model.rates.get((job_type, "v100", n), 0.0)
@@ -87,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             for t in SCORED_TYPES:
                 measured = model.rates.get((job_type, t, n))
                 shown = "-" if measured is None else f"{measured:7.2f}"
-                cells.append(f"{shown:>8s}/{estimate(job_type, t, n):8.2f}")
+                cells.append(f"{shown:>8s}/{_copy_rate(job_type, t, n):8.2f}")
             print(f"{job_type:34s} {n:2d} " + " ".join(cells))
     result = score(model)
     print("wrong order at scale 1: " + (", ".join(result.wrong_order) or "none"))
