@@ -7,7 +7,9 @@ without CUDA. One key is one variant: the one named in its ``name`` (a K80 is ON
 GK210 die -- what CUDA and Gavel call a K80 GPU -- so it gets half the board's
 figures). TFLOPS are dense (no structured-sparsity doubling) at the boost clock;
 ``fp16_tflops`` is the tensor-core FP16 rate with FP32 accumulation where the GPU has
-tensor cores (what mixed-precision training uses), else its plain FP16 rate.
+tensor cores (what mixed-precision training uses), else its plain FP16 rate;
+``tf32_tflops`` is the dense TF32 tensor-core rate on Ampere and later (0 before): what
+FP32 convolutions run at under PyTorch's default ``cudnn.allow_tf32`` (JobFigures.tf32).
 
 Guarantees:
 
@@ -61,6 +63,7 @@ class GpuSpec:
     pcie_gen: int              # 0 only for the cpu pseudo-type
     pcie_lanes: int
     nvlink_gb_s: float = 0.0   # per-GPU NVLink bandwidth, one direction; 0 = none
+    tf32_tflops: float = 0.0   # dense TF32 tensor rate (Ampere and later); 0 = none
     # Fraction of the boost-clock peak sustained under continuous load: 1.0 unless the
     # board is known to run near its base clock (power-capped), see the K80 entry.
     sustained_clock_fraction: float = 1.0
@@ -74,6 +77,8 @@ class GpuSpec:
                 raise ValueError(f"{self.key}: {name} must be positive")
         if not (0 < self.sustained_clock_fraction <= 1 and 0 < self.issue_fraction <= 1):
             raise ValueError(f"{self.key}: sustained_clock_fraction and issue_fraction must be in (0, 1]")
+        if self.tf32_tflops < 0:
+            raise ValueError(f"{self.key}: tf32_tflops must be non-negative")
         if self.pcie_gen not in (0, *_PCIE_LANE_GB_S) or self.pcie_lanes < 0 or self.nvlink_gb_s < 0:
             raise ValueError(f"{self.key}: bad interconnect figures")
         if (self.pcie_gen == 0) != (self.pcie_lanes == 0):
@@ -103,6 +108,8 @@ def _spec(**kw: Any) -> GpuSpec:
 
 # Sources: NVIDIA datasheets and architecture whitepapers (Kepler GK210, Pascal GP100,
 # Volta GV100, Turing TU102/TU104/TU117, Ampere GA100/GA102/GA106, Ada AD104, Hopper).
+# tf32_tflops: the datasheets' TF32 tensor figure without the sparsity doubling (A100 156,
+# A2000 15.6, RTX 3090 35.6, L4 60, H100/H200 SXM 494.7); Turing and older have no TF32.
 _SPECS = (
     # Tesla K80, one GK210: 2496 cores x 875 MHz boost x 2 = 4.37 TFLOPS, 12 GiB, 240 GB/s.
     # The two dies share one 300 W board and sustain about the 562 MHz base clock under
@@ -128,12 +135,12 @@ _SPECS = (
     # RTX A2000 (GA106, 104 tensor cores, 1200 MHz): 63.9 TFLOPS sparse = 31.9 dense.
     _spec(key="a2000", name="NVIDIA RTX A2000 6GB", architecture="ampere", fp32_tflops=8.0,
           fp16_tflops=31.9, tensor_cores=True, memory_gb=6, memory_bw_gb_s=288,
-          pcie_gen=4, pcie_lanes=16),
+          pcie_gen=4, pcie_lanes=16, tf32_tflops=15.6),
     # GeForce RTX 3090: FP16 tensor with FP32 accumulate runs at half the FP16-accumulate
     # rate on GeForce parts (GA102 whitepaper: 71 dense). NVLink bridge not assumed.
     _spec(key="rtx3090", name="NVIDIA GeForce RTX 3090", architecture="ampere",
           fp32_tflops=35.6, fp16_tflops=71.0, tensor_cores=True, memory_gb=24,
-          memory_bw_gb_s=936, pcie_gen=4, pcie_lanes=16),
+          memory_bw_gb_s=936, pcie_gen=4, pcie_lanes=16, tf32_tflops=35.6),
     # GeForce RTX 2080 Ti (TU102, 4352 cores, 1545 MHz reference boost): 13.4 TFLOPS FP32;
     # 544 tensor cores give 107.6 FP16-accumulate, half that (53.8) with FP32 accumulate on
     # GeForce parts (Turing whitepaper). 11 GB GDDR6 at 616 GB/s. The GPU of Sia's "rtx" nodes.
@@ -145,16 +152,16 @@ _SPECS = (
           pcie_gen=3, pcie_lanes=16),
     _spec(key="a100", name="NVIDIA A100 SXM4 80GB", architecture="ampere", fp32_tflops=19.5,
           fp16_tflops=312.0, tensor_cores=True, memory_gb=80, memory_bw_gb_s=2039,
-          pcie_gen=4, pcie_lanes=16, nvlink_gb_s=300),
+          pcie_gen=4, pcie_lanes=16, nvlink_gb_s=300, tf32_tflops=156.0),
     _spec(key="l4", name="NVIDIA L4", architecture="ada", fp32_tflops=30.3,
           fp16_tflops=121.0, tensor_cores=True, memory_gb=24, memory_bw_gb_s=300,
-          pcie_gen=4, pcie_lanes=16),
+          pcie_gen=4, pcie_lanes=16, tf32_tflops=60.0),
     _spec(key="h100", name="NVIDIA H100 SXM5 80GB", architecture="hopper", fp32_tflops=67.0,
           fp16_tflops=989.0, tensor_cores=True, memory_gb=80, memory_bw_gb_s=3350,
-          pcie_gen=5, pcie_lanes=16, nvlink_gb_s=450),
+          pcie_gen=5, pcie_lanes=16, nvlink_gb_s=450, tf32_tflops=494.7),
     _spec(key="h200", name="NVIDIA H200 SXM 141GB", architecture="hopper", fp32_tflops=67.0,
           fp16_tflops=989.0, tensor_cores=True, memory_gb=141, memory_bw_gb_s=4800,
-          pcie_gen=5, pcie_lanes=16, nvlink_gb_s=450),
+          pcie_gen=5, pcie_lanes=16, nvlink_gb_s=450, tf32_tflops=494.7),
     # Pseudo-type for agents without CUDA: a many-core server CPU, order of magnitude only.
     _spec(key="cpu", name="CPU (no CUDA)", architecture="cpu", fp32_tflops=0.5,
           fp16_tflops=0.5, tensor_cores=False, memory_gb=64, memory_bw_gb_s=50,
@@ -287,10 +294,12 @@ def estimate_step(spec: GpuSpec, job: JobFigures, n: int = 1) -> StepEstimate:
     With ``B`` = per-worker batch, ``F`` = forward FLOPs per sample, ``P`` = parameters,
     ``A`` = activation bytes per sample (FP32), ``s`` = slots of optimizer state:
 
-    * compute_s = TRAIN_FLOPS_FACTOR * F * B / (peak * sustained_clock_fraction
-      * issue_fraction * eff),
-      where peak, eff = fp16_tflops, TENSOR_EFFICIENCY for a mixed-precision job on a GPU
-      with tensor cores, else fp32_tflops, FP32_EFFICIENCY;
+    * compute_s = TRAIN_FLOPS_FACTOR * F * B / (peak * eff * sustained_clock_fraction
+      * issue_fraction),
+      where peak * eff = fp16_tflops * TENSOR_EFFICIENCY for a mixed-precision job on a GPU
+      with tensor cores; for a TF32 job (``job.tf32``) the larger of fp32_tflops *
+      FP32_EFFICIENCY and tf32_tflops * TENSOR_EFFICIENCY (never slower than plain FP32);
+      else fp32_tflops * FP32_EFFICIENCY;
     * memory_s = (P * 4 * (6 + 2s) + ACTIVATION_PASSES * B * A') / (bandwidth *
       MEMORY_EFFICIENCY): weights read forward and backward, grads written, the
       optimizer reading weights, grads and state and writing weights and state;
@@ -313,11 +322,13 @@ def estimate_step(spec: GpuSpec, job: JobFigures, n: int = 1) -> StepEstimate:
         raise ValueError("n must be >= 1")
     b = job.batch_size
     if job.mixed_precision and spec.tensor_cores:
-        peak, eff = spec.fp16_tflops, TENSOR_EFFICIENCY
+        achieved = spec.fp16_tflops * TENSOR_EFFICIENCY
+    elif job.tf32:
+        achieved = max(spec.fp32_tflops * FP32_EFFICIENCY, spec.tf32_tflops * TENSOR_EFFICIENCY)
     else:
-        peak, eff = spec.fp32_tflops, FP32_EFFICIENCY
+        achieved = spec.fp32_tflops * FP32_EFFICIENCY
     flops = TRAIN_FLOPS_FACTOR * job.flops_per_sample * b
-    compute_s = flops / (peak * 1e12 * spec.sustained_clock_fraction * spec.issue_fraction * eff)
+    compute_s = flops / (achieved * 1e12 * spec.sustained_clock_fraction * spec.issue_fraction)
     act_scale = MIXED_ACTIVATION_SCALE if job.mixed_precision else 1.0
     moved: float = job.params * _FP32 * (6 + 2 * job.optimizer_slots)
     moved += ACTIVATION_PASSES * b * job.activation_bytes_per_sample * act_scale

@@ -78,6 +78,9 @@ class JobFigures:
     host_seconds_per_step: float = 0.0    # ... and per step
     host_bytes_per_step: int = 0          # extra host <-> GPU bytes per step
     mixed_precision: bool = False
+    # FP32 math on tensor cores as TF32 where the GPU has them (Ampere and later): PyTorch's
+    # default for cuDNN convolutions and RNNs (torch.backends.cudnn.allow_tf32).
+    tf32: bool = False
     distributed: bool = False         # the workload supports data-parallel workers (n > 1)
 
     def __post_init__(self) -> None:

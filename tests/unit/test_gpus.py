@@ -105,16 +105,17 @@ def _bigger(spec: GpuSpec, data: st.DataObject) -> GpuSpec:
         spec, fp32_tflops=fp32, fp16_tflops=max(fp32, spec.fp16_tflops * data.draw(grow)),
         memory_gb=spec.memory_gb * data.draw(grow), memory_bw_gb_s=spec.memory_bw_gb_s * data.draw(grow),
         nvlink_gb_s=spec.nvlink_gb_s + data.draw(st.sampled_from([0.0, 5.0, 50.0, 300.0])),
+        tf32_tflops=spec.tf32_tflops * data.draw(grow) + data.draw(st.sampled_from([0.0, 10.0, 150.0])),
         pcie_gen=data.draw(st.integers(min_value=spec.pcie_gen, max_value=5)) if spec.pcie_gen else 0,
         sustained_clock_fraction=data.draw(st.floats(min_value=spec.sustained_clock_fraction, max_value=1.0)))
 
 
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), gpu_type=st.sampled_from(sorted(CATALOG)), job_type=st.sampled_from(JOB_TYPES),
-       n=st.sampled_from([1, 2, 4, 8]), mixed=st.booleans())
+       n=st.sampled_from([1, 2, 4, 8]), mixed=st.booleans(), tf32=st.booleans())
 def test_estimate_is_monotone_in_hardware_figures(data: st.DataObject, gpu_type: str, job_type: str,
-                                                  n: int, mixed: bool) -> None:
-    job = dataclasses.replace(figures_for(job_type), mixed_precision=mixed)
+                                                  n: int, mixed: bool, tf32: bool) -> None:
+    job = dataclasses.replace(figures_for(job_type), mixed_precision=mixed, tf32=tf32)
     base = CATALOG[gpu_type]
     bigger = _bigger(base, data)
     assert estimate_steps_per_second(bigger, job, n) >= estimate_steps_per_second(base, job, n) * (1 - 1e-12)
