@@ -30,6 +30,7 @@ from shared.wire.events import (
     JobCancelled,
     JobCompleted,
     JobSubmitted,
+    LeaderRenewed,
     ModelConsolidated,
     NodeHeartbeat,
     NodeRegistered,
@@ -177,14 +178,14 @@ def _dead_letter(e: DeadLetter) -> str:
     return f"DEAD LETTER from {e.topic}[{e.partition}]@{e.offset}: {e.reason} (raw {len(e.raw)} bytes base64:{raw})"
 
 
-# The timeline reads every topic; heartbeats would drown it.
+# The timeline reads every topic; heartbeats and leader renewals would drown it.
 _FORMATTERS: HandlerTable[Callable[[Any], str]] = HandlerTable({
     RoundStarted: _round_started, Assignment: _assignment, Progress: _progress,
     CopyFinished: _copy_finished, ModelConsolidated: _model_consolidated, RoundAbandoned: _round_abandoned,
     JobCompleted: _job_completed,
     JobSubmitted: _job_submitted, JobCancelled: _job_cancelled, NodeRegistered: _node_registered,
     ThroughputEstimate: _throughput, QueuesApplied: _queues_applied, DeadLetter: _dead_letter,
-}, topics=ALL_TOPICS, ignore=(NodeHeartbeat,))
+}, topics=ALL_TOPICS, ignore=(NodeHeartbeat, LeaderRenewed))
 _VERBOSE: frozenset[type[Event]] = frozenset({Progress})  # shown only with --show-progress
 
 

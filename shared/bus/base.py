@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Self, final
+from typing import TYPE_CHECKING, Self, final
 
 from shared.errors import HadarError
 from shared.wire.events import (
@@ -48,13 +48,18 @@ from shared.wire.events import (
 )
 from shared.wire.topics import ALL_TOPICS
 
+if TYPE_CHECKING:
+    from shared.bus.fencing import FencedPublisher
+
 __all__ = [
     "BusError", "bus_error", "TOMBSTONE_REASON", "Delivery", "Bus", "Subscription", "AckTracker",
     "Position", "TopicPartition", "dead_letter", "check_topic", "check_position", "topic_list",
-    "start_ms", "replay_order", "partition_position",
+    "start_ms", "replay_order", "partition_position", "Resume",
 ]
 
 TopicPartition = tuple[str, int]
+Resume = Callable[[str, int], "int | None"]
+"""Where a member starts a partition it is assigned (:meth:`Bus.subscribe`)."""
 Position = int | float | Mapping[int, int] | None
 """A place in a partition for :meth:`Bus.read`: an offset (int), a unix time in seconds
 (float: the first record whose timestamp is at or after it), an offset per partition
@@ -213,8 +218,19 @@ class Bus(abc.ABC):
         resolves to (partition, offset) once it is durable, or raises :class:`BusError`."""
 
     @abc.abstractmethod
-    def subscribe(self, topics: str | Iterable[str], group: str) -> Subscription:
-        """A member of consumer ``group`` reading ``topics``; see the module guarantees."""
+    def subscribe(self, topics: str | Iterable[str], group: str, *, resume: Resume | None = None) -> Subscription:
+        """A member of consumer ``group`` reading ``topics``; see the module guarantees.
+
+        ``resume(topic, partition)``: where this member starts reading a partition each time
+        it is assigned, instead of the group's committed offset (None: the committed one) --
+        for a consumer that knows better than the group what it has handled: one that rebuilt
+        its state from a snapshot and :meth:`read`, or a replica taking over from one that
+        may have committed records it never saw."""
+
+    @abc.abstractmethod
+    def fenced_publisher(self, fencing_id: str) -> FencedPublisher:
+        """A publisher of atomic batches that fences earlier ones of ``fencing_id`` when it
+        starts (:mod:`shared.bus.fencing`)."""
 
     @abc.abstractmethod
     def read(self, topic: str, *, start: Position = None, end: Position = None

@@ -45,6 +45,7 @@ from shared.bus.base import (
     BusError,
     Delivery,
     Position,
+    Resume,
     bus_error,
     check_position,
     check_started,
@@ -64,6 +65,7 @@ from shared.wire.topics import ALL_TOPICS
 if TYPE_CHECKING:
     from aiokafka.structs import ConsumerRecord
 
+    from shared.bus.fencing import FencedPublisher
     from shared.bus.settings import KafkaSettings
 
 __all__ = ["KafkaBus", "KeyPartitioner"]
@@ -181,10 +183,16 @@ class KafkaBus(Bus):
             raise bus_error(f"publish to {topic}", exc) from exc
         return _durable(topic, future)
 
-    def subscribe(self, topics: str | Iterable[str], group: str) -> KafkaSubscription:
+    def subscribe(self, topics: str | Iterable[str], group: str, *, resume: Resume | None = None
+                  ) -> KafkaSubscription:
         if not group:
             raise BusError("subscribe needs a group id", retriable=False)
-        return KafkaSubscription(self, topic_list(topics), group)
+        return KafkaSubscription(self, topic_list(topics), group, resume=resume)
+
+    def fenced_publisher(self, fencing_id: str) -> FencedPublisher:
+        from shared.bus.kafka_fencing import KafkaFencedPublisher
+
+        return KafkaFencedPublisher(self, fencing_id)
 
     async def read(self, topic: str, *, start: Position = None, end: Position = None
                    ) -> AsyncGenerator[Delivery, None]:
@@ -200,7 +208,7 @@ class KafkaBus(Bus):
             return
         consumer = AIOKafkaConsumer(
             **self.client_options("replay"), group_id=None, enable_auto_commit=False,
-            auto_offset_reset="earliest")
+            auto_offset_reset="earliest", isolation_level="read_committed")
         try:
             await consumer.start()
             bounds = await _replay_bounds(consumer, topic, partitions, start, end)

@@ -1,6 +1,8 @@
 """Kafka consumer-group members for :class:`~shared.bus.kafka.KafkaBus`.
 
-Consumers: ``enable_auto_commit=False``, ``auto_offset_reset="earliest"``. Fetches favour
+Consumers: ``enable_auto_commit=False``, ``auto_offset_reset="earliest"``,
+``isolation_level="read_committed"`` (a fenced publisher's open or aborted batch is never
+delivered: :mod:`shared.bus.kafka_fencing`). Fetches favour
 latency: ``fetch_min_bytes=1`` (the broker answers as soon as any record is there; a
 larger minimum would hold records back), ``fetch_max_wait_ms=500`` (how long an empty
 fetch waits at the broker -- it never delays a record, which completes the wait), and
@@ -38,6 +40,7 @@ from shared.bus.base import (
     AckTracker,
     BusError,
     Delivery,
+    Resume,
     Subscription,
     bus_error,
     check_started,
@@ -69,10 +72,11 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka i
 class KafkaSubscription(Subscription):
     """One member of a Kafka consumer group (one AIOKafkaConsumer)."""
 
-    def __init__(self, bus: KafkaBus, topics: tuple[str, ...], group: str) -> None:
+    def __init__(self, bus: KafkaBus, topics: tuple[str, ...], group: str, *, resume: Resume | None = None) -> None:
         self.bus = bus
         self.topics = topics
         self.group = group
+        self._resume = resume
         self._consumer: AIOKafkaConsumer | None = None
         self._tracker = AckTracker()
         self._generation: dict[tuple[str, int], int] = {}
@@ -93,7 +97,7 @@ class KafkaSubscription(Subscription):
         await self.bus.ensure_known(self.topics)
         consumer = AIOKafkaConsumer(
             **self.bus.client_options(self.group), group_id=self.group, enable_auto_commit=False,
-            auto_offset_reset="earliest", fetch_min_bytes=1, fetch_max_wait_ms=500,
+            auto_offset_reset="earliest", fetch_min_bytes=1, fetch_max_wait_ms=500, isolation_level="read_committed",
             max_partition_fetch_bytes=1024 * 1024)
         consumer.subscribe(list(self.topics), listener=_Rebalance(self))
         self._consumer = consumer
@@ -185,6 +189,9 @@ class KafkaSubscription(Subscription):
         for tp in tps:
             self._next_generation += 1
             self._generation[(tp.topic, tp.partition)] = self._next_generation
+            own = self._resume(tp.topic, tp.partition) if self._resume is not None else None
+            if own is not None and self._consumer is not None:
+                self._consumer.seek(tp, own)
 
     async def revoked(self, tps: list[TopicPartition]) -> None:
         keys = {(tp.topic, tp.partition) for tp in tps}

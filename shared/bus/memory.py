@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import AsyncGenerator, Awaitable, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -28,6 +28,7 @@ from shared.bus.base import (
     BusError,
     Delivery,
     Position,
+    Resume,
     Subscription,
     TopicPartition,
     check_position,
@@ -39,11 +40,12 @@ from shared.bus.base import (
     topic_list,
     yield_now,
 )
+from shared.bus.fencing import BatchFailed, Fenced, FencedPublisher
 from shared.clock import Clock, SystemClock
 from shared.wire.events import Event, InvalidEvent, decode, encode, key_for, topic_for
 from shared.wire.topics import ALL_TOPICS
 
-__all__ = ["MemoryBus"]
+__all__ = ["MemoryBus", "MemoryFencedPublisher"]
 
 log = structlog.get_logger(__name__)
 YIELD_EVERY = 64  # deliveries between forced yields to the event loop
@@ -75,6 +77,7 @@ class MemoryBus(Bus):
         self._logs: dict[str, list[list[_Record]]] = {}
         self._groups: dict[str, _Group] = {}
         self._subscriptions: set[MemorySubscription] = set()
+        self._fencing: dict[str, int] = {}   # fencing id -> epoch of its newest publisher
         self._started = False
 
     async def start(self) -> None:
@@ -97,10 +100,14 @@ class MemoryBus(Bus):
         done.set_result(self._append(topic, key, value, partition=partition))
         return done
 
-    def subscribe(self, topics: str | Iterable[str], group: str) -> MemorySubscription:
+    def subscribe(self, topics: str | Iterable[str], group: str, *, resume: Resume | None = None
+                  ) -> MemorySubscription:
         if not group:
             raise BusError("subscribe needs a group id", retriable=False)
-        return MemorySubscription(self, topic_list(topics), group)
+        return MemorySubscription(self, topic_list(topics), group, resume=resume)
+
+    def fenced_publisher(self, fencing_id: str) -> FencedPublisher:
+        return MemoryFencedPublisher(self, fencing_id)
 
     async def read(self, topic: str, *, start: Position = None, end: Position = None
                    ) -> AsyncGenerator[Delivery, None]:
@@ -204,10 +211,11 @@ def _bound(records: list[_Record], position: float | None, default: int) -> int:
 class MemorySubscription(Subscription):
     """One member of a MemoryBus consumer group."""
 
-    def __init__(self, bus: MemoryBus, topics: tuple[str, ...], group: str) -> None:
+    def __init__(self, bus: MemoryBus, topics: tuple[str, ...], group: str, *, resume: Resume | None = None) -> None:
         self.bus = bus
         self.topics = topics
         self.group = group
+        self._resume = resume
         self._positions: dict[TopicPartition, int] = {}
         self._generation: dict[TopicPartition, int] = {}
         self._next_generation = 0
@@ -248,7 +256,8 @@ class MemorySubscription(Subscription):
             del self._positions[tp]
             del self._generation[tp]
         for tp in sorted(tps - self._positions.keys()):
-            self._positions[tp] = committed.get(tp, 0)
+            own = self._resume(*tp) if self._resume is not None else None
+            self._positions[tp] = own if own is not None else committed.get(tp, 0)
             self._next_generation += 1
             self._generation[tp] = self._next_generation
         self._order = sorted(self._positions)
@@ -316,3 +325,35 @@ class MemorySubscription(Subscription):
             group = self.bus._groups[self.group]
             point = self._tracker.points()[tp]
             group.committed[tp] = max(group.committed.get(tp, 0), point)
+
+
+class MemoryFencedPublisher(FencedPublisher):
+    """A fenced publisher on a MemoryBus: the bus keeps each id's newest epoch; a batch is
+    appended in one step (no await), so no consumer ever sees part of it."""
+
+    def __init__(self, bus: MemoryBus, fencing_id: str) -> None:
+        if not fencing_id:
+            raise BusError("a fenced publisher needs a fencing id", retriable=False)
+        self.bus = bus
+        self.fencing_id = fencing_id
+        self._epoch: int | None = None
+
+    async def start(self) -> None:
+        check_started(self.bus._started)
+        if self._epoch is None:
+            self._epoch = self.bus._fencing.get(self.fencing_id, 0) + 1
+            self.bus._fencing[self.fencing_id] = self._epoch
+
+    async def publish_all(self, events: Sequence[Event]) -> list[tuple[int, int]]:
+        if self._epoch is None:
+            raise BatchFailed(f"fenced publisher {self.fencing_id} not started", retriable=False,
+                              maybe_visible=False)
+        if self.bus._fencing.get(self.fencing_id) != self._epoch:
+            raise Fenced(f"fenced publisher {self.fencing_id}: a newer publisher of this id started")
+        if not self.bus._started:
+            raise BatchFailed("bus not started", retriable=True, maybe_visible=False)
+        records = [(topic_for(e), key_for(e), encode(e)) for e in events]   # encode all before any append
+        return [self.bus._append(topic, key, value) for topic, key, value in records]
+
+    async def stop(self) -> None:
+        self._epoch = None

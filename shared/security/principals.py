@@ -55,6 +55,7 @@ class Principal:
     writes: tuple[str, ...] = ()
     reads: tuple[str, ...] = ()
     group_prefix: str = ""
+    transactional_prefix: str = ""   # Kafka transactional ids it may use (fenced publishers)
     s3_read: tuple[str, ...] = ()
     s3_write: tuple[str, ...] = ()
 
@@ -68,7 +69,7 @@ PRINCIPALS: dict[str, Principal] = {p.name: p for p in (
     # topics that name it there. CLI reads never join a group (services/cli/follow.py).
     Principal(name="cli", writes=written_by("cli"), reads=read_by("cli"), s3_read=(MODELS_PREFIX,)),
     Principal(name="scheduler", writes=written_by("scheduler"), reads=read_by("scheduler"),
-              group_prefix="hadar-scheduler",
+              group_prefix="hadar-scheduler", transactional_prefix="hadar-scheduler",
               s3_read=_own_snapshots("hadar-scheduler"), s3_write=_own_snapshots("hadar-scheduler")),
     Principal(name="agent", writes=written_by("agent"), reads=read_by("agent"), group_prefix="hadar-agent",
               s3_read=(CHECKPOINTS, MODELS_PREFIX), s3_write=(CHECKPOINTS,)),
@@ -83,7 +84,7 @@ PRINCIPALS: dict[str, Principal] = {p.name: p for p in (
 SERVICE_PRINCIPALS: tuple[str, ...] = tuple(n for n in PRINCIPALS if n != ADMIN)
 
 # Kafka's enum codes (org.apache.kafka.common.acl / resource), as the wire carries them.
-TOPIC, GROUP = 2, 3
+TOPIC, GROUP, TRANSACTIONAL_ID = 2, 3, 5
 LITERAL, PREFIXED = 3, 4
 READ, WRITE, DESCRIBE = 3, 4, 8
 ALLOW = 3
@@ -115,6 +116,9 @@ def kafka_acls(principal: Principal) -> list[KafkaAcl]:
     if principal.group_prefix:
         acls.append(KafkaAcl(resource_type=GROUP, resource_name=principal.group_prefix, pattern_type=PREFIXED,
                              principal=user, operation=READ))
+    if principal.transactional_prefix:
+        acls += [KafkaAcl(resource_type=TRANSACTIONAL_ID, resource_name=principal.transactional_prefix,
+                          pattern_type=PREFIXED, principal=user, operation=op) for op in (WRITE, DESCRIBE)]
     return acls
 
 

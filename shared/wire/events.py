@@ -393,6 +393,25 @@ class QueuesApplied(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class LeaderRenewed(Event):
+    """``holder`` is the active replica of ``role`` in leadership ``term`` and will renew
+    within ``ttl_s`` (:mod:`shared.runtime.leadership`). Published only through the role's
+    fenced publisher, so a replica whose term was taken over can no longer publish one."""
+
+    TYPE: ClassVar[str] = "LeaderRenewed"
+    role: str
+    holder: str
+    term: int
+    ttl_s: float
+
+    def _check(self) -> None:
+        require(0 < len(self.role) <= 64 and 0 < len(self.holder) <= 128,
+                "LeaderRenewed: role 1-64 and holder 1-128 characters")
+        require(1 <= self.term < 2**63, "LeaderRenewed.term: must be in 1..2**63-1")
+        require(0 < self.ttl_s <= 3600, "LeaderRenewed.ttl_s: must be in (0, 3600]")
+
+
+@dataclass(frozen=True, kw_only=True)
 class DeadLetter(Event):
     TYPE: ClassVar[str] = "DeadLetter"
     topic: str
@@ -410,7 +429,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
     cls.TYPE: cls for cls in (
         JobSubmitted, JobCancelled, NodeRegistered, NodeHeartbeat, ThroughputEstimate,
         RoundStarted, Assignment, Progress, CopyFinished, ModelConsolidated, RoundAbandoned, JobCompleted,
-        QueuesApplied, DeadLetter,
+        QueuesApplied, LeaderRenewed, DeadLetter,
     )
 }
 
@@ -431,6 +450,8 @@ def key_for(event: Event) -> str:
             return value
     if isinstance(event, RoundStarted):
         return f"round-{event.round}"
+    if isinstance(event, LeaderRenewed):
+        return f"leader-{event.role}"
     return event.TYPE
 
 

@@ -20,6 +20,8 @@ hadar.nodes        delete          -1 (forever)           them whole: a deleted 
 hadar.deadletter   delete          -1 (forever)           rare; the evidence of what was refused
 hadar.progress     delete          86400000 (1 day),      advisory: matters only while its
                                    segment.ms 3600000     round is open (rounds last minutes)
+hadar.leadership   delete          3600000 (1 hour),      a standby reads only the newest
+                                   segment.ms 3600000     renewals; the terms are in the log
 =================  ==============  =====================  ===================================
 
 Why not compaction, which keeps only the latest record per key

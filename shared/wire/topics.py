@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 __all__ = [
-    "JOBS", "NODES", "THROUGHPUT", "PROGRESS", "PLACEMENTS", "MODELS", "DEADLETTER", "QUEUES", "PRINCIPALS",
+    "JOBS", "NODES", "THROUGHPUT", "PROGRESS", "PLACEMENTS", "MODELS", "DEADLETTER", "QUEUES", "LEADERSHIP",
+    "PRINCIPALS",
     "Topic", "TOPICS", "TOPIC_BY_NAME", "ALL_TOPICS", "TOPIC_OF_TYPE", "event_types_on", "written_by", "read_by",
 ]
 
@@ -36,6 +37,7 @@ PLACEMENTS = "hadar.placements"
 MODELS = "hadar.models"
 DEADLETTER = "hadar.deadletter"
 QUEUES = "hadar.queues"
+LEADERSHIP = "hadar.leadership"
 
 # ``admin`` is Kafka's super user in a secured deployment (it needs no ACL); the table still
 # says it is the one writer of the queues.
@@ -75,6 +77,10 @@ TOPICS: tuple[Topic, ...] = (
           writers=("tracker",), readers=("scheduler", "tracker", "profiler", "cli"), retention=_FOREVER),
     Topic(name=QUEUES, events=("QueuesApplied",), writers=("admin",), readers=("scheduler", "cli"),
           retention=_FOREVER),
+    # A standby reads only the renewals of the last hour to decide whether the active one is alive.
+    Topic(name=LEADERSHIP, events=("LeaderRenewed",), writers=("scheduler",), readers=("scheduler", "cli"),
+          retention=MappingProxyType({"cleanup.policy": "delete", "retention.ms": str(_HOUR_MS),
+                                      "segment.ms": str(_HOUR_MS)})),
     Topic(name=DEADLETTER, events=("DeadLetter",), writers=tuple(p for p in PRINCIPALS if p != "admin"),
           readers=("scheduler", "cli"), retention=_FOREVER),
 )

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -32,19 +31,6 @@ from shared.wire.events import CopyFinished, DeadLetter, JobCancelled, Progress,
 from shared.wire.topics import DEADLETTER, JOBS
 
 WAIT_S = 30.0  # generous: a Kafka group join plus fetches on a loaded 2-core machine
-
-
-@pytest.fixture(params=["memory", pytest.param("kafka", marks=pytest.mark.kafka)])
-def bus_kind(request: pytest.FixtureRequest) -> tuple[str, str | None]:
-    if request.param == "kafka":
-        return "kafka", request.getfixturevalue("kafka_bootstrap")
-    return "memory", None
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    # Ten minutes in the past: Kafka rejects record timestamps far in the future.
-    return FakeClock(start=round(time.time()) - 600.0)
 
 
 @contextlib.asynccontextmanager

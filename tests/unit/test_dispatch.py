@@ -20,6 +20,7 @@ from shared.wire.events import (
     JobCancelled,
     JobSpec,
     JobSubmitted,
+    LeaderRenewed,
     ModelConsolidated,
     NodeHeartbeat,
     Progress,
@@ -197,7 +198,7 @@ def test_replay_describes_every_topic_and_leaves_out_heartbeats_and_unasked_prog
     from services.cli.replay import _FORMATTERS, describe
 
     assert_covers(_FORMATTERS, ALL_TOPICS)
-    assert _FORMATTERS.ignored == {NodeHeartbeat}
+    assert _FORMATTERS.ignored == {NodeHeartbeat, LeaderRenewed}   # periodic: they would drown the timeline
     assert describe(NodeHeartbeat(ts=T0, source="agent", node_id="n1"), show_progress=True) is None
     assert describe(PROGRESS_EVENT, show_progress=False) is None
     assert describe(PROGRESS_EVENT, show_progress=True) == (

@@ -28,6 +28,7 @@ from shared.wire.schema import BEGIN, CONSTRAINTS, END, schema
 from shared.wire.topics import (
     ALL_TOPICS,
     DEADLETTER,
+    LEADERSHIP,
     PRINCIPALS,
     TOPIC_OF_TYPE,
     read_by,
@@ -162,7 +163,8 @@ def test_the_topic_table_names_exactly_the_topics_each_service_reads() -> None:
     from services.tracker.service import INPUT_TOPICS as TRACKER
 
     # the scheduler alone follows hadar.deadletter, to count bad records once (issue 17)
-    reads = {"scheduler": {*SCHEDULER, DEADLETTER}, "agent": set(AGENT), "tracker": set(TRACKER),
+    # ... and a standby scheduler reads hadar.leadership to see whether the active one renews
+    reads = {"scheduler": {*SCHEDULER, DEADLETTER, LEADERSHIP}, "agent": set(AGENT), "tracker": set(TRACKER),
              "profiler": {*PROFILER, *PROFILER_START}, "cli": set(ALL_TOPICS), "admin": set()}
     assert {p: set(read_by(p)) for p in PRINCIPALS} == reads
 

@@ -125,6 +125,10 @@ FIELDS: dict[tuple[str, str], st.SearchStrategy[Any]] = {
     ("Progress", "workers"): st.integers(1, INT64[1]),
     ("JobCompleted", "jct_s"): floats(0),
     ("DeadLetter", "raw"): st.binary(max_size=DEADLETTER_RAW_LIMIT),
+    ("LeaderRenewed", "role"): text(1, 64),
+    ("LeaderRenewed", "holder"): text(1, 128),
+    ("LeaderRenewed", "term"): st.integers(1, 2**63 - 1),
+    ("LeaderRenewed", "ttl_s"): floats(0, 3600, exclude_lo=True),
     ("NodeRegistered", "gpus"): st.lists(st.deferred(lambda: records(GpuInfo)), min_size=1,
                                          max_size=4, unique_by=lambda g: g.index).map(tuple),
 }

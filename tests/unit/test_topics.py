@@ -11,12 +11,12 @@ from shared.wire.events import EVENT_TYPES
 def test_topic_names_are_pinned() -> None:
     # Literal on purpose: renaming a topic strands every outside producer and consumer.
     assert (topics.JOBS, topics.NODES, topics.THROUGHPUT, topics.PROGRESS, topics.PLACEMENTS,
-            topics.MODELS, topics.QUEUES, topics.DEADLETTER) == (
+            topics.MODELS, topics.QUEUES, topics.LEADERSHIP, topics.DEADLETTER) == (
         "hadar.jobs", "hadar.nodes", "hadar.throughput", "hadar.progress", "hadar.placements",
-        "hadar.models", "hadar.queues", "hadar.deadletter")
+        "hadar.models", "hadar.queues", "hadar.leadership", "hadar.deadletter")
     assert tuple(sorted((
         "hadar.jobs", "hadar.nodes", "hadar.throughput", "hadar.progress", "hadar.placements",
-        "hadar.models", "hadar.queues", "hadar.deadletter"))) == topics.ALL_TOPICS
+        "hadar.models", "hadar.queues", "hadar.leadership", "hadar.deadletter"))) == topics.ALL_TOPICS
 
 
 def test_every_event_type_has_exactly_its_topic() -> None:
