@@ -58,6 +58,7 @@ from shared.wire.events import (
     JobCompleted,
     JobSpec,
     JobSubmitted,
+    LeaderRenewed,
     ModelConsolidated,
     NodeRegistered,
     RoundAbandoned,
@@ -65,6 +66,8 @@ from shared.wire.events import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+SCHEDULERS = ("scheduler", "scheduler-b")   # service names; with a standby, also their holder names
+STEPPED_DOWN_EXIT = 3   # services/scheduler/cli.py: a replica taken over exits so, and is restarted
 HADAR = [sys.executable, "-m", "services.cli.main"]
 
 
@@ -82,6 +85,9 @@ class Workload:
     late_copy_s: float = 30.0
     consolidation_wait_s: float = 30.0
     timeout_s: float = 600.0
+    # Two scheduler replicas ("scheduler" and "scheduler-b"), one active (--standby).
+    standby: bool = False
+    lease_ttl_s: float = 10.0
 
 
 @dataclass
@@ -112,6 +118,8 @@ class Cluster:
         self.last_fault_end = 0.0   # unix time the latest fault ended (scenarios wait for progress after it)
         self.restart_failures: list[str] = []   # failed `infra restart` tries, with why
         self.phases: dict[str, float] = {}   # seconds per phase of the run, in order (:meth:`phase`)
+        self.step_downs: list[str] = []   # scheduler replicas that exited 3 (taken over), restarted
+        self.takeovers: list[float] = []   # seconds from a fault on the active scheduler to its successor
         self._mark = time.monotonic()
 
     def phase(self, name: str) -> None:
@@ -137,9 +145,12 @@ class Cluster:
         # An upload at the round's end may ride out an outage until the tracker decides the
         # round (deadline + late_copy_s), no longer: grace (late/2) + upload (late/2).
         self.env["HADAR_AGENT_UPLOAD_GRACE_S"] = str(w.late_copy_s / 2)
-        self._define("scheduler", ["scheduler", "--policy", w.policy, "--round-s", str(w.round_s),
-                                   "--heartbeat-s", str(w.heartbeat_s), "--late-copy-s", str(w.late_copy_s),
-                                   "--consolidation-wait-s", str(w.consolidation_wait_s)])
+        scheduler = ["scheduler", "--policy", w.policy, "--round-s", str(w.round_s), "--heartbeat-s",
+                     str(w.heartbeat_s), "--late-copy-s", str(w.late_copy_s), "--consolidation-wait-s",
+                     str(w.consolidation_wait_s)]
+        for name in SCHEDULERS if w.standby else SCHEDULERS[:1]:
+            standby = ["--standby", "--lease-ttl-s", str(w.lease_ttl_s), "--holder", name] if w.standby else []
+            self._define(name, [*scheduler, *standby])
         # Every round's model is verified against its replicas: nothing is deleted.
         self._define("tracker", ["tracker", "--finish-timeout-s", str(w.late_copy_s), "--keep-checkpoints",
                                  "--keep-round-models", "1000000", "--keep-round-models-after-completion"])
@@ -241,9 +252,15 @@ class Cluster:
                 time.sleep(0.5)
 
     def crashes(self) -> dict[str, int]:
-        """Services that exited on their own so far, with their exit codes (recorded once)."""
+        """Services that exited on their own so far, with their exit codes (recorded once).
+        A scheduler replica that stepped down (exit 3: a newer one took over) is no crash: it
+        is started again, as a standby, as swarm's restart policy would."""
         for svc in self.services.values():
             if svc.proc is not None and svc.proc.poll() is not None and not svc.expected_exit:
+                if svc.name in SCHEDULERS and self.workload.standby and svc.proc.returncode == STEPPED_DOWN_EXIT:
+                    self.step_downs.append(svc.name)
+                    self.start(svc.name)
+                    continue
                 svc.crashes.append(svc.proc.returncode)
                 svc.expected_exit = True
         return {s.name: s.crashes[-1] for s in self.services.values() if s.crashes}
@@ -317,6 +334,29 @@ async def _read_log(bootstrap: str) -> list[tuple[str, Event]]:
 
 
 # ---------------------------------------------------------------------- figures
+
+
+def leader_terms(records: list[tuple[str, Event]]) -> list[tuple[int, str, float]]:
+    """``(term, holder, first renewal's time)`` of every scheduler term, in term order."""
+    first: dict[int, tuple[str, float]] = {}
+    for _, e in records:
+        if isinstance(e, LeaderRenewed) and e.role == "scheduler" and e.term not in first:
+            first[e.term] = (e.holder, e.ts)
+    return [(term, holder, ts) for term, (holder, ts) in sorted(first.items())]
+
+
+def round_numbering_faults(records: list[tuple[str, Event]]) -> int:
+    """Round numbers published more than once (distinct RoundStarted ids) plus numbers skipped
+    between the first and the last: 0 when every round has its own number, in order."""
+    ids: dict[int, set[str]] = {}
+    for _, e in records:
+        if isinstance(e, RoundStarted) and e.source != "forger":
+            ids.setdefault(e.round, set()).add(e.id)
+    if not ids:
+        return 0
+    twice = sum(len(v) - 1 for v in ids.values())
+    skipped = (max(ids) - min(ids) + 1) - len(ids)
+    return twice + skipped
 
 
 def progress_times(models: list[ModelConsolidated]) -> list[float]:

@@ -36,7 +36,9 @@ from benchmarks.fault_harness import (
     Cluster,
     Workload,
     events_lost,
+    leader_terms,
     progress_times,
+    round_numbering_faults,
     rounds_lost,
     verify_models,
 )
@@ -123,6 +125,49 @@ def _kill_restart(name: str, pause_s: float = 2.0) -> Callable[[Cluster, float],
         c.start(name)
         return time.time()
     return scenario
+
+
+def _active_scheduler(c: Cluster) -> tuple[str, int]:
+    """The scheduler replica holding the newest term, and the term."""
+    terms = leader_terms(c.log())
+    if not terms:
+        raise RuntimeError("no scheduler replica holds the role")
+    term, holder, _ = terms[-1]
+    return holder, term
+
+
+def _await_takeover(c: Cluster, term: int, timeout_s: float) -> float:
+    """Wait for a newer term than ``term``; the unix time its holder's first renewal was published."""
+    records = c.wait(lambda r: any(t > term for t, _, _ in leader_terms(r)), timeout_s=timeout_s, poll_s=0.5)
+    return next(ts for t, _, ts in leader_terms(records) if t > term)
+
+
+def standby_kill(c: Cluster, timeout_s: float) -> float:
+    """SIGKILL the active scheduler while a round's copies train and leave it dead: the
+    standby takes over (the fault ends when its first renewal is out)."""
+    _training(c, timeout_s)
+    name, term = _active_scheduler(c)
+    c.signal(name, signal.SIGKILL)
+    killed = time.time()
+    took_over = _await_takeover(c, term, timeout_s)
+    c.takeovers.append(round(took_over - killed, 1))
+    return took_over
+
+
+def standby_freeze(c: Cluster, timeout_s: float) -> float:
+    """SIGSTOP the active scheduler while a round's copies train, past its lease and a round,
+    then SIGCONT it: the standby has taken over, and the resumed one -- fenced -- must
+    publish nothing and step down (exit 3; the harness restarts it as a standby)."""
+    _training(c, timeout_s)
+    name, term = _active_scheduler(c)
+    c.signal(name, signal.SIGSTOP)
+    frozen = time.time()
+    took_over = _await_takeover(c, term, timeout_s)
+    c.takeovers.append(round(took_over - frozen, 1))
+    time.sleep(c.workload.round_s)   # the successor plans a round while the old one is still frozen
+    c.signal(name, signal.SIGCONT)
+    c.wait(lambda r: name in c.step_downs, timeout_s=60, poll_s=0.5)   # crashes() sees the exit
+    return time.time()
 
 
 def tracker_kill_consolidating(c: Cluster, timeout_s: float) -> float:
@@ -229,7 +274,11 @@ SCENARIOS: dict[str, Callable[..., float | None]] = {
     "minio_outage_70s": _server_outage("minio", 70.0),
     "junk": junk,
     "junk_at_start": lambda c, timeout_s: junk(c, timeout_s, wait=False),
+    # Two scheduler replicas (issue 28 item 3): these run with Workload.standby.
+    "standby_kill": standby_kill,
+    "standby_freeze": standby_freeze,
 }
+STANDBY_SCENARIOS = frozenset({"standby_kill", "standby_freeze"})
 
 
 # Scenarios whose fault lasts long (a server down 20-30 s, then restarted) run jobs this many
@@ -249,6 +298,8 @@ def run_scenario(names: str | Sequence[str], workload: Workload, workdir: Path) 
     progress after the previous one) in ``workdir`` and return its figures; ``recovery_s``
     is the longest recovery."""
     names = [names] if isinstance(names, str) else list(names)
+    if STANDBY_SCENARIOS & set(names):
+        workload = replace(workload, standby=True)
     with Cluster(workdir, workload) as c:
         c.start_all()
         c.wait_registered()
@@ -288,6 +339,9 @@ def run_scenario(names: str | Sequence[str], workload: Workload, workdir: Path) 
             # left tested nothing (the workload is too small for the machine's speed at the time)
             "done_before_fault": sum(1 for e in c.completions(records) if ends and e.ts <= ends[-1]),
             "restart_failures": list(c.restart_failures),
+            "round_numbering_faults": round_numbering_faults(records),   # a round twice or a number skipped
+            "takeover_s": list(c.takeovers),   # fault start to the successor's first renewal
+            "step_downs": list(c.step_downs),
             "crashed": sorted(crashes),
             "phases": c.phases,   # the same dict: the cluster's exit adds "stopped"
         }
@@ -299,7 +353,7 @@ def meets_targets(figures: dict) -> bool:
     faults = figures.get("faults", 0)
     return (figures["jobs_completed"] == figures["jobs_total"] and figures["models_verified"] == figures["models_total"]
             and figures["models_total"] > 0 and figures["events_lost"] == 0 and figures["service_crashes"] == 0
-            and figures["rounds_lost_max"] <= faults
+            and figures["rounds_lost_max"] <= faults and figures.get("round_numbering_faults", 0) == 0
             and (faults == 0 or figures.get("done_before_fault", 0) < figures["jobs_total"]))
 
 

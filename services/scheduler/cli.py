@@ -19,6 +19,7 @@ __all__ = ["add_scheduler_parser", "run_scheduler", "scheduler_config", "add_pol
            "ENV_PREFIX"]
 
 DEFAULT_HTTP_PORT = 8081
+STEPPED_DOWN_EXIT = 3   # a newer replica took the role over: restart as a standby
 ENV_PREFIX = "HADAR_SCHEDULER_"
 
 
@@ -62,6 +63,14 @@ def add_scheduler_parser(services: argparse._SubParsersAction,
                         help="with an object store (--s3-endpoint or HADAR_S3_ENDPOINT), snapshot the state "
                              "every N rounds so a restart replays only what follows (default: 10; 0: never)")
     parser.add_argument("--snapshots-kept", type=int, default=None, help="snapshots kept (default: 3)")
+    parser.add_argument("--standby", action="store_true", default=None,
+                        help="one of several replicas: wait as a standby, take over when the active one stops "
+                             "renewing for --lease-ttl-s, step down (exit 3) when a newer one takes over")
+    parser.add_argument("--lease-ttl-s", type=float, default=None,
+                        help="with --standby: seconds without a renewal before a standby takes over (default: 10)")
+    parser.add_argument("--holder", default=None,
+                        help="with --standby: this replica's name in hadar.leadership (default: host, pid and a "
+                             "random suffix)")
     parser.add_argument("--record", default=None, metavar="FILE",
                         help="on shutdown, write every topic's events to FILE (for hadar replay --file)")
     parser.set_defaults(func=run_scheduler)
@@ -76,7 +85,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
              "consolidation_wait_s": args.consolidation_wait_s,
              "round_overhead_factor": args.round_overhead_factor,
              "seed": args.seed, "group": args.group, "snapshot_every": args.snapshot_every,
-             "snapshots_kept": args.snapshots_kept}
+             "snapshots_kept": args.snapshots_kept, "standby": args.standby, "lease_ttl_s": args.lease_ttl_s}
     return load_config(SchedulerConfig, flags=flags, env=os.environ, env_prefix=ENV_PREFIX, file=args.config)
 
 
@@ -94,9 +103,13 @@ def run_scheduler(args: argparse.Namespace) -> int:
         if store is not None:
             await store.start()
         try:
-            service = SchedulerService(bus=bus, config=config, store=store)
+            stop = asyncio.Event()
+            service = SchedulerService(bus=bus, config=config, store=store, on_stepped_down=stop.set,
+                                       holder=args.holder)
             code = await run_service(service, http_host=args.http_host, http_port=args.http_port,
-                                     drain_timeout_s=args.drain_timeout_s, bus=bus)
+                                     drain_timeout_s=args.drain_timeout_s, bus=bus, stop_event=stop)
+            if service.stepped_down is not None:
+                return STEPPED_DOWN_EXIT
             if args.record and code == 0:
                 from shared.bus.eventlog import dump_bus
 

@@ -56,8 +56,11 @@ class SchedulerConfig:
     start-up + consolidation overhead (:mod:`services.scheduler.live.round_length`; 0: off).
     ``group``: consumer group id (also the owner of its snapshots). ``source``: the events'
     ``source``. ``snapshot_every``: with an object store, write a state snapshot after every
-    this many rounds (0: never); ``snapshots_kept``: how many of them to keep. An invalid
-    value raises :class:`~shared.runtime.config.FieldError` naming the field."""
+    this many rounds (0: never); ``snapshots_kept``: how many of them to keep. ``standby``:
+    run as one of several replicas, active only while it holds the role
+    (:mod:`shared.runtime.leadership`; ``lease_ttl_s``: how long the active one may go without
+    renewing before a standby takes over). An invalid value raises
+    :class:`~shared.runtime.config.FieldError` naming the field."""
 
     policy: str = "hadare"
     policy_options: dict[str, Any] = field(default_factory=dict)
@@ -71,8 +74,12 @@ class SchedulerConfig:
     source: str = "scheduler"
     snapshot_every: int = 10
     snapshots_kept: int = 3
+    standby: bool = False
+    lease_ttl_s: float = 10.0
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.lease_ttl_s) and 1.0 <= self.lease_ttl_s <= 3600):
+            raise FieldError("lease_ttl_s", f"must be in 1..3600 seconds, got {self.lease_ttl_s}")
         if not 0 <= self.snapshot_every <= 1_000_000:
             raise FieldError("snapshot_every", f"must be in 0..1000000 rounds, got {self.snapshot_every}")
         if not 1 <= self.snapshots_kept <= 1000:
@@ -95,6 +102,12 @@ class SchedulerConfig:
         except UnknownPolicy as exc:
             field_name = "policy" if self.policy not in POLICY_NAMES else "policy_options"
             raise FieldError(field_name, str(exc)) from None
+
+    @property
+    def fencing_id(self) -> str:
+        """The transactional id the active replica publishes rounds and renewals under
+        (under the group's name: the scheduler principal's ACL prefix)."""
+        return f"{self.group}-rounds"
 
     @property
     def choice(self) -> PolicyChoice:

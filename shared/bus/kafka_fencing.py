@@ -69,9 +69,9 @@ class KafkaFencedPublisher(FencedPublisher):
         await self.bus.ensure_known({topic for topic, _, _ in records})
         async with self._lock:
             committing = False
+            futures: list[asyncio.Future[Any]] = []
             try:
                 await producer.begin_transaction()
-                futures: list[asyncio.Future[Any]] = []
                 for topic, key, value in records:
                     futures.append(await producer.send(topic, value=value, key=key.encode(),
                                                        timestamp_ms=int(self.bus.clock.time() * 1000)))
@@ -79,13 +79,16 @@ class KafkaFencedPublisher(FencedPublisher):
                 await producer.commit_transaction()   # flushes, then commits: every send acked
                 return [((md := f.result()).partition, md.offset) for f in futures]
             except _FENCED as exc:
+                _retrieve(futures)
                 self._fenced = True
                 raise Fenced(f"fenced publisher {self.fencing_id}: a newer publisher of this id started") from exc
             except (TimeoutError, KafkaError, OSError) as exc:
+                _retrieve(futures)
                 await self._abort()
                 error = bus_error(f"publish batch as {self.fencing_id}", exc)
                 raise BatchFailed(str(error), retriable=error.retriable, maybe_visible=committing) from exc
             except BaseException:
+                _retrieve(futures)
                 await self._abort()
                 raise
 
@@ -111,3 +114,11 @@ class KafkaFencedPublisher(FencedPublisher):
                 await producer.stop()
             except Exception:   # a fenced producer's stop may report the fencing again
                 pass
+
+
+def _retrieve(futures: Sequence[asyncio.Future[Any]]) -> None:
+    """Mark the failed sends of a failed batch as seen: the batch's own error says it all, and
+    asyncio would otherwise log each as an exception never retrieved."""
+    for future in futures:
+        if future.done() and not future.cancelled():
+            future.exception()

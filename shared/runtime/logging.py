@@ -211,6 +211,8 @@ def configure_logging(service: str, *, level: str = "INFO", stream: Any = None) 
         old.close()
     root.addHandler(handler)
     root.setLevel(numeric)
+    # One line per replay consumer it starts (a standby reads hadar.leadership every few seconds).
+    logging.getLogger("aiokafka.consumer.subscription_state").setLevel(max(numeric, logging.WARNING))
     _adopt_console_handlers(handler)
     logging.captureWarnings(True)
     _install_hooks(also_default=target not in (sys.stderr, sys.__stderr__))

@@ -138,6 +138,10 @@ def test_the_stack_is_hardened():
         constraints = spec["deploy"]["placement"]["constraints"]
         gpu = "node.labels.hadar.gpu == true" if name == "agent" else "node.labels.hadar.gpu != true"
         assert gpu in constraints, name
+    scheduler = config["services"]["scheduler"]
+    flags = build_parser().parse_args(scheduler["command"])
+    assert flags.standby and scheduler["deploy"]["replicas"] == 2   # one active, one standby (issue 28)
+    assert scheduler["deploy"]["placement"]["max_replicas_per_node"] == 1   # never both on one machine
     tracker = config["services"]["tracker"]
     staging = build_parser().parse_args(tracker["command"]).temp_dir
     assert any(v["target"] == staging and v["type"] == "volume" for v in tracker["volumes"])

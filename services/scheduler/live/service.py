@@ -30,12 +30,22 @@ Guarantees:
   (``round.stretched``) and records its length in its RoundStarted.
 * A node not heard from for 3 heartbeat periods leaves the cluster at the next round; a
   cancelled job is dropped at the next round boundary.
+* With ``standby`` (several replicas), a replica does nothing but watch until it holds the
+  role (:mod:`shared.runtime.leadership`); it then fences the previous holder, recovers as
+  above from the newest snapshot and the committed log, and publishes each round -- its
+  RoundStarted and every Assignment -- as one fenced batch: a round is visible whole or not
+  at all, a replica that was taken over can publish no round after its successor started,
+  and its successor numbers rounds after every round ever committed. A replica that finds
+  itself fenced steps down (``scheduler.stepped_down``; ``hadar serve scheduler`` exits 3).
+* Inputs are read, after recovery, from the offsets this replica folded, never from offsets
+  the consumer group committed (a previous holder may have committed past what we folded).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -45,7 +55,7 @@ from services.scheduler.config import DecisionSettings, SchedulerConfig
 from services.scheduler.core.policy import InvalidPlan, Plan, PlanRequest, Policy, check_plan
 from services.scheduler.core.queues import plan_with_queues
 from services.scheduler.live.metrics import SchedulerCounters, SchedulerTelemetry
-from services.scheduler.live.publish import PublishGivenUp, publish_by
+from services.scheduler.live.publish import RoundFailed, publish_each, publish_fenced
 from services.scheduler.live.recovery import resume
 from services.scheduler.live.rerun import LoggedEvent
 from services.scheduler.live.round_length import (
@@ -69,14 +79,15 @@ from shared.bus import Bus, Delivery
 from shared.bus.rejection import Rejected, dead_letter_delivery
 from shared.clock import Clock, SystemClock
 from shared.domain.deadline import next_round_gives_up_at
-from shared.errors import HadarError
 from shared.persistence.snapshot import Recovered, SnapshotStore
+from shared.runtime.leadership import Leadership, LeadershipLost
 from shared.store import ObjectStore
-from shared.wire.events import DeadLetter, Event, Progress
+from shared.wire.events import DeadLetter, Event, Progress, topic_for
 from shared.wire.topics import (
     ALL_TOPICS,
     DEADLETTER,
     JOBS,
+    LEADERSHIP,
     MODELS,
     NODES,
     PLACEMENTS,
@@ -87,6 +98,7 @@ from shared.wire.topics import (
 
 INPUT_TOPICS = (JOBS, NODES, THROUGHPUT, PROGRESS, MODELS, QUEUES)
 RECOVERY_TOPICS = (*INPUT_TOPICS, PLACEMENTS)   # read from the start (or a snapshot) at start-up
+LEADERSHIP_TOPICS = (LEADERSHIP,)   # followed by a standby (shared.runtime.leadership)
 RETRY_BASE_S = 0.05
 
 
@@ -95,27 +107,15 @@ def _timed_plan(policy: Policy, request: PlanRequest) -> tuple[Plan, float]:
     return plan_with_queues(policy, request), time.perf_counter() - t0
 
 
-class RoundFailed(HadarError):
-    """A round could not be planned (``stage="plan"``: the policy raised), was planned
-    against an invariant (``"invalid_plan"``: :func:`check_plan` refused it, so nothing of it
-    is published and its number is not spent) or could not be published (``"publish"``);
-    the round loop logs it, counts it and tries again after a back-off (a plan failure may
-    pass once the inputs change; a publish failure once the bus is back)."""
-
-    def __init__(self, message: str, *, stage: str, round: int, maybe_written: bool = False) -> None:
-        super().__init__(message, retriable=stage == "publish")
-        self.stage = stage
-        self.round = round
-        self.maybe_written = maybe_written   # a record given up while the client held it
-
-
 class SchedulerService:
     name = "scheduler"
 
     def __init__(self, *, bus: Bus, config: SchedulerConfig | None = None, clock: Clock | None = None,
-                 run_rounds: bool = True, store: ObjectStore | None = None) -> None:
+                 run_rounds: bool = True, store: ObjectStore | None = None,
+                 on_stepped_down: Callable[[], None] | None = None, holder: str | None = None) -> None:
         """``run_rounds=False``: rounds are planned only by calling ``plan_round`` (tests, tools).
-        ``store``: where state snapshots go (None: no snapshots; restarts read the whole log)."""
+        ``store``: where state snapshots go (None: no snapshots; restarts read the whole log).
+        ``on_stepped_down``: called once if a standby replica that led was taken over."""
         self.bus = bus
         self.config = config or SchedulerConfig()
         self.settings: DecisionSettings = self.config.decision_settings
@@ -137,6 +137,11 @@ class SchedulerService:
         self._fold_lock = asyncio.Lock()   # held while the state is folded, planned from or snapshot
         self._last_error: str | None = None   # logged in full; /healthz shows only its kind
         self._log = structlog.get_logger(__name__).bind(service=self.name, policy=self.config.policy)
+        self.leadership = (Leadership(bus, role=self.name, fencing_id=self.config.fencing_id, holder=holder,
+                                      ttl_s=self.config.lease_ttl_s, clock=self.clock, source=self.config.source)
+                           if self.config.standby else None)
+        self.stepped_down: str | None = None
+        self._on_stepped_down = on_stepped_down
         self.snapshots = (SnapshotStore(store, owner=self.config.group, service=SERVICE,
                                         keep=self.config.snapshots_kept, log=self._log) if store is not None else None)
         self.registry = CollectorRegistry()
@@ -148,10 +153,51 @@ class SchedulerService:
 
     async def start(self) -> None:
         await self.bus.ensure_topics(ALL_TOPICS)
+        if self.leadership is not None:
+            self._tasks = [asyncio.create_task(self._lead(), name="scheduler-leadership")]
+            return
+        await self._begin()
+
+    async def _begin(self) -> None:
         await self._recover()
-        self._tasks = [asyncio.create_task(self._consume(), name="scheduler-consume")]
+        self._tasks.append(asyncio.create_task(self._consume(), name="scheduler-consume"))
         if self.run_rounds:
             self._tasks.append(asyncio.create_task(self._rounds(), name="scheduler-rounds"))
+
+    async def _lead(self) -> None:
+        """A standby: wait for the role, then act as the scheduler while holding it."""
+        assert self.leadership is not None
+        term = await self.leadership.acquire()
+        self._log.info("scheduler.took_over", term=term, holder=self.leadership.holder,
+                       previous_holder=self.leadership.view.holder)
+        await self._begin()
+        self.recovery["term"] = term
+        try:
+            await self.leadership.hold()
+        except LeadershipLost as exc:
+            self._step_down(str(exc))
+
+    def _step_down(self, reason: str) -> None:
+        """Fenced by a newer replica: stop acting at once (no fold, no round) and say so."""
+        if self.stepped_down is not None:
+            return
+        self.stepped_down = reason
+        self._stopping = True
+        self._changed.set()
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+        self._log.error("scheduler.stepped_down", reason=reason, round=self.next_round - 1)
+        if self._on_stepped_down is not None:
+            self._on_stepped_down()
+
+    @property
+    def active(self) -> bool:
+        """True while this replica acts as the scheduler (always, without ``standby``)."""
+        if self.leadership is None:
+            return not self._stopping
+        return self.leadership.term is not None and self.stepped_down is None
 
     async def stop(self) -> None:
         self._stopping = True
@@ -160,6 +206,8 @@ class SchedulerService:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        if self.leadership is not None:
+            await self.leadership.stop()
 
     @property
     def records_folded(self) -> int:
@@ -168,7 +216,10 @@ class SchedulerService:
 
     def health(self) -> dict[str, Any]:
         failed = [t.get_name() for t in self._tasks if t.done() and not t.cancelled()]
-        return {"ok": not failed and bool(self._tasks), "round": self.next_round - 1,
+        role = "standalone" if self.leadership is None else (
+            "stepped_down" if self.stepped_down else "active" if self.active else "standby")
+        return {"ok": not failed and bool(self._tasks) and self.stepped_down is None, "role": role,
+                "round": self.next_round - 1,
                 "active_jobs": len(self.state.active_jobs()), "nodes": len(self.state.nodes), "failed": failed,
                 "last_round_error": self._last_error.split(":", 1)[0] if self._last_error else None}
 
@@ -243,28 +294,16 @@ class SchedulerService:
         self.counters.snapshots.labels(outcome="written").inc()
         self._log.info("scheduler.snapshot_written", key=saved.key, round=self.next_round - 1, bytes=saved.bytes)
 
-    async def _publish(self, event: Event, *, deadline: float, round_: int) -> None:
-        """Publish ``event`` (:func:`~services.scheduler.live.publish.publish_by`) or raise
-        :class:`RoundFailed` once it cannot matter: refused, stopping, or past the round's end."""
-        def retried(error: BaseException, attempt: int, wait_s: float) -> None:
-            self.counters.publish_retries.inc()
-            self._log.warning("round.publish_retry", round=round_, event_type=event.TYPE, error=str(error)[:200],
-                              retry_in_s=wait_s)
-
-        def placed(partition: int, offset: int) -> None:
-            self._placed[partition] = max(self._placed.get(partition, 0), offset + 1)
-        try:
-            # Waits are real time (a real broker's acks take real time), the deadline is the
-            # service clock's: a fake clock's sleep would jump it past the round's end at once.
-            await publish_by(self.bus, event, give_up=lambda: self._stopping or self.clock.time() >= deadline,
-                             placed=placed, sleep=asyncio.sleep, on_retry=retried)
-        except PublishGivenUp as exc:
-            raise RoundFailed(str(exc), stage="publish", round=round_, maybe_written=exc.retriable) from exc
-
     # ------------------------------------------------------------------ consuming
 
     async def _consume(self) -> None:
-        async with self.bus.subscribe(list(INPUT_TOPICS) + [DEADLETTER], self.config.group) as sub:
+        def resume(topic: str, partition: int) -> int:
+            # Recovery read every input from the start (or a snapshot's offsets) to the end: a
+            # partition it found nothing in is read from its start.
+            if topic == DEADLETTER:
+                return self._lettered.get(partition, 0)
+            return self._folded.get(f"{topic}:{partition}", 0)
+        async with self.bus.subscribe(list(INPUT_TOPICS) + [DEADLETTER], self.config.group, resume=resume) as sub:
             async for delivery in sub:
                 if delivery.topic == DEADLETTER:
                     self._count_letter(delivery)
@@ -404,25 +443,46 @@ class SchedulerService:
             events = await asyncio.to_thread(
                 plan_to_events, plan, request, self.state, timing, choice=settings.choice, seed=settings.seed,
                 source=self.config.source, inputs=inputs, decision_ms=seconds * 1e3)
-        published, spent = 0, False
         try:
-            for event in events:
-                try:
-                    await self._publish(event, deadline=timing.ends_at, round_=timing.round)
-                except RoundFailed as exc:
-                    spent = exc.maybe_written   # a held RoundStarted may yet appear: never reuse its number
-                    raise
-                async with self._fold_lock:
-                    self.state.apply(event)
-                self.counters.events_out.labels(type=event.TYPE).inc()
-                published += 1
-                if published % 64 == 0:
-                    await asyncio.sleep(0)   # a bus that never blocks must not starve /healthz
-        finally:
-            if published or spent:
-                self.previous = plan
-                self.next_round += 1
-                self._round_s = timing.round_s
+            if self.leadership is not None:
+                await publish_fenced(self.leadership.publisher, events, round_=timing.round,
+                                     timeout_s=timing.ends_at - self.clock.time(), applied=self._applied)
+            else:
+                # Waits are real time (a real broker's acks take real time), the deadline is the
+                # service clock's: a fake clock's sleep would jump it past the round's end at once.
+                await publish_each(self.bus, events, round_=timing.round, applied=self._applied,
+                                   give_up=lambda: self._stopping or self.clock.time() >= timing.ends_at,
+                                   placed=self._note_placed, on_retry=self._publish_retried(timing.round))
+        except RoundFailed as exc:
+            if exc.spent:
+                self._spend(plan, timing)
+            if exc.stage == "fenced":
+                self._step_down(str(exc))
+            raise
+        self._spend(plan, timing)
+        await self._after_round(plan, timing, seconds, events)
+
+    def _spend(self, plan: Plan, timing: RoundTiming) -> None:
+        self.previous, self.next_round, self._round_s = plan, timing.round + 1, timing.round_s
+
+    async def _applied(self, event: Event, partition: int | None = None, offset: int | None = None) -> None:
+        async with self._fold_lock:
+            self.state.apply(event)
+        if partition is not None and offset is not None and topic_for(event) == PLACEMENTS:
+            self._note_placed(partition, offset)
+        self.counters.events_out.labels(type=event.TYPE).inc()
+
+    def _note_placed(self, partition: int, offset: int) -> None:
+        self._placed[partition] = max(self._placed.get(partition, 0), offset + 1)
+
+    def _publish_retried(self, round_: int) -> Callable[[Event, BaseException, int, float], None]:
+        def retried(event: Event, error: BaseException, attempt: int, wait_s: float) -> None:
+            self.counters.publish_retries.inc()
+            self._log.warning("round.publish_retry", round=round_, event_type=event.TYPE, error=str(error)[:200],
+                              retry_in_s=wait_s)
+        return retried
+
+    async def _after_round(self, plan: Plan, timing: RoundTiming, seconds: float, events: list[Event]) -> None:
         self.counters.rounds.inc()
         self.counters.decision.observe(seconds)
         self.counters.queue.set(len(plan.waiting))
