@@ -99,6 +99,7 @@ class _Job:
     resweep: bool = False                                    # completed: one straggler sweep left
     due_s: float | None = None                               # when to sweep next (monotonic)
     failures: int = 0
+    decisions: int = 0                                       # observed so far (a sweep's ``begun``)
 
 
 class ObjectLifecycle:
@@ -143,6 +144,7 @@ class ObjectLifecycle:
         else:
             job.cancelled, job.starts = True, {}
         job.due_s, job.failures = now_s, 0
+        job.decisions += 1
         if job.completed or job.cancelled:
             self._finished[event.job_id] = None
             while len(self._finished) > MAX_FINISHED:
@@ -189,10 +191,19 @@ class ObjectLifecycle:
                 out.append((key, "model"))
         return out
 
-    def swept(self, job_id: str, now_s: float, *, ok: bool) -> bool:
-        """Record a sweep's outcome; False if the job's failures reached ``max_attempts`` (given up)."""
+    def begin(self, job_id: str) -> int:
+        """A sweep of ``job_id`` starts (before it lists): the token its :meth:`swept` takes."""
+        job = self._jobs.get(job_id)
+        return job.decisions if job is not None else 0
+
+    def swept(self, job_id: str, now_s: float, *, ok: bool, begun: int) -> bool:
+        """Record the outcome of the sweep that :meth:`begin` returned ``begun`` for; False if
+        the job's failures reached ``max_attempts`` (given up). A decision observed while the
+        sweep ran leaves the job due now: the sweep's listing predates it."""
         job = self._jobs.get(job_id)
         if job is None:
+            return True
+        if job.decisions != begun:
             return True
         finished = job.completed or job.cancelled
         if not ok:
@@ -251,8 +262,9 @@ class ObjectJanitor:
     async def sweep(self) -> None:
         """One pass over the due jobs (at most MAX_JOBS_PER_SWEEP)."""
         for job_id in self.lifecycle.due(time.monotonic()):
+            begun = self.lifecycle.begin(job_id)
             ok = await self._sweep_job(job_id)
-            if not self.lifecycle.swept(job_id, time.monotonic(), ok=ok):
+            if not self.lifecycle.swept(job_id, time.monotonic(), ok=ok, begun=begun):
                 self._log.error("objects.sweep_given_up", job=job_id, attempts=self.lifecycle.max_attempts)
 
     async def _sweep_job(self, job_id: str) -> bool:

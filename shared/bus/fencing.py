@@ -11,7 +11,11 @@ alike (``tests/contract/test_fencing.py``):
   replica that took over has started, whatever it believes.
 * **Atomic batches.** The events of one :meth:`~FencedPublisher.publish_all` become visible
   to every consumer and every :meth:`~shared.bus.base.Bus.read` together, or not at all
-  (Kafka: a transaction; consumers read committed records only).
+  (Kafka: a transaction; consumers read committed records only). A batch becomes visible
+  when the broker has written its commit markers, an instant after ``publish_all`` returns,
+  so a read started at once may not see it yet; starting a newer publisher of the same id
+  waits for them (so a successor that fences first reads every batch its predecessor
+  committed).
 * A failure that is not fencing raises a :class:`~shared.bus.base.BusError` (``retriable``
   when the broker may come back); the batch is then not visible, except when the failure
   came while committing (``BusError.maybe_visible``): the caller must treat such a batch as

@@ -3,6 +3,7 @@ and on KafkaBus (a real broker): the two parts a standby scheduler stands on."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import pytest
@@ -11,15 +12,23 @@ from shared.bus import Bus, BusError
 from shared.bus.fencing import Fenced
 from shared.wire.events import JobCancelled
 from shared.wire.topics import JOBS
-from tests.contract.test_bus import open_bus, progress, read_all, take, unique
+from tests.contract.test_bus import WAIT_S, open_bus, progress, read_all, take, unique
 
 
 def cancels(job: str, n: int) -> list[JobCancelled]:
     return [JobCancelled(ts=1.0, source="test", job_id=job, reason=f"r{i}") for i in range(n)]
 
 
-async def of_job(bus: Bus, job: str) -> list[str]:
-    return [d.event.reason for d in await read_all(bus, JOBS) if getattr(d.event, "job_id", None) == job]
+async def of_job(bus: Bus, job: str, count: int) -> list[str]:
+    """The reasons of ``job``'s events on hadar.jobs once ``count`` are visible (or WAIT_S
+    passed). A committed batch becomes visible to read_committed readers when the broker has
+    written its commit markers, just after ``publish_all`` returns (shared/bus/fencing.py)."""
+    deadline = asyncio.get_running_loop().time() + WAIT_S
+    while True:
+        seen = [d.event.reason for d in await read_all(bus, JOBS) if getattr(d.event, "job_id", None) == job]
+        if len(seen) >= count or asyncio.get_running_loop().time() > deadline:
+            return seen
+        await asyncio.sleep(0.05)
 
 
 async def test_a_batch_lands_whole_and_reports_where(bus_kind, clock) -> None:
@@ -31,7 +40,7 @@ async def test_a_batch_lands_whole_and_reports_where(bus_kind, clock) -> None:
             where = await publisher.publish_all(cancels(job, 5))
         finally:
             await publisher.stop()
-        assert await of_job(bus, job) == [f"r{i}" for i in range(5)]
+        assert await of_job(bus, job, 5) == [f"r{i}" for i in range(5)]
         assert len({p for p, _ in where}) == 1   # one key: one partition, offsets in order
         assert [o for _, o in where] == sorted(o for _, o in where)
 
@@ -52,7 +61,7 @@ async def test_a_newer_publisher_fences_the_older_one_for_good(bus_kind, clock) 
         finally:
             await old.stop()
             await new.stop()
-        assert await of_job(bus, job) == ["r0", "new"]
+        assert await of_job(bus, job, 2) == ["r0", "new"]
 
 
 async def test_another_fencing_id_is_not_fenced(bus_kind, clock) -> None:
@@ -67,7 +76,7 @@ async def test_another_fencing_id_is_not_fenced(bus_kind, clock) -> None:
         finally:
             await a.stop()
             await b.stop()
-        assert sorted(await of_job(bus, job)) == ["b", "r0"]
+        assert sorted(await of_job(bus, job, 2)) == ["b", "r0"]
 
 
 async def test_a_member_resumes_where_it_says_not_where_the_group_committed(bus_kind, clock) -> None:

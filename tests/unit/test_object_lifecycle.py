@@ -70,9 +70,9 @@ def test_a_completed_job_is_swept_once_more_after_the_grace_then_forgotten() -> 
     life = ObjectLifecycle(straggler_sweep_s=100.0)
     decide(life, 0)
     life.observe(completed(10), 5.0)
-    assert life.swept("j1", 6.0, ok=True)
+    assert life.swept("j1", 6.0, ok=True, begun=life.begin("j1"))
     assert life.due(50.0) == [] and life.due(106.0) == ["j1"]
-    life.swept("j1", 106.0, ok=True)
+    life.swept("j1", 106.0, ok=True, begun=life.begin("j1"))
     assert len(life) == 0 and doomed(life) == set()
 
 
@@ -81,7 +81,7 @@ def test_a_cancelled_job_keeps_its_latest_models_and_is_forgotten_after_one_swee
     decide(life, 0, 1, 2)
     life.observe(JobCancelled(ts=T0, source="cli", job_id="j1"), 0.0)
     assert {model_key("j1", 1), model_key("j1", 2)}.isdisjoint(doomed(life))
-    life.swept("j1", 1.0, ok=True)
+    life.swept("j1", 1.0, ok=True, begun=life.begin("j1"))
     assert len(life) == 0
 
 
@@ -91,12 +91,12 @@ def test_failures_back_off_and_give_up_until_the_next_decision() -> None:
     delays = []
     now = 0.0
     for _ in range(3):
-        assert life.swept("j1", now, ok=False)
+        assert life.swept("j1", now, ok=False, begun=life.begin("j1"))
         (due_s,) = [s for s in [life._jobs["j1"].due_s] if s is not None]
         delays.append(due_s - now)
         now = due_s
     assert delays == [1.0, 2.0, 4.0]
-    assert not life.swept("j1", now, ok=False)      # the 4th failure in a row: given up
+    assert not life.swept("j1", now, ok=False, begun=life.begin("j1"))      # the 4th failure in a row: given up
     assert life.due(now + 1e6) == []
     decide(life, 1)                                  # the next decision tries again
     assert life.due(now) == ["j1"]
@@ -130,3 +130,17 @@ def test_a_round_models_optimizer_state_goes_and_stays_with_its_model() -> None:
     # round 0's model is what an open round starts from: its optimizer state is kept with it
     assert {optim_key("j1", 0), model_key("j1", 0), optim_key("j1", 2), optim_key("j1", 3)}.isdisjoint(gone)
     assert {kind for key, kind in life.doomed("j1", ALL + optim) if key in optim} == {"model"}
+
+
+def test_a_decision_that_arrives_during_a_sweep_is_swept_again_at_once() -> None:
+    # The race CI caught (test_a_completed_job_keeps_only_its_final_model): the sweep of round
+    # 2's model listed the store, JobCompleted arrived while it ran, and the sweep's end then
+    # put the completed job's sweep 600 s away, so its checkpoints and models stayed.
+    life = ObjectLifecycle(straggler_sweep_s=600.0)
+    decide(life, 0, 1, 2)
+    begun = life.begin("j1")             # the janitor lists the job's objects...
+    life.observe(completed(30), 1.0)     # ... and the job completes before it is done
+    assert life.swept("j1", 2.0, ok=True, begun=begun)
+    assert life.due(2.0) == ["j1"]
+    life.swept("j1", 2.0, ok=True, begun=life.begin("j1"))
+    assert life.due(2.0) == [] and life.due(602.0) == ["j1"]   # then once more after the grace
