@@ -7,8 +7,14 @@
     models/{job}/{round}.optim.safetensors         its averaged optimizer state, for resuming (tracker)
     models/{job}/final.safetensors                 the job's final model (tracker)
     snapshots/{owner}/{seq}.snapshot               a service's state snapshot (shared/persistence/snapshot.py)
+    users/{user}/code/{digest}.tar                 a user's code bundle (hadar submit; shared/domain/bundles.py)
+    users/{user}/data/{digest}.tar                 a user's dataset bundle (hadar data put)
+    users/{user}/datasets/{name}.json              which dataset bundle a name stands for now (hadar data put)
 
-``job`` is a job id (:data:`shared.wire.records.JOB_ID_RE`); ``owner`` a service's consumer group
+``user`` is a user (:data:`shared.wire.records.USER_RE`), ``digest`` a bundle's SHA-256 in
+lowercase hex and ``name`` a dataset name (:data:`shared.wire.records.DATASET_RE`); bundles
+are named by content, so a key never changes meaning. ``job`` is a job id
+(:data:`shared.wire.records.JOB_ID_RE`); ``owner`` a service's consumer group
 id (1-63 of letters, digits, ``.``, ``_``, ``-``, starting with a letter or digit); ``seq``,
 ``round`` and ``copy`` are
 non-negative integers in decimal, without leading zeros. Every object is written to a
@@ -26,12 +32,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from shared.wire.records import JOB_ID_RE
+from shared.wire.records import DATASET_RE, DIGEST_RE, JOB_ID_RE, USER_RE
 
 __all__ = [
     "CheckpointKey", "ModelKey", "checkpoint_key", "model_key", "final_key", "checkpoint_prefix",
     "model_prefix", "parse_checkpoint_key", "parse_model_key", "parse_final_key",
     "snapshot_key", "snapshot_prefix", "parse_snapshot_key", "optim_key", "optim_key_of", "parse_optim_key",
+    "user_prefix", "code_bundle_key", "data_bundle_key", "dataset_key", "dataset_prefix",
 ]
 
 CHECKPOINTS = "checkpoints"
@@ -40,6 +47,8 @@ SUFFIX = ".safetensors"
 FINAL = "final"
 SNAPSHOTS = "snapshots"
 SNAPSHOT_SUFFIX = ".snapshot"
+USERS = "users"
+BUNDLE_SUFFIX = ".tar"
 OPTIM_SUFFIX = ".optim" + SUFFIX
 _NUMBER_RE = re.compile(r"0|[1-9][0-9]*")
 _OWNER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
@@ -161,6 +170,41 @@ def parse_snapshot_key(key: str) -> tuple[str, int] | None:
     if _OWNER_RE.fullmatch(owner) is None or not _is_number(seq):
         return None
     return owner, int(seq)
+
+
+def user_prefix(user: str) -> str:
+    """The prefix of every object ``user`` owns (ends in ``/``; no other user's key has it)."""
+    if not isinstance(user, str) or USER_RE.fullmatch(user) is None:
+        raise ValueError(f"not a user who owns objects: {user!r}")
+    return f"{USERS}/{user}/"
+
+
+def code_bundle_key(user: str, digest: str) -> str:
+    """Where ``user``'s code bundle with SHA-256 ``digest`` lives."""
+    return f"{user_prefix(user)}code/{_digest(digest)}{BUNDLE_SUFFIX}"
+
+
+def data_bundle_key(user: str, digest: str) -> str:
+    """Where ``user``'s dataset bundle with SHA-256 ``digest`` lives."""
+    return f"{user_prefix(user)}data/{_digest(digest)}{BUNDLE_SUFFIX}"
+
+
+def dataset_prefix(user: str) -> str:
+    """The prefix of ``user``'s dataset names (ends in ``/``)."""
+    return f"{user_prefix(user)}datasets/"
+
+
+def dataset_key(user: str, name: str) -> str:
+    """Where the record of which bundle ``user``'s dataset ``name`` stands for lives."""
+    if not isinstance(name, str) or DATASET_RE.fullmatch(name) is None:
+        raise ValueError(f"not a dataset name: {name!r}")
+    return f"{dataset_prefix(user)}{name}.json"
+
+
+def _digest(digest: str) -> str:
+    if not isinstance(digest, str) or DIGEST_RE.fullmatch(digest) is None:
+        raise ValueError(f"not a SHA-256 digest: {digest!r}")
+    return digest
 
 
 def _is_job(text: str) -> bool:

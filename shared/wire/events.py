@@ -51,6 +51,7 @@ from shared.wire.records import (
     JobSpec,
     Record,
     Rejection,
+    UserCode,
     Waiting,
     check_job_id,
     check_node_id,
@@ -61,17 +62,18 @@ from shared.wire.records import (
 from shared.wire.topics import TOPIC_OF_TYPE
 
 __all__ = [
-    "InvalidEvent", "Record", "Event", "Hyperparameters", "JobSpec", "GpuInfo", "Waiting",
+    "InvalidEvent", "Record", "Event", "Hyperparameters", "JobSpec", "UserCode", "GpuInfo", "Waiting",
     "CopyWeight", "Rejection", "JobSubmitted", "JobCancelled", "NodeRegistered",
     "NodeHeartbeat", "ThroughputEstimate", "RoundStarted", "Assignment", "Progress",
     "CopyFinished", "ModelConsolidated", "RoundAbandoned", "JobCompleted", "QueuesApplied", "DeadLetter",
     "EVENT_TYPES", "QueueConfig", "QueueSpec", "QueueStanding",
     "topic_for", "key_for", "encode", "decode", "JOB_ID_RE", "NODE_ID_RE",
-    "DEFAULT_OPTIMIZER_SLOTS", "MAX_OPTIMIZER_SLOTS", "MAX_MODEL_BYTES", "DEADLETTER_RAW_LIMIT",
+    "DEFAULT_OPTIMIZER_SLOTS", "MAX_OPTIMIZER_SLOTS", "MAX_MODEL_BYTES", "DEADLETTER_RAW_LIMIT", "MAX_LOG_TAIL",
 ]
 
 
 DEADLETTER_RAW_LIMIT = 1024
+MAX_LOG_TAIL = 4096   # characters of a user script's output a CopyFinished carries
 # A model's size as a ThroughputEstimate states it (what HadarE charges for consolidating:
 # shared/domain/fork_cost.py): optimizer state tensors per parameter, 1 by default (SGD with
 # momentum) and at most 2 (the zoo's Adam); at most 4 TiB of FP32 weights (~1.1e12
@@ -314,13 +316,22 @@ class CopyFinished(Event):
     checkpoint: str | None = None
     reason: str = ""
     emulated: bool = False
+    # User code: the held-out metric its own script computed on the agent (the tracker never
+    # runs user code) -- of the model the round started from, and of this copy's final weights
+    # -- and the end of the script's output when it failed or was refused.
+    metric_name: str = ""
+    start_metric: float | None = None
+    final_metric: float | None = None
+    log_tail: str = ""
 
     def _check(self) -> None:
         check_job_id(self.job_id, self.TYPE)
         require(self.round >= 0 and self.copy >= 0, "CopyFinished.round/copy: must be >= 0")
         require(self.steps_round >= 0, "CopyFinished.steps_round: must be >= 0")
         require(self.status == "failed" or self.checkpoint is not None,
-                 "CopyFinished.checkpoint: required unless status is 'failed'")
+                "CopyFinished.checkpoint: required unless status is 'failed'")
+        require(len(self.metric_name) <= 32, "CopyFinished.metric_name: at most 32 characters")
+        require(len(self.log_tail) <= MAX_LOG_TAIL, f"CopyFinished.log_tail: at most {MAX_LOG_TAIL} characters")
 
 
 @dataclass(frozen=True, kw_only=True)

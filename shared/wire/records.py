@@ -18,14 +18,21 @@ from typing import Any, ClassVar, Literal
 from shared.errors import HadarError
 
 __all__ = [
-    "InvalidEvent", "Record", "Hyperparameters", "JobSpec", "GpuInfo", "Waiting", "CopyWeight",
-    "Rejection", "JOB_ID_RE", "NODE_ID_RE", "QUEUE_NAME_RE", "new_event_id", "to_wire", "require",
-    "check_job_id", "check_node_id", "check_queue_name", "short_repr",
+    "InvalidEvent", "Record", "Hyperparameters", "JobSpec", "UserCode", "GpuInfo", "Waiting", "CopyWeight",
+    "Rejection", "JOB_ID_RE", "NODE_ID_RE", "QUEUE_NAME_RE", "USER_RE", "DATASET_RE", "DIGEST_RE",
+    "MAX_CONFIG_CHARS", "new_event_id", "to_wire", "require", "check_job_id", "check_node_id",
+    "check_queue_name", "short_repr",
 ]
 
 JOB_ID_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 QUEUE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
+# A user who owns objects in the store (a path segment), a dataset's name, a bundle's SHA-256.
+USER_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+DATASET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+MAX_CONFIG_CHARS = 16 * 1024
+_ENTRYPOINT_RE = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*\.py$")
 
 
 
@@ -164,6 +171,41 @@ class Hyperparameters(Record):
 
 
 @dataclass(frozen=True, kw_only=True)
+class UserCode(Record):
+    """A user's own training script: the code bundle named by its SHA-256 ``digest`` (``size``
+    bytes) under the submitting user's prefix in the store (``shared.domain.layout``), the
+    script in it to run (``entrypoint``, a relative ``.py`` path) with ``args``, the job's
+    ``config`` (a JSON object as text, handed to the script), the dataset bundle pinned at
+    submission (``data_digest``/``data_size``; "" when the job names none), and ``hint``: a
+    built-in model family whose figures stand for the job's until it is measured ("": none)."""
+
+    digest: str
+    size: int
+    entrypoint: str
+    args: tuple[str, ...] = ()
+    config: str = ""
+    data_digest: str = ""
+    data_size: int = 0
+    hint: str = ""
+
+    def _check(self) -> None:
+        require(DIGEST_RE.fullmatch(self.digest) is not None, "UserCode.digest: must be 64 lowercase hex digits")
+        require(0 < self.size <= 2**40, "UserCode.size: must be in 1..2^40")
+        require(len(self.entrypoint) <= 256 and _ENTRYPOINT_RE.fullmatch(self.entrypoint) is not None
+                and ".." not in self.entrypoint.split("/"),
+                "UserCode.entrypoint: must be a relative path to a .py file of the bundle (letters, digits, "
+                "'_', '-', '.', '/')")
+        require(len(self.args) <= 64 and all(len(a) <= 1024 and "\x00" not in a for a in self.args),
+                "UserCode.args: at most 64, each at most 1024 characters")
+        require(len(self.config) <= MAX_CONFIG_CHARS, f"UserCode.config: at most {MAX_CONFIG_CHARS} characters")
+        require(self.data_digest == "" or DIGEST_RE.fullmatch(self.data_digest) is not None,
+                "UserCode.data_digest: must be empty or 64 lowercase hex digits")
+        require((self.data_digest == "") == (self.data_size == 0) and 0 <= self.data_size <= 2**44,
+                "UserCode.data_size: must be in 1..2^44 with a data_digest, else 0")
+        require(len(self.hint) <= 32, "UserCode.hint: at most 32 characters")
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobSpec(Record):
     """What a user asks for: everything the scheduler and the agents need to run a job."""
 
@@ -181,6 +223,8 @@ class JobSpec(Record):
     # a higher class is placed first and may preempt a lower one (services/scheduler/core/queues.py).
     queue: str = ""
     priority_class: int = 0
+    # The user's own training code (None: ``model`` and ``dataset`` name the built-in zoo's).
+    code: UserCode | None = None
 
     def _check(self) -> None:
         check_job_id(self.job_id, "JobSpec")
@@ -200,10 +244,23 @@ class JobSpec(Record):
             check_queue_name(self.queue, "JobSpec.queue")
         if not (0 <= self.priority_class <= 100):
             raise InvalidEvent(f"JobSpec.priority_class: must be in 0..100, got {self.priority_class}")
+        if self.code is not None:
+            require(USER_RE.fullmatch(self.user) is not None,
+                    "JobSpec.user: a job with code must name its user as 1-63 of lowercase letters, digits, "
+                    "'.', '_', '-' (it owns the code's prefix in the store)")
+            require(DATASET_RE.fullmatch(self.dataset) is not None or self.dataset == "-",
+                    "JobSpec.dataset: a job with code names its dataset (1-63 of lowercase letters, digits, "
+                    "'.', '_', '-') or '-' for none")
+            require((self.dataset == "-") == (self.code.data_digest == ""),
+                    "JobSpec.dataset: '-' exactly when the code names no dataset bundle")
 
     @property
     def job_type(self) -> str:
-        """Throughput-table key of this job, e.g. ``resnet (batch size 32)``."""
+        """Throughput-table key of this job, e.g. ``resnet (batch size 32)``; a job of user
+        code is keyed by its bundle too (``mynet@3f2a9c1b7d0e (batch size 32)``), so it never
+        borrows the figures of a built-in model that shares its name."""
+        if self.code is not None:
+            return f"{self.model}@{self.code.digest[:12]} (batch size {self.batch_size})"
         return f"{self.model} (batch size {self.batch_size})"
 
 

@@ -23,8 +23,15 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from shared.wire.events import DEADLETTER_RAW_LIMIT, EVENT_TYPES, MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS, Event
-from shared.wire.records import JOB_ID_RE, NODE_ID_RE, Record, to_wire
+from shared.wire.events import (
+    DEADLETTER_RAW_LIMIT,
+    EVENT_TYPES,
+    MAX_LOG_TAIL,
+    MAX_MODEL_BYTES,
+    MAX_OPTIMIZER_SLOTS,
+    Event,
+)
+from shared.wire.records import DIGEST_RE, JOB_ID_RE, MAX_CONFIG_CHARS, NODE_ID_RE, Record, to_wire
 from shared.wire.topics import TOPIC_BY_NAME, TOPIC_OF_TYPE
 
 __all__ = ["schema", "reference_markdown", "write", "CONSTRAINTS"]
@@ -54,6 +61,16 @@ CONSTRAINTS: dict[tuple[str, str], dict[str, Any]] = {
     ("JobSpec", "iterations"): {"minimum": 1, "maximum": 10**12},
     ("JobSpec", "priority"): {"exclusiveMinimum": 0, "maximum": 1000},
     ("JobSpec", "deadline_s"): {"exclusiveMinimum": 0},
+    ("CopyFinished", "metric_name"): {"maxLength": 32},
+    ("CopyFinished", "log_tail"): {"maxLength": MAX_LOG_TAIL},
+    ("UserCode", "digest"): {"pattern": DIGEST_RE.pattern},
+    ("UserCode", "size"): {"minimum": 1, "maximum": 2**40},
+    ("UserCode", "entrypoint"): {"maxLength": 256, "pattern": "\\.py$"},
+    ("UserCode", "args"): {"maxItems": 64, "items": {"maxLength": 1024}},
+    ("UserCode", "config"): {"maxLength": MAX_CONFIG_CHARS},
+    ("UserCode", "data_digest"): {"pattern": "^$|" + DIGEST_RE.pattern},
+    ("UserCode", "data_size"): {"minimum": 0, "maximum": 2**44},
+    ("UserCode", "hint"): {"maxLength": 32},
     ("GpuInfo", "index"): {"minimum": 0, "maximum": 1023},
     ("GpuInfo", "type"): {"minLength": 1, "maxLength": 32},
     ("JobCancelled", "job_id"): _JOB_ID,

@@ -43,7 +43,9 @@ from shared.wire.events import (
     decode,
     encode,
 )
-from shared.wire.records import QUEUE_NAME_RE
+from shared.wire.records import DIGEST_RE, QUEUE_NAME_RE, USER_RE, UserCode
+
+USER_FOR_CODE = "alice"   # a job with code names a user that owns a store prefix
 
 INT64 = (-(2**63), 2**63 - 1)  # what msgpack can carry
 # Twelve types times ROUND_TRIP examples: kept small so the suite stays fast on 2 cores.
@@ -64,6 +66,8 @@ job_ids = st.from_regex(JOB_ID_RE, fullmatch=True)
 node_ids = st.from_regex(NODE_ID_RE, fullmatch=True)
 non_negative = st.integers(0, INT64[1])
 queue_names = st.from_regex(QUEUE_NAME_RE, fullmatch=True)
+digests = st.from_regex(DIGEST_RE, fullmatch=True)
+users = st.from_regex(USER_RE, fullmatch=True)
 gpu_counts = st.dictionaries(text(1, 32), st.integers(0, 1 << 20), max_size=3)
 
 # (class name or "*", field) -> strategy, for fields whose _check narrows the annotation.
@@ -93,6 +97,16 @@ FIELDS: dict[tuple[str, str], st.SearchStrategy[Any]] = {
     ("JobSpec", "deadline_s"): st.none() | floats(0, exclude_lo=True),
     ("JobSpec", "queue"): st.just("") | queue_names,
     ("JobSpec", "priority_class"): st.integers(0, 100),
+    ("CopyFinished", "metric_name"): text(0, 32),
+    ("CopyFinished", "log_tail"): text(0, 64),
+    ("UserCode", "digest"): digests,
+    ("UserCode", "size"): st.integers(1, 2**40),
+    ("UserCode", "entrypoint"): st.from_regex(r"[a-z_]{1,8}(/[a-z_]{1,8}){0,2}\.py", fullmatch=True),
+    ("UserCode", "args"): st.lists(text(0, 16).filter(lambda a: "\x00" not in a), max_size=4).map(tuple),
+    ("UserCode", "config"): st.dictionaries(text(1, 8), st.integers(), max_size=3).map(json.dumps),
+    ("UserCode", "data_digest"): st.just("") | digests,
+    ("UserCode", "data_size"): st.integers(0, 2**44),
+    ("UserCode", "hint"): text(0, 32),
     ("QueueSpec", "name"): queue_names,
     ("QueueSpec", "weight"): floats(0, 1000, exclude_lo=True),
     ("QueueSpec", "quota"): gpu_counts,
@@ -205,6 +219,11 @@ def _joint(kwargs: dict[str, Any], cls: type[Record]) -> dict[str, Any]:
     elif cls is RoundStarted:
         low, high = sorted((kwargs["started_at"], kwargs["ends_at"]))
         kwargs["started_at"], kwargs["ends_at"] = low, high
+    elif cls is UserCode:
+        kwargs["data_size"] = (1 + kwargs.get("data_size", 0) % 2**44) if kwargs.get("data_digest") else 0
+    elif cls is JobSpec and kwargs.get("code") is not None:
+        kwargs["user"] = USER_FOR_CODE
+        kwargs["dataset"] = "data-1" if kwargs["code"].data_digest else "-"
     return kwargs
 
 

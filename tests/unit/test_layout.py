@@ -13,6 +13,9 @@ from shared.domain.layout import (
     ModelKey,
     checkpoint_key,
     checkpoint_prefix,
+    code_bundle_key,
+    data_bundle_key,
+    dataset_key,
     final_key,
     model_key,
     model_prefix,
@@ -22,6 +25,7 @@ from shared.domain.layout import (
     parse_final_key,
     parse_model_key,
     parse_optim_key,
+    user_prefix,
 )
 from shared.store import validate_key
 
@@ -161,3 +165,30 @@ def test_optim_key_lies_beside_its_model_and_parses_as_nothing_else(job_id: str,
 
 def test_optim_key_is_pinned() -> None:
     assert optim_key("j1", 3) == "models/j1/3.optim.safetensors"
+
+
+DIGEST = "0123456789abcdef" * 4
+
+
+def test_user_objects_are_pinned_and_under_their_user() -> None:
+    assert code_bundle_key("alice", DIGEST) == f"users/alice/code/{DIGEST}.tar"
+    assert data_bundle_key("alice", DIGEST) == f"users/alice/data/{DIGEST}.tar"
+    assert dataset_key("alice", "digits") == "users/alice/datasets/digits.json"
+    for key in (code_bundle_key("alice", DIGEST), data_bundle_key("alice", DIGEST), dataset_key("alice", "d")):
+        assert key.startswith(user_prefix("alice")) and not key.startswith(user_prefix("alic"))
+        validate_key(key)
+
+
+@pytest.mark.parametrize("build", [
+    lambda: user_prefix("Alice"),
+    lambda: user_prefix("../bob"),
+    lambda: user_prefix("a/b"),
+    lambda: code_bundle_key("alice", DIGEST.upper()),
+    lambda: code_bundle_key("alice", DIGEST[:-1]),
+    lambda: data_bundle_key("alice", "../" + DIGEST[3:]),
+    lambda: dataset_key("alice", "../x"),
+    lambda: dataset_key("alice", "x/y"),
+])
+def test_user_object_builders_refuse_parts_outside_the_layout(build: Callable[[], str]) -> None:
+    with pytest.raises(ValueError):
+        build()
