@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from shared.errors import UsageError
-from shared.wire.events import Hyperparameters, InvalidEvent, JobSpec
+from shared.wire.events import Hyperparameters, InvalidEvent, JobSpec, UserCode
 
 FIELDS = ("id", "user", "model", "dataset", "batch_size", "workers", "iterations", "priority",
           "deadline_s", "optimizer", "lr", "seed", "queue", "priority_class")
@@ -94,11 +94,18 @@ def new_job_id(model: str) -> str:
     return f"{stem}-{secrets.token_hex(6)}"
 
 
-def parse_job(data: Mapping[str, Any], *, default_user: str = "anonymous") -> JobSpec:
+def parse_job(data: Mapping[str, Any], *, default_user: str = "anonymous", code: UserCode | None = None) -> JobSpec:
+    """The JobSpec of a job file's fields. ``code``: the job runs that user code (its fields
+    were split off and delivered by :mod:`services.cli.usercode`); ``model`` is then the
+    user's label for it and ``dataset`` is filled in from the code's data. Without ``code``
+    the model and dataset must be the zoo's."""
     unknown = sorted(set(data) - set(FIELDS))
     if unknown:
-        raise JobFileError(f"{unknown[0]}: unknown field; valid fields: {', '.join(FIELDS)}")
+        raise JobFileError(f"{unknown[0]}: unknown field; valid fields: {', '.join(FIELDS)}, and for your own "
+                           "script code, entrypoint, args, config, data, hint")
     values = {k: _coerce(k, v) for k, v in data.items() if v is not None}
+    if code is not None:
+        values.setdefault("dataset", "-")
     for required in ("model", "dataset", "workers", "iterations"):
         if required not in values:
             raise JobFileError(f"{required}: required")
@@ -109,17 +116,20 @@ def parse_job(data: Mapping[str, Any], *, default_user: str = "anonymous") -> Jo
             model=values["model"], dataset=values["dataset"], batch_size=values.get("batch_size", 32),
             workers=values["workers"], iterations=values["iterations"], priority=values.get("priority", 1.0),
             deadline_s=values.get("deadline_s"), hyper=hyper, queue=values.get("queue", ""),
-            priority_class=values.get("priority_class", 0),
+            priority_class=values.get("priority_class", 0), code=code,
         )
     except InvalidEvent as exc:
         # "JobSpec.workers: must be ..." -> "workers: must be ..."
         raise JobFileError(exc.reason.split(".", 1)[-1] if exc.reason.startswith(("JobSpec.", "Hyperparameters."))
                            else exc.reason) from None
+    if code is not None:
+        return spec
     from shared.zoo import (
         validate_job,  # imports torch: only once the cheap checks passed
     )
     try:
         validate_job(spec)
     except ValueError as exc:
-        raise JobFileError(str(exc)) from None
+        raise JobFileError(f"{exc} (or run your own script: code: DIR, README \"Bring your own training code\")"
+                           ) from None
     return spec

@@ -21,7 +21,6 @@ from typing import Any
 from services.cli.follow import ClusterView, read_view, submitted_ids
 from services.cli.jobfile import (
     FIELDS,
-    JobFileError,
     load_job_file,
     new_job_id,
     parse_job,
@@ -34,6 +33,7 @@ from services.cli.jobview import (
     select_jobs,
 )
 from services.cli.queues import check_fits, latest_queues
+from services.cli.usercode import CODE_FIELDS, CodeRequest, deliver, split_code_fields
 from services.cli.watch import watch_job
 from shared.bus import Bus
 from shared.clock import SystemClock
@@ -41,9 +41,9 @@ from shared.domain.layout import final_key, model_key
 from shared.errors import UsageError
 from shared.runtime.connection import add_bus_args, add_store_args, make_bus, make_store
 from shared.store import ObjectNotFound
-from shared.wire.events import JobCancelled, JobSpec, JobSubmitted
+from shared.wire.events import JobCancelled, JobSpec, JobSubmitted, UserCode
 
-__all__ = ["register", "submit", "jobs_table", "spec_from_args"]
+__all__ = ["register", "submit", "jobs_table", "job_fields"]
 
 FIELD_HELP: dict[str, str] = {
     "id": "job id (default: generated, unique); an id already in the log is refused",
@@ -62,6 +62,14 @@ FIELD_HELP: dict[str, str] = {
     "priority_class": "priority class in its queue, 0-100 (default 0): a higher class runs first "
                       "and may preempt a lower one at a round boundary",
 }
+CODE_HELP: dict[str, str] = {
+    "code": "your own training script's folder (packed and uploaded; README \"Bring your own training code\")",
+    "entrypoint": "the script in --code to run (default train.py)",
+    "args": "the script's arguments, one string split as a shell would",
+    "config": "a JSON object the script reads as run.config",
+    "data": "a dataset you uploaded with hadar data put",
+    "hint": "a built-in family (resnet, transformer, lstm, autoencoder) to estimate the speed by until measured",
+}
 
 
 def _json_flag(p: argparse.ArgumentParser, what: str, note: str = "") -> None:
@@ -73,7 +81,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("file", nargs="?", help="job file (YAML or JSON); flags override its fields")
     for name in FIELDS:
         p.add_argument(f"--{name.replace('_', '-')}", dest=f"job_{name}", default=None, help=FIELD_HELP[name])
+    for name in CODE_FIELDS:
+        p.add_argument(f"--{name}", dest=f"job_{name}", default=None, help=CODE_HELP[name])
     add_bus_args(p)
+    add_store_args(p)
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("jobs", help="table of jobs: user, state, progress, GPUs, round, times, waiting reason")
@@ -125,14 +136,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 # ---------------------------------------------------------------- submit / cancel
 
 
-def spec_from_args(args: argparse.Namespace) -> tuple[JobSpec, bool]:
-    """The validated spec, and whether its id was given by the user (file or ``--id``)."""
+def job_fields(args: argparse.Namespace) -> tuple[dict[str, Any], CodeRequest | None]:
+    """The job file's fields with the flags over them, split into the job's own and the code
+    request (None: a zoo job). A file's ``code`` folder is relative to the file."""
     data: dict[str, Any] = load_job_file(args.file) if args.file else {}
-    for name in FIELDS:
-        value = getattr(args, f"job_{name}")
+    code_flag = getattr(args, "job_code", None)
+    for name in (*FIELDS, *CODE_FIELDS):
+        value = getattr(args, f"job_{name}", None)
         if value is not None:
             data[name] = value
-    return parse_job(data, default_user=getpass.getuser()), bool(data.get("id"))
+    base = Path(args.file).resolve().parent if args.file and code_flag is None else Path.cwd()
+    fields, request = split_code_fields(data, base=base)
+    if request is not None:
+        fields["dataset"] = request.data or "-"
+    return fields, request
 
 
 async def submit(bus: Bus, spec: JobSpec, *, source: str = "cli") -> JobSubmitted:
@@ -147,19 +164,41 @@ def cmd_submit(args: argparse.Namespace) -> int:
     """Refuses (exit 2) an id the log already holds: the scheduler keeps an id's first
     submission, so a second one would be silently ignored. Two submits of one id racing
     each other can still both pass this check; the first in the log wins."""
-    try:
-        spec, chosen = spec_from_args(args)
-    except JobFileError as exc:
-        raise UsageError(str(exc)) from None
+    fields, request = job_fields(args)
+    chosen = bool(fields.get("id"))
+    spec = None if request is not None else parse_job(fields, default_user=getpass.getuser())
+
+    async def with_code(request: CodeRequest, bus: Bus) -> JobSpec:
+        user = fields.get("user") or getpass.getuser()
+
+        async def accept(code: UserCode) -> JobSpec:
+            job = parse_job(fields, default_user=getpass.getuser(), code=code)
+            check_fits(job, await latest_queues(bus))
+            return job
+
+        store = make_store(args)
+        await store.start()
+        try:
+            job, uploaded = await deliver(store, request, str(user), accept)
+        finally:
+            await store.stop()
+        assert job.code is not None
+        print(f"code: sha256 {job.code.digest[:12]}, {job.code.size} bytes "
+              f"({'uploaded' if uploaded else 'already stored'})", file=sys.stderr)
+        return job
 
     async def run() -> JobSpec:
         bus = make_bus(args, source="cli")
         await bus.start()
         try:
             await bus.ensure_topics()
-            check_fits(spec, await latest_queues(bus))
+            if spec is None:
+                assert request is not None
+                final = await with_code(request, bus)
+            else:
+                final = spec
+                check_fits(final, await latest_queues(bus))
             taken = await submitted_ids(bus)
-            final = spec
             if final.job_id in taken:
                 if chosen:
                     raise UsageError(f"id: job {final.job_id!r} already exists; choose another id")

@@ -32,6 +32,7 @@ from shared.errors import HadarError, UsageError
 COMMANDS: tuple[str, ...] = (
     "jobs",          # submit, jobs, status, watch, cancel, model
     "logs",
+    "usercode",      # data put, data ls
     "queues",        # queues, queues apply
     "serve",
     "demo",
@@ -41,7 +42,8 @@ COMMANDS: tuple[str, ...] = (
     "infra",
     "completion",
 )
-USER_COMMANDS = frozenset({"submit", "jobs", "status", "watch", "cancel", "model", "logs", "queues", "completion"})
+USER_COMMANDS = frozenset({"submit", "jobs", "status", "watch", "cancel", "model", "logs", "queues", "data",
+                           "completion"})
 EXIT_UNAVAILABLE = 3   # a user command could not reach or read the broker / object store
 
 

@@ -3,7 +3,11 @@
 Job figures come from the model zoo (:func:`shared.zoo.job_figures`: counted FLOPs and
 parameters of the job's model at its batch size and optimizer) or, for a job named after
 a Gavel table workload (``ResNet-50`` at batch 32 ...), from :func:`shared.domain.workloads.figures_for`.
-Hardware figures and the roofline are :mod:`shared.domain.gpus`. The rate on each type is a
+A job of user code (``spec.code``) is never left without figures: its ``hint`` names a zoo
+family whose figures stand for it, else a nominal mid-size job's (ResNet-18's, at the job's
+batch size) -- a *provisional* estimate that places the job before it was measured; the first
+measurement on a real GPU type then re-anchors every other type at the catalog's ratios
+(:func:`anchored_rates`). Hardware figures and the roofline are :mod:`shared.domain.gpus`. The rate on each type is a
 copy's own steps/s on ``spec.workers`` GPUs of that type on one node (0.0 where the job
 does not fit) -- with all W workers, the whole job's -- which is what ThroughputEstimate
 carries, the agent measures and the scheduler plans with. The roofline counts a step per
@@ -15,18 +19,36 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 from shared import zoo
 from shared.domain import gpus, workloads
 from shared.wire.events import DEFAULT_OPTIMIZER_SLOTS, MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS, JobSpec
 
-__all__ = ["Sizer", "catalog_rates", "checkpoint_size", "emulated_rates", "job_figures_for", "size_or_unknown"]
+__all__ = ["Sizer", "catalog_rates", "checkpoint_size", "emulated_rates", "job_figures_for", "size_or_unknown",
+           "anchored_rates", "is_provisional", "NOMINAL_JOB"]
+
+NOMINAL_JOB = "ResNet-18 (batch size 32)"   # what a job of user code without a usable hint is taken for
 
 Sizer = Callable[[JobSpec], tuple[int, int]]   # (model_bytes, optimizer_slots); ValueError: unknown
 
 
+def is_provisional(spec: JobSpec) -> bool:
+    """Whether ``spec``'s estimate stands in for figures nobody has (user code)."""
+    return spec.code is not None
+
+
 def job_figures_for(spec: JobSpec) -> workloads.JobFigures:
-    """The estimator's figures for ``spec``; ``ValueError`` if neither zoo nor table knows it."""
+    """The estimator's figures for ``spec``; ``ValueError`` if neither zoo nor table knows it
+    (never for user code: see the module docstring)."""
+    if spec.code is not None:
+        if spec.code.hint:
+            try:
+                return replace(zoo.job_figures(spec.code.hint, spec.batch_size, None, spec.hyper.optimizer),
+                               family=f"provisional:{spec.code.hint}")
+            except ValueError:
+                pass
+        return replace(workloads.figures_for(NOMINAL_JOB), batch_size=spec.batch_size, family="provisional")
     try:
         return zoo.job_figures(spec.model, spec.batch_size, spec.dataset, spec.hyper.optimizer)
     except ValueError as zoo_error:
@@ -80,3 +102,16 @@ def emulated_rates(gpu_type: str, rate: float, reference: str = "") -> dict[str,
     """
     cpu_rate = rate * gpus.emulation_slowdown(gpu_type, reference)
     return {t: cpu_rate / gpus.emulation_slowdown(t, reference) for t in gpus.GPU_TYPES if t != gpu_type}
+
+
+def anchored_rates(spec: JobSpec, gpu_type: str, rate: float) -> dict[str, float]:
+    """Every other catalog type's rate of a provisional job, from ``rate`` measured on
+    ``gpu_type``: the measurement times the catalog's ratio of the two types for the job's
+    provisional figures. Empty if ``gpu_type`` is not a catalog type or runs nothing."""
+    if gpu_type not in gpus.GPU_TYPES:
+        return {}
+    catalog = catalog_rates(spec)
+    base = catalog.get(gpu_type, 0.0)
+    if base <= 0:
+        return {}
+    return {t: rate * r / base for t, r in catalog.items() if t != gpu_type}

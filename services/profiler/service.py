@@ -15,7 +15,9 @@
   measured on an emulated GPU also re-estimates every other type by the emulation's
   slowdowns relative to the reference the Progress names, as the agent throttled by
   (:func:`~services.profiler.estimate.emulated_rates`): on an emulated cluster the
-  catalog's real-GPU estimate would send work to the wrong nodes.
+  catalog's real-GPU estimate would send work to the wrong nodes. A job of user code gets a
+  provisional estimate (:mod:`services.profiler.estimate`), so it is placed before it was ever
+  measured; its first measurement on a real GPU re-estimates every other type from it.
 * Restart: hadar.jobs and hadar.throughput are replayed first, so a job already
   estimated is not estimated again and smoothing resumes from the last published rate.
   With an object store the profiler snapshots its state every ``snapshot_interval_s``
@@ -36,9 +38,11 @@ from prometheus_client import CollectorRegistry, Counter
 
 from services.profiler.estimate import (
     Sizer,
+    anchored_rates,
     catalog_rates,
     checkpoint_size,
     emulated_rates,
+    is_provisional,
     size_or_unknown,
 )
 from services.profiler.snapshot import SERVICE, capture, restore
@@ -245,6 +249,14 @@ class ProfilerService:
         self._log.info("measured.published", job=update.job_id, round=progress.round,
                        gpu_type=update.gpu_type, workers=update.workers, rate=round(update.rate, 4),
                        emulated=update.emulated)
+        spec = self.state.spec(update.job_id)
+        if not update.emulated and spec is not None and is_provisional(spec):
+            rates = await asyncio.to_thread(anchored_rates, spec, update.gpu_type, update.rate)
+            if rates:
+                await self._publish(ThroughputEstimate(
+                    ts=self.clock.time(), source=self.config.source, job_id=update.job_id, basis="estimate",
+                    workers=update.workers, rates=rates), emulated=False)
+            return
         if update.emulated and update.gpu_type in GPU_TYPES:
             try:
                 rates = emulated_rates(update.gpu_type, update.rate, update.emulation_reference)

@@ -80,6 +80,10 @@ class ProfilerState:
         self._specs.setdefault(spec.job_id, spec)
         return spec.job_id not in self._estimated
 
+    def spec(self, job_id: str) -> JobSpec | None:
+        """The spec of a job submitted and not finished (None otherwise)."""
+        return self._specs.get(job_id)
+
     def mark_estimated(self, job_id: str) -> None:
         self._estimated.add(job_id)
 

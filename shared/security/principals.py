@@ -30,16 +30,18 @@ from typing import Any
 from shared.domain.layout import CHECKPOINTS as _CHECKPOINTS
 from shared.domain.layout import MODELS as _MODELS
 from shared.domain.layout import SNAPSHOTS as _SNAPSHOTS
+from shared.domain.layout import USERS as _USERS
 from shared.wire.topics import PRINCIPALS as TOPIC_PRINCIPALS
 from shared.wire.topics import read_by, written_by
 
 __all__ = [
     "Principal", "PRINCIPALS", "SERVICE_PRINCIPALS", "ADMIN", "KafkaAcl", "kafka_acls", "s3_policy",
-    "s3_user", "CHECKPOINTS", "MODELS_PREFIX",
+    "s3_user", "CHECKPOINTS", "MODELS_PREFIX", "USERS_PREFIX",
 ]
 
 CHECKPOINTS = f"{_CHECKPOINTS}/"
 MODELS_PREFIX = f"{_MODELS}/"
+USERS_PREFIX = f"{_USERS}/"   # users' code and data bundles (written by the CLI, read by agents)
 ADMIN = "admin"
 
 
@@ -67,12 +69,13 @@ class Principal:
 PRINCIPALS: dict[str, Principal] = {p.name: p for p in (
     # Kafka topics come from the topic table: a principal writes and reads exactly the
     # topics that name it there. CLI reads never join a group (services/cli/follow.py).
-    Principal(name="cli", writes=written_by("cli"), reads=read_by("cli"), s3_read=(MODELS_PREFIX,)),
+    Principal(name="cli", writes=written_by("cli"), reads=read_by("cli"), s3_read=(MODELS_PREFIX, USERS_PREFIX),
+              s3_write=(USERS_PREFIX,)),
     Principal(name="scheduler", writes=written_by("scheduler"), reads=read_by("scheduler"),
               group_prefix="hadar-scheduler", transactional_prefix="hadar-scheduler",
               s3_read=_own_snapshots("hadar-scheduler"), s3_write=_own_snapshots("hadar-scheduler")),
     Principal(name="agent", writes=written_by("agent"), reads=read_by("agent"), group_prefix="hadar-agent",
-              s3_read=(CHECKPOINTS, MODELS_PREFIX), s3_write=(CHECKPOINTS,)),
+              s3_read=(CHECKPOINTS, MODELS_PREFIX, USERS_PREFIX), s3_write=(CHECKPOINTS,)),
     Principal(name="tracker", writes=written_by("tracker"), reads=read_by("tracker"),
               group_prefix="hadar-tracker", s3_read=(CHECKPOINTS, MODELS_PREFIX, *_own_snapshots("hadar-tracker")),
               s3_write=(CHECKPOINTS, MODELS_PREFIX, *_own_snapshots("hadar-tracker"))),

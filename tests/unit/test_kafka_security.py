@@ -196,10 +196,10 @@ def test_store_policies_follow_the_layout_prefixes() -> None:
         return {r.removeprefix("arn:aws:s3:::b/") for s in policy["Statement"] if action in s["Action"]
                 for r in s["Resource"]}
     assert actions("agent", "s3:PutObject") == {"checkpoints/*"}
-    assert actions("agent", "s3:GetObject") == {"checkpoints/*", "models/*"}
+    assert actions("agent", "s3:GetObject") == {"checkpoints/*", "models/*", "users/*"}   # users' bundles
     own_tracker = {"checkpoints/*", "models/*", "snapshots/hadar-tracker*"}   # and its own state snapshots
     assert actions("tracker", "s3:PutObject") == own_tracker and actions("tracker", "s3:GetObject") == own_tracker
-    assert actions("cli", "s3:GetObject") == {"models/*"} and actions("cli", "s3:PutObject") == set()
+    assert actions("cli", "s3:GetObject") == {"models/*", "users/*"} and actions("cli", "s3:PutObject") == {"users/*"}
     for service in ("scheduler", "profiler"):   # their own state snapshots, nothing else
         own = {f"snapshots/hadar-{service}*"}
         assert actions(service, "s3:GetObject") == own and actions(service, "s3:PutObject") == own
