@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, TypeAlias
 
@@ -64,12 +64,21 @@ class CopyRun:
     reason: str = ""
     rejected: str = ""                # why the tracker left its replica out of the model
     missing: bool = False             # assigned but never reported (the tracker's verdict)
+    start_from: str | None = None     # the model key the copy started from
+    metric_name: str = ""             # user code: what its script measured, of the start model and
+    start_metric: float | None = None  # of this copy's final weights (on the agent)
+    final_metric: float | None = None
+    log_tail: str = ""                # user code: the end of its output, when it failed
 
     def doc(self) -> dict[str, Any]:
         return {"copy": self.copy, "nodes": list(self.nodes), "gpu_type": self.gpu_type, "workers": self.workers,
                 "step_budget": self.budget, "steps": self.steps, "loss": _number(self.loss, 6),
                 "samples_per_s": _number(self.samples_per_s, 3), "status": self.status,
-                "reason": self.reason or None, "rejected": self.rejected or None, "missing": self.missing}
+                "reason": self.reason or None, "rejected": self.rejected or None, "missing": self.missing,
+                "metric": None if not self.metric_name else {
+                    "name": self.metric_name, "start": _number(self.start_metric, 6),
+                    "final": _number(self.final_metric, 6)},
+                "log_tail": self.log_tail or None}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,11 +90,13 @@ class RoundModel:
     metric_name: str = ""
     metric_value: float | None = None
     abandoned: str = ""
+    evaluated_by: str = ""            # "tracker", or for user code "agent" (a later round's copy)
 
     def doc(self) -> dict[str, Any]:
         return {"key": self.key, "total_steps": self.total_steps,
                 "metric": None if self.metric_value is None else {"name": self.metric_name,
-                                                                   "value": _number(self.metric_value, 6)},
+                                                                   "value": _number(self.metric_value, 6),
+                                                                   "by": self.evaluated_by or "tracker"},
                 "abandoned": self.abandoned or None}
 
 
@@ -171,7 +182,7 @@ def _apply(job: _Job, e: Event) -> None:
         run = _run(job, e.round, e.copy)
         if e.node_id not in run.nodes:
             run.nodes.append(e.node_id)
-        run.gpu_type, run.workers, run.budget = e.gpu_type, e.world_size, e.step_budget
+        run.gpu_type, run.workers, run.budget, run.start_from = e.gpu_type, e.world_size, e.step_budget, e.start_from
     elif isinstance(e, Progress):
         run = _run(job, e.round, e.copy)
         run.steps = max(run.steps, e.steps_round)
@@ -183,13 +194,32 @@ def _apply(job: _Job, e: Event) -> None:
         run = _run(job, e.round, e.copy)
         run.status, run.reason = e.status, e.reason
         run.steps = max(run.steps, e.steps_round)
+        run.metric_name, run.start_metric, run.final_metric = e.metric_name, e.start_metric, e.final_metric
+        run.log_tail = e.log_tail
+        if e.metric_name and e.start_metric is not None and run.start_from is not None:
+            _evaluated(job, run.start_from, e.metric_name, e.start_metric)
     elif isinstance(e, ModelConsolidated):
-        job.models[e.round] = RoundModel(key=e.key, total_steps=e.total_steps, metric_name=e.metric_name,
-                                         metric_value=e.metric_value)
+        old = job.models.get(e.round)
+        model = RoundModel(key=e.key, total_steps=e.total_steps, metric_name=e.metric_name,
+                           metric_value=e.metric_value, evaluated_by="tracker" if e.metric_value is not None else "")
+        if model.metric_value is None and old is not None and old.metric_value is not None:
+            model = replace(model, metric_name=old.metric_name, metric_value=old.metric_value,
+                            evaluated_by=old.evaluated_by)
+        job.models[e.round] = model
         _verdicts(job, e.round, e.rejected, e.missing)
     elif isinstance(e, RoundAbandoned):
         job.models[e.round] = RoundModel(key=None, total_steps=None, abandoned=e.reason)
         _verdicts(job, e.round, e.rejected, e.missing)
+
+
+def _evaluated(job: _Job, start_from: str, name: str, value: float) -> None:
+    """A user script's measure of the model a copy started from: that round model's metric
+    (the tracker never evaluates user code), unless the tracker's is known."""
+    for number, model in job.models.items():
+        if model.key == start_from:
+            if model.metric_value is None:
+                job.models[number] = replace(model, metric_name=name, metric_value=value, evaluated_by="agent")
+            return
 
 
 def _verdicts(job: _Job, round_: int, rejected: Iterable[Any], missing: Iterable[int]) -> None:
@@ -214,7 +244,14 @@ def log_line(e: FoldedEvent) -> str:
                 f"loss {e.loss:.4f}  {e.samples_per_s:.1f} samples/s  [{e.node_id} {e.gpu_type}]")
     if isinstance(e, CopyFinished):
         text = f"{head} copy {e.copy:<3} finished   {e.status}, {e.steps_round} steps"
-        return text + (f": {e.reason}" if e.reason else "")
+        if e.metric_name:
+            values = [f"{of} {v:.4f}" for of, v in (("start", e.start_metric), ("final", e.final_metric))
+                      if v is not None]
+            text += f", {e.metric_name}: {', '.join(values)}" if values else ""
+        text += f": {e.reason}" if e.reason else ""
+        if e.log_tail:
+            text += "".join(f"\n    | {line}" for line in e.log_tail.rstrip().splitlines()[-20:])
+        return text
     if isinstance(e, ModelConsolidated):
         metric = f", {e.metric_name} {e.metric_value:.4f}" if e.metric_value is not None else ""
         text = f"{head} model      {e.total_steps} job steps{metric}, copies {[c.copy for c in e.copies]}"

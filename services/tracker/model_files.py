@@ -6,7 +6,9 @@ averaged optimizer state beside it, and the model's held-out metric.
 * ``model.safetensors``: the averaged tensors *not* named ``optim.*`` -- exactly the
   model's ``state_dict``, so ``load_state_dict(strict=True)`` takes it -- with the weighing's
   metadata plus the job's :class:`~shared.domain.model_meta.ModelDescription` (model, dataset,
-  width/depth, zoo view, library version, samples), when the zoo knows the job;
+  width/depth, zoo view, library version, samples), when the zoo knows the job, or, for user
+  code, what rebuilds it (:func:`~shared.domain.model_meta.code_metadata`: the bundle's
+  digest, entrypoint, args and config);
 * ``optim.safetensors``, only if the replicas hold optimizer state: the averaged
   ``optim.*`` tensors under their own names, for copies that resume from the model.
 
@@ -15,7 +17,8 @@ state rejects a replica (non-finite values), the model is rewritten without it, 
 pair is always consistent, and the returned weighing and metadata are the ones written.
 
 :func:`held_out_metric` evaluates the written model on its dataset's test split with
-``shared.zoo.evaluate``. It is bounded: a model file over :data:`EVAL_MAX_BYTES` is not
+``shared.zoo.evaluate``; never for user code, which the tracker does not import (its own
+script evaluates it on the agents). It is bounded: a model file over :data:`EVAL_MAX_BYTES` is not
 evaluated, and any failure (a job the zoo cannot rebuild, tensors that do not fit) gives
 ``None`` with the reason -- the round is consolidated either way.
 """
@@ -31,7 +34,7 @@ from services.tracker.averaging.consolidate import (
     WriteStats,
     write_consolidated,
 )
-from shared.domain.model_meta import OPTIM_PREFIX, ModelDescription, ModelMetadata
+from shared.domain.model_meta import OPTIM_PREFIX, ModelDescription, ModelMetadata, code_metadata
 from shared.wire.records import JobSpec
 
 __all__ = ["ModelFiles", "write_model_files", "held_out_metric", "EVAL_MAX_BYTES", "OPTIM_FORMAT"]
@@ -50,7 +53,7 @@ class ModelFiles:
 
 
 def _describe(spec: JobSpec | None, weighing: Weighing) -> ModelDescription | None:
-    if spec is None:
+    if spec is None or spec.code is not None:
         return None
     from shared.zoo import describe  # torch: imported only when a model is written
 
@@ -69,7 +72,8 @@ def write_model_files(weighing: Weighing, tmp_dir: Path, *, job_id: str, round_:
     optim = tuple(t for t in weighing.layout if t.name.startswith(OPTIM_PREFIX))
     if not weights:   # not a model's checkpoint at all: keep every tensor in the model file
         weights, optim = weighing.layout, ()
-    static = {"job": job_id, "round": str(round_), "missing": json.dumps(list(missing))}
+    static = {"job": job_id, "round": str(round_), "missing": json.dumps(list(missing)),
+              **(code_metadata(spec) if spec is not None else {})}
     model_path, optim_path = tmp_dir / "model.safetensors", tmp_dir / "optim.safetensors"
     while True:
         description = _describe(spec, weighing)
@@ -96,6 +100,8 @@ def held_out_metric(model_path: Path, spec: JobSpec | None) -> tuple[tuple[str, 
     ``(None, why not)``."""
     if spec is None:
         return None, "job spec unknown"
+    if spec.code is not None:   # never imported here: the agents evaluate user code (CopyFinished.metric_*)
+        return None, "user code: evaluated by its own script on the agents"
     size = model_path.stat().st_size
     if size > EVAL_MAX_BYTES:
         return None, f"model is {size} bytes, more than {EVAL_MAX_BYTES}"

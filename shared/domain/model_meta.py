@@ -49,10 +49,10 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from shared.errors import HadarError
-from shared.wire.records import JOB_ID_RE, CopyWeight, InvalidEvent, Rejection
+from shared.wire.records import JOB_ID_RE, CopyWeight, InvalidEvent, JobSpec, Rejection
 
 __all__ = ["InvalidModelMetadata", "ModelMetadata", "ModelDescription", "Mode", "consolidation_entries",
-           "OPTIM_PREFIX"]
+           "code_metadata", "OPTIM_PREFIX"]
 
 # Tensors named with this prefix are optimizer state (a checkpoint holds both; a model
 # file holds none, its round's optimizer state is the sibling ``shared.domain.layout.optim_key``).
@@ -297,3 +297,15 @@ def _check_count(name: str, value: Any) -> int:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def code_metadata(spec: JobSpec) -> dict[str, str]:
+    """What a model of user code records about how to rebuild it (empty for a zoo job): the
+    code bundle's SHA-256, the entrypoint, args (JSON) and config (JSON text), the user's
+    label for the model, its dataset, and its user. ``hadar model JOB --json`` shows them."""
+    if spec.code is None:
+        return {}
+    return {"code_digest": spec.code.digest, "code_entrypoint": spec.code.entrypoint,
+            "code_args": json.dumps(list(spec.code.args)), "code_config": spec.code.config or "{}",
+            "code_model": spec.model, "code_dataset": spec.dataset, "code_user": spec.user}
+

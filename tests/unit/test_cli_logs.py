@@ -117,7 +117,7 @@ def test_logs_json_is_one_document_per_round_and_copy(bus, capsys):
     assert (first["steps"], first["loss"], first["samples_per_s"], first["nodes"]) == (300, 0.75, 3300.0, ["n0"])
     assert second["reason"] == "RuntimeError: CUDA out of memory" and second["rejected"].startswith("copy failed")
     assert r0["model"] == {"key": model_key("lg-1", 0), "total_steps": 150,
-                           "metric": {"name": "accuracy", "value": 0.875}, "abandoned": None}
+                           "metric": {"name": "accuracy", "value": 0.875, "by": "tracker"}, "abandoned": None}
     assert r1["model"]["abandoned"] == "no usable replica" and r1["copies"][0]["status"] == "preempted"
     assert doc["latest"] == {"loss": {"round": 1, "value": 0.5},
                              "metric": {"round": 0, "name": "accuracy", "value": 0.875}}
