@@ -17,6 +17,9 @@ before it, never one after it:
 * The agent: ``daemon`` (the asyncio service) and ``worker`` (the training subprocess)
   never import each other; what crosses the process boundary is ``protocol``.
 * The tracker: ``averaging`` (the pure numerical core) imports nothing else of the tracker.
+* ``hadar_sdk`` (imported by users' own training scripts, which run where only it is readable)
+  imports only torch, numpy, safetensors and the standard library: nothing of ``shared``,
+  ``services`` or ``devinfra``.
 
 Every import statement counts, also one inside a function or an ``if TYPE_CHECKING``
 block; relative imports are resolved first.
@@ -25,6 +28,7 @@ block; relative imports are resolved first.
 from __future__ import annotations
 
 import ast
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,6 +51,8 @@ SHARED_LAYERS: tuple[tuple[str, ...], ...] = (
 
 # (importing package, forbidden package, why), beyond shared's layers.
 RULES: tuple[tuple[str, str, str], ...] = (
+    *(("hadar_sdk", p, "the SDK runs in a user's trainer, where only it is readable")
+      for p in ("shared", "services", "devinfra")),
     ("shared", "services", "shared imports no service"),
     ("shared", "devinfra", "shared imports no development tooling"),
     *((f"services.{s}", "services.cli", "only the CLI imports the CLI package") for s in SERVICES),
@@ -121,7 +127,8 @@ def violations_of(module: str, source: str, *, is_package: bool = False) -> list
 
 
 def checked_files() -> list[Path]:
-    dirs = [ROOT / "shared", ROOT / "devinfra", *(ROOT / "services" / s for s in (*SERVICES, "cli"))]
+    dirs = [ROOT / "shared", ROOT / "devinfra", ROOT / "hadar_sdk",
+            *(ROOT / "services" / s for s in (*SERVICES, "cli"))]
     return sorted(p for d in dirs for p in d.rglob("*.py"))
 
 
@@ -138,6 +145,17 @@ def test_layering(path: Path) -> None:
     assert violations(path) == []
 
 
+SDK_DEPENDENCIES = frozenset({"hadar_sdk", "torch", "numpy", "safetensors", "__future__"})
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "hadar_sdk").rglob("*.py")), ids=lambda p: p.name)
+def test_the_sdk_imports_only_torch_numpy_safetensors_and_the_standard_library(path: Path) -> None:
+    module = module_name(path)
+    names = imported_modules(path.read_text(encoding="utf-8"), module, is_package=path.name == "__init__.py")
+    outside = sorted({n for n in names if n.split(".")[0] not in SDK_DEPENDENCIES | sys.stdlib_module_names})
+    assert outside == [], f"{module} imports {outside}"
+
+
 def test_the_checker_sees_every_form_of_import() -> None:
     source = ("import services.cli.main\n"
               "from services import cli\n"
@@ -151,6 +169,8 @@ def test_a_lower_layer_importing_a_higher_one_is_caught() -> None:
     found = violations_of("shared.wire.probe", "from shared.runtime.service import run_service\n")
     assert "shared.wire.probe imports shared.runtime.service: a lower layer of shared imports a higher one" in found
     assert violations_of("shared.runtime.probe", "from shared.wire.events import encode\n") == []
+    assert "hadar_sdk.probe imports shared.errors: the SDK runs in a user's trainer, where only it is readable" \
+        in violations_of("hadar_sdk.probe", "from shared.errors import HadarError\n")
     assert violations_of("services.agent.daemon.probe", "import services.agent.worker.training\n") == [
         "services.agent.daemon.probe imports services.agent.worker.training: "
         "the daemon talks to workers only through protocol"]
