@@ -37,7 +37,8 @@ DEFAULT_HTTP_PORT = 8082
 ENV_PREFIX = "HADAR_AGENT_"
 # Flags whose field has the same name; AgentConfig holds their defaults.
 _FIELDS = ("node_id", "address", "emulate", "emulate_reference", "cpu_devices", "heartbeat_s", "progress_s",
-           "stop_timeout_s", "deadline_grace_s", "threads", "spare_workers")
+           "stop_timeout_s", "deadline_grace_s", "threads", "spare_workers", "cache_dir", "cache_bytes",
+           "trainer_sandbox")
 
 
 def add_agent_parser(services: argparse._SubParsersAction,
@@ -69,6 +70,14 @@ def add_agent_parser(services: argparse._SubParsersAction,
                         help="a worker still running this long after its round deadline is preempted (default: 30)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: 1)")
     parser.add_argument("--spare-workers", type=int, default=None, help="warm worker processes kept ready (default: 1)")
+    parser.add_argument("--cache-dir", default=None,
+                        help="where this node keeps users' code and data bundles "
+                             "(default: ~/.cache/hadar/agent/<node>/bundles)")
+    parser.add_argument("--cache-bytes", type=int, default=None,
+                        help="the bundle cache's size; least recently used bundles go first (default: 20 GiB)")
+    parser.add_argument("--trainer-sandbox", default=None, metavar="true|false",
+                        help="run users' code in the Landlock/seccomp sandbox (default: true; false is insecure, "
+                             "only for developing on a kernel without Landlock)")
     parser.set_defaults(func=run_agent)
     return parser
 

@@ -44,6 +44,12 @@ class AgentConfig:
     result_retry_s: float = 0.5     # first wait before publishing a result again; doubles ...
     result_retry_max_s: float = 5.0  # ... up to this
     result_ttl_s: float = 3600.0    # a result is given up this long after deadline + grace, once a newer round exists
+    # Users' own code (services/agent/worker/user_job.py): where this node caches code and data
+    # bundles ("" = ~/.cache/hadar/agent/<node>/bundles), at most how many bytes, and whether the
+    # trainer runs in the Landlock sandbox (False only to develop on a kernel without it: insecure).
+    cache_dir: str = ""
+    cache_bytes: int = 20 << 30
+    trainer_sandbox: bool = True
 
     def __post_init__(self) -> None:
         if not NODE_ID_RE.fullmatch(self.node_id):
@@ -59,7 +65,8 @@ class AgentConfig:
                                                    f"got {self.result_retry_max_s}")
         if not self.result_ttl_s >= 0:
             raise FieldError("result_ttl_s", f"must be >= 0, got {self.result_ttl_s}")
-        for name, least in (("threads", 1), ("spare_workers", 0), ("cpu_devices", 1), ("max_round_leap", 1)):
+        for name, least in (("threads", 1), ("spare_workers", 0), ("cpu_devices", 1), ("max_round_leap", 1),
+                            ("cache_bytes", 1 << 20)):
             if getattr(self, name) < least:
                 raise FieldError(name, f"must be >= {least}, got {getattr(self, name)}")
         if self.emulate:

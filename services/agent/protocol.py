@@ -23,7 +23,8 @@ from shared.domain.local_sgd import LocalSgd
 from shared.store import LocalStore, MinioStore, ObjectStore
 from shared.store.settings import S3Settings
 
-__all__ = ["StoreTarget", "WorkerSpec", "worker_line", "parse_worker_line", "stop_line", "parse_stop_line"]
+__all__ = ["StoreTarget", "CodeTarget", "WorkerSpec", "worker_line", "parse_worker_line", "stop_line",
+           "parse_stop_line"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +66,28 @@ class StoreTarget:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CodeTarget:
+    """A user's own code for a worker to run as a sandboxed child (the job's
+    :class:`~shared.wire.events.UserCode` and where this node caches bundles)."""
+
+    user: str
+    digest: str
+    size: int
+    entrypoint: str
+    args: tuple[str, ...] = ()
+    config: str = ""
+    data_digest: str = ""
+    data_size: int = 0
+    cache_dir: str = ""                # this node's bundle cache (services/agent/worker/artifacts.py)
+    cache_bytes: int = 20 << 30
+    sandbox: bool = True               # False: the operator's insecure opt-out (no Landlock)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CodeTarget:
+        return cls(**{**data, "args": tuple(data.get("args", ()))})
+
+
+@dataclass(frozen=True, kw_only=True)
 class WorkerSpec:
     """One worker's part of one job copy for one round (one DDP rank)."""
 
@@ -99,6 +122,7 @@ class WorkerSpec:
     local_gpus: tuple[int, ...] = ()  # this node's GPUs of the copy, one per entry of local_ranks
     local_ranks: tuple[int, ...] = ()  # this node's ranks of the copy
     peers: tuple[str, ...] = ()       # the node of every rank, in rank order (empty: not known)
+    code: CodeTarget | None = None     # a user's own code; None: the zoo's ``model`` on ``dataset``
 
     def __post_init__(self) -> None:
         if self.world_size > 1 and not self.rendezvous:
@@ -118,6 +142,7 @@ class WorkerSpec:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["store"] = self.store.to_json()
         data["local_sgd"] = dataclasses.asdict(self.local_sgd)
+        data["code"] = dataclasses.asdict(self.code) if self.code is not None else None
         return json.dumps(data)
 
     @classmethod
@@ -125,6 +150,7 @@ class WorkerSpec:
         data = json.loads(text)
         data["store"] = StoreTarget.from_json(data["store"])
         data["local_sgd"] = LocalSgd.from_json(data.get("local_sgd"))
+        data["code"] = CodeTarget.from_json(data["code"]) if data.get("code") else None
         for name in ("local_gpus", "local_ranks", "peers"):
             data[name] = tuple(data.get(name, ()))
         return cls(**data)

@@ -49,6 +49,7 @@ The rules (:func:`on_assign_copy`, :func:`on_copy_done`, built on the one-slot
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -84,6 +85,7 @@ class WarmKey:
     world_size: int = 1
     local: tuple[tuple[int, int], ...] = ()   # (GPU, rank) of each of the copy's ranks on this node
     peers: tuple[str, ...] = ()               # the node of each rank, in rank order (DDP only)
+    code: tuple[str, ...] = ()                # user code: bundle, entrypoint, args, config, data it runs
 
 
 def warm_key(spec: WorkerSpec) -> WarmKey | None:
@@ -92,6 +94,10 @@ def warm_key(spec: WorkerSpec) -> WarmKey | None:
     base: dict[str, Any] = dict(job_id=spec.job_id, model=spec.model, dataset=spec.dataset, seed=spec.seed,
                 optimizer=spec.optimizer, lr=spec.lr, device=spec.device, threads=spec.threads,
                 env=tuple(sorted(spec.env.items())))
+    if spec.code is not None:   # the trainer process runs exactly one script with one configuration
+        c = spec.code
+        base["code"] = (c.user, c.digest, c.entrypoint, json.dumps(list(c.args)), c.config, c.data_digest,
+                        str(c.sandbox))
     if spec.rendezvous is None:
         return WarmKey(**base) if spec.world_size == 1 else None
     local = tuple(zip(spec.local_gpus, spec.local_ranks, strict=True))

@@ -36,6 +36,7 @@ it (:mod:`services.agent.daemon.result_expiry`) and when to ack the Assignment.
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -46,12 +47,12 @@ import structlog
 from services.agent.daemon.discovery import NodeDevices
 from services.agent.daemon.metrics import AgentMetrics
 from services.agent.daemon.process import WorkerPool, WorkerProcess, WorkerSlots
-from services.agent.protocol import StoreTarget, WorkerSpec
+from services.agent.protocol import CodeTarget, StoreTarget, WorkerSpec
 from services.agent.slots import warm_key
 from shared.clock import Clock
 from shared.domain.layout import checkpoint_key
 from shared.domain.local_sgd import LocalSgd
-from shared.wire.events import Assignment, CopyFinished, Event, Progress
+from shared.wire.events import MAX_LOG_TAIL, Assignment, CopyFinished, Event, Progress
 
 __all__ = ["RunContext", "CopyRun", "CopyKey", "free_port", "local_sgd_recipe"]
 
@@ -76,6 +77,9 @@ class RunContext:
     deadline_grace_s: float
     upload_grace_s: float = 120.0
     slots: WorkerSlots = None   # type: ignore[assignment]   # None: one over ``pool``
+    cache_dir: str = ""            # users' code and data bundles ("": the worker's default per node)
+    cache_bytes: int = 20 << 30
+    trainer_sandbox: bool = True   # False: user code runs without Landlock (the operator's insecure opt-out)
 
     def __post_init__(self) -> None:
         if self.slots is None:
@@ -168,6 +172,11 @@ class CopyRun:
             rendezvous = f"127.0.0.1:{free_port()}"   # only a fresh group uses it (a kept one never meets again)
         peers = a.peers or ((self.ctx.node_id,) * a.world_size if a.world_size == len(a.ranks) else ())
         recipe = local_sgd_recipe(a)
+        code = None if a.job.code is None else CodeTarget(
+            user=a.job.user, digest=a.job.code.digest, size=a.job.code.size, entrypoint=a.job.code.entrypoint,
+            args=a.job.code.args, config=a.job.code.config, data_digest=a.job.code.data_digest,
+            data_size=a.job.code.data_size, cache_dir=self.ctx.cache_dir, cache_bytes=self.ctx.cache_bytes,
+            sandbox=self.ctx.trainer_sandbox)
         specs = []
         for gpu, rank in zip(a.gpus, a.ranks, strict=True):
             env = {"CUDA_VISIBLE_DEVICES": devices.visible.get(gpu, "")}
@@ -180,7 +189,7 @@ class CopyRun:
                 start_from=a.start_from, checkpoint=checkpoint_key(a.job_id, a.round, a.copy),
                 store=self.ctx.store, slowdown=devices.slowdown.get(gpu, 1.0), emulated=devices.emulated,
                 progress_s=self.ctx.progress_s, threads=self.ctx.threads, env=env,
-                local_gpus=a.gpus, local_ranks=a.ranks, peers=peers, local_sgd=recipe))
+                local_gpus=a.gpus, local_ranks=a.ranks, peers=peers, local_sgd=recipe, code=code))
         return specs
 
     async def run(self) -> CopyFinished | None:
@@ -313,8 +322,10 @@ class CopyRun:
         failed = [f for f in finals if f is not None and f["event"] == "failed"]
         if failure or failed:
             reason = failure or self.first_failure or str(failed[0]["reason"])
+            tail = next((str(f["log_tail"]) for f in failed if isinstance(f.get("log_tail"), str) and f["log_tail"]),
+                        "")
             self.ctx.metrics.failure()
-            return self._result("failed", self.steps_round, None, reason)
+            return self._result("failed", self.steps_round, None, reason, log_tail=tail)
         mine = next((f for f in finals if f is not None and f["rank"] == 0), None)
         if not self.reports or mine is None:   # rank 0 lives on another node, which reports the copy
             self.log.info("copy.finished_here", ranks=list(self.a.ranks))
@@ -326,16 +337,32 @@ class CopyRun:
                       steps_total=mine["steps_total"], samples_per_s=round(mine["samples_per_s"], 1),
                       metric=mine.get("metric"))
         return self._result(str(mine["status"]), steps, mine["checkpoint"],
-                            self.stop_reason if mine["status"] == "preempted" else "")
+                            self.stop_reason if mine["status"] == "preempted" else "", metrics=_user_metrics(mine))
 
-    def _result(self, status: str, steps: int, checkpoint: str | None, reason: str) -> CopyFinished:
+    def _result(self, status: str, steps: int, checkpoint: str | None, reason: str, *,
+                metrics: dict[str, Any] | None = None, log_tail: str = "") -> CopyFinished:
         a = self.a
         if status == "failed":
-            self.log.error("copy.failed", reason=reason)
+            self.log.error("copy.failed", reason=reason, log_tail=log_tail[-500:] or None)
         event = CopyFinished(ts=self.ctx.clock.time(), source=self.ctx.source, job_id=a.job_id, round=a.round,
                              copy=a.copy, node_id=self.ctx.node_id, steps_round=steps,
                              status=cast(_CopyStatus, status),   # as the worker reported it: checked here
                              gpu_type=a.gpu_type, checkpoint=checkpoint, reason=reason[:500],
-                             emulated=self.ctx.devices.emulated)
+                             emulated=self.ctx.devices.emulated, log_tail=log_tail[-MAX_LOG_TAIL:],
+                             **(metrics or {}))
         self.ctx.metrics.finished(status)
         return event
+
+
+def _user_metrics(final: dict[str, Any]) -> dict[str, Any]:
+    """The held-out metric a user script reported, as CopyFinished carries it; nothing that
+    is not a name of at most 32 characters with finite numbers."""
+    name = final.get("metric_name")
+    if not isinstance(name, str) or not name or len(name) > 32:
+        return {}
+    out: dict[str, Any] = {"metric_name": name}
+    for field in ("start_metric", "final_metric"):
+        value = final.get(field)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out[field] = float(value)
+    return out

@@ -42,6 +42,7 @@ import signal
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -75,6 +76,7 @@ from services.agent.worker.training import (
     StopCode,
     TrainingLoop,
 )
+from services.agent.worker.user_job import UserCodeWorker, UserSession
 from shared.domain import local_sgd
 from shared.domain.layout import optim_key_of
 from shared.errors import ConfigError
@@ -243,6 +245,14 @@ class Worker:
         return spec.checkpoint, metric
 
 
+def emitter(out: TextIO) -> Callable[..., None]:
+    """``emit(kind, **fields)``: one protocol line on ``out``."""
+    def emit(kind: str, **fields: Any) -> None:
+        out.write(worker_line(kind, **fields) + "\n")
+        out.flush()
+    return emit
+
+
 def _claim_stdout() -> TextIO:
     """A private handle on the original stdout for the protocol; fd 1 then goes to stderr."""
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
@@ -267,7 +277,7 @@ class Control:
     def __init__(self, stream: Any) -> None:
         self.specs: queue.Queue[str | None] = queue.Queue()
         self.stopped: set[tuple[str, int, int]] = set()
-        self.current: Worker | None = None
+        self.current: Worker | UserCodeWorker | None = None
         self.terminated = False
         self._stream = stream
         threading.Thread(target=self._read, name="control", daemon=True).start()
@@ -302,7 +312,7 @@ class Control:
                 continue
         return None
 
-    def begin(self, worker: Worker) -> None:
+    def begin(self, worker: Worker | UserCodeWorker) -> None:
         spec = worker.spec
         self.current = worker
         if self.terminated or (spec.job_id, spec.round, spec.copy) in self.stopped:
@@ -332,7 +342,7 @@ def main() -> int:
     capture_prints()
     _prewarm()
     first: WorkerSpec | None = None
-    session: Session | None = None
+    session: Session | UserSession | None = None
     try:
         while True:
             idle = time.time()
@@ -346,7 +356,18 @@ def main() -> int:
                 out.flush()
                 return 1
             first = first or spec
-            worker = Worker(spec, out, spec_wait_s=time.time() - idle, session=session)
+            wait_s = time.time() - idle
+            worker: Worker | UserCodeWorker
+            if spec.code is not None and not isinstance(session, Session):
+                worker = UserCodeWorker(spec, emitter(out), spec_wait_s=wait_s, session=session,
+                                        process_start=PROCESS_START)
+            elif spec.code is None and not isinstance(session, UserSession):
+                worker = Worker(spec, out, spec_wait_s=wait_s, session=session)
+            else:   # the daemon never sends one: a warm key names the kind of job
+                out.write(worker_line("failed", reason="bad worker spec: this warm worker runs another kind "
+                                                       "of job (zoo or user code)") + "\n")
+                out.flush()
+                return 1
             control.begin(worker)
             code = worker.run()
             control.current = None

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from torch import nn
 
+from hadar_sdk.batches import BatchSampler
 from shared.errors import HadarError
 from shared.zoo import Dataset, loss_function
 
@@ -56,38 +56,6 @@ class StopCode(IntEnum):
     BUDGET = 1
     DEADLINE = 2
     PREEMPTED = 3
-
-
-class BatchSampler:
-    """Indices of the batch of any total step, for one (seed, copy, rank) stream."""
-
-    def __init__(self, n: int, batch_size: int, stream: tuple[int, ...], device: torch.device) -> None:
-        self.n, self.batch_size, self.stream, self.device = n, batch_size, stream, device
-        self._perms: dict[int, torch.Tensor] = {}
-
-    def _perm(self, epoch: int) -> torch.Tensor:
-        perm = self._perms.get(epoch)
-        if perm is None:
-            if len(self._perms) > 4:
-                self._perms.pop(min(self._perms))
-            seed = int(np.random.SeedSequence([*self.stream, epoch]).generate_state(1, dtype=np.uint64)[0])
-            gen = torch.Generator().manual_seed(seed)
-            perm = self._perms[epoch] = torch.randperm(self.n, generator=gen).to(self.device)
-        return perm
-
-    def indices(self, step: int) -> torch.Tensor:
-        start = step * self.batch_size
-        first, last = start // self.n, (start + self.batch_size - 1) // self.n
-        if first == last:
-            offset = start - first * self.n
-            return self._perm(first)[offset:offset + self.batch_size]
-        parts, position = [], start
-        for epoch in range(first, last + 1):
-            lo = position - epoch * self.n
-            hi = min(self.n, start + self.batch_size - epoch * self.n)
-            parts.append(self._perm(epoch)[lo:hi])
-            position = epoch * self.n + hi
-        return torch.cat(parts)
 
 
 @dataclass(frozen=True, kw_only=True)
