@@ -68,7 +68,7 @@ def test_bad_code_fields_are_one_line_naming_the_field(code_dir: Path, extra: di
 
 
 def test_code_fields_without_code_are_refused(code_dir: Path) -> None:
-    with pytest.raises(CodeFieldError, match="^entrypoint: only for a job with code"):
+    with pytest.raises(CodeFieldError, match=r"^entrypoint: only for a job with code"):
         split_code_fields({"model": "resnet", "entrypoint": "x.py"}, base=code_dir)
 
 
@@ -135,20 +135,20 @@ async def test_a_user_who_cannot_own_a_prefix_is_refused(store: LocalStore, code
     async def accept(code: UserCode) -> JobSpec:
         raise AssertionError("not reached")
 
-    with pytest.raises(UsageError, match="^user: "):
+    with pytest.raises(UsageError, match=r"^user: "):
         await deliver(store, request, user, accept)
 
 
 def test_a_job_with_code_must_name_a_user_that_owns_a_prefix() -> None:
     code = UserCode(digest="a" * 64, size=1, entrypoint="train.py")
-    with pytest.raises(InvalidEvent, match="JobSpec.user"):
+    with pytest.raises(InvalidEvent, match=r"JobSpec\.user"):
         JobSpec(job_id="j", user="Alice Smith", model="m", dataset="-", batch_size=1, workers=1, iterations=1,
                 code=code)
-    with pytest.raises(InvalidEvent, match="JobSpec.dataset"):
+    with pytest.raises(InvalidEvent, match=r"JobSpec\.dataset"):
         JobSpec(job_id="j", user="alice", model="m", dataset="digits", batch_size=1, workers=1, iterations=1,
                 code=code)
     for entrypoint in ("../x.py", "/abs.py", "a/../b.py", "train.sh"):
-        with pytest.raises(InvalidEvent, match="UserCode.entrypoint"):
+        with pytest.raises(InvalidEvent, match=r"UserCode\.entrypoint"):
             UserCode(digest="a" * 64, size=1, entrypoint=entrypoint)
 
 
