@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.live.rerun import LoggedEvent, rerun
@@ -149,3 +150,34 @@ async def test_rounds_describe_themselves_and_rerun_without_flags():
     assert (last.round, last.policy_options, last.seed) == (2, "{}", 0)
     assert all(c.matches for c in rerun(await _log(bus)))
     await bus.stop()
+
+
+async def test_an_idle_scheduler_places_a_new_job_in_its_first_round() -> None:
+    """From idle, the first round waits (briefly) for the new job's estimate: planned before
+    it, the job would wait a whole round (minutes in production) on an idle cluster. The
+    estimate follows the submission as the profiler's answer does, a moment later."""
+    bus = MemoryBus()
+    await bus.start()
+    config = SchedulerConfig(policy="yarn-cs", round_s=30, heartbeat_s=1000, late_copy_s=0, consolidation_wait_s=0)
+    service = SchedulerService(bus=bus, config=config)
+    await service.start()
+    try:
+        now = time.time()
+        await bus.publish(NodeRegistered(ts=now, source="agent", node_id="n1", gpus=(GpuInfo(index=0, type="t4"),)))
+        await _settle(lambda: "n1" in service.state.nodes)
+        spec = JobSpec(job_id="late-rate", user="u", model="resnet", dataset="digits", batch_size=32, workers=1,
+                       iterations=100)
+        await bus.publish(JobSubmitted(ts=now, source="cli", job=spec, submitted_at=now))
+        await asyncio.sleep(0.3)
+        await bus.publish(ThroughputEstimate(ts=time.time(), source="profiler", job_id="late-rate",
+                                             basis="estimate", workers=1, rates={"t4": 4.0}))
+        for _ in range(100):
+            if any(isinstance(e, RoundStarted) for e in await _placements(bus)):
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)
+        placed = [(e.round, e.job_id) for e in await _placements(bus) if isinstance(e, Assignment)]
+        assert placed == [(0, "late-rate")]
+    finally:
+        await service.stop()
+        await bus.stop()

@@ -100,6 +100,7 @@ INPUT_TOPICS = (JOBS, NODES, THROUGHPUT, PROGRESS, MODELS, QUEUES)
 RECOVERY_TOPICS = (*INPUT_TOPICS, PLACEMENTS)   # read from the start (or a snapshot) at start-up
 LEADERSHIP_TOPICS = (LEADERSHIP,)   # followed by a standby (shared.runtime.leadership)
 RETRY_BASE_S = 0.05
+ESTIMATE_WAIT_S = 5.0   # the most a round started from idle waits for its new jobs' first estimates
 
 
 def _timed_plan(policy: Policy, request: PlanRequest) -> tuple[Plan, float]:
@@ -389,7 +390,11 @@ class SchedulerService:
                 self.costs.consolidation(previous_round, self.clock.time() - ended.started.ends_at)
             if not self.state.active_jobs():
                 self.telemetry.went_idle()
-                await self._wait_for(lambda: bool(self.state.active_jobs()), 1.0)
+                if await self._wait_for(lambda: bool(self.state.active_jobs()), 1.0):
+                    # From idle the round starts with the new job: planned before its estimate
+                    # (the profiler answers within milliseconds), the job would wait a whole
+                    # round on an idle cluster.
+                    await self._wait_for(lambda: not self.state.unrated_jobs(), min(ESTIMATE_WAIT_S, self._round_s))
                 next_start = self.clock.time()
                 continue
             try:

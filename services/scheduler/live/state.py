@@ -349,6 +349,11 @@ class SchedulerState:
         """Active jobs in submission order (ties by id): the order snapshots list them."""
         return sorted((j for j in self.jobs.values() if j.active), key=lambda j: (j.submitted_at, j.spec.job_id))
 
+    def unrated_jobs(self) -> list[str]:
+        """Active jobs no ThroughputEstimate has rated yet, in submission order."""
+        rated = {job_id for job_id, _, _ in self.rates}
+        return [j.spec.job_id for j in self.active_jobs() if j.spec.job_id not in rated]
+
     def live_nodes(self, at: float, heartbeat_s: float, missed: int = 3) -> list[NodeRecord]:
         """Nodes heard from within ``missed`` heartbeat periods of ``at``, sorted by id."""
         horizon = missed * heartbeat_s
