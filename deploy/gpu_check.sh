@@ -113,9 +113,9 @@ async def agent_checks(root):
         transformer = spec("gc-transformer", "transformer", "synthetic-text")
         t = time.time()
         # one after the other: a node runs one copy per GPU, and a second on a busy GPU is refused
-        await bus.emit(assign(resnet, 0, 10**9, 25))
+        await bus.publish(assign(resnet, 0, 10**9, 25))
         await wait([("gc-resnet", 0)])
-        await bus.emit(assign(transformer, 0, 10**9, 25))
+        await bus.publish(assign(transformer, 0, 10**9, 25))
         await wait([("gc-resnet", 0), ("gc-transformer", 0)])
         for job in ("gc-resnet", "gc-transformer"):
             ev = done[(job, 0)]
@@ -128,14 +128,14 @@ async def agent_checks(root):
         result["train_s"] = round(time.time() - t, 1)
         # nccl (gloo on CPU) DDP with one worker: a rendezvous turns DDP on.
         ddp = spec("gc-ddp", "resnet", "digits")
-        await bus.emit(assign(ddp, 0, 200, 120, rendezvous=f"127.0.0.1:{free_port()}"))
+        await bus.publish(assign(ddp, 0, 200, 120, rendezvous=f"127.0.0.1:{free_port()}"))
         await wait([("gc-ddp", 0)])
         ev = done[("gc-ddp", 0)]
         result["checks"]["ddp_1_worker"] = {"status": ev.status, "steps": ev.steps_round, "reason": ev.reason,
                                             "backend": "nccl" if mode == "cuda" else "gloo"}
         # Resume from the resnet checkpoint: step count carries on.
         first = done[("gc-resnet", 0)]
-        await bus.emit(assign(resnet, 1, 50, 120, start_from=first.checkpoint))
+        await bus.publish(assign(resnet, 1, 50, 120, start_from=first.checkpoint))
         await wait([("gc-resnet", 1)])
         ev = done[("gc-resnet", 1)]
         _, meta = read_checkpoint(Path(root) / ev.checkpoint) if ev.checkpoint else (None, {"total_steps": "-1"})
