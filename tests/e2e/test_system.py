@@ -44,7 +44,7 @@ HADAR = [sys.executable, "-m", "services.cli.main"]
 AGENTS = (("e2e-t4", "t4"), ("e2e-rtx3090", "rtx3090"), ("e2e-a2000", "a2000"))
 # The digits job needs many more rounds than the others on any emulated GPU (its rate is
 # low), so once the short jobs finish HadarE has work to fork onto their idle GPUs.
-JOBS = (("resnet", "digits", 6000), ("resnet", "diabetes", 800), ("autoencoder", "synthetic-ratings", 3000))
+JOBS = (("resnet", "digits", 3000), ("resnet", "diabetes", 400), ("autoencoder", "synthetic-ratings", 1500))
 RUN_TIMEOUT_S = 480
 
 

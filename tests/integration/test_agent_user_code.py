@@ -194,3 +194,60 @@ async def test_hostile_bundles_fail_with_a_reason_and_other_jobs_train(memory_bu
     finally:
         await agent.stop()
         await watch.stop()
+
+
+HANGS_IN_A_COLLECTIVE = '''\
+import time
+
+import torch
+import torch.distributed as dist
+
+import hadar_sdk
+
+with hadar_sdk.connect() as run:
+    dist.init_process_group("gloo")
+    model = torch.nn.Linear(4, 2)
+    for rnd in run.rounds():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        rnd.restore(model, opt)
+        if run.rank == 1:
+            print("rank 1 never reaches the collective", flush=True)
+            time.sleep(3600)
+        for step in rnd.steps():   # rank 0 waits in the step agreement's all_reduce
+            rnd.report(samples=1)
+        rnd.save(model, opt)
+'''
+
+
+async def test_a_copy_hanging_in_a_collective_ends_at_its_deadline_and_the_agent_goes_on(
+        memory_bus, tmp_path: Path) -> None:
+    code = tmp_path / "hang"
+    code.mkdir()
+    (code / "train.py").write_text(HANGS_IN_A_COLLECTIVE)
+    store = LocalStore(tmp_path)
+    await store.start()
+    try:
+        request = CodeRequest(folder=code, entrypoint="train.py", args=(), hint="resnet", data="", config="")
+
+        async def accept(user_code: UserCode) -> JobSpec:
+            return JobSpec(job_id="hang1", user="alice", model="hang", dataset="-", batch_size=1, workers=2,
+                           iterations=10_000, code=user_code)
+
+        spec, _ = await deliver(store, request, "alice", accept)
+    finally:
+        await store.stop()
+    agent, watch = await start_agent(memory_bus, StoreTarget.local(tmp_path), cache_dir=str(tmp_path / "cache"))
+    try:
+        began = time.monotonic()
+        await memory_bus.publish(assign(spec, 0, budget=100, gpus=(0, 1), deadline_s=8))
+        hung = await watch.finished("hang1", 0, timeout_s=120)
+        assert hung.status == "failed" and "did not end the round" in hung.reason, (hung.status, hung.reason)
+        assert time.monotonic() - began < 90, "the copy outlived its deadline by far"
+        assert "never reaches the collective" in hung.log_tail, hung.log_tail
+        await memory_bus.publish(assign(job("after1", workers=2), 1, budget=20, gpus=(0, 1)))   # the same GPUs
+        fine = await watch.finished("after1", 1, timeout_s=180)
+        assert (fine.status, fine.steps_round) == ("ok", 20), fine.reason
+        assert agent.health()["ok"]
+    finally:
+        await agent.stop()
+        await watch.stop()
