@@ -38,7 +38,7 @@ ENV_PREFIX = "HADAR_AGENT_"
 # Flags whose field has the same name; AgentConfig holds their defaults.
 _FIELDS = ("node_id", "address", "emulate", "emulate_reference", "cpu_devices", "heartbeat_s", "progress_s",
            "stop_timeout_s", "deadline_grace_s", "threads", "spare_workers", "cache_dir", "cache_bytes",
-           "trainer_sandbox")
+           "trainer_sandbox", "ledger_dir")
 
 
 def add_agent_parser(services: argparse._SubParsersAction,
@@ -78,6 +78,9 @@ def add_agent_parser(services: argparse._SubParsersAction,
     parser.add_argument("--trainer-sandbox", default=None, metavar="true|false",
                         help="run users' code in the Landlock/seccomp sandbox (default: true; false is insecure, "
                              "only for developing on a kernel without Landlock)")
+    parser.add_argument("--ledger-dir", default=None,
+                        help="where this node records the digests of the checkpoints it writes; keep it on a "
+                             "disk that outlives a restart (default: ~/.cache/hadar/agent/<node>/written)")
     parser.set_defaults(func=run_agent)
     return parser
 

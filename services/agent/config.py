@@ -50,6 +50,9 @@ class AgentConfig:
     cache_dir: str = ""
     cache_bytes: int = 20 << 30
     trainer_sandbox: bool = True
+    # Digests of what this node wrote at its copies' checkpoint keys: a copy resumes mid-round only
+    # from its own bytes (services/agent/worker/ledger.py; "" = ~/.cache/hadar/agent/<node>/written).
+    ledger_dir: str = ""
 
     def __post_init__(self) -> None:
         if not NODE_ID_RE.fullmatch(self.node_id):

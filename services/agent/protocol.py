@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from services.agent.daemon.validation import rendezvous_problem
+from services.agent.worker.ledger import WrittenLedger, default_ledger_dir
 from shared.domain.local_sgd import LocalSgd
 from shared.store import LocalStore, MinioStore, ObjectStore
 from shared.store.settings import S3Settings
@@ -123,6 +124,11 @@ class WorkerSpec:
     local_ranks: tuple[int, ...] = ()  # this node's ranks of the copy
     peers: tuple[str, ...] = ()       # the node of every rank, in rank order (empty: not known)
     code: CodeTarget | None = None     # a user's own code; None: the zoo's ``model`` on ``dataset``
+    ledger_dir: str = ""               # what this node wrote at its checkpoint keys (worker/ledger.py; "": default)
+
+    def ledger(self) -> WrittenLedger:
+        """This node's record of what it wrote at its checkpoint keys."""
+        return WrittenLedger(Path(self.ledger_dir) if self.ledger_dir else default_ledger_dir(self.node_id))
 
     def __post_init__(self) -> None:
         if self.world_size > 1 and not self.rendezvous:
@@ -167,8 +173,8 @@ def parse_worker_line(line: str | bytes) -> dict[str, Any] | None:
         data = json.loads(line)
     except (ValueError, UnicodeDecodeError):
         return None
-    if not isinstance(data, dict) or data.get("event") not in ("started", "progress", "uploading", "finished",
-                                                               "failed"):
+    if not isinstance(data, dict) or data.get("event") not in ("started", "progress", "uploading", "not_ours",
+                                                               "finished", "failed"):
         return None
     return data
 

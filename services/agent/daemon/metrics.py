@@ -28,6 +28,10 @@ class AgentMetrics:
         self._rejected = Counter("hadar_agent_events_rejected",
                                  "Events this agent refused and dead-lettered, by reason (a small fixed set)",
                                  (*_BASE, "reason"), registry=registry)
+        self._not_ours = Counter("hadar_agent_checkpoints_not_ours",
+                                 "Objects found at a copy's own checkpoint key that this node did not write "
+                                 "(ignored: the copy started its round over)", _BASE, registry=registry)
+        self._not_ours.labels(**self._labels)   # exported as 0 from the start: an alert needs the series
         self._skipped = Counter("hadar_agent_events_skipped", "Stale or duplicate assignments skipped, by reason",
                                 (*_BASE, "reason"), registry=registry)
         self._retries = Counter("hadar_agent_result_retries",
@@ -74,6 +78,9 @@ class AgentMetrics:
 
     def finished(self, status: str) -> None:
         self._finished.labels(**self._labels, status=status).inc()
+
+    def not_ours(self) -> None:
+        self._not_ours.labels(**self._labels).inc()
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(**self._labels, reason=reason).inc()

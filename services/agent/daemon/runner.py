@@ -80,6 +80,7 @@ class RunContext:
     cache_dir: str = ""            # users' code and data bundles ("": the worker's default per node)
     cache_bytes: int = 20 << 30
     trainer_sandbox: bool = True   # False: user code runs without Landlock (the operator's insecure opt-out)
+    ledger_dir: str = ""           # what this node wrote at its checkpoint keys ("": the worker's default per node)
 
     def __post_init__(self) -> None:
         if self.slots is None:
@@ -189,7 +190,8 @@ class CopyRun:
                 start_from=a.start_from, checkpoint=checkpoint_key(a.job_id, a.round, a.copy),
                 store=self.ctx.store, slowdown=devices.slowdown.get(gpu, 1.0), emulated=devices.emulated,
                 progress_s=self.ctx.progress_s, threads=self.ctx.threads, env=env,
-                local_gpus=a.gpus, local_ranks=a.ranks, peers=peers, local_sgd=recipe, code=code))
+                local_gpus=a.gpus, local_ranks=a.ranks, peers=peers, local_sgd=recipe, code=code,
+                ledger_dir=self.ctx.ledger_dir))
         return specs
 
     async def run(self) -> CopyFinished | None:
@@ -279,6 +281,11 @@ class CopyRun:
             elif kind == "uploading":
                 self._uploading[worker.pid] = self.ctx.clock.time() + self.ctx.upload_grace_s
                 self.log.info("copy.uploading", rank=spec.rank, key=message.get("key"))
+            elif kind == "not_ours":
+                self.ctx.metrics.not_ours()
+                self.log.warning("checkpoint.not_ours", rank=spec.rank, key=message.get("key"),
+                                 note="an object this node did not write sat at the copy's own key: ignored, "
+                                      "the round starts over")
             elif kind in ("finished", "failed"):
                 final = message
                 self.reported.add(worker.pid)

@@ -118,7 +118,8 @@ class AgentDaemon:
                               progress_s=config.progress_s, threads=config.threads,
                               stop_timeout_s=config.stop_timeout_s, deadline_grace_s=config.deadline_grace_s,
                               upload_grace_s=config.upload_grace_s, cache_dir=config.cache_dir,
-                              cache_bytes=config.cache_bytes, trainer_sandbox=config.trainer_sandbox)
+                              cache_bytes=config.cache_bytes, trainer_sandbox=config.trainer_sandbox,
+                              ledger_dir=config.ledger_dir)
         self.admission = Admission(node_id=config.node_id, gpus=[g.index for g in devices.gpus],
                                    limits=AdmissionLimits(max_round_leap=config.max_round_leap,
                                                           max_deadline_ahead_s=config.max_deadline_ahead_s))

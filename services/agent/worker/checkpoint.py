@@ -35,7 +35,7 @@ from shared.domain.model_meta import OPTIM_PREFIX
 from shared.errors import HadarError
 
 __all__ = ["CheckpointError", "CheckpointMeta", "OPTIM_PREFIX", "FORMAT", "state_tensors",
-           "save_checkpoint", "read_checkpoint", "restore", "read_total_steps", "with_optimizer_state"]
+           "save_checkpoint", "read_checkpoint", "read_stored", "restore", "read_total_steps", "with_optimizer_state"]
 
 FORMAT = "hadar-checkpoint-1"
 
@@ -94,6 +94,14 @@ def read_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]
     except Exception as exc:  # safetensors raises its own and OS errors; all mean "unreadable"
         raise CheckpointError(f"unreadable checkpoint: {type(exc).__name__}: {exc}"[:300]) from None
     return tensors, meta
+
+
+def read_stored(key: str, path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """:func:`read_checkpoint` of ``path``, fetched from the store's ``key`` (named in the error)."""
+    try:
+        return read_checkpoint(path)
+    except CheckpointError as exc:
+        raise CheckpointError(f"bad checkpoint {key}: {exc}") from None
 
 
 def read_total_steps(meta: dict[str, str]) -> int:

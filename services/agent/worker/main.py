@@ -55,12 +55,13 @@ from services.agent.slots import warm_key
 from services.agent.worker.checkpoint import (
     CheckpointError,
     CheckpointMeta,
-    read_checkpoint,
+    read_stored,
     read_total_steps,
     restore,
     save_checkpoint,
     with_optimizer_state,
 )
+from services.agent.worker.ledger import own_checkpoint
 from services.agent.worker.session import (
     Session,
     StoreClient,
@@ -196,8 +197,10 @@ class Worker:
                     optimizer: torch.optim.Optimizer) -> tuple[int, int]:
         """Load the starting state; return (steps already done this round, total steps)."""
         spec = self.spec
-        if store.exists(spec.checkpoint):
-            tensors, meta = self._fetch(store, spec.checkpoint)
+        mine = own_checkpoint(store, spec.checkpoint, spec.ledger(), lambda path: read_stored(spec.checkpoint, path),
+                              lambda: self.emit("not_ours", key=spec.checkpoint))
+        if mine is not None:   # this copy's own checkpoint: resume mid-round
+            tensors, meta = mine
             own = CheckpointMeta.from_metadata(meta)
             if (own.job, own.round, own.copy) != (spec.job_id, spec.round, spec.copy):
                 raise CheckpointError(f"{spec.checkpoint} belongs to {own.job}/{own.round}/{own.copy}")
@@ -225,10 +228,7 @@ class Worker:
         with tempfile.TemporaryDirectory(prefix="hadar-start-") as tmp:
             path = Path(tmp) / "model.safetensors"
             store.get_file(key, path)
-            try:
-                return read_checkpoint(path)
-            except CheckpointError as exc:
-                raise CheckpointError(f"bad checkpoint {key}: {exc}") from None
+            return read_stored(key, path)
 
     def _checkpoint(self, store: StoreClient, model: nn.Module, optimizer: torch.optim.Optimizer,
                     data: Any, result: LoopResult) -> tuple[str, Metric]:
@@ -240,6 +240,7 @@ class Worker:
         with tempfile.TemporaryDirectory(prefix="hadar-ckpt-") as tmp:
             path = Path(tmp) / "checkpoint.safetensors"
             save_checkpoint(path, model, optimizer, meta)
+            spec.ledger().record(spec.checkpoint, path)   # before the upload: see worker/ledger.py
             self.emit("uploading", key=spec.checkpoint)   # the agent lets an upload outlast its stop timeout
             store.put_file(spec.checkpoint, path)   # atomic: readers never see a partial object
         return spec.checkpoint, metric

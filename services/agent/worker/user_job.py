@@ -42,10 +42,11 @@ from services.agent.worker.artifacts import ArtifactCache
 from services.agent.worker.checkpoint import (
     CheckpointError,
     CheckpointMeta,
-    read_checkpoint,
+    read_stored,
     read_total_steps,
     with_optimizer_state,
 )
+from services.agent.worker.ledger import own_checkpoint
 from services.agent.worker.session import StoreClient
 from shared.domain.bundles import CODE_LIMITS, DATA_LIMITS
 from shared.domain.layout import code_bundle_key, data_bundle_key, optim_key_of
@@ -204,8 +205,10 @@ class UserCodeWorker:
     def _load_start(self, store: StoreClient) -> tuple[dict[str, torch.Tensor] | None, int, int]:
         """(start tensors or None, steps already done this round, total steps before it)."""
         spec = self.spec
-        if store.exists(spec.checkpoint):   # this copy's own checkpoint: resume mid-round
-            tensors, meta = _fetch(store, spec.checkpoint)
+        mine = own_checkpoint(store, spec.checkpoint, spec.ledger(), lambda path: read_stored(spec.checkpoint, path),
+                              lambda: self.emit("not_ours", key=spec.checkpoint))
+        if mine is not None:   # this copy's own checkpoint: resume mid-round
+            tensors, meta = mine
             own = CheckpointMeta.from_metadata(meta)
             if (own.job, own.round, own.copy) != (spec.job_id, spec.round, spec.copy):
                 raise CheckpointError(f"{spec.checkpoint} belongs to {own.job}/{own.round}/{own.copy}")
@@ -236,6 +239,7 @@ class UserCodeWorker:
             path = Path(tmp) / "checkpoint.safetensors"
             save_file({k: v.contiguous() for k, v in result.tensors.items()}, str(path),
                       metadata=meta.to_metadata())
+            spec.ledger().record(spec.checkpoint, path)   # before the upload: see worker/ledger.py
             self.emit("uploading", key=spec.checkpoint)
             store.put_file(spec.checkpoint, path)
         return spec.checkpoint
@@ -275,10 +279,7 @@ def _fetch(store: StoreClient, key: str) -> tuple[dict[str, torch.Tensor], dict[
     with tempfile.TemporaryDirectory(prefix="hadar-start-") as tmp:
         path = Path(tmp) / "model.safetensors"
         store.get_file(key, path)
-        try:
-            return read_checkpoint(path)
-        except CheckpointError as exc:
-            raise CheckpointError(f"bad checkpoint {key}: {exc}") from None
+        return read_stored(key, path)
 
 
 def _remove_tree(path: Path) -> None:
