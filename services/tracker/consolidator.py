@@ -14,6 +14,16 @@ Guarantees (the service's docstring states them for the whole tracker):
   and no upload follows, and nothing is announced; the round stays unannounced and the
   next tracker consolidates it. Cancelled during an upload, the upload may still complete
   (an object appears whole or not at all); the next tracker then announces it as stored.
+* Before averaging, the replicas are screened against the round's starting model
+  (:mod:`shared.domain.replica_screen`; measured by
+  :mod:`services.tracker.averaging.screening`): each one rejected is logged
+  (``round.replica_screened``, with job, round and copy), counted in
+  ``hadar_tracker_replicas_screened_total{rule}`` and recorded with its reason in the
+  model's ``rejected`` (or the RoundAbandoned's), which ``hadar logs`` shows. A starting
+  model that is absent or unusable leaves the round unscreened (``round.screening_skipped``).
+* A round left without a usable replica whose work carries a ``rollback`` is announced as
+  the job's rollback model instead of abandoned (:mod:`services.tracker.rollback`); if the
+  source model is gone or unusable, it is abandoned as before.
 * :meth:`Consolidator.existing` announces a model an earlier run stored but did not
   announce, from the model's own metadata, so a restart never publishes a different model;
   a model that is not this round's, unreadable, or whose announcement ``check`` refuses
@@ -25,6 +35,7 @@ Guarantees (the service's docstring states them for the whole tracker):
 from __future__ import annotations
 
 import asyncio
+import functools
 import shutil
 import tempfile
 import threading
@@ -38,12 +49,15 @@ from services.tracker.averaging.consolidate import (
     NoUsableReplica,
     Rejected,
     Replica,
+    Weighing,
     weigh_replicas,
 )
 from services.tracker.averaging.safetensors_format import (
     InvalidSafetensors,
+    RangeReader,
     read_header,
 )
+from services.tracker.averaging.screening import StartUnusable, screen_replicas
 from services.tracker.config import TrackerConfig
 from services.tracker.due import DueCompletion, DueRound
 from services.tracker.metrics import TrackerMetrics
@@ -52,9 +66,10 @@ from services.tracker.model_files import (
     held_out_metric,
     write_model_files,
 )
+from services.tracker.rollback import write_rollback
 from services.tracker.store_reader import ConsolidationStopped, StoreRangeReader
 from shared.clock import Clock
-from shared.domain.layout import final_key, optim_key
+from shared.domain.layout import final_key, optim_key, optim_key_of
 from shared.domain.model_meta import InvalidModelMetadata, ModelMetadata
 from shared.errors import HadarError
 from shared.store import InvalidKey, ObjectNotFound, ObjectStore
@@ -103,19 +118,21 @@ class Consolidator:
             replicas.append(Replica(copy=copy.copy, steps=copy.steps, max_steps=copy.budget,
                                     workers=copy.workers,
                                     reader=StoreRangeReader(self.store, copy.checkpoint, size, loop, stop=stop)))
+        start = await self._reader(work.start_from, loop, stop, log) if replicas else None
         tmp_dir = Path(tempfile.mkdtemp(prefix="hadar-tracker-", dir=self.config.temp_dir))
         try:
             try:
                 outputs, metric = await self._in_thread(stop, log, self._write, work, replicas, rejected,
-                                                        tmp_dir, stop)
+                                                        tmp_dir, stop, start, log)
             except NoUsableReplica as exc:
                 self._m.rejected.inc(len(exc.rejected) - len(work.failed))
                 log.warning("round.no_usable_replica", reason=str(exc)[:500], missing=list(work.missing))
+                rolled = await self._rollback(work, key, exc.rejected, tmp_dir, stop, log)
+                if rolled is not None:
+                    return rolled
                 return self.abandonment(work, "no usable replica",
                                         rejected=tuple(Rejection(copy=r.copy, reason=r.reason) for r in exc.rejected))
-            if outputs.optim_path is not None:   # first: a copy that finds the model finds its optimizer state
-                await self.store.put_file(optim_key(work.job_id, work.round), outputs.optim_path)
-            await self.store.put_file(key, outputs.model_path)
+            await self._store_outputs(work, key, outputs)
         finally:
             shutil.rmtree(tmp_dir, ignore_errors=True)
         seconds = time.perf_counter() - started
@@ -125,6 +142,51 @@ class Consolidator:
         self._m.rejected.inc(len(outputs.weighing.rejected) - len(work.failed))
         return announcement(outputs.meta, key, self.clock.time(), self.config.source, seconds=seconds,
                             metric=metric)
+
+    async def _store_outputs(self, work: DueRound, key: str, outputs: ModelFiles) -> None:
+        if outputs.optim_path is not None:   # first: a copy that finds the model finds its optimizer state
+            await self.store.put_file(optim_key(work.job_id, work.round), outputs.optim_path)
+        await self.store.put_file(key, outputs.model_path)
+
+    async def _reader(self, key: str | None, loop: asyncio.AbstractEventLoop, stop: threading.Event,
+                      log: Any) -> StoreRangeReader | None:
+        """A reader of the object at ``key``; None (logged) when there is none to read."""
+        if key is None:
+            return None
+        try:
+            return StoreRangeReader(self.store, key, await self.store.size(key), loop, stop=stop)
+        except (ObjectNotFound, InvalidKey) as exc:
+            log.warning("round.screening_skipped", start_from=key, reason=str(exc)[:300])
+            return None
+
+    async def _rollback(self, work: DueRound, key: str, rejected: tuple[Rejected, ...], tmp_dir: Path,
+                        stop: threading.Event, log: Any) -> ModelConsolidated | None:
+        """The round's rollback model, stored, and its announcement; None when the round is
+        not to roll back or cannot (logged): it is then abandoned."""
+        target = work.rollback
+        if target is None or not rejected:
+            return None
+        started = time.perf_counter()
+        try:
+            source = StoreRangeReader(self.store, target.key, await self.store.size(target.key),
+                                      asyncio.get_running_loop(), stop=stop)
+            write = functools.partial(write_rollback, chunk_bytes=self.config.chunk_bytes,
+                                      threads=self.config.consolidation_threads)
+            outputs = await self._in_thread(stop, log, write, work, target, source, rejected, tmp_dir)
+            optim = optim_key_of(target.key)
+            if outputs.optim_path is None and optim is not None and await self.store.exists(optim):
+                await self.store.get_file(optim, tmp_dir / "source.optim.safetensors")
+                await self.store.put_file(optim_key(work.job_id, work.round), tmp_dir / "source.optim.safetensors")
+            await self._store_outputs(work, key, outputs)
+        except (ObjectNotFound, InvalidKey, NoUsableReplica) as exc:
+            log.error("round.rollback_impossible", rollback_to=target.key, error=f"{type(exc).__name__}: {exc}"[:300])
+            return None
+        metric, _ = await asyncio.to_thread(held_out_metric, outputs.model_path, work.spec)
+        self._m.rollbacks.inc()
+        log.warning("round.rolled_back", rollback_to=target.key, total_steps=outputs.meta.total_steps,
+                    worker_steps=target.worker_steps, metric=metric)
+        return announcement(outputs.meta, key, self.clock.time(), self.config.source,
+                            seconds=time.perf_counter() - started, metric=metric)
 
     @staticmethod
     async def _in_thread(stop: threading.Event, log: Any, fn: Callable[..., Any], *args: Any) -> Any:
@@ -143,13 +205,17 @@ class Consolidator:
             raise
 
     def _write(self, work: DueRound, replicas: list[Replica], rejected: list[Rejected],
-               tmp_dir: Path, stop: threading.Event) -> tuple[ModelFiles, tuple[str, float] | None]:
-        # The weighing bounds each copy's steps and the job's total. Writing may reject replicas
-        # holding NaN or inf: the files' metadata and the announcement are those of the weighing
-        # actually written (model_output.py).
+               tmp_dir: Path, stop: threading.Event, start: RangeReader | None,
+               log: Any) -> tuple[ModelFiles, tuple[str, float] | None]:
+        # The weighing bounds each copy's steps and the job's total; the screen leaves out the
+        # replicas out of line with the starting model. Writing may reject replicas holding NaN
+        # or inf: the files' metadata and the announcement are those of the weighing actually
+        # written (model_output.py).
         weighing = weigh_replicas(replicas, mode=self.config.mode, rejected=rejected,
                                   prior_worker_steps=work.prior_worker_steps, job_workers=work.job_workers,
                                   limit_worker_steps=work.limit_worker_steps)
+        if start is not None:
+            weighing = self._screen(weighing, start, log)
         outputs = write_model_files(weighing, tmp_dir, job_id=work.job_id, round_=work.round, missing=work.missing,
                                       spec=work.spec, chunk_bytes=self.config.chunk_bytes,
                                       threads=self.config.consolidation_threads)
@@ -160,6 +226,23 @@ class Consolidator:
         if metric is None:
             self._log.info("round.no_metric", job=work.job_id, round=work.round, reason=why_not)
         return outputs, metric
+
+    def _screen(self, weighing: Weighing, start: RangeReader, log: Any) -> Weighing:
+        """``weighing`` less the replicas the screen rejects, each logged and counted. Raises
+        ``NoUsableReplica`` when none is left."""
+        try:
+            screening = screen_replicas(weighing, start, chunk_bytes=self.config.chunk_bytes)
+        except StartUnusable as exc:
+            log.warning("round.screening_skipped", start_from=start.name, reason=str(exc)[:300])
+            return weighing
+        self._m.bytes.inc(screening.bytes_read)
+        norms = {u.copy: u for u in screening.updates}
+        for verdict in screening.verdicts:
+            self._m.screened.labels(rule=verdict.rule).inc()
+            log.bind(copy=verdict.copy).warning("round.replica_screened", rule=verdict.rule, reason=verdict.reason,
+                                                steps=norms[verdict.copy].steps,
+                                                start_norm=round(screening.start_norm, 6))
+        return weighing.without(screening.rejections()) if screening.verdicts else weighing
 
     async def existing(self, work: DueRound, key: str, log: Any,
                        check: Callable[[ModelConsolidated], Refusal | None]) -> ModelConsolidated | None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from shared.persistence.codec import snapshot_type
 from shared.wire.events import JobSpec
 
-__all__ = ["FinishedCopy", "DueRound", "DueCompletion"]
+__all__ = ["FinishedCopy", "DueRound", "DueCompletion", "RollbackTarget"]
 
 
 @snapshot_type("tracker.FinishedCopy", formerly="services.tracker.work.FinishedCopy")
@@ -28,6 +28,15 @@ class FinishedCopy:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RollbackTarget:
+    """The job's last model that trained (``key``) and the job's exact worker-steps in it:
+    what a round without a usable replica rolls back to (:mod:`services.tracker.rollback`)."""
+
+    key: str
+    worker_steps: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class DueRound:
     """A round to consolidate now.
 
@@ -36,7 +45,10 @@ class DueRound:
     ``prior_worker_steps``: the job's consolidated worker-steps before this round (exact);
     ``job_workers``: its W, so ``prior_steps`` (job steps) is ``prior_worker_steps // W``.
     ``spec``: the job as submitted, when known (what the model file says it is; the credit
-    limit ``W x iterations``).
+    limit ``W x iterations``). ``start_from``: the model the round's copies started from
+    (their Assignments'; None: from seed), against which the replicas are screened.
+    ``rollback``: set when this round, left without a usable replica, is to roll the job
+    back (:mod:`services.tracker.rollback`).
     """
 
     job_id: str
@@ -48,6 +60,8 @@ class DueRound:
     job_workers: int
     timed_out: bool
     spec: JobSpec | None = None
+    start_from: str | None = None
+    rollback: RollbackTarget | None = None
 
     @property
     def limit_worker_steps(self) -> int | None:

@@ -11,7 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from services.tracker.acceptance import CopyPlacement
-from services.tracker.due import DueCompletion, DueRound, FinishedCopy
+from services.tracker.due import DueCompletion, DueRound, FinishedCopy, RollbackTarget
+from services.tracker.rollback import MODELS_REMEMBERED, ROLLBACK_AFTER_ROUNDS
 from shared.domain.deadline import copies_given_up_at
 from shared.persistence.codec import snapshot_type
 from shared.wire.events import Assignment, JobSpec
@@ -28,10 +29,12 @@ class RoundRecord:
     copies: dict[int, CopyPlacement] = field(default_factory=dict)
     finished: dict[int, FinishedCopy] = field(default_factory=dict)
     progress: dict[int, int] = field(default_factory=dict)     # copy -> largest steps_round
+    start_from: str | None = None                               # the model its copies start from
 
     def place(self, e: Assignment) -> None:
         """Add one Assignment of this round (a copy spanning nodes has one per node)."""
         self.deadline = max(self.deadline, e.deadline)
+        self.start_from = self.start_from or e.start_from
         known = self.copies.get(e.copy)
         self.copies[e.copy] = CopyPlacement(
             nodes=frozenset({e.node_id, *(known.nodes if known else ())}),
@@ -42,7 +45,8 @@ class RoundRecord:
             workers=min(max(e.world_size, known.workers if known else 1), e.job.workers))
 
     def work(self, job_id: str, number: int, *, placed: bool, now: float, timeout_s: float,
-             prior_worker_steps: int, job_workers: int, spec: JobSpec | None = None) -> DueRound | None:
+             prior_worker_steps: int, job_workers: int, spec: JobSpec | None = None,
+             rollback: RollbackTarget | None = None) -> DueRound | None:
         """This round as work, if it is due: every copy in (``placed``: all its Assignments
         read), or once its missing copies are given up on (``shared.domain.deadline``: ``timeout_s``
         past its deadline)."""
@@ -55,7 +59,8 @@ class RoundRecord:
             usable=tuple(f for f in finished if f.status != "failed" and f.checkpoint),
             failed=tuple(f for f in finished if f.status == "failed" or not f.checkpoint),
             missing=tuple(sorted(self.copies.keys() - self.finished.keys())),
-            prior_worker_steps=prior_worker_steps, job_workers=job_workers, timed_out=not all_in, spec=spec)
+            prior_worker_steps=prior_worker_steps, job_workers=job_workers, timed_out=not all_in, spec=spec,
+            start_from=self.start_from, rollback=rollback)
 
     def worker_steps(self, copies: Iterable[tuple[int, int]]) -> int:
         """Worker-steps of ``(copy, steps)`` of this round's placed copies: steps x workers."""
@@ -89,6 +94,11 @@ class JobRecord:
     consolidated_worker_steps: int = 0
     model_key: str | None = None        # the latest consolidated model
     completion_given_up: bool = False
+    # What a rollback needs (services/tracker/rollback.py), all derived from the events:
+    models: dict[str, int] = field(default_factory=dict)   # recent models -> the job's worker-steps in them
+    trained_from: str | None = None     # the latest model copies started from and added steps to
+    progressed: bool = False            # the latest model added steps (it is no rollback)
+    barren: int = 0                     # rounds since the latest model that ran and left no replica
 
     @property
     def workers(self) -> int:
@@ -102,6 +112,35 @@ class JobRecord:
         if self.spec is not None:
             total = min(total, max(self.consolidated_worker_steps, self.spec.workers * self.spec.iterations))
         self.consolidated_worker_steps = total
+
+    def adopt(self, key: str, *, worker_steps: int, start_from: str | None, total_steps: int) -> None:
+        """Make ``key`` the job's model: credit its round's ``worker_steps``, or, for a rollback
+        (``total_steps`` below the job's: an honest model never has fewer), take the job's
+        steps back to ``total_steps``."""
+        if total_steps < self.consolidated_steps:
+            exact = self.models.get(self.trained_from or "", -1)
+            self.consolidated_worker_steps = (exact if exact // self.workers == total_steps
+                                              else total_steps * self.workers)
+            self.progressed = False
+        else:
+            if worker_steps > 0 and start_from is not None and start_from in self.models:
+                self.trained_from = start_from
+            self.credit(worker_steps)
+            self.progressed = worker_steps > 0
+        self.model_key, self.barren = key, 0
+        self.models.pop(key, None)
+        self.models[key] = self.consolidated_worker_steps
+        while len(self.models) > MODELS_REMEMBERED:
+            self.models.pop(next(iter(self.models)))
+
+    def rollback_target(self) -> RollbackTarget | None:
+        """What the job's next round rolls back to if it too leaves no usable replica: its
+        last model that trained, after ``ROLLBACK_AFTER_ROUNDS - 1`` such rounds in a row
+        since a model that added steps and is not that one; else None."""
+        if (self.barren + 1 < ROLLBACK_AFTER_ROUNDS or not self.progressed or self.trained_from is None
+                or self.trained_from == self.model_key or self.trained_from not in self.models):
+            return None
+        return RollbackTarget(key=self.trained_from, worker_steps=self.models[self.trained_from])
 
     @property
     def consolidated_steps(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.tracker.acceptance import REFUSAL_REASONS
+from shared.domain.replica_screen import RULES
 
 __all__ = ["TrackerMetrics"]
 
@@ -21,6 +22,13 @@ class TrackerMetrics:
         self.models = Counter("hadar_tracker_models_written_total", "Round models written", registry=r)
         self.rejected = Counter("hadar_tracker_replicas_rejected_total",
                                 "Replicas left out of a consolidation (bad, mismatched, absent)", registry=r)
+        self.screened = Counter("hadar_tracker_replicas_screened_total",
+                                "Replicas the screen left out of an average (shared/domain/replica_screen.py), by rule",
+                                ["rule"], registry=r)
+        for rule in RULES:
+            self.screened.labels(rule=rule)
+        self.rollbacks = Counter("hadar_tracker_rollbacks_total",
+                                 "Rounds announced as a rollback to the job's last model that trained", registry=r)
         self.failed = Counter("hadar_tracker_copies_failed_total", "Copies that reported failure", registry=r)
         self.missing = Counter("hadar_tracker_copies_missing_total", "Assigned copies that never finished",
                                registry=r)

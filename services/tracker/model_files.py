@@ -26,6 +26,7 @@ evaluated, and any failure (a job the zoo cannot rebuild, tensors that do not fi
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -65,9 +66,9 @@ def _describe(spec: JobSpec | None, weighing: Weighing) -> ModelDescription | No
 
 def write_model_files(weighing: Weighing, tmp_dir: Path, *, job_id: str, round_: int,
                         missing: tuple[int, ...], spec: JobSpec | None, chunk_bytes: int,
-                        threads: int = 1) -> ModelFiles:
+                        threads: int = 1, extra: Mapping[str, str] | None = None) -> ModelFiles:
     """Write the round's model (weights only) and its optimizer state into ``tmp_dir``,
-    averaging on ``threads`` threads."""
+    averaging on ``threads`` threads; ``extra`` metadata entries go into the model file."""
     weights = tuple(t for t in weighing.layout if not t.name.startswith(OPTIM_PREFIX))
     optim = tuple(t for t in weighing.layout if t.name.startswith(OPTIM_PREFIX))
     if not weights:   # not a model's checkpoint at all: keep every tensor in the model file
@@ -77,10 +78,10 @@ def write_model_files(weighing: Weighing, tmp_dir: Path, *, job_id: str, round_:
     model_path, optim_path = tmp_dir / "model.safetensors", tmp_dir / "optim.safetensors"
     while True:
         description = _describe(spec, weighing)
-        extra = {**static, **(description.to_metadata() if description else {})}
+        entries = {**static, **(description.to_metadata() if description else {}), **(extra or {})}
         with open(model_path, "wb") as out:
-            stats = write_consolidated(replace(weighing, layout=weights), out, metadata=extra, chunk_bytes=chunk_bytes,
-                                       threads=threads)
+            stats = write_consolidated(replace(weighing, layout=weights), out, metadata=entries,
+                                       chunk_bytes=chunk_bytes, threads=threads)
         weighing = replace(stats.weighing, layout=weighing.layout)
         if not optim:
             break

@@ -23,8 +23,10 @@ Guarantees:
   node), the first accepted ModelConsolidated decides its round).
 * Steps, in samples (``shared.domain.progress``): a job's consolidated worker-steps are, exactly,
   the sum over its consolidated rounds of steps x workers of the copies in that round's
-  model (a copy's workers: its Assignments' world size, at most the job's W); its
-  consolidated steps are those // W. Every copy's steps are at most its budget.
+  model (a copy's workers: its Assignments' world size, at most the job's W), since its
+  latest rollback (``services/tracker/rollback.py``: a model whose ``total_steps`` is below
+  the job's takes them back to it); its consolidated steps are those // W. Every copy's
+  steps are at most its budget.
 * Due: a round is due once every copy assigned to the job in it has finished -- and,
   when the round's RoundStarted was seen, once all of the round's Assignments have been
   seen -- or once ``timeout_s`` has passed since its deadline (the latest Assignment
@@ -272,8 +274,9 @@ class TrackerState:
         if verdict != "accept":
             return False
         rnd = self._jobs[e.job_id].rounds[e.round]   # accepted: every weighed copy is placed in it
-        self._decide(e.job_id, e.round, worker_steps=rnd.worker_steps((c.copy, c.steps) for c in e.copies),
-                     model_key=e.key)
+        self._jobs[e.job_id].adopt(e.key, worker_steps=rnd.worker_steps((c.copy, c.steps) for c in e.copies),
+                                   start_from=rnd.start_from, total_steps=e.total_steps)
+        self._decide(e.job_id, e.round)
         return True
 
     def _model_verdict(self, e: ModelConsolidated) -> _Verdict:
@@ -295,6 +298,7 @@ class TrackerState:
         if problem is not None:
             self._refuse(e, problem, origin)
             return False
+        job.barren += bool(e.rejected and e.round in job.rounds)   # it ran and left no replica
         self.abandon(e.job_id, e.round)
         return True
 
@@ -327,14 +331,12 @@ class TrackerState:
 
     # ------------------------------------------------------------------ forgetting
 
-    def _decide(self, job_id: str, round_: int, *, worker_steps: int, model_key: str | None) -> None:
+    def _decide(self, job_id: str, round_: int) -> None:
+        """Close the job's rounds up to ``round_`` (its model, if any, is adopted already)."""
         job = self._jobs[job_id]
         for number in [n for n in job.rounds if n <= round_]:
             self._close(job, number)
         job.floor = max(job.floor, round_)
-        if model_key is not None:
-            job.credit(worker_steps)
-            job.model_key = model_key
         for held in self._pending.take_where(lambda e: e.job_id == job_id and e.round <= round_):
             self._refuse(held.event, Problem(reason="unassigned", detail=f"round {held.event.round} was decided "
                                                                          f"before copy {held.event.copy} was placed"),
@@ -368,7 +370,7 @@ class TrackerState:
         that is not open (decided, unknown, its job finished) is left alone."""
         job = self._jobs.get(job_id)
         if job is not None and round_ in job.rounds:
-            self._decide(job_id, round_, worker_steps=0, model_key=None)
+            self._decide(job_id, round_)
 
     def give_up_completion(self, job_id: str) -> None:
         """Stop offering ``job_id`` in ``due_completions`` (until a restart rebuilds the state)."""
@@ -386,7 +388,8 @@ class TrackerState:
                 item = job.rounds[number].work(job_id, number, placed=self._index.known(number), now=now,
                                                timeout_s=timeout_s,
                                                prior_worker_steps=job.consolidated_worker_steps,
-                                               job_workers=job.workers, spec=job.spec)
+                                               job_workers=job.workers, spec=job.spec,
+                                               rollback=job.rollback_target())
                 if item is not None:
                     work.append(item)
         return work
