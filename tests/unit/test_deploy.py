@@ -16,16 +16,18 @@ from tests.required import unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 STACK = ROOT / "deploy" / "stack.yml"
+STACK_HA = ROOT / "deploy" / "stack-ha.yml"
 HADAR_SERVICES = ("scheduler", "tracker", "profiler", "agent")
 IMAGE = "registry.example.internal/hadar:1.2.3@sha256:" + "ab" * 32
+CLUSTER_ID = "MkU3OEVBNTcwNTJENDM2Qk"
 
 
-def _stack() -> dict:
+def _stack(stack: Path = STACK, **extra_env: str) -> dict:
     docker = shutil.which("docker")
     if docker is None:
-        unavailable("the docker client is needed to validate deploy/stack.yml")
-    env = {**os.environ, "HADAR_IMAGE": IMAGE}
-    out = subprocess.run([docker, "stack", "config", "-c", str(STACK)], capture_output=True, text=True, timeout=60,
+        unavailable(f"the docker client is needed to validate deploy/{stack.name}")
+    env = {**os.environ, "HADAR_IMAGE": IMAGE, **extra_env}
+    out = subprocess.run([docker, "stack", "config", "-c", str(stack)], capture_output=True, text=True, timeout=60,
                          env=env)
     assert out.returncode == 0, out.stderr
     return yaml.safe_load(out.stdout)
@@ -38,9 +40,14 @@ def test_stack_validates_with_the_docker_client():
     assert "healthcheck" in config["services"]["scheduler"]
 
 
+def _load(stack: Path) -> dict:
+    return _stack(stack, HADAR_KAFKA_CLUSTER_ID=CLUSTER_ID) if stack == STACK_HA else _stack(stack)
+
+
+@pytest.mark.parametrize("stack", (STACK, STACK_HA), ids=lambda p: p.name)
 @pytest.mark.parametrize("service", HADAR_SERVICES)
-def test_each_service_command_is_a_cli_command(service, monkeypatch):
-    command = _stack()["services"][service]["command"]
+def test_each_service_command_is_a_cli_command(service, stack, monkeypatch):
+    command = _load(stack)["services"][service]["command"]
     monkeypatch.setenv("HADAR_NODE_ID", "node-a")
     args = build_parser().parse_args(command)   # argparse exits (SystemExit) on anything unknown
     assert args.command == "serve" and args.service == service
@@ -50,12 +57,20 @@ def _env_vars_read_by_code() -> set[str]:
     names: set[str] = set()
     for path in list((ROOT / "shared").rglob("*.py")) + list((ROOT / "services").rglob("*.py")):
         names |= set(re.findall(r"[\"'](HADAR_[A-Z0-9_]+)[\"']", path.read_text(encoding="utf-8")))
+    # and each service's config fields, read as {prefix}{FIELD} (shared/runtime/config.py)
+    import dataclasses
+
+    from services.agent.cli import ENV_PREFIX
+    from services.agent.config import AgentConfig
+    from shared.runtime.config import env_name
+    names |= {env_name(f, ENV_PREFIX) for f in dataclasses.fields(AgentConfig)}
     return names
 
 
-def test_every_env_var_the_stack_sets_is_read_by_the_services():
+@pytest.mark.parametrize("stack", (STACK, STACK_HA), ids=lambda p: p.name)
+def test_every_env_var_the_stack_sets_is_read_by_the_services(stack):
     read = _env_vars_read_by_code()
-    config = _stack()
+    config = _load(stack)
     for service in (*HADAR_SERVICES, "secure-init"):
         env = config["services"][service].get("environment", {})
         unknown = sorted(set(env) - read)
@@ -149,8 +164,9 @@ def test_the_stack_is_hardened():
     assert agent["generic_resources"][0]["discrete_resource_spec"]["kind"] == "NVIDIA-GPU"
 
 
-def test_the_healthcheck_probes_the_port_the_services_listen_on(monkeypatch):
-    config = _stack()
+@pytest.mark.parametrize("stack", (STACK, STACK_HA), ids=lambda p: p.name)
+def test_the_healthcheck_probes_the_port_the_services_listen_on(stack, monkeypatch):
+    config = _load(stack)
     dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
     assert "ENV" in dockerfile and "HADAR_HTTP_PORT=8080" in dockerfile
     assert "os.environ.get('HADAR_HTTP_PORT', '8080')" in dockerfile
@@ -161,3 +177,193 @@ def test_the_healthcheck_probes_the_port_the_services_listen_on(monkeypatch):
             monkeypatch.setenv(name, value)
         args = build_parser().parse_args(spec["command"])
         assert (args.http_host, args.http_port) == ("0.0.0.0", int(spec["environment"]["HADAR_HTTP_PORT"]))
+
+
+# ---------------------------------------------------------------- issue 28: stack-ha.yml
+
+KAFKA_NODES = ("kafka-1", "kafka-2", "kafka-3")
+
+
+def _ha() -> dict:
+    return _load(STACK_HA)
+
+
+def _label(constraints: list[str], name: str) -> str:
+    """The value the one ``node.labels.<name> == X`` constraint pins to."""
+    found = [c.split("==")[1].strip() for c in constraints if c.replace(" ", "").startswith(f"node.labels.{name}==")]
+    assert len(found) == 1, constraints
+    return found[0]
+
+
+def _properties(script: Path) -> dict[str, str]:
+    """The ``key=value`` lines of the server.properties an entrypoint writes (its heredoc)."""
+    text = script.read_text()
+    body = text.split("<<PROPERTIES\n", 1)[1].split("\nPROPERTIES\n", 1)[0]
+    return dict(line.split("=", 1) for line in body.splitlines() if "=" in line)
+
+
+def _expand(endpoint: str) -> list[str]:
+    """MinIO's ``{a...b}`` ellipsis, as ``minio server`` expands it."""
+    match = re.search(r"\{(\d+)\.\.\.(\d+)\}", endpoint)
+    if match is None:
+        return [endpoint]
+    return [endpoint[:match.start()] + str(n) + endpoint[match.end():]
+            for n in range(int(match[1]), int(match[2]) + 1)]
+
+
+def test_ha_stack_validates_and_needs_an_image_and_a_cluster_id():
+    config = _ha()
+    assert {*HADAR_SERVICES, *KAFKA_NODES, "minio", "topics", "secure-init"} <= set(config["services"])
+    docker = shutil.which("docker")
+    given = {"HADAR_IMAGE": IMAGE, "HADAR_KAFKA_CLUSTER_ID": CLUSTER_ID}
+    for missing in given:
+        env = {k: v for k, v in os.environ.items() if k not in given}
+        env.update({k: v for k, v in given.items() if k != missing})
+        out = subprocess.run([docker, "stack", "config", "-c", str(STACK_HA)], capture_output=True, text=True,
+                             timeout=60, env=env)
+        assert out.returncode != 0 and missing in out.stderr, missing
+
+
+def test_ha_kafka_runs_three_nodes_on_three_machines_with_their_own_volumes():
+    services = _ha()["services"]
+    labels, volumes, ids = set(), set(), set()
+    for name in KAFKA_NODES:
+        spec = services[name]
+        labels.add(_label(spec["deploy"]["placement"]["constraints"], "hadar.kafka"))
+        deploy = spec["deploy"]
+        assert deploy["replicas"] == 1 and "node.labels.hadar.gpu != true" in deploy["placement"]["constraints"]
+        [volume] = spec["volumes"]
+        assert volume["type"] == "volume" and volume["target"] == "/var/lib/kafka/data"
+        volumes.add(volume["source"])
+        env = spec["environment"]
+        ids.add(env["KAFKA_NODE_ID"])
+        assert env["KAFKA_ADVERTISED_HOST"] == spec["hostname"] == name
+        assert env["CLUSTER_ID"] == CLUSTER_ID and env["KAFKA_QUORUM"] == "static"
+        assert sorted(env["KAFKA_QUORUM_VOTERS"].split(",")) == [f"{n[-1]}@{n}:9093" for n in KAFKA_NODES]
+        assert spec["entrypoint"] == ["/bin/bash", "/hadar/secure-entrypoint-ha.sh"]
+        assert "9094" in " ".join(spec["healthcheck"]["test"])
+    assert len(labels) == len(volumes) == len(ids) == 3   # no two nodes share a machine, a disk or an id
+    assert ids == {n[-1] for n in KAFKA_NODES}
+
+
+def test_ha_entrypoint_replicates_every_topic_as_the_dev_cluster_does():
+    from devinfra.kafka_config import replication_properties
+    config = _ha()
+    script = Path(config["configs"]["hadar_kafka_ha_entrypoint"]["file"])
+    assert script.resolve() == (ROOT / "deploy" / "kafka" / "secure-entrypoint-ha.sh").resolve()
+    ha = _properties(script)
+    for key, value in replication_properties(3).items():   # RF 3, min ISR 2, offsets, transactions
+        assert ha.get(key) == value, key
+    assert ha["default.replication.factor"] == "3" and ha["min.insync.replicas"] == "2"
+    # Controllers talk across machines: mutual TLS, and no anonymous super user.
+    assert "CONTROLLER:SSL" in ha["listener.security.protocol.map"].split(",")
+    assert ha["listener.name.controller.ssl.client.auth"] == "required"
+    assert "ANONYMOUS" not in ha["super.users"] and "User:admin" in ha["super.users"].split(";")
+    # Everything else the clients see is the single node's (deploy/kafka/secure-entrypoint.sh).
+    single = _properties(ROOT / "deploy" / "kafka" / "secure-entrypoint.sh")
+    differs = {"node.id", "controller.quorum.voters", "listeners", "advertised.listeners",
+               "listener.security.protocol.map", "super.users", *replication_properties(3)}
+    assert {k: v for k, v in single.items() if k not in differs} == {
+        k: v for k, v in ha.items() if k in single and k not in differs}
+    assert set(single) - set(ha) == {"controller.quorum.voters"}   # written from KAFKA_QUORUM instead
+    bash = shutil.which("bash")
+    if bash is not None:
+        out = subprocess.run([bash, "-n", str(script)], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+
+
+def test_ha_topics_are_created_with_three_replicas_and_the_retention_policy():
+    from shared.wire.retention import config_string
+    from shared.wire.topics import ALL_TOPICS
+    services = _ha()["services"]
+    script = " ".join(services["topics"]["command"])
+    assert "bs=kafka-1:9094,kafka-2:9094,kafka-3:9094;" in script and "--bootstrap-server kafka:9094" not in script
+    assert "--replication-factor 3" in script and "--replication-factor 1" not in script
+    assert dict(re.findall(r"\btopic (hadar\.[a-z]+) (\S+);", script)) == {t: config_string(t) for t in ALL_TOPICS}
+    assert "min.insync.replicas" not in script   # the brokers' default (2) applies to every topic
+    init = build_parser().parse_args(services["secure-init"]["command"])
+    assert init.replication_factor == 3
+
+
+def test_ha_every_hadar_service_gets_every_broker_and_the_store_endpoint():
+    from shared.bus.settings import kafka_from_env
+    config = _ha()
+    services = config["services"]
+    brokers = {f"{services[n]['environment']['KAFKA_ADVERTISED_HOST']}:9094" for n in KAFKA_NODES}
+    for name in (*HADAR_SERVICES, "secure-init"):
+        env = services[name]["environment"]
+        assert set(env["HADAR_BOOTSTRAP"].split(",")) == brokers, name
+        settings = kafka_from_env({"HADAR_BOOTSTRAP": env["HADAR_BOOTSTRAP"]})
+        assert settings is not None and settings.bootstrap == env["HADAR_BOOTSTRAP"]   # taken as it is
+        assert env["HADAR_S3_ENDPOINT"] == "http://minio:9000", name
+    # `minio` is the proxy in front of every MinIO node, on the port the services use.
+    proxy = services["minio"]
+    conf = proxy["command"][0]
+    assert "listen 9000;" in conf and proxy["deploy"]["replicas"] >= 2
+    upstreams = set(re.findall(r"server (minio-\d+):9000", conf))
+    assert upstreams == {n for n in services if re.fullmatch(r"minio-\d+", n)}
+    assert "proxy_set_header Host $http_host;" in conf   # S3 signatures cover the Host header
+
+
+def test_ha_minio_is_one_erasure_set_over_four_pinned_drives():
+    services = _ha()["services"]
+    nodes = sorted(n for n in services if re.fullmatch(r"minio-\d+", n))
+    assert len(nodes) >= 4
+    labels, volumes = set(), set()
+    for name in nodes:
+        spec = services[name]
+        assert spec["hostname"] == name
+        labels.add(_label(spec["deploy"]["placement"]["constraints"], "hadar.minio"))
+        [volume] = spec["volumes"]
+        assert volume["type"] == "volume"
+        volumes.add(volume["source"])
+        command = spec["command"]
+        assert command[0] == "server"
+        drives = [d for arg in command[1:] if arg.startswith("http") for d in _expand(arg)]
+        assert {d.split("//")[1].split(":")[0] for d in drives} == set(nodes), name   # every node, one drive each
+        assert len(drives) == len(nodes) and all(d.endswith(":9000" + volume["target"]) for d in drives)
+        parity = int(spec["environment"]["MINIO_STORAGE_CLASS_STANDARD"].removeprefix("EC:"))
+        assert 2 <= parity <= len(drives) // 2   # EC:2 of 4: reads survive 2 drives lost, writes 1
+    assert len(labels) == len(volumes) == len(nodes)
+
+
+def test_ha_scheduler_runs_an_active_and_a_standby_on_different_machines():
+    scheduler = _ha()["services"]["scheduler"]
+    flags = build_parser().parse_args(scheduler["command"])
+    assert flags.standby and scheduler["deploy"]["replicas"] == 2
+    assert scheduler["deploy"]["placement"]["max_replicas_per_node"] == 1
+    # The lease outlasts a broker failover (the controller fences a dead broker after 9 s), so
+    # losing a broker does not hand the role over.
+    assert flags.lease_ttl_s > 9
+
+
+def test_ha_keeps_the_single_node_stacks_secrets_and_principals():
+    single, ha = _stack(), _ha()
+    assert set(ha["secrets"]) == set(single["secrets"])
+    assert set(ha["secrets"]) >= {s["source"] for svc in ha["services"].values() for s in svc.get("secrets", [])}
+    for name in (*HADAR_SERVICES, "secure-init"):
+        mine, theirs = ha["services"][name], single["services"][name]
+        assert mine["secrets"] == theirs["secrets"], name
+        drop = {"HADAR_BOOTSTRAP", "HADAR_S3_ENDPOINT"}
+        assert {k: v for k, v in mine["environment"].items() if k not in drop} == {
+            k: v for k, v in theirs["environment"].items() if k not in drop}, name
+        assert mine["image"] == IMAGE
+    for node in KAFKA_NODES:
+        assert ha["services"][node]["secrets"] == single["services"]["kafka"]["secrets"]
+    for name in (n for n in ha["services"] if n.startswith("minio-")):
+        assert ha["services"][name]["secrets"] == single["services"]["minio"]["secrets"]
+
+
+def test_ha_stack_is_hardened():
+    config = _ha()
+    assert config["networks"]["hadar"]["driver_opts"]["encrypted"] == "true"
+    long_running = [n for n in config["services"] if n not in ("topics", "secure-init", "agent")]
+    for name in long_running:
+        deploy = config["services"][name]["deploy"]
+        assert {"limits", "reservations"} <= set(deploy["resources"]), name
+        assert deploy["update_config"]["failure_action"] == "rollback" and "rollback_config" in deploy, name
+        assert "healthcheck" in config["services"][name], name
+    for name, spec in config["services"].items():
+        assert spec["logging"]["options"].keys() >= {"max-size", "max-file"}, name
+        gpu = "node.labels.hadar.gpu == true" if name == "agent" else "node.labels.hadar.gpu != true"
+        assert gpu in spec["deploy"]["placement"]["constraints"], name
