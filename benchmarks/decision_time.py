@@ -13,7 +13,8 @@ wall times). Last output line: one JSON object {"jobs", "nodes", "hadar_ms_p50",
 stderr). With ``--queues FILE`` jobs go to the file's queues in turn and each policy is
 also timed on the same request without queues, call by call alternated with the queued
 one, as ``<policy>_ms_p50_without_queues``: the mechanism's cost as a ratio measured on the
-same machine state.
+same machine state, and the mechanism's own CPU time (the queued plan less the time inside
+the policy's ``plan()`` calls on each queue's partition) as ``<policy>_mechanism_ms_p50``.
 
     .venv/bin/python benchmarks/decision_time.py --jobs 2000 --nodes 1000
 """
@@ -36,7 +37,7 @@ import numpy as np
 
 from services.cli.queuefile import load_queue_file
 from services.scheduler.core.cluster import Cluster, Node
-from services.scheduler.core.policy import JobState, PlanRequest, check_plan
+from services.scheduler.core.policy import JobState, Plan, PlanRequest, Policy, check_plan, forks
 from services.scheduler.core.queues import plan_with_queues
 from services.scheduler.core.throughput import ThroughputModel
 from services.scheduler.policies import (
@@ -76,11 +77,27 @@ def mixed_cluster(n: int, rng: np.random.Generator, gpus_per_node: int = 8) -> C
     return Cluster(name=f"mixed-{n}", nodes=nodes)
 
 
+class _Timed:
+    """The policy, counting the CPU seconds spent in its own ``plan()`` (``inside``)."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy, self.name, self.inside = policy, policy.name, 0.0
+        self.forks = forks(policy)
+
+    def plan(self, request: PlanRequest) -> Plan:
+        start = time.process_time()
+        try:
+            return self.policy.plan(request)
+        finally:
+            self.inside += time.process_time() - start
+
+
 def time_policy(name: str, request: PlanRequest, repeats: int, options: dict | None = None) -> list[float] | None:
-    """CPU ms of each of ``repeats`` plans of ``request``; with queues, also of the same request
-    without them, alternated call by call so both see the same machine (the second list)."""
+    """Median CPU ms of ``repeats`` plans of ``request``; with queues, also of the same request
+    without them, alternated call by call so both see the same machine (the second), and of
+    the mechanism alone in the queued plans (the third)."""
     try:
-        policy = make_policy(name, **(options or {}))
+        policy = _Timed(make_policy(name, **(options or {})))
     except Exception as exc:  # the policy module may not exist yet
         print(f"{name}: unavailable ({type(exc).__name__}: {exc})", file=sys.stderr)
         return None
@@ -90,12 +107,16 @@ def time_policy(name: str, request: PlanRequest, repeats: int, options: dict | N
     samples: dict[str, list[float]] = {label: [] for label, _ in variants}
     walls: dict[str, list[float]] = {label: [] for label, _ in variants}
     plans = {}
+    mechanism: list[float] = []
     for _ in range(repeats):
         for label, req in variants:
+            policy.inside = 0.0
             start, wall = time.process_time(), time.perf_counter()
             plans[label] = plan_with_queues(policy, req)   # policy.plan(req) itself when there are no queues
             samples[label].append((time.process_time() - start) * 1e3)
             walls[label].append((time.perf_counter() - wall) * 1e3)
+            if label == "":
+                mechanism.append(samples[label][-1] - policy.inside * 1e3)
     for label, req in variants:
         plan = plans[label]
         check_plan(req, plan)
@@ -103,7 +124,9 @@ def time_policy(name: str, request: PlanRequest, repeats: int, options: dict | N
         print(f"{name}{label}: cpu ms {[round(s, 1) for s in samples[label]]}, "
               f"wall ms {[round(s, 1) for s in walls[label]]}; jobs placed {placed}/{len(req.jobs)}, "
               f"GPUs used {sum(len(p.gpus) for p in plan.placements)}/{req.cluster.total_gpus}", file=sys.stderr)
-    return [statistics.median(samples[label]) for label, _ in variants]
+    if request.queues is not None:
+        print(f"{name} mechanism: cpu ms {[round(s, 1) for s in mechanism]}", file=sys.stderr)
+    return [statistics.median(samples[label]) for label, _ in variants] + [statistics.median(mechanism)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         result[f"{name}_ms_p50"] = None if p50s is None else round(p50s[0], 1)
         if queues is not None:
             result[f"{name}_ms_p50_without_queues"] = None if p50s is None else round(p50s[1], 1)
+            result[f"{name}_mechanism_ms_p50"] = None if p50s is None else round(p50s[2], 1)
     print(json.dumps(result))
     return 0
 

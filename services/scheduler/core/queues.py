@@ -15,10 +15,14 @@ unchanged. With queues (``shared/wire/queues.py``), each round:
    usage over weight) is lowest, within its borrowing limit, of a type the job runs on;
    for a policy that forks (``forks``: its copies use more than W), what is still idle,
    to queues with jobs; for the others it stays in no queue's partition.
-3. **Partition.** The entitlement becomes concrete GPUs: a queue keeps the GPUs it held
-   last round (those its jobs ran on first), then takes free ones on nodes where it already
-   holds GPUs, then on the nodes with the most free GPUs of the type. Queues take in name
-   order; no GPU goes to two.
+3. **Partition.** The entitlement becomes concrete GPUs, in two passes. First every queue
+   keeps, of the GPUs it held last round, as many of each type as it is entitled to: its
+   running jobs' GPUs whole, job by job in keep order (the reverse of the reclaim order
+   below; a job whose GPUs no longer all fit is passed over), then GPUs its jobs ran on,
+   then the others, by (node, index). Then every queue takes the free GPUs it still lacks,
+   on nodes where it already holds GPUs, then on those with the most free GPUs of the
+   type. Queues go in name order in each pass; no GPU goes to two, and no queue takes a
+   GPU another held while that one keeps its entitlement.
 4. **Plan.** For each queue, its priority classes from the highest: the policy plans that
    class's jobs on the queue's GPUs that a higher class left free, with the state it
    carried for that (queue, class) and the previous placements of those jobs that lie in
@@ -26,8 +30,8 @@ unchanged. With queues (``shared/wire/queues.py``), each round:
 5. **Fair share.** A queue's usage decays by ``2^(-round_s / half_life)`` and grows by the
    round's normalized GPU-seconds (:func:`~services.scheduler.core.quota.charge`).
 
-Guarantees (``tests/unit/test_queues.py`` checks them on random clusters, queues and jobs,
-for every policy):
+Guarantees (``tests/unit/test_queues.py`` and ``test_queues_properties.py`` check them on
+random clusters, queues and jobs, every round, for every policy):
 
 * no queue holds more GPUs of a type than its entitlement, nor more in all than its quota
   plus its borrowing limit;
@@ -35,9 +39,29 @@ for every policy):
   sees the demand, counting the GPUs of its quota its jobs can run on: borrowed GPUs are
   reclaimed at that round boundary, which loses nothing (every placement is renewed each
   round and every copy checkpoints at a round's end);
-* a job leaves its queue's GPUs to another queue only because that queue reclaims its own
-  quota or stands lower in fair share for idle ones; to a job of its own queue only of a
-  higher class (within a class, the policy's own rules decide, as without queues).
+* a queue keeps the GPUs its running jobs hold, as many of each type as it is entitled to:
+  a running job's GPU goes to another queue only when its queue holds fewer of that type
+  than its jobs ran on, because that queue reclaims its own quota or stands lower in fair
+  share for idle ones; so a job is preempted to serve another queue only when its queue ran
+  above its guarantee (on borrowed GPUs), never within it. To a job of its own queue it
+  leaves its GPUs only of a higher class (within a class, the policy's own rules decide, as
+  without queues).
+
+Reclaim order (:func:`keep_order`, reversed). When a queue is entitled to fewer GPUs of a
+type than its running jobs hold (its borrowed GPUs are reclaimed by their owner, or lent by
+fair share to a queue standing lower), it gives back the GPUs of the job that comes first in:
+
+1. the lowest priority class;
+2. the least progress lost. At a round boundary no job loses a sample: every copy
+   checkpoints at the round's end. What a preempted job loses is the restore of that
+   checkpoint onto its W GPUs when it resumes, counted as ``model_bytes x workers`` (0 when
+   the size is unknown): the smallest first;
+3. the latest arrival, then the greatest job id.
+
+This decides which GPUs the queue gives back, and so which previous placements still lie in
+its partition; on what it keeps, its policy plans as in step 4 (a non-preemptive policy
+such as YARN-CS keeps exactly those jobs running; a preemptive one may, by its own rules,
+run another job of the same class there).
 
 How quotas enter Hadar's primal-dual: each queue's Hadar plans on its partition, so its
 ledger's capacity -- and the exponential prices that rise as it fills -- is the queue's
@@ -68,7 +92,7 @@ from services.scheduler.core.quota import Entitlement, Rate, charge, decayed, en
 from shared.persistence.codec import snapshot_type
 from shared.wire.queues import QueueConfig, QueueStanding
 
-__all__ = ["QueuedState", "plan_with_queues", "queue_order", "previous_queued", "job_rate"]
+__all__ = ["QueuedState", "plan_with_queues", "queue_order", "keep_order", "previous_queued", "job_rate"]
 
 Gpu = tuple[str, int]   # (node id, GPU index on it)
 
@@ -141,11 +165,15 @@ def plan_with_queues(policy: Policy, request: PlanRequest) -> Plan:
         new_usage[q] = new_usage.get(q, 0.0) + charge(jobs_by_id[p.job_id], gpu_type, len(p.gpus), request.round_s,
                                                       rate, types)
     placed = {p.job_id for p in placements}
+    pending: dict[str, int] = defaultdict(int)
+    for j in request.jobs:
+        if j.job_id not in placed:
+            pending[config.queue_of(j.queue)] += 1
     standings = tuple(QueueStanding(
         name=q.name, entitled=dict(ent[q.name].gpus), used=dict(sorted(used_by[q.name].items())),
         borrowed=ent[q.name].borrowed, lent=ent[q.name].lent, usage=new_usage.get(q.name, 0.0),
         running=len({j.job_id for j in visible.get(q.name, ()) if j.job_id in placed}),
-        pending=sum(1 for j in request.jobs if config.queue_of(j.queue) == q.name and j.job_id not in placed),
+        pending=pending[q.name],
     ) for q in config.queues)
     state = QueuedState(inner=inner_states, held={q: tuple(g) for q, g in held.items()}, usage=new_usage,
                         usage_at=request.now_s, standings=standings)
@@ -205,30 +233,51 @@ def _previous_gpus(previous: Plan | None) -> dict[str, set[Gpu]]:
     return out
 
 
+def keep_order(job: JobState) -> tuple[int, int, float, str]:
+    """The order in which a queue that must give GPUs back keeps its running jobs' GPUs
+    (module docstring, "Reclaim order"); its reverse is the reclaim order: lowest priority
+    class first, then least progress lost (``model_bytes x workers``), then the latest
+    arrival, then the greatest job id."""
+    return (-job.priority_class, -job.model_bytes * job.workers, job.arrival_s, job.job_id)
+
+
 def _partition(cluster: Cluster, ent: Mapping[str, Entitlement], held: Mapping[str, Sequence[Gpu]],
                visible: Mapping[str, Sequence[JobState]], ran_on: Mapping[str, set[Gpu]]) -> dict[str, list[Gpu]]:
     """Concrete GPUs for every queue's entitlement (module docstring, step 3)."""
     type_of = {(n.node_id, i): t for n in cluster.nodes for i, t in enumerate(n.gpus)}
-    free: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))   # type -> node -> indices
+    free: dict[str, dict[str, set[int]]] = defaultdict(lambda: defaultdict(set))   # type -> node -> indices
     for (node_id, index), gpu_type in type_of.items():
-        free[gpu_type][node_id].append(index)
+        free[gpu_type][node_id].add(index)
     out: dict[str, list[Gpu]] = {name: [] for name in ent}
+    want = {name: dict(e.gpus) for name, e in ent.items()}
 
     def take(name: str, g: Gpu) -> None:
-        free[type_of[g]][g[0]].remove(g[1])
+        free[type_of[g]][g[0]].discard(g[1])
+        want[name][type_of[g]] -= 1
         out[name].append(g)
 
-    for name in sorted(ent):
-        want = dict(ent[name].gpus)
-        used = set().union(*(ran_on.get(j.job_id, set()) for j in visible.get(name, ())))
-        for g in sorted((g for g in held.get(name, ()) if g in type_of), key=lambda g: (g not in used, g)):
-            if want.get(type_of[g], 0) > 0 and g[1] in free[type_of[g]][g[0]]:
+    for name in sorted(ent):   # every queue keeps what it held before any takes a free GPU
+        mine = {g for g in held.get(name, ()) if g in type_of}
+        running = sorted((j for j in visible.get(name, ()) if j.job_id in ran_on
+                          and not ran_on[j.job_id].isdisjoint(mine)), key=keep_order) if mine else []
+        for job in running:    # whole jobs, in keep order
+            gpus = sorted(ran_on[job.job_id] & mine)
+            need: dict[str, int] = defaultdict(int)
+            for g in gpus:
+                need[type_of[g]] += 1
+            if all(want[name].get(t, 0) >= n for t, n in need.items()) and all(g[1] in free[type_of[g]][g[0]]
+                                                                                for g in gpus):
+                for g in gpus:
+                    take(name, g)
+        used = set().union(*(ran_on.get(j.job_id, set()) for j in running))
+        for g in sorted(mine - set(out[name]), key=lambda g: (g not in used, g)):
+            if want[name].get(type_of[g], 0) > 0 and g[1] in free[type_of[g]][g[0]]:
                 take(name, g)
-                want[type_of[g]] -= 1
-        for gpu_type, n in sorted(want.items()):
-            mine = {g[0] for g in out[name]}
+    for name in sorted(ent):
+        for gpu_type, n in sorted(want[name].items()):
+            nodes_of_mine = {g[0] for g in out[name]}
             nodes = sorted((node for node, idx in free[gpu_type].items() if idx),
-                           key=lambda node: (node not in mine, -len(free[gpu_type][node]), node))
+                           key=lambda node: (node not in nodes_of_mine, -len(free[gpu_type][node]), node))
             for node in nodes:
                 for index in sorted(free[gpu_type][node])[:n]:
                     take(name, (node, index))
@@ -254,13 +303,15 @@ def _plan_on(policy: Policy, request: PlanRequest, jobs: tuple[JobState, ...], g
     previous_placements = []
     for p in request.previous.placements if request.previous is not None else ():
         if p.job_id in ids and all((p.node_id, g) in local for g in p.gpus):
-            previous_placements.append(replace(p, gpus=tuple(local[(p.node_id, g)] for g in p.gpus)))
+            previous_placements.append(Placement(job_id=p.job_id, copy=p.copy, node_id=p.node_id,
+                                                 gpus=tuple(local[(p.node_id, g)] for g in p.gpus)))
     previous = Plan(placements=tuple(previous_placements), state=state)
     sub = replace(request, cluster=Cluster(name=request.cluster.name, nodes=nodes), jobs=jobs, previous=previous,
                   queues=None)
     plan = policy.plan(sub) if nodes else Plan(waiting=tuple(Wait(job_id=j.job_id, code=WaitCode.CAPACITY)
                                                               for j in jobs), state=state)
-    return replace(plan, placements=tuple(replace(p, gpus=tuple(by_node[p.node_id][i] for i in p.gpus))
+    return replace(plan, placements=tuple(Placement(job_id=p.job_id, copy=p.copy, node_id=p.node_id,
+                                                    gpus=tuple(by_node[p.node_id][i] for i in p.gpus))
                                           for p in plan.placements))
 
 

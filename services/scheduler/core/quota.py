@@ -31,6 +31,7 @@ turns these counts into concrete GPUs and runs the policy on them. Terms:
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -159,14 +160,19 @@ def entitlements(config: QueueConfig, capacity: Mapping[str, int], jobs: Mapping
     weight = {q.name: q.weight for q in config.queues}
     limit = {q.name: math.inf if q.borrowing_limit is None else q.borrowing_limit for q in config.queues}
 
+    held = {name: sum(g.values()) for name, g in gpus.items()}
+    left = sum(idle.values())
+
     def standing(name: str) -> tuple[float, str]:
-        held = sum(gpus[name].values())
-        return ((usage.get(name, 0.0) + held * round_s) / weight[name], name)
+        return ((usage.get(name, 0.0) + held[name] * round_s) / weight[name], name)
 
     def give(name: str, gpu_type: str) -> None:
+        nonlocal left
         gpus[name][gpu_type] = gpus[name].get(gpu_type, 0) + 1
         idle[gpu_type] -= 1
         extra[name] += 1
+        held[name] += 1
+        left -= 1
 
     def first_short(name: str) -> _Short | None:
         """The queue's first short job with an idle type it runs on; jobs with none are
@@ -176,25 +182,31 @@ def entitlements(config: QueueConfig, capacity: Mapping[str, int], jobs: Mapping
             pending.pop(0)
         return pending[0] if pending else None
 
-    while any(idle.values()):
-        takers = [n for n in gpus if extra[n] < limit[n] and first_short(n) is not None]
-        if not takers:
-            break
-        name = min(takers, key=standing)
-        head = first_short(name)
-        assert head is not None
+    # One GPU at a time to the taker with the lowest standing. A queue's standing changes only
+    # when it is given one, and a queue that stops being a taker never becomes one again (its
+    # borrowing only grows, idle GPUs only get fewer), so a heap of (standing, name) with each
+    # queue once, dropping one found not to take, picks what a min over the takers would.
+    heap = [standing(name) for name in gpus]
+    heapq.heapify(heap)
+    while left > 0 and heap:
+        _, name = heapq.heappop(heap)
+        head = first_short(name) if extra[name] < limit[name] else None
+        if head is None:
+            continue
         give(name, next(t for t in head.runs_on if idle[t] > 0))
         head.lacks -= 1
         if head.lacks == 0:
             short[name].pop(0)
-    while spare and any(idle.values()):
-        takers = [n for n in gpus if extra[n] < limit[n] and jobs.get(n)]
-        if not takers:
-            break
-        name = min(takers, key=standing)
+        heapq.heappush(heap, standing(name))
+    heap = [standing(name) for name in gpus if extra[name] < limit[name] and jobs.get(name)] if spare else []
+    heapq.heapify(heap)
+    while left > 0 and heap:
+        _, name = heapq.heappop(heap)
         t = _preferred(prefs[name], idle)
         assert t is not None
         give(name, t)
+        if extra[name] < limit[name]:
+            heapq.heappush(heap, standing(name))
     lent_out = {n: max(0, sum(nominal[n].values()) - (sum(gpus[n].values()) - extra[n])) for n in gpus}
     return {n: Entitlement(gpus={t: c for t, c in sorted(gpus[n].items()) if c}, nominal=nominal[n],
                            borrowed=extra[n], lent=lent_out[n], demand=demand[n]) for n in gpus}
