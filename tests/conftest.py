@@ -12,12 +12,14 @@ skips it elsewhere, with the reason.
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 from minio import Minio
 
 from devinfra import (
@@ -35,6 +37,13 @@ from shared.errors import HadarError
 from shared.store import LocalStore, MinioStore, ObjectStore
 from shared.store.settings import S3Settings, s3_from_env
 from tests.required import unavailable
+
+# Property tests draw the same examples on every run: a red run is reproducible, and a
+# landing never depends on which examples a random draw happened to try. Explore with
+# HYPOTHESIS_PROFILE=explore (random draws, more examples) when changing a rule.
+settings.register_profile("suite", derandomize=True)
+settings.register_profile("explore", derandomize=False, max_examples=400)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
 
 
 @pytest.fixture(scope="session")
