@@ -53,15 +53,10 @@ from torch import nn
 from services.agent.protocol import WorkerSpec, parse_stop_line, worker_line
 from services.agent.slots import warm_key
 from services.agent.worker.checkpoint import (
-    CheckpointError,
     CheckpointMeta,
-    read_stored,
-    read_total_steps,
     restore,
     save_checkpoint,
-    with_optimizer_state,
 )
-from services.agent.worker.ledger import own_checkpoint
 from services.agent.worker.session import (
     Session,
     StoreClient,
@@ -71,6 +66,7 @@ from services.agent.worker.session import (
     open_group,
     state_digest,
 )
+from services.agent.worker.start_state import load_start
 from services.agent.worker.training import (
     BatchSampler,
     LoopResult,
@@ -79,12 +75,10 @@ from services.agent.worker.training import (
 )
 from services.agent.worker.user_job import UserCodeWorker, UserSession
 from shared.domain import local_sgd
-from shared.domain.layout import optim_key_of
 from shared.errors import ConfigError
 from shared.runtime.logging import capture_prints, configure_logging
 from shared.zoo import Metric, build_model, evaluate, load_dataset, make_optimizer
 
-START_POLL_S = 0.25
 STATUS = {StopCode.BUDGET: "ok", StopCode.DEADLINE: "ok", StopCode.PREEMPTED: "preempted"}
 
 
@@ -195,40 +189,14 @@ class Worker:
 
     def _load_start(self, store: StoreClient, model: nn.Module,
                     optimizer: torch.optim.Optimizer) -> tuple[int, int]:
-        """Load the starting state; return (steps already done this round, total steps)."""
-        spec = self.spec
-        mine = own_checkpoint(store, spec.checkpoint, spec.ledger(), lambda path: read_stored(spec.checkpoint, path),
-                              lambda: self.emit("not_ours", key=spec.checkpoint))
-        if mine is not None:   # this copy's own checkpoint: resume mid-round
-            tensors, meta = mine
-            own = CheckpointMeta.from_metadata(meta)
-            if (own.job, own.round, own.copy) != (spec.job_id, spec.round, spec.copy):
-                raise CheckpointError(f"{spec.checkpoint} belongs to {own.job}/{own.round}/{own.copy}")
-            restore(model, optimizer, tensors)
-            return own.steps, own.total_steps
-        if spec.start_from is None:
+        """Load the starting state (worker/start_state.py); return (steps already done this
+        round, total steps)."""
+        tensors, round_steps, total = load_start(store, self.spec, emit=self.emit, stopped=lambda: self.stop_requested)
+        if tensors is None:
             self._from_seed(model)
-            return 0, 0
-        while not store.exists(spec.start_from):
-            if self.stop_requested:
-                raise RuntimeError(f"stopped while waiting for start model {spec.start_from}")
-            if time.time() >= spec.deadline:
-                raise RuntimeError(f"start model {spec.start_from} not found by the round deadline")
-            time.sleep(START_POLL_S)
-        tensors, meta = self._fetch(store, spec.start_from)
-        total = read_total_steps(meta)
-        optim = optim_key_of(spec.start_from)   # a round model's optimizer state lies beside it
-        if optim is not None and store.exists(optim):
-            tensors = with_optimizer_state(tensors, self._fetch(store, optim)[0])
-        restore(model, optimizer, tensors)
-        return 0, total
-
-    @staticmethod
-    def _fetch(store: StoreClient, key: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        with tempfile.TemporaryDirectory(prefix="hadar-start-") as tmp:
-            path = Path(tmp) / "model.safetensors"
-            store.get_file(key, path)
-            return read_stored(key, path)
+        else:
+            restore(model, optimizer, tensors)
+        return round_steps, total
 
     def _checkpoint(self, store: StoreClient, model: nn.Module, optimizer: torch.optim.Optimizer,
                     data: Any, result: LoopResult) -> tuple[str, Metric]:

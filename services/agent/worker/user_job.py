@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors.torch import save_file
 
 from services.agent.protocol import WorkerSpec
@@ -40,21 +39,16 @@ from services.agent.slots import WarmKey, warm_key
 from services.agent.usercode.trainer import RoundRequest, RoundResult, Trainer, TrainerLaunch
 from services.agent.worker.artifacts import ArtifactCache
 from services.agent.worker.checkpoint import (
-    CheckpointError,
     CheckpointMeta,
-    read_stored,
-    read_total_steps,
-    with_optimizer_state,
 )
-from services.agent.worker.ledger import own_checkpoint
 from services.agent.worker.session import StoreClient
+from services.agent.worker.start_state import StartState, load_start
 from shared.domain.bundles import CODE_LIMITS, DATA_LIMITS
-from shared.domain.layout import code_bundle_key, data_bundle_key, optim_key_of
+from shared.domain.layout import code_bundle_key, data_bundle_key
 from shared.wire.events import MAX_LOG_TAIL
 
 __all__ = ["UserSession", "UserCodeWorker", "default_cache_dir"]
 
-START_POLL_S = 0.25
 
 
 def default_cache_dir(node_id: str) -> Path:
@@ -202,31 +196,8 @@ class UserCodeWorker:
         self.emit("progress", steps_round=steps_round, steps_total=steps_total, samples_per_s=samples_per_s,
                   loss=loss if loss is not None and math.isfinite(loss) else float("nan"))
 
-    def _load_start(self, store: StoreClient) -> tuple[dict[str, torch.Tensor] | None, int, int]:
-        """(start tensors or None, steps already done this round, total steps before it)."""
-        spec = self.spec
-        mine = own_checkpoint(store, spec.checkpoint, spec.ledger(), lambda path: read_stored(spec.checkpoint, path),
-                              lambda: self.emit("not_ours", key=spec.checkpoint))
-        if mine is not None:   # this copy's own checkpoint: resume mid-round
-            tensors, meta = mine
-            own = CheckpointMeta.from_metadata(meta)
-            if (own.job, own.round, own.copy) != (spec.job_id, spec.round, spec.copy):
-                raise CheckpointError(f"{spec.checkpoint} belongs to {own.job}/{own.round}/{own.copy}")
-            return tensors, own.steps, own.total_steps
-        if spec.start_from is None:
-            return None, 0, 0
-        while not store.exists(spec.start_from):
-            if self.stop_requested:
-                raise RuntimeError(f"stopped while waiting for start model {spec.start_from}")
-            if time.time() >= spec.deadline:
-                raise RuntimeError(f"start model {spec.start_from} not found by the round deadline")
-            time.sleep(START_POLL_S)
-        tensors, meta = _fetch(store, spec.start_from)
-        total = read_total_steps(meta)
-        optim = optim_key_of(spec.start_from)
-        if optim is not None and store.exists(optim):
-            tensors = with_optimizer_state(tensors, _fetch(store, optim)[0])
-        return tensors, 0, total
+    def _load_start(self, store: StoreClient) -> StartState:
+        return load_start(store, self.spec, emit=self.emit, stopped=lambda: self.stop_requested)
 
     def _checkpoint(self, store: StoreClient, result: RoundResult, round_steps: int, total: int) -> str:
         spec = self.spec
@@ -274,12 +245,6 @@ def _metrics(result: RoundResult) -> tuple[str, float | None, float | None]:
     values = {of: value for metric, of, value in result.metrics if metric == result.metrics[0][0]}
     return name, values.get("start"), values.get("final")
 
-
-def _fetch(store: StoreClient, key: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    with tempfile.TemporaryDirectory(prefix="hadar-start-") as tmp:
-        path = Path(tmp) / "model.safetensors"
-        store.get_file(key, path)
-        return read_stored(key, path)
 
 
 def _remove_tree(path: Path) -> None:
