@@ -21,9 +21,10 @@ from shared.runtime.service import run_service
 if TYPE_CHECKING:
     from services.tracker.config import TrackerConfig
 
-__all__ = ["add_tracker_parser", "run_tracker", "tracker_config", "ENV_PREFIX"]
+__all__ = ["add_tracker_parser", "run_tracker", "tracker_config", "ENV_PREFIX", "STEPPED_DOWN_EXIT"]
 
 DEFAULT_HTTP_PORT = 8083
+STEPPED_DOWN_EXIT = 3   # a newer replica took the role over: restart as a standby (as the scheduler does)
 ENV_PREFIX = "HADAR_TRACKER_"
 
 
@@ -60,6 +61,14 @@ def add_tracker_parser(services: argparse._SubParsersAction,
                         help="write a state snapshot after every N rounds decided (default: 10; 0: never)")
     parser.add_argument("--snapshots-kept", type=int, default=None,
                         help="state snapshots kept, the newest (default: 3)")
+    parser.add_argument("--standby", action="store_true", default=None,
+                        help="one of several replicas: wait as a standby, take over when the active one stops "
+                             "renewing for --lease-ttl-s, step down (exit 3) when a newer one takes over")
+    parser.add_argument("--lease-ttl-s", type=float, default=None,
+                        help="with --standby: seconds without a renewal before a standby takes over (default: 10)")
+    parser.add_argument("--holder", default=None,
+                        help="with --standby: this replica's name in hadar.leadership (default: host, pid and a "
+                             "random suffix)")
     parser.set_defaults(func=run_tracker)
     return parser
 
@@ -74,7 +83,7 @@ def tracker_config(args: argparse.Namespace) -> TrackerConfig:
              "keep_round_models": args.keep_round_models, "delete_checkpoints": args.delete_checkpoints,
              "delete_completed_models": args.delete_completed_models,
              "straggler_sweep_s": args.straggler_sweep_s, "snapshot_every": args.snapshot_every,
-             "snapshots_kept": args.snapshots_kept}
+             "snapshots_kept": args.snapshots_kept, "standby": args.standby, "lease_ttl_s": args.lease_ttl_s}
     return load_config(TrackerConfig, flags=flags, env=os.environ, env_prefix=ENV_PREFIX, file=args.config)
 
 
@@ -82,6 +91,7 @@ def run_tracker(args: argparse.Namespace) -> int:
     from services.tracker.service import (
         TrackerService,  # heavy (torch, numpy): only when run
     )
+    from services.tracker.standby import StandbyTracker
 
     config = tracker_config(args)
     bus = make_bus(args, source="tracker")
@@ -92,9 +102,14 @@ def run_tracker(args: argparse.Namespace) -> int:
         await bus.start()
         await store.start()
         try:
-            service = TrackerService(bus=bus, store=store, config=config)
+            stop = asyncio.Event()
+            service = (StandbyTracker(bus=bus, store=store, config=config, holder=args.holder,
+                                      on_stepped_down=stop.set)
+                       if config.standby else TrackerService(bus=bus, store=store, config=config))
             code = await run_service(service, http_host=args.http_host, http_port=args.http_port,
-                                     drain_timeout_s=args.drain_timeout_s, bus=bus)
+                                     drain_timeout_s=args.drain_timeout_s, bus=bus, stop_event=stop)
+            if isinstance(service, StandbyTracker) and service.stepped_down is not None:
+                code = STEPPED_DOWN_EXIT
         finally:
             await store.stop()
             await bus.stop()

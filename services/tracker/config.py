@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from shared.domain.deadline import LATE_COPY_S
@@ -51,6 +52,10 @@ class TrackerConfig:
     State snapshots (:mod:`services.tracker.snapshot`): ``snapshot_every``: write one after
     every this many rounds the tracker decided itself (0: never; restarts read the whole
     log); ``snapshots_kept``: how many are kept (the newest).
+
+    Replicas (:mod:`services.tracker.standby`): ``standby``: run as one of several replicas,
+    active only while it holds the role (:mod:`shared.runtime.leadership`); ``lease_ttl_s``:
+    how long the active one may go without renewing before a standby takes over.
     """
 
     group: str = "hadar-tracker"
@@ -68,8 +73,12 @@ class TrackerConfig:
     snapshot_every: int = 10
     snapshots_kept: int = 3
     source: str = "tracker"
+    standby: bool = False
+    lease_ttl_s: float = 10.0
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.lease_ttl_s) and 1.0 <= self.lease_ttl_s <= 3600):
+            raise FieldError("lease_ttl_s", f"must be in 1..3600 seconds, got {self.lease_ttl_s}")
         if self.mode not in ("steps", "uniform"):
             raise FieldError("mode", f"must be 'steps' or 'uniform', got {self.mode!r}")
         if not self.finish_timeout_s >= 0:
@@ -91,3 +100,9 @@ class TrackerConfig:
             raise FieldError("snapshot_every", f"must be in 0..1000000 rounds, got {self.snapshot_every}")
         if not 1 <= self.snapshots_kept <= 1000:
             raise FieldError("snapshots_kept", f"must be in 1..1000, got {self.snapshots_kept}")
+
+    @property
+    def fencing_id(self) -> str:
+        """The transactional id the active replica publishes its announcements and renewals
+        under (under the group's name: the tracker principal's ACL prefix)."""
+        return f"{self.group}-models"

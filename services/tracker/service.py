@@ -45,6 +45,9 @@ Guarantees:
   a restarted tracker.
 * Objects nothing can need are deleted after the announcement that decides so, in a task
   of its own, so a failing store delays deletions, never a round (:mod:`.lifecycle`).
+* With ``standby`` (several replicas) :class:`~services.tracker.standby.StandbyTracker` runs
+  this only while it holds the role, publishing through the role's fenced publisher; what
+  fencing does not cover (the store) is stated there.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from services.tracker.metrics import TrackerMetrics
 from services.tracker.snapshot import SERVICE, Position, capture, restore
 from services.tracker.state import DueCompletion, DueRound, TrackerState
 from shared.bus import Bus, Delivery
+from shared.bus.base import Resume
 from shared.bus.rejection import dead_letter_delivery
 from shared.clock import Clock, SystemClock
 from shared.domain.layout import model_key
@@ -95,6 +99,8 @@ class TrackerService:
         self.bus = bus
         self.store = store
         self.config = config or TrackerConfig()
+        if self.config.standby and type(self) is TrackerService:
+            raise ValueError("standby: run services.tracker.standby.StandbyTracker")
         self.clock = clock or SystemClock()
         self.registry = registry or CollectorRegistry()
         self.state = TrackerState()
@@ -168,7 +174,7 @@ class TrackerService:
     def health(self) -> dict[str, Any]:
         tasks_ok = all(t is not None and not t.done() for t in (self._consumer, self._worker, self._janitor_task))
         return {"ok": self._replayed and (tasks_ok or self._stopping), "replayed": self._replayed,
-                "jobs": self.state.jobs(), "open_rounds": self.state.open_rounds(),
+                "role": "standalone", "jobs": self.state.jobs(), "open_rounds": self.state.open_rounds(),
                 # stage and exception type only: an exception's text may carry a URL or a key
                 "last_error": ": ".join(self._last_error.split(": ", 2)[:2]) if self._last_error else None}
 
@@ -176,7 +182,7 @@ class TrackerService:
 
     async def _consume(self) -> None:
         # hadar.deadletter is not read here: the scheduler counts bad records, once each.
-        async with self.bus.subscribe(INPUT_TOPICS, self.config.group) as sub:
+        async with self.bus.subscribe(INPUT_TOPICS, self.config.group, resume=self._resume()) as sub:
             async for delivery in sub:
                 self._m.events_in.labels(type=delivery.event.TYPE).inc()
                 async with self._fold_lock:   # not while a snapshot is captured and encoded
@@ -208,8 +214,7 @@ class TrackerService:
             origin = refusal.origin
             if isinstance(origin, Delivery):
                 self._log_refusal(refusal, origin, "event.rejected")
-                await dead_letter_delivery(self.bus, origin, f"{refusal.reason}: {refusal.detail}",
-                                           ts=self.clock.time(), source=self.config.source)
+                await self._dead_letter(origin, f"{refusal.reason}: {refusal.detail}")
             else:   # replayed: counted again, dead-lettered by the run that read it live
                 self._log_refusal(refusal, None, "event.rejected_on_replay", level="debug")
         return counts
@@ -298,8 +303,17 @@ class TrackerService:
         self._log.error(f"tracker.{stage}_failed", error=self._last_error, retry_in_s=delay, **bound)
         return False
 
-    async def _publish(self, event: Event) -> None:
+    def _resume(self) -> Resume | None:   # where the consumer starts a partition (None: where the group committed)
+        return None
+
+    async def _dead_letter(self, origin: Delivery, reason: str) -> None:
+        await dead_letter_delivery(self.bus, origin, reason, ts=self.clock.time(), source=self.config.source)
+
+    async def _send(self, event: Event) -> None:
         await self.bus.publish(event)
+
+    async def _publish(self, event: Event) -> None:
+        await self._send(event)
         self._m.events_out.labels(type=event.TYPE).inc()
         self._fold(event)
         await self._handle_refusals()   # reports still held for a round this decided

@@ -77,8 +77,10 @@ TOPICS: tuple[Topic, ...] = (
           writers=("tracker",), readers=("scheduler", "tracker", "profiler", "cli"), retention=_FOREVER),
     Topic(name=QUEUES, events=("QueuesApplied",), writers=("admin",), readers=("scheduler", "cli"),
           retention=_FOREVER),
-    # A standby reads only the renewals of the last hour to decide whether the active one is alive.
-    Topic(name=LEADERSHIP, events=("LeaderRenewed",), writers=("scheduler",), readers=("scheduler", "cli"),
+    # A standby (scheduler or tracker: one role each) reads only the renewals of the last hour to
+    # decide whether the active one is alive.
+    Topic(name=LEADERSHIP, events=("LeaderRenewed",), writers=("scheduler", "tracker"),
+          readers=("scheduler", "tracker", "cli"),
           retention=MappingProxyType({"cleanup.policy": "delete", "retention.ms": str(_HOUR_MS),
                                       "segment.ms": str(_HOUR_MS)})),
     Topic(name=DEADLETTER, events=("DeadLetter",), writers=tuple(p for p in PRINCIPALS if p != "admin"),

@@ -327,11 +327,13 @@ def test_ha_minio_is_one_erasure_set_over_four_pinned_drives():
     assert len(labels) == len(volumes) == len(nodes)
 
 
-def test_ha_scheduler_runs_an_active_and_a_standby_on_different_machines():
-    scheduler = _ha()["services"]["scheduler"]
-    flags = build_parser().parse_args(scheduler["command"])
-    assert flags.standby and scheduler["deploy"]["replicas"] == 2
-    assert scheduler["deploy"]["placement"]["max_replicas_per_node"] == 1
+@pytest.mark.parametrize("role", ["scheduler", "tracker"])
+def test_ha_single_writers_run_an_active_and_a_standby_on_different_machines(role):
+    service = _ha()["services"][role]
+    flags = build_parser().parse_args(service["command"])
+    assert flags.standby and service["deploy"]["replicas"] == 2
+    assert service["deploy"]["placement"]["max_replicas_per_node"] == 1
+    assert "node.labels.hadar.gpu != true" in service["deploy"]["placement"]["constraints"]
     # The lease outlasts a broker failover (the controller fences a dead broker after 9 s), so
     # losing a broker does not hand the role over.
     assert flags.lease_ttl_s > 9

@@ -163,9 +163,10 @@ def test_the_topic_table_names_exactly_the_topics_each_service_reads() -> None:
     from services.tracker.service import INPUT_TOPICS as TRACKER
 
     # the scheduler alone follows hadar.deadletter, to count bad records once (issue 17)
-    # ... and a standby scheduler reads hadar.leadership to see whether the active one renews
-    reads = {"scheduler": {*SCHEDULER, DEADLETTER, LEADERSHIP}, "agent": set(AGENT), "tracker": set(TRACKER),
-             "profiler": {*PROFILER, *PROFILER_START}, "cli": set(ALL_TOPICS), "admin": set()}
+    # ... and a standby scheduler or tracker reads hadar.leadership to see whether the active one renews
+    reads = {"scheduler": {*SCHEDULER, DEADLETTER, LEADERSHIP}, "agent": set(AGENT),
+             "tracker": {*TRACKER, LEADERSHIP}, "profiler": {*PROFILER, *PROFILER_START},
+             "cli": set(ALL_TOPICS), "admin": set()}
     assert {p: set(read_by(p)) for p in PRINCIPALS} == reads
 
 

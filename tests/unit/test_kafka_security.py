@@ -158,8 +158,8 @@ def allowed(name: str, operation: int, resource_type: int = 2) -> set[str]:
 
 
 def test_each_principal_writes_exactly_what_the_issue_table_says() -> None:
-    writes = {"cli": {JOBS}, "agent": {NODES, PROGRESS}, "scheduler": {PLACEMENTS, LEADERSHIP}, "tracker": {MODELS},
-              "profiler": {THROUGHPUT}}
+    writes = {"cli": {JOBS}, "agent": {NODES, PROGRESS}, "scheduler": {PLACEMENTS, LEADERSHIP},
+              "tracker": {MODELS, LEADERSHIP}, "profiler": {THROUGHPUT}}
     assert set(SERVICE_PRINCIPALS) == set(writes)
     for name, topics in writes.items():
         assert allowed(name, 4) == topics | {DEADLETTER}, name
@@ -174,7 +174,7 @@ def test_each_service_reads_exactly_its_input_topics_with_its_own_group() -> Non
     # them once. A topic left out is not an error at the broker when it is
     # empty, so a first start works and the restart after it silently forgets its history.
     inputs = {"scheduler": {*SCHEDULER_TOPICS, *SCHEDULER_RECOVERY, DEADLETTER, LEADERSHIP},
-              "tracker": set(TRACKER_TOPICS),
+              "tracker": {*TRACKER_TOPICS, LEADERSHIP},
               "profiler": {*PROFILER_TOPICS, *PROFILER_RECOVERY}, "agent": set(AGENT_TOPICS)}
     for name, topics in inputs.items():
         assert allowed(name, 3) == topics, name
@@ -185,9 +185,11 @@ def test_each_service_reads_exactly_its_input_topics_with_its_own_group() -> Non
         assert group.startswith(prefix) and prefix == f"hadar-{name}", name
     assert not {a for a in kafka_acls(PRINCIPALS["cli"]) if a.resource_type == 3
                 and "hadar-agent".startswith(a.resource_name)}
-    # Only the scheduler publishes in transactions (its fenced publisher, ids under its group's name).
+    # Only the scheduler and the tracker publish in transactions (their fenced publishers, ids
+    # under their group's name).
     transactional = {n: allowed(n, 4, resource_type=5) for n in SERVICE_PRINCIPALS}
-    assert transactional == {n: ({"hadar-scheduler"} if n == "scheduler" else set()) for n in SERVICE_PRINCIPALS}
+    assert transactional == {n: ({f"hadar-{n}"} if n in ("scheduler", "tracker") else set())
+                             for n in SERVICE_PRINCIPALS}
 
 
 def test_store_policies_follow_the_layout_prefixes() -> None:
