@@ -1,29 +1,20 @@
 """A Hadar cluster of separate processes on its own Kafka and MinIO, for fault injection.
 
-:class:`Cluster` starts a private Kafka broker and MinIO server (``devinfra``, in a run
-directory of its own; binaries from the shared cache), every service as its own process
-(``hadar serve scheduler|tracker|profiler|agent``, agents emulated on the CPU), submits
-a small workload through ``hadar submit``, and lets a scenario kill, stop, continue and
-restart any of them. :func:`figures` turns what the run left -- the event log and the
-stored objects -- into the benchmark's figures. Used by ``benchmarks/faults.py`` and
-``tests/e2e/test_faults.py``.
+:class:`Cluster` starts a private Kafka (one broker, or a cluster of three with
+``Workload.brokers=3``) and MinIO (one drive, or an erasure set with ``Workload.drives=4``)
+through ``devinfra``, in a run directory of its own (free ports; binaries from the shared
+cache; nothing of the shared ``hadar infra`` is touched), every service as its own process
+(``hadar serve scheduler|tracker|profiler|agent``, agents emulated on the CPU, each run
+through :mod:`benchmarks.fault_acks`, which journals every record it gets acknowledged),
+submits a small workload as ``hadar submit`` does, and lets a scenario kill, stop,
+continue and restart any of them. The figures (:mod:`benchmarks.fault_figures`, re-exported
+here) come from what the run left: the event log, the stored objects and the journals.
+Used by ``benchmarks/faults.py`` and ``tests/e2e/test_faults*.py``.
 
-Figures (per scenario):
-
-* ``jobs_completed``/``jobs_total``: jobs with a JobCompleted the harness did not forge.
-* ``models_verified``/``models_total``: ModelConsolidated events whose stored model equals
-  the samples-weighted average (steps x the copy's workers; uniform if no copy trained a
-  step) recomputed from the stored replicas (integer tensors: the copy with the most
-  steps), as ``services/tracker/averaging/consolidate.py`` and ``average.py`` define it.
-* ``events_lost``: results produced but never consumed, followed along their chain: a
-  JobSubmitted never placed nor listed waiting; a CopyFinished (not failed) of a round
-  the tracker decided whose copy is in neither the model, its rejections nor a
-  RoundAbandoned; a CopyFinished of a completed job's round that was never decided.
-* ``rounds_lost_max``: per job, rounds it ran in whose model did not add steps (abandoned,
-  undecided, or a model without progress); the maximum over jobs.
-* ``recovery_s``: from the end of the fault (restart, SIGCONT; the kill when left dead) to
-  the next model that added steps or job completed (None if none came after it).
-* ``service_crashes``: service processes that exited without the harness stopping them.
+A scenario strikes only once the workload is mid-work (:meth:`Cluster.wait_mid_work`); a
+fault that finds nothing to hit raises :class:`Miss` with the reason, and the run is
+reported as a miss (with the figures it did produce), never as zero jobs completed.
+``service_crashes``: service processes that exited without the harness stopping them.
 """
 
 from __future__ import annotations
@@ -35,40 +26,50 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
-import numpy as np
-from safetensors.numpy import load_file
-
+from benchmarks.fault_acks import JOURNAL_ENV, close_journal, open_journal
+from benchmarks.fault_figures import _verify_one as _verify_one
+from benchmarks.fault_figures import (
+    events_lost,
+    leader_terms,
+    progress_times,
+    round_numbering_faults,
+    rounds_lost,
+    verify_models,
+)
 from devinfra import InfraError, InfraPaths, down, restart, up
 from devinfra.common import is_running
 from services.cli.jobs import submit as submit_job
 from shared.bus import KafkaBus
-from shared.bus.eventlog import fetch_log
-from shared.domain.layout import checkpoint_key, final_key
-from shared.store import MinioStore
+from shared.bus.eventlog import LogRecord, fetch_log
+from shared.domain.layout import final_key
 from shared.store.settings import S3Settings
 from shared.wire.events import (
-    Assignment,
-    CopyFinished,
     Event,
     Hyperparameters,
     JobCompleted,
     JobSpec,
-    JobSubmitted,
-    LeaderRenewed,
     ModelConsolidated,
     NodeRegistered,
-    RoundAbandoned,
-    RoundStarted,
 )
+
+__all__ = ["Workload", "Service", "Cluster", "Miss", "events_lost", "leader_terms", "progress_times",
+           "round_numbering_faults", "rounds_lost", "verify_models"]
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULERS = ("scheduler", "scheduler-b")   # service names; with a standby, also their holder names
 STEPPED_DOWN_EXIT = 3   # services/scheduler/cli.py: a replica taken over exits so, and is restarted
-HADAR = [sys.executable, "-m", "services.cli.main"]
+# `hadar` with every acknowledged record journaled (benchmarks/fault_acks.py)
+HADAR = [sys.executable, "-m", "benchmarks.fault_acks"]
+
+
+class Miss(Exception):
+    """The fault found nothing to hit (e.g. every job completed before it was due); the
+    message says why. The run is reported as a miss, with the figures it produced."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +89,9 @@ class Workload:
     # Two scheduler replicas ("scheduler" and "scheduler-b"), one active (--standby).
     standby: bool = False
     lease_ttl_s: float = 10.0
+    # The backbone: 1 broker / 1 drive, or a replicated one (`hadar infra up --brokers 3 --drives 4`).
+    brokers: int = 1
+    drives: int = 1
 
 
 @dataclass
@@ -120,6 +124,14 @@ class Cluster:
         self.phases: dict[str, float] = {}   # seconds per phase of the run, in order (:meth:`phase`)
         self.step_downs: list[str] = []   # scheduler replicas that exited 3 (taken over), restarted
         self.takeovers: list[float] = []   # seconds from a fault on the active scheduler to its successor
+        self.strikes: list[float] = []   # unix times the faults struck (:meth:`struck`)
+        self.superseded: list[tuple[str, str]] = []   # (old, new) journal writers of a scheduler takeover
+        self.notes: dict[str, object] = {}   # scenario-specific measurements, reported as they are
+        # From the journals after the run: (note, since, partitions or None for any) -> seconds
+        # to the first acknowledgement after ``since``; (note, start, end) -> acks in between.
+        self.watches: list[tuple[str, float, frozenset[tuple[str, int]] | None]] = []
+        self.quiet: list[tuple[str, float, float]] = []
+        self.acks_dir = workdir / "acks"
         self._mark = time.monotonic()
 
     def phase(self, name: str) -> None:
@@ -133,15 +145,16 @@ class Cluster:
     def __enter__(self) -> Self:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._mark = time.monotonic()
-        servers = up(self.paths)
+        w = self.workload
+        servers = up(self.paths, brokers=w.brokers, drives=w.drives)
         self.phase("servers_up")
+        open_journal(self.acks_dir / "harness.jsonl")   # the harness's own publishes (submit, junk)
         self.bootstrap = servers.kafka.bootstrap
         self.s3 = S3Settings(endpoint=servers.minio.endpoint, access_key=servers.minio.access_key,
                              secret_key=servers.minio.secret_key, bucket=f"faults-{secrets.token_hex(3)}")
         self.env = {**os.environ, "HADAR_BOOTSTRAP": self.bootstrap, "HADAR_S3_ENDPOINT": self.s3.endpoint,
                     "HADAR_S3_ACCESS_KEY": self.s3.access_key, "HADAR_S3_SECRET_KEY": self.s3.secret_key,
                     "HADAR_S3_BUCKET": self.s3.bucket, "PYTHONPATH": str(ROOT), "HADAR_RUN_DIR": str(self.paths.run)}
-        w = self.workload
         # An upload at the round's end may ride out an outage until the tracker decides the
         # round (deadline + late_copy_s), no longer: grace (late/2) + upload (late/2).
         self.env["HADAR_AGENT_UPLOAD_GRACE_S"] = str(w.late_copy_s / 2)
@@ -163,16 +176,21 @@ class Cluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        running = [svc for svc in self.services.values() if svc.proc is not None and svc.proc.poll() is None]
-        for svc in running:   # all told at once, then waited for: their shutdowns overlap
-            self._terminate(svc, wait=False)
-        for svc in running:
-            self._terminate(svc)
+        self.stop_services()
+        close_journal()
         try:   # the servers' data and logs stay in the run directory, for a post-mortem
             down(self.paths, keep_data=True)
         except Exception:
             pass
         self.phase("stopped")
+
+    def stop_services(self) -> None:
+        """SIGTERM every service still running, all at once, then wait for each (30 s, then SIGKILL)."""
+        running = [svc for svc in self.services.values() if svc.proc is not None and svc.proc.poll() is None]
+        for svc in running:   # all told at once, then waited for: their shutdowns overlap
+            self._terminate(svc, wait=False)
+        for svc in running:
+            self._terminate(svc)
 
     def _define(self, name: str, args: list[str]) -> None:
         self.services[name] = Service(name=name, argv=HADAR + ["serve", *args, "--http-port", "0"])
@@ -181,11 +199,16 @@ class Cluster:
         """Start (or restart) one service; its output is appended to ``<name>.log``."""
         svc = self.services[name]
         log = open(self.workdir / f"{name.replace(':', '-')}.log", "a")  # noqa: SIM115 - the child process writes to it until it exits
-        svc.proc = subprocess.Popen(svc.argv, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        svc.starts += 1
+        env = {**self.env, JOURNAL_ENV: str(self.acks_dir / f"{self.writer(name)}.jsonl")}
+        svc.proc = subprocess.Popen(svc.argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         svc.expected_exit = False
         svc.terminated = False
-        svc.starts += 1
+
+    def writer(self, name: str) -> str:
+        """The journal name of the current (latest) process of service ``name``."""
+        return f"{name.replace(':', '-')}.{self.services[name].starts}"
 
     def start_all(self) -> None:
         for name in self.services:
@@ -313,6 +336,41 @@ class Cluster:
             time.sleep(poll_s)
         raise TimeoutError(f"condition not reached in {timeout_s:.0f} s")
 
+    def wait_mid_work(self, ready: Callable[[list[tuple[str, Event]]], bool], what: str, *, timeout_s: float,
+                      poll_s: float = 1.0) -> list[tuple[str, Event]]:
+        """Wait until ``ready(records)`` while a job of ours is still running; raise :class:`Miss`
+        when every job completed first (the fault would hit nothing) or on timeout."""
+        def done_or_ready(records: list[tuple[str, Event]]) -> bool:
+            return self.all_completed(records) or ready(records)
+        try:
+            records = self.wait(done_or_ready, timeout_s=timeout_s, poll_s=poll_s)
+        except TimeoutError:
+            raise Miss(f"{what}: not reached in {timeout_s:.0f} s") from None
+        if self.all_completed(records):
+            raise Miss(f"{what}: every job completed first")
+        return records
+
+    def mid_work(self, records: list[tuple[str, Event]]) -> bool:
+        """A model that added steps since the last fault ended, and a job still running."""
+        return (any(t > self.last_fault_end for t in progress_times(self.models(records)))
+                and not self.all_completed(records))
+
+    def all_completed(self, records: list[tuple[str, Event]]) -> bool:
+        return bool(self.job_ids) and self.completed(records) >= set(self.job_ids)
+
+    def struck(self) -> float:
+        """Record that a fault strikes now; the time."""
+        now = time.time()
+        self.strikes.append(now)
+        return now
+
+    def log_records(self) -> list[LogRecord]:
+        """:meth:`log` with partitions and offsets; [] while the broker is away."""
+        try:
+            return asyncio.run(asyncio.wait_for(_read_records(self.bootstrap), 120))
+        except Exception:
+            return []
+
     def models(self, records: list[tuple[str, Event]]) -> list[ModelConsolidated]:
         return [e for _, e in records if isinstance(e, ModelConsolidated) and e.job_id in self.job_ids
                 and e.id not in self.forged_ids]
@@ -328,136 +386,9 @@ async def _submit(bootstrap: str, specs: list[JobSpec]) -> None:
         await bus.stop()
 
 
+async def _read_records(bootstrap: str) -> list[LogRecord]:
+    return await fetch_log(KafkaBus(bootstrap, source="faults-harness", request_timeout_ms=10_000))
+
+
 async def _read_log(bootstrap: str) -> list[tuple[str, Event]]:
-    records = await fetch_log(KafkaBus(bootstrap, source="faults-harness", request_timeout_ms=10_000))
-    return [(r.topic, r.event) for r in records]
-
-
-# ---------------------------------------------------------------------- figures
-
-
-def leader_terms(records: list[tuple[str, Event]]) -> list[tuple[int, str, float]]:
-    """``(term, holder, first renewal's time)`` of every scheduler term, in term order."""
-    first: dict[int, tuple[str, float]] = {}
-    for _, e in records:
-        if isinstance(e, LeaderRenewed) and e.role == "scheduler" and e.term not in first:
-            first[e.term] = (e.holder, e.ts)
-    return [(term, holder, ts) for term, (holder, ts) in sorted(first.items())]
-
-
-def round_numbering_faults(records: list[tuple[str, Event]]) -> int:
-    """Round numbers published more than once (distinct RoundStarted ids) plus numbers skipped
-    between the first and the last: 0 when every round has its own number, in order."""
-    ids: dict[int, set[str]] = {}
-    for _, e in records:
-        if isinstance(e, RoundStarted) and e.source != "forger":
-            ids.setdefault(e.round, set()).add(e.id)
-    if not ids:
-        return 0
-    twice = sum(len(v) - 1 for v in ids.values())
-    skipped = (max(ids) - min(ids) + 1) - len(ids)
-    return twice + skipped
-
-
-def progress_times(models: list[ModelConsolidated]) -> list[float]:
-    """Times of models that added steps to their job, in order."""
-    best: dict[str, int] = {}
-    times = []
-    for m in sorted(models, key=lambda m: (m.ts, m.round)):
-        if m.total_steps > best.get(m.job_id, 0):
-            best[m.job_id] = m.total_steps
-            times.append(m.ts)
-    return times
-
-
-def rounds_lost(records: list[tuple[str, Event]], job_ids: list[str], forged: set[str]) -> dict[str, int]:
-    """Per job: rounds it ran in whose model did not add steps."""
-    ran: dict[str, set[int]] = {j: set() for j in job_ids}
-    productive: dict[str, set[int]] = {j: set() for j in job_ids}
-    best: dict[str, int] = {}
-    for _, e in records:
-        if e.id in forged:
-            continue
-        if isinstance(e, Assignment) and e.job_id in ran:
-            ran[e.job_id].add(e.round)
-    for m in sorted((e for _, e in records if isinstance(e, ModelConsolidated) and e.id not in forged),
-                    key=lambda m: m.round):
-        if m.job_id in productive and m.total_steps > best.get(m.job_id, 0):
-            best[m.job_id] = m.total_steps
-            productive[m.job_id].add(m.round)
-    return {j: len(ran[j] - productive[j]) for j in job_ids}
-
-
-def events_lost(records: list[tuple[str, Event]], job_ids: list[str], forged: set[str]) -> int:
-    """Results produced but never consumed (module docstring)."""
-    real = [(t, e) for t, e in records if e.id not in forged]
-    placed = {e.job_id for _, e in real if isinstance(e, Assignment)}
-    listed = {w.job_id for _, e in real if isinstance(e, RoundStarted) for w in e.waiting}
-    lost = sum(1 for _, e in real if isinstance(e, JobSubmitted) and e.job_id in job_ids
-               and e.job_id not in placed | listed)
-    decided: dict[tuple[str, int], set[int] | None] = {}
-    for _, e in real:
-        if isinstance(e, ModelConsolidated):
-            used = {c.copy for c in e.copies} | {r.copy for r in e.rejected} | set(e.missing)
-            decided[(e.job_id, e.round)] = used
-        elif isinstance(e, RoundAbandoned):
-            decided[(e.job_id, e.round)] = None
-    completed = {e.job_id for _, e in real if isinstance(e, JobCompleted)}
-    seen: set[tuple[str, int, int]] = set()
-    for _, e in real:
-        if not isinstance(e, CopyFinished) or e.job_id not in job_ids or e.status == "failed":
-            continue
-        key = (e.job_id, e.round, e.copy)
-        if key in seen:
-            continue
-        seen.add(key)
-        if (e.job_id, e.round) in decided:
-            used = decided[(e.job_id, e.round)]
-            lost += used is not None and e.copy not in used
-        elif e.job_id in completed:
-            lost += 1
-    return lost
-
-
-async def verify_models(s3: S3Settings, models: list[ModelConsolidated], records: list[tuple[str, Event]],
-                        scratch: Path) -> int:
-    """How many of ``models`` equal the samples-weighted average of their stored replicas."""
-    workers = {(e.job_id, e.round, e.copy): e.world_size for _, e in records if isinstance(e, Assignment)}
-    store = MinioStore(s3)
-    await store.start()
-    scratch.mkdir(parents=True, exist_ok=True)
-    ok = 0
-    for m in models:
-        try:
-            ok += await _verify_one(store, m, workers, scratch)
-        except Exception:
-            pass
-    return ok
-
-
-async def _verify_one(store: MinioStore, m: ModelConsolidated, workers: dict, scratch: Path) -> bool:
-    scratch.mkdir(parents=True, exist_ok=True)
-    await store.get_file(m.key, scratch / "model.safetensors")
-    model = load_file(str(scratch / "model.safetensors"))
-    replicas = []
-    for c in m.copies:
-        path = scratch / f"{c.copy}.safetensors"
-        await store.get_file(checkpoint_key(m.job_id, m.round, c.copy), path)
-        k = workers.get((m.job_id, m.round, c.copy), 1)
-        replicas.append((c.copy, c.steps, c.steps * k, load_file(str(path))))
-    if not replicas:
-        return False
-    total = sum(r[2] for r in replicas)
-    # The tracker's weights (services/tracker/averaging/consolidate.py): samples over their total, or
-    # uniform when no copy trained a step (copies that started too late to train).
-    weights = [r[2] / total if total else 1 / len(replicas) for r in replicas]
-    most = min(replicas, key=lambda r: (-r[1], r[0]))[3]
-    for name, value in model.items():
-        if np.issubdtype(value.dtype, np.integer):
-            if not np.array_equal(value, most[name]):
-                return False
-            continue
-        expected = sum(r[3][name].astype(np.float64) * w for r, w in zip(replicas, weights))
-        if not np.allclose(value.astype(np.float64), expected, rtol=1e-5, atol=1e-6):
-            return False
-    return True
+    return [(r.topic, r.event) for r in await _read_records(bootstrap)]
