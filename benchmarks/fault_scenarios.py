@@ -11,6 +11,7 @@ before a round was due waited out its timeout and reported 0/2 jobs).
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from collections.abc import Callable
@@ -49,7 +50,8 @@ def at_deadline(c: Cluster, timeout_s: float, *, after_s: float = 0.0, look_s: f
     missed it: with the emulated models a round is decided 0.2-0.3 s after its deadline
     (seen in ``replicated_drive_lost`` runs; a strike 1 s after came too late). ``look_s``
     before the deadline the log is read again: a round whose copies already finished (a copy
-    that reached its step budget early; the tracker consolidates it at once) is passed over
+    that reached its step budget early; the tracker consolidates it at once), or are on pace
+    to (a job's last round: two runs in three missed the drive loss that way), is passed over
     for the next one."""
     first_progress(c, timeout_s)
     give_up = time.monotonic() + timeout_s
@@ -63,6 +65,20 @@ def at_deadline(c: Cluster, timeout_s: float, *, after_s: float = 0.0, look_s: f
         return sorted((e for _, e in records if isinstance(e, Assignment) and e.job_id in c.job_ids
                        and e.job_id not in done and e.deadline > before
                        and (e.job_id, e.round) not in over), key=lambda e: e.deadline)
+
+    def ends_early(records: list[tuple[str, Event]], target: Assignment) -> bool:
+        """A copy of ``target``'s round is on pace to reach its step budget before the
+        deadline: the job's last round, whose copies finish and are averaged early (a round
+        of a job with more to do has every remaining step in its budgets, more than it can do)."""
+        started = next((e.ts for _, e in records if isinstance(e, RoundStarted) and e.round == target.round), None)
+        budgets = {e.copy: e.step_budget for _, e in records if isinstance(e, Assignment)
+                   and (e.job_id, e.round) == (target.job_id, target.round)}
+        latest = {e.copy: e for _, e in records if isinstance(e, Progress)
+                  and (e.job_id, e.round) == (target.job_id, target.round)}
+        if started is None:
+            return False
+        return any(p.ts > started and p.steps_round / (p.ts - started) * (target.deadline - started)
+                   >= budgets.get(copy, math.inf) for copy, p in latest.items())
     passed: list[str] = []
     while True:
         left = give_up - time.monotonic()
@@ -75,7 +91,8 @@ def at_deadline(c: Cluster, timeout_s: float, *, after_s: float = 0.0, look_s: f
         records = c.log()
         if c.all_completed(records):
             raise Miss(f"every job completed before round {target.round}'s deadline")
-        if time.time() < target.deadline + after_s and any(e.id == target.id for e in open_rounds(records, 0.0)):
+        if (time.time() < target.deadline + after_s and any(e.id == target.id for e in open_rounds(records, 0.0))
+                and not ends_early(records, target)):
             break
         passed.append(f"{target.job_id} round {target.round}")
     if passed:
