@@ -26,6 +26,8 @@ Two phases per bus, N events each:
 too when it shares the process) and ``cpu_us_per_event`` the same per event; on a busy
 machine that is the steadier measure of cost. Prints one line per bus and phase, then,
 as its last line, one JSON object {"events": N, "rate": R, "memory": {...}, "kafka": {...}}.
+``--authorship``: the publishing bus seals every event as node ``n1`` and the consuming bus
+verifies each (:mod:`shared.security.authorship`), as a node and a trusted service do.
 Run: ``.venv/bin/python benchmarks/bus.py [--events 100000] [--repeat 5] [--bootstrap host:port]``.
 """
 
@@ -45,11 +47,15 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared.bus import Bus, KafkaBus, MemoryBus
+from shared.security.authorship import Credential, Registry, Sealer, Verifier, derive_key
 from shared.wire.events import Progress
+
+B = TypeVar("B", bound=Bus)
 
 KEYS = 64  # distinct job ids, spread over the topic's partitions
 YIELD_EVERY = 100  # sends between yields to the loop (lets an in-process consumer run)
@@ -105,15 +111,27 @@ async def produce(bus: Bus, topic: str, phase: Phase, batch: list[Progress]) -> 
     return sent_at
 
 
-def kafka_bus(bootstrap: str, source: str, linger_ms: int | None) -> KafkaBus:
+def attested(bus: B, authorship: bool) -> B:
+    """``bus`` sealing as node n1 and verifying (with ``authorship``), else as it is."""
+    if authorship:
+        master, identity = bytes(32), "node/n1"
+        registry = Registry(epochs={identity: 1})
+        bus.sealer = Sealer(Credential(identity=identity, epoch=1, key=derive_key(master, identity, 1)))
+        bus.verifier = Verifier(master, lambda: registry)
+    return bus
+
+
+def kafka_bus(bootstrap: str, source: str, linger_ms: int | None, authorship: bool = False) -> KafkaBus:
     """A KafkaBus with its own default linger unless ``linger_ms`` is given."""
-    return KafkaBus(bootstrap, source=source, **({} if linger_ms is None else {"linger_ms": linger_ms}))
+    return attested(KafkaBus(bootstrap, source=source, **({} if linger_ms is None else {"linger_ms": linger_ms})),
+                    authorship)
 
 
-def _child_produce(bootstrap: str, topic: str, phase: Phase, linger_ms: int | None, conn: object) -> None:
+def _child_produce(bootstrap: str, topic: str, phase: Phase, linger_ms: int | None, authorship: bool,
+                   conn: object) -> None:
     async def run() -> list[float]:
         batch = events(phase)
-        bus = kafka_bus(bootstrap, "bench-producer", linger_ms)
+        bus = kafka_bus(bootstrap, "bench-producer", linger_ms, authorship)
         await bus.start()
         try:
             return await produce(bus, topic, phase, batch)
@@ -200,12 +218,12 @@ async def bench(bus: Bus, name: str, events: int, window: int, rate: float, repe
             "runs": [{k: r[k] for k in ("p50_ms", "p99_ms", "events_per_s", "load_1m")} for r in runs]}
 
 
-def process_publisher(bootstrap: str, linger_ms: int | None
+def process_publisher(bootstrap: str, linger_ms: int | None, authorship: bool
                       ) -> Callable[[str, Phase], Awaitable[list[float]]]:
     async def publish(topic: str, phase: Phase) -> list[float]:
         ctx = multiprocessing.get_context("spawn")
         receiver, sender = ctx.Pipe(duplex=False)
-        child = ctx.Process(target=_child_produce, args=(bootstrap, topic, phase, linger_ms, sender))
+        child = ctx.Process(target=_child_produce, args=(bootstrap, topic, phase, linger_ms, authorship, sender))
         child.start()
         sender.close()
         sent_at = await asyncio.to_thread(receiver.recv)
@@ -225,17 +243,20 @@ async def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--publisher-process", action="store_true",
                         help="run the Kafka publisher in its own process")
     parser.add_argument("--no-memory", action="store_true", help="skip MemoryBus (its entry is null)")
+    parser.add_argument("--authorship", action="store_true", help="seal every event and verify it on receipt")
     args = parser.parse_args(argv)
     if args.events < 1 or args.rate <= 0 or args.repeat < 1:
         parser.error("--events, --rate and --repeat must be > 0")
     result: dict[str, object] = {"events": args.events, "rate": args.rate, "cpus": os.cpu_count(),
-                                 "publisher_process": args.publisher_process, "memory": None, "kafka": None}
+                                 "publisher_process": args.publisher_process, "authorship": args.authorship,
+                                 "memory": None, "kafka": None}
     if not args.no_memory:
-        result["memory"] = await bench(MemoryBus(), "memory", args.events, args.window, args.rate, args.repeat,
-                                       None)
+        result["memory"] = await bench(attested(MemoryBus(), args.authorship), "memory", args.events, args.window,
+                                       args.rate, args.repeat, None)
     if args.bootstrap:
-        kafka = kafka_bus(args.bootstrap, "bench", args.linger_ms)
-        publisher = process_publisher(args.bootstrap, args.linger_ms) if args.publisher_process else None
+        kafka = kafka_bus(args.bootstrap, "bench", args.linger_ms, args.authorship)
+        publisher = (process_publisher(args.bootstrap, args.linger_ms, args.authorship) if args.publisher_process
+                     else None)
         result["kafka"] = await bench(kafka, "kafka", args.events, args.window, args.rate, args.repeat, publisher)
     return result
 

@@ -7,6 +7,9 @@ and tuples) and RoundStarted (tuples of records, a dict), times ``--iterations``
 * ``encode``: :func:`shared.wire.events.encode` of one event;
 * ``decode``: :func:`shared.wire.events.decode` of its bytes (validation included);
 * ``round_trip``: encode then decode (the bus's codec cost per event, both ends);
+* ``seal``: a node's bus sealing the encoded event (:mod:`shared.security.authorship`);
+* ``open_sealed``: a trusted service's bus verifying and decoding the sealed record, so
+  authorship costs ``seal + open_sealed - decode`` per event (printed as ``authorship``);
 
 ``--repeats`` times, and reports the median in microseconds per event of the thread's
 CPU time (steadier than wall time on a loaded machine; ``*_wall_us`` is beside it). With
@@ -35,6 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shared.security.authorship import Credential, Registry, Sealer, Verifier, derive_key
 from shared.wire.events import (
     Assignment,
     Event,
@@ -71,7 +75,7 @@ def round_started_fields() -> dict[str, Any]:
                 policy_options='{"alpha":0.5}', seed=7, round_s=360.0, heartbeat_s=5.0)
 
 
-OPS = ["construct", "encode", "decode", "round_trip"]
+OPS = ["construct", "encode", "decode", "round_trip", "seal", "open_sealed"]
 CASES: dict[str, tuple[type[Event], Callable[[], dict[str, Any]]]] = {
     "Progress": (Progress, progress_fields),
     "Assignment": (Assignment, assignment_fields),
@@ -94,11 +98,19 @@ def measure(cls: type[Event], make: Callable[[], dict[str, Any]], iterations: in
     event = cls(**fields)
     wire = encode(event)
     assert decode(wire) == event
+    master, identity = bytes(32), "node/node-7"
+    sealer = Sealer(Credential(identity=identity, epoch=1, key=derive_key(master, identity, 1)))
+    registry = Registry(epochs={identity: 1})
+    verifier = Verifier(master, lambda: registry)
+    sealed = sealer.seal(wire)
+    assert verifier.open(sealed) == event
     ops: dict[str, Callable[[], object]] = {
         "construct": lambda: cls(**fields),
         "encode": lambda: encode(event),
         "decode": lambda: decode(wire),
         "round_trip": lambda: decode(encode(event)),
+        "seal": lambda: sealer.seal(wire),
+        "open_sealed": lambda: verifier.open(sealed),
     }
     out: dict[str, float] = {"bytes": len(wire)}
     for name, op in ops.items():
@@ -129,6 +141,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results[name] = measure(cls, make, args.iterations, args.repeats, args.op)
         r = results[name]
         times = "  ".join(f"{op} {r[op]:6.2f} us" for op in OPS if op in r)
+        if all(op in r for op in ("seal", "open_sealed", "decode")):
+            r["authorship"] = round(r["seal"] + r["open_sealed"] - r["decode"], 2)
+            times += f"  authorship {r['authorship']:6.2f} us"
         print(f"{name:13s} {r['bytes']:4.0f} B  {times} (CPU, median)", flush=True)
     return {"python": platform.python_version(), "iterations": args.iterations, "repeats": args.repeats,
             "cpus": os.cpu_count(), "load_1m": round(os.getloadavg()[0], 2), "results": results}

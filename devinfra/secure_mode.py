@@ -4,7 +4,10 @@
 development servers and writes ``<run>/credentials/<principal>.env`` (0600: ``HADAR_*``
 lines, ``set -a; . file`` loads them) plus one file per secret value
 (``<principal>.kafka-password``, ``<principal>.s3-secret-key``, 0600) that ``*_FILE``
-variables can name.
+variables can name. The trusted services' and the admin's files also name the authorship
+master key and identity registry (:func:`authorship_files`): secured development checks
+who wrote each node's records, so an agent needs its node's credential
+(``hadar identity enrol node N ...``, ``HADAR_IDENTITY_FILE``).
 
 :func:`public_lines` is what ``up`` prints on stdout: shell-ready lines without any secret
 value -- the secrets are named by ``*_FILE`` paths -- so ``eval "$(hadar infra up)"`` works
@@ -20,13 +23,14 @@ from pathlib import Path
 from devinfra.broker_auth import admin_security, prepare
 from devinfra.common import InfraPaths
 from devinfra.stack import DevServers
+from shared.security.authorship import KEY_ENV, REGISTRY_ENV, VERIFYING_PRINCIPALS, Registry, new_master_key
 from shared.security.credentials import MECHANISM, write_env_files
 from shared.security.files import write_private
 from shared.security.principals import ADMIN, PRINCIPALS, s3_user
 from shared.security.provision import secure_kafka, secure_minio
 from shared.store.settings import S3Settings
 
-__all__ = ["apply", "credentials_dir", "public_lines", "CLI_PRINCIPAL"]
+__all__ = ["apply", "authorship_files", "credentials_dir", "public_lines", "CLI_PRINCIPAL"]
 
 CLI_PRINCIPAL = "cli"
 
@@ -52,9 +56,27 @@ def apply(paths: InfraPaths, servers: DevServers) -> dict[str, Path]:
     for name, secret in broker.secrets.s3.items():
         write_private(directory / f"{name}.s3-secret-key", secret + "\n")
     write_private(directory / f"{ADMIN}.s3-secret-key", servers.minio.secret_key + "\n")
-    return write_env_files(directory, broker.secrets, bootstrap=servers.kafka.bootstrap, ca_file=broker.ca_file,
-                           s3_endpoint=servers.minio.endpoint,
-                           s3_root=(servers.minio.access_key, servers.minio.secret_key))
+    written = write_env_files(directory, broker.secrets, bootstrap=servers.kafka.bootstrap, ca_file=broker.ca_file,
+                              s3_endpoint=servers.minio.endpoint,
+                              s3_root=(servers.minio.access_key, servers.minio.secret_key))
+    key, registry = authorship_files(paths)
+    for name in (*VERIFYING_PRINCIPALS, ADMIN):
+        with open(written[name], "a") as env:
+            env.write(f"{KEY_ENV}={key}\n{REGISTRY_ENV}={registry}\n")
+    return written
+
+
+def authorship_files(paths: InfraPaths) -> tuple[Path, Path]:
+    """The master key and the identity registry of the development servers (made once,
+    0600): the trusted services verify with them, ``hadar identity enrol`` issues node
+    credentials from them. An agent gets only its node's credential (``HADAR_IDENTITY_FILE``)."""
+    directory = credentials_dir(paths)
+    key, registry = directory / "authorship-master-key", directory / "identities.json"
+    if not key.exists():
+        write_private(key, new_master_key().hex() + "\n")
+    if not registry.exists():
+        write_private(registry, Registry().to_text())
+    return key, registry
 
 
 def public_lines(paths: InfraPaths, servers: DevServers) -> list[str]:

@@ -23,10 +23,12 @@ from services.agent.daemon.discovery import (
     emulated_devices,
 )
 from services.agent.protocol import StoreTarget
+from shared.errors import UsageError
 from shared.runtime.config import add_config_arg, load_config
 from shared.runtime.connection import add_store_args, make_bus, s3_settings
 from shared.runtime.logging import configure_logging
 from shared.runtime.service import run_service
+from shared.security.authorship import node_identity, with_authorship
 
 if TYPE_CHECKING:
     from services.agent.config import AgentConfig
@@ -112,7 +114,10 @@ def run_agent(args: argparse.Namespace) -> int:
     config = agent_config(args)
     store = _store(args)
     emulated = emulated_devices(config.emulation, config.emulate_reference) if config.emulate else None
-    bus = make_bus(args, source=f"agent/{config.node_id}")
+    bus = with_authorship(make_bus(args, source=f"agent/{config.node_id}"), os.environ)
+    if bus.sealer is not None and bus.sealer.identity != node_identity(config.node_id):
+        raise UsageError(f"HADAR_IDENTITY_FILE holds the credential of {bus.sealer.identity}, "
+                         f"but this agent is node {config.node_id!r}")
     configure_logging("agent", level=args.log_level)
     drain_s = max(args.drain_timeout_s, config.stop_timeout_s + 15.0)
 

@@ -40,6 +40,7 @@ COMMANDS: tuple[str, ...] = (
     "replay",
     "consolidate",
     "infra",
+    "identity",      # enrol, revoke nodes (admin)
     "completion",
 )
 USER_COMMANDS = frozenset({"submit", "jobs", "status", "watch", "cancel", "model", "logs", "queues", "data",

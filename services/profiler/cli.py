@@ -18,6 +18,7 @@ from shared.runtime.config import add_config_arg, load_config
 from shared.runtime.connection import add_store_args, make_bus, make_store
 from shared.runtime.logging import configure_logging
 from shared.runtime.service import run_service
+from shared.security.authorship import with_authorship
 
 if TYPE_CHECKING:
     from services.profiler.service import ProfilerConfig
@@ -66,7 +67,7 @@ def run_profiler(args: argparse.Namespace) -> int:
     )
 
     config = profiler_config(args)
-    bus = make_bus(args, source="profiler")
+    bus = with_authorship(make_bus(args, source="profiler"), os.environ)
     # Snapshots need a store; without one a restart replays the whole topics, as before.
     store = make_store(args) if (args.s3_endpoint or os.environ.get("HADAR_S3_ENDPOINT")) else None
     configure_logging("profiler", level=args.log_level)

@@ -14,6 +14,7 @@ from shared.runtime.config import add_config_arg, load_config
 from shared.runtime.connection import add_store_args, make_bus, make_store
 from shared.runtime.logging import configure_logging
 from shared.runtime.service import run_service
+from shared.security.authorship import with_authorship
 
 __all__ = ["add_scheduler_parser", "run_scheduler", "scheduler_config", "add_policy_args", "policy_options",
            "ENV_PREFIX"]
@@ -93,7 +94,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
     from services.scheduler.live.service import SchedulerService
 
     config = scheduler_config(args)
-    bus = make_bus(args, source=config.source)
+    bus = with_authorship(make_bus(args, source=config.source), os.environ)
     # Snapshots need a store; without one a restart re-derives the whole log, as before.
     store = make_store(args) if (args.s3_endpoint or os.environ.get("HADAR_S3_ENDPOINT")) else None
     configure_logging("scheduler", level=args.log_level)

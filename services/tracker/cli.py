@@ -17,6 +17,7 @@ from shared.runtime.config import add_config_arg, load_config
 from shared.runtime.connection import add_store_args, make_bus, make_store
 from shared.runtime.logging import configure_logging
 from shared.runtime.service import run_service
+from shared.security.authorship import with_authorship
 
 if TYPE_CHECKING:
     from services.tracker.config import TrackerConfig
@@ -94,7 +95,7 @@ def run_tracker(args: argparse.Namespace) -> int:
     from services.tracker.standby import StandbyTracker
 
     config = tracker_config(args)
-    bus = make_bus(args, source="tracker")
+    bus = with_authorship(make_bus(args, source="tracker"), os.environ)
     store = make_store(args)
     configure_logging("tracker", level=args.log_level)
 

@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Self, final
+from typing import TYPE_CHECKING, Protocol, Self, final
 
 from shared.errors import HadarError
 from shared.wire.events import (
@@ -46,6 +46,7 @@ from shared.wire.events import (
     key_for,
     topic_for,
 )
+from shared.wire.sealed import open_unchecked
 from shared.wire.topics import ALL_TOPICS
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BusError", "bus_error", "TOMBSTONE_REASON", "Delivery", "Bus", "Subscription", "AckTracker",
     "Position", "TopicPartition", "dead_letter", "check_topic", "check_position", "topic_list",
-    "start_ms", "replay_order", "partition_position", "Resume",
+    "start_ms", "replay_order", "partition_position", "Resume", "RecordSealer", "RecordVerifier",
 ]
 
 TopicPartition = tuple[str, int]
@@ -158,13 +159,50 @@ class Subscription(abc.ABC):
         await self.stop()
 
 
+class RecordSealer(Protocol):
+    """Seals the encoded events a bus publishes (:class:`shared.security.authorship.Sealer`)."""
+
+    identity: str
+
+    def seal(self, inner: bytes) -> bytes: ...
+
+
+class RecordVerifier(Protocol):
+    """Opens every record a bus delivers, or raises InvalidEvent with the reason
+    (:class:`shared.security.authorship.Verifier`); ``refusals`` counts them by kind."""
+
+    @property
+    def refusals(self) -> Mapping[str, int]: ...
+
+    def open(self, data: bytes) -> Event: ...
+
+
 class Bus(abc.ABC):
     """Publish events and consume them in groups; the port every service talks through.
 
     Topics must exist before use; :meth:`ensure_topics` creates them, and publishing
     and :meth:`subscribe` create a topic they have not seen yet (with the bus's partition
     count), so a missing topic is never silently created with another layout.
+
+    Authorship (:mod:`shared.security.authorship`): with a ``sealer`` every record this bus
+    publishes is sealed by its identity (a GPU node's bus); with a ``verifier`` every record
+    it delivers or replays was opened by it, and one it refuses is dead-lettered (or skipped
+    by :meth:`read`) with the reason, like any record that does not decode. Neither: records
+    are read sealed or not, their seals unchecked.
     """
+
+    sealer: RecordSealer | None = None
+    verifier: RecordVerifier | None = None
+
+    def wire_value(self, event: Event) -> bytes:
+        """The bytes this bus publishes for ``event`` (sealed if it has a sealer)."""
+        data = encode(event)
+        return data if self.sealer is None else self.sealer.seal(data)
+
+    def event_of(self, value: bytes) -> Event:
+        """The event in a record's value, opened by the verifier if this bus has one;
+        :class:`InvalidEvent` with the reason if it is refused."""
+        return self.verifier.open(value) if self.verifier is not None else open_unchecked(value)
 
     @abc.abstractmethod
     async def start(self) -> None:
@@ -202,7 +240,7 @@ class Bus(abc.ABC):
         that needs a gap-free order must stop and re-publish from the failed one.
         """
         return await self._enqueue(topic if topic is not None else topic_for(event),
-                                   key if key is not None else key_for(event), encode(event), None)
+                                   key if key is not None else key_for(event), self.wire_value(event), None)
 
     async def write_raw(self, topic: str, key: str | None, value: bytes | None,
                         *, partition: int | None = None) -> tuple[int, int]:

@@ -59,7 +59,7 @@ from shared.bus.kafka_login import diagnose, security_options
 from shared.bus.kafka_topics import UNKNOWN_TOPIC, admin_request, cluster_replication_factor, create_topics
 from shared.bus.settings import KafkaSecurity
 from shared.clock import Clock, SystemClock
-from shared.wire.events import InvalidEvent, decode
+from shared.wire.events import Event, InvalidEvent
 from shared.wire.topics import ALL_TOPICS
 
 if TYPE_CHECKING:
@@ -212,7 +212,7 @@ class KafkaBus(Bus):
         try:
             await consumer.start()
             bounds = await _replay_bounds(consumer, topic, partitions, start, end)
-            async for delivery in _merged(consumer, bounds):
+            async for delivery in _merged(consumer, bounds, self.event_of):
                 yield delivery
         except (TimeoutError, KafkaError, OSError) as exc:
             raise bus_error(f"replay {topic}", exc) from exc
@@ -324,8 +324,8 @@ async def _replay_bounds(consumer: AIOKafkaConsumer, topic: str, partitions: lis
     return bounds
 
 
-async def _merged(consumer: AIOKafkaConsumer, bounds: dict[TopicPartition, tuple[int, int]]
-                  ) -> AsyncIterator[Delivery]:
+async def _merged(consumer: AIOKafkaConsumer, bounds: dict[TopicPartition, tuple[int, int]],
+                  event_of: Callable[[bytes], Event]) -> AsyncIterator[Delivery]:
     """K-way merge of the partitions by (timestamp, partition, offset), each kept in order."""
     buffers: dict[TopicPartition, deque[Delivery]] = {tp: deque() for tp in bounds}
     fetching = set(bounds)
@@ -339,7 +339,7 @@ async def _merged(consumer: AIOKafkaConsumer, bounds: dict[TopicPartition, tuple
                 for rec in batch.get(tp, ()):
                     if rec.offset >= stop:
                         break
-                    delivery = _replay_delivery(rec)
+                    delivery = _replay_delivery(rec, event_of)
                     if delivery is not None:
                         buffers[tp].append(delivery)
                 if await consumer.position(tp) >= stop:
@@ -353,11 +353,11 @@ async def _merged(consumer: AIOKafkaConsumer, bounds: dict[TopicPartition, tuple
             yield buffers[tp].popleft()
 
 
-def _replay_delivery(rec: ConsumerRecord) -> Delivery | None:
+def _replay_delivery(rec: ConsumerRecord, event_of: Callable[[bytes], Event]) -> Delivery | None:
     if rec.value is None:
         return None
     try:
-        event = decode(rec.value)
+        event = event_of(rec.value)
     except InvalidEvent as exc:
         log.warning("bus.read.skip", topic=rec.topic, partition=rec.partition, offset=rec.offset,
                     reason=exc.reason)

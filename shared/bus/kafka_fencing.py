@@ -20,7 +20,7 @@ from aiokafka.errors import IllegalOperation, InvalidProducerEpoch, KafkaError, 
 
 from shared.bus.base import bus_error, check_topic
 from shared.bus.fencing import BatchFailed, Fenced, FencedPublisher
-from shared.wire.events import Event, encode, key_for, topic_for
+from shared.wire.events import Event, key_for, topic_for
 
 if TYPE_CHECKING:
     from shared.bus.kafka import KafkaBus
@@ -65,7 +65,7 @@ class KafkaFencedPublisher(FencedPublisher):
         if producer is None:
             raise BatchFailed(f"fenced publisher {self.fencing_id} not started", retriable=False,
                               maybe_visible=False)
-        records = [(check_topic(topic_for(e)), key_for(e), encode(e)) for e in events]
+        records = [(check_topic(topic_for(e)), key_for(e), self.bus.wire_value(e)) for e in events]
         await self.bus.ensure_known({topic for topic, _, _ in records})
         async with self._lock:
             committing = False

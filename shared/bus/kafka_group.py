@@ -46,7 +46,7 @@ from shared.bus.base import (
     check_started,
     dead_letter,
 )
-from shared.wire.events import InvalidEvent, decode
+from shared.wire.events import InvalidEvent
 
 if TYPE_CHECKING:
     from aiokafka.structs import ConsumerRecord
@@ -161,7 +161,7 @@ class KafkaSubscription(Subscription):
         if rec.value is None:
             return TOMBSTONE_REASON
         try:
-            event = decode(rec.value)
+            event = self.bus.event_of(rec.value)
         except InvalidEvent as exc:
             return exc.reason
         return Delivery(topic=rec.topic, partition=rec.partition, offset=rec.offset,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import AsyncGenerator, Awaitable, Iterable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -42,7 +42,7 @@ from shared.bus.base import (
 )
 from shared.bus.fencing import BatchFailed, Fenced, FencedPublisher
 from shared.clock import Clock, SystemClock
-from shared.wire.events import Event, InvalidEvent, decode, encode, key_for, topic_for
+from shared.wire.events import Event, InvalidEvent, encode, key_for, topic_for
 from shared.wire.topics import ALL_TOPICS
 
 __all__ = ["MemoryBus", "MemoryFencedPublisher"]
@@ -127,7 +127,7 @@ class MemoryBus(Bus):
             heads[p] += 1
             if heads[p] == ends[p]:
                 live.discard(p)
-            event = self._decode_for_replay(topic, p, rec)
+            event = self._decode_for_replay(topic, p, rec, self.event_of)
             if event is not None:
                 yield Delivery(topic=topic, partition=p, offset=rec.offset, key=rec.key or "",
                                timestamp_ms=rec.timestamp_ms, event=event)
@@ -136,11 +136,12 @@ class MemoryBus(Bus):
                     await yield_now()
 
     @staticmethod
-    def _decode_for_replay(topic: str, partition: int, rec: _Record) -> Event | None:
+    def _decode_for_replay(topic: str, partition: int, rec: _Record,
+                           event_of: Callable[[bytes], Event]) -> Event | None:
         if rec.value is None:
             return None
         try:
-            return decode(rec.value)
+            return event_of(rec.value)
         except InvalidEvent as exc:
             log.warning("bus.read.skip", topic=topic, partition=partition, offset=rec.offset,
                         reason=exc.reason)
@@ -303,7 +304,7 @@ class MemorySubscription(Subscription):
             reason = TOMBSTONE_REASON
         else:
             try:
-                event = decode(rec.value)
+                event = self.bus.event_of(rec.value)
             except InvalidEvent as exc:
                 reason = exc.reason
             else:
@@ -352,7 +353,7 @@ class MemoryFencedPublisher(FencedPublisher):
             raise Fenced(f"fenced publisher {self.fencing_id}: a newer publisher of this id started")
         if not self.bus._started:
             raise BatchFailed("bus not started", retriable=True, maybe_visible=False)
-        records = [(topic_for(e), key_for(e), encode(e)) for e in events]   # encode all before any append
+        records = [(topic_for(e), key_for(e), self.bus.wire_value(e)) for e in events]   # encode all first
         return [self.bus._append(topic, key, value) for topic, key, value in records]
 
     async def stop(self) -> None:

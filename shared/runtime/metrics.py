@@ -11,6 +11,10 @@ of :data:`SERVICES`.
   open file descriptors, start time) of the serving process;
 * ``hadar_<service>_build_info{version,python}`` -- always 1; the labels say what runs.
 
+:func:`register_authorship` adds, for a service whose bus verifies authorship,
+``hadar_<service>_records_refused_authorship_total{reason}`` (reasons:
+:data:`shared.security.authorship.REFUSALS`); each refused record is also a dead letter.
+
 It is called by :class:`shared.runtime.service.HttpEndpoint`, so every served registry has them.
 """
 
@@ -20,8 +24,12 @@ import platform
 from importlib.metadata import PackageNotFoundError, version
 
 from prometheus_client import CollectorRegistry, Gauge, ProcessCollector
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
-__all__ = ["SERVICES", "register_standard", "package_version"]
+from shared.bus.base import RecordVerifier
+
+__all__ = ["SERVICES", "register_standard", "register_authorship", "package_version"]
 
 SERVICES = ("scheduler", "tracker", "profiler", "agent")
 _MARK = "_hadar_standard_metrics"
@@ -44,3 +52,20 @@ def register_standard(registry: CollectorRegistry, service: str) -> None:
                  ["version", "python"], registry=registry)
     info.labels(version=package_version(), python=platform.python_version()).set(1)
     setattr(registry, _MARK, service)
+
+
+class _AuthorshipRefusals(Collector):
+    def __init__(self, service: str, verifier: RecordVerifier) -> None:
+        self._name, self._verifier = f"hadar_{service}_records_refused_authorship", verifier
+
+    def collect(self) -> list[CounterMetricFamily]:
+        family = CounterMetricFamily(self._name, "Records refused because their author may not have made "
+                                                 "them (each also dead-lettered), by reason", labels=["reason"])
+        for reason, count in self._verifier.refusals.items():
+            family.add_metric([reason], count)
+        return [family]
+
+
+def register_authorship(registry: CollectorRegistry, service: str, verifier: RecordVerifier) -> None:
+    """Register ``hadar_<service>_records_refused_authorship_total{reason}`` of ``verifier``."""
+    registry.register(_AuthorshipRefusals(service, verifier))

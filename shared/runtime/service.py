@@ -29,7 +29,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from shared.bus import Bus, BusError
-from shared.runtime.metrics import register_standard
+from shared.runtime.metrics import register_authorship, register_standard
 
 BUS_CHECK_S = 5.0
 BUS_DEADLINE_S = 120.0
@@ -153,6 +153,8 @@ async def run_service(service: Service, *, http_host: str = "127.0.0.1", http_po
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
     watchdog = BusWatchdog(bus, interval_s=bus_check_s, deadline_s=bus_deadline_s) if bus is not None else None
+    if bus is not None and bus.verifier is not None:
+        register_authorship(service.registry, service.name, bus.verifier)
     http = HttpEndpoint(service, host=http_host, port=http_port, watchdog=watchdog) if http_port is not None else None
     watching: asyncio.Task[None] | None = None
     try:

@@ -67,7 +67,7 @@ __all__ = [
     "NodeHeartbeat", "ThroughputEstimate", "RoundStarted", "Assignment", "Progress",
     "CopyFinished", "ModelConsolidated", "RoundAbandoned", "JobCompleted", "QueuesApplied", "DeadLetter",
     "EVENT_TYPES", "QueueConfig", "QueueSpec", "QueueStanding",
-    "topic_for", "key_for", "encode", "decode", "JOB_ID_RE", "NODE_ID_RE",
+    "topic_for", "key_for", "encode", "decode", "JOB_ID_RE", "NODE_ID_RE", "MAX_WIRE_BYTES",
     "DEFAULT_OPTIMIZER_SLOTS", "MAX_OPTIMIZER_SLOTS", "MAX_MODEL_BYTES", "DEADLETTER_RAW_LIMIT", "MAX_LOG_TAIL",
 ]
 
@@ -81,7 +81,7 @@ MAX_LOG_TAIL = 4096   # characters of a user script's output a CopyFinished carr
 DEFAULT_OPTIMIZER_SLOTS = 1
 MAX_OPTIMIZER_SLOTS = 2
 MAX_MODEL_BYTES = 2**42
-_MAX_WIRE_BYTES = 16 * 1024 * 1024
+MAX_WIRE_BYTES = 16 * 1024 * 1024
 
 # ---------------------------------------------------------------- events
 
@@ -495,7 +495,7 @@ def decode(data: bytes) -> Event:
             raise InvalidEvent(f"not bytes: {type(data).__name__}")
         data = bytes(data)
     size = len(data)
-    if size > _MAX_WIRE_BYTES:
+    if size > MAX_WIRE_BYTES:
         raise InvalidEvent(f"record too large: {size} bytes")
     try:
         # bounded_msgpack.unpack's own path for records too small to spend the budget,

@@ -1,23 +1,41 @@
 """The system end to end on the secured broker and MinIO (``hadar infra up --secure``):
 every service is its own process logged in as its own principal, one job is submitted by
 the CLI principal and completes, its final model downloads with the CLI's S3 keys, and no
-secret value appears on any process's command line or in any log line of the run."""
+secret value appears on any process's command line or in any log line of the run.
+
+The agent seals its records with its node's credential (issue 26); once the job is done,
+a process holding the agent principal and that credential forges records for another
+node, and a revoked node speaks: every service that reads them refuses each one with its
+reason, and the scheduler still counts one live node."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
+from services.cli.identity import enrol, revoke
 from shared.bus import KafkaBus
 from shared.bus.settings import kafka_from_env
-from shared.wire.events import JobCompleted
-from shared.wire.topics import MODELS
+from shared.security.authorship import Credential, Sealer, read_master_key
+from shared.security.files import write_private
+from shared.wire.events import (
+    CopyFinished,
+    DeadLetter,
+    Event,
+    GpuInfo,
+    JobCompleted,
+    NodeHeartbeat,
+    NodeRegistered,
+)
+from shared.wire.topics import DEADLETTER, MODELS
 from tests.e2e.processes import stop_services
 
 pytestmark = [pytest.mark.kafka, pytest.mark.s3, pytest.mark.slow]
@@ -43,6 +61,43 @@ async def completed(secure_servers, job_id: str) -> bool:
         await bus.stop()
 
 
+def enrol_node(secure_servers, node: str, tmp_path: Path) -> tuple[Credential, Path]:
+    env = secure_servers.env["admin"]
+    credential = enrol(f"node/{node}", master=read_master_key(env["HADAR_AUTHORSHIP_KEY_FILE"]),
+                       registry_path=Path(env["HADAR_AUTHORSHIP_REGISTRY"]))
+    path = tmp_path / f"{node}.identity"
+    write_private(path, credential.to_text())
+    return credential, path
+
+
+async def forge(secure_servers, events: list[tuple[Credential | None, Event]]) -> None:
+    """Publish each event with the agent principal, sealed with the credential given (None: unsealed)."""
+    settings = kafka_from_env(secure_servers.env["agent"])
+    bus = KafkaBus.from_settings(settings, source="agent/secure-a")
+    await bus.start()
+    try:
+        for credential, event in events:
+            bus.sealer = Sealer(credential) if credential is not None else None
+            await bus.publish(event)
+    finally:
+        await bus.stop()
+
+
+async def dead_letters(secure_servers) -> list[DeadLetter]:
+    bus = KafkaBus.from_settings(kafka_from_env(secure_servers.env["admin"]), source="e2e-secure")
+    await bus.start()
+    try:
+        return [d.event async for d in bus.read(DEADLETTER) if isinstance(d.event, DeadLetter)]
+    finally:
+        await bus.stop()
+
+
+def scrape(log: Path) -> str:
+    port = next(json.loads(line)["port"] for line in log.read_text().splitlines() if '"http.listening"' in line)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        return reply.read().decode()
+
+
 def leaked_on_command_lines(secrets: frozenset[str]) -> list[str]:
     found = []
     for path in Path("/proc").glob("[0-9]*/cmdline"):
@@ -60,11 +115,11 @@ def test_a_job_completes_with_every_service_as_its_own_principal(secure_servers,
     procs: list[subprocess.Popen] = []
     leaks: list[str] = []
 
-    def serve(principal: str, *args: str) -> None:
+    def serve(principal: str, *args: str, env: dict[str, str] | None = None) -> None:
         log = open(tmp_path / f"{principal}.log", "w")  # noqa: SIM115 - the child process writes to it until it exits
         procs.append(subprocess.Popen([*HADAR, "serve", principal, *args, "--http-port", "0"],
-                                      env=principal_env(secure_servers, principal), cwd=ROOT, stdout=log,
-                                      stderr=subprocess.STDOUT, start_new_session=True))
+                                      env={**principal_env(secure_servers, principal), **(env or {})}, cwd=ROOT,
+                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
 
     try:
         submitted = subprocess.run(
@@ -75,7 +130,10 @@ def test_a_job_completes_with_every_service_as_its_own_principal(secure_servers,
         serve("scheduler", "--round-s", "4", "--heartbeat-s", "1", "--consolidation-wait-s", "20")
         serve("tracker")
         serve("profiler")
-        serve("agent", "--node-id", "secure-a", "--emulate", "t4:1", "--heartbeat-s", "1", "--progress-s", "1")
+        node_a, identity_a = enrol_node(secure_servers, "secure-a", tmp_path)
+        agent_env = {"HADAR_IDENTITY_FILE": str(identity_a)}
+        serve("agent", "--node-id", "secure-a", "--emulate", "t4:1", "--heartbeat-s", "1", "--progress-s", "1",
+              env=agent_env)
         deadline = time.monotonic() + RUN_TIMEOUT_S
         done = False
         while time.monotonic() < deadline and not done:
@@ -90,6 +148,15 @@ def test_a_job_completes_with_every_service_as_its_own_principal(secure_servers,
                              cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert got.returncode == 0, got.stderr
         assert out.stat().st_size > 0
+        refused = impersonate(secure_servers, node_a, job_id, tmp_path)
+        for origin, reason in refused.items():
+            assert reason.startswith("authorship: "), (origin, reason)
+        metrics = scrape(tmp_path / "scheduler.log")
+        assert 'hadar_scheduler_nodes{state="live"} 1.0' in metrics   # the forged registration never counted
+        for reason in ("other_author", "unsealed", "not_enrolled"):
+            line = next(x for x in metrics.splitlines()
+                        if x.startswith(f'hadar_scheduler_records_refused_authorship_total{{reason="{reason}"}}'))
+            assert float(line.split()[-1]) >= 1, metrics
     finally:
         stop_services(procs)
     assert not leaks, f"a secret was on the command line of {sorted(set(leaks))}"
@@ -99,3 +166,28 @@ def test_a_job_completes_with_every_service_as_its_own_principal(secure_servers,
         assert not any(secret in text for secret in secure_servers.secrets), f"a secret is in {log.name}"
         # A read the ACLs forgot shows only as the client's warning (an empty topic reads fine).
         assert "Not authorized" not in text, f"{log.name}: a read or write the principals table does not allow"
+
+
+def impersonate(secure_servers, node_a: Credential, job_id: str, tmp_path: Path) -> dict[tuple[str, int], str]:
+    """Forge as node secure-a for node secure-b, unsealed, and as a revoked node; return the
+    scheduler's dead letters of the forged records (origin -> reason) once it refused all four."""
+    revoked, _ = enrol_node(secure_servers, "secure-r", tmp_path)
+    revoke("node/secure-r", registry_path=Path(secure_servers.env["admin"]["HADAR_AUTHORSHIP_REGISTRY"]))
+    time.sleep(1.5)   # the services read the registry again at most every second
+    gpu = (GpuInfo(index=0, type="v100", memory_gb=16.0),)
+    forged: list[tuple[Credential | None, Event]] = [
+        (node_a, NodeRegistered(ts=time.time(), source="agent/secure-b", node_id="secure-b", gpus=gpu)),
+        (None, NodeHeartbeat(ts=time.time(), source="agent/secure-b", node_id="secure-b", seq=1)),
+        (node_a, CopyFinished(ts=time.time(), source="agent/secure-b", job_id=job_id, round=0, copy=0,
+                              node_id="secure-b", status="failed", steps_round=0)),
+        (revoked, NodeRegistered(ts=time.time(), source="agent/secure-r", node_id="secure-r", gpus=gpu)),
+    ]
+    asyncio.run(forge(secure_servers, forged))
+    deadline = time.monotonic() + 60
+    while True:
+        letters = {(dl.topic, dl.offset): dl.reason for dl in asyncio.run(dead_letters(secure_servers))
+                   if dl.source.startswith("scheduler") and "authorship" in dl.reason}
+        if len(letters) >= len(forged) or time.monotonic() > deadline:
+            assert len(letters) == len(forged), letters
+            return letters
+        time.sleep(1)

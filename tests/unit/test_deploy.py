@@ -91,6 +91,7 @@ def test_the_image_has_no_default_and_keeps_its_digest():
 
 
 def test_each_service_logs_in_as_its_own_principal_with_secrets_from_files():
+    from shared.security.authorship import VERIFYING_PRINCIPALS
     from shared.security.principals import PRINCIPALS, s3_user
     config = _stack()
     for service in HADAR_SERVICES:
@@ -107,12 +108,28 @@ def test_each_service_logs_in_as_its_own_principal_with_secrets_from_files():
             wanted[f"s3-{service}-secret-key"] = f"hadar_s3_{service}_secret_key"
         else:
             assert not any(name.startswith(("HADAR_S3_ACCESS", "HADAR_S3_SECRET")) for name in env)
+        if service in VERIFYING_PRINCIPALS:   # they check who wrote each node's records; agents never can
+            wanted |= {"authorship-master-key": "hadar_authorship_master_key",
+                       "identity-registry": "hadar_identity_registry"}
+            assert env["HADAR_AUTHORSHIP_KEY_FILE"] == "/run/secrets/authorship-master-key"
+            assert env["HADAR_AUTHORSHIP_REGISTRY"] == "/run/secrets/identity-registry"
+        else:
+            assert not any(name.startswith("HADAR_AUTHORSHIP") for name in env), service
         assert mounted == wanted, service   # no service holds another's secret, none the root's
         # s3_from_env refuses an endpoint without credentials: a service given the endpoint
         # must be given its keys too, or it exits at start.
         assert ("HADAR_S3_ENDPOINT" not in env) or principal.uses_s3, service
         assert env["HADAR_KAFKA_PASSWORD_FILE"] == f"/run/secrets/kafka-{service}-password"
         assert not any("PASSWORD" in n and not n.endswith("_FILE") for n in env), service
+
+
+def test_each_agent_seals_with_its_own_nodes_credential_from_the_nodes_disk():
+    for config in (_stack(), _ha()):
+        agent = config["services"]["agent"]
+        credential = agent["environment"]["HADAR_IDENTITY_FILE"]
+        binds = [v for v in agent["volumes"] if v["type"] == "bind"]
+        assert [(v["target"], v.get("read_only")) for v in binds] == [(os.path.dirname(credential), True)]
+        assert not any(s["source"].startswith("hadar_authorship") for s in agent["secrets"])
 
 
 def test_secure_init_runs_our_cli_as_admin_with_every_principals_secret():
