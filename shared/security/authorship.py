@@ -211,6 +211,9 @@ class RegistryFile:
         self._stamp: tuple[int, int] | None = None
         self._next_check = 0.0
         self.error: str | None = None
+        if not self.path.is_file():   # a verifier with no registry would refuse every node: say so at start
+            raise ConfigError(f"{REGISTRY_ENV}: no identity registry at {str(self.path)!r} "
+                              "(hadar identity enrol creates it)")
         self._registry = Registry.read(self.path)   # a bad file at start is a config error
         self._stamp = self._stat()
 
@@ -294,7 +297,6 @@ class Verifier:
         if claim is not None and claim != sealed.by:
             raise self._refuse("other_author", f"{event.TYPE} for {claim} sealed by {sealed.by}")
         return event
-
 
 
 def authorship_from_env(env: Mapping[str, str], *, clock: Clock | None = None

@@ -181,6 +181,9 @@ def test_the_environment_gives_a_sealer_a_verifier_or_a_clear_error(tmp_path) ->
     key.write_text("abcd")
     with pytest.raises(ConfigError, match="expected 32 bytes"):
         authorship_from_env({"HADAR_AUTHORSHIP_KEY_FILE": str(key), "HADAR_AUTHORSHIP_REGISTRY": str(registry)})
+    key.write_text(MASTER.hex())
+    with pytest.raises(ConfigError, match="no identity registry"):
+        authorship_from_env({"HADAR_AUTHORSHIP_KEY_FILE": str(key), "HADAR_AUTHORSHIP_REGISTRY": str(tmp_path / "x")})
     credential.write_text("{}")
     with pytest.raises(ConfigError, match="not a Hadar identity credential"):
         authorship_from_env({"HADAR_IDENTITY_FILE": str(credential)})
