@@ -52,7 +52,8 @@ from typing import TypeVar
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared.bus import Bus, KafkaBus, MemoryBus
-from shared.security.authorship import Credential, Registry, Sealer, Verifier, derive_key
+from shared.security.authorship import Sealer, Verifier
+from shared.security.identities import Credential, Registry, derive_key
 from shared.wire.events import Progress
 
 B = TypeVar("B", bound=Bus)

@@ -18,17 +18,28 @@ MinIO root's keys as files; secured mode prints the CLI principal's settings.
 from __future__ import annotations
 
 import asyncio
+import getpass
 from pathlib import Path
 
 from devinfra.broker_auth import admin_security, prepare
 from devinfra.common import InfraPaths
 from devinfra.stack import DevServers
-from shared.security.authorship import KEY_ENV, REGISTRY_ENV, VERIFYING_PRINCIPALS, Registry, new_master_key
+from shared.security.authorship import IDENTITY_ENV, KEY_ENV, VERIFYING_PRINCIPALS
 from shared.security.credentials import MECHANISM, write_env_files
 from shared.security.files import write_private
+from shared.security.identities import (
+    REGISTRY_ENV,
+    Credential,
+    Registry,
+    new_master_key,
+    new_user_key,
+    public_key_of,
+    user_identity,
+)
 from shared.security.principals import ADMIN, PRINCIPALS, s3_user
 from shared.security.provision import secure_kafka, secure_minio
 from shared.store.settings import S3Settings
+from shared.wire.records import USER_RE
 
 __all__ = ["apply", "authorship_files", "credentials_dir", "public_lines", "CLI_PRINCIPAL"]
 
@@ -63,7 +74,28 @@ def apply(paths: InfraPaths, servers: DevServers) -> dict[str, Path]:
     for name in (*VERIFYING_PRINCIPALS, ADMIN):
         with open(written[name], "a") as env:
             env.write(f"{KEY_ENV}={key}\n{REGISTRY_ENV}={registry}\n")
+    with open(written["agent"], "a") as env:   # agents check users' seals (a cancellation), never a node's
+        env.write(f"{REGISTRY_ENV}={registry}\n")
+    with open(written[CLI_PRINCIPAL], "a") as env:
+        env.write(f"{IDENTITY_ENV}={local_user_identity(paths)}\n")
     return written
+
+
+def local_user_identity(paths: InfraPaths) -> Path:
+    """The credential of the user running the development servers (``user/<login name>``,
+    or ``user/dev`` if that is not a valid user name), enrolled once: a secured development
+    cluster refuses a submission no user signed, so ``hadar submit`` needs one."""
+    directory = credentials_dir(paths)
+    path = directory / "user.identity"
+    if not path.exists():
+        login = getpass.getuser()
+        identity = user_identity(login if USER_RE.fullmatch(login) else "dev")
+        registry_path = authorship_files(paths)[1]
+        private = new_user_key()
+        registry, epoch = Registry.read(registry_path).enrol(identity, public_key_of(private))
+        write_private(registry_path, registry.to_text())
+        write_private(path, Credential(identity=identity, epoch=epoch, key=private).to_text())
+    return path
 
 
 def authorship_files(paths: InfraPaths) -> tuple[Path, Path]:
@@ -96,4 +128,5 @@ def public_lines(paths: InfraPaths, servers: DevServers) -> list[str]:
             f"HADAR_KAFKA_CA_FILE={prepare(paths.run).ca_file}",
             f"HADAR_S3_ENDPOINT={servers.minio.endpoint}", f"HADAR_S3_ACCESS_KEY={s3_user(principal)}",
             f"HADAR_S3_SECRET_KEY_FILE={directory / f'{principal.name}.s3-secret-key'}",
+            f"{IDENTITY_ENV}={local_user_identity(paths)}",
             f"# every principal's settings: {directory}/<principal>.env (set -a; . FILE)"]

@@ -28,7 +28,8 @@ from shared.runtime.config import add_config_arg, load_config
 from shared.runtime.connection import add_store_args, make_bus, s3_settings
 from shared.runtime.logging import configure_logging
 from shared.runtime.service import run_service
-from shared.security.authorship import node_identity, with_authorship
+from shared.security.authorship import with_authorship
+from shared.security.identities import node_identity
 
 if TYPE_CHECKING:
     from services.agent.config import AgentConfig

@@ -1,11 +1,15 @@
-"""``hadar identity``: the admin's enrolment of GPU nodes (:mod:`shared.security.authorship`).
+"""``hadar identity``: the admin's enrolment of GPU nodes and users (:mod:`shared.security.identities`).
 
 * ``hadar identity master-key --out FILE`` -- a new master key (hex, owner-only). The
   trusted services get it as ``HADAR_AUTHORSHIP_KEY_FILE``; nodes never do.
 * ``hadar identity enrol node N --master-key-file F --registry R --out CRED`` -- enrols node
   N (or rotates its key: the old one stops working as soon as the services re-read R) and
   writes its credential, which the node's agent gets as ``HADAR_IDENTITY_FILE``.
-* ``hadar identity revoke node N --registry R`` -- the node's records are refused from then on.
+* ``hadar identity enrol user U --registry R --out CRED`` -- enrols user U (or rotates its
+  key) with a new Ed25519 key pair: the public half goes into R, the private half into the
+  credential, which the user's ``hadar`` gets as ``HADAR_IDENTITY_FILE`` (it then submits and
+  cancels as U, and only as U).
+* ``hadar identity revoke node|user N --registry R`` -- its records are refused from then on.
 * ``hadar identity ls --registry R`` -- the enrolled identities and their key epochs.
 
 The registry is a small JSON file the trusted services read as ``HADAR_AUTHORSHIP_REGISTRY``
@@ -19,35 +23,38 @@ import json
 from pathlib import Path
 
 from shared.errors import UsageError
-from shared.security.authorship import (
+from shared.security.files import write_private
+from shared.security.identities import (
+    KINDS,
     Credential,
     Registry,
     derive_key,
     new_master_key,
+    new_user_key,
     node_identity,
+    public_key_of,
     read_master_key,
+    user_identity,
 )
-from shared.security.files import write_private
 
 __all__ = ["register"]
 
-KINDS = ("node",)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("identity", help="enrol, rotate and revoke GPU nodes' identities (admin)")
+    parser = sub.add_parser("identity", help="enrol, rotate and revoke the identities of GPU nodes and users (admin)")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     key = actions.add_parser("master-key", help="write a new master key (owner-only file)")
     key.add_argument("--out", required=True, type=Path, help="file to write (refused if it exists)")
     key.set_defaults(func=_master_key)
-    enrol = actions.add_parser("enrol", help="enrol a node, or rotate its key; writes its credential")
+    enrol = actions.add_parser("enrol", help="enrol a node or a user, or rotate its key; writes its credential")
     enrol.add_argument("kind", choices=KINDS)
-    enrol.add_argument("name", help="the node id (as the agent's --node-id)")
-    enrol.add_argument("--master-key-file", required=True, type=Path)
+    enrol.add_argument("name", help="the node id (as the agent's --node-id) or the user name (as a job's user)")
+    enrol.add_argument("--master-key-file", type=Path, help="the master key (a node's key is derived from it)")
     enrol.add_argument("--registry", required=True, type=Path, help="the registry file (created if missing)")
-    enrol.add_argument("--out", required=True, type=Path, help="where to write the node's credential")
+    enrol.add_argument("--out", required=True, type=Path, help="where to write the credential (owner-only)")
     enrol.set_defaults(func=_enrol)
-    revoke = actions.add_parser("revoke", help="revoke a node: its records are refused from then on")
+    revoke = actions.add_parser("revoke", help="revoke a node or user: its records are refused from then on")
     revoke.add_argument("kind", choices=KINDS)
     revoke.add_argument("name")
     revoke.add_argument("--registry", required=True, type=Path)
@@ -59,9 +66,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _identity(kind: str, name: str) -> str:
     try:
-        return node_identity(name)
+        return node_identity(name) if kind == "node" else user_identity(name)
     except ValueError:
-        raise UsageError(f"{kind} {name!r}: a node id is 1-63 letters, digits, '-', '_' or '.'") from None
+        shape = ("1-63 letters, digits, '-', '_' or '.'" if kind == "node"
+                 else "1-63 lowercase letters, digits, '-', '_' or '.'")
+        raise UsageError(f"{kind} {name!r}: a {kind} name is {shape}") from None
 
 
 def _master_key(args: argparse.Namespace) -> int:
@@ -72,11 +81,20 @@ def _master_key(args: argparse.Namespace) -> int:
     return 0
 
 
-def enrol(identity: str, *, master: bytes, registry_path: Path) -> Credential:
-    """Enrol ``identity`` (or rotate its key) in the registry file; its new credential."""
-    registry, epoch = Registry.read(registry_path).enrol(identity)
+def enrol(identity: str, *, master: bytes | None, registry_path: Path) -> Credential:
+    """Enrol ``identity`` (or rotate its key) in the registry file; its new credential. A
+    node's key is derived from ``master``; a user's is a new Ed25519 key pair."""
+    if identity.startswith("user/"):
+        private = new_user_key()
+        registry, epoch = Registry.read(registry_path).enrol(identity, public_key_of(private))
+        key = private
+    else:
+        if master is None:
+            raise UsageError("--master-key-file: a node's key is derived from the master key")
+        registry, epoch = Registry.read(registry_path).enrol(identity)
+        key = derive_key(master, identity, epoch)
     write_private(registry_path, registry.to_text())
-    return Credential(identity=identity, epoch=epoch, key=derive_key(master, identity, epoch))
+    return Credential(identity=identity, epoch=epoch, key=key)
 
 
 def revoke(identity: str, *, registry_path: Path) -> None:
@@ -89,7 +107,8 @@ def revoke(identity: str, *, registry_path: Path) -> None:
 
 def _enrol(args: argparse.Namespace) -> int:
     identity = _identity(args.kind, args.name)
-    credential = enrol(identity, master=read_master_key(args.master_key_file), registry_path=args.registry)
+    master = read_master_key(args.master_key_file) if args.master_key_file is not None else None
+    credential = enrol(identity, master=master, registry_path=args.registry)
     write_private(args.out, credential.to_text())
     print(f"{identity}: key epoch {credential.epoch}; credential written to {args.out}")
     return 0
@@ -104,5 +123,6 @@ def _revoke(args: argparse.Namespace) -> int:
 
 def _ls(args: argparse.Namespace) -> int:
     registry = Registry.read(args.registry)
-    print(json.dumps({"enrolled": dict(registry.epochs), "revoked": dict(registry.retired)}, indent=1))
+    print(json.dumps({"enrolled": dict(registry.epochs), "revoked": dict(registry.retired),
+                      "public_keys": {k: v.hex() for k, v in registry.public_keys.items()}}, indent=1))
     return 0

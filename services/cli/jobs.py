@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import getpass
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from shared.clock import SystemClock
 from shared.domain.layout import final_key, model_key
 from shared.errors import UsageError
 from shared.runtime.connection import add_bus_args, add_store_args, make_bus, make_store
+from shared.security.authorship import Sealer, sealer_from_env
 from shared.store import ObjectNotFound
 from shared.wire.events import JobCancelled, JobSpec, JobSubmitted, UserCode
 
@@ -166,13 +168,15 @@ def cmd_submit(args: argparse.Namespace) -> int:
     each other can still both pass this check; the first in the log wins."""
     fields, request = job_fields(args)
     chosen = bool(fields.get("id"))
-    spec = None if request is not None else parse_job(fields, default_user=getpass.getuser())
+    sealer = sealer_from_env(os.environ)
+    me = submitter(sealer, fields.get("user"))
+    spec = None if request is not None else parse_job(fields, default_user=me)
 
     async def with_code(request: CodeRequest, bus: Bus) -> JobSpec:
-        user = fields.get("user") or getpass.getuser()
+        user = fields.get("user") or me
 
         async def accept(code: UserCode) -> JobSpec:
-            job = parse_job(fields, default_user=getpass.getuser(), code=code)
+            job = parse_job(fields, default_user=me, code=code)
             check_fits(job, await latest_queues(bus))
             return job
 
@@ -189,6 +193,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     async def run() -> JobSpec:
         bus = make_bus(args, source="cli")
+        bus.sealer = sealer
         await bus.start()
         try:
             await bus.ensure_topics()
@@ -213,9 +218,24 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def submitter(sealer: Sealer | None, named: object) -> str:
+    """Who a job is submitted as: the user of the credential ``HADAR_IDENTITY_FILE`` names
+    (a job file naming another user is refused: the services would refuse its submission),
+    else the job file's ``user``, else the login name."""
+    if sealer is None or not sealer.identity.startswith("user/"):
+        return getpass.getuser()
+    me = sealer.identity.removeprefix("user/")
+    if named not in (None, "", me):
+        raise UsageError(f"user: the job names user {named!r}, but you are {me!r} (HADAR_IDENTITY_FILE)")
+    return me
+
+
 def cmd_cancel(args: argparse.Namespace) -> int:
+    sealer = sealer_from_env(os.environ)
+
     async def run() -> str:
         bus = make_bus(args, source="cli")
+        bus.sealer = sealer
         await bus.start()
         try:
             view = await read_view(bus)
@@ -224,7 +244,9 @@ def cmd_cancel(args: argparse.Namespace) -> int:
                 raise UsageError(f"job: no job {args.job!r}")
             if not job.active:
                 return f"already_{job.state}"
-            await bus.publish(JobCancelled(ts=SystemClock().time(), source="cli", job_id=args.job, reason=args.reason))
+            me = sealer.identity.removeprefix("user/") if sealer is not None else ""
+            await bus.publish(JobCancelled(ts=SystemClock().time(), source="cli", job_id=args.job, reason=args.reason,
+                                           user=me))
             return "cancel_requested"
         finally:
             await bus.stop()

@@ -48,9 +48,10 @@ from services.profiler.estimate import (
 from services.profiler.snapshot import SERVICE, capture, restore
 from services.profiler.state import DEFAULT_ALPHA, DEFAULT_THRESHOLD, ProfilerState
 from shared.bus import Bus, BusError, Delivery
-from shared.bus.rejection import dead_letter_delivery
+from shared.bus.rejection import Rejected, dead_letter_delivery
 from shared.clock import Clock, SystemClock
 from shared.domain.gpus import GPU_TYPES
+from shared.domain.ownership import cancel_refusal
 from shared.persistence.snapshot import SnapshotStore
 from shared.runtime.config import FieldError
 from shared.store import ObjectStore
@@ -217,6 +218,11 @@ class ProfilerService:
             await self._estimate(event.job)
 
     async def _on_finished(self, event: JobCompleted | JobCancelled) -> None:
+        if isinstance(event, JobCancelled):
+            spec = self.state.spec(event.job_id)
+            refusal = cancel_refusal(event, spec.user if spec is not None else None)
+            if refusal is not None:
+                raise Rejected(refusal)
         self.state.forget_job(event.job_id)
 
     async def _estimate(self, spec: JobSpec) -> None:

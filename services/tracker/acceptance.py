@@ -30,6 +30,7 @@ Rules (a refusal's reason label in brackets):
   [unassigned], has a consolidated model, its consolidated steps reach its iterations
   and equal the event's total [inconsistent].
 * A report held for its Assignment that cannot be held (the buffer is full) [overflow].
+* **JobCancelled**: it names no user or the job's owner (:mod:`shared.domain.ownership`) [not_owner].
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ __all__ = [
 ]
 
 RefusalReason = Literal["bad_key", "unassigned", "wrong_node", "over_budget", "future_round", "bad_weights",
-                        "inconsistent", "overflow"]
+                        "inconsistent", "overflow", "not_owner"]
 REFUSAL_REASONS: tuple[RefusalReason, ...] = get_args(RefusalReason)
 ROUND_LEAD = 2
 WEIGHT_TOLERANCE = 1e-6

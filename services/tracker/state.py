@@ -61,6 +61,7 @@ from services.tracker.due import DueCompletion, DueRound, FinishedCopy
 from services.tracker.jobs import FinishedJob, JobRecord, RoundRecord
 from services.tracker.pending import HeldReport, PendingReports
 from services.tracker.placements import ROUND_HISTORY, PlacementIndex
+from shared.domain.ownership import cancel_refusal
 from shared.wire.dispatch import HandlerTable
 from shared.wire.events import (
     Assignment,
@@ -151,6 +152,10 @@ class TrackerState:
         if e.job_id in self._finished:
             return False
         job = self._jobs.get(e.job_id)
+        refusal = cancel_refusal(e, job.spec.user if job is not None and job.spec is not None else None)
+        if refusal is not None:
+            self._refuse(e, Problem(reason="not_owner", detail=refusal), origin)
+            return False
         self._forget_job(e.job_id, FinishedJob(completed=False, steps=job.consolidated_steps if job else 0))
         return True
 

@@ -44,6 +44,7 @@ from shared.wire.record_codec import codec
 from shared.wire.records import (
     JOB_ID_RE,
     NODE_ID_RE,
+    USER_RE,
     CopyWeight,
     GpuInfo,
     Hyperparameters,
@@ -120,12 +121,19 @@ class JobSubmitted(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class JobCancelled(Event):
+    """``user``: who cancels (``hadar cancel`` names the user it runs as); a consumer refuses
+    a cancellation that names another user than the job's. With authorship checked
+    (:mod:`shared.security.authorship`) it must be the user who sealed the record."""
+
     TYPE: ClassVar[str] = "JobCancelled"
     job_id: str
     reason: str = ""
+    user: str = ""
 
     def _check(self) -> None:
         check_job_id(self.job_id, self.TYPE)
+        require(self.user == "" or USER_RE.fullmatch(self.user) is not None,
+                "JobCancelled.user: 1-63 of lowercase letters, digits, '.', '_', '-' (or empty)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,7 @@ is shared by every node, so a node's events carry their own proof of authorship
 msgpack map of four keys, in this order::
 
     {"sealed": <bin: the event's envelope exactly as shared.wire.events.encode wrote it>,
-     "by": "node/n1", "epoch": 1, "mac": <bin: 32 bytes>}
+     "by": "node/n1", "epoch": 1, "mac": <bin: 32 bytes (a node's HMAC) or 64 (a user's signature)>}
 
 A plain event is a map of six keys (:mod:`shared.wire.events`), so the first byte tells the
 two apart (``0x84`` against ``0x86``) before anything is unpacked.
@@ -27,9 +27,9 @@ import msgpack
 
 from shared.wire.events import MAX_WIRE_BYTES, Event, InvalidEvent, decode
 
-__all__ = ["Sealed", "seal", "unseal", "open_unchecked", "MAC_BYTES", "MAX_BY_CHARS"]
+__all__ = ["Sealed", "seal", "unseal", "open_unchecked", "SEAL_BYTES", "MAX_BY_CHARS"]
 
-MAC_BYTES = 32         # HMAC-SHA256
+SEAL_BYTES = (32, 64)  # a node's HMAC-SHA256, a user's Ed25519 signature
 MAX_BY_CHARS = 200     # "node/<node id>": node ids are at most 63 characters
 _MARK = 0x84           # a fixmap of four entries: the first byte of every sealed record
 _KEYS = ("sealed", "by", "epoch", "mac")
@@ -38,7 +38,8 @@ _pack: Callable[[object], bytes] = msgpack.Packer(use_bin_type=True).pack
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Sealed:
-    """A sealed record's parts: ``inner`` is an encoded event, not yet decoded nor trusted."""
+    """A sealed record's parts: ``inner`` is an encoded event, not yet decoded nor trusted;
+    ``mac`` its seal (a MAC or a signature)."""
 
     inner: bytes
     by: str
@@ -48,8 +49,8 @@ class Sealed:
 
 def seal(inner: bytes, *, by: str, epoch: int, mac: bytes) -> bytes:
     """The sealed record of ``inner`` (an encoded event) made by ``by`` at key ``epoch``."""
-    if len(mac) != MAC_BYTES or not by or len(by) > MAX_BY_CHARS or epoch < 1:
-        raise ValueError("seal: a 32-byte MAC, an identity of 1-200 characters and an epoch >= 1")
+    if len(mac) not in SEAL_BYTES or not by or len(by) > MAX_BY_CHARS or epoch < 1:
+        raise ValueError("seal: a 32- or 64-byte seal, an identity of 1-200 characters and an epoch >= 1")
     return _pack({"sealed": inner, "by": by, "epoch": epoch, "mac": mac})
 
 
@@ -71,8 +72,8 @@ def unseal(data: bytes) -> Sealed | None:
         raise InvalidEvent("sealed record: 'by' must be a non-empty string")
     if type(epoch) is not int or epoch < 1:
         raise InvalidEvent("sealed record: 'epoch' must be an integer >= 1")
-    if type(mac) is not bytes or len(mac) != MAC_BYTES:
-        raise InvalidEvent(f"sealed record: 'mac' must be {MAC_BYTES} bytes")
+    if type(mac) is not bytes or len(mac) not in SEAL_BYTES:
+        raise InvalidEvent("sealed record: 'mac' must be 32 or 64 bytes")
     return Sealed(inner=inner, by=by, epoch=epoch, mac=mac)
 
 

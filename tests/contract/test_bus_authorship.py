@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from shared.security.authorship import Credential, Registry, Sealer, Verifier, derive_key
-from shared.wire.events import DeadLetter, JobCancelled, encode
+from shared.security.authorship import Sealer, Verifier
+from shared.security.identities import Credential, Registry, derive_key
+from shared.wire.events import DeadLetter, ThroughputEstimate, encode
 from shared.wire.sealed import seal
 from shared.wire.topics import DEADLETTER
 from tests.contract.test_bus import WAIT_S, open_bus, progress, read_all, take, unique
@@ -55,11 +56,12 @@ async def test_only_records_sealed_by_the_claimed_node_are_delivered(bus_kind, c
         ]
         await bus.publish(genuine_n1, topic=topic, key="job-a")                                # 6 genuine
         await bus.write_raw(topic, "job-a", Sealer(credential("n2")).seal(inner))              # 7 genuine n2
-        cancel = JobCancelled(ts=1.0, source="cli", job_id="job-a")
-        await bus.write_raw(topic, "job-a", encode(cancel))                                    # 8 ACL's job
+        estimate = ThroughputEstimate(ts=1.0, source="profiler", job_id="job-a", basis="estimate", workers=1,
+                                      rates={"t4": 1.0})
+        await bus.write_raw(topic, "job-a", encode(estimate))                                  # 8 ACL's job
         async with bus.subscribe(topic, group) as sub:
             got = await take(sub, 3)
-        assert [(d.offset, d.event) for d in got] == [(6, genuine_n1), (7, genuine_n2), (8, cancel)]
+        assert [(d.offset, d.event) for d in got] == [(6, genuine_n1), (7, genuine_n2), (8, estimate)]
         assert [d.offset for d in await read_all(bus, topic)] == [6, 7, 8]
 
         letters = await letters_of(bus, topic, len(forged))
@@ -68,7 +70,7 @@ async def test_only_records_sealed_by_the_claimed_node_are_delivered(bus_kind, c
         assert all(r.startswith("authorship: ") for r in reasons)
         assert "Progress for node/n2 is not sealed" in reasons[0]
         assert "Progress for node/n2 sealed by node/n1" in reasons[1]
-        assert "bad MAC" in reasons[2] and "bad MAC" in reasons[5]
+        assert "bad seal" in reasons[2] and "bad seal" in reasons[5]
         assert "key epoch 1, the current one is 2" in reasons[3]
         assert "'node/n3' is not enrolled" in reasons[4]
 
@@ -99,9 +101,10 @@ async def test_a_revocation_takes_effect_on_the_next_record(bus_kind, clock) -> 
             registry["now"] = registry["now"].revoke("node/n1")
             await bus.publish(on_node("n1", 2), topic=topic, key="job-a")
             bus.sealer = None
-            await bus.publish(JobCancelled(ts=1.0, source="cli", job_id="job-a"), topic=topic, key="job-a")
+            await bus.publish(ThroughputEstimate(ts=1.0, source="profiler", job_id="job-a", basis="estimate",
+                                                 workers=1, rates={"t4": 1.0}), topic=topic, key="job-a")
             (after,) = await take(sub, 1)
-        assert first.event.steps_round == 1 and isinstance(after.event, JobCancelled)
+        assert first.event.steps_round == 1 and isinstance(after.event, ThroughputEstimate)
         letters = await letters_of(bus, topic, 1)
         assert [(o, dl.reason) for o, dl in letters.items()] == [
             (1, "authorship: 'node/n1' is not enrolled (or was revoked)")]

@@ -24,14 +24,18 @@ import pytest
 from services.cli.identity import enrol, revoke
 from shared.bus import KafkaBus
 from shared.bus.settings import kafka_from_env
-from shared.security.authorship import Credential, Sealer, read_master_key
+from shared.security.authorship import Sealer
 from shared.security.files import write_private
+from shared.security.identities import Credential, read_master_key
 from shared.wire.events import (
     CopyFinished,
     DeadLetter,
     Event,
     GpuInfo,
+    JobCancelled,
     JobCompleted,
+    JobSpec,
+    JobSubmitted,
     NodeHeartbeat,
     NodeRegistered,
 )
@@ -61,26 +65,28 @@ async def completed(secure_servers, job_id: str) -> bool:
         await bus.stop()
 
 
-def enrol_node(secure_servers, node: str, tmp_path: Path) -> tuple[Credential, Path]:
+def enrol_node(secure_servers, node: str, tmp_path: Path, kind: str = "node") -> tuple[Credential, Path]:
     env = secure_servers.env["admin"]
-    credential = enrol(f"node/{node}", master=read_master_key(env["HADAR_AUTHORSHIP_KEY_FILE"]),
+    credential = enrol(f"{kind}/{node}", master=read_master_key(env["HADAR_AUTHORSHIP_KEY_FILE"]),
                        registry_path=Path(env["HADAR_AUTHORSHIP_REGISTRY"]))
-    path = tmp_path / f"{node}.identity"
+    path = tmp_path / f"{kind}-{node}.identity"
     write_private(path, credential.to_text())
     return credential, path
 
 
 async def forge(secure_servers, events: list[tuple[Credential | None, Event]]) -> None:
-    """Publish each event with the agent principal, sealed with the credential given (None: unsealed)."""
-    settings = kafka_from_env(secure_servers.env["agent"])
-    bus = KafkaBus.from_settings(settings, source="agent/secure-a")
-    await bus.start()
-    try:
-        for credential, event in events:
-            bus.sealer = Sealer(credential) if credential is not None else None
-            await bus.publish(event)
-    finally:
-        await bus.stop()
+    """Publish each event sealed with the credential given (None: unsealed), with the Kafka
+    principal that may write its topic: a user's as the CLI, the rest as the agent."""
+    for principal in ("agent", "cli"):
+        bus = KafkaBus.from_settings(kafka_from_env(secure_servers.env[principal]), source=f"forger-{principal}")
+        await bus.start()
+        try:
+            for credential, event in events:
+                if (principal == "cli") == isinstance(event, (JobSubmitted, JobCancelled)):
+                    bus.sealer = Sealer(credential) if credential is not None else None
+                    await bus.publish(event)
+        finally:
+            await bus.stop()
 
 
 async def dead_letters(secure_servers) -> list[DeadLetter]:
@@ -122,10 +128,12 @@ def test_a_job_completes_with_every_service_as_its_own_principal(secure_servers,
                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
 
     try:
+        _, identity_alice = enrol_node(secure_servers, "alice", tmp_path, kind="user")
         submitted = subprocess.run(
             [*HADAR, "submit", "--id", job_id, "--model", "resnet", "--dataset", "diabetes", "--workers", "1",
              "--iterations", "20", "--batch-size", "32"],
-            env=principal_env(secure_servers, "cli"), cwd=ROOT, capture_output=True, text=True, timeout=120)
+            env={**principal_env(secure_servers, "cli"), "HADAR_IDENTITY_FILE": str(identity_alice)}, cwd=ROOT,
+            capture_output=True, text=True, timeout=120)
         assert submitted.returncode == 0, submitted.stderr
         serve("scheduler", "--round-s", "4", "--heartbeat-s", "1", "--consolidation-wait-s", "20")
         serve("tracker")
@@ -149,11 +157,11 @@ def test_a_job_completes_with_every_service_as_its_own_principal(secure_servers,
         assert got.returncode == 0, got.stderr
         assert out.stat().st_size > 0
         refused = impersonate(secure_servers, node_a, job_id, tmp_path)
-        for origin, reason in refused.items():
-            assert reason.startswith("authorship: "), (origin, reason)
+        assert sum(r.startswith("authorship: ") for r in refused.values()) == len(refused) - 1, refused
+        assert any("user 'bob' may not cancel job" in r for r in refused.values()), refused
         metrics = scrape(tmp_path / "scheduler.log")
         assert 'hadar_scheduler_nodes{state="live"} 1.0' in metrics   # the forged registration never counted
-        for reason in ("other_author", "unsealed", "not_enrolled"):
+        for reason in ("other_author", "unsealed", "not_enrolled"):   # counted by the scheduler
             line = next(x for x in metrics.splitlines()
                         if x.startswith(f'hadar_scheduler_records_refused_authorship_total{{reason="{reason}"}}'))
             assert float(line.split()[-1]) >= 1, metrics
@@ -168,10 +176,12 @@ def test_a_job_completes_with_every_service_as_its_own_principal(secure_servers,
         assert "Not authorized" not in text, f"{log.name}: a read or write the principals table does not allow"
 
 
-def impersonate(secure_servers, node_a: Credential, job_id: str, tmp_path: Path) -> dict[tuple[str, int], str]:
-    """Forge as node secure-a for node secure-b, unsealed, and as a revoked node; return the
-    scheduler's dead letters of the forged records (origin -> reason) once it refused all four."""
+def impersonate(secure_servers, node_a: Credential, job_id: str, tmp_path: Path) -> dict[tuple[str, int, int], str]:
+    """Forge as node secure-a for node secure-b, unsealed, as a revoked node, and as user bob
+    for alice (who submitted the job); return the scheduler's dead letters of the forged
+    records (origin -> reason) once it refused all of them."""
     revoked, _ = enrol_node(secure_servers, "secure-r", tmp_path)
+    bob, _ = enrol_node(secure_servers, "bob", tmp_path, kind="user")
     revoke("node/secure-r", registry_path=Path(secure_servers.env["admin"]["HADAR_AUTHORSHIP_REGISTRY"]))
     time.sleep(1.5)   # the services read the registry again at most every second
     gpu = (GpuInfo(index=0, type="v100", memory_gb=16.0),)
@@ -181,12 +191,18 @@ def impersonate(secure_servers, node_a: Credential, job_id: str, tmp_path: Path)
         (node_a, CopyFinished(ts=time.time(), source="agent/secure-b", job_id=job_id, round=0, copy=0,
                               node_id="secure-b", status="failed", steps_round=0)),
         (revoked, NodeRegistered(ts=time.time(), source="agent/secure-r", node_id="secure-r", gpus=gpu)),
+        (bob, JobSubmitted(ts=time.time(), source="cli", submitted_at=time.time(),
+                           job=JobSpec(job_id="bob-as-alice", user="alice", model="resnet", dataset="diabetes",
+                                       batch_size=32, workers=1, iterations=20))),
+        (bob, JobCancelled(ts=time.time(), source="cli", job_id=job_id, user="alice")),
+        (bob, JobCancelled(ts=time.time(), source="cli", job_id=job_id, user="bob")),   # sealed right, not the owner
     ]
     asyncio.run(forge(secure_servers, forged))
     deadline = time.monotonic() + 60
     while True:
-        letters = {(dl.topic, dl.offset): dl.reason for dl in asyncio.run(dead_letters(secure_servers))
-                   if dl.source.startswith("scheduler") and "authorship" in dl.reason}
+        letters = {(dl.topic, dl.partition, dl.offset): dl.reason for dl in asyncio.run(dead_letters(secure_servers))
+                   if dl.source.startswith("scheduler")
+                   and ("authorship" in dl.reason or "may not cancel" in dl.reason)}
         if len(letters) >= len(forged) or time.monotonic() > deadline:
             assert len(letters) == len(forged), letters
             return letters

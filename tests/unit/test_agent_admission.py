@@ -31,6 +31,7 @@ from shared.wire.events import (
     Event,
     Hyperparameters,
     InvalidEvent,
+    JobCancelled,
     JobSpec,
     RoundStarted,
 )
@@ -152,13 +153,26 @@ def test_the_flood_runs_one_copy_on_one_gpu() -> None:
     assert len(adm.running) == 1
 
 
+def cancel(job_id: str, reason: str = "", user: str = "") -> JobCancelled:
+    return JobCancelled(ts=T0, source="cli", job_id=job_id, reason=reason, user=user)
+
+
 def test_cancelling_a_job_preempts_its_copies_and_the_next_copy_waits_for_them() -> None:
     adm = admission()
     admit(adm, assignment("a", 0, gpus=(0, 1)))
-    verdict = adm.cancelled("a", "by alice")
-    assert [(p.key, p.reason) for p in verdict.preempt] == [(("a", 0, 0), "job cancelled: by alice")]
+    verdict = adm.cancelled(cancel("a", "by its owner", user="u"))
+    assert [(p.key, p.reason) for p in verdict.preempt] == [(("a", 0, 0), "job cancelled: by its owner")]
     assert not adm.running and adm.draining == {("a", 0, 0): (0, 1)}
     assert admit(adm, assignment("b", 0, gpus=(1,))).wait_for == (("a", 0, 0),)
+
+
+def test_a_cancellation_by_another_user_is_refused_and_the_copies_run_on() -> None:
+    adm = admission()
+    admit(adm, assignment("a", 0, gpus=(0, 1)))   # owned by user "u"
+    verdict = adm.cancelled(cancel("a", user="mallory"))
+    assert (verdict.action, verdict.code, verdict.preempt) == ("refuse", "not_owner", ())
+    assert "'mallory' may not cancel job 'a' of user 'u'" in verdict.detail
+    assert adm.running == {("a", 0, 0): (0, 1)}
 
 
 def test_duplicates_and_stale_assignments_are_skipped_not_refused() -> None:
@@ -356,7 +370,7 @@ class AgentMachine(RuleBasedStateMachine):
 
     @rule(job=st.sampled_from(["a", "b", "c"]))
     def cancel(self, job: str) -> None:
-        verdict = self.adm.cancelled(job, "")
+        verdict = self.adm.cancelled(cancel(job))
         assert all(p.key[0] == job for p in verdict.preempt)
         self._apply(verdict)
 

@@ -11,20 +11,14 @@ from hypothesis import strategies as st
 from services.cli.main import main
 from shared.clock import FakeClock
 from shared.errors import ConfigError
-from shared.security.authorship import (
-    Credential,
-    Registry,
-    RegistryFile,
-    Sealer,
-    Verifier,
-    authorship_from_env,
-    claimed_author,
-    derive_key,
-)
+from shared.security.authorship import Sealer, Verifier, authorship_from_env, claimed_author
+from shared.security.identities import Credential, Registry, RegistryFile, derive_key, new_user_key, public_key_of
 from shared.wire.events import (
     CopyFinished,
     InvalidEvent,
     JobCancelled,
+    JobSpec,
+    JobSubmitted,
     NodeHeartbeat,
     NodeRegistered,
     Progress,
@@ -94,7 +88,7 @@ def test_seal_refuses_what_unseal_would_refuse() -> None:
         seal(b"x", by="n" * 201, epoch=1, mac=b"0" * 32)
 
 
-def test_node_events_claim_their_node_and_others_claim_nobody() -> None:
+def test_node_events_claim_their_node_user_events_their_user_and_others_nobody() -> None:
     gpu = GpuInfo(index=0, type="t4", memory_gb=16.0)
     assert claimed_author(NodeRegistered(ts=1.0, source="a", node_id="n2", gpus=(gpu,))) == "node/n2"
     assert claimed_author(heartbeat("n3")) == "node/n3"
@@ -104,7 +98,8 @@ def test_node_events_claim_their_node_and_others_claim_nobody() -> None:
     finished = CopyFinished(ts=1.0, source="a", job_id="j", round=1, copy=0, node_id="n5", status="failed",
                             steps_round=1)
     assert claimed_author(finished) == "node/n5"
-    assert claimed_author(JobCancelled(ts=1.0, source="cli", job_id="j")) is None
+    assert claimed_author(JobCancelled(ts=1.0, source="cli", job_id="j", user="alice")) == "user/alice"
+    assert claimed_author(JobCancelled(ts=1.0, source="cli", job_id="j")) == "user/"   # nobody is that
     assert claimed_author(ThroughputEstimate(ts=1.0, source="profiler", job_id="j", basis="estimate", workers=1,
                                              rates={"t4": 1.0})) is None
 
@@ -114,7 +109,7 @@ def test_node_events_claim_their_node_and_others_claim_nobody() -> None:
     (Sealer(cred("n2")).seal(encode(heartbeat("n1"))), "NodeHeartbeat for node/n1 sealed by node/n2"),
     (Sealer(cred("n1", epoch=2)).seal(encode(heartbeat("n1"))), "sealed with key epoch 2, the current one is 1"),
     (Sealer(cred("n9")).seal(encode(heartbeat("n9"))), "'node/n9' is not enrolled"),
-    (Sealer(Credential(identity="node/n1", epoch=1, key=b"k" * 32)).seal(encode(heartbeat())), "bad MAC"),
+    (Sealer(Credential(identity="node/n1", epoch=1, key=b"k" * 32)).seal(encode(heartbeat())), "bad seal"),
 ])
 def test_each_refusal_says_why(data: bytes, reason: str) -> None:
     with pytest.raises(InvalidEvent, match=r"^authorship: ") as refused:
@@ -176,7 +171,7 @@ def test_the_environment_gives_a_sealer_a_verifier_or_a_clear_error(tmp_path) ->
     assert sealer is not None and checker is not None
     event = heartbeat()
     assert checker.open(sealer.seal(encode(event))) == event == open_unchecked(sealer.seal(encode(event)))
-    with pytest.raises(ConfigError, match="set together"):
+    with pytest.raises(ConfigError, match="given without HADAR_AUTHORSHIP_REGISTRY"):
         authorship_from_env({"HADAR_AUTHORSHIP_KEY_FILE": str(key)})
     key.write_text("abcd")
     with pytest.raises(ConfigError, match="expected 32 bytes"):
@@ -210,3 +205,66 @@ def test_the_identity_command_enrols_rotates_and_revokes(tmp_path, capsys) -> No
     assert main(["identity", "enrol", "node", "bad/id", "--master-key-file", str(key), "--registry", str(registry),
                  "--out", str(tmp_path / "x.json")]) == 2
     capsys.readouterr()
+
+
+def user_cred(user: str, epoch: int = 1) -> Credential:
+    return Credential(identity=f"user/{user}", epoch=epoch, key=new_user_key())
+
+
+def submitted_by(user: str) -> JobSubmitted:
+    spec = JobSpec(job_id="j1", user=user, model="resnet", dataset="digits", batch_size=8, workers=1, iterations=10)
+    return JobSubmitted(ts=1.0, source="cli", job=spec, submitted_at=1.0)
+
+
+def test_users_seal_with_ed25519_and_anyone_with_the_registry_checks_them() -> None:
+    alice, bob = user_cred("alice"), user_cred("bob")
+    registry = Registry()
+    for c in (alice, bob):
+        registry, _ = registry.enrol(c.identity, public_key_of(c.key))
+    registry, _ = registry.enrol("node/n1")
+    agent = Verifier(None, lambda: registry)            # an agent: the registry, no master key
+    service = Verifier(MASTER, lambda: registry)
+    mine = submitted_by("alice")
+    for checker in (agent, service):
+        assert checker.open(Sealer(alice).seal(encode(mine))) == mine
+    cancel = JobCancelled(ts=2.0, source="cli", job_id="j1", user="alice")
+    assert agent.open(Sealer(alice).seal(encode(cancel))) == cancel
+    refused = {
+        "other_author": [Sealer(bob).seal(encode(mine)),                                  # bob submits as alice
+                         Sealer(bob).seal(encode(cancel)),                                # bob cancels as alice
+                         Sealer(alice).seal(encode(JobCancelled(ts=2.0, source="cli", job_id="j1")))],  # no user
+        "unsealed": [encode(mine), encode(cancel)],
+        "bad_seal": [Sealer(Credential(identity="user/alice", epoch=1, key=bob.key)).seal(encode(mine)),
+                     Sealer(cred("n1")).seal(encode(heartbeat("n1")))],                   # the agent cannot check nodes
+    }
+    for kind, records in refused.items():
+        for data in records:
+            with pytest.raises(InvalidEvent, match=r"^authorship: "):
+                agent.open(data)
+        assert agent.refusals[kind] == len(records), kind
+    beat = heartbeat("n1")
+    assert service.open(Sealer(cred("n1")).seal(encode(beat))) == beat
+
+
+def test_a_user_is_enrolled_with_a_public_key_and_a_node_without() -> None:
+    with pytest.raises(ValueError):
+        Registry().enrol("user/alice")
+    with pytest.raises(ValueError):
+        Registry().enrol("node/n1", public_key_of(new_user_key()))
+    registry, _ = Registry().enrol("user/alice", public_key_of(new_user_key()))
+    assert Registry.from_text(registry.to_text(), where="r") == registry
+    with pytest.raises(ConfigError):   # an enrolled user without its public key
+        Registry.from_text('{"enrolled": {"user/alice": 1}}', where="r")
+
+
+def test_the_identity_command_enrols_a_user_with_a_key_pair(tmp_path) -> None:
+    registry = tmp_path / "registry.json"
+    assert main(["identity", "enrol", "user", "alice", "--registry", str(registry),
+                 "--out", str(tmp_path / "alice.json")]) == 0
+    issued = Credential.read(tmp_path / "alice.json")
+    assert issued.identity == "user/alice" and Registry.read(registry).public_keys["user/alice"] == public_key_of(
+        issued.key)
+    assert main(["identity", "enrol", "node", "n1", "--registry", str(registry),
+                 "--out", str(tmp_path / "n1.json")]) == 2   # a node needs the master key
+    assert main(["identity", "enrol", "user", "Alice", "--registry", str(registry),
+                 "--out", str(tmp_path / "x.json")]) == 2

@@ -88,6 +88,7 @@ FIELDS: dict[tuple[str, str], st.SearchStrategy[Any]] = {
     ("Hyperparameters", "lr"): floats(0, 10, exclude_lo=True),
     ("Hyperparameters", "seed"): st.integers(0, 2**32 - 1),
     ("JobSpec", "user"): text(1, 64),
+    ("JobCancelled", "user"): st.just("") | users,
     ("JobSpec", "model"): text(1, 64),
     ("JobSpec", "dataset"): text(1, 64),
     ("JobSpec", "batch_size"): st.integers(1, 65536),

@@ -55,13 +55,15 @@ from types import MappingProxyType
 from typing import Literal
 
 from services.agent.daemon.validation import assignment_problem
-from shared.wire.events import Assignment, RoundStarted
+from shared.domain.ownership import cancel_refusal
+from shared.wire.events import Assignment, JobCancelled, RoundStarted
 
 __all__ = ["Admission", "AdmissionLimits", "CopyKey", "Preemption", "Verdict", "copy_name"]
 
 CopyKey = tuple[str, int, int]   # (job, round, copy)
 SEEN_LIMIT = 4096
 CLAIMS_LIMIT = 32
+OWNERS_LIMIT = 4096   # owners of the latest jobs assigned here: enough for every job it still runs
 
 Action = Literal["ignore", "accept", "skip", "refuse", "admit"]
 
@@ -125,6 +127,7 @@ class Admission:
         self._draining: dict[CopyKey, tuple[int, ...]] = {}   # preempted, workers not yet exited
         self._seen: OrderedDict[CopyKey, None] = OrderedDict()
         self._assigned: dict[int, set[tuple[str, int]]] = {}  # round -> (job, copy) admitted here
+        self._owners: OrderedDict[str, str] = OrderedDict()     # job -> its user, from its Assignments
 
     @property
     def latest_round(self) -> int:
@@ -149,7 +152,13 @@ class Admission:
             return self._far(event.round)
         return Verdict(action="accept", preempt=tuple(self._advance(event.round)))
 
-    def cancelled(self, job_id: str, reason: str) -> Verdict:
+    def cancelled(self, event: JobCancelled) -> Verdict:
+        """Preempt the job's copies, unless the cancellation names a user other than the
+        job's owner (the user of its Assignments): then refuse it [not_owner]."""
+        refusal = cancel_refusal(event, self._owners.get(event.job_id))
+        if refusal is not None:
+            return Verdict(action="refuse", code="not_owner", detail=refusal)
+        job_id, reason = event.job_id, event.reason
         why = f"job cancelled: {reason}" if reason else "job cancelled"
         return Verdict(action="accept", preempt=tuple(self._preempt(key, why) for key in list(self._running)
                                                       if key[0] == job_id))
@@ -183,6 +192,10 @@ class Admission:
                 displaced.append(holder)
         self._remember(key)
         self._assigned.setdefault(a.round, set()).add((a.job_id, a.copy))
+        self._owners[a.job_id] = a.job.user
+        self._owners.move_to_end(a.job_id)
+        while len(self._owners) > OWNERS_LIMIT:
+            self._owners.popitem(last=False)
         preempt = [self._preempt(h, f"round {a.round} needs its GPUs for {copy_name(key)}") for h in displaced]
         if a.round > self._latest:
             preempt.extend(self._advance(a.round))

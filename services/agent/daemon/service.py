@@ -279,7 +279,7 @@ class AgentDaemon:
         return self.admission.round_started(event)
 
     def _on_job_cancelled(self, event: JobCancelled) -> Verdict:
-        return self.admission.cancelled(event.job_id, event.reason)
+        return self.admission.cancelled(event)
 
     def _on_assignment(self, event: Assignment) -> Verdict:
         return self.admission.assignment(event, now=self.clock.time())

@@ -27,7 +27,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from shared.domain.layout import final_key, model_key
+from shared.domain.ownership import cancel_refusal
 from shared.wire.events import (
+    JobCancelled,
     JobCompleted,
     ModelConsolidated,
     RoundAbandoned,
@@ -82,7 +84,12 @@ def check_estimate(state: SchedulerState, e: ThroughputEstimate) -> str | None:
     return None
 
 
+def check_cancelled(state: SchedulerState, e: JobCancelled) -> str | None:
+    job = state.jobs.get(e.job_id)
+    return cancel_refusal(e, job.spec.user if job is not None else None)
+
+
 CHECKS: dict[type, Callable[[SchedulerState, Any], str | None]] = {
     ModelConsolidated: check_model, RoundAbandoned: check_abandoned,
-    JobCompleted: check_completed, ThroughputEstimate: check_estimate,
+    JobCompleted: check_completed, ThroughputEstimate: check_estimate, JobCancelled: check_cancelled,
 }
