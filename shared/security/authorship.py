@@ -1,36 +1,37 @@
-"""Who wrote an event: per-node identities, sealed records, and the check every trusted consumer makes.
+"""Who wrote an event: sealed records, and the check every consumer that acts on them makes.
 
 Kafka's ACLs say which *principal* may write a topic, and every GPU node shares the ``agent``
-principal, so by itself the bus cannot stop node n1 from announcing the copy placed on n2.
-Each node therefore holds its own identity, ``node/<node id>``, and a key for it; the node's
-bus seals every record it publishes (:mod:`shared.wire.sealed`: the event's bytes, the
-identity, the key's epoch and an HMAC-SHA256 of the bytes), and the bus of each trusted
-service (scheduler, tracker, profiler) opens every record through a :class:`Verifier`.
+principal and every user the ``cli`` one, so by itself the bus cannot stop node n1 from
+announcing the copy placed on n2, nor bob from submitting as alice or cancelling her job.
+Each node and user therefore holds its own identity and key (:mod:`shared.security.identities`);
+its bus seals every record it publishes (:mod:`shared.wire.sealed`: the event's bytes, the
+identity, the key's epoch, and a node's HMAC-SHA256 or a user's Ed25519 signature of the
+bytes), and the bus of each consumer opens every record through a :class:`Verifier`: the
+trusted services (scheduler, tracker, profiler) with the master key and the registry, an
+agent with the registry alone (it checks users' signatures, never a node's MAC).
 
-Keys: ``key(identity, epoch) = HMAC-SHA256(master, "hadar-authorship/v1" 0 identity 0 epoch)``.
-The master key is held only by the trusted services and the admin who enrols nodes
-(``hadar identity``); a node holds only its own derived key (its *credential*), so a node
-cannot make another node's key, and verifying needs no list of keys, only the
-:class:`Registry` of enrolled identities and their current epochs. Rotating a node's key
-raises its epoch; revoking removes it; an epoch once used is never handed out again.
-HMAC rather than signatures: a check costs ~2 us, and a node's records are the busiest
-stream (benchmarks/codec.py); the price is that verifiers hold the master key, which is
-no new trust: they already decide every placement and every model.
+Nodes use HMAC (a check costs ~2 us; a node's records are the busiest stream,
+benchmarks/codec.py): the price is that verifiers hold the master key, no new trust, since
+they already decide every placement and every model. Users sign (Ed25519): their records
+are rare, and an agent must check a cancellation without being able to make one.
 
 Guarantees of :meth:`Verifier.open` (each refusal an :class:`InvalidEvent` whose reason
-starts ``authorship:``, so the bus dead-letters the record with it):
+starts ``authorship:``, so the bus dead-letters the record with it, and counted by kind in
+``refusals``):
 
 * a sealed record is accepted only if its identity is enrolled, its epoch is the current
-  one, and its MAC is right; then its inner event is decoded as usual;
-* an event that claims a node (:func:`claimed_author`: NodeRegistered, NodeHeartbeat,
-  Progress, CopyFinished name their ``node_id``) is accepted only if sealed by that node:
-  an unsealed one, or one sealed by another identity, is refused;
+  one, and its seal is right; then its inner event is decoded as usual;
+* an event that claims an author (:func:`claimed_author`: a node's NodeRegistered,
+  NodeHeartbeat, Progress, CopyFinished; the user a JobSubmitted's job names; the user a
+  JobCancelled names) is accepted only if sealed by that identity: an unsealed one, or one
+  sealed by another identity, is refused;
 * every other event is accepted sealed (checked as above) or not: its topic's ACL already
   names its one writer.
 
 What it does not cover: a node may still lie about its *own* copies; the consumers check
 those against the Assignment (the copy must be placed on that node) and the tracker screens
-the replica (:mod:`shared.domain.replica_screen`).
+the replica (:mod:`shared.domain.replica_screen`). That a cancelling user owns the job is
+checked by each consumer against the owner it knows (:mod:`shared.domain.ownership`).
 """
 
 from __future__ import annotations

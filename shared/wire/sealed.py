@@ -1,8 +1,8 @@
-"""The sealed record: an event's exact bytes, the identity that sealed them and a MAC.
+"""The sealed record: an event's exact bytes, the identity that sealed them and a seal.
 
-Kafka tells a consumer nothing about who produced a record, and one principal (``agent``)
-is shared by every node, so a node's events carry their own proof of authorship
-(:mod:`shared.security.authorship` makes and checks it). On the wire a sealed record is one
+Kafka tells a consumer nothing about who produced a record, and one principal is shared by
+every node (``agent``) and one by every user (``cli``), so their events carry their own
+proof of authorship (:mod:`shared.security.authorship` makes and checks it). On the wire a sealed record is one
 msgpack map of four keys, in this order::
 
     {"sealed": <bin: the event's envelope exactly as shared.wire.events.encode wrote it>,
