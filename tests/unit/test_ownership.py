@@ -1,16 +1,22 @@
 """Only a job's owner may cancel it (shared/domain/ownership.py), in every consumer that acts
-on a cancellation: the scheduler's state, the tracker's state, the profiler (the agent's
-admission: tests/unit/test_agent_admission.py)."""
+on a cancellation: the scheduler's state, the tracker's state, the profiler service (the
+agent's admission: tests/unit/test_agent_admission.py)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from services.profiler.service import ProfilerConfig, ProfilerService
 from services.scheduler.live.state import SchedulerState
 from services.tracker.state import TrackerState
+from shared.bus import MemoryBus
 from shared.bus.rejection import Rejected
+from shared.clock import FakeClock
 from shared.domain.ownership import cancel_refusal
-from shared.wire.events import JobCancelled, JobSpec, JobSubmitted
+from shared.wire.events import DeadLetter, JobCancelled, JobSpec, JobSubmitted
+from shared.wire.topics import DEADLETTER
 
 SPEC = JobSpec(job_id="j1", user="alice", model="resnet", dataset="digits", batch_size=8, workers=1, iterations=10)
 
@@ -49,3 +55,30 @@ def test_the_tracker_refuses_another_users_cancellation_and_keeps_the_job() -> N
     (refusal,) = state.drain_refusals()
     assert (refusal.reason, refusal.origin) == ("not_owner", "o") and "'bob' may not cancel" in refusal.detail
     assert state.apply(cancel("alice")) is True
+
+
+async def test_the_profiler_refuses_another_users_cancellation_and_keeps_the_job() -> None:
+    bus = MemoryBus(clock=FakeClock(1.0))
+    await bus.start()
+    service = ProfilerService(bus=bus, config=ProfilerConfig(group="prof"), clock=FakeClock(1.0),
+                              estimator=lambda spec: {"t4": 1.0}, sizer=lambda spec: (1000, 2))
+    await service.start()
+    try:
+        await bus.publish(submitted())
+        await bus.publish(cancel("bob"))
+        for _ in range(300):
+            letters = [d.event async for d in bus.read(DEADLETTER) if isinstance(d.event, DeadLetter)]
+            if letters:
+                break
+            await asyncio.sleep(0.01)
+        assert len(letters) == 1 and "'bob' may not cancel job 'j1'" in letters[0].reason
+        assert service.state.spec("j1") == SPEC
+        await bus.publish(cancel("alice"))
+        for _ in range(300):
+            if service.state.spec("j1") is None:
+                break
+            await asyncio.sleep(0.01)
+        assert service.state.spec("j1") is None
+    finally:
+        await service.stop()
+        await bus.stop()
