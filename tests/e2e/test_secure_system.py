@@ -177,11 +177,13 @@ def test_a_job_completes_with_every_service_as_its_own_principal(secure_servers,
 
 
 def impersonate(secure_servers, node_a: Credential, job_id: str, tmp_path: Path) -> dict[tuple[str, int, int], str]:
-    """Forge as node secure-a for node secure-b, unsealed, as a revoked node, and as user bob
-    for alice (who submitted the job); return the scheduler's dead letters of the forged
+    """Forge as node secure-a for node secure-b, unsealed, as a revoked node, as user bob for
+    alice (who submitted the job), and as a revoked user; return the scheduler's dead letters of the forged
     records (origin -> reason) once it refused all of them."""
     revoked, _ = enrol_node(secure_servers, "secure-r", tmp_path)
     bob, _ = enrol_node(secure_servers, "bob", tmp_path, kind="user")
+    carol, _ = enrol_node(secure_servers, "carol", tmp_path, kind="user")
+    revoke("user/carol", registry_path=Path(secure_servers.env["admin"]["HADAR_AUTHORSHIP_REGISTRY"]))
     revoke("node/secure-r", registry_path=Path(secure_servers.env["admin"]["HADAR_AUTHORSHIP_REGISTRY"]))
     time.sleep(1.5)   # the services read the registry again at most every second
     gpu = (GpuInfo(index=0, type="v100", memory_gb=16.0),)
@@ -196,6 +198,9 @@ def impersonate(secure_servers, node_a: Credential, job_id: str, tmp_path: Path)
                                        batch_size=32, workers=1, iterations=20))),
         (bob, JobCancelled(ts=time.time(), source="cli", job_id=job_id, user="alice")),
         (bob, JobCancelled(ts=time.time(), source="cli", job_id=job_id, user="bob")),   # sealed right, not the owner
+        (carol, JobSubmitted(ts=time.time(), source="cli", submitted_at=time.time(),   # a revoked user
+                             job=JobSpec(job_id="revoked-carol", user="carol", model="resnet", dataset="diabetes",
+                                         batch_size=32, workers=1, iterations=20))),
     ]
     asyncio.run(forge(secure_servers, forged))
     deadline = time.monotonic() + 60
