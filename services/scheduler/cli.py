@@ -12,6 +12,7 @@ from services.scheduler.policies import POLICY_NAMES, UnknownPolicy, parse_polic
 from shared.errors import UsageError
 from shared.runtime.config import add_config_arg, load_config
 from shared.runtime.connection import add_store_args, make_bus, make_store
+from shared.runtime.leadership import add_standby_args
 from shared.runtime.logging import configure_logging
 from shared.runtime.service import run_service
 from shared.security.authorship import with_authorship
@@ -64,14 +65,7 @@ def add_scheduler_parser(services: argparse._SubParsersAction,
                         help="with an object store (--s3-endpoint or HADAR_S3_ENDPOINT), snapshot the state "
                              "every N rounds so a restart replays only what follows (default: 10; 0: never)")
     parser.add_argument("--snapshots-kept", type=int, default=None, help="snapshots kept (default: 3)")
-    parser.add_argument("--standby", action="store_true", default=None,
-                        help="one of several replicas: wait as a standby, take over when the active one stops "
-                             "renewing for --lease-ttl-s, step down (exit 3) when a newer one takes over")
-    parser.add_argument("--lease-ttl-s", type=float, default=None,
-                        help="with --standby: seconds without a renewal before a standby takes over (default: 10)")
-    parser.add_argument("--holder", default=None,
-                        help="with --standby: this replica's name in hadar.leadership (default: host, pid and a "
-                             "random suffix)")
+    add_standby_args(parser)
     parser.add_argument("--record", default=None, metavar="FILE",
                         help="on shutdown, write every topic's events to FILE (for hadar replay --file)")
     parser.set_defaults(func=run_scheduler)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from shared.runtime.config import add_config_arg, load_config
 from shared.runtime.connection import add_store_args, make_bus, make_store
+from shared.runtime.leadership import add_standby_args
 from shared.runtime.logging import configure_logging
 from shared.runtime.service import run_service
 from shared.security.authorship import with_authorship
@@ -62,14 +63,7 @@ def add_tracker_parser(services: argparse._SubParsersAction,
                         help="write a state snapshot after every N rounds decided (default: 10; 0: never)")
     parser.add_argument("--snapshots-kept", type=int, default=None,
                         help="state snapshots kept, the newest (default: 3)")
-    parser.add_argument("--standby", action="store_true", default=None,
-                        help="one of several replicas: wait as a standby, take over when the active one stops "
-                             "renewing for --lease-ttl-s, step down (exit 3) when a newer one takes over")
-    parser.add_argument("--lease-ttl-s", type=float, default=None,
-                        help="with --standby: seconds without a renewal before a standby takes over (default: 10)")
-    parser.add_argument("--holder", default=None,
-                        help="with --standby: this replica's name in hadar.leadership (default: host, pid and a "
-                             "random suffix)")
+    add_standby_args(parser)
     parser.set_defaults(func=run_tracker)
     return parser
 

@@ -32,6 +32,7 @@ session. Fencing alone is the part Kafka guarantees; the renewals only decide *w
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import socket
@@ -48,7 +49,21 @@ from shared.errors import HadarError
 from shared.wire.events import LeaderRenewed
 from shared.wire.topics import LEADERSHIP
 
-__all__ = ["Leadership", "LeadershipLost", "LeaseView", "observe", "due_to_take_over", "stagger", "default_holder"]
+__all__ = ["Leadership", "LeadershipLost", "LeaseView", "observe", "due_to_take_over", "stagger", "default_holder",
+           "add_standby_args"]
+
+
+def add_standby_args(parser: argparse.ArgumentParser) -> None:
+    """``--standby``, ``--lease-ttl-s`` and ``--holder``: the flags of a single-writer
+    service that runs as one of several replicas (the scheduler, the tracker)."""
+    parser.add_argument("--standby", action="store_true", default=None,
+                        help="one of several replicas: wait as a standby, take over when the active one stops "
+                             "renewing for --lease-ttl-s, step down (exit 3) when a newer one takes over")
+    parser.add_argument("--lease-ttl-s", type=float, default=None,
+                        help="with --standby: seconds without a renewal before a standby takes over (default: 10)")
+    parser.add_argument("--holder", default=None,
+                        help="with --standby: this replica's name in hadar.leadership (default: host, pid and a "
+                             "random suffix)")
 
 RENEWALS_PER_TTL = 3
 POLLS_PER_TTL = 5
