@@ -268,3 +268,14 @@ def test_the_identity_command_enrols_a_user_with_a_key_pair(tmp_path) -> None:
                  "--out", str(tmp_path / "n1.json")]) == 2   # a node needs the master key
     assert main(["identity", "enrol", "user", "Alice", "--registry", str(registry),
                  "--out", str(tmp_path / "x.json")]) == 2
+
+
+def test_hadar_submit_submits_as_the_credentials_user_and_refuses_another(monkeypatch) -> None:
+    from services.cli.jobs import submitter
+    from shared.errors import UsageError
+    alice = Sealer(user_cred("alice"))
+    assert submitter(alice, None) == submitter(alice, "") == submitter(alice, "alice") == "alice"
+    with pytest.raises(UsageError, match="the job names user 'bob', but you are 'alice'"):
+        submitter(alice, "bob")
+    monkeypatch.setattr("getpass.getuser", lambda: "login")
+    assert submitter(None, "bob") == "login"   # no credential: the job file's user (parse_job) or the login name
