@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -279,3 +280,20 @@ def test_hadar_submit_submits_as_the_credentials_user_and_refuses_another(monkey
         submitter(alice, "bob")
     monkeypatch.setattr("getpass.getuser", lambda: "login")
     assert submitter(None, "bob") == "login"   # no credential: the job file's user (parse_job) or the login name
+
+
+@given(st.sampled_from([encode(heartbeat("n1")), encode(submitted_by("alice"))]) | st.binary(max_size=400),
+       st.sampled_from(["node/n1", "user/alice", "node/n9", "x"]), st.integers(0, 3),
+       st.sampled_from([32, 64]).flatmap(lambda n: st.binary(min_size=n, max_size=n)) | st.binary(max_size=70))
+def test_a_verifier_refuses_any_record_with_invalid_event_and_nothing_else(inner: bytes, by: str, epoch: int,
+                                                                             mac: bytes) -> None:
+    alice = public_key_of(b"a" * 32)
+    registry = Registry(epochs={"node/n1": 1, "user/alice": 1}, public_keys={"user/alice": alice})
+    checkers = (Verifier(MASTER, lambda: registry), Verifier(None, lambda: registry))
+    framed = msgpack.packb({"sealed": inner, "by": by, "epoch": epoch, "mac": mac}, use_bin_type=True)
+    for data in (framed, inner, b"\x84" + inner):
+        for checker in checkers:
+            try:
+                checker.open(data)
+            except InvalidEvent:
+                pass
