@@ -95,6 +95,47 @@ def test_the_filter_refuses_exactly_what_it_lists(machine: str) -> None:
         assert run(program, 0, foreign) == RET_KILL_PROCESS
 
 
+@pytest.mark.parametrize("machine", sorted(TABLES))
+def test_without_the_network_no_ip_socket_is_made_and_unix_sockets_are(machine: str) -> None:
+    table = TABLES[machine]
+    closed, open_ = filter_program(table, ip_sockets=False), filter_program(table)
+    socket_nr = table.numbers["socket"]
+    for domain in (2, 10):                                                      # AF_INET, AF_INET6
+        for kind in (1, 2, 3, 0x80802):                                         # stream, dgram, raw, dgram|flags
+            assert run(closed, socket_nr, table.audit_arch, domain, kind) == EPERM
+            assert run(open_, socket_nr, table.audit_arch, domain, kind) == RET_ALLOW
+    assert run(closed, socket_nr, table.audit_arch, 1, 1) == RET_ALLOW          # AF_UNIX
+    assert run(closed, table.numbers["chmod" if machine == "x86_64" else "fchmod"], table.audit_arch) == EPERM
+    assert run(closed, table.numbers["clone"], table.audit_arch, THREAD_FLAGS | 17) == RET_ALLOW
+
+
+NO_NETWORK_SCRIPT = """
+import ctypes, socket
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.prctl(38, 1, 0, 0, 0) == 0
+from services.agent.usercode.seccomp import apply_seccomp, filter_program, table_for
+apply_seccomp(filter_program(table_for(), ip_sockets=False))
+for family, kind in ((socket.AF_INET, socket.SOCK_DGRAM), (socket.AF_INET6, socket.SOCK_DGRAM),
+                     (socket.AF_INET, socket.SOCK_STREAM)):
+    try:
+        socket.socket(family, kind).sendto(b"x", ("127.0.0.1", 9))
+        print("sent")
+    except OSError as exc:
+        print(exc.strerror)
+a, b = socket.socketpair()
+a.sendall(b"unix ok")
+print(b.recv(16).decode())
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in TABLES or sys.platform != "linux", reason="no seccomp table here")
+def test_under_the_filter_without_network_no_udp_leaves_and_unix_sockets_work() -> None:
+    done = subprocess.run([sys.executable, "-c", NO_NETWORK_SCRIPT], capture_output=True, text=True, cwd=ROOT,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["Operation not permitted"] * 3 + ["unix ok"]
+
+
 def test_x32_calls_are_refused_on_x86_64() -> None:
     program = filter_program(TABLES["x86_64"])
     assert run(program, 0x40000000 | 0, AUDIT_ARCH_X86_64) == EPERM       # x32 read

@@ -14,7 +14,8 @@ starts, and cannot be undone. After it returns:
   skipped. A path that is a file gets only the rights a file can have.
 * **Processes:** Landlock closes ptrace-mode access (``/proc/<pid>/environ``, ``mem``, ...) to
   every process outside the sandbox's domain, whatever the uid.
-* **Network** (ABI >= 4): with ``allow_network`` False no TCP bind or connect at all.
+* **Network** (ABI >= 4): with ``allow_network`` False no TCP bind or connect at all, and
+  (seccomp) no IP socket of any kind: no UDP either.
 * **Scope** (ABI >= 6): no signal to, and no abstract unix socket of, a process outside the
   domain (the harness, the agent, other trainers).
 * **System calls** (:mod:`~services.agent.usercode.seccomp`, last): no change to any file's
@@ -23,8 +24,9 @@ starts, and cannot be undone. After it returns:
   module, BPF, keyring, ``io_uring`` or ``perf_event_open``; a foreign architecture's call
   kills the process. On a machine without a system call table the sandbox is refused.
 
-Not covered (a ``run_as`` uid that owns nothing outside its scratch closes most of it): UDP;
-``connect`` to an existing pathname unix socket; files of other processes in ``/dev/shm``.
+Not covered (a ``run_as`` uid that owns nothing outside its scratch closes most of it): UDP
+for a copy of several ranks (its rendezvous may need a name lookup); ``connect`` to an
+existing pathname unix socket; files of other processes in ``/dev/shm``.
 A child that leaves the trainer's session (``setsid``) is the harness's to end
 (:mod:`services.agent.usercode.process`).
 
@@ -263,7 +265,8 @@ def apply_sandbox(policy: SandboxPolicy) -> int:
     if abi < 1:
         raise SandboxError("Landlock is unavailable in this kernel")
     try:
-        program = filter_program(table_for())   # before anything changes: an unknown machine fails closed
+        # before anything changes: an unknown machine fails closed
+        program = filter_program(table_for(), ip_sockets=policy.allow_network)
     except SeccompError as exc:
         raise SandboxError(str(exc)) from None
     drop_privileges()

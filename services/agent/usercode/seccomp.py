@@ -24,6 +24,11 @@ architecture of each call:
   seccomp filter sees): ``EPERM``. ``clone3`` gets ``ENOSYS`` (its flags lie in memory a
   filter cannot read), so the C library falls back to ``clone``, whose flags it can.
 * On x86-64, the x32 system calls: ``EPERM``.
+* **IP sockets**, when the trainer may not use the network (``ip_sockets=False``: a copy of
+  one rank): ``socket`` of ``AF_INET`` or ``AF_INET6``, of any type: ``EPERM``. Landlock
+  refuses only TCP bind and connect; this closes UDP (and any other IP protocol). Unix
+  sockets stay (the harness's channel, a DataLoader's workers). A copy of several ranks keeps
+  IP sockets: its rendezvous may need a name looked up over UDP.
 
 **What a script notices:** it cannot change a file's mode, owner or times, not even of the
 files it creates in its scratch. ``shutil.copy`` and ``shutil.copy2`` (which copy the mode
@@ -64,6 +69,7 @@ def offset_arg(index: int) -> int:
     return 16 + 8 * index
 
 
+AF_INET, AF_INET6 = 2, 10
 CLONE_NEW_FLAGS = 0x7E020000   # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
 # _IOW('f', 2, long), _IOW('f', 2, int), _IOW('X', 32, struct fsxattr): the same on both tables.
 DENIED_IOCTLS = (0x40086602, 0x40046602, 0x401C5820)
@@ -99,7 +105,7 @@ class SyscallTable:
 
 TABLES: dict[str, SyscallTable] = {
     "x86_64": SyscallTable("x86_64", AUDIT_ARCH_X86_64, x32=True, numbers={
-        "ioctl": 16, "clone": 56, "chmod": 90, "fchmod": 91, "chown": 92, "fchown": 93, "lchown": 94,
+        "ioctl": 16, "socket": 41, "clone": 56, "chmod": 90, "fchmod": 91, "chown": 92, "fchown": 93, "lchown": 94,
         "ptrace": 101, "utime": 132, "mknod": 133, "pivot_root": 155, "chroot": 161, "acct": 163,
         "mount": 165, "umount2": 166, "swapon": 167, "swapoff": 168, "reboot": 169, "init_module": 175,
         "delete_module": 176, "setxattr": 188, "lsetxattr": 189, "fsetxattr": 190, "removexattr": 197,
@@ -112,7 +118,7 @@ TABLES: dict[str, SyscallTable] = {
         "setxattr": 5, "lsetxattr": 6, "fsetxattr": 7, "removexattr": 14, "lremovexattr": 15,
         "fremovexattr": 16, "ioctl": 29, "mknodat": 33, "umount2": 39, "mount": 40, "pivot_root": 41,
         "chroot": 51, "fchmod": 52, "fchmodat": 53, "fchownat": 54, "fchown": 55, "utimensat": 88,
-        "acct": 89, "unshare": 97, "kexec_load": 104, "init_module": 105, "delete_module": 106,
+        "acct": 89, "unshare": 97, "socket": 198, "kexec_load": 104, "init_module": 105, "delete_module": 106,
         "ptrace": 117, "reboot": 142, "add_key": 217, "request_key": 218, "keyctl": 219, "clone": 220,
         "swapon": 224, "swapoff": 225, "perf_event_open": 241, "setns": 268, "process_vm_readv": 270,
         "process_vm_writev": 271, "finit_module": 273, "bpf": 280, "userfaultfd": 282,
@@ -164,7 +170,8 @@ class _Program:
         return out
 
 
-def filter_program(table: SyscallTable, denied: Iterable[str] = DENIED) -> list[tuple[int, int, int, int]]:
+def filter_program(table: SyscallTable, denied: Iterable[str] = DENIED, *,
+                   ip_sockets: bool = True) -> list[tuple[int, int, int, int]]:
     """The filter as (code, jt, jf, k) instructions (see the module docstring)."""
     numbers = sorted({table.numbers[name] for name in denied if name in table.numbers})
     p = _Program()
@@ -177,10 +184,17 @@ def filter_program(table: SyscallTable, denied: Iterable[str] = DENIED) -> list[
         p.add(JEQ_K, number, "eperm", 0)
     p.add(JEQ_K, table.numbers["clone3"], "enosys", 0)
     p.add(JEQ_K, table.numbers["clone"], "clone", 0)
+    if not ip_sockets:
+        p.add(JEQ_K, table.numbers["socket"], "socket", 0)
     p.add(JEQ_K, table.numbers["ioctl"], "ioctl", "allow")
     p.label("clone")
     p.add(LD_W_ABS, offset_arg(0))
     p.add(JSET_K, CLONE_NEW_FLAGS, "eperm", "allow")
+    if not ip_sockets:
+        p.label("socket")
+        p.add(LD_W_ABS, offset_arg(0))
+        p.add(JEQ_K, AF_INET, "eperm", 0)
+        p.add(JEQ_K, AF_INET6, "eperm", "allow")
     p.label("ioctl")
     p.add(LD_W_ABS, offset_arg(1))
     for request in DENIED_IOCTLS:
