@@ -88,7 +88,10 @@ def local_user_identity(paths: InfraPaths) -> Path:
     directory = credentials_dir(paths)
     path = directory / "user.identity"
     if not path.exists():
-        login = getpass.getuser()
+        try:
+            login = getpass.getuser()
+        except (OSError, KeyError):   # no login name in the environment nor the password database
+            login = ""
         identity = user_identity(login if USER_RE.fullmatch(login) else "dev")
         registry_path = authorship_files(paths)[1]
         private = new_user_key()

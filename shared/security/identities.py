@@ -71,7 +71,6 @@ def derive_key(master: bytes, identity: str, epoch: int) -> bytes:
     return hmac.digest(master, b"\0".join((_CONTEXT, identity.encode(), str(epoch).encode())), "sha256")
 
 
-
 def new_master_key() -> bytes:
     return os.urandom(MASTER_KEY_BYTES)
 
