@@ -40,7 +40,6 @@ from shared.security.identities import (
 __all__ = ["register"]
 
 
-
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("identity", help="enrol, rotate and revoke the identities of GPU nodes and users (admin)")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
