@@ -9,6 +9,9 @@
   key) with a new Ed25519 key pair: the public half goes into R, the private half into the
   credential, which the user's ``hadar`` gets as ``HADAR_IDENTITY_FILE`` (it then submits and
   cancels as U, and only as U).
+* ``hadar identity keygen user U --out CRED`` (the user) and ``hadar identity enrol user U
+  --public-key HEX --registry R`` (the admin) -- the same with a key pair the user made: the
+  private half never leaves the user.
 * ``hadar identity revoke node|user N --registry R`` -- its records are refused from then on.
 * ``hadar identity ls --registry R`` -- the enrolled identities and their key epochs.
 
@@ -21,6 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from shared.errors import UsageError
 from shared.security.files import write_private
@@ -51,8 +56,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     enrol.add_argument("name", help="the node id (as the agent's --node-id) or the user name (as a job's user)")
     enrol.add_argument("--master-key-file", type=Path, help="the master key (a node's key is derived from it)")
     enrol.add_argument("--registry", required=True, type=Path, help="the registry file (created if missing)")
-    enrol.add_argument("--out", required=True, type=Path, help="where to write the credential (owner-only)")
+    enrol.add_argument("--out", type=Path, help="where to write the credential (owner-only)")
+    enrol.add_argument("--public-key", default=None, metavar="HEX",
+                       help="a user: register this public key (from hadar identity keygen); no credential is written")
     enrol.set_defaults(func=_enrol)
+    keygen = actions.add_parser("keygen", help="a user: make your own key pair; give the printed public key to "
+                                               "the admin (hadar identity enrol user NAME --public-key HEX)")
+    keygen.add_argument("kind", choices=("user",))
+    keygen.add_argument("name", help="your user name")
+    keygen.add_argument("--out", required=True, type=Path, help="your credential (owner-only; refused if it exists)")
+    keygen.set_defaults(func=_keygen)
     revoke = actions.add_parser("revoke", help="revoke a node or user: its records are refused from then on")
     revoke.add_argument("kind", choices=KINDS)
     revoke.add_argument("name")
@@ -106,11 +119,42 @@ def revoke(identity: str, *, registry_path: Path) -> None:
 
 def _enrol(args: argparse.Namespace) -> int:
     identity = _identity(args.kind, args.name)
+    if args.public_key is not None:
+        if args.kind != "user":
+            raise UsageError("--public-key: only a user brings a public key (a node's key is derived)")
+        try:
+            public = bytes.fromhex(args.public_key)
+            public_key_of_check(public)
+        except ValueError:
+            raise UsageError("--public-key: expected the 64 hex digits hadar identity keygen prints") from None
+        registry, epoch = Registry.read(args.registry).enrol(identity, public)
+        write_private(args.registry, registry.to_text())
+        print(f"{identity}: key epoch {epoch}; public key registered")
+        return 0
+    if args.out is None:
+        raise UsageError("--out: where to write the credential (or, for a user, --public-key from keygen)")
     master = read_master_key(args.master_key_file) if args.master_key_file is not None else None
     credential = enrol(identity, master=master, registry_path=args.registry)
     write_private(args.out, credential.to_text())
     print(f"{identity}: key epoch {credential.epoch}; credential written to {args.out}")
     return 0
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    identity = _identity(args.kind, args.name)
+    if args.out.exists():
+        raise UsageError(f"{args.out}: exists; a new key pair would replace the enrolled one")
+    private = new_user_key()
+    write_private(args.out, Credential(identity=identity, epoch=1, key=private).to_text())
+    print(public_key_of(private).hex())
+    return 0
+
+
+def public_key_of_check(public: bytes) -> None:
+    """ValueError unless ``public`` is a valid Ed25519 public key."""
+    if len(public) != 32:
+        raise ValueError("not 32 bytes")
+    Ed25519PublicKey.from_public_bytes(public)
 
 
 def _revoke(args: argparse.Namespace) -> int:

@@ -19,8 +19,9 @@ Guarantees of :meth:`Verifier.open` (each refusal an :class:`InvalidEvent` whose
 starts ``authorship:``, so the bus dead-letters the record with it, and counted by kind in
 ``refusals``):
 
-* a sealed record is accepted only if its identity is enrolled, its epoch is the current
-  one, and its seal is right; then its inner event is decoded as usual;
+* a sealed record is accepted only if its identity is enrolled and its seal is right: a
+  node's MAC with the key of the current epoch (an older epoch: ``old_key``), a user's
+  signature with the public key registered now; then its inner event is decoded as usual;
 * an event that claims an author (:func:`claimed_author`: a node's NodeRegistered,
   NodeHeartbeat, Progress, CopyFinished; the user a JobSubmitted's job names; the user a
   JobCancelled names) is accepted only if sealed by that identity: an unsealed one, or one
@@ -149,7 +150,9 @@ class Verifier:
         current = registry.epochs.get(sealed.by)
         if current is None:
             raise self._refuse("not_enrolled", f"{sealed.by[:80]!r} is not enrolled (or was revoked)")
-        if sealed.epoch != current:
+        # A user's seal is checked against the public key registered now (a rotated key's
+        # signature fails), so a user may make a key pair before the admin enrols it.
+        if sealed.epoch != current and not sealed.by.startswith("user/"):
             raise self._refuse("old_key", f"{sealed.by} sealed with key epoch {sealed.epoch}, "
                                           f"the current one is {current}")
         if not self._genuine(sealed.by, current, sealed.inner, sealed.mac, registry):

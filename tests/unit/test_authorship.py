@@ -297,3 +297,21 @@ def test_a_verifier_refuses_any_record_with_invalid_event_and_nothing_else(inner
                 checker.open(data)
             except InvalidEvent:
                 pass
+
+
+def test_a_user_makes_a_key_pair_and_the_admin_registers_only_its_public_half(tmp_path, capsys) -> None:
+    registry, mine = tmp_path / "registry.json", tmp_path / "alice.identity"
+    assert main(["identity", "keygen", "user", "alice", "--out", str(mine)]) == 0
+    public = capsys.readouterr().out.strip()
+    assert main(["identity", "keygen", "user", "alice", "--out", str(mine)]) == 2   # never overwrites
+    for _ in range(2):   # enrolled twice: epoch 2, the user's credential says 1; the key is what counts
+        assert main(["identity", "enrol", "user", "alice", "--public-key", public, "--registry", str(registry)]) == 0
+    assert Registry.read(registry).epochs["user/alice"] == 2
+    checker, event = Verifier(None, lambda: Registry.read(registry)), submitted_by("alice")
+    assert checker.open(Sealer(Credential.read(mine)).seal(encode(event))) == event
+    stale = Credential(identity="user/alice", epoch=2, key=new_user_key())   # a key rotated away
+    with pytest.raises(InvalidEvent, match="bad seal"):
+        checker.open(Sealer(stale).seal(encode(event)))
+    assert main(["identity", "enrol", "user", "alice", "--public-key", "abc", "--registry", str(registry)]) == 2
+    assert main(["identity", "enrol", "node", "n1", "--public-key", public, "--registry", str(registry)]) == 2
+    assert main(["identity", "enrol", "user", "bob", "--registry", str(registry)]) == 2   # neither --out nor a key
