@@ -29,11 +29,9 @@ from shared.security.credentials import MECHANISM, write_env_files
 from shared.security.files import write_private
 from shared.security.identities import (
     REGISTRY_ENV,
-    Credential,
     Registry,
+    enrol,
     new_master_key,
-    new_user_key,
-    public_key_of,
     user_identity,
 )
 from shared.security.principals import ADMIN, PRINCIPALS, s3_user
@@ -93,11 +91,8 @@ def local_user_identity(paths: InfraPaths) -> Path:
         except (OSError, KeyError):   # no login name in the environment nor the password database
             login = ""
         identity = user_identity(login if USER_RE.fullmatch(login) else "dev")
-        registry_path = authorship_files(paths)[1]
-        private = new_user_key()
-        registry, epoch = Registry.read(registry_path).enrol(identity, public_key_of(private))
-        write_private(registry_path, registry.to_text())
-        write_private(path, Credential(identity=identity, epoch=epoch, key=private).to_text())
+        credential = enrol(identity, master=None, registry_path=authorship_files(paths)[1])
+        write_private(path, credential.to_text())
     return path
 
 

@@ -25,20 +25,19 @@ import argparse
 import json
 from pathlib import Path
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
 from shared.errors import UsageError
 from shared.security.files import write_private
 from shared.security.identities import (
     KINDS,
     Credential,
     Registry,
-    derive_key,
+    enrol,
     new_master_key,
     new_user_key,
     node_identity,
     public_key_of,
     read_master_key,
+    revoke,
     user_identity,
 )
 
@@ -93,46 +92,22 @@ def _master_key(args: argparse.Namespace) -> int:
     return 0
 
 
-def enrol(identity: str, *, master: bytes | None, registry_path: Path) -> Credential:
-    """Enrol ``identity`` (or rotate its key) in the registry file; its new credential. A
-    node's key is derived from ``master``; a user's is a new Ed25519 key pair."""
-    if identity.startswith("user/"):
-        private = new_user_key()
-        registry, epoch = Registry.read(registry_path).enrol(identity, public_key_of(private))
-        key = private
-    else:
-        if master is None:
-            raise UsageError("--master-key-file: a node's key is derived from the master key")
-        registry, epoch = Registry.read(registry_path).enrol(identity)
-        key = derive_key(master, identity, epoch)
-    write_private(registry_path, registry.to_text())
-    return Credential(identity=identity, epoch=epoch, key=key)
-
-
-def revoke(identity: str, *, registry_path: Path) -> None:
-    try:
-        registry = Registry.read(registry_path).revoke(identity)
-    except KeyError:
-        raise UsageError(f"{identity} is not enrolled in {registry_path}") from None
-    write_private(registry_path, registry.to_text())
-
-
 def _enrol(args: argparse.Namespace) -> int:
     identity = _identity(args.kind, args.name)
     if args.public_key is not None:
         if args.kind != "user":
             raise UsageError("--public-key: only a user brings a public key (a node's key is derived)")
         try:
-            public = bytes.fromhex(args.public_key)
-            public_key_of_check(public)
+            registry, epoch = Registry.read(args.registry).enrol(identity, bytes.fromhex(args.public_key))
         except ValueError:
             raise UsageError("--public-key: expected the 64 hex digits hadar identity keygen prints") from None
-        registry, epoch = Registry.read(args.registry).enrol(identity, public)
         write_private(args.registry, registry.to_text())
         print(f"{identity}: key epoch {epoch}; public key registered")
         return 0
     if args.out is None:
         raise UsageError("--out: where to write the credential (or, for a user, --public-key from keygen)")
+    if args.kind == "node" and args.master_key_file is None:
+        raise UsageError("--master-key-file: a node's key is derived from the master key")
     master = read_master_key(args.master_key_file) if args.master_key_file is not None else None
     credential = enrol(identity, master=master, registry_path=args.registry)
     write_private(args.out, credential.to_text())
@@ -150,16 +125,12 @@ def _keygen(args: argparse.Namespace) -> int:
     return 0
 
 
-def public_key_of_check(public: bytes) -> None:
-    """ValueError unless ``public`` is a valid Ed25519 public key."""
-    if len(public) != 32:
-        raise ValueError("not 32 bytes")
-    Ed25519PublicKey.from_public_bytes(public)
-
-
 def _revoke(args: argparse.Namespace) -> int:
     identity = _identity(args.kind, args.name)
-    revoke(identity, registry_path=args.registry)
+    try:
+        revoke(identity, registry_path=args.registry)
+    except KeyError:
+        raise UsageError(f"{identity} is not enrolled in {args.registry}") from None
     print(f"{identity}: revoked")
     return 0
 

@@ -24,16 +24,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from shared.clock import Clock, SystemClock
 from shared.errors import ConfigError
+from shared.security.files import write_private
 from shared.wire.records import NODE_ID_RE, USER_RE
 
 __all__ = [
     "Credential", "Registry", "RegistryFile", "derive_key", "node_identity", "user_identity", "new_user_key",
-    "public_key_of", "read_master_key", "new_master_key", "MASTER_KEY_BYTES", "REGISTRY_ENV", "KINDS",
+    "public_key_of", "read_master_key", "new_master_key", "MASTER_KEY_BYTES", "REGISTRY_ENV", "KINDS", "enrol",
+    "revoke",
 ]
 
 REGISTRY_ENV = "HADAR_AUTHORSHIP_REGISTRY"
@@ -134,9 +136,10 @@ class Registry:
     def enrol(self, identity: str, public_key: bytes | None = None) -> tuple[Registry, int]:
         """This registry with ``identity`` given a fresh epoch (a new key; the old one stops
         working); a user's comes with its ``public_key``, a node's without."""
-        if identity.startswith("user/") != (public_key is not None) or (public_key is not None
-                                                                         and len(public_key) != 32):
-            raise ValueError("a user is enrolled with a 32-byte public key, a node without one")
+        if identity.startswith("user/") != (public_key is not None):
+            raise ValueError("a user is enrolled with a public key, a node without one")
+        if public_key is not None:
+            Ed25519PublicKey.from_public_bytes(public_key)   # ValueError unless a valid 32-byte key
         epoch = max(self.epochs.get(identity, 0), self.retired.get(identity, 0)) + 1
         keys = {k: v for k, v in self.public_keys.items() if k != identity}
         if public_key is not None:
@@ -225,3 +228,24 @@ class RegistryFile:
                 except ConfigError as exc:
                     self.error = str(exc)
         return self._registry
+
+
+def enrol(identity: str, *, master: bytes | None, registry_path: Path) -> Credential:
+    """Enrol ``identity`` (or rotate its key) in the registry file; its new credential. A
+    node's key is derived from ``master`` (ValueError without it); a user's is a new Ed25519
+    key pair."""
+    if identity.startswith("user/"):
+        key = new_user_key()
+        registry, epoch = Registry.read(registry_path).enrol(identity, public_key_of(key))
+    else:
+        if master is None:
+            raise ValueError("a node's key is derived from the master key")
+        registry, epoch = Registry.read(registry_path).enrol(identity)
+        key = derive_key(master, identity, epoch)
+    write_private(registry_path, registry.to_text())
+    return Credential(identity=identity, epoch=epoch, key=key)
+
+
+def revoke(identity: str, *, registry_path: Path) -> None:
+    """Revoke ``identity`` in the registry file (KeyError if it is not enrolled)."""
+    write_private(registry_path, Registry.read(registry_path).revoke(identity).to_text())

@@ -21,12 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.identity import enrol, revoke
 from shared.bus import KafkaBus
 from shared.bus.settings import kafka_from_env
 from shared.security.authorship import Sealer
 from shared.security.files import write_private
-from shared.security.identities import Credential, read_master_key
+from shared.security.identities import Credential, enrol, read_master_key, revoke
 from shared.wire.events import (
     CopyFinished,
     DeadLetter,
