@@ -45,6 +45,7 @@ from typing import Any, Literal, cast
 import structlog
 
 from services.agent.daemon.discovery import NodeDevices
+from services.agent.daemon.failure_log import failed_copy_log_tail
 from services.agent.daemon.metrics import AgentMetrics
 from services.agent.daemon.process import WorkerPool, WorkerProcess, WorkerSlots
 from services.agent.protocol import CodeTarget, StoreTarget, WorkerSpec
@@ -116,6 +117,7 @@ class CopyRun:
         self.stop_reason = ""
         self.steps_round = 0
         self.first_failure = ""
+        self.first_failed_rank: int | None = None
         self._started = 0
         self.log = structlog.get_logger().bind(node=ctx.node_id, job=assignment.job_id,
                                                round=assignment.round, copy=assignment.copy)
@@ -300,6 +302,7 @@ class CopyRun:
                      + (f" (stopping: {self.stop_reason})" if self.stop_reason else "")}
         if final["event"] == "failed" and not self.first_failure:
             self.first_failure = str(final["reason"])
+            self.first_failed_rank = spec.rank
             if not self._stopping and any(w.alive for w in self.workers):
                 self.preempt(f"rank {spec.rank} failed")  # its peers cannot finish without it
         return {**final, "rank": spec.rank, "exit_code": code}
@@ -329,8 +332,7 @@ class CopyRun:
         failed = [f for f in finals if f is not None and f["event"] == "failed"]
         if failure or failed:
             reason = failure or self.first_failure or str(failed[0]["reason"])
-            tail = next((str(f["log_tail"]) for f in failed if isinstance(f.get("log_tail"), str) and f["log_tail"]),
-                        "")
+            tail = failed_copy_log_tail(failed, first_failed_rank=self.first_failed_rank, limit=MAX_LOG_TAIL)
             self.ctx.metrics.failure()
             return self._result("failed", self.steps_round, None, reason, log_tail=tail)
         mine = next((f for f in finals if f is not None and f["rank"] == 0), None)
