@@ -134,26 +134,33 @@ async def verify_models(s3: S3Settings, models: list[ModelConsolidated], records
                         scratch: Path) -> int:
     """How many of ``models`` equal the samples-weighted average of their stored replicas."""
     workers = {(e.job_id, e.round, e.copy): e.world_size for _, e in records if isinstance(e, Assignment)}
+    # A copy's checkpoint is under the node that ran its rank 0: the only node the tracker
+    # takes a checkpoint from (services/tracker/acceptance.py) and the one that wrote it.
+    writers = {(e.job_id, e.round, e.copy): e.node_id for _, e in records if isinstance(e, Assignment) and 0 in e.ranks}
     store = MinioStore(s3)
     await store.start()
     scratch.mkdir(parents=True, exist_ok=True)
     ok = 0
     for m in models:
         try:
-            ok += await _verify_one(store, m, workers, scratch)
+            ok += await _verify_one(store, m, workers, scratch, writers=writers)
         except Exception:
             pass
     return ok
 
 
-async def _verify_one(store: MinioStore, m: ModelConsolidated, workers: dict, scratch: Path) -> bool:
+async def _verify_one(store: MinioStore, m: ModelConsolidated, workers: dict, scratch: Path, *,
+                      writers: dict[tuple[str, int, int], str]) -> bool:
+    """``workers``: each copy's world size; ``writers``: the node that ran each copy's rank 0
+    (a copy without one is not verified)."""
     scratch.mkdir(parents=True, exist_ok=True)
     await store.get_file(m.key, scratch / "model.safetensors")
     model = load_file(str(scratch / "model.safetensors"))
     replicas = []
     for c in m.copies:
         path = scratch / f"{c.copy}.safetensors"
-        await store.get_file(checkpoint_key(m.job_id, m.round, c.copy), path)
+        writer = writers[(m.job_id, m.round, c.copy)]
+        await store.get_file(checkpoint_key(m.job_id, m.round, c.copy, node=writer), path)
         k = workers.get((m.job_id, m.round, c.copy), 1)
         replicas.append((c.copy, c.steps, c.steps * k, load_file(str(path))))
     if not replicas:

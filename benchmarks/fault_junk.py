@@ -52,7 +52,7 @@ async def _publish_junk(c: Cluster, count: int, rng: random.Random) -> None:
                                    ends_at=now + 10),
             lambda i: CopyFinished(ts=now, source="forger", job_id=job, round=i % 5, copy=7, node_id=node,
                                    status="ok", steps_round=10**6,
-                                   checkpoint=f"checkpoints/{job}/{i % 5}/9.safetensors"),
+                                   checkpoint=f"checkpoints/{job}/{i % 5}/{node}/9.safetensors"),
             lambda i: ModelConsolidated(ts=now, source="forger", job_id=job, round=i % 5,
                                         key=f"models/{job}/forged-{i}.safetensors", total_steps=10**6,
                                         copies=(CopyWeight(copy=0, steps=1, weight=1.0),)),

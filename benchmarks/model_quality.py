@@ -18,9 +18,10 @@ temp directory: every copy of every round is one :class:`services.agent.worker.m
 run from a :class:`WorkerSpec` (the agent daemon's subprocess body, called directly to
 spare a torch import per copy), starting from the previous round's consolidated model
 (``start_from``), training its step budget and writing
-``checkpoints/{job}/{round}/{copy}.safetensors``. After each round the copies are averaged
-as the tracker does it (:func:`weigh_replicas` with ``steps`` weights, streamed from
-the store by :class:`StoreRangeReader`, :func:`write_model_files`), to
+``checkpoints/{job}/{round}/{node}/{copy}.safetensors`` (node :data:`NODE`). After each
+round the copies are averaged as the tracker does it (:func:`weigh_replicas` with
+``steps`` weights, streamed from the store by :class:`StoreRangeReader`,
+:func:`write_model_files`), to
 ``models/{job}/{round}.safetensors`` (weights only) with the tracker's metadata
 (:mod:`shared.domain.model_meta`; ``total_steps`` is the previous total plus the copies' steps)
 and the averaged optimizer state beside it (``models/{job}/{round}.optim.safetensors``),
@@ -77,6 +78,7 @@ from shared.store import LocalStore
 from shared.zoo import build_model, evaluate, load_dataset
 
 DEADLINE_S = 24 * 3600.0   # rounds end by step budget, never by the clock
+NODE = "bench"   # the one node every copy runs on: it writes every checkpoint, under its own node segment
 ARMS = ("single", "forked", "single_wall")
 
 
@@ -148,7 +150,7 @@ async def consolidate_round(store: LocalStore, job_id: str, round_: int, steps: 
     loop = asyncio.get_running_loop()
     replicas = []
     for copy, copy_steps in enumerate(steps):
-        key = checkpoint_key(job_id, round_, copy)
+        key = checkpoint_key(job_id, round_, copy, node=NODE)
         size = await store.size(key)
         replicas.append(Replica(copy=copy, steps=copy_steps, reader=StoreRangeReader(store, key, size, loop)))
     out_dir = scratch / f"{job_id}-{round_}"
@@ -181,11 +183,11 @@ def train_job(root: Path, task: Task, arm: Arm, seed: int, training: Training, s
         steps = []
         for copy in range(arm.copies):
             spec = WorkerSpec(
-                job_id=job_id, round=round_, copy=copy, node_id="bench", gpu_type="cpu", model=task.model,
+                job_id=job_id, round=round_, copy=copy, node_id=NODE, gpu_type="cpu", model=task.model,
                 dataset=task.dataset, batch_size=training.batch_size, optimizer=training.optimizer,
                 lr=training.lr, seed=seed, rank=0, world_size=1, rendezvous=None, device="cpu",
                 step_budget=budget, deadline=time.time() + DEADLINE_S, start_from=start_from,
-                checkpoint=checkpoint_key(job_id, round_, copy), store=StoreTarget.local(root),
+                checkpoint=checkpoint_key(job_id, round_, copy, node=NODE), store=StoreTarget.local(root),
                 threads=training.threads, local_sgd=arm.local_sgd(training))
             steps.append(run_copy(spec))
         total = asyncio.run(consolidate_round(store, job_id, round_, steps, total, scratch))

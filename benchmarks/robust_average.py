@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from safetensors.numpy import load_file, save_file
 
-from benchmarks.model_quality import TASKS, run_copy
+from benchmarks.model_quality import NODE, TASKS, run_copy
 from services.agent.protocol import StoreTarget, WorkerSpec
 from services.tracker.averaging.consolidate import Replica, Weighing, weigh_replicas
 from services.tracker.averaging.safetensors_format import FileRangeReader
@@ -157,18 +157,18 @@ class _Job:
     def train_round(self, round_: int, budgets: list[int]) -> list[int]:
         start = model_key(self.job, round_ - 1) if round_ else None
         return [run_copy(WorkerSpec(
-            job_id=self.job, round=round_, copy=c, node_id="bench", gpu_type="cpu", model=self.task.model,
+            job_id=self.job, round=round_, copy=c, node_id=NODE, gpu_type="cpu", model=self.task.model,
             dataset=self.task.dataset, batch_size=32, optimizer="sgd", lr=0.05, seed=self.seed, rank=0,
             world_size=1, rendezvous=None, device="cpu", step_budget=b, deadline=time.time() + 86400,
-            start_from=start, checkpoint=checkpoint_key(self.job, round_, c), store=StoreTarget.local(self.root),
-            threads=1)) for c, b in enumerate(budgets)]
+            start_from=start, checkpoint=checkpoint_key(self.job, round_, c, node=NODE),
+            store=StoreTarget.local(self.root), threads=1)) for c, b in enumerate(budgets)]
 
     def weigh(self, round_: int, claims: dict[int, int]) -> Weighing:
         return weigh_replicas([Replica(copy=c, steps=s, reader=FileRangeReader(self.ckpt(round_, c)))
                                for c, s in claims.items()], prior_worker_steps=self.total)
 
     def ckpt(self, round_: int, copy: int) -> Path:
-        return self.root / checkpoint_key(self.job, round_, copy)
+        return self.root / checkpoint_key(self.job, round_, copy, node=NODE)
 
     def screen(self, round_: int, weighing: Weighing) -> Screening:
         return screen_replicas(weighing, FileRangeReader(self.root / model_key(self.job, round_ - 1)),

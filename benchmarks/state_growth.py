@@ -103,7 +103,7 @@ def day(nodes: int, events: int) -> Iterator[Event]:
             spec, left, done = running[n]
             yield CopyFinished(ts=end, source="agent", job_id=spec.job_id, round=r, copy=0, node_id=n,
                                status="ok", steps_round=100, gpu_type="v100",
-                               checkpoint=checkpoint_key(spec.job_id, r, 0))
+                               checkpoint=checkpoint_key(spec.job_id, r, 0, node=n))
             yield ModelConsolidated(ts=end + 1, source="tracker", job_id=spec.job_id, round=r,
                                     key=model_key(spec.job_id, r), total_steps=done + 100,
                                     copies=(CopyWeight(copy=0, steps=100, weight=1.0),))

@@ -56,6 +56,7 @@ from shared.wire.events import (
 T0 = 1_700_000_000.0
 ROUND_S = 60.0
 STEPS = 100
+NODE = "n1"   # the one node every copy runs on, reports from and writes its checkpoint
 
 
 class History:
@@ -83,13 +84,13 @@ class History:
 
     def assignment(self, job: JobSpec, round_: int, copy: int = 0) -> Assignment:
         at = T0 + ROUND_S * round_
-        return Assignment(ts=at, source="scheduler", round=round_, job=job, copy=copy, node_id="n1", gpus=(0,),
+        return Assignment(ts=at, source="scheduler", round=round_, job=job, copy=copy, node_id=NODE, gpus=(0,),
                           gpu_type="V100", world_size=1, ranks=(0,), step_budget=1_000, deadline=at + ROUND_S)
 
     def finished(self, job_id: str, round_: int, copy: int = 0) -> CopyFinished:
         return CopyFinished(ts=T0 + ROUND_S * round_ + 50, source="agent/n1", job_id=job_id, round=round_,
-                            copy=copy, node_id="n1", status="ok", steps_round=STEPS,
-                            checkpoint=checkpoint_key(job_id, round_, copy))
+                            copy=copy, node_id=NODE, status="ok", steps_round=STEPS,
+                            checkpoint=checkpoint_key(job_id, round_, copy, node=NODE))
 
     async def round(self, r: int) -> None:
         at = T0 + ROUND_S * r
@@ -102,7 +103,7 @@ class History:
             await self.publish(self.assignment(job, r))
         for job, done in self.slots:
             await self.publish(Progress(ts=at + 30, source="agent/n1", job_id=job.job_id, round=r, copy=0,
-                                     node_id="n1", gpu_type="V100", workers=1, steps_round=STEPS // 2,
+                                     node_id=NODE, gpu_type="V100", workers=1, steps_round=STEPS // 2,
                                      steps_total=STEPS * done + STEPS // 2, samples_per_s=10.0, loss=1.0))
             await self.publish(self.finished(job.job_id, r))
         for i, (job, done) in enumerate(self.slots):
@@ -156,7 +157,8 @@ async def run(args: argparse.Namespace) -> dict:
         r = args.rounds
         (a, _), (b, _) = history.slots[0], history.slots[1]
         rng = np.random.default_rng(0)
-        await store.put(checkpoint_key(a.job_id, r, 0), save({"w": rng.standard_normal(64).astype(np.float32)}))
+        weights = save({"w": rng.standard_normal(64).astype(np.float32)})
+        await store.put(checkpoint_key(a.job_id, r, 0, node=NODE), weights)
         for number, assignments in ((r, 1), (r + 1, 1)):
             at = T0 + ROUND_S * number
             await history.publish(RoundStarted(ts=at, source="scheduler", round=number, policy="hadare", started_at=at,

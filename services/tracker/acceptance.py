@@ -14,7 +14,7 @@ Rules (a refusal's reason label in brackets):
   r+1 may be read before RoundStarted r+1 (another partition), never two rounds ahead of
   what the scheduler started. RoundStarted itself is the scheduler's and is not bounded.
 * **CopyFinished** (:func:`report_problem`): its checkpoint is exactly
-  ``checkpoint_key(job, round, copy)`` (or absent when it failed) [bad_key]; it comes from
+  ``checkpoint_key(job, round, copy, node=<the reporting node>)`` (or absent when it failed) [bad_key]; it comes from
   a node the copy was assigned to -- for ``ok``/``preempted``, a node hosting rank 0,
   which alone writes the checkpoint; a failure from any of the copy's nodes [wrong_node];
   its steps are at most the copy's ``step_budget`` [over_budget]; and the copy was
@@ -96,7 +96,7 @@ class CopyPlacement:
 def key_problem(event: CopyFinished) -> Problem | None:
     """A checkpoint that is not the copy's own key (checked before anything else: a key
     is wrong whatever the placements turn out to be)."""
-    expected = checkpoint_key(event.job_id, event.round, event.copy)
+    expected = checkpoint_key(event.job_id, event.round, event.copy, node=event.node_id)
     if event.checkpoint is not None and event.checkpoint != expected:
         return Problem(reason="bad_key", detail=f"checkpoint {event.checkpoint[:120]!r} is not {expected!r}")
     return None

@@ -2,29 +2,32 @@
 
 ::
 
-    checkpoints/{job}/{round}/{copy}.safetensors   a copy's weights at the end of a round (agent)
-    models/{job}/{round}.safetensors               the round's consolidated model: weights only (tracker)
-    models/{job}/{round}.optim.safetensors         its averaged optimizer state, for resuming (tracker)
-    models/{job}/final.safetensors                 the job's final model (tracker)
-    snapshots/{owner}/{seq}.snapshot               a service's state snapshot (shared/persistence/snapshot.py)
-    users/{user}/code/{digest}.tar                 a user's code bundle (hadar submit; shared/domain/bundles.py)
-    users/{user}/data/{digest}.tar                 a user's dataset bundle (hadar data put)
-    users/{user}/datasets/{name}.json              which dataset bundle a name stands for now (hadar data put)
+    checkpoints/{job}/{round}/{node}/{copy}.safetensors   a copy's weights at the end of a round (agent)
+    models/{job}/{round}.safetensors         the round's consolidated model: weights only (tracker)
+    models/{job}/{round}.optim.safetensors   its averaged optimizer state, for resuming (tracker)
+    models/{job}/final.safetensors           the job's final model (tracker)
+    snapshots/{owner}/{seq}.snapshot         a service's state snapshot (shared/persistence/snapshot.py)
+    users/{user}/code/{digest}.tar           a user's code bundle (hadar submit; shared/domain/bundles.py)
+    users/{user}/data/{digest}.tar           a user's dataset bundle (hadar data put)
+    users/{user}/datasets/{name}.json        which dataset bundle a name stands for now (hadar data put)
 
-``user`` is a user (:data:`shared.wire.records.USER_RE`), ``digest`` a bundle's SHA-256 in
-lowercase hex and ``name`` a dataset name (:data:`shared.wire.records.DATASET_RE`); bundles
-are named by content, so a key never changes meaning. ``job`` is a job id
-(:data:`shared.wire.records.JOB_ID_RE`); ``owner`` a service's consumer group
-id (1-63 of letters, digits, ``.``, ``_``, ``-``, starting with a letter or digit); ``seq``,
-``round`` and ``copy`` are
-non-negative integers in decimal, without leading zeros. Every object is written to a
-temporary name first and moved to its key only when complete (``ObjectStore.put_file``),
+``node`` is the GPU node that ran the copy's rank 0 and wrote the file
+(:data:`shared.wire.records.NODE_ID_RE`): with ``--secure`` each node's store login may write
+only keys with its own node segment (:func:`shared.security.principals.node_s3_policy`), so a
+node cannot plant a file where the tracker looks for another node's copy. ``user`` is a user
+(:data:`shared.wire.records.USER_RE`), ``digest`` a bundle's SHA-256 in lowercase hex and
+``name`` a dataset name (:data:`shared.wire.records.DATASET_RE`); bundles are named by
+content, so a key never changes meaning. ``job`` is a job id
+(:data:`shared.wire.records.JOB_ID_RE`); ``owner`` a service's consumer group id (1-63 of
+letters, digits, ``.``, ``_``, ``-``, starting with a letter or digit); ``seq``, ``round`` and
+``copy`` are non-negative integers in decimal, without leading zeros. Every object is written
+to a temporary name first and moved to its key only when complete (``ObjectStore.put_file``),
 so a reader that finds a key finds a whole file.
 
 Builders raise ``ValueError`` for parts that would not make a key of this layout; the
 parsers return ``None`` for any key that is not exactly of it, so
-``parse_checkpoint_key(checkpoint_key(j, r, c))`` gives back ``(j, r, c)`` and nothing
-else parses.
+``parse_checkpoint_key(checkpoint_key(j, r, c, node=n))`` gives back ``(j, r, n, c)`` and
+nothing else parses.
 """
 
 from __future__ import annotations
@@ -32,11 +35,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from shared.wire.records import DATASET_RE, DIGEST_RE, JOB_ID_RE, USER_RE
+from shared.wire.records import DATASET_RE, DIGEST_RE, JOB_ID_RE, NODE_ID_RE, USER_RE
 
 __all__ = [
-    "CheckpointKey", "ModelKey", "checkpoint_key", "model_key", "final_key", "checkpoint_prefix",
-    "model_prefix", "parse_checkpoint_key", "parse_model_key", "parse_final_key",
+    "CheckpointKey", "ModelKey", "checkpoint_key", "node_checkpoint_pattern", "model_key", "final_key",
+    "checkpoint_prefix", "model_prefix", "parse_checkpoint_key", "parse_model_key", "parse_final_key",
     "snapshot_key", "snapshot_prefix", "parse_snapshot_key", "optim_key", "optim_key_of", "parse_optim_key",
     "user_prefix", "code_bundle_key", "data_bundle_key", "dataset_key", "dataset_prefix",
 ]
@@ -60,6 +63,7 @@ class CheckpointKey:
 
     job_id: str
     round: int
+    node: str
     copy: int
 
 
@@ -71,9 +75,21 @@ class ModelKey:
     round: int
 
 
-def checkpoint_key(job_id: str, round_: int, copy: int) -> str:
-    """Where ``copy``'s checkpoint of round ``round_`` of ``job_id`` lives."""
-    return f"{checkpoint_prefix(job_id)}{_number(round_, 'round')}/{_number(copy, 'copy')}{SUFFIX}"
+def checkpoint_key(job_id: str, round_: int, copy: int, *, node: str) -> str:
+    """Where ``copy``'s checkpoint of round ``round_`` of ``job_id``, written by ``node``, lives."""
+    if not isinstance(node, str) or NODE_ID_RE.fullmatch(node) is None:
+        raise ValueError(f"not a node id: {node!r}")
+    return f"{checkpoint_prefix(job_id)}{_number(round_, 'round')}/{node}/{_number(copy, 'copy')}{SUFFIX}"
+
+
+def node_checkpoint_pattern(node: str) -> str:
+    """A store-policy pattern (``*`` spans any characters) that a layout key matches exactly
+    when it is a checkpoint of ``node``: a node segment is the only one that can equal
+    ``node`` after two further segments (job ids and node ids hold no ``/``, rounds are
+    digits and a copy's segment ends in the suffix)."""
+    if not isinstance(node, str) or NODE_ID_RE.fullmatch(node) is None:
+        raise ValueError(f"not a node id: {node!r}")
+    return f"{CHECKPOINTS}/*/*/{node}/"
 
 
 def model_key(job_id: str, round_: int) -> str:
@@ -111,12 +127,12 @@ def model_prefix(job_id: str) -> str:
 def parse_checkpoint_key(key: str) -> CheckpointKey | None:
     """The parts of a checkpoint key; None if ``key`` is not one."""
     parts = key.split("/")
-    if len(parts) != 4 or parts[0] != CHECKPOINTS or not parts[3].endswith(SUFFIX):
+    if len(parts) != 5 or parts[0] != CHECKPOINTS or not parts[4].endswith(SUFFIX):
         return None
-    job_id, round_, copy = parts[1], parts[2], parts[3][:-len(SUFFIX)]
-    if not (_is_job(job_id) and _is_number(round_) and _is_number(copy)):
+    job_id, round_, node, copy = parts[1], parts[2], parts[3], parts[4][:-len(SUFFIX)]
+    if not (_is_job(job_id) and _is_number(round_) and NODE_ID_RE.fullmatch(node) and _is_number(copy)):
         return None
-    return CheckpointKey(job_id=job_id, round=int(round_), copy=int(copy))
+    return CheckpointKey(job_id=job_id, round=int(round_), node=node, copy=int(copy))
 
 
 def parse_model_key(key: str) -> ModelKey | None:

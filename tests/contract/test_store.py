@@ -23,7 +23,7 @@ from shared.store import (
 
 AWKWARD_KEYS = [
     "plain",
-    "checkpoints/job-1/3/0.safetensors",
+    "checkpoints/job-1/3/n0/0.safetensors",
     "with space/and+plus=equals&amp",
     "unicode/ünïcødé/名前",
     "dots/.hidden/..double/x.",

@@ -147,7 +147,7 @@ def test_a_deadline_timed_fault_strikes_just_after_a_running_jobs_deadline(tmp_p
 def test_a_round_whose_copies_already_finished_is_passed_over_for_the_next(tmp_path):
     now = time.time()
     finished = ("g", CopyFinished(ts=now, source="a", job_id="j", round=2, copy=0, node_id="n", status="ok",
-                                  steps_round=10, checkpoint=checkpoint_key("j", 2, 0)))
+                                  steps_round=10, checkpoint=checkpoint_key("j", 2, 0, node="n")))
     c = _cluster(tmp_path, [_model(1, now), _assign(2, now + 1.0), finished, _assign(3, now + 2.0)])
     assert at_deadline(c, 10.0, after_s=0.2, look_s=0.5) == ("j", 3)
     assert time.time() >= now + 2.2

@@ -168,6 +168,9 @@ async def _check_models(run: Run) -> None:
         # A copy's workers k (its world size) and the job's W, from the placements.
         placed = {(e.job_id, e.round, e.copy): (e.world_size, e.job.workers)
                   for _, e in run.log if isinstance(e, Assignment)}
+        # The node that ran a copy's rank 0: it wrote the copy's checkpoint, under its own node segment.
+        rank0 = {(e.job_id, e.round, e.copy): e.node_id
+                 for _, e in run.log if isinstance(e, Assignment) and 0 in e.ranks}
         iterations = {e.job.job_id: e.job.iterations for _, e in run.log if isinstance(e, Assignment)}
         for job_id in run.job_ids:
             rounds = sorted((e for e in consolidated if e.job_id == job_id), key=lambda e: e.round)
@@ -182,7 +185,8 @@ async def _check_models(run: Run) -> None:
             assert rounds[-1].total_steps == credited // job_workers == completed[job_id].total_steps
             for event in rounds:
                 copy_workers = {c.copy: workers[(event.round, c.copy)][0] for c in event.copies}
-                await _check_average(store, event, copy_workers, run.workdir / "check")
+                writers = {c.copy: rank0[(job_id, event.round, c.copy)] for c in event.copies}
+                await _check_average(store, event, copy_workers, run.workdir / "check", writers=writers)
         last = rounds[-1]
         out = run.workdir / "final.safetensors"
         got = _hadar(["model", run.job_ids[-1], "--out", str(out)], run.env)
@@ -204,14 +208,15 @@ async def _fetch(store: MinioStore, key: str, path: Path) -> Path:
 
 
 async def _check_average(store: MinioStore, event: ModelConsolidated, workers: dict[int, int],
-                         tmp: Path) -> None:
+                         tmp: Path, *, writers: dict[int, str]) -> None:
     """Recompute the samples-weighted average (steps x the copy's ``workers``; equal weights
     when every copy did 0 steps, as ``services/tracker/averaging/weighing.py`` states) from
-    the stored replicas; compare with the model."""
+    the stored replicas; compare with the model. A copy's replica is the checkpoint under
+    the node ``writers`` names (the node that ran its rank 0)."""
     model = load_file(str(await _fetch(store, event.key, tmp / "model.safetensors")))
     replicas = []
     for c in event.copies:
-        key = checkpoint_key(event.job_id, event.round, c.copy)
+        key = checkpoint_key(event.job_id, event.round, c.copy, node=writers[c.copy])
         replicas.append((c.steps, c.steps * workers[c.copy],
                          load_file(str(await _fetch(store, key, tmp / f"{c.copy}.safetensors")))))
     total = sum(samples for _, samples, _ in replicas)

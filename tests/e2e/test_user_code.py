@@ -126,6 +126,8 @@ def test_a_user_script_forks_consolidates_and_loads_with_its_own_builder(tmp_pat
     assert all(e.metric_name == "accuracy" and e.final_metric is not None for e in finished)
     completed = next(e for _, e in records if isinstance(e, JobCompleted) and e.job_id == job_id)
     placed = {(e.round, e.copy) for _, e in records if isinstance(e, Assignment) and e.job_id == job_id}
+    rank0 = {(e.round, e.copy): e.node_id for _, e in records   # the node that wrote each copy's checkpoint
+             if isinstance(e, Assignment) and e.job_id == job_id and 0 in e.ranks}
     summed = sum(c.steps for e in rounds for c in e.copies)
     assert all((e.round, c.copy) in placed for e in rounds for c in e.copies)
     assert rounds[-1].total_steps == min(summed, ITERATIONS) == completed.total_steps   # samples conserved
@@ -140,7 +142,9 @@ def test_a_user_script_forks_consolidates_and_loads_with_its_own_builder(tmp_pat
         await store.start()
         try:
             for event in rounds:
-                await _check_average(store, event, {c.copy: 1 for c in event.copies}, tmp_path / "check")
+                writers = {c.copy: rank0[(event.round, c.copy)] for c in event.copies}
+                await _check_average(store, event, {c.copy: 1 for c in event.copies}, tmp_path / "check",
+                                     writers=writers)
         finally:
             await store.stop()
 

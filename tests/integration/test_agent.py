@@ -147,7 +147,7 @@ async def test_trains_a_copy_and_reports_it(memory_bus: Bus, tmp_path: Path) -> 
         await memory_bus.publish(assign(spec, 0, budget=300))
         done = await watch.finished("train1")
         assert (done.status, done.steps_round, done.node_id) == ("ok", 300, NODE)
-        assert done.checkpoint == checkpoint_key("train1", 0, 0)
+        assert done.checkpoint == checkpoint_key("train1", 0, 0, node=NODE)
         progress = [e for e in watch.events if isinstance(e, Progress) and e.job_id == "train1"]
         assert progress and all(p.workers == 1 and p.samples_per_s > 0 and not p.emulated for p in progress)
         assert [p.steps_round for p in progress] == sorted(p.steps_round for p in progress)

@@ -41,7 +41,8 @@ async def plant(root: Path, job_id: str, *, steps: int) -> None:
     store = LocalStore(root)
     await store.start()
     try:
-        await store.put(checkpoint_key(job_id, 0, 0), path.read_bytes())
+        # where the agent (start_agent's node) writes, and on an Assignment redelivered, resumes from
+        await store.put(checkpoint_key(job_id, 0, 0, node=NODE["node"]), path.read_bytes())
     finally:
         await store.stop()
 

@@ -45,6 +45,7 @@ from services.agent.daemon.discovery import cpu_devices
 from services.agent.daemon.service import AgentConfig, AgentDaemon
 from services.agent.protocol import StoreTarget
 from shared.bus import BusError, KafkaBus
+from shared.domain.layout import checkpoint_key
 from shared.store import MinioStore
 from shared.store.settings import S3Settings
 from shared.wire.events import CopyFinished, Event, Progress, RoundStarted
@@ -55,7 +56,7 @@ from tests.required import unavailable
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 DOWN_S = 70.0   # both servers; Kafka's own start comes on top (module docstring)
-CHECKPOINT = "checkpoints/long-outage/0/0.safetensors"
+CHECKPOINT = checkpoint_key("long-outage", 0, 0, node=NODE)   # as the agent on NODE would write it
 MODEL = "models/long-outage/0.safetensors"
 STEPS = 1500          # the fake worker's steps take 10 ms: ~15 s of training
 

@@ -104,7 +104,7 @@ async def test_a_lost_drive_costs_no_object_and_a_new_one_is_healed_by_itself(
         erasure_minio: MinioServer, store: MinioStore) -> None:
     drives = erasure_minio.drive_dirs
     assert len(drives) == 4
-    before = [f"checkpoints/job{i}/0/0.safetensors" for i in range(OBJECTS)]
+    before = [f"checkpoints/job{i}/0/n0/0.safetensors" for i in range(OBJECTS)]
     await write(store, before)
 
     lose(drives[1])
@@ -127,7 +127,7 @@ async def test_a_lost_drive_costs_no_object_and_a_new_one_is_healed_by_itself(
 async def test_a_drive_that_returns_gets_what_it_missed_when_read(
         erasure_minio: MinioServer, store: MinioStore) -> None:
     drive = erasure_minio.drive_dirs[1]
-    before = [f"checkpoints/job{i}/0/0.safetensors" for i in range(OBJECTS)]
+    before = [f"checkpoints/job{i}/0/n0/0.safetensors" for i in range(OBJECTS)]
     await write(store, before)
     kept = lose(drive)
     during = [f"models/job{i}/1.safetensors" for i in range(OBJECTS // 2)]

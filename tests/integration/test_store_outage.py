@@ -33,7 +33,7 @@ from tests.required import unavailable
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
 
-KEY = "checkpoints/job/3/0.safetensors"
+KEY = "checkpoints/job/3/n0/0.safetensors"
 
 
 async def _upload_across_outage(paths: InfraPaths, settings: S3Settings, source: Path) -> bytes:
@@ -85,7 +85,7 @@ async def _round_past_the_retry_budget(paths: InfraPaths, settings: S3Settings, 
     store = MinioStore(settings, retry_for_s=1.0)   # the budget, shortened: the rule, not its length, is tested
     await store.start()
     cluster = Cluster(bus, store, "j-outage", store_for_tracker=store, max_attempts=2)  # type: ignore[arg-type]
-    await store.put(checkpoint_key("j-outage", 0, 0), save(weights(1)))
+    await store.put(checkpoint_key("j-outage", 0, 0, node="n0"), save(weights(1)))
     await cluster.service.start()
     try:
         server, _ = ensure_minio(paths)
@@ -93,7 +93,7 @@ async def _round_past_the_retry_budget(paths: InfraPaths, settings: S3Settings, 
         while is_running(server.pid, server.marker):
             await asyncio.sleep(0.05)
         await cluster.place(0, ["n0"])
-        await cluster.finish(0, 0, "n0", 10, None, checkpoint=checkpoint_key("j-outage", 0, 0))
+        await cluster.finish(0, 0, "n0", 10, None, checkpoint=checkpoint_key("j-outage", 0, 0, node="n0"))
 
         async def abandoned() -> list[RoundAbandoned]:
             return [e for e in await cluster.models() if isinstance(e, RoundAbandoned)]

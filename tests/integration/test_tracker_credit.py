@@ -54,7 +54,7 @@ async def run_round(bus: MemoryBus, store: LocalStore, job: JobSpec, round_: int
     await bus.publish(Assignment(ts=started, source="scheduler", round=round_, job=job, copy=0, node_id="n0",
                               gpus=tuple(range(workers)), gpu_type="V100", world_size=workers,
                               ranks=tuple(range(workers)), step_budget=budget, deadline=started + 360))
-    key = checkpoint_key(job.job_id, round_, 0)
+    key = checkpoint_key(job.job_id, round_, 0, node="n0")
     await store.put(key, save({"w": np.full((4,), float(round_), dtype=np.float32)}))
     await bus.publish(CopyFinished(ts=started + 350, source="agent/n0", job_id=job.job_id, round=round_, copy=0,
                                 node_id="n0", status="ok", steps_round=steps, checkpoint=key))

@@ -84,7 +84,7 @@ async def test_a_drain_cut_short_stops_the_averaging_and_the_next_tracker_consol
     try:
         await place(memory_bus, job, 0, list(range(len(STEPS))))
         for copy, steps in enumerate(STEPS):
-            key = checkpoint_key("j-drain", 0, copy)
+            key = checkpoint_key("j-drain", 0, copy, node=f"n{copy}")
             weights = np.random.default_rng(copy).standard_normal(64 << 10).astype(np.float32)
             await local_store.put(key, save({"w": weights}))
             await memory_bus.publish(CopyFinished(ts=T0 + 350, source=f"agent/n{copy}", job_id="j-drain", round=0,

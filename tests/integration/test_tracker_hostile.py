@@ -78,7 +78,7 @@ async def run_round(bus: MemoryBus, store: LocalStore, job_id: str,
             await bus.publish(Assignment(ts=T0, source="scheduler", round=0, job=job, copy=copy, node_id=f"n{copy}",
                                       gpus=(0,), gpu_type="V100", world_size=1, ranks=(0,), step_budget=budget,
                                       deadline=T0 + 360))
-            key = f"checkpoints/{job_id}/0/{copy}.safetensors"
+            key = checkpoint_key(job_id, 0, copy, node=f"n{copy}")
             await store.put(key, data)
             await bus.publish(CopyFinished(ts=T0 + 350, source=f"agent/n{copy}", job_id=job_id, round=0, copy=copy,
                                         node_id=f"n{copy}", status="ok", steps_round=steps, checkpoint=key))
@@ -170,7 +170,7 @@ class Cluster:
     async def finish(self, round_: int, copy: int, node: str, steps: int, data: bytes | None,
                      checkpoint: str | None = None, job_id: str | None = None) -> None:
         job_id = job_id or self.job_id
-        key = checkpoint or checkpoint_key(job_id, round_, copy)
+        key = checkpoint or checkpoint_key(job_id, round_, copy, node=node)
         if data is not None:
             await self.store.put(key, data)
         await self.bus.publish(CopyFinished(ts=T0 + 360 * round_ + 350, source=f"agent/{node}", job_id=job_id,

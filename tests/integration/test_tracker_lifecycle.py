@@ -108,7 +108,7 @@ async def test_decided_rounds_checkpoints_and_old_round_models_are_deleted(memor
     try:
         await run_rounds(memory_bus, store, job, range(3))
         # A straggler: a copy's checkpoint uploaded after its round (0) was decided.
-        await store.put(checkpoint_key("j-life", 0, 7), save(tensors(7)))
+        await store.put(checkpoint_key("j-life", 0, 7, node="n7"), save(tensors(7)))
         # Round 4 is planned before round 3 is decided, and one of its two copies has finished
         # when round 3 is decided: that sweep must leave round 4's checkpoint alone.
         await place(memory_bus, job, 3, [0], start_from=model_key("j-life", 2))
@@ -116,7 +116,7 @@ async def test_decided_rounds_checkpoints_and_old_round_models_are_deleted(memor
         await finish(memory_bus, store, "j-life", 4, 0, steps=10)
         await finish(memory_bus, store, "j-life", 3, 0, steps=10)
         await wait_for(memory_bus, "j-life", lambda es: bool(consolidations(es, 3)))
-        expected = {checkpoint_key("j-life", 4, 0), model_key("j-life", 2), model_key("j-life", 3)}
+        expected = {checkpoint_key("j-life", 4, 0, node="n0"), model_key("j-life", 2), model_key("j-life", 3)}
         await eventually(lambda: _equals(keys(store, "j-life"), expected))
         # Counted once the janitor resumes after its last delete: rounds 0..3, and the straggler.
         await eventually(lambda: counts(service) == (5, 2, 0))
@@ -138,7 +138,7 @@ async def test_a_model_an_open_round_starts_from_is_kept(memory_bus: MemoryBus, 
         await finish(memory_bus, local_store, "j-start", 2, 0, steps=10)
         await wait_for(memory_bus, "j-start", lambda es: bool(consolidations(es, 1)))
         await eventually(lambda: _equals(keys(local_store, "j-start"), {
-            model_key("j-start", 0), model_key("j-start", 1), checkpoint_key("j-start", 2, 0)}))
+            model_key("j-start", 0), model_key("j-start", 1), checkpoint_key("j-start", 2, 0, node="n0")}))
         await finish(memory_bus, local_store, "j-start", 2, 1, steps=10)   # round 2 decided: model 0 unneeded
         await eventually(lambda: _equals(keys(local_store, "j-start"), {model_key("j-start", 2)}))
     finally:
@@ -187,7 +187,7 @@ async def test_checkpoints_stay_while_their_round_model_is_not_announced(memory_
         await eventually(lambda: (service.registry.get_sample_value("hadar_tracker_errors_total",
                                                                    {"stage": "consolidate"}) or 0) >= 3)
         await asyncio.sleep(0.3)
-        assert await keys(local_store, "j-keep") == {checkpoint_key("j-keep", 0, 0), checkpoint_key("j-keep", 0, 1)}
+        assert await keys(local_store, "j-keep") == {checkpoint_key("j-keep", 0, c, node=f"n{c}") for c in (0, 1)}
         assert not consolidations(await models_events(memory_bus, "j-keep"))
     finally:
         await service.stop()

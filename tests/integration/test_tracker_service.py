@@ -68,7 +68,7 @@ async def place(bus: Bus, job: JobSpec, round_: int, copies: list[int], *, other
 
 async def finish(bus: Bus, store: ObjectStore, job_id: str, round_: int, copy: int, steps: int,
                  data: bytes | None = None) -> dict[str, np.ndarray]:
-    key = checkpoint_key(job_id, round_, copy)
+    key = checkpoint_key(job_id, round_, copy, node=f"n{copy}")
     weights = tensors(seed=100 * round_ + copy)
     await store.put(key, save(weights) if data is None else data)
     await bus.publish(CopyFinished(ts=T0 + 360 * round_ + 350, source=f"agent/n{copy}", job_id=job_id,
@@ -242,7 +242,7 @@ async def test_a_model_written_but_not_announced_is_announced_as_is(memory_bus: 
     paths = []
     for copy in (0, 1):
         path = tmp_path / f"{copy}.safetensors"
-        path.write_bytes(await local_store.get(checkpoint_key("j-crash", 0, copy)))
+        path.write_bytes(await local_store.get(checkpoint_key("j-crash", 0, copy, node=f"n{copy}")))
         paths.append(path)
     replicas = [Replica(copy=i, steps=s, reader=FileRangeReader(p)) for i, (p, s) in enumerate(zip(paths, (90, 10)))]
     buffer = io.BytesIO()

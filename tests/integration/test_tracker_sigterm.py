@@ -112,7 +112,7 @@ async def feed(bus: Bus, store: ObjectStore, elements: int = ELEMENTS) -> Round:
                                   deadline=now + 3600))
     for copy, steps in enumerate(STEPS):
         weights = replica(copy, elements)
-        key = checkpoint_key(job.job_id, r, copy)
+        key = checkpoint_key(job.job_id, r, copy, node=f"n{copy}")
         await store.put(key, save(weights))
         replicas.append(weights)
         await bus.publish(CopyFinished(ts=time.time(), source=f"agent/n{copy}", job_id=job.job_id, round=r, copy=copy,

@@ -106,7 +106,7 @@ async def place_and_finish(bus: Bus, store: ObjectStore, round_: int, jobs: tupl
                                          step_budget=1_000, deadline=started + 360))
     for job in jobs:
         for copy, steps in enumerate(STEPS):
-            key = checkpoint_key(job.job_id, round_, copy)
+            key = checkpoint_key(job.job_id, round_, copy, node=f"n{copy}")
             await store.put(key, save(tensors(seed=100 * round_ + copy)))
             await bus.publish(CopyFinished(ts=time.time(), source=f"agent/n{copy}", job_id=job.job_id, round=round_,
                                            copy=copy, node_id=f"n{copy}", status="ok", steps_round=steps,

@@ -196,8 +196,8 @@ def test_duplicates_and_stale_assignments_are_skipped_not_refused() -> None:
     ("rendezvous", assignment("rdv", 0, world_size=2, rendezvous="tcp://evil:29500")),
     ("start_from", assignment("theft", 1, start_from=model_key("other", 0))),
     ("start_from", assignment("future", 1, start_from=model_key("future", 1))),
-    ("start_from", assignment("ckpt", 1, start_from=checkpoint_key("ckpt", 1, 0))),
-    ("start_from", assignment("ckpt", 1, start_from=checkpoint_key("other", 0, 0))),
+    ("start_from", assignment("ckpt", 1, start_from=checkpoint_key("ckpt", 1, 0, node=NODE))),
+    ("start_from", assignment("ckpt", 1, start_from=checkpoint_key("other", 0, 0, node=NODE))),
     ("start_from", assignment("fin", 1, start_from=final_key("fin"))),
     ("start_from", assignment("dots", 1, start_from="models/dots/../other/0.safetensors")),
 ])
@@ -212,7 +212,7 @@ def test_plausible_assignments_are_admitted() -> None:
     adm = admission()
     admit(adm, assignment("a", 1, deadline=T0 + 86_400, start_from=model_key("a", 0)))
     admit(adm, assignment("b", 1, gpus=(1,), world_size=3, ranks=(2,), rendezvous="10.1.2.3:29501",
-                          start_from=checkpoint_key("b", 0, 1)))
+                          start_from=checkpoint_key("b", 0, 1, node="n0")))   # written by round 0's node
 
 
 @pytest.mark.parametrize("good", ["10.0.0.1:29500", "node-b:1024", "n1.cluster.local:65535", "[::1]:29500",

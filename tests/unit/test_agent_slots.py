@@ -23,8 +23,9 @@ from services.agent.slots import (
 
 SPEC = WorkerSpec(job_id="j1", round=3, copy=0, node_id="n1", gpu_type="v100", model="resnet", dataset="digits",
                   batch_size=32, optimizer="sgd", lr=0.05, seed=7, rank=0, world_size=1, rendezvous=None,
-                  device="cpu", step_budget=100, deadline=1e9, start_from=None, checkpoint="checkpoints/j1/3/0",
-                  store=StoreTarget.local("/tmp/x"), env={"CUDA_VISIBLE_DEVICES": "0"})
+                  device="cpu", step_budget=100, deadline=1e9, start_from=None,
+                  checkpoint="checkpoints/j1/3/n1/0.safetensors", store=StoreTarget.local("/tmp/x"),
+                  env={"CUDA_VISIBLE_DEVICES": "0"})
 
 
 def test_first_use_spawns_and_the_same_job_next_round_reuses_the_process() -> None:

@@ -151,7 +151,7 @@ def test_worker_spec_round_trips_without_leaking_the_secret_in_repr() -> None:
     spec = WorkerSpec(job_id="j", round=1, copy=0, node_id="n", gpu_type="v100", model="resnet", dataset="digits",
                       batch_size=8, optimizer="sgd", lr=0.1, seed=1, rank=1, world_size=2,
                       rendezvous="127.0.0.1:1234", device="cpu", step_budget=5, deadline=1.0, start_from=None,
-                      checkpoint="checkpoints/j/1/0.safetensors", store=StoreTarget.remote(s3),
+                      checkpoint="checkpoints/j/1/n/0.safetensors", store=StoreTarget.remote(s3),
                       env={"CUDA_VISIBLE_DEVICES": ""}, local_gpus=(3,), local_ranks=(1,), peers=("m", "n"))
     assert WorkerSpec.from_json(spec.to_json()) == spec   # the layout comes back as tuples (warm keys compare it)
     assert "very-secret" not in repr(spec)
@@ -175,7 +175,7 @@ async def test_a_copy_whose_second_rank_cannot_start_leaves_no_slot_taken(tmp_pa
     base = WorkerSpec(job_id="j", round=1, copy=0, node_id="n", gpu_type="cpu", model="resnet", dataset="digits",
                       batch_size=8, optimizer="sgd", lr=0.1, seed=1, rank=0, world_size=2,
                       rendezvous="127.0.0.1:1234", device="cpu", step_budget=5, deadline=1.0, start_from=None,
-                      checkpoint="checkpoints/j/1/0.safetensors", store=StoreTarget.local(tmp_path),
+                      checkpoint="checkpoints/j/1/n/0.safetensors", store=StoreTarget.local(tmp_path),
                       local_gpus=(0, 1), local_ranks=(0, 1), peers=("n", "n"))
     sleeper = tmp_path / "python"   # a process that starts (the first rank's spare) and does nothing
     sleeper.write_text("#!/bin/sh\nexec sleep 60\n")

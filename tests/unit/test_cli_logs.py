@@ -65,7 +65,7 @@ def history(t: float, job: JobSpec = JOB) -> list[object]:
         progress(0, 0, 100, 1.25, 3200.0, t + 10), progress(0, 1, 90, 1.5, 2900.0, t + 11),
         progress(0, 0, 300, 0.75, 3300.0, t + 20),
         CopyFinished(ts=t + 30, source="agent/n0", job_id=j, round=0, copy=0, node_id="n0", status="ok",
-                     steps_round=300, checkpoint=checkpoint_key(j, 0, 0)),
+                     steps_round=300, checkpoint=checkpoint_key(j, 0, 0, node="n0")),
         CopyFinished(ts=t + 31, source="agent/n1", job_id=j, round=0, copy=1, node_id="n1", status="failed",
                      steps_round=90, reason="RuntimeError: CUDA out of memory"),
         ModelConsolidated(ts=t + 40, source="tracker", job_id=j, round=0, key=model_key(j, 0), total_steps=150,
@@ -77,7 +77,7 @@ def history(t: float, job: JobSpec = JOB) -> list[object]:
         assign(1, 0, t + 400),
         progress(1, 0, 50, 0.5, 3100.0, t + 410),
         CopyFinished(ts=t + 420, source="agent/n0", job_id=j, round=1, copy=0, node_id="n0", status="preempted",
-                     steps_round=60, checkpoint=checkpoint_key(j, 1, 0), reason="preempted by round 2"),
+                     steps_round=60, checkpoint=checkpoint_key(j, 1, 0, node="n0"), reason="preempted by round 2"),
         RoundAbandoned(ts=t + 430, source="tracker", job_id=j, round=1, reason="no usable replica",
                        rejected=(Rejection(copy=0, reason="not valid safetensors: truncated"),)),
     ]

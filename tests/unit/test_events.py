@@ -214,7 +214,7 @@ def _joint(kwargs: dict[str, Any], cls: type[Record]) -> dict[str, Any]:
     if cls is Progress:
         kwargs["steps_total"] = min(INT64[1], kwargs["steps_round"] + abs(kwargs["steps_total"]))
     elif cls is CopyFinished and kwargs["status"] != "failed" and kwargs.get("checkpoint") is None:
-        kwargs["checkpoint"] = "checkpoints/x/0/0.safetensors"
+        kwargs["checkpoint"] = "checkpoints/x/0/n0/0.safetensors"
     elif cls is QueueConfig:
         kwargs["default_queue"] = kwargs["queues"][0].name
     elif cls is RoundStarted:

@@ -27,7 +27,7 @@ def _assign(r: int, copy: int) -> tuple:
 
 def _finished(r: int, copy: int, status: str = "ok") -> tuple:
     return ("g", CopyFinished(ts=5.0 + r, source="a", job_id="j", round=r, copy=copy, node_id=f"n{copy}",
-                              status=status, steps_round=10, checkpoint=checkpoint_key("j", r, copy)))
+                              status=status, steps_round=10, checkpoint=checkpoint_key("j", r, copy, node=f"n{copy}")))
 
 
 def _model(r: int, total: int, copies: tuple[int, ...], ts: float) -> tuple:
@@ -83,13 +83,14 @@ def test_a_model_is_verified_against_its_replicas_uniformly_when_no_copy_trained
     async def check(model: np.ndarray, steps: tuple[int, int]) -> bool:
         store = LocalStore(tmp_path / f"store-{steps}-{float(model[0])}")
         await store.start()
-        await store.put(checkpoint_key("j", 0, 0), save({"w": np.array([1.0, 3.0], dtype=np.float32)}))
-        await store.put(checkpoint_key("j", 0, 1), save({"w": np.array([3.0, 5.0], dtype=np.float32)}))
+        await store.put(checkpoint_key("j", 0, 0, node="n0"), save({"w": np.array([1.0, 3.0], dtype=np.float32)}))
+        await store.put(checkpoint_key("j", 0, 1, node="n1"), save({"w": np.array([3.0, 5.0], dtype=np.float32)}))
         await store.put(model_key("j", 0), save({"w": model.astype(np.float32)}))
         event = ModelConsolidated(ts=1.0, source="t", job_id="j", round=0, key=model_key("j", 0), total_steps=0,
                                   copies=(CopyWeight(copy=0, steps=steps[0], weight=0.5),
                                           CopyWeight(copy=1, steps=steps[1], weight=0.5)))
-        return await _verify_one(store, event, {}, tmp_path / "scratch")
+        writers = {("j", 0, 0): "n0", ("j", 0, 1): "n1"}   # each copy's rank 0 (as _assign places them)
+        return await _verify_one(store, event, {}, tmp_path / "scratch", writers=writers)
 
     assert asyncio.run(check(np.array([2.0, 4.0]), (0, 0)))          # uniform: no copy trained
     assert not asyncio.run(check(np.array([1.0, 3.0]), (0, 0)))

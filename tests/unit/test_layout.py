@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pytest
@@ -19,6 +20,7 @@ from shared.domain.layout import (
     final_key,
     model_key,
     model_prefix,
+    node_checkpoint_pattern,
     optim_key,
     optim_key_of,
     parse_checkpoint_key,
@@ -31,23 +33,24 @@ from shared.store import validate_key
 
 job_ids = st.from_regex(r"[a-z0-9][a-z0-9._-]{0,62}", fullmatch=True)
 numbers = st.integers(min_value=0, max_value=2**63)
+node_ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", fullmatch=True)
 
 
 def test_the_layout_is_pinned() -> None:
     # Literal on purpose: stored objects outlive the code that wrote them.
-    assert checkpoint_key("j1", 3, 0) == "checkpoints/j1/3/0.safetensors"
+    assert checkpoint_key("j1", 3, 0, node="n1") == "checkpoints/j1/3/n1/0.safetensors"
     assert model_key("j1", 3) == "models/j1/3.safetensors"
     assert final_key("j1") == "models/j1/final.safetensors"
     assert checkpoint_prefix("j1") == "checkpoints/j1/"
     assert model_prefix("j1") == "models/j1/"
 
 
-@given(job_ids, numbers, numbers)
-def test_checkpoint_key_round_trips(job_id: str, round_: int, copy: int) -> None:
-    key = checkpoint_key(job_id, round_, copy)
+@given(job_ids, numbers, node_ids, numbers)
+def test_checkpoint_key_round_trips(job_id: str, round_: int, node: str, copy: int) -> None:
+    key = checkpoint_key(job_id, round_, copy, node=node)
     assert validate_key(key) == key
     assert key.startswith(checkpoint_prefix(job_id))
-    assert parse_checkpoint_key(key) == CheckpointKey(job_id=job_id, round=round_, copy=copy)
+    assert parse_checkpoint_key(key) == CheckpointKey(job_id=job_id, round=round_, node=node, copy=copy)
     assert parse_model_key(key) is None and parse_final_key(key) is None
 
 
@@ -72,35 +75,40 @@ def test_final_key_round_trips(job_id: str) -> None:
 @given(job_ids, job_ids)
 def test_prefixes_never_cover_another_job(a: str, b: str) -> None:
     if a != b:
-        assert not checkpoint_key(b, 0, 0).startswith(checkpoint_prefix(a))
+        assert not checkpoint_key(b, 0, 0, node="n1").startswith(checkpoint_prefix(a))
         assert not final_key(b).startswith(model_prefix(a))
 
 
 @pytest.mark.parametrize("key", [
-    "checkpoints/../0/0.safetensors",           # a '..' job segment
-    "checkpoints/j1/../0.safetensors",
-    "checkpoints/j1/0/../0.safetensors",        # extra segments
-    "checkpoints/j1/0/0/0.safetensors",
-    "checkpoints/j1/0.safetensors",             # missing segment
-    "x/checkpoints/j1/0/0.safetensors",
-    "checkpoints/j1/0/0.safetensors/",
-    "/checkpoints/j1/0/0.safetensors",
-    "checkpoints/j1/r0/0.safetensors",          # non-integer round / copy
-    "checkpoints/j1/1.5/0.safetensors",
-    "checkpoints/j1/-1/0.safetensors",
-    "checkpoints/j1/+1/0.safetensors",
-    "checkpoints/j1/01/0.safetensors",          # not canonical: would not build back to itself
-    "checkpoints/j1/1_0/0.safetensors",
-    "checkpoints/j1/ 1/0.safetensors",
-    "checkpoints/j1/0/x.safetensors",
-    "checkpoints/j1/0/.safetensors",
-    "checkpoints/j1/0/0.safetensor",            # wrong suffix
-    "checkpoints/j1/0/0",
-    "checkpoints/J1/0/0.safetensors",           # not a job id
-    "checkpoints/.j1/0/0.safetensors",
-    "checkpoints/j1\n/0/0.safetensors",
-    "checkpoints//0/0.safetensors",
-    "checkpoints/j1/٣/0.safetensors",           # a non-ASCII digit that int() would accept
+    "checkpoints/../0/n1/0.safetensors",        # a '..' job segment
+    "checkpoints/j1/../n1/0.safetensors",
+    "checkpoints/j1/0/../0.safetensors",        # a '..' node segment
+    "checkpoints/j1/0/n1/../0.safetensors",     # extra segments
+    "checkpoints/j1/0/n1/0/0.safetensors",
+    "checkpoints/j1/0/0.safetensors",           # missing segment (the layout before node segments)
+    "x/checkpoints/j1/0/n1/0.safetensors",
+    "checkpoints/j1/0/n1/0.safetensors/",
+    "/checkpoints/j1/0/n1/0.safetensors",
+    "checkpoints/j1/r0/n1/0.safetensors",       # non-integer round / copy
+    "checkpoints/j1/1.5/n1/0.safetensors",
+    "checkpoints/j1/-1/n1/0.safetensors",
+    "checkpoints/j1/+1/n1/0.safetensors",
+    "checkpoints/j1/01/n1/0.safetensors",       # not canonical: would not build back to itself
+    "checkpoints/j1/1_0/n1/0.safetensors",
+    "checkpoints/j1/ 1/n1/0.safetensors",
+    "checkpoints/j1/0/n1/x.safetensors",
+    "checkpoints/j1/0/n1/.safetensors",
+    "checkpoints/j1/0/n1/0.safetensor",         # wrong suffix
+    "checkpoints/j1/0/n1/0",
+    "checkpoints/J1/0/n1/0.safetensors",        # not a job id
+    "checkpoints/.j1/0/n1/0.safetensors",
+    "checkpoints/j1\n/0/n1/0.safetensors",
+    "checkpoints//0/n1/0.safetensors",
+    "checkpoints/j1/٣/n1/0.safetensors",        # a non-ASCII digit that int() would accept
+    "checkpoints/j1/0//0.safetensors",          # not a node id
+    "checkpoints/j1/0/.n1/0.safetensors",
+    "checkpoints/j1/0/n1\n/0.safetensors",
+    "checkpoints/j1/0/n 1/0.safetensors",
     "",
 ])
 def test_bad_checkpoint_keys_do_not_parse(key: str) -> None:
@@ -118,11 +126,32 @@ def test_bad_checkpoint_keys_do_not_parse(key: str) -> None:
     "models/j1/final.safetensors",              # the final model is not a round model
     "models/j1/0.safetensors.tmp",
     "models/j1/0",
-    "checkpoints/j1/0.safetensors",
+    "checkpoints/j1/0/n1/0.safetensors",
     "models/Job/0.safetensors",
 ])
 def test_bad_model_keys_do_not_parse(key: str) -> None:
     assert parse_model_key(key) is None
+
+
+def _s3_matches(pattern: str, key: str) -> bool:
+    """An S3/MinIO policy resource pattern against a key: ``*`` spans any characters, ``/`` too."""
+    return re.fullmatch(".*".join(map(re.escape, pattern.split("*"))), key, flags=re.DOTALL) is not None
+
+
+@given(job_ids, numbers, node_ids, node_ids, numbers)
+def test_a_nodes_policy_pattern_covers_its_own_checkpoints_and_no_other_nodes(
+        job_id: str, round_: int, node: str, other: str, copy: int) -> None:
+    pattern = node_checkpoint_pattern(node) + "*"
+    assert _s3_matches(pattern, checkpoint_key(job_id, round_, copy, node=node))
+    assert _s3_matches(pattern, checkpoint_key(job_id, round_, copy, node=other)) == (other == node)
+
+
+@pytest.mark.parametrize("node", ["", "a/b", "*", ".n1", "n1\n"])
+def test_a_bad_node_makes_no_key(node: str) -> None:
+    with pytest.raises(ValueError):
+        checkpoint_key("j1", 0, 0, node=node)
+    with pytest.raises(ValueError):
+        node_checkpoint_pattern(node)
 
 
 @pytest.mark.parametrize("key", [
@@ -134,13 +163,13 @@ def test_bad_final_keys_do_not_parse(key: str) -> None:
 
 
 @pytest.mark.parametrize("build", [
-    lambda: checkpoint_key("..", 0, 0),
-    lambda: checkpoint_key("a/b", 0, 0),
-    lambda: checkpoint_key("J1", 0, 0),
-    lambda: checkpoint_key("j1\n", 0, 0),
-    lambda: checkpoint_key("j1", -1, 0),
-    lambda: checkpoint_key("j1", 0, -1),
-    lambda: checkpoint_key("j1", True, 0),
+    lambda: checkpoint_key("..", 0, 0, node="n1"),
+    lambda: checkpoint_key("a/b", 0, 0, node="n1"),
+    lambda: checkpoint_key("J1", 0, 0, node="n1"),
+    lambda: checkpoint_key("j1\n", 0, 0, node="n1"),
+    lambda: checkpoint_key("j1", -1, 0, node="n1"),
+    lambda: checkpoint_key("j1", 0, -1, node="n1"),
+    lambda: checkpoint_key("j1", True, 0, node="n1"),
     lambda: model_key("j1", 1.0),   # type: ignore[arg-type]
     lambda: model_key("", 0),
     lambda: final_key("../x"),
@@ -160,7 +189,8 @@ def test_optim_key_lies_beside_its_model_and_parses_as_nothing_else(job_id: str,
     assert parse_optim_key(key) == ModelKey(job_id=job_id, round=round_)
     assert parse_model_key(key) is None and parse_final_key(key) is None and parse_checkpoint_key(key) is None
     assert parse_optim_key(model_key(job_id, round_)) is None
-    assert optim_key_of(final_key(job_id)) is None and optim_key_of(checkpoint_key(job_id, round_, 0)) is None
+    assert optim_key_of(final_key(job_id)) is None
+    assert optim_key_of(checkpoint_key(job_id, round_, 0, node="n1")) is None
 
 
 def test_optim_key_is_pinned() -> None:

@@ -76,8 +76,8 @@ def test_forked_round_is_the_mean_of_its_copies_which_differ(tmp_path: Path) -> 
     model, meta = _file(root, key)
     assert meta["total_steps"] == "8" and meta["round"] == "1"
     job_id = key.split("/")[1]
-    first, _ = _file(root, checkpoint_key(job_id, 1, 0))
-    second, _ = _file(root, checkpoint_key(job_id, 1, 1))
+    first, _ = _file(root, checkpoint_key(job_id, 1, 0, node=mq.NODE))
+    second, _ = _file(root, checkpoint_key(job_id, 1, 1, node=mq.NODE))
     assert any(not torch.equal(first[n], second[n]) for n in first)   # different data orders
     for name, value in model.items():
         torch.testing.assert_close(value, (first[name] + second[name]) / 2, rtol=1e-6, atol=1e-7)

@@ -9,9 +9,10 @@ from shared.domain.layout import checkpoint_key, final_key, model_key, optim_key
 from shared.wire.events import JobCancelled, RoundAbandoned
 from tests.unit.tracker_events import T0, assignment, completed, consolidated
 
-CK = [checkpoint_key("j1", r, c) for r in range(6) for c in range(2)]
+NODE = "n1"   # where tracker_events.assignment places every copy: the node that writes its checkpoints
+CK = [checkpoint_key("j1", r, c, node=NODE) for r in range(6) for c in range(2)]
 MODELS = [model_key("j1", r) for r in range(6)] + [final_key("j1")]
-ALL = CK + MODELS + [checkpoint_key("j2", 0, 0), model_key("j2", 0), "checkpoints/j1/0/notes.txt"]
+ALL = CK + MODELS + [checkpoint_key("j2", 0, 0, node=NODE), model_key("j2", 0), "checkpoints/j1/0/notes.txt"]
 
 
 def doomed(life: ObjectLifecycle) -> set[str]:
@@ -33,7 +34,7 @@ def test_checkpoints_of_decided_rounds_and_models_older_than_the_last_k_go() -> 
     life = ObjectLifecycle(keep_round_models=2)
     decide(life, 0, 1, 2, 3)
     assert life.due(0.0) == ["j1"]
-    assert doomed(life) == {checkpoint_key("j1", r, c) for r in range(4) for c in range(2)} | {
+    assert doomed(life) == {checkpoint_key("j1", r, c, node=NODE) for r in range(4) for c in range(2)} | {
         model_key("j1", 0), model_key("j1", 1)}
 
 
@@ -41,18 +42,18 @@ def test_an_abandoned_round_decides_its_checkpoints_but_keeps_the_models() -> No
     life = ObjectLifecycle(keep_round_models=1)
     decide(life, 0)
     life.observe(RoundAbandoned(ts=T0, source="tracker", job_id="j1", round=1, reason="no usable replica"), 0.0)
-    assert doomed(life) == {checkpoint_key("j1", r, c) for r in range(2) for c in range(2)}
+    assert doomed(life) == {checkpoint_key("j1", r, c, node=NODE) for r in range(2) for c in range(2)}
 
 
 def test_a_model_or_checkpoint_an_open_round_starts_from_is_kept() -> None:
     life = ObjectLifecycle(keep_round_models=1)
     life.observe(replace(assignment(0, round_=3), start_from=model_key("j1", 0)), 0.0)
-    life.observe(replace(assignment(1, round_=3), start_from=checkpoint_key("j1", 1, 1)), 0.0)
+    life.observe(replace(assignment(1, round_=3), start_from=checkpoint_key("j1", 1, 1, node=NODE)), 0.0)
     decide(life, 0, 1, 2)
-    assert {model_key("j1", 0), checkpoint_key("j1", 1, 1)}.isdisjoint(doomed(life))
-    assert {model_key("j1", 1), checkpoint_key("j1", 1, 0)} <= doomed(life)
+    assert {model_key("j1", 0), checkpoint_key("j1", 1, 1, node=NODE)}.isdisjoint(doomed(life))
+    assert {model_key("j1", 1), checkpoint_key("j1", 1, 0, node=NODE)} <= doomed(life)
     decide(life, 3)   # round 3 decided: its starts are not needed any more
-    assert {model_key("j1", 0), checkpoint_key("j1", 1, 1)} <= doomed(life)
+    assert {model_key("j1", 0), checkpoint_key("j1", 1, 1, node=NODE)} <= doomed(life)
 
 
 def test_a_completed_job_keeps_only_its_final_model() -> None:

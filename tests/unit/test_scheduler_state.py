@@ -281,5 +281,5 @@ def test_progress_shown_before_consolidation_counts_samples():
     state.apply(Progress(ts=T0 + 1, source="agent", job_id="a", round=0, copy=0, node_id="n1", gpu_type="t4",
                          workers=1, steps_round=90, steps_total=90, samples_per_s=10, loss=1.0))
     state.apply(CopyFinished(ts=T0 + 2, source="agent", job_id="a", round=0, copy=1, node_id="n2", status="ok",
-                             steps_round=30, checkpoint="checkpoints/a/0/1.safetensors"))
+                             steps_round=30, checkpoint="checkpoints/a/0/n2/1.safetensors"))
     assert state.jobs["a"].progress_steps() == 60

@@ -36,9 +36,9 @@ def test_a_write_to_a_server_that_stays_away_is_retried_then_fails_retriably():
     t0 = clock.time()
     store = _closed_store(clock, 8.0)
     with pytest.raises(StoreUnavailable) as caught:
-        asyncio.run(store.put("checkpoints/j/0/0.safetensors", b"x"))
+        asyncio.run(store.put("checkpoints/j/0/n0/0.safetensors", b"x"))
     assert caught.value.retriable
-    assert "put" in str(caught.value) and "checkpoints/j/0/0.safetensors" in str(caught.value)
+    assert "put" in str(caught.value) and "checkpoints/j/0/n0/0.safetensors" in str(caught.value)
     assert clock.time() - t0 == pytest.approx(sum(retry_delays(8.0)))   # it did wait out the window
     assert sum(retry_delays(8.0)) > 4
 

@@ -56,10 +56,20 @@ def test_a_checkpoint_key_naming_another_jobs_final_model_is_refused() -> None:
     state = fold([submitted(), started(0, 1), assignment(0)])
     forged = finished(0, 100, checkpoint=final_key("victim"))
     assert refused_alone(state, forged) == "bad_key"
-    assert refused_alone(state, finished(0, 100, checkpoint=checkpoint_key("j1", 0, 1))) == "bad_key"
+    assert refused_alone(state, finished(0, 100, checkpoint=checkpoint_key("j1", 0, 1, node="n1"))) == "bad_key"
     assert state.apply(finished(0, 100))   # the real report still counts: the forged one did not win
     (work,) = state.due_rounds(T0 + 360, timeout_s=60)
-    assert [c.checkpoint for c in work.usable] == [checkpoint_key("j1", 0, 0)]
+    assert [c.checkpoint for c in work.usable] == [checkpoint_key("j1", 0, 0, node="n1")]
+
+
+def test_the_copys_own_key_under_another_nodes_segment_is_refused_as_bad_key() -> None:
+    """n1 reports copy 0 but names the file n0 would write: the key must carry the reporter's node."""
+    state = fold([submitted(), started(0, 1), assignment(0, node="n1")])
+    assert refused_alone(state, finished(0, 100, node="n1", checkpoint=checkpoint_key("j1", 0, 0, node="n0"))) \
+        == "bad_key"
+    assert state.apply(finished(0, 100, node="n1"))
+    (work,) = state.due_rounds(T0 + 360, timeout_s=60)
+    assert [c.checkpoint for c in work.usable] == [checkpoint_key("j1", 0, 0, node="n1")]
 
 
 def test_copies_nobody_assigned_are_refused_and_never_averaged() -> None:
@@ -378,8 +388,9 @@ class HostileTracker(RuleBasedStateMachine):
         node = data.draw(st.sampled_from(NODES))
         status = data.draw(st.sampled_from(("ok", "preempted", "failed")))
         steps = data.draw(st.one_of(st.integers(0, 250), st.just(2**64 - 1)))
-        key = data.draw(st.sampled_from(("", None, final_key("a"), checkpoint_key(job, round_, copy + 1),
-                                         model_key(job, round_))))
+        other = NODES[(NODES.index(node) + 1) % len(NODES)]
+        key = data.draw(st.sampled_from(("", None, final_key("a"), checkpoint_key(job, round_, copy + 1, node=node),
+                                         checkpoint_key(job, round_, copy, node=other), model_key(job, round_))))
         if key is None and status != "failed":
             key = ""
         event = finished(copy, steps, round_=round_, status=status, job=job, node=node, checkpoint=key)
@@ -452,7 +463,7 @@ class HostileTracker(RuleBasedStateMachine):
                 assert copy.steps <= copy.budget <= max(b for _, b in nodes.values())
             for copy in work.usable:
                 assert 0 in nodes_of(self.assigned, work, copy.copy)[copy.node_id][0]
-                assert copy.checkpoint == checkpoint_key(work.job_id, work.round, copy.copy)
+                assert copy.checkpoint == checkpoint_key(work.job_id, work.round, copy.copy, node=copy.node_id)
 
     @invariant()
     def the_state_stays_within_its_bounds(self) -> None:

@@ -166,7 +166,7 @@ class Cluster:
                                            start_from=None if start is None else model_key("jr", start)))
 
     async def finish(self, round_: int, copy: int, steps: int, tensors: dict[str, np.ndarray] | None) -> None:
-        key = checkpoint_key("jr", round_, copy) if tensors is not None else None
+        key = checkpoint_key("jr", round_, copy, node=f"n{copy}") if tensors is not None else None
         if tensors is not None:
             assert key is not None
             await self.store.put(key, save(tensors))

@@ -60,7 +60,7 @@ async def test_a_store_write_needs_a_recent_confirmation_and_a_fenced_one_writes
     assert await renewals(bus) == [("a", 1)]
 
     await tracker.store.put("models/j/0.safetensors", b"0")   # confirmed first ...
-    await tracker.store.delete("checkpoints/j/0/0.safetensors")   # ... and that covers a write right after
+    await tracker.store.delete("checkpoints/j/0/n0/0.safetensors")   # ... and that covers a write right after
     assert await renewals(bus) == [("a", 1)] * 2
     clock.advance(TTL / CONFIRM_FRACTION)   # a pause: it might have been one past the lease
     await tracker.store.put("models/j/1.safetensors", b"1")

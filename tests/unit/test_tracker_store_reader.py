@@ -39,9 +39,9 @@ class StalledReads:
 async def reader(tmp_path: Path, *, stop: threading.Event | None, stalled: bool = False):
     store = LocalStore(tmp_path / "store")
     await store.start()
-    await store.put("checkpoints/j/0/0.safetensors", DATA)
+    await store.put("checkpoints/j/0/n0/0.safetensors", DATA)
     front = StalledReads(store) if stalled else store
-    return front, StoreRangeReader(front, "checkpoints/j/0/0.safetensors", len(DATA),  # type: ignore[arg-type]
+    return front, StoreRangeReader(front, "checkpoints/j/0/n0/0.safetensors", len(DATA),  # type: ignore[arg-type]
                                    asyncio.get_running_loop(), stop=stop)
 
 

@@ -17,14 +17,14 @@ def write(path: Path, data: bytes) -> Path:
 def test_only_the_bytes_last_recorded_at_a_key_are_its_own(tmp_path: Path) -> None:
     ledger = WrittenLedger(tmp_path / "ledger")
     first = write(tmp_path / "a", b"first")
-    assert not ledger.wrote("checkpoints/j/0/0.safetensors", first)   # nothing recorded yet
-    assert ledger.record("checkpoints/j/0/0.safetensors", first) == file_sha256(first)
-    assert ledger.wrote("checkpoints/j/0/0.safetensors", first)
-    assert not ledger.wrote("checkpoints/j/0/1.safetensors", first)   # another key
-    assert not ledger.wrote("checkpoints/j/0/0.safetensors", write(tmp_path / "b", b"planted"))
-    ledger.record("checkpoints/j/0/0.safetensors", write(tmp_path / "c", b"second"))
-    assert not ledger.wrote("checkpoints/j/0/0.safetensors", first)   # the last write is the one
-    assert WrittenLedger(tmp_path / "ledger").wrote("checkpoints/j/0/0.safetensors", tmp_path / "c")   # on disk
+    assert not ledger.wrote("checkpoints/j/0/n0/0.safetensors", first)   # nothing recorded yet
+    assert ledger.record("checkpoints/j/0/n0/0.safetensors", first) == file_sha256(first)
+    assert ledger.wrote("checkpoints/j/0/n0/0.safetensors", first)
+    assert not ledger.wrote("checkpoints/j/0/n0/1.safetensors", first)   # another key
+    assert not ledger.wrote("checkpoints/j/0/n0/0.safetensors", write(tmp_path / "b", b"planted"))
+    ledger.record("checkpoints/j/0/n0/0.safetensors", write(tmp_path / "c", b"second"))
+    assert not ledger.wrote("checkpoints/j/0/n0/0.safetensors", first)   # the last write is the one
+    assert WrittenLedger(tmp_path / "ledger").wrote("checkpoints/j/0/n0/0.safetensors", tmp_path / "c")   # on disk
 
 
 def test_a_damaged_or_foreign_record_is_no_record(tmp_path: Path) -> None:

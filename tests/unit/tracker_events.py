@@ -49,9 +49,9 @@ def assignment(copy: int, round_: int = 0, node: str = "n1", job: JobSpec = SPEC
 
 def finished(copy: int, steps: int, round_: int = 0, status: str = "ok", job: str = "j1", node: str = "n1",
              checkpoint: str | None = "") -> CopyFinished:
-    """``checkpoint=""``: the prescribed key (None when failed)."""
+    """``checkpoint=""``: the prescribed key, under the reporting ``node`` (None when failed)."""
     if checkpoint == "":
-        checkpoint = None if status == "failed" else checkpoint_key(job, round_, copy)
+        checkpoint = None if status == "failed" else checkpoint_key(job, round_, copy, node=node)
     return CopyFinished(ts=T0 + 350 + round_ * 360, source="agent", job_id=job, round=round_, copy=copy,
                         node_id=node, status=status, steps_round=steps, checkpoint=checkpoint,
                         reason="oom" if status == "failed" else "")

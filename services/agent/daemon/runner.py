@@ -189,7 +189,7 @@ class CopyRun:
                 batch_size=a.job.batch_size, optimizer=a.job.hyper.optimizer, lr=a.job.hyper.lr,
                 seed=a.job.hyper.seed, rank=rank, world_size=a.world_size, rendezvous=rendezvous,
                 device=devices.worker_device, step_budget=a.step_budget, deadline=a.deadline,
-                start_from=a.start_from, checkpoint=checkpoint_key(a.job_id, a.round, a.copy),
+                start_from=a.start_from, checkpoint=checkpoint_key(a.job_id, a.round, a.copy, node=self.ctx.node_id),
                 store=self.ctx.store, slowdown=devices.slowdown.get(gpu, 1.0), emulated=devices.emulated,
                 progress_s=self.ctx.progress_s, threads=self.ctx.threads, env=env,
                 local_gpus=a.gpus, local_ranks=a.ranks, peers=peers, local_sgd=recipe, code=code,
