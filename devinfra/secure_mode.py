@@ -32,10 +32,11 @@ from shared.security.identities import (
     Registry,
     enrol,
     new_master_key,
+    read_master_key,
     user_identity,
 )
 from shared.security.principals import ADMIN, PRINCIPALS, s3_user
-from shared.security.provision import secure_kafka, secure_minio
+from shared.security.provision import secure_kafka, secure_minio, secure_node_stores
 from shared.store.settings import S3Settings
 from shared.wire.records import USER_RE
 
@@ -59,6 +60,8 @@ def apply(paths: InfraPaths, servers: DevServers) -> dict[str, Path]:
                       secret_key=servers.minio.secret_key)
     asyncio.run(secure_kafka(servers.kafka.bootstrap, admin_security(paths.run), broker.secrets.kafka))
     secure_minio(root, broker.secrets.s3)
+    key, registry = authorship_files(paths)
+    secure_node_stores(root, Registry.read(registry), read_master_key(key))   # enrolled nodes, after a restart
     directory = credentials_dir(paths)
     for name, password in broker.secrets.kafka.items():
         write_private(directory / f"{name}.kafka-password", password + "\n")
@@ -68,7 +71,6 @@ def apply(paths: InfraPaths, servers: DevServers) -> dict[str, Path]:
     written = write_env_files(directory, broker.secrets, bootstrap=servers.kafka.bootstrap, ca_file=broker.ca_file,
                               s3_endpoint=servers.minio.endpoint,
                               s3_root=(servers.minio.access_key, servers.minio.secret_key))
-    key, registry = authorship_files(paths)
     for name in (*VERIFYING_PRINCIPALS, ADMIN):
         with open(written[name], "a") as env:
             env.write(f"{KEY_ENV}={key}\n{REGISTRY_ENV}={registry}\n")

@@ -5,6 +5,11 @@ Settings are an :class:`~services.agent.config.AgentConfig` loaded by
 ``HADAR_NODE_ADDRESS``, ``HADAR_AGENT_*``) over the ``--config`` TOML file over the
 defaults. A bad value exits 2 with one line naming it. Where the object store is
 (``--store-dir`` or S3) is a connection setting, as Kafka's is.
+
+The S3 login is ``HADAR_S3_ACCESS_KEY``/``HADAR_S3_SECRET_KEY`` when given (a development
+store's root, say); otherwise the node's own login from its credential
+(``HADAR_IDENTITY_FILE``: user ``hadar-node-<node>``, which may write only this node's
+checkpoints), as a secured cluster's agents have no other.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,18 +28,19 @@ from services.agent.daemon.discovery import (
     emulated_devices,
 )
 from services.agent.protocol import StoreTarget
-from shared.errors import UsageError
+from shared.errors import ConfigError, UsageError
 from shared.runtime.config import add_config_arg, load_config
 from shared.runtime.connection import add_store_args, make_bus, s3_settings
 from shared.runtime.logging import configure_logging
 from shared.runtime.service import run_service
-from shared.security.authorship import with_authorship
-from shared.security.identities import node_identity
+from shared.security.authorship import IDENTITY_ENV, with_authorship
+from shared.security.identities import Credential, node_identity
+from shared.security.principals import node_s3_user
 
 if TYPE_CHECKING:
     from services.agent.config import AgentConfig
 
-__all__ = ["add_agent_parser", "run_agent", "agent_config", "DEFAULT_HTTP_PORT", "ENV_PREFIX"]
+__all__ = ["add_agent_parser", "run_agent", "agent_config", "node_store_env", "DEFAULT_HTTP_PORT", "ENV_PREFIX"]
 
 DEFAULT_HTTP_PORT = 8082
 ENV_PREFIX = "HADAR_AGENT_"
@@ -96,10 +102,33 @@ def agent_config(args: argparse.Namespace) -> AgentConfig:
     return load_config(AgentConfig, flags=flags, env=os.environ, env_prefix=ENV_PREFIX, file=args.config)
 
 
-def _store(args: argparse.Namespace) -> StoreTarget:
+def _store(args: argparse.Namespace, node_id: str) -> StoreTarget:
     if args.store_dir:
         return StoreTarget.local(Path(args.store_dir).resolve())
-    return StoreTarget.remote(s3_settings(args))
+    return StoreTarget.remote(s3_settings(args, node_store_env(os.environ, node_id)))
+
+
+def node_store_env(env: Mapping[str, str], node_id: str) -> dict[str, str]:
+    """``env`` with the node's own store login filled in from its credential when ``env``
+    names an S3 endpoint but no login (module docstring); UsageError if that credential is
+    another node's or carries no store login."""
+    out = dict(env)
+    has_login = any(env.get(name, "").strip() for name in ("HADAR_S3_ACCESS_KEY", "HADAR_S3_ACCESS_KEY_FILE"))
+    if not env.get("HADAR_S3_ENDPOINT", "").strip() or has_login or not env.get(IDENTITY_ENV, "").strip():
+        return out
+    try:
+        credential = Credential.read(env[IDENTITY_ENV])
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+    if credential.identity != node_identity(node_id):
+        raise UsageError(f"{IDENTITY_ENV} holds the credential of {credential.identity}, "
+                         f"but this agent is node {node_id!r}")
+    if not credential.store_secret:
+        raise UsageError(f"{IDENTITY_ENV}: the credential of {credential.identity} carries no store login; "
+                         "enrol the node again (hadar identity enrol node) or set HADAR_S3_ACCESS_KEY")
+    out["HADAR_S3_ACCESS_KEY"], out["HADAR_S3_SECRET_KEY"] = node_s3_user(node_id), credential.store_secret
+    out.pop("HADAR_S3_SECRET_KEY_FILE", None)
+    return out
 
 
 async def _discover(config: AgentConfig) -> NodeDevices:
@@ -113,7 +142,7 @@ def run_agent(args: argparse.Namespace) -> int:
     from services.agent.daemon.service import AgentDaemon  # heavy: only when run
 
     config = agent_config(args)
-    store = _store(args)
+    store = _store(args, config.node_id)
     emulated = emulated_devices(config.emulation, config.emulate_reference) if config.emulate else None
     bus = with_authorship(make_bus(args, source=f"agent/{config.node_id}"), os.environ)
     if bus.sealer is not None and bus.sealer.identity != node_identity(config.node_id):

@@ -11,21 +11,27 @@ It connects as the Kafka admin (``HADAR_BOOTSTRAP``, ``HADAR_KAFKA_*`` of the ad
 principal) and the MinIO root (``HADAR_S3_*``), and reads each principal's secrets from
 ``--secrets-dir`` (docker secrets: ``kafka-<principal>-password``,
 ``s3-<principal>-secret-key``). Run again after changing a secret file, it rotates that
-credential. Prints what it did, never a secret; a failure is one line and exit 1.
+credential. With ``HADAR_AUTHORSHIP_KEY_FILE`` and ``HADAR_AUTHORSHIP_REGISTRY`` it also gives
+every enrolled GPU node its own store login and removes a revoked node's
+(:func:`shared.security.provision.secure_node_stores`). Prints what it did, never a secret; a
+failure is one line and exit 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from pathlib import Path
 
 from shared.bus.settings import kafka_from_env
 from shared.errors import ConfigError, HadarError
+from shared.security.authorship import KEY_ENV
+from shared.security.identities import REGISTRY_ENV, Registry, read_master_key
 from shared.security.principals import ADMIN, PRINCIPALS, SERVICE_PRINCIPALS
-from shared.security.provision import secure_kafka, secure_minio
-from shared.store.settings import s3_from_env
+from shared.security.provision import secure_kafka, secure_minio, secure_node_stores
+from shared.store.settings import S3Settings, s3_from_env
 
 __all__ = ["register_secure_init", "read_secrets"]
 
@@ -92,8 +98,18 @@ def _secure_init(args: argparse.Namespace) -> int:
         asyncio.run(secure_kafka(kafka.bootstrap, kafka.security, passwords, partitions=args.partitions,
                                  replication_factor=args.replication_factor, login_wait_s=60.0))
         secure_minio(s3, secrets)
+        nodes = _node_stores(s3)
     except HadarError as exc:
         print(f"hadar infra secure-init: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
-    print(f"secure-init: {len(passwords)} kafka users with ACLs, {len(secrets)} minio users", file=sys.stderr)
+    print(f"secure-init: {len(passwords)} kafka users with ACLs, {len(secrets)} minio users, "
+          f"{nodes}", file=sys.stderr)
     return 0
+
+
+def _node_stores(root: S3Settings) -> str:
+    key_file, registry_file = os.environ.get(KEY_ENV, "").strip(), os.environ.get(REGISTRY_ENV, "").strip()
+    if not key_file or not registry_file:
+        return f"no node store logins ({KEY_ENV} and {REGISTRY_ENV} unset)"
+    done = secure_node_stores(root, Registry.read(registry_file), read_master_key(key_file))
+    return f"{len(done.enrolled)} node store logins ({len(done.removed)} revoked removed)"

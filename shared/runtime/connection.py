@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping
 
 from shared.bus import Bus, KafkaBus
 from shared.bus.settings import (
@@ -68,8 +69,9 @@ def kafka_settings(args: argparse.Namespace) -> KafkaSettings:
     return KafkaSettings(bootstrap=bootstrap, security=security)
 
 
-def s3_settings(args: argparse.Namespace) -> S3Settings:
-    env = dict(os.environ)
+def s3_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> S3Settings:
+    """The store settings of ``args`` over ``env`` (default: the process environment)."""
+    env = dict(os.environ if env is None else env)
     if getattr(args, "s3_endpoint", None):
         env["HADAR_S3_ENDPOINT"] = args.s3_endpoint
     if getattr(args, "s3_bucket", None):

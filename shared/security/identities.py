@@ -2,7 +2,11 @@
 
 * A node, ``node/<node id>``: its key is ``HMAC-SHA256(master, "hadar-authorship/v1" 0
   identity 0 epoch)``. The master key is held only by the trusted services and the admin;
-  a node holds only its own derived key, so it cannot make another node's.
+  a node holds only its own derived key, so it cannot make another node's. Its object-store
+  login (MinIO user ``hadar-node-<node id>``, which may write only its own checkpoints) has a
+  secret derived the same way under ``"hadar-store/v1"`` (:func:`store_secret`), so the
+  setup can create or rotate every enrolled node's login from the registry and the master
+  key alone, and the secret changes with the epoch.
 * A user, ``user/<name>``: an Ed25519 key pair; the user holds the private half, the
   registry the public half, so anyone may check a user's seal (an agent too, which must
   not hold the master key) and nobody but the user can make one.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import hmac
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,13 +40,15 @@ from shared.wire.records import NODE_ID_RE, USER_RE
 __all__ = [
     "Credential", "Registry", "RegistryFile", "derive_key", "node_identity", "user_identity", "new_user_key",
     "public_key_of", "read_master_key", "new_master_key", "MASTER_KEY_BYTES", "REGISTRY_ENV", "KINDS", "enrol",
-    "revoke",
+    "revoke", "store_secret",
 ]
 
 REGISTRY_ENV = "HADAR_AUTHORSHIP_REGISTRY"
 MASTER_KEY_BYTES = 32
 KINDS = ("node", "user")
 _CONTEXT = b"hadar-authorship/v1"
+_STORE_CONTEXT = b"hadar-store/v1"
+_STORE_SECRET_RE = re.compile(r"(?:[0-9a-f]{40})?")
 
 
 def user_identity(user: str) -> str:
@@ -73,6 +80,12 @@ def derive_key(master: bytes, identity: str, epoch: int) -> bytes:
     return hmac.digest(master, b"\0".join((_CONTEXT, identity.encode(), str(epoch).encode())), "sha256")
 
 
+def store_secret(master: bytes, identity: str, epoch: int) -> str:
+    """A node's object-store secret at ``epoch`` (40 hex characters; module docstring)."""
+    return hmac.digest(master, b"\0".join((_STORE_CONTEXT, identity.encode(), str(epoch).encode())),
+                       "sha256")[:20].hex()
+
+
 def new_master_key() -> bytes:
     return os.urandom(MASTER_KEY_BYTES)
 
@@ -94,25 +107,32 @@ def read_master_key(path: str | Path) -> bytes:
 @dataclass(frozen=True, kw_only=True)
 class Credential:
     """What an identity holds: the identity, the key's epoch and the key (a node's derived
-    HMAC key, a user's Ed25519 private seed). Not in repr: the key."""
+    HMAC key, a user's Ed25519 private seed); a node's also its object-store secret
+    (``store_secret``, empty for a user). Not in repr: the secrets."""
 
     identity: str
     epoch: int
     key: bytes = field(repr=False)
+    store_secret: str = field(default="", repr=False)
 
     def to_text(self) -> str:
-        return json.dumps({"identity": self.identity, "epoch": self.epoch, "key": self.key.hex()}) + "\n"
+        data: dict[str, object] = {"identity": self.identity, "epoch": self.epoch, "key": self.key.hex()}
+        if self.store_secret:
+            data["store_secret"] = self.store_secret
+        return json.dumps(data) + "\n"
 
     @classmethod
     def from_text(cls, text: str, *, where: str) -> Credential:
         try:
             data = json.loads(text)
             identity, epoch, key = data["identity"], data["epoch"], bytes.fromhex(data["key"])
-        except (ValueError, KeyError, TypeError):
+            secret = data.get("store_secret", "")
+        except (ValueError, KeyError, TypeError, AttributeError):
             raise ConfigError(f"{where}: not a Hadar identity credential (hadar identity enrol writes one)") from None
-        if type(identity) is not str or type(epoch) is not int or epoch < 1 or len(key) != 32:
+        if (type(identity) is not str or type(epoch) is not int or epoch < 1 or len(key) != 32
+                or type(secret) is not str or not _STORE_SECRET_RE.fullmatch(secret)):
             raise ConfigError(f"{where}: not a Hadar identity credential (hadar identity enrol writes one)")
-        return cls(identity=identity, epoch=epoch, key=key)
+        return cls(identity=identity, epoch=epoch, key=key, store_secret=secret)
 
     @classmethod
     def read(cls, path: str | Path) -> Credential:
@@ -243,7 +263,8 @@ def enrol(identity: str, *, master: bytes | None, registry_path: Path) -> Creden
         registry, epoch = Registry.read(registry_path).enrol(identity)
         key = derive_key(master, identity, epoch)
     write_private(registry_path, registry.to_text())
-    return Credential(identity=identity, epoch=epoch, key=key)
+    secret = store_secret(master, identity, epoch) if master is not None and identity.startswith("node/") else ""
+    return Credential(identity=identity, epoch=epoch, key=key, store_secret=secret)
 
 
 def revoke(identity: str, *, registry_path: Path) -> None:

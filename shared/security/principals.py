@@ -19,7 +19,14 @@ MinIO (``hadar-<name>``): ``s3_read``/``s3_write`` are key prefixes of
 models; scheduler, tracker and profiler prune their own state snapshots, which live under
 ``snapshots/<group id>/`` and so under their group prefix). The root user only sets this up.
 
-Guarantee: :func:`kafka_acls` and :func:`s3_policy` are pure functions of this table.
+GPU nodes have no shared store login: each enrolled node has its own MinIO user
+``hadar-node-<node id>`` (:func:`node_s3_user`, secret from its credential), whose policy
+(:func:`node_s3_policy`) reads models and users' bundles and reads and writes only the
+checkpoints under its own node segment, so no node can put an object where the tracker looks
+for another node's copy.
+
+Guarantee: :func:`kafka_acls`, :func:`s3_policy` and :func:`node_s3_policy` are pure
+functions of this table and the layout.
 """
 
 from __future__ import annotations
@@ -31,18 +38,22 @@ from shared.domain.layout import CHECKPOINTS as _CHECKPOINTS
 from shared.domain.layout import MODELS as _MODELS
 from shared.domain.layout import SNAPSHOTS as _SNAPSHOTS
 from shared.domain.layout import USERS as _USERS
+from shared.domain.layout import node_checkpoint_pattern
 from shared.wire.topics import PRINCIPALS as TOPIC_PRINCIPALS
 from shared.wire.topics import read_by, written_by
 
 __all__ = [
     "Principal", "PRINCIPALS", "SERVICE_PRINCIPALS", "ADMIN", "KafkaAcl", "kafka_acls", "s3_policy",
-    "s3_user", "CHECKPOINTS", "MODELS_PREFIX", "USERS_PREFIX",
+    "s3_user", "CHECKPOINTS", "MODELS_PREFIX", "USERS_PREFIX", "node_s3_user", "node_s3_policy", "NODE_S3_PREFIX",
+    "NODE_PRINCIPAL",
 ]
 
 CHECKPOINTS = f"{_CHECKPOINTS}/"
 MODELS_PREFIX = f"{_MODELS}/"
 USERS_PREFIX = f"{_USERS}/"   # users' code and data bundles (written by the CLI, read by agents)
 ADMIN = "admin"
+NODE_S3_PREFIX = "hadar-node-"   # a node's MinIO user and policy: hadar-node-<node id>
+NODE_PRINCIPAL = "agent"          # the principal GPU nodes run as; its store login is per node
 
 
 def _own_snapshots(group_prefix: str) -> tuple[str, ...]:
@@ -74,8 +85,8 @@ PRINCIPALS: dict[str, Principal] = {p.name: p for p in (
     Principal(name="scheduler", writes=written_by("scheduler"), reads=read_by("scheduler"),
               group_prefix="hadar-scheduler", transactional_prefix="hadar-scheduler",
               s3_read=_own_snapshots("hadar-scheduler"), s3_write=_own_snapshots("hadar-scheduler")),
-    Principal(name="agent", writes=written_by("agent"), reads=read_by("agent"), group_prefix="hadar-agent",
-              s3_read=(CHECKPOINTS, MODELS_PREFIX, USERS_PREFIX), s3_write=(CHECKPOINTS,)),
+    # an agent's store login is its node's own (node_s3_policy), never one shared by every node
+    Principal(name="agent", writes=written_by("agent"), reads=read_by("agent"), group_prefix="hadar-agent"),
     Principal(name="tracker", writes=written_by("tracker"), reads=read_by("tracker"),
               group_prefix="hadar-tracker", transactional_prefix="hadar-tracker",
               s3_read=(CHECKPOINTS, MODELS_PREFIX, *_own_snapshots("hadar-tracker")),
@@ -133,22 +144,37 @@ def s3_user(principal: Principal) -> str:
 
 def s3_policy(principal: Principal, bucket: str) -> dict[str, Any]:
     """The MinIO (IAM) policy document of ``principal`` on ``bucket``."""
+    return _policy(bucket, read=principal.s3_read, write=principal.s3_write)
+
+
+def node_s3_user(node_id: str) -> str:
+    """The MinIO user (access key) of GPU node ``node_id``."""
+    return NODE_S3_PREFIX + node_id
+
+
+def node_s3_policy(node_id: str, bucket: str) -> dict[str, Any]:
+    """The MinIO policy of node ``node_id``: read models and users' bundles; read and write
+    (and delete) only its own checkpoints (:func:`shared.domain.layout.node_checkpoint_pattern`)."""
+    own = node_checkpoint_pattern(node_id)
+    return _policy(bucket, read=(MODELS_PREFIX, USERS_PREFIX, own), write=(own,))
+
+
+def _policy(bucket: str, *, read: tuple[str, ...], write: tuple[str, ...]) -> dict[str, Any]:
     def objects(prefixes: tuple[str, ...]) -> list[str]:
         return [f"arn:aws:s3:::{bucket}/{p}*" for p in prefixes]
 
-    listable = sorted({*principal.s3_read, *principal.s3_write})
+    listable = sorted({*read, *write})
     statements: list[dict[str, Any]] = [
         {"Effect": "Allow", "Action": ["s3:GetBucketLocation"], "Resource": [f"arn:aws:s3:::{bucket}"]},
         {"Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": [f"arn:aws:s3:::{bucket}"],
          "Condition": {"StringLike": {"s3:prefix": [f"{p}*" for p in listable]}}},
     ]
-    if principal.s3_read:
-        statements.append({"Effect": "Allow", "Action": ["s3:GetObject"],
-                           "Resource": objects(principal.s3_read)})
-    if principal.s3_write:
+    if read:
+        statements.append({"Effect": "Allow", "Action": ["s3:GetObject"], "Resource": objects(read)})
+    if write:
         statements.append({"Effect": "Allow", "Action": ["s3:PutObject", "s3:DeleteObject",
                                                          "s3:AbortMultipartUpload"],
-                           "Resource": objects(principal.s3_write)})
+                           "Resource": objects(write)})
     return {"Version": "2012-10-17", "Statement": statements}
 
 

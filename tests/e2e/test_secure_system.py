@@ -24,8 +24,7 @@ import pytest
 from shared.bus import KafkaBus
 from shared.bus.settings import kafka_from_env
 from shared.security.authorship import Sealer
-from shared.security.files import write_private
-from shared.security.identities import Credential, enrol, read_master_key, revoke
+from shared.security.identities import Credential, revoke
 from shared.wire.events import (
     CopyFinished,
     DeadLetter,
@@ -65,12 +64,15 @@ async def completed(secure_servers, job_id: str) -> bool:
 
 
 def enrol_node(secure_servers, node: str, tmp_path: Path, kind: str = "node") -> tuple[Credential, Path]:
+    """Enrol as the admin does, with ``hadar identity enrol``: a node also gets its store login."""
     env = secure_servers.env["admin"]
-    credential = enrol(f"{kind}/{node}", master=read_master_key(env["HADAR_AUTHORSHIP_KEY_FILE"]),
-                       registry_path=Path(env["HADAR_AUTHORSHIP_REGISTRY"]))
     path = tmp_path / f"{kind}-{node}.identity"
-    write_private(path, credential.to_text())
-    return credential, path
+    done = subprocess.run([*HADAR, "identity", "enrol", kind, node, "--master-key-file",
+                           env["HADAR_AUTHORSHIP_KEY_FILE"], "--registry", env["HADAR_AUTHORSHIP_REGISTRY"],
+                           "--out", str(path)], env=principal_env(secure_servers, "admin"), cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return Credential.read(path), path
 
 
 async def forge(secure_servers, events: list[tuple[Credential | None, Event]]) -> None:

@@ -2,7 +2,8 @@
 
 Each principal can do what :mod:`shared.security.principals` grants and the broker or
 MinIO refuses the rest: an agent cannot publish a ModelConsolidated, the CLI cannot read
-with an agent's group, an agent cannot write a model; a wrong password or an untrusted CA
+with an agent's group, a node's agent cannot write a model nor another node's checkpoint
+(nor read it), a revoked or rotated node's old store login stops working; a wrong password or an untrusted CA
 fails fast with one line naming the setting.
 """
 
@@ -13,6 +14,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 
 import pytest
@@ -21,10 +23,12 @@ from aiokafka.errors import TopicAuthorizationFailedError
 from minio import Minio
 from minio.error import S3Error
 
+from services.agent.cli import node_store_env
 from shared.bus import KafkaBus
 from shared.bus.base import BusError
 from shared.bus.kafka_login import diagnose, security_options
 from shared.bus.settings import kafka_from_env
+from shared.domain.layout import checkpoint_key
 from shared.security.principals import PRINCIPALS, SERVICE_PRINCIPALS
 from shared.store import MinioStore
 from shared.store.settings import s3_from_env
@@ -90,25 +94,88 @@ async def test_the_cli_cannot_read_jobs_with_an_agent_group(secure_servers) -> N
         await bus.stop()
 
 
-async def test_the_agent_s3_keys_write_checkpoints_but_not_models(secure_servers) -> None:
-    settings = s3_from_env(secure_servers.env["agent"])
-    assert settings is not None
-    store = MinioStore(settings)
-    await store.start()   # a user that may not list the bucket's root still starts
+def identity_cli(secure_servers, *args: str) -> subprocess.CompletedProcess[str]:
+    """``hadar identity ...`` as the admin, whose env names the store's root (so enrolling or
+    revoking a node changes its store login at once)."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **secure_servers.env["admin"]}
+    done = subprocess.run([sys.executable, "-m", "services.cli.main", "identity", *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def node_store(secure_servers, node: str, tmp_path: Path) -> MinioStore:
+    """Enrol ``node`` (or rotate its key) and return a store logged in as that node's agent."""
+    admin = secure_servers.env["admin"]
+    credential = tmp_path / f"{node}.identity"
+    done = identity_cli(secure_servers, "enrol", "node", node, "--master-key-file", admin["HADAR_AUTHORSHIP_KEY_FILE"],
+                        "--registry", admin["HADAR_AUTHORSHIP_REGISTRY"], "--out", str(credential))
+    assert f"store login hadar-node-{node}: created" in done.stdout, done.stdout
+    settings = s3_from_env(node_store_env({**secure_servers.env["agent"], "HADAR_IDENTITY_FILE": str(credential)},
+                                          node))
+    assert settings is not None and settings.access_key == f"hadar-node-{node}"
+    return MinioStore(settings)
+
+
+async def denied(call: Awaitable[object]) -> str:
+    with pytest.raises(S3Error) as refused:
+        await call
+    return refused.value.code
+
+
+async def test_a_node_writes_its_own_checkpoints_and_nothing_another_node_or_the_tracker_owns(
+        secure_servers, tmp_path: Path) -> None:
+    assert "HADAR_S3_ACCESS_KEY" not in secure_servers.env["agent"]   # no login shared by every node
+    long_id = "n" * 63   # the longest node id makes a MinIO user too
+    one, two, longest = (node_store(secure_servers, n, tmp_path) for n in ("sec-n1", "sec-n2", long_id))
+    for store in (one, two, longest):
+        await store.start()   # a user that may not list the bucket's root still starts
     try:
-        await store.put("checkpoints/secure-j/0/0.safetensors", b"w")
-        assert await store.list("checkpoints/secure-j/") == ["checkpoints/secure-j/0/0.safetensors"]
-        with pytest.raises(S3Error) as denied:
-            await store.put("models/secure-j/0.safetensors", b"w")
-        assert denied.value.code == "AccessDenied"
+        mine = checkpoint_key("secure-j", 0, 0, node="sec-n1")
+        theirs = checkpoint_key("secure-j", 0, 1, node="sec-n2")
+        await one.put(mine, b"w")
+        await two.put(theirs, b"honest")
+        await longest.put(checkpoint_key("secure-j", 0, 2, node=long_id), b"w")
+        assert await one.get(mine) == b"w"
+        # n1 cannot plant, overwrite, delete nor read what the tracker takes for n2's copy
+        assert await denied(one.put(theirs, b"planted")) == "AccessDenied"
+        assert await denied(one.put(checkpoint_key("secure-j", 0, 0, node="sec-n2"), b"planted")) == "AccessDenied"
+        assert await denied(one.delete(theirs)) == "AccessDenied"
+        assert await denied(one.get(theirs)) == "AccessDenied"
+        assert await two.get(theirs) == b"honest"
+        assert await denied(one.put("models/secure-j/0.safetensors", b"w")) == "AccessDenied"
+        assert await denied(one.put("users/alice/code/" + "0" * 64 + ".tar", b"w")) == "AccessDenied"
     finally:
-        await store.stop()
+        for store in (one, two, longest):
+            await store.stop()
     cli = s3_from_env(secure_servers.env["cli"])
     assert cli is not None
     reader = Minio(cli.host_port, access_key=cli.access_key, secret_key=cli.secret_key, secure=cli.secure)
-    with pytest.raises(S3Error) as denied:
-        reader.get_object(cli.bucket, "checkpoints/secure-j/0/0.safetensors")
-    assert denied.value.code == "AccessDenied"
+    with pytest.raises(S3Error) as refused:
+        reader.get_object(cli.bucket, mine)
+    assert refused.value.code == "AccessDenied"
+
+
+async def test_a_revoked_or_rotated_nodes_old_store_login_stops_working(secure_servers, tmp_path: Path) -> None:
+    admin = secure_servers.env["admin"]
+    old = node_store(secure_servers, "sec-rot", tmp_path / "old")
+    key = checkpoint_key("secure-r", 0, 0, node="sec-rot")
+    await old.start()
+    try:
+        await old.put(key, b"w")
+        new = node_store(secure_servers, "sec-rot", tmp_path / "new")   # a new epoch: a new secret
+        await new.start()
+        try:
+            await new.put(key, b"w2")
+            assert await denied(old.put(key, b"stale")) in ("InvalidAccessKeyId", "SignatureDoesNotMatch")
+            done = identity_cli(secure_servers, "revoke", "node", "sec-rot", "--registry",
+                                admin["HADAR_AUTHORSHIP_REGISTRY"])
+            assert "store login hadar-node-sec-rot: removed" in done.stdout, done.stdout
+            assert await denied(new.put(key, b"revoked")) == "InvalidAccessKeyId"
+        finally:
+            await new.stop()
+    finally:
+        await old.stop()
 
 
 @pytest.mark.parametrize(("change", "named"), [

@@ -92,7 +92,7 @@ def test_the_image_has_no_default_and_keeps_its_digest():
 
 def test_each_service_logs_in_as_its_own_principal_with_secrets_from_files():
     from shared.security.authorship import VERIFYING_PRINCIPALS
-    from shared.security.principals import PRINCIPALS, s3_user
+    from shared.security.principals import NODE_PRINCIPAL, PRINCIPALS, s3_user
     config = _stack()
     for service in HADAR_SERVICES:
         spec = config["services"][service]
@@ -119,8 +119,9 @@ def test_each_service_logs_in_as_its_own_principal_with_secrets_from_files():
             assert "HADAR_AUTHORSHIP_KEY_FILE" not in env, service
         assert mounted == wanted, service   # no service holds another's secret, none the root's
         # s3_from_env refuses an endpoint without credentials: a service given the endpoint
-        # must be given its keys too, or it exits at start.
-        assert ("HADAR_S3_ENDPOINT" not in env) or principal.uses_s3, service
+        # must be given its keys too, or it exits at start -- except an agent, whose store login is
+        # its node's own, in its credential (services/agent/cli.py node_store_env).
+        assert ("HADAR_S3_ENDPOINT" not in env) or principal.uses_s3 or service == NODE_PRINCIPAL, service
         assert env["HADAR_KAFKA_PASSWORD_FILE"] == f"/run/secrets/kafka-{service}-password"
         assert not any("PASSWORD" in n and not n.endswith("_FILE") for n in env), service
 
@@ -152,7 +153,11 @@ def test_secure_init_runs_our_cli_as_admin_with_every_principals_secret():
         for target in targets:
             (P(tmp) / target).write_text("x\n")
         kafka, s3 = read_secrets(P(tmp))
-    assert set(kafka) == set(SERVICE_PRINCIPALS) and set(s3) == {"agent", "tracker", "cli", "scheduler", "profiler"}
+    assert set(kafka) == set(SERVICE_PRINCIPALS) and set(s3) == {"tracker", "cli", "scheduler", "profiler"}
+    # no shared agent store login: secure-init derives each enrolled node's own from these
+    assert {"authorship-master-key", "identity-registry"} <= targets
+    assert init["environment"]["HADAR_AUTHORSHIP_KEY_FILE"] == "/run/secrets/authorship-master-key"
+    assert init["environment"]["HADAR_AUTHORSHIP_REGISTRY"] == "/run/secrets/identity-registry"
     assert set(config["secrets"]) >= {s["source"] for svc in config["services"].values()
                                       for s in svc.get("secrets", [])}
 

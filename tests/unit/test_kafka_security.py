@@ -30,6 +30,8 @@ from shared.security.principals import (
     PRINCIPALS,
     SERVICE_PRINCIPALS,
     kafka_acls,
+    node_s3_policy,
+    node_s3_user,
     s3_policy,
     s3_user,
 )
@@ -197,15 +199,22 @@ def test_store_policies_follow_the_layout_prefixes() -> None:
         policy = s3_policy(PRINCIPALS[name], "b")
         return {r.removeprefix("arn:aws:s3:::b/") for s in policy["Statement"] if action in s["Action"]
                 for r in s["Resource"]}
-    assert actions("agent", "s3:PutObject") == {"checkpoints/*"}
-    assert actions("agent", "s3:GetObject") == {"checkpoints/*", "models/*", "users/*"}   # users' bundles
+    # GPU nodes share no store login: each node's own may write only its own checkpoints
+    assert not PRINCIPALS["agent"].uses_s3
+    def node_actions(action: str) -> set[str]:
+        return {r.removeprefix("arn:aws:s3:::b/") for st in node_s3_policy("n1", "b")["Statement"]
+                if action in st["Action"] for r in st["Resource"]}
+    own = "checkpoints/*/*/n1/*"
+    assert node_actions("s3:PutObject") == node_actions("s3:DeleteObject") == {own}
+    assert node_actions("s3:GetObject") == {own, "models/*", "users/*"}   # users' bundles
+    assert node_s3_user("n1") == "hadar-node-n1"
     own_tracker = {"checkpoints/*", "models/*", "snapshots/hadar-tracker*"}   # and its own state snapshots
     assert actions("tracker", "s3:PutObject") == own_tracker and actions("tracker", "s3:GetObject") == own_tracker
     assert actions("cli", "s3:GetObject") == {"models/*", "users/*"} and actions("cli", "s3:PutObject") == {"users/*"}
     for service in ("scheduler", "profiler"):   # their own state snapshots, nothing else
         own = {f"snapshots/hadar-{service}*"}
         assert actions(service, "s3:GetObject") == own and actions(service, "s3:PutObject") == own
-    assert s3_user(PRINCIPALS["agent"]) == "hadar-agent"
+    assert s3_user(PRINCIPALS["tracker"]) == "hadar-tracker"
 
 
 def test_a_bootstrap_list_of_several_brokers_reaches_every_client_as_given() -> None:
