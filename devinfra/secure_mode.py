@@ -35,8 +35,9 @@ from shared.security.identities import (
     read_master_key,
     user_identity,
 )
+from shared.security.node_logins import secure_node_kafka, secure_node_stores
 from shared.security.principals import ADMIN, PRINCIPALS, s3_user
-from shared.security.provision import secure_kafka, secure_minio, secure_node_stores
+from shared.security.provision import secure_kafka, secure_minio
 from shared.store.settings import S3Settings
 from shared.wire.records import USER_RE
 
@@ -60,11 +61,14 @@ def apply(paths: InfraPaths, servers: DevServers) -> dict[str, Path]:
                       secret_key=servers.minio.secret_key)
     asyncio.run(secure_kafka(servers.kafka.bootstrap, admin_security(paths.run), broker.secrets.kafka))
     secure_minio(root, broker.secrets.s3)
-    key, registry = authorship_files(paths)
-    secure_node_stores(root, Registry.read(registry), read_master_key(key))   # enrolled nodes, after a restart
+    key, registry = authorship_files(paths)   # enrolled nodes' own logins, after a restart
+    enrolled, master = Registry.read(registry), read_master_key(key)
+    asyncio.run(secure_node_kafka(servers.kafka.bootstrap, admin_security(paths.run), enrolled, master))
+    secure_node_stores(root, enrolled, master)
     directory = credentials_dir(paths)
     for name, password in broker.secrets.kafka.items():
-        write_private(directory / f"{name}.kafka-password", password + "\n")
+        if name == ADMIN or (name in PRINCIPALS and PRINCIPALS[name].shared_login):
+            write_private(directory / f"{name}.kafka-password", password + "\n")
     for name, secret in broker.secrets.s3.items():
         write_private(directory / f"{name}.s3-secret-key", secret + "\n")
     write_private(directory / f"{ADMIN}.s3-secret-key", servers.minio.secret_key + "\n")

@@ -6,10 +6,11 @@ Settings are an :class:`~services.agent.config.AgentConfig` loaded by
 defaults. A bad value exits 2 with one line naming it. Where the object store is
 (``--store-dir`` or S3) is a connection setting, as Kafka's is.
 
-The S3 login is ``HADAR_S3_ACCESS_KEY``/``HADAR_S3_SECRET_KEY`` when given (a development
-store's root, say); otherwise the node's own login from its credential
-(``HADAR_IDENTITY_FILE``: user ``hadar-node-<node>``, which may write only this node's
-checkpoints), as a secured cluster's agents have no other.
+The Kafka and S3 logins are ``HADAR_KAFKA_USERNAME``/``HADAR_KAFKA_PASSWORD`` and
+``HADAR_S3_ACCESS_KEY``/``HADAR_S3_SECRET_KEY`` when given (a development store's root,
+say); otherwise the node's own logins from its credential (``HADAR_IDENTITY_FILE``: user
+``hadar-node-<node>`` on both, which may act only as this node: its own consumer group, its
+own checkpoints), as a secured cluster's agents have no other.
 """
 
 from __future__ import annotations
@@ -35,12 +36,12 @@ from shared.runtime.logging import configure_logging
 from shared.runtime.service import run_service
 from shared.security.authorship import IDENTITY_ENV, with_authorship
 from shared.security.identities import Credential, node_identity
-from shared.security.principals import node_s3_user
+from shared.security.principals import node_login
 
 if TYPE_CHECKING:
     from services.agent.config import AgentConfig
 
-__all__ = ["add_agent_parser", "run_agent", "agent_config", "node_store_env", "DEFAULT_HTTP_PORT", "ENV_PREFIX"]
+__all__ = ["add_agent_parser", "run_agent", "agent_config", "node_login_env", "DEFAULT_HTTP_PORT", "ENV_PREFIX"]
 
 DEFAULT_HTTP_PORT = 8082
 ENV_PREFIX = "HADAR_AGENT_"
@@ -102,19 +103,23 @@ def agent_config(args: argparse.Namespace) -> AgentConfig:
     return load_config(AgentConfig, flags=flags, env=os.environ, env_prefix=ENV_PREFIX, file=args.config)
 
 
-def _store(args: argparse.Namespace, node_id: str) -> StoreTarget:
+def _store(args: argparse.Namespace, env: Mapping[str, str]) -> StoreTarget:
     if args.store_dir:
         return StoreTarget.local(Path(args.store_dir).resolve())
-    return StoreTarget.remote(s3_settings(args, node_store_env(os.environ, node_id)))
+    return StoreTarget.remote(s3_settings(args, env))
 
 
-def node_store_env(env: Mapping[str, str], node_id: str) -> dict[str, str]:
-    """``env`` with the node's own store login filled in from its credential when ``env``
-    names an S3 endpoint but no login (module docstring); UsageError if that credential is
-    another node's or carries no store login."""
+def node_login_env(env: Mapping[str, str], node_id: str) -> dict[str, str]:
+    """``env`` with the node's own logins filled in from its credential (module docstring):
+    Kafka's when ``env`` asks for a SASL login but names no user, the store's when it names
+    an S3 endpoint but no access key. UsageError if a login is needed and the credential is
+    another node's or carries none."""
     out = dict(env)
-    has_login = any(env.get(name, "").strip() for name in ("HADAR_S3_ACCESS_KEY", "HADAR_S3_ACCESS_KEY_FILE"))
-    if not env.get("HADAR_S3_ENDPOINT", "").strip() or has_login or not env.get(IDENTITY_ENV, "").strip():
+    sasl = env.get("HADAR_KAFKA_SECURITY_PROTOCOL", "").strip().upper().startswith("SASL")
+    kafka = sasl and not env.get("HADAR_KAFKA_USERNAME", "").strip()
+    store = bool(env.get("HADAR_S3_ENDPOINT", "").strip()) and not any(
+        env.get(name, "").strip() for name in ("HADAR_S3_ACCESS_KEY", "HADAR_S3_ACCESS_KEY_FILE"))
+    if not (kafka or store) or not env.get(IDENTITY_ENV, "").strip():
         return out
     try:
         credential = Credential.read(env[IDENTITY_ENV])
@@ -123,11 +128,15 @@ def node_store_env(env: Mapping[str, str], node_id: str) -> dict[str, str]:
     if credential.identity != node_identity(node_id):
         raise UsageError(f"{IDENTITY_ENV} holds the credential of {credential.identity}, "
                          f"but this agent is node {node_id!r}")
-    if not credential.store_secret:
-        raise UsageError(f"{IDENTITY_ENV}: the credential of {credential.identity} carries no store login; "
-                         "enrol the node again (hadar identity enrol node) or set HADAR_S3_ACCESS_KEY")
-    out["HADAR_S3_ACCESS_KEY"], out["HADAR_S3_SECRET_KEY"] = node_s3_user(node_id), credential.store_secret
-    out.pop("HADAR_S3_SECRET_KEY_FILE", None)
+    if not (credential.kafka_password and credential.store_secret):
+        raise UsageError(f"{IDENTITY_ENV}: the credential of {credential.identity} carries no logins; enrol the "
+                         "node again (hadar identity enrol node) or set HADAR_KAFKA_USERNAME and HADAR_S3_ACCESS_KEY")
+    if kafka:
+        out["HADAR_KAFKA_USERNAME"], out["HADAR_KAFKA_PASSWORD"] = node_login(node_id), credential.kafka_password
+        out.pop("HADAR_KAFKA_PASSWORD_FILE", None)
+    if store:
+        out["HADAR_S3_ACCESS_KEY"], out["HADAR_S3_SECRET_KEY"] = node_login(node_id), credential.store_secret
+        out.pop("HADAR_S3_SECRET_KEY_FILE", None)
     return out
 
 
@@ -142,9 +151,10 @@ def run_agent(args: argparse.Namespace) -> int:
     from services.agent.daemon.service import AgentDaemon  # heavy: only when run
 
     config = agent_config(args)
-    store = _store(args, config.node_id)
+    env = node_login_env(os.environ, config.node_id)
+    store = _store(args, env)
     emulated = emulated_devices(config.emulation, config.emulate_reference) if config.emulate else None
-    bus = with_authorship(make_bus(args, source=f"agent/{config.node_id}"), os.environ)
+    bus = with_authorship(make_bus(args, source=f"agent/{config.node_id}", env=env), env)
     if bus.sealer is not None and bus.sealer.identity != node_identity(config.node_id):
         raise UsageError(f"HADAR_IDENTITY_FILE holds the credential of {bus.sealer.identity}, "
                          f"but this agent is node {config.node_id!r}")

@@ -18,21 +18,20 @@
 The registry is a small JSON file the trusted services read as ``HADAR_AUTHORSHIP_REGISTRY``
 (and read again when it changes); it holds no secret.
 
-A node's credential also carries its object-store login (MinIO user ``hadar-node-<N>``, which
-may write only N's checkpoints). With the store's root settings in the environment
-(``HADAR_S3_ENDPOINT`` and the root's ``HADAR_S3_*`` keys, as the admin's env file has them),
-``enrol node`` creates or rotates that login at once and ``revoke node`` removes it;
-without them, ``hadar infra secure-init`` does it from the registry on its next run.
+A node's credential also carries its own logins, Kafka user and MinIO user
+``hadar-node-<N>`` (:mod:`shared.security.node_logins`): they act only as node N. With the
+broker's admin and the store's root in the environment (as the admin's env file has them),
+``enrol node`` creates or rotates them at once and ``revoke node`` removes them; without,
+``hadar infra secure-init`` does it from the registry on its next run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from shared.bus.base import BusError
 from shared.errors import ConfigError, HadarError, UsageError
 from shared.security.files import write_private
 from shared.security.identities import (
@@ -48,11 +47,8 @@ from shared.security.identities import (
     revoke,
     user_identity,
 )
-from shared.security.principals import node_s3_user
-from shared.store.settings import S3Settings, s3_from_env
-
-if TYPE_CHECKING:
-    from shared.security.provision import NodeStores
+from shared.security.principals import ADMIN, node_login
+from shared.store.settings import s3_from_env
 
 __all__ = ["register"]
 
@@ -125,29 +121,38 @@ def _enrol(args: argparse.Namespace) -> int:
     credential = enrol(identity, master=master, registry_path=args.registry)
     write_private(args.out, credential.to_text())
     print(f"{identity}: key epoch {credential.epoch}; credential written to {args.out}")
-    if args.kind == "node" and master is not None:
-        def create(root: S3Settings) -> NodeStores:
-            from shared.security.provision import secure_node_stores
-            return secure_node_stores(root, Registry.read(args.registry), master, only=args.name)
-        _node_store(args.name, create, "created")
+    if args.kind == "node":
+        _node_logins(args.name, args.registry, master, "created")
     return 0
 
 
-def _node_store(node: str, apply: Callable[[S3Settings], object], done: str) -> None:
-    """Apply a node's store-login change now when the environment names the store's root."""
-    from shared.security.provision import SetupError  # the MinIO admin client: only when used
+def _node_logins(node: str, registry_path: Path, master: bytes | None, done: str) -> None:
+    """Apply node ``node``'s logins as the registry now says (made, rotated or removed) when
+    the environment names the broker's admin and the store's root; else say who will."""
+    import asyncio
+
+    from shared.bus.settings import kafka_from_env
+    from shared.security.node_logins import secure_node_kafka, secure_node_stores
+    from shared.security.provision import SetupError
+    registry = Registry.read(registry_path)
     try:
-        root = s3_from_env()
+        kafka, root = kafka_from_env(), s3_from_env()
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
-    if root is None:
-        print(f"store login {node_s3_user(node)}: no HADAR_S3_ENDPOINT here; hadar infra secure-init applies it")
-        return
+    later = "hadar infra secure-init applies it"
     try:
-        apply(root)
-    except SetupError as exc:
+        if kafka is not None and kafka.security.username == ADMIN:
+            asyncio.run(secure_node_kafka(kafka.bootstrap, kafka.security, registry, master, only=node))
+            print(f"kafka login {node_login(node)}: {done}")
+        else:
+            print(f"kafka login {node_login(node)}: not the broker's {ADMIN} here; {later}")
+        if root is not None:
+            secure_node_stores(root, registry, master, only=node)
+            print(f"store login {node_login(node)}: {done}")
+        else:
+            print(f"store login {node_login(node)}: no HADAR_S3_ENDPOINT here; {later}")
+    except (SetupError, BusError) as exc:
         raise HadarError(f"the registry is updated, but {exc}; run hadar infra secure-init to retry") from None
-    print(f"store login {node_s3_user(node)}: {done}")
 
 
 def _keygen(args: argparse.Namespace) -> int:
@@ -168,10 +173,7 @@ def _revoke(args: argparse.Namespace) -> int:
         raise UsageError(f"{identity} is not enrolled in {args.registry}") from None
     print(f"{identity}: revoked")
     if args.kind == "node":
-        def remove(root: S3Settings) -> None:
-            from shared.security.provision import remove_node_store
-            remove_node_store(root, args.name)
-        _node_store(args.name, remove, "removed")
+        _node_logins(args.name, args.registry, None, "removed")
     return 0
 
 

@@ -12,8 +12,8 @@ principal) and the MinIO root (``HADAR_S3_*``), and reads each principal's secre
 ``--secrets-dir`` (docker secrets: ``kafka-<principal>-password``,
 ``s3-<principal>-secret-key``). Run again after changing a secret file, it rotates that
 credential. With ``HADAR_AUTHORSHIP_KEY_FILE`` and ``HADAR_AUTHORSHIP_REGISTRY`` it also gives
-every enrolled GPU node its own store login and removes a revoked node's
-(:func:`shared.security.provision.secure_node_stores`). Prints what it did, never a secret; a
+every enrolled GPU node its own Kafka and store logins and removes a revoked node's
+(:mod:`shared.security.node_logins`). Prints what it did, never a secret; a
 failure is one line and exit 1.
 """
 
@@ -25,12 +25,13 @@ import os
 import sys
 from pathlib import Path
 
-from shared.bus.settings import kafka_from_env
+from shared.bus.settings import KafkaSettings, kafka_from_env
 from shared.errors import ConfigError, HadarError
 from shared.security.authorship import KEY_ENV
 from shared.security.identities import REGISTRY_ENV, Registry, read_master_key
-from shared.security.principals import ADMIN, PRINCIPALS, SERVICE_PRINCIPALS
-from shared.security.provision import secure_kafka, secure_minio, secure_node_stores
+from shared.security.node_logins import secure_node_kafka, secure_node_stores
+from shared.security.principals import ADMIN, PRINCIPALS, SHARED_LOGINS
+from shared.security.provision import secure_kafka, secure_minio
 from shared.store.settings import S3Settings, s3_from_env
 
 __all__ = ["register_secure_init", "read_secrets"]
@@ -66,9 +67,10 @@ def _certs(args: argparse.Namespace) -> int:
 
 
 def read_secrets(directory: Path) -> tuple[dict[str, str], dict[str, str]]:
-    """(kafka passwords, s3 secret keys) of the service principals from ``directory``."""
+    """(kafka passwords, s3 secret keys) of the service principals from ``directory`` (none of
+    the agent's: each node has its own logins)."""
     kafka, s3 = {}, {}
-    for name in SERVICE_PRINCIPALS:
+    for name in SHARED_LOGINS:
         kafka[name] = _read(directory / f"kafka-{name}-password")
         if PRINCIPALS[name].uses_s3:
             s3[name] = _read(directory / f"s3-{name}-secret-key")
@@ -98,7 +100,7 @@ def _secure_init(args: argparse.Namespace) -> int:
         asyncio.run(secure_kafka(kafka.bootstrap, kafka.security, passwords, partitions=args.partitions,
                                  replication_factor=args.replication_factor, login_wait_s=60.0))
         secure_minio(s3, secrets)
-        nodes = _node_stores(s3)
+        nodes = _node_logins(kafka, s3)
     except HadarError as exc:
         print(f"hadar infra secure-init: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
@@ -107,9 +109,10 @@ def _secure_init(args: argparse.Namespace) -> int:
     return 0
 
 
-def _node_stores(root: S3Settings) -> str:
+def _node_logins(kafka: KafkaSettings, root: S3Settings) -> str:
     key_file, registry_file = os.environ.get(KEY_ENV, "").strip(), os.environ.get(REGISTRY_ENV, "").strip()
     if not key_file or not registry_file:
-        return f"no node store logins ({KEY_ENV} and {REGISTRY_ENV} unset)"
-    done = secure_node_stores(root, Registry.read(registry_file), read_master_key(key_file))
-    return f"{len(done.enrolled)} node store logins ({len(done.removed)} revoked removed)"
+        return f"no node logins ({KEY_ENV} and {REGISTRY_ENV} unset)"
+    registry, master = Registry.read(registry_file), read_master_key(key_file)
+    on_kafka = asyncio.run(secure_node_kafka(kafka.bootstrap, kafka.security, registry, master, login_wait_s=60.0))
+    return f"{on_kafka.summary('kafka')}, {secure_node_stores(root, registry, master).summary('store')}"

@@ -53,11 +53,13 @@ def add_store_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--s3-bucket", default=None, help="bucket (default: $HADAR_S3_BUCKET or 'hadar')")
 
 
-def kafka_settings(args: argparse.Namespace) -> KafkaSettings:
-    bootstrap = getattr(args, "bootstrap", None) or os.environ.get("HADAR_BOOTSTRAP", "")
+def kafka_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> KafkaSettings:
+    """The Kafka settings of ``args`` over ``env`` (default: the process environment)."""
+    env = os.environ if env is None else env
+    bootstrap = getattr(args, "bootstrap", None) or env.get("HADAR_BOOTSTRAP", "")
     if not bootstrap:
         raise UsageError("no Kafka broker: pass --bootstrap HOST:PORT or set HADAR_BOOTSTRAP")
-    security = kafka_security_from_env(os.environ, {
+    security = kafka_security_from_env(env, {
         "HADAR_KAFKA_SECURITY_PROTOCOL": getattr(args, "kafka_security_protocol", None),
         "HADAR_KAFKA_SASL_MECHANISM": getattr(args, "kafka_sasl_mechanism", None),
         "HADAR_KAFKA_USERNAME": getattr(args, "kafka_username", None),
@@ -83,8 +85,8 @@ def s3_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None) 
     return settings
 
 
-def make_bus(args: argparse.Namespace, *, source: str) -> Bus:
-    return KafkaBus.from_settings(kafka_settings(args), source=source)
+def make_bus(args: argparse.Namespace, *, source: str, env: Mapping[str, str] | None = None) -> Bus:
+    return KafkaBus.from_settings(kafka_settings(args, env), source=source)
 
 
 def make_store(args: argparse.Namespace) -> ObjectStore:

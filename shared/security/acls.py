@@ -95,8 +95,9 @@ class CreateAcls(Request[_Struct]):  # type: ignore[misc]  # aiokafka is untyped
 
 
 def all_acls() -> list[KafkaAcl]:
-    """Every binding of every principal in :data:`~shared.security.principals.PRINCIPALS`."""
-    return [acl for principal in PRINCIPALS.values() for acl in kafka_acls(principal)]
+    """Every binding of every principal in :data:`~shared.security.principals.PRINCIPALS` that
+    has a login of its own (a node's are :func:`~shared.security.principals.node_kafka_acls`)."""
+    return [acl for principal in PRINCIPALS.values() if principal.shared_login for acl in kafka_acls(principal)]
 
 
 async def apply_acls(admin: AIOKafkaAdminClient, acls: Iterable[KafkaAcl] | None = None) -> int:

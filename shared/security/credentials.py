@@ -52,11 +52,12 @@ def load_or_create(path: Path, token: Callable[[int], str] = secrets.token_urlsa
 def env_lines(principal: str, found: Secrets, *, bootstrap: str, ca_file: Path, s3_endpoint: str,
               s3_root: tuple[str, str] | None = None, bucket: str = "") -> list[str]:
     """``HADAR_*`` lines for ``principal``: the broker, its Kafka login, and its S3 keys
-    (the root's for admin, given as ``s3_root``; for the agent only the endpoint: each node's
-    store login is in its own credential)."""
+    (the root's for admin, given as ``s3_root``). The agent gets neither login: each node's
+    are in its own credential (``HADAR_IDENTITY_FILE``)."""
     lines = [f"HADAR_BOOTSTRAP={bootstrap}", "HADAR_KAFKA_SECURITY_PROTOCOL=SASL_SSL",
-             f"HADAR_KAFKA_SASL_MECHANISM={MECHANISM}", f"HADAR_KAFKA_USERNAME={principal}",
-             f"HADAR_KAFKA_PASSWORD={found.kafka[principal]}", f"HADAR_KAFKA_CA_FILE={ca_file}"]
+             f"HADAR_KAFKA_SASL_MECHANISM={MECHANISM}", f"HADAR_KAFKA_CA_FILE={ca_file}"]
+    if principal == ADMIN or PRINCIPALS[principal].shared_login:   # a node logs in as itself, from its credential
+        lines[3:3] = [f"HADAR_KAFKA_USERNAME={principal}", f"HADAR_KAFKA_PASSWORD={found.kafka[principal]}"]
     keys: tuple[str, str] | None = None
     if principal == ADMIN:
         keys = s3_root

@@ -2,11 +2,12 @@
 
 * A node, ``node/<node id>``: its key is ``HMAC-SHA256(master, "hadar-authorship/v1" 0
   identity 0 epoch)``. The master key is held only by the trusted services and the admin;
-  a node holds only its own derived key, so it cannot make another node's. Its object-store
-  login (MinIO user ``hadar-node-<node id>``, which may write only its own checkpoints) has a
-  secret derived the same way under ``"hadar-store/v1"`` (:func:`store_secret`), so the
-  setup can create or rotate every enrolled node's login from the registry and the master
-  key alone, and the secret changes with the epoch.
+  a node holds only its own derived key, so it cannot make another node's. Its logins --
+  Kafka SCRAM user and MinIO user ``hadar-node-<node id>``, which may act only as that node
+  (:mod:`shared.security.principals`) -- have secrets derived the same way under
+  ``"hadar-kafka/v1"`` and ``"hadar-store/v1"`` (:func:`kafka_password`,
+  :func:`store_secret`), so the setup can create or rotate every enrolled node's logins from
+  the registry and the master key alone, and they change with the epoch.
 * A user, ``user/<name>``: an Ed25519 key pair; the user holds the private half, the
   registry the public half, so anyone may check a user's seal (an agent too, which must
   not hold the master key) and nobody but the user can make one.
@@ -40,7 +41,7 @@ from shared.wire.records import NODE_ID_RE, USER_RE
 __all__ = [
     "Credential", "Registry", "RegistryFile", "derive_key", "node_identity", "user_identity", "new_user_key",
     "public_key_of", "read_master_key", "new_master_key", "MASTER_KEY_BYTES", "REGISTRY_ENV", "KINDS", "enrol",
-    "revoke", "store_secret",
+    "revoke", "store_secret", "kafka_password",
 ]
 
 REGISTRY_ENV = "HADAR_AUTHORSHIP_REGISTRY"
@@ -48,7 +49,8 @@ MASTER_KEY_BYTES = 32
 KINDS = ("node", "user")
 _CONTEXT = b"hadar-authorship/v1"
 _STORE_CONTEXT = b"hadar-store/v1"
-_STORE_SECRET_RE = re.compile(r"(?:[0-9a-f]{40})?")
+_KAFKA_CONTEXT = b"hadar-kafka/v1"
+_LOGIN_SECRET_RE = re.compile(r"(?:[0-9a-f]{40})?")
 
 
 def user_identity(user: str) -> str:
@@ -82,8 +84,16 @@ def derive_key(master: bytes, identity: str, epoch: int) -> bytes:
 
 def store_secret(master: bytes, identity: str, epoch: int) -> str:
     """A node's object-store secret at ``epoch`` (40 hex characters; module docstring)."""
-    return hmac.digest(master, b"\0".join((_STORE_CONTEXT, identity.encode(), str(epoch).encode())),
-                       "sha256")[:20].hex()
+    return _login_secret(_STORE_CONTEXT, master, identity, epoch)
+
+
+def kafka_password(master: bytes, identity: str, epoch: int) -> str:
+    """A node's Kafka SCRAM password at ``epoch`` (40 hex characters; module docstring)."""
+    return _login_secret(_KAFKA_CONTEXT, master, identity, epoch)
+
+
+def _login_secret(context: bytes, master: bytes, identity: str, epoch: int) -> str:
+    return hmac.digest(master, b"\0".join((context, identity.encode(), str(epoch).encode())), "sha256")[:20].hex()
 
 
 def new_master_key() -> bytes:
@@ -107,16 +117,19 @@ def read_master_key(path: str | Path) -> bytes:
 @dataclass(frozen=True, kw_only=True)
 class Credential:
     """What an identity holds: the identity, the key's epoch and the key (a node's derived
-    HMAC key, a user's Ed25519 private seed); a node's also its object-store secret
-    (``store_secret``, empty for a user). Not in repr: the secrets."""
+    HMAC key, a user's Ed25519 private seed); a node's also its logins' secrets
+    (``kafka_password``, ``store_secret``; empty for a user). Not in repr: the secrets."""
 
     identity: str
     epoch: int
     key: bytes = field(repr=False)
+    kafka_password: str = field(default="", repr=False)
     store_secret: str = field(default="", repr=False)
 
     def to_text(self) -> str:
         data: dict[str, object] = {"identity": self.identity, "epoch": self.epoch, "key": self.key.hex()}
+        if self.kafka_password:
+            data["kafka_password"] = self.kafka_password
         if self.store_secret:
             data["store_secret"] = self.store_secret
         return json.dumps(data) + "\n"
@@ -126,13 +139,13 @@ class Credential:
         try:
             data = json.loads(text)
             identity, epoch, key = data["identity"], data["epoch"], bytes.fromhex(data["key"])
-            secret = data.get("store_secret", "")
+            logins = (data.get("kafka_password", ""), data.get("store_secret", ""))
         except (ValueError, KeyError, TypeError, AttributeError):
             raise ConfigError(f"{where}: not a Hadar identity credential (hadar identity enrol writes one)") from None
         if (type(identity) is not str or type(epoch) is not int or epoch < 1 or len(key) != 32
-                or type(secret) is not str or not _STORE_SECRET_RE.fullmatch(secret)):
+                or not all(type(x) is str and _LOGIN_SECRET_RE.fullmatch(x) for x in logins)):
             raise ConfigError(f"{where}: not a Hadar identity credential (hadar identity enrol writes one)")
-        return cls(identity=identity, epoch=epoch, key=key, store_secret=secret)
+        return cls(identity=identity, epoch=epoch, key=key, kafka_password=logins[0], store_secret=logins[1])
 
     @classmethod
     def read(cls, path: str | Path) -> Credential:
@@ -263,8 +276,10 @@ def enrol(identity: str, *, master: bytes | None, registry_path: Path) -> Creden
         registry, epoch = Registry.read(registry_path).enrol(identity)
         key = derive_key(master, identity, epoch)
     write_private(registry_path, registry.to_text())
-    secret = store_secret(master, identity, epoch) if master is not None and identity.startswith("node/") else ""
-    return Credential(identity=identity, epoch=epoch, key=key, store_secret=secret)
+    if master is None or not identity.startswith("node/"):
+        return Credential(identity=identity, epoch=epoch, key=key)
+    return Credential(identity=identity, epoch=epoch, key=key, kafka_password=kafka_password(master, identity, epoch),
+                      store_secret=store_secret(master, identity, epoch))
 
 
 def revoke(identity: str, *, registry_path: Path) -> None:

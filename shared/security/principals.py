@@ -19,14 +19,17 @@ MinIO (``hadar-<name>``): ``s3_read``/``s3_write`` are key prefixes of
 models; scheduler, tracker and profiler prune their own state snapshots, which live under
 ``snapshots/<group id>/`` and so under their group prefix). The root user only sets this up.
 
-GPU nodes have no shared store login: each enrolled node has its own MinIO user
-``hadar-node-<node id>`` (:func:`node_s3_user`, secret from its credential), whose policy
+GPU nodes share no login (the ``agent`` row has ``shared_login=False``: no Kafka or MinIO
+user of that name exists). Each enrolled node has its own Kafka user and MinIO user
+``hadar-node-<node id>`` (:func:`node_login`; secrets from its credential). Its Kafka ACLs
+(:func:`node_kafka_acls`) are the agent row's topics and only its own consumer group
+``hadar-agent-<node id>`` (LITERAL, so node n1 cannot join n10's); its store policy
 (:func:`node_s3_policy`) reads models and users' bundles and reads and writes only the
 checkpoints under its own node segment, so no node can put an object where the tracker looks
-for another node's copy.
+for another node's copy, and revoking a node removes both its logins.
 
-Guarantee: :func:`kafka_acls`, :func:`s3_policy` and :func:`node_s3_policy` are pure
-functions of this table and the layout.
+Guarantee: :func:`kafka_acls`, :func:`node_kafka_acls`, :func:`s3_policy` and
+:func:`node_s3_policy` are pure functions of this table and the layout.
 """
 
 from __future__ import annotations
@@ -44,15 +47,15 @@ from shared.wire.topics import read_by, written_by
 
 __all__ = [
     "Principal", "PRINCIPALS", "SERVICE_PRINCIPALS", "ADMIN", "KafkaAcl", "kafka_acls", "s3_policy",
-    "s3_user", "CHECKPOINTS", "MODELS_PREFIX", "USERS_PREFIX", "node_s3_user", "node_s3_policy", "NODE_S3_PREFIX",
-    "NODE_PRINCIPAL",
+    "s3_user", "CHECKPOINTS", "MODELS_PREFIX", "USERS_PREFIX", "node_login", "node_s3_policy", "NODE_LOGIN_PREFIX",
+    "NODE_PRINCIPAL", "node_kafka_acls", "SHARED_LOGINS",
 ]
 
 CHECKPOINTS = f"{_CHECKPOINTS}/"
 MODELS_PREFIX = f"{_MODELS}/"
 USERS_PREFIX = f"{_USERS}/"   # users' code and data bundles (written by the CLI, read by agents)
 ADMIN = "admin"
-NODE_S3_PREFIX = "hadar-node-"   # a node's MinIO user and policy: hadar-node-<node id>
+NODE_LOGIN_PREFIX = "hadar-node-"   # a node's Kafka user, MinIO user and policy: hadar-node-<node id>
 NODE_PRINCIPAL = "agent"          # the principal GPU nodes run as; its store login is per node
 
 
@@ -71,6 +74,7 @@ class Principal:
     transactional_prefix: str = ""   # Kafka transactional ids it may use (fenced publishers)
     s3_read: tuple[str, ...] = ()
     s3_write: tuple[str, ...] = ()
+    shared_login: bool = True   # False: no user of this name; each node logs in as itself
 
     @property
     def uses_s3(self) -> bool:
@@ -86,7 +90,8 @@ PRINCIPALS: dict[str, Principal] = {p.name: p for p in (
               group_prefix="hadar-scheduler", transactional_prefix="hadar-scheduler",
               s3_read=_own_snapshots("hadar-scheduler"), s3_write=_own_snapshots("hadar-scheduler")),
     # an agent's store login is its node's own (node_s3_policy), never one shared by every node
-    Principal(name="agent", writes=written_by("agent"), reads=read_by("agent"), group_prefix="hadar-agent"),
+    Principal(name="agent", writes=written_by("agent"), reads=read_by("agent"), group_prefix="hadar-agent",
+              shared_login=False),
     Principal(name="tracker", writes=written_by("tracker"), reads=read_by("tracker"),
               group_prefix="hadar-tracker", transactional_prefix="hadar-tracker",
               s3_read=(CHECKPOINTS, MODELS_PREFIX, *_own_snapshots("hadar-tracker")),
@@ -97,6 +102,7 @@ PRINCIPALS: dict[str, Principal] = {p.name: p for p in (
     Principal(name=ADMIN),
 )}
 SERVICE_PRINCIPALS: tuple[str, ...] = tuple(n for n in PRINCIPALS if n != ADMIN)
+SHARED_LOGINS: tuple[str, ...] = tuple(n for n in SERVICE_PRINCIPALS if PRINCIPALS[n].shared_login)
 
 # Kafka's enum codes (org.apache.kafka.common.acl / resource), as the wire carries them.
 TOPIC, GROUP, TRANSACTIONAL_ID = 2, 3, 5
@@ -147,9 +153,21 @@ def s3_policy(principal: Principal, bucket: str) -> dict[str, Any]:
     return _policy(bucket, read=principal.s3_read, write=principal.s3_write)
 
 
-def node_s3_user(node_id: str) -> str:
-    """The MinIO user (access key) of GPU node ``node_id``."""
-    return NODE_S3_PREFIX + node_id
+def node_login(node_id: str) -> str:
+    """The Kafka user and the MinIO user (access key) of GPU node ``node_id``."""
+    return NODE_LOGIN_PREFIX + node_id
+
+
+def node_kafka_acls(node_id: str) -> list[KafkaAcl]:
+    """The ALLOW bindings of node ``node_id``'s Kafka user: the agent row's topics, and its own
+    consumer group only (``AgentConfig.group_id``: ``hadar-agent-<node id>``, LITERAL)."""
+    row = PRINCIPALS[NODE_PRINCIPAL]
+    user = f"User:{node_login(node_id)}"
+    topics = [KafkaAcl(resource_type=a.resource_type, resource_name=a.resource_name, pattern_type=a.pattern_type,
+                       principal=user, operation=a.operation)
+              for a in kafka_acls(row) if a.resource_type == TOPIC]
+    return [*topics, KafkaAcl(resource_type=GROUP, resource_name=f"{row.group_prefix}-{node_id}",
+                              pattern_type=LITERAL, principal=user, operation=READ)]
 
 
 def node_s3_policy(node_id: str, bucket: str) -> dict[str, Any]:

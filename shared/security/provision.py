@@ -6,19 +6,18 @@ both run.
 principal (their passwords given), and every ACL; then waits until each principal can log
 in (SCRAM credentials reach the broker's cache shortly after they are written).
 :func:`secure_minio`, as the root user: creates the bucket, a policy and a user per
-principal that uses the store. :func:`secure_node_stores`, as the root user: a policy and a
-user per enrolled GPU node (its secret derived from the master key at the node's epoch,
-:func:`shared.security.identities.store_secret`), and no user for a revoked one. All are
-idempotent: run again, they rotate the passwords they are given (a node's with its epoch)
-and change nothing else.
+principal that uses the store. Both are idempotent: run again, they rotate the passwords
+they are given and change nothing else; a principal without a shared login (the agent: each
+node has its own, :mod:`shared.security.node_logins`) has no user, and one left from before
+is removed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 
 from aiokafka.admin import AIOKafkaAdminClient
 from minio import Minio
@@ -31,12 +30,12 @@ from shared.bus.kafka_login import diagnose, security_options
 from shared.bus.settings import KafkaSecurity
 from shared.errors import HadarError
 from shared.security.acls import apply_acls
-from shared.security.identities import Registry, store_secret
-from shared.security.principals import ADMIN, PRINCIPALS, node_s3_policy, node_s3_user, s3_policy, s3_user
-from shared.security.scram import upsert_users
+from shared.security.principals import ADMIN, PRINCIPALS, SERVICE_PRINCIPALS, SHARED_LOGINS, s3_policy, s3_user
+from shared.security.scram import delete_users, upsert_users
 from shared.store.settings import S3Settings
 
-__all__ = ["secure_kafka", "secure_minio", "secure_node_stores", "remove_node_store", "NodeStores", "SetupError"]
+__all__ = ["secure_kafka", "secure_minio", "SetupError", "kafka_admin", "wait_for_logins", "minio_admin",
+           "put_minio_user", "remove_minio_user"]
 
 
 class SetupError(HadarError):
@@ -53,15 +52,31 @@ async def secure_kafka(bootstrap: str, admin: KafkaSecurity, passwords: Mapping[
         await bus.ensure_topics()
     finally:
         await bus.stop()
+    users = {name: pw for name, pw in passwords.items() if name in SHARED_LOGINS}
+    async with kafka_admin(bootstrap, admin) as client:
+        await upsert_users(client, users, mechanism=admin.mechanism)
+        # e.g. the agents' shared login of old: each node has its own now
+        await delete_users(client, [n for n in SERVICE_PRINCIPALS if n not in SHARED_LOGINS],
+                           mechanism=admin.mechanism)
+        await apply_acls(client)
+    await wait_for_logins(bootstrap, admin, users, login_wait_s=login_wait_s)
+
+
+@asynccontextmanager
+async def kafka_admin(bootstrap: str, admin: KafkaSecurity) -> AsyncIterator[AIOKafkaAdminClient]:
+    """A started admin client of the super user ``admin``, closed on exit."""
     client = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="hadar-secure-init",
                                  **security_options(admin))
     await client.start()
     try:
-        users = {name: pw for name, pw in passwords.items() if name != ADMIN}
-        await upsert_users(client, users, mechanism=admin.mechanism)
-        await apply_acls(client)
+        yield client
     finally:
         await client.close()
+
+
+async def wait_for_logins(bootstrap: str, admin: KafkaSecurity, users: Mapping[str, str], *,
+                          login_wait_s: float) -> None:
+    """Until each of ``users`` (name -> password) can log in; SetupError past ``login_wait_s``."""
     deadline = time.monotonic() + login_wait_s
 
     async def logs_in(name: str, password: str) -> None:
@@ -82,53 +97,15 @@ def secure_minio(root: S3Settings, secrets: Mapping[str, str]) -> None:
     client = Minio(root.host_port, access_key=root.access_key, secret_key=root.secret_key, secure=root.secure)
     if not client.bucket_exists(root.bucket):
         client.make_bucket(root.bucket)
-    admin = _admin(root)
+    admin = minio_admin(root)
     for principal in PRINCIPALS.values():
         if principal.uses_s3:
-            _user_with_policy(admin, s3_user(principal), s3_policy(principal, root.bucket), secrets[principal.name])
-        elif principal.name != ADMIN:   # e.g. the agent's shared login of old: nodes have their own now
-            _remove_user(admin, s3_user(principal))
+            put_minio_user(admin, s3_user(principal), s3_policy(principal, root.bucket), secrets[principal.name])
+        elif principal.name != ADMIN:   # e.g. the agents' shared login of old: each node has its own now
+            remove_minio_user(admin, s3_user(principal))
 
 
-@dataclass(frozen=True, kw_only=True)
-class NodeStores:
-    """What :func:`secure_node_stores` did: the nodes given a login, the revoked ones removed."""
-
-    enrolled: tuple[str, ...]
-    removed: tuple[str, ...]
-
-
-def secure_node_stores(root: S3Settings, registry: Registry, master: bytes, *,
-                       only: str | None = None) -> NodeStores:
-    """A store login per node enrolled in ``registry`` (policy and user ``hadar-node-<id>``,
-    secret at the node's current epoch) and none for a revoked node; ``only``: just that node
-    (an enrolment or a revocation). The bucket must exist (:func:`secure_minio`)."""
-    admin = _admin(root)
-    enrolled, removed = [], []
-    for identity, epoch in sorted(registry.epochs.items()):
-        node = identity.removeprefix("node/")
-        if identity.startswith("node/") and only in (None, node):
-            _user_with_policy(admin, node_s3_user(node), node_s3_policy(node, root.bucket),
-                              store_secret(master, identity, epoch))
-            enrolled.append(node)
-    for identity in sorted(registry.retired):
-        node = identity.removeprefix("node/")
-        if identity.startswith("node/") and only in (None, node):
-            _remove_node_store(admin, node)
-            removed.append(node)
-    return NodeStores(enrolled=tuple(enrolled), removed=tuple(removed))
-
-
-def remove_node_store(root: S3Settings, node: str) -> None:
-    """Remove node ``node``'s store login and policy (a revocation; none is fine)."""
-    _remove_node_store(_admin(root), node)
-
-
-def _remove_node_store(admin: MinioAdmin, node: str) -> None:
-    _remove_user(admin, node_s3_user(node))
-
-
-def _remove_user(admin: MinioAdmin, name: str) -> None:
+def remove_minio_user(admin: MinioAdmin, name: str) -> None:
     """Remove MinIO user ``name`` and its policy of the same name; either may be absent."""
     for drop in (admin.user_remove, admin.policy_remove):
         try:
@@ -139,12 +116,13 @@ def _remove_user(admin: MinioAdmin, name: str) -> None:
                 raise SetupError(f"minio user {name}: {exc}") from None
 
 
-def _admin(root: S3Settings) -> MinioAdmin:
+def minio_admin(root: S3Settings) -> MinioAdmin:
     return MinioAdmin(endpoint=root.host_port, credentials=StaticProvider(root.access_key, root.secret_key),
                       secure=root.secure)
 
 
-def _user_with_policy(admin: MinioAdmin, name: str, policy: dict[str, object], secret: str) -> None:
+def put_minio_user(admin: MinioAdmin, name: str, policy: dict[str, object], secret: str) -> None:
+    """Create or update MinIO policy and user ``name`` (secret ``secret``) bound to it."""
     try:
         admin.policy_add(name, policy=policy)
         admin.user_add(name, secret)

@@ -7,7 +7,9 @@ never travels; the broker derives the stored and server keys.
 
 Guarantees: :func:`upsert_users` is idempotent (an upsert replaces the credential: this is
 how a password is rotated) and raises :class:`~shared.bus.base.BusError` naming the first
-user the broker refused. Salts come from ``random_bytes`` (passed in).
+user the broker refused. :func:`delete_users` removes users' credentials (a user without one
+is fine): nobody can log in as them from then on. Salts come from ``random_bytes`` (passed
+in).
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ from aiokafka.protocol.types import (
 
 from shared.bus.base import BusError
 
-__all__ = ["upsert_users", "salted_password", "MECHANISM_CODES", "ITERATIONS"]
+__all__ = ["upsert_users", "delete_users", "salted_password", "MECHANISM_CODES", "ITERATIONS"]
 
 MECHANISM_CODES = {"SCRAM-SHA-256": 1, "SCRAM-SHA-512": 2}
 _HASHES = {"SCRAM-SHA-256": "sha256", "SCRAM-SHA-512": "sha512"}
 ITERATIONS = 4096
+RESOURCE_NOT_FOUND = 91   # Kafka's error code: deleting a credential the user does not have
 
 
 class AlterUserScramCredentialsResponse_v0(Response):  # type: ignore[misc]  # aiokafka is untyped: an Any base
@@ -72,11 +75,13 @@ _Struct: TypeAlias = AlterUserScramCredentialsRequest_v0
 class AlterUserScramCredentials(Request[_Struct]):  # type: ignore[misc]  # aiokafka is untyped: an Any base
     API_KEY = 51
 
-    def __init__(self, upsertions: list[tuple[str, int, int, bytes, bytes]]) -> None:
+    def __init__(self, upsertions: list[tuple[str, int, int, bytes, bytes]],
+                 deletions: list[tuple[str, int]] | None = None) -> None:
         self._upsertions = upsertions
+        self._deletions = deletions or []
 
     def build(self, request_struct_class: type[_Struct]) -> _Struct:
-        return request_struct_class([], [(*u, {}) for u in self._upsertions], {})
+        return request_struct_class([(*d, {}) for d in self._deletions], [(*u, {}) for u in self._upsertions], {})
 
 
 def salted_password(mechanism: str, password: str, salt: bytes, iterations: int = ITERATIONS) -> bytes:
@@ -96,7 +101,22 @@ async def upsert_users(admin: AIOKafkaAdminClient, passwords: Mapping[str, str],
         upserts.append((user, MECHANISM_CODES[mechanism], ITERATIONS, salt,
                         salted_password(mechanism, password, salt)))
     response = await admin._send_request(AlterUserScramCredentials(upserts))
-    for user, code, message, *_ in response.results:
+    _raise_first(response.results)
+
+
+async def delete_users(admin: AIOKafkaAdminClient, users: list[str], *, mechanism: str = "SCRAM-SHA-512") -> None:
+    """Remove each of ``users``' ``mechanism`` credential; one that has none is skipped."""
+    if mechanism not in MECHANISM_CODES:
+        raise ValueError(f"not a SCRAM mechanism: {mechanism}")
+    if not users:
+        return
+    response = await admin._send_request(
+        AlterUserScramCredentials([], [(user, MECHANISM_CODES[mechanism]) for user in users]))
+    _raise_first([r for r in response.results if r[1] != RESOURCE_NOT_FOUND])
+
+
+def _raise_first(results: list[tuple[object, ...]]) -> None:
+    for user, code, message, *_ in results:
         if code:
             error = for_code(code)
             raise BusError(f"SCRAM user {user}: {error.__name__}: {message}", retriable=bool(error.retriable))

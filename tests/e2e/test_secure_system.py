@@ -3,10 +3,11 @@ every service is its own process logged in as its own principal, one job is subm
 the CLI principal and completes, its final model downloads with the CLI's S3 keys, and no
 secret value appears on any process's command line or in any log line of the run.
 
-The agent seals its records with its node's credential (issue 26); once the job is done,
-a process holding the agent principal and that credential forges records for another
-node, and a revoked node speaks: every service that reads them refuses each one with its
-reason, and the scheduler still counts one live node."""
+The agent seals its records with its node's credential and logs in to Kafka and MinIO with
+the node's own logins (issue 26); once the job is done, a process holding that credential
+and those logins forges records for another node, and a revoked node speaks: every service
+that reads them refuses each one with its reason, and the scheduler still counts one live
+node."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from services.agent.cli import node_login_env
 from shared.bus import KafkaBus
 from shared.bus.settings import kafka_from_env
 from shared.security.authorship import Sealer
@@ -75,11 +77,12 @@ def enrol_node(secure_servers, node: str, tmp_path: Path, kind: str = "node") ->
     return Credential.read(path), path
 
 
-async def forge(secure_servers, events: list[tuple[Credential | None, Event]]) -> None:
+async def forge(secure_servers, events: list[tuple[Credential | None, Event]], node_env: dict[str, str]) -> None:
     """Publish each event sealed with the credential given (None: unsealed), with the Kafka
-    principal that may write its topic: a user's as the CLI, the rest as the agent."""
-    for principal in ("agent", "cli"):
-        bus = KafkaBus.from_settings(kafka_from_env(secure_servers.env[principal]), source=f"forger-{principal}")
+    login that may write its topic: a user's as the CLI, the rest as the node of ``node_env``
+    (a compromised node: it holds its own credential and Kafka login)."""
+    for principal, env in (("agent", node_env), ("cli", secure_servers.env["cli"])):
+        bus = KafkaBus.from_settings(kafka_from_env(env), source=f"forger-{principal}")
         await bus.start()
         try:
             for credential, event in events:
@@ -203,7 +206,9 @@ def impersonate(secure_servers, node_a: Credential, job_id: str, tmp_path: Path)
                              job=JobSpec(job_id="revoked-carol", user="carol", model="resnet", dataset="diabetes",
                                          batch_size=32, workers=1, iterations=20))),
     ]
-    asyncio.run(forge(secure_servers, forged))
+    node_env = node_login_env({**secure_servers.env["agent"],
+                               "HADAR_IDENTITY_FILE": str(tmp_path / "node-secure-a.identity")}, "secure-a")
+    asyncio.run(forge(secure_servers, forged, node_env))
     deadline = time.monotonic() + 60
     while True:
         letters = {(dl.topic, dl.partition, dl.offset): dl.reason for dl in asyncio.run(dead_letters(secure_servers))

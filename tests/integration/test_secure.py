@@ -3,7 +3,8 @@
 Each principal can do what :mod:`shared.security.principals` grants and the broker or
 MinIO refuses the rest: an agent cannot publish a ModelConsolidated, the CLI cannot read
 with an agent's group, a node's agent cannot write a model nor another node's checkpoint
-(nor read it), a revoked or rotated node's old store login stops working; a wrong password or an untrusted CA
+(nor read it) nor join another node's consumer group, and a revoked or rotated node's old
+Kafka and store logins stop working; a wrong password or an untrusted CA
 fails fast with one line naming the setting.
 """
 
@@ -23,13 +24,13 @@ from aiokafka.errors import TopicAuthorizationFailedError
 from minio import Minio
 from minio.error import S3Error
 
-from services.agent.cli import node_store_env
+from services.agent.cli import node_login_env
 from shared.bus import KafkaBus
 from shared.bus.base import BusError
 from shared.bus.kafka_login import diagnose, security_options
 from shared.bus.settings import kafka_from_env
 from shared.domain.layout import checkpoint_key
-from shared.security.principals import PRINCIPALS, SERVICE_PRINCIPALS
+from shared.security.principals import PRINCIPALS, SHARED_LOGINS
 from shared.store import MinioStore
 from shared.store.settings import s3_from_env
 from shared.wire.events import CopyWeight, ModelConsolidated, encode
@@ -39,8 +40,8 @@ pytestmark = [pytest.mark.kafka, pytest.mark.s3]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def bus_of(secure_servers, principal: str, **env: str) -> KafkaBus:
-    settings = kafka_from_env({**secure_servers.env[principal], **env})
+def bus_of(env: dict[str, str], principal: str) -> KafkaBus:
+    settings = kafka_from_env(env)
     assert settings is not None
     return KafkaBus.from_settings(settings, source=f"test-{principal}", request_timeout_ms=10_000)
 
@@ -50,9 +51,10 @@ def model_event() -> ModelConsolidated:
                              copies=(CopyWeight(copy=0, steps=1, weight=1.0),), ts=1.0, source="test")
 
 
-async def test_each_service_principal_writes_its_topics_and_the_dead_letters(secure_servers) -> None:
-    for name in SERVICE_PRINCIPALS:
-        bus = bus_of(secure_servers, name)
+async def test_each_principal_and_a_node_write_their_topics_and_the_dead_letters(secure_servers, tmp_path) -> None:
+    node = node_env(secure_servers, "sec-w", tmp_path)
+    for name, env in [*((n, secure_servers.env[n]) for n in SHARED_LOGINS), ("agent", node)]:
+        bus = bus_of(env, name)
         await bus.start()
         try:
             for topic in (*PRINCIPALS[name].writes, DEADLETTER):
@@ -61,9 +63,10 @@ async def test_each_service_principal_writes_its_topics_and_the_dead_letters(sec
             await bus.stop()
 
 
-async def test_the_broker_refuses_a_model_published_with_the_agent_credentials(secure_servers) -> None:
-    security = kafka_from_env(secure_servers.env["agent"]).security
-    producer = AIOKafkaProducer(bootstrap_servers=secure_servers.env["agent"]["HADAR_BOOTSTRAP"],
+async def test_the_broker_refuses_a_model_published_with_a_nodes_credentials(secure_servers, tmp_path) -> None:
+    node = node_env(secure_servers, "sec-m", tmp_path)
+    security = kafka_from_env(node).security
+    producer = AIOKafkaProducer(bootstrap_servers=node["HADAR_BOOTSTRAP"],
                                 request_timeout_ms=10_000, **security_options(security))
     await producer.start()
     try:
@@ -71,7 +74,7 @@ async def test_the_broker_refuses_a_model_published_with_the_agent_credentials(s
             await producer.send_and_wait(MODELS, encode(model_event()), key=b"secure-j")
     finally:
         await producer.stop()
-    bus = bus_of(secure_servers, "agent")
+    bus = bus_of(node, "agent")
     await bus.start()
     try:
         with pytest.raises(BusError, match="TopicAuthorizationFailed") as refused:
@@ -82,7 +85,7 @@ async def test_the_broker_refuses_a_model_published_with_the_agent_credentials(s
 
 
 async def test_the_cli_cannot_read_jobs_with_an_agent_group(secure_servers) -> None:
-    bus = bus_of(secure_servers, "cli")
+    bus = bus_of(secure_servers.env["cli"], "cli")
     await bus.start()
     try:
         with pytest.raises(BusError, match="GroupAuthorizationFailed"):
@@ -104,17 +107,32 @@ def identity_cli(secure_servers, *args: str) -> subprocess.CompletedProcess[str]
     return done
 
 
-def node_store(secure_servers, node: str, tmp_path: Path) -> MinioStore:
-    """Enrol ``node`` (or rotate its key) and return a store logged in as that node's agent."""
+def node_env(secure_servers, node: str, tmp_path: Path) -> dict[str, str]:
+    """Enrol ``node`` (or rotate its key) as the admin does, and return the env its agent runs
+    with: the agent's, with the node's own Kafka and store logins from its credential."""
     admin = secure_servers.env["admin"]
+    tmp_path.mkdir(parents=True, exist_ok=True)
     credential = tmp_path / f"{node}.identity"
     done = identity_cli(secure_servers, "enrol", "node", node, "--master-key-file", admin["HADAR_AUTHORSHIP_KEY_FILE"],
                         "--registry", admin["HADAR_AUTHORSHIP_REGISTRY"], "--out", str(credential))
-    assert f"store login hadar-node-{node}: created" in done.stdout, done.stdout
-    settings = s3_from_env(node_store_env({**secure_servers.env["agent"], "HADAR_IDENTITY_FILE": str(credential)},
-                                          node))
-    assert settings is not None and settings.access_key == f"hadar-node-{node}"
+    for system in ("kafka", "store"):
+        assert f"{system} login hadar-node-{node}: created" in done.stdout, done.stdout
+    env = node_login_env({**secure_servers.env["agent"], "HADAR_IDENTITY_FILE": str(credential)}, node)
+    assert env["HADAR_KAFKA_USERNAME"] == env["HADAR_S3_ACCESS_KEY"] == f"hadar-node-{node}"
+    return env
+
+
+def node_store(secure_servers, node: str, tmp_path: Path) -> MinioStore:
+    settings = s3_from_env(node_env(secure_servers, node, tmp_path))
+    assert settings is not None
     return MinioStore(settings)
+
+
+async def kafka_login_refused(env: dict[str, str]) -> str | None:
+    """Why the broker refuses ``env``'s login (None: it accepts it)."""
+    settings = kafka_from_env(env)
+    assert settings is not None
+    return await diagnose(settings.bootstrap, settings.security, timeout_s=10.0)
 
 
 async def denied(call: Awaitable[object]) -> str:
@@ -157,6 +175,7 @@ async def test_a_node_writes_its_own_checkpoints_and_nothing_another_node_or_the
 
 
 async def test_a_revoked_or_rotated_nodes_old_store_login_stops_working(secure_servers, tmp_path: Path) -> None:
+    """(The same for Kafka: test_a_revoked_or_rotated_nodes_old_kafka_login_stops_working.)"""
     admin = secure_servers.env["admin"]
     old = node_store(secure_servers, "sec-rot", tmp_path / "old")
     key = checkpoint_key("secure-r", 0, 0, node="sec-rot")
@@ -171,11 +190,40 @@ async def test_a_revoked_or_rotated_nodes_old_store_login_stops_working(secure_s
             done = identity_cli(secure_servers, "revoke", "node", "sec-rot", "--registry",
                                 admin["HADAR_AUTHORSHIP_REGISTRY"])
             assert "store login hadar-node-sec-rot: removed" in done.stdout, done.stdout
+            assert "kafka login hadar-node-sec-rot: removed" in done.stdout, done.stdout
             assert await denied(new.put(key, b"revoked")) == "InvalidAccessKeyId"
         finally:
             await new.stop()
     finally:
         await old.stop()
+
+
+async def test_a_revoked_or_rotated_nodes_old_kafka_login_stops_working(secure_servers, tmp_path: Path) -> None:
+    assert "HADAR_KAFKA_USERNAME" not in secure_servers.env["agent"]   # no login shared by every node
+    shared = {**secure_servers.env["agent"], "HADAR_KAFKA_USERNAME": "agent", "HADAR_KAFKA_PASSWORD": "x" * 32}
+    assert await kafka_login_refused(shared) is not None
+    old = node_env(secure_servers, "sec-krot", tmp_path / "old")
+    assert await kafka_login_refused(old) is None
+    new = node_env(secure_servers, "sec-krot", tmp_path / "new")   # a new epoch: a new password
+    assert await kafka_login_refused(new) is None
+    assert "wrong username or password" in (await kafka_login_refused(old) or "")
+    identity_cli(secure_servers, "revoke", "node", "sec-krot", "--registry",
+                 secure_servers.env["admin"]["HADAR_AUTHORSHIP_REGISTRY"])
+    assert "wrong username or password" in (await kafka_login_refused(new) or "")
+
+
+async def test_a_node_may_not_read_with_another_nodes_group(secure_servers, tmp_path: Path) -> None:
+    """Its own group works: every e2e agent reads with it (tests/e2e/test_secure_system.py)."""
+    bus = bus_of(node_env(secure_servers, "sec-g1", tmp_path), "agent")
+    await bus.start()
+    try:
+        for group in ("hadar-agent-sec-g2", "hadar-agent-sec-g10", "hadar-agent-sec-g1x"):
+            with pytest.raises(BusError, match="GroupAuthorizationFailed"):
+                async with bus.subscribe(JOBS, group) as sub:
+                    async for _ in sub:
+                        break
+    finally:
+        await bus.stop()
 
 
 @pytest.mark.parametrize(("change", "named"), [
@@ -228,7 +276,9 @@ async def test_credential_files_are_owner_only_and_complete(secure_servers) -> N
     for name in PRINCIPALS:
         env_file = directory / f"{name}.env"
         assert env_file.stat().st_mode & 0o077 == 0
-        assert secure_servers.env[name]["HADAR_KAFKA_USERNAME"] == name
+        # the agents share no login: each node's are in its credential (node_login_env)
+        assert secure_servers.env[name].get("HADAR_KAFKA_USERNAME") == (name if name != "agent" else None)
+        assert (directory / f"{name}.kafka-password").exists() == (name != "agent")
     await asyncio.sleep(0)
 
 
@@ -240,7 +290,7 @@ def test_secure_init_from_docker_secret_files_rotates_a_password(secure_servers,
     def secure_init(profiler_password: str) -> subprocess.CompletedProcess:
         secrets_dir = tmp_path / "run-secrets"
         secrets_dir.mkdir(exist_ok=True)
-        for name in SERVICE_PRINCIPALS:
+        for name in SHARED_LOGINS:
             password = profiler_password if name == "profiler" else env[name]["HADAR_KAFKA_PASSWORD"]
             (secrets_dir / f"kafka-{name}-password").write_text(password + "\n")
             if PRINCIPALS[name].uses_s3:
@@ -255,6 +305,7 @@ def test_secure_init_from_docker_secret_files_rotates_a_password(secure_servers,
         done = secure_init("rotated-" + old[:8])
         assert done.returncode == 0, done.stderr
         assert not any(secret in done.stdout + done.stderr for secret in secure_servers.secrets)
+        assert "node kafka logins" in done.stderr and "node store logins" in done.stderr, done.stderr
         assert asyncio.run(diagnose_login(env["profiler"], "rotated-" + old[:8])) is None
         assert "HADAR_KAFKA_PASSWORD" in (asyncio.run(diagnose_login(env["profiler"], old)) or "")
     finally:

@@ -98,10 +98,16 @@ def test_each_service_logs_in_as_its_own_principal_with_secrets_from_files():
         spec = config["services"][service]
         env = spec["environment"]
         principal = PRINCIPALS[service]
-        assert env["HADAR_KAFKA_USERNAME"] == service
         assert env["HADAR_KAFKA_SECURITY_PROTOCOL"] == "SASL_SSL" and env["HADAR_BOOTSTRAP"] == "kafka:9094"
         mounted = {s["target"]: s["source"] for s in spec["secrets"]}
-        wanted = {"kafka-ca": "hadar_kafka_ca", f"kafka-{service}-password": f"hadar_kafka_{service}_password"}
+        wanted = {"kafka-ca": "hadar_kafka_ca"}
+        if principal.shared_login:
+            assert env["HADAR_KAFKA_USERNAME"] == service
+            assert env["HADAR_KAFKA_PASSWORD_FILE"] == f"/run/secrets/kafka-{service}-password"
+            wanted[f"kafka-{service}-password"] = f"hadar_kafka_{service}_password"
+        else:   # each node logs in as itself, with the logins in its credential (node_login_env)
+            assert not any(name.startswith("HADAR_KAFKA_USERNAME") or "PASSWORD" in name for name in env), service
+            assert env["HADAR_IDENTITY_FILE"].startswith("/etc/hadar/identity/")
         if principal.uses_s3:
             assert env["HADAR_S3_ACCESS_KEY"] == s3_user(principal)
             assert env["HADAR_S3_SECRET_KEY_FILE"] == f"/run/secrets/s3-{service}-secret-key"
@@ -120,9 +126,8 @@ def test_each_service_logs_in_as_its_own_principal_with_secrets_from_files():
         assert mounted == wanted, service   # no service holds another's secret, none the root's
         # s3_from_env refuses an endpoint without credentials: a service given the endpoint
         # must be given its keys too, or it exits at start -- except an agent, whose store login is
-        # its node's own, in its credential (services/agent/cli.py node_store_env).
+        # its node's own, in its credential (services/agent/cli.py node_login_env).
         assert ("HADAR_S3_ENDPOINT" not in env) or principal.uses_s3 or service == NODE_PRINCIPAL, service
-        assert env["HADAR_KAFKA_PASSWORD_FILE"] == f"/run/secrets/kafka-{service}-password"
         assert not any("PASSWORD" in n and not n.endswith("_FILE") for n in env), service
 
 
@@ -145,7 +150,7 @@ def test_secure_init_runs_our_cli_as_admin_with_every_principals_secret():
     assert init["environment"]["HADAR_KAFKA_USERNAME"] == "admin"
     targets = {s["target"] for s in init["secrets"]}
     for name in SERVICE_PRINCIPALS:
-        assert f"kafka-{name}-password" in targets
+        assert (f"kafka-{name}-password" in targets) == (name != "agent")
     # read_secrets reads exactly the files the stack mounts (a missing one is a one-line error)
     import tempfile
     from pathlib import Path as P
@@ -153,8 +158,8 @@ def test_secure_init_runs_our_cli_as_admin_with_every_principals_secret():
         for target in targets:
             (P(tmp) / target).write_text("x\n")
         kafka, s3 = read_secrets(P(tmp))
-    assert set(kafka) == set(SERVICE_PRINCIPALS) and set(s3) == {"tracker", "cli", "scheduler", "profiler"}
-    # no shared agent store login: secure-init derives each enrolled node's own from these
+    assert set(kafka) == set(SERVICE_PRINCIPALS) - {"agent"} and set(s3) == {"tracker", "cli", "scheduler", "profiler"}
+    # no login shared by the agents: secure-init derives each enrolled node's own from these
     assert {"authorship-master-key", "identity-registry"} <= targets
     assert init["environment"]["HADAR_AUTHORSHIP_KEY_FILE"] == "/run/secrets/authorship-master-key"
     assert init["environment"]["HADAR_AUTHORSHIP_REGISTRY"] == "/run/secrets/identity-registry"

@@ -30,8 +30,8 @@ from shared.security.principals import (
     PRINCIPALS,
     SERVICE_PRINCIPALS,
     kafka_acls,
+    node_login,
     node_s3_policy,
-    node_s3_user,
     s3_policy,
     s3_user,
 )
@@ -207,7 +207,7 @@ def test_store_policies_follow_the_layout_prefixes() -> None:
     own = "checkpoints/*/*/n1/*"
     assert node_actions("s3:PutObject") == node_actions("s3:DeleteObject") == {own}
     assert node_actions("s3:GetObject") == {own, "models/*", "users/*"}   # users' bundles
-    assert node_s3_user("n1") == "hadar-node-n1"
+    assert node_login("n1") == "hadar-node-n1"
     own_tracker = {"checkpoints/*", "models/*", "snapshots/hadar-tracker*"}   # and its own state snapshots
     assert actions("tracker", "s3:PutObject") == own_tracker and actions("tracker", "s3:GetObject") == own_tracker
     assert actions("cli", "s3:GetObject") == {"models/*", "users/*"} and actions("cli", "s3:PutObject") == {"users/*"}

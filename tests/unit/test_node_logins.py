@@ -1,0 +1,112 @@
+"""A GPU node's own Kafka and store logins (issue 26): derived per node and epoch, carried in
+the node's credential, and taken by the agent only when nothing else names a login; and what
+each may do (its ACLs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.agent.cli import node_login_env
+from shared.errors import ConfigError, UsageError
+from shared.security.files import write_private
+from shared.security.identities import Credential, enrol, kafka_password, new_master_key, store_secret
+from shared.security.principals import (
+    GROUP,
+    LITERAL,
+    PRINCIPALS,
+    TOPIC,
+    kafka_acls,
+    node_kafka_acls,
+    node_login,
+)
+
+MASTER = bytes(range(32))
+
+
+def test_a_nodes_login_secrets_differ_per_system_node_epoch_and_master() -> None:
+    secrets = {derive(MASTER, i, e) for derive in (store_secret, kafka_password)
+               for i, e in (("node/n1", 1), ("node/n2", 1), ("node/n1", 2))}
+    secrets |= {store_secret(new_master_key(), "node/n1", 1)}
+    assert len(secrets) == 7
+    assert all(len(s) == 40 and int(s, 16) >= 0 for s in secrets)   # MinIO takes 8-40 characters
+    assert store_secret(MASTER, "node/n1", 1) == store_secret(MASTER, "node/n1", 1)
+
+
+def test_enrolling_a_node_gives_its_credential_the_login_of_its_epoch(tmp_path: Path) -> None:
+    registry = tmp_path / "identities.json"
+    first = enrol("node/n1", master=MASTER, registry_path=registry)
+    second = enrol("node/n1", master=MASTER, registry_path=registry)
+    assert first.store_secret == store_secret(MASTER, "node/n1", 1)
+    assert (second.store_secret, second.kafka_password) == (store_secret(MASTER, "node/n1", 2),
+                                                            kafka_password(MASTER, "node/n1", 2))
+    assert Credential.from_text(second.to_text(), where="x") == second
+    assert second.store_secret not in repr(second) and second.kafka_password not in repr(second)
+    user = enrol("user/alice", master=None, registry_path=registry)
+    assert user.store_secret == user.kafka_password == "" and "secret" not in user.to_text()
+
+
+@pytest.mark.parametrize("field", ["store_secret", "kafka_password"])
+@pytest.mark.parametrize("secret", ["short", "G" * 40, 7, "A" * 40])
+def test_a_credential_with_a_malformed_login_is_refused(field: str, secret: object) -> None:
+    text = Credential(identity="node/n1", epoch=1, key=bytes(32)).to_text()
+    forged = text.rstrip("}\n") + f', "{field}": {secret!r}}}'.replace("'", '"')
+    with pytest.raises(ConfigError, match="not a Hadar identity credential"):
+        Credential.from_text(forged, where="x")
+
+
+def _credential(tmp_path: Path, node: str, secret: str = "") -> Path:
+    path = tmp_path / f"{node}.identity"
+    write_private(path, Credential(identity=f"node/{node}", epoch=3, key=bytes(32), store_secret=secret,
+                                   kafka_password=secret[::-1]).to_text())
+    return path
+
+
+SASL = {"HADAR_KAFKA_SECURITY_PROTOCOL": "SASL_SSL", "HADAR_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512"}
+
+
+def test_an_agent_without_logins_takes_its_nodes_own(tmp_path: Path) -> None:
+    secret = store_secret(MASTER, "node/n1", 3)
+    env = {"HADAR_S3_ENDPOINT": "http://minio:9000", **SASL,
+           "HADAR_IDENTITY_FILE": str(_credential(tmp_path, "n1", secret))}
+    out = node_login_env(env, "n1")
+    assert (out["HADAR_S3_ACCESS_KEY"], out["HADAR_S3_SECRET_KEY"]) == ("hadar-node-n1", secret)
+    assert (out["HADAR_KAFKA_USERNAME"], out["HADAR_KAFKA_PASSWORD"]) == ("hadar-node-n1", secret[::-1])
+
+
+def test_a_plaintext_broker_gets_no_kafka_login(tmp_path: Path) -> None:
+    env = {"HADAR_S3_ENDPOINT": "http://m", "HADAR_IDENTITY_FILE": str(_credential(tmp_path, "n1", "a" * 40))}
+    assert "HADAR_KAFKA_USERNAME" not in node_login_env(env, "n1")
+
+
+@pytest.mark.parametrize("given", [{"HADAR_S3_ACCESS_KEY": "root"}, {"HADAR_S3_ACCESS_KEY_FILE": "/run/k"}])
+def test_a_login_named_in_the_environment_wins(tmp_path: Path, given: dict[str, str]) -> None:
+    env = {"HADAR_S3_ENDPOINT": "http://m", "HADAR_IDENTITY_FILE": str(_credential(tmp_path, "n1", "a" * 40)),
+           **SASL, "HADAR_KAFKA_USERNAME": "agent", **given}
+    assert node_login_env(env, "n1") == env
+
+
+def test_no_endpoint_or_no_credential_leaves_the_environment_alone(tmp_path: Path) -> None:
+    assert node_login_env({"HADAR_IDENTITY_FILE": str(_credential(tmp_path, "n1", "a" * 40))}, "n1") == {
+        "HADAR_IDENTITY_FILE": str(tmp_path / "n1.identity")}
+    assert node_login_env({"HADAR_S3_ENDPOINT": "http://m"}, "n1") == {"HADAR_S3_ENDPOINT": "http://m"}
+
+
+def test_another_nodes_credential_or_one_without_a_login_is_a_usage_error(tmp_path: Path) -> None:
+    env = {"HADAR_S3_ENDPOINT": "http://m", "HADAR_IDENTITY_FILE": str(_credential(tmp_path, "n2", "a" * 40))}
+    with pytest.raises(UsageError, match="node/n2"):
+        node_login_env(env, "n1")
+    env["HADAR_IDENTITY_FILE"] = str(_credential(tmp_path, "n1"))
+    with pytest.raises(UsageError, match="carries no logins"):
+        node_login_env(env, "n1")
+
+
+def test_a_nodes_kafka_user_has_the_agents_topics_and_only_its_own_group() -> None:
+    acls = node_kafka_acls("n1")
+    assert {a.principal for a in acls} == {f"User:{node_login('n1')}"}
+    topics = {(a.resource_name, a.operation) for a in acls if a.resource_type == TOPIC}
+    assert topics == {(a.resource_name, a.operation) for a in kafka_acls(PRINCIPALS["agent"])
+                      if a.resource_type == TOPIC}
+    groups = [(a.resource_name, a.pattern_type) for a in acls if a.resource_type == GROUP]
+    assert groups == [("hadar-agent-n1", LITERAL)]   # not a prefix: n1 may not join n10's group
