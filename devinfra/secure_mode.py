@@ -29,14 +29,15 @@ from shared.security.credentials import MECHANISM, write_env_files
 from shared.security.files import write_private
 from shared.security.identities import (
     REGISTRY_ENV,
+    Credential,
     Registry,
     enrol,
     new_master_key,
     read_master_key,
     user_identity,
 )
-from shared.security.node_logins import secure_node_kafka, secure_node_stores
-from shared.security.principals import ADMIN, PRINCIPALS, s3_user
+from shared.security.logins import secure_node_kafka, secure_stores
+from shared.security.principals import ADMIN, PRINCIPALS
 from shared.security.provision import secure_kafka, secure_minio
 from shared.store.settings import S3Settings
 from shared.wire.records import USER_RE
@@ -61,16 +62,18 @@ def apply(paths: InfraPaths, servers: DevServers) -> dict[str, Path]:
                       secret_key=servers.minio.secret_key)
     asyncio.run(secure_kafka(servers.kafka.bootstrap, admin_security(paths.run), broker.secrets.kafka))
     secure_minio(root, broker.secrets.s3)
-    key, registry = authorship_files(paths)   # enrolled nodes' own logins, after a restart
+    key, registry = authorship_files(paths)   # enrolled nodes' and users' own logins, after a restart too
+    local_user_identity(paths)
     enrolled, master = Registry.read(registry), read_master_key(key)
     asyncio.run(secure_node_kafka(servers.kafka.bootstrap, admin_security(paths.run), enrolled, master))
-    secure_node_stores(root, enrolled, master)
+    secure_stores(root, enrolled, master)
     directory = credentials_dir(paths)
     for name, password in broker.secrets.kafka.items():
         if name == ADMIN or (name in PRINCIPALS and PRINCIPALS[name].shared_login):
             write_private(directory / f"{name}.kafka-password", password + "\n")
     for name, secret in broker.secrets.s3.items():
-        write_private(directory / f"{name}.s3-secret-key", secret + "\n")
+        if name in PRINCIPALS and PRINCIPALS[name].uses_s3:
+            write_private(directory / f"{name}.s3-secret-key", secret + "\n")
     write_private(directory / f"{ADMIN}.s3-secret-key", servers.minio.secret_key + "\n")
     written = write_env_files(directory, broker.secrets, bootstrap=servers.kafka.bootstrap, ca_file=broker.ca_file,
                               s3_endpoint=servers.minio.endpoint,
@@ -91,13 +94,14 @@ def local_user_identity(paths: InfraPaths) -> Path:
     cluster refuses a submission no user signed, so ``hadar submit`` needs one."""
     directory = credentials_dir(paths)
     path = directory / "user.identity"
-    if not path.exists():
+    if not path.exists() or not Credential.read(path).store_secret:   # one from before users had store logins
         try:
             login = getpass.getuser()
         except (OSError, KeyError):   # no login name in the environment nor the password database
             login = ""
         identity = user_identity(login if USER_RE.fullmatch(login) else "dev")
-        credential = enrol(identity, master=None, registry_path=authorship_files(paths)[1])
+        key, registry = authorship_files(paths)
+        credential = enrol(identity, master=read_master_key(key), registry_path=registry)
         write_private(path, credential.to_text())
     return path
 
@@ -125,12 +129,10 @@ def public_lines(paths: InfraPaths, servers: DevServers) -> list[str]:
         return [f"HADAR_BOOTSTRAP={servers.kafka.bootstrap}", f"HADAR_S3_ENDPOINT={servers.minio.endpoint}",
                 f"HADAR_S3_ACCESS_KEY_FILE={directory / 's3-access-key'}",
                 f"HADAR_S3_SECRET_KEY_FILE={directory / 's3-secret-key'}"]
-    principal = PRINCIPALS[CLI_PRINCIPAL]
+    principal = PRINCIPALS[CLI_PRINCIPAL]   # the store login is the user's own, in their credential
     return [f"HADAR_BOOTSTRAP={servers.kafka.bootstrap}", "HADAR_KAFKA_SECURITY_PROTOCOL=SASL_SSL",
             f"HADAR_KAFKA_SASL_MECHANISM={MECHANISM}", f"HADAR_KAFKA_USERNAME={principal.name}",
             f"HADAR_KAFKA_PASSWORD_FILE={directory / f'{principal.name}.kafka-password'}",
             f"HADAR_KAFKA_CA_FILE={prepare(paths.run).ca_file}",
-            f"HADAR_S3_ENDPOINT={servers.minio.endpoint}", f"HADAR_S3_ACCESS_KEY={s3_user(principal)}",
-            f"HADAR_S3_SECRET_KEY_FILE={directory / f'{principal.name}.s3-secret-key'}",
-            f"{IDENTITY_ENV}={local_user_identity(paths)}",
+            f"HADAR_S3_ENDPOINT={servers.minio.endpoint}", f"{IDENTITY_ENV}={local_user_identity(paths)}",
             f"# every principal's settings: {directory}/<principal>.env (set -a; . FILE)"]

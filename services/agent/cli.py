@@ -34,14 +34,14 @@ from shared.runtime.config import add_config_arg, load_config
 from shared.runtime.connection import add_store_args, make_bus, s3_settings
 from shared.runtime.logging import configure_logging
 from shared.runtime.service import run_service
-from shared.security.authorship import IDENTITY_ENV, with_authorship
-from shared.security.identities import Credential, node_identity
-from shared.security.principals import node_login
+from shared.security.authorship import with_authorship
+from shared.security.identities import node_identity
+from shared.security.own_logins import own_login_env
 
 if TYPE_CHECKING:
     from services.agent.config import AgentConfig
 
-__all__ = ["add_agent_parser", "run_agent", "agent_config", "node_login_env", "DEFAULT_HTTP_PORT", "ENV_PREFIX"]
+__all__ = ["add_agent_parser", "run_agent", "agent_config", "DEFAULT_HTTP_PORT", "ENV_PREFIX"]
 
 DEFAULT_HTTP_PORT = 8082
 ENV_PREFIX = "HADAR_AGENT_"
@@ -109,37 +109,6 @@ def _store(args: argparse.Namespace, env: Mapping[str, str]) -> StoreTarget:
     return StoreTarget.remote(s3_settings(args, env))
 
 
-def node_login_env(env: Mapping[str, str], node_id: str) -> dict[str, str]:
-    """``env`` with the node's own logins filled in from its credential (module docstring):
-    Kafka's when ``env`` asks for a SASL login but names no user, the store's when it names
-    an S3 endpoint but no access key. UsageError if a login is needed and the credential is
-    another node's or carries none."""
-    out = dict(env)
-    sasl = env.get("HADAR_KAFKA_SECURITY_PROTOCOL", "").strip().upper().startswith("SASL")
-    kafka = sasl and not env.get("HADAR_KAFKA_USERNAME", "").strip()
-    store = bool(env.get("HADAR_S3_ENDPOINT", "").strip()) and not any(
-        env.get(name, "").strip() for name in ("HADAR_S3_ACCESS_KEY", "HADAR_S3_ACCESS_KEY_FILE"))
-    if not (kafka or store) or not env.get(IDENTITY_ENV, "").strip():
-        return out
-    try:
-        credential = Credential.read(env[IDENTITY_ENV])
-    except ConfigError as exc:
-        raise UsageError(str(exc)) from None
-    if credential.identity != node_identity(node_id):
-        raise UsageError(f"{IDENTITY_ENV} holds the credential of {credential.identity}, "
-                         f"but this agent is node {node_id!r}")
-    if not (credential.kafka_password and credential.store_secret):
-        raise UsageError(f"{IDENTITY_ENV}: the credential of {credential.identity} carries no logins; enrol the "
-                         "node again (hadar identity enrol node) or set HADAR_KAFKA_USERNAME and HADAR_S3_ACCESS_KEY")
-    if kafka:
-        out["HADAR_KAFKA_USERNAME"], out["HADAR_KAFKA_PASSWORD"] = node_login(node_id), credential.kafka_password
-        out.pop("HADAR_KAFKA_PASSWORD_FILE", None)
-    if store:
-        out["HADAR_S3_ACCESS_KEY"], out["HADAR_S3_SECRET_KEY"] = node_login(node_id), credential.store_secret
-        out.pop("HADAR_S3_SECRET_KEY_FILE", None)
-    return out
-
-
 async def _discover(config: AgentConfig) -> NodeDevices:
     devices = await discover_in_subprocess()
     if devices.kind == "cpu" and config.cpu_devices > 1:
@@ -151,7 +120,10 @@ def run_agent(args: argparse.Namespace) -> int:
     from services.agent.daemon.service import AgentDaemon  # heavy: only when run
 
     config = agent_config(args)
-    env = node_login_env(os.environ, config.node_id)
+    try:
+        env = own_login_env(os.environ)   # the node's own Kafka and store logins, from its credential
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
     store = _store(args, env)
     emulated = emulated_devices(config.emulation, config.emulate_reference) if config.emulate else None
     bus = with_authorship(make_bus(args, source=f"agent/{config.node_id}", env=env), env)

@@ -34,13 +34,14 @@ from services.cli.jobview import (
     select_jobs,
 )
 from services.cli.queues import check_fits, latest_queues
+from services.cli.user_store import user_store
 from services.cli.usercode import CODE_FIELDS, CodeRequest, deliver, split_code_fields
 from services.cli.watch import watch_job
 from shared.bus import Bus
 from shared.clock import SystemClock
 from shared.domain.layout import final_key, model_key
 from shared.errors import UsageError
-from shared.runtime.connection import add_bus_args, add_store_args, make_bus, make_store
+from shared.runtime.connection import add_bus_args, add_store_args, make_bus
 from shared.security.authorship import Sealer, sealer_from_env
 from shared.store import ObjectNotFound
 from shared.wire.events import JobCancelled, JobSpec, JobSubmitted, UserCode
@@ -180,7 +181,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             check_fits(job, await latest_queues(bus))
             return job
 
-        store = make_store(args)
+        store = user_store(args)
         await store.start()
         try:
             job, uploaded = await deliver(store, request, str(user), accept)
@@ -320,7 +321,7 @@ def cmd_model(args: argparse.Namespace) -> int:
     what = "final model" if args.round is None else f"model of round {args.round}"
 
     async def run() -> None:
-        store = make_store(args)
+        store = user_store(args)
         await store.start()
         try:
             await store.get_file(key, Path(args.out))

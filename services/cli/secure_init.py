@@ -13,7 +13,7 @@ principal) and the MinIO root (``HADAR_S3_*``), and reads each principal's secre
 ``s3-<principal>-secret-key``). Run again after changing a secret file, it rotates that
 credential. With ``HADAR_AUTHORSHIP_KEY_FILE`` and ``HADAR_AUTHORSHIP_REGISTRY`` it also gives
 every enrolled GPU node its own Kafka and store logins and removes a revoked node's
-(:mod:`shared.security.node_logins`). Prints what it did, never a secret; a
+(:mod:`shared.security.logins`). Prints what it did, never a secret; a
 failure is one line and exit 1.
 """
 
@@ -29,7 +29,7 @@ from shared.bus.settings import KafkaSettings, kafka_from_env
 from shared.errors import ConfigError, HadarError
 from shared.security.authorship import KEY_ENV
 from shared.security.identities import REGISTRY_ENV, Registry, read_master_key
-from shared.security.node_logins import secure_node_kafka, secure_node_stores
+from shared.security.logins import secure_node_kafka, secure_stores
 from shared.security.principals import ADMIN, PRINCIPALS, SHARED_LOGINS
 from shared.security.provision import secure_kafka, secure_minio
 from shared.store.settings import S3Settings, s3_from_env
@@ -115,4 +115,4 @@ def _node_logins(kafka: KafkaSettings, root: S3Settings) -> str:
         return f"no node logins ({KEY_ENV} and {REGISTRY_ENV} unset)"
     registry, master = Registry.read(registry_file), read_master_key(key_file)
     on_kafka = asyncio.run(secure_node_kafka(kafka.bootstrap, kafka.security, registry, master, login_wait_s=60.0))
-    return f"{on_kafka.summary('kafka')}, {secure_node_stores(root, registry, master).summary('store')}"
+    return f"{on_kafka.summary('node kafka')}, {secure_stores(root, registry, master).summary('node and user store')}"

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import getpass
 import json
 import tempfile
 import time
@@ -32,10 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from services.cli.user_store import store_user, user_store
 from shared.domain.bundles import CODE_LIMITS, DATA_LIMITS, BundleError, BundleLimits, PackedBundle, human_bytes, pack
 from shared.domain.layout import code_bundle_key, data_bundle_key, dataset_key, dataset_prefix
 from shared.errors import UsageError
-from shared.runtime.connection import add_store_args, make_store
+from shared.runtime.connection import add_store_args
 from shared.store import ObjectNotFound, ObjectStore
 from shared.wire.records import DATASET_RE, DIGEST_RE, MAX_CONFIG_CHARS, USER_RE, UserCode
 
@@ -232,10 +232,10 @@ def cmd_data_put(args: argparse.Namespace) -> int:
     folder = Path(args.folder)
     if not folder.is_dir():
         raise UsageError(f"folder: {folder} is not a folder")
-    user = args.user or getpass.getuser()
+    user = store_user(args.user)
 
     async def run() -> dict[str, Any]:
-        store = make_store(args)
+        store = user_store(args)
         await store.start()
         try:
             return await upload_dataset(store, folder, user, args.name)
@@ -253,10 +253,10 @@ def cmd_data_put(args: argparse.Namespace) -> int:
 
 
 def cmd_data_ls(args: argparse.Namespace) -> int:
-    user = args.user or getpass.getuser()
+    user = store_user(args.user)
 
     async def run() -> list[dict[str, Any]]:
-        store = make_store(args)
+        store = user_store(args)
         await store.start()
         try:
             return await list_datasets(store, user)

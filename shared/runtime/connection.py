@@ -89,5 +89,5 @@ def make_bus(args: argparse.Namespace, *, source: str, env: Mapping[str, str] | 
     return KafkaBus.from_settings(kafka_settings(args, env), source=source)
 
 
-def make_store(args: argparse.Namespace) -> ObjectStore:
-    return MinioStore(s3_settings(args))
+def make_store(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> ObjectStore:
+    return MinioStore(s3_settings(args, env))

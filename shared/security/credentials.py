@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.security.files import read_json, write_private
-from shared.security.principals import ADMIN, NODE_PRINCIPAL, PRINCIPALS, s3_user
+from shared.security.principals import ADMIN, PRINCIPALS, s3_user
 
 __all__ = ["Secrets", "load_or_create", "env_lines", "write_env_files", "MECHANISM"]
 
@@ -52,8 +52,8 @@ def load_or_create(path: Path, token: Callable[[int], str] = secrets.token_urlsa
 def env_lines(principal: str, found: Secrets, *, bootstrap: str, ca_file: Path, s3_endpoint: str,
               s3_root: tuple[str, str] | None = None, bucket: str = "") -> list[str]:
     """``HADAR_*`` lines for ``principal``: the broker, its Kafka login, and its S3 keys
-    (the root's for admin, given as ``s3_root``). The agent gets neither login: each node's
-    are in its own credential (``HADAR_IDENTITY_FILE``)."""
+    (the root's for admin, given as ``s3_root``). The agent gets neither login and the CLI no
+    store login: each node's and user's own are in its credential (``HADAR_IDENTITY_FILE``)."""
     lines = [f"HADAR_BOOTSTRAP={bootstrap}", "HADAR_KAFKA_SECURITY_PROTOCOL=SASL_SSL",
              f"HADAR_KAFKA_SASL_MECHANISM={MECHANISM}", f"HADAR_KAFKA_CA_FILE={ca_file}"]
     if principal == ADMIN or PRINCIPALS[principal].shared_login:   # a node logs in as itself, from its credential
@@ -63,7 +63,7 @@ def env_lines(principal: str, found: Secrets, *, bootstrap: str, ca_file: Path, 
         keys = s3_root
     elif PRINCIPALS[principal].uses_s3:
         keys = (s3_user(PRINCIPALS[principal]), found.s3[principal])
-    if keys is not None or principal == NODE_PRINCIPAL:   # an agent logs in with its node's credential
+    if keys is not None or (principal != ADMIN and PRINCIPALS[principal].store_per_identity):
         lines.append(f"HADAR_S3_ENDPOINT={s3_endpoint}")
         if keys is not None:
             lines += [f"HADAR_S3_ACCESS_KEY={keys[0]}", f"HADAR_S3_SECRET_KEY={keys[1]}"]

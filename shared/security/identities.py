@@ -10,7 +10,10 @@
   the registry and the master key alone, and they change with the epoch.
 * A user, ``user/<name>``: an Ed25519 key pair; the user holds the private half, the
   registry the public half, so anyone may check a user's seal (an agent too, which must
-  not hold the master key) and nobody but the user can make one.
+  not hold the master key) and nobody but the user can make one. Their store login (MinIO
+  user ``hadar-user-<name>``, which may write only ``users/<name>/``) has a secret derived
+  as a node's; the admin hands it over in the credential, or in a logins file for a key
+  pair the user made (``hadar identity add-logins``).
 
 A :class:`Credential` is what an identity holds (its key and the key's epoch); the
 :class:`Registry` is what verifiers read: the current epoch of every enrolled identity, a
@@ -41,7 +44,7 @@ from shared.wire.records import NODE_ID_RE, USER_RE
 __all__ = [
     "Credential", "Registry", "RegistryFile", "derive_key", "node_identity", "user_identity", "new_user_key",
     "public_key_of", "read_master_key", "new_master_key", "MASTER_KEY_BYTES", "REGISTRY_ENV", "KINDS", "enrol",
-    "revoke", "store_secret", "kafka_password",
+    "revoke", "store_secret", "kafka_password", "logins",
 ]
 
 REGISTRY_ENV = "HADAR_AUTHORSHIP_REGISTRY"
@@ -117,8 +120,8 @@ def read_master_key(path: str | Path) -> bytes:
 @dataclass(frozen=True, kw_only=True)
 class Credential:
     """What an identity holds: the identity, the key's epoch and the key (a node's derived
-    HMAC key, a user's Ed25519 private seed); a node's also its logins' secrets
-    (``kafka_password``, ``store_secret``; empty for a user). Not in repr: the secrets."""
+    HMAC key, a user's Ed25519 private seed), and its logins' secrets (``kafka_password``: a
+    node's; ``store_secret``: a node's or a user's; :func:`logins`). Not in repr: the secrets."""
 
     identity: str
     epoch: int
@@ -266,7 +269,7 @@ class RegistryFile:
 def enrol(identity: str, *, master: bytes | None, registry_path: Path) -> Credential:
     """Enrol ``identity`` (or rotate its key) in the registry file; its new credential. A
     node's key is derived from ``master`` (ValueError without it); a user's is a new Ed25519
-    key pair."""
+    key pair. With ``master``, the credential carries the identity's logins (:func:`logins`)."""
     if identity.startswith("user/"):
         key = new_user_key()
         registry, epoch = Registry.read(registry_path).enrol(identity, public_key_of(key))
@@ -276,10 +279,19 @@ def enrol(identity: str, *, master: bytes | None, registry_path: Path) -> Creden
         registry, epoch = Registry.read(registry_path).enrol(identity)
         key = derive_key(master, identity, epoch)
     write_private(registry_path, registry.to_text())
-    if master is None or not identity.startswith("node/"):
-        return Credential(identity=identity, epoch=epoch, key=key)
-    return Credential(identity=identity, epoch=epoch, key=key, kafka_password=kafka_password(master, identity, epoch),
-                      store_secret=store_secret(master, identity, epoch))
+    return Credential(identity=identity, epoch=epoch, key=key, **logins(master, identity, epoch))
+
+
+def logins(master: bytes | None, identity: str, epoch: int) -> dict[str, str]:
+    """The login secrets an identity's credential carries at ``epoch``: a node's Kafka
+    password and store secret, a user's store secret (users share the ``cli`` Kafka login);
+    none without the master key."""
+    if master is None:
+        return {}
+    if identity.startswith("node/"):
+        return {"kafka_password": kafka_password(master, identity, epoch),
+                "store_secret": store_secret(master, identity, epoch)}
+    return {"store_secret": store_secret(master, identity, epoch)}
 
 
 def revoke(identity: str, *, registry_path: Path) -> None:

@@ -28,8 +28,14 @@ user of that name exists). Each enrolled node has its own Kafka user and MinIO u
 checkpoints under its own node segment, so no node can put an object where the tracker looks
 for another node's copy, and revoking a node removes both its logins.
 
-Guarantee: :func:`kafka_acls`, :func:`node_kafka_acls`, :func:`s3_policy` and
-:func:`node_s3_policy` are pure functions of this table and the layout.
+Users share the ``cli`` Kafka login (their records are told apart by their signatures) but
+not a store login: each enrolled user has MinIO user ``hadar-user-<name>``
+(:func:`user_login`), whose policy (:func:`user_s3_policy`) reads models and reads and writes
+only the user's own prefix, ``users/<name>/`` (code and data bundles, dataset names).
+
+Guarantee: :func:`kafka_acls`, :func:`node_kafka_acls`, :func:`s3_policy`,
+:func:`node_s3_policy` and :func:`user_s3_policy` are pure functions of this table and the
+layout.
 """
 
 from __future__ import annotations
@@ -41,14 +47,15 @@ from shared.domain.layout import CHECKPOINTS as _CHECKPOINTS
 from shared.domain.layout import MODELS as _MODELS
 from shared.domain.layout import SNAPSHOTS as _SNAPSHOTS
 from shared.domain.layout import USERS as _USERS
-from shared.domain.layout import node_checkpoint_pattern
+from shared.domain.layout import node_checkpoint_pattern, user_prefix
 from shared.wire.topics import PRINCIPALS as TOPIC_PRINCIPALS
 from shared.wire.topics import read_by, written_by
 
 __all__ = [
     "Principal", "PRINCIPALS", "SERVICE_PRINCIPALS", "ADMIN", "KafkaAcl", "kafka_acls", "s3_policy",
     "s3_user", "CHECKPOINTS", "MODELS_PREFIX", "USERS_PREFIX", "node_login", "node_s3_policy", "NODE_LOGIN_PREFIX",
-    "NODE_PRINCIPAL", "node_kafka_acls", "SHARED_LOGINS",
+    "NODE_PRINCIPAL", "node_kafka_acls", "SHARED_LOGINS", "user_login", "user_s3_policy", "login_of",
+    "USER_LOGIN_PREFIX",
 ]
 
 CHECKPOINTS = f"{_CHECKPOINTS}/"
@@ -56,7 +63,8 @@ MODELS_PREFIX = f"{_MODELS}/"
 USERS_PREFIX = f"{_USERS}/"   # users' code and data bundles (written by the CLI, read by agents)
 ADMIN = "admin"
 NODE_LOGIN_PREFIX = "hadar-node-"   # a node's Kafka user, MinIO user and policy: hadar-node-<node id>
-NODE_PRINCIPAL = "agent"          # the principal GPU nodes run as; its store login is per node
+NODE_PRINCIPAL = "agent"          # the principal GPU nodes run as; its logins are per node
+USER_LOGIN_PREFIX = "hadar-user-"   # a user's MinIO user and policy: hadar-user-<name>
 
 
 def _own_snapshots(group_prefix: str) -> tuple[str, ...]:
@@ -75,6 +83,7 @@ class Principal:
     s3_read: tuple[str, ...] = ()
     s3_write: tuple[str, ...] = ()
     shared_login: bool = True   # False: no user of this name; each node logs in as itself
+    store_per_identity: bool = False   # its members log in to the store as themselves (a node, a user)
 
     @property
     def uses_s3(self) -> bool:
@@ -84,14 +93,14 @@ class Principal:
 PRINCIPALS: dict[str, Principal] = {p.name: p for p in (
     # Kafka topics come from the topic table: a principal writes and reads exactly the
     # topics that name it there. CLI reads never join a group (services/cli/follow.py).
-    Principal(name="cli", writes=written_by("cli"), reads=read_by("cli"), s3_read=(MODELS_PREFIX, USERS_PREFIX),
-              s3_write=(USERS_PREFIX,)),
+    # a user's store login is their own (user_s3_policy); the Kafka login is still shared by users
+    Principal(name="cli", writes=written_by("cli"), reads=read_by("cli"), store_per_identity=True),
     Principal(name="scheduler", writes=written_by("scheduler"), reads=read_by("scheduler"),
               group_prefix="hadar-scheduler", transactional_prefix="hadar-scheduler",
               s3_read=_own_snapshots("hadar-scheduler"), s3_write=_own_snapshots("hadar-scheduler")),
     # an agent's store login is its node's own (node_s3_policy), never one shared by every node
     Principal(name="agent", writes=written_by("agent"), reads=read_by("agent"), group_prefix="hadar-agent",
-              shared_login=False),
+              shared_login=False, store_per_identity=True),
     Principal(name="tracker", writes=written_by("tracker"), reads=read_by("tracker"),
               group_prefix="hadar-tracker", transactional_prefix="hadar-tracker",
               s3_read=(CHECKPOINTS, MODELS_PREFIX, *_own_snapshots("hadar-tracker")),
@@ -156,6 +165,23 @@ def s3_policy(principal: Principal, bucket: str) -> dict[str, Any]:
 def node_login(node_id: str) -> str:
     """The Kafka user and the MinIO user (access key) of GPU node ``node_id``."""
     return NODE_LOGIN_PREFIX + node_id
+
+
+def user_login(user: str) -> str:
+    """The MinIO user (access key) of user ``user``."""
+    return USER_LOGIN_PREFIX + user
+
+
+def user_s3_policy(user: str, bucket: str) -> dict[str, Any]:
+    """The MinIO policy of user ``user``: read models; read and write only ``users/<user>/``."""
+    own = user_prefix(user)
+    return _policy(bucket, read=(MODELS_PREFIX, own), write=(own,))
+
+
+def login_of(identity: str) -> str:
+    """The login name of a node or user identity (``node/N`` -> ``hadar-node-N``)."""
+    kind, _, name = identity.partition("/")
+    return node_login(name) if kind == "node" else user_login(name)
 
 
 def node_kafka_acls(node_id: str) -> list[KafkaAcl]:

@@ -8,7 +8,7 @@ in (SCRAM credentials reach the broker's cache shortly after they are written).
 :func:`secure_minio`, as the root user: creates the bucket, a policy and a user per
 principal that uses the store. Both are idempotent: run again, they rotate the passwords
 they are given and change nothing else; a principal without a shared login (the agent: each
-node has its own, :mod:`shared.security.node_logins`) has no user, and one left from before
+node has its own, :mod:`shared.security.logins`) has no user, and one left from before
 is removed.
 """
 

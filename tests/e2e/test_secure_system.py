@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from services.agent.cli import node_login_env
 from shared.bus import KafkaBus
 from shared.bus.settings import kafka_from_env
 from shared.security.authorship import Sealer
 from shared.security.identities import Credential, revoke
+from shared.security.own_logins import own_login_env
 from shared.wire.events import (
     CopyFinished,
     DeadLetter,
@@ -206,8 +206,8 @@ def impersonate(secure_servers, node_a: Credential, job_id: str, tmp_path: Path)
                              job=JobSpec(job_id="revoked-carol", user="carol", model="resnet", dataset="diabetes",
                                          batch_size=32, workers=1, iterations=20))),
     ]
-    node_env = node_login_env({**secure_servers.env["agent"],
-                               "HADAR_IDENTITY_FILE": str(tmp_path / "node-secure-a.identity")}, "secure-a")
+    node_env = own_login_env({**secure_servers.env["agent"],
+                              "HADAR_IDENTITY_FILE": str(tmp_path / "node-secure-a.identity")})
     asyncio.run(forge(secure_servers, forged, node_env))
     deadline = time.monotonic() + 60
     while True:

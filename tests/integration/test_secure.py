@@ -3,8 +3,8 @@
 Each principal can do what :mod:`shared.security.principals` grants and the broker or
 MinIO refuses the rest: an agent cannot publish a ModelConsolidated, the CLI cannot read
 with an agent's group, a node's agent cannot write a model nor another node's checkpoint
-(nor read it) nor join another node's consumer group, and a revoked or rotated node's old
-Kafka and store logins stop working; a wrong password or an untrusted CA
+(nor read it) nor join another node's consumer group, a user writes only under their own
+prefix, and a revoked or rotated node's old Kafka and store logins stop working; a wrong password or an untrusted CA
 fails fast with one line naming the setting.
 """
 
@@ -21,15 +21,14 @@ from pathlib import Path
 import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import TopicAuthorizationFailedError
-from minio import Minio
 from minio.error import S3Error
 
-from services.agent.cli import node_login_env
 from shared.bus import KafkaBus
 from shared.bus.base import BusError
 from shared.bus.kafka_login import diagnose, security_options
 from shared.bus.settings import kafka_from_env
 from shared.domain.layout import checkpoint_key
+from shared.security.own_logins import own_login_env
 from shared.security.principals import PRINCIPALS, SHARED_LOGINS
 from shared.store import MinioStore
 from shared.store.settings import s3_from_env
@@ -117,9 +116,22 @@ def node_env(secure_servers, node: str, tmp_path: Path) -> dict[str, str]:
                         "--registry", admin["HADAR_AUTHORSHIP_REGISTRY"], "--out", str(credential))
     for system in ("kafka", "store"):
         assert f"{system} login hadar-node-{node}: created" in done.stdout, done.stdout
-    env = node_login_env({**secure_servers.env["agent"], "HADAR_IDENTITY_FILE": str(credential)}, node)
+    env = own_login_env({**secure_servers.env["agent"], "HADAR_IDENTITY_FILE": str(credential)})
     assert env["HADAR_KAFKA_USERNAME"] == env["HADAR_S3_ACCESS_KEY"] == f"hadar-node-{node}"
     return env
+
+
+def user_store(secure_servers, user: str, tmp_path: Path) -> MinioStore:
+    """Enrol ``user`` as the admin does and return a store logged in as that user's hadar."""
+    admin = secure_servers.env["admin"]
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    credential = tmp_path / f"{user}.identity"
+    done = identity_cli(secure_servers, "enrol", "user", user, "--master-key-file", admin["HADAR_AUTHORSHIP_KEY_FILE"],
+                        "--registry", admin["HADAR_AUTHORSHIP_REGISTRY"], "--out", str(credential))
+    assert f"store login hadar-user-{user}: created" in done.stdout, done.stdout
+    settings = s3_from_env(own_login_env({**secure_servers.env["cli"], "HADAR_IDENTITY_FILE": str(credential)}))
+    assert settings is not None and settings.access_key == f"hadar-user-{user}"
+    return MinioStore(settings)
 
 
 def node_store(secure_servers, node: str, tmp_path: Path) -> MinioStore:
@@ -166,12 +178,37 @@ async def test_a_node_writes_its_own_checkpoints_and_nothing_another_node_or_the
     finally:
         for store in (one, two, longest):
             await store.stop()
-    cli = s3_from_env(secure_servers.env["cli"])
-    assert cli is not None
-    reader = Minio(cli.host_port, access_key=cli.access_key, secret_key=cli.secret_key, secure=cli.secure)
-    with pytest.raises(S3Error) as refused:
-        reader.get_object(cli.bucket, mine)
-    assert refused.value.code == "AccessDenied"
+    reader = user_store(secure_servers, "sec-reader", tmp_path)
+    await reader.start()
+    try:
+        assert await denied(reader.get(mine)) == "AccessDenied"   # a user reads models, not replicas
+    finally:
+        await reader.stop()
+
+
+async def test_a_user_writes_only_their_own_prefix_and_reads_models(secure_servers, tmp_path: Path) -> None:
+    assert "HADAR_S3_ACCESS_KEY" not in secure_servers.env["cli"]   # no store login shared by every user
+    alice, bob = user_store(secure_servers, "sec-alice", tmp_path), user_store(secure_servers, "sec-bob", tmp_path)
+    root = s3_from_env(secure_servers.env["admin"])
+    assert root is not None
+    admin = MinioStore(root)
+    for store in (alice, bob, admin):
+        await store.start()
+    try:
+        pointer = "users/sec-bob/datasets/digits.json"
+        await bob.put(pointer, b'{"digest": "honest"}')
+        await alice.put("users/sec-alice/datasets/digits.json", b"{}")
+        await admin.put("models/secure-u/0.safetensors", b"m")
+        assert await alice.get("models/secure-u/0.safetensors") == b"m"
+        # alice can neither repoint bob's dataset name, nor plant a bundle under his prefix, nor read his
+        assert await denied(alice.put(pointer, b'{"digest": "alices"}')) == "AccessDenied"
+        assert await denied(alice.put("users/sec-bob/data/" + "0" * 64 + ".tar", b"x")) == "AccessDenied"
+        assert await denied(alice.get(pointer)) == "AccessDenied"
+        assert await denied(alice.put("models/secure-u/0.safetensors", b"x")) == "AccessDenied"
+        assert await bob.get(pointer) == b'{"digest": "honest"}'
+    finally:
+        for store in (alice, bob, admin):
+            await store.stop()
 
 
 async def test_a_revoked_or_rotated_nodes_old_store_login_stops_working(secure_servers, tmp_path: Path) -> None:
@@ -305,7 +342,7 @@ def test_secure_init_from_docker_secret_files_rotates_a_password(secure_servers,
         done = secure_init("rotated-" + old[:8])
         assert done.returncode == 0, done.stderr
         assert not any(secret in done.stdout + done.stderr for secret in secure_servers.secrets)
-        assert "node kafka logins" in done.stderr and "node store logins" in done.stderr, done.stderr
+        assert "node kafka logins" in done.stderr and "node and user store logins" in done.stderr, done.stderr
         assert asyncio.run(diagnose_login(env["profiler"], "rotated-" + old[:8])) is None
         assert "HADAR_KAFKA_PASSWORD" in (asyncio.run(diagnose_login(env["profiler"], old)) or "")
     finally:

@@ -32,6 +32,13 @@ from shared.wire.sealed import Sealed, open_unchecked, seal, unseal
 MASTER = b"m" * 32
 
 
+@pytest.fixture(autouse=True)
+def _no_servers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hadar identity enrol`` makes logins at once on the servers its env names: none here."""
+    for name in ("HADAR_BOOTSTRAP", "HADAR_S3_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def cred(node: str, epoch: int = 1) -> Credential:
     return Credential(identity=f"node/{node}", epoch=epoch, key=derive_key(MASTER, f"node/{node}", epoch))
 

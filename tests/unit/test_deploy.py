@@ -158,7 +158,7 @@ def test_secure_init_runs_our_cli_as_admin_with_every_principals_secret():
         for target in targets:
             (P(tmp) / target).write_text("x\n")
         kafka, s3 = read_secrets(P(tmp))
-    assert set(kafka) == set(SERVICE_PRINCIPALS) - {"agent"} and set(s3) == {"tracker", "cli", "scheduler", "profiler"}
+    assert set(kafka) == set(SERVICE_PRINCIPALS) - {"agent"} and set(s3) == {"tracker", "scheduler", "profiler"}
     # no login shared by the agents: secure-init derives each enrolled node's own from these
     assert {"authorship-master-key", "identity-registry"} <= targets
     assert init["environment"]["HADAR_AUTHORSHIP_KEY_FILE"] == "/run/secrets/authorship-master-key"

@@ -34,6 +34,8 @@ from shared.security.principals import (
     node_s3_policy,
     s3_policy,
     s3_user,
+    user_login,
+    user_s3_policy,
 )
 from shared.security.scram import salted_password
 from shared.security.tls import make_tls
@@ -210,7 +212,12 @@ def test_store_policies_follow_the_layout_prefixes() -> None:
     assert node_login("n1") == "hadar-node-n1"
     own_tracker = {"checkpoints/*", "models/*", "snapshots/hadar-tracker*"}   # and its own state snapshots
     assert actions("tracker", "s3:PutObject") == own_tracker and actions("tracker", "s3:GetObject") == own_tracker
-    assert actions("cli", "s3:GetObject") == {"models/*", "users/*"} and actions("cli", "s3:PutObject") == {"users/*"}
+    # users share no store login either: each one's own reads models and read+writes only its own prefix
+    assert not PRINCIPALS["cli"].uses_s3
+    user = {a: {r.removeprefix("arn:aws:s3:::b/") for st in user_s3_policy("alice", "b")["Statement"]
+                if a in st["Action"] for r in st["Resource"]} for a in ("s3:GetObject", "s3:PutObject")}
+    assert user == {"s3:GetObject": {"models/*", "users/alice/*"}, "s3:PutObject": {"users/alice/*"}}
+    assert user_login("alice") == "hadar-user-alice"
     for service in ("scheduler", "profiler"):   # their own state snapshots, nothing else
         own = {f"snapshots/hadar-{service}*"}
         assert actions(service, "s3:GetObject") == own and actions(service, "s3:PutObject") == own
