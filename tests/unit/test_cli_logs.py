@@ -1,6 +1,6 @@
 """``hadar logs`` and the loss/metric in ``hadar status`` (issue 17 item 2), and ``hadar model
 --round`` (item 3): read from a MemoryBus standing in for the broker (``make_bus`` patched)
-and a LocalStore (``make_store`` patched); no Kafka needed."""
+and a LocalStore (``user_store`` patched); no Kafka needed."""
 
 from __future__ import annotations
 
@@ -176,7 +176,7 @@ def test_follow_prints_events_as_they_come_until_the_job_ends(bus, capsys, endin
 
 def test_model_round_downloads_that_rounds_model(bus, capsys, monkeypatch, tmp_path: Path):
     store = LocalStore(tmp_path / "store")
-    monkeypatch.setattr(jobs_cli, "make_store", lambda args: store)
+    monkeypatch.setattr(jobs_cli, "user_store", lambda args: store)
 
     async def put() -> None:
         await store.start()
