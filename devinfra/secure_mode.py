@@ -12,7 +12,8 @@ who wrote each node's records, so an agent needs its node's credential
 :func:`public_lines` is what ``up`` prints on stdout: shell-ready lines without any secret
 value -- the secrets are named by ``*_FILE`` paths -- so ``eval "$(hadar infra up)"`` works
 and nothing secret reaches a terminal, a CI log or a shell history. Plain mode prints the
-MinIO root's keys as files; secured mode prints the CLI principal's settings.
+MinIO root's keys as files; secured mode prints the broker's and the store's settings and the
+local user's credential (``HADAR_IDENTITY_FILE``: their own Kafka and store logins).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from shared.security.identities import (
     read_master_key,
     user_identity,
 )
-from shared.security.logins import secure_node_kafka, secure_stores
+from shared.security.logins import secure_kafka_logins, secure_stores
 from shared.security.principals import ADMIN, PRINCIPALS
 from shared.security.provision import secure_kafka, secure_minio
 from shared.store.settings import S3Settings
@@ -65,7 +66,7 @@ def apply(paths: InfraPaths, servers: DevServers) -> dict[str, Path]:
     key, registry = authorship_files(paths)   # enrolled nodes' and users' own logins, after a restart too
     local_user_identity(paths)
     enrolled, master = Registry.read(registry), read_master_key(key)
-    asyncio.run(secure_node_kafka(servers.kafka.bootstrap, admin_security(paths.run), enrolled, master))
+    asyncio.run(secure_kafka_logins(servers.kafka.bootstrap, admin_security(paths.run), enrolled, master))
     secure_stores(root, enrolled, master)
     directory = credentials_dir(paths)
     for name, password in broker.secrets.kafka.items():
@@ -94,7 +95,7 @@ def local_user_identity(paths: InfraPaths) -> Path:
     cluster refuses a submission no user signed, so ``hadar submit`` needs one."""
     directory = credentials_dir(paths)
     path = directory / "user.identity"
-    if not path.exists() or not Credential.read(path).store_secret:   # one from before users had store logins
+    if not path.exists() or not Credential.read(path).kafka_password:   # one from before users had own logins
         try:
             login = getpass.getuser()
         except (OSError, KeyError):   # no login name in the environment nor the password database
@@ -129,10 +130,8 @@ def public_lines(paths: InfraPaths, servers: DevServers) -> list[str]:
         return [f"HADAR_BOOTSTRAP={servers.kafka.bootstrap}", f"HADAR_S3_ENDPOINT={servers.minio.endpoint}",
                 f"HADAR_S3_ACCESS_KEY_FILE={directory / 's3-access-key'}",
                 f"HADAR_S3_SECRET_KEY_FILE={directory / 's3-secret-key'}"]
-    principal = PRINCIPALS[CLI_PRINCIPAL]   # the store login is the user's own, in their credential
+    # the Kafka and store logins are the user's own, in their credential
     return [f"HADAR_BOOTSTRAP={servers.kafka.bootstrap}", "HADAR_KAFKA_SECURITY_PROTOCOL=SASL_SSL",
-            f"HADAR_KAFKA_SASL_MECHANISM={MECHANISM}", f"HADAR_KAFKA_USERNAME={principal.name}",
-            f"HADAR_KAFKA_PASSWORD_FILE={directory / f'{principal.name}.kafka-password'}",
-            f"HADAR_KAFKA_CA_FILE={prepare(paths.run).ca_file}",
+            f"HADAR_KAFKA_SASL_MECHANISM={MECHANISM}", f"HADAR_KAFKA_CA_FILE={prepare(paths.run).ca_file}",
             f"HADAR_S3_ENDPOINT={servers.minio.endpoint}", f"{IDENTITY_ENV}={local_user_identity(paths)}",
             f"# every principal's settings: {directory}/<principal>.env (set -a; . FILE)"]

@@ -21,8 +21,8 @@ The registry is a small JSON file the trusted services read as ``HADAR_AUTHORSHI
 
 A credential also carries its identity's own logins (:mod:`shared.security.logins`;
 derived from the master key, so enrolling with ``--master-key-file``): a node's Kafka and
-MinIO user ``hadar-node-<N>``, which act only as node N; a user's MinIO user
-``hadar-user-<U>``, which writes only ``users/<U>/``. With the broker's admin and the
+MinIO user ``hadar-node-<N>``, which act only as node N; a user's ``hadar-user-<U>``, which
+submits and cancels jobs and writes only ``users/<U>/``. With the broker's admin and the
 store's root in the environment (as the admin's env file has them), ``enrol`` creates or
 rotates them at once and ``revoke`` removes them; without, ``hadar infra secure-init`` does
 it from the registry on its next run.
@@ -162,12 +162,11 @@ def _add_logins(args: argparse.Namespace) -> int:
 
 def _logins(identity: str, registry_path: Path, master: bytes | None, done: str) -> None:
     """Apply ``identity``'s logins as the registry now says (made, rotated or removed) when
-    the environment names the broker's admin (a node's Kafka login; users share ``cli``'s)
-    and the store's root; else say who will."""
+    the environment names the broker's admin and the store's root; else say who will."""
     import asyncio
 
     from shared.bus.settings import kafka_from_env
-    from shared.security.logins import secure_node_kafka, secure_stores
+    from shared.security.logins import secure_kafka_logins, secure_stores
     from shared.security.provision import SetupError
     registry = Registry.read(registry_path)
     login = login_of(identity)
@@ -177,12 +176,11 @@ def _logins(identity: str, registry_path: Path, master: bytes | None, done: str)
         raise UsageError(str(exc)) from None
     later = "hadar infra secure-init applies it"
     try:
-        if identity.startswith("node/"):
-            if kafka is not None and kafka.security.username == ADMIN:
-                asyncio.run(secure_node_kafka(kafka.bootstrap, kafka.security, registry, master, only=identity))
-                print(f"kafka login {login}: {done}")
-            else:
-                print(f"kafka login {login}: not the broker's {ADMIN} here; {later}")
+        if kafka is not None and kafka.security.username == ADMIN:
+            asyncio.run(secure_kafka_logins(kafka.bootstrap, kafka.security, registry, master, only=identity))
+            print(f"kafka login {login}: {done}")
+        else:
+            print(f"kafka login {login}: not the broker's {ADMIN} here; {later}")
         if root is not None:
             secure_stores(root, registry, master, only=identity)
             print(f"store login {login}: {done}")

@@ -34,14 +34,14 @@ from services.cli.jobview import (
     select_jobs,
 )
 from services.cli.queues import check_fits, latest_queues
-from services.cli.user_store import user_store
+from services.cli.user_logins import user_bus, user_store
 from services.cli.usercode import CODE_FIELDS, CodeRequest, deliver, split_code_fields
 from services.cli.watch import watch_job
 from shared.bus import Bus
 from shared.clock import SystemClock
 from shared.domain.layout import final_key, model_key
 from shared.errors import UsageError
-from shared.runtime.connection import add_bus_args, add_store_args, make_bus
+from shared.runtime.connection import add_bus_args, add_store_args
 from shared.security.authorship import Sealer, sealer_from_env
 from shared.store import ObjectNotFound
 from shared.wire.events import JobCancelled, JobSpec, JobSubmitted, UserCode
@@ -193,7 +193,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return job
 
     async def run() -> JobSpec:
-        bus = make_bus(args, source="cli")
+        bus = user_bus(args, source="cli")
         bus.sealer = sealer
         await bus.start()
         try:
@@ -235,7 +235,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     sealer = sealer_from_env(os.environ)
 
     async def run() -> str:
-        bus = make_bus(args, source="cli")
+        bus = user_bus(args, source="cli")
         bus.sealer = sealer
         await bus.start()
         try:
@@ -281,7 +281,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 def _read(args: argparse.Namespace) -> ClusterView:
     async def run() -> ClusterView:
-        bus = make_bus(args, source="cli")
+        bus = user_bus(args, source="cli")
         await bus.start()
         try:
             return await read_view(bus)
@@ -303,7 +303,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
         raise UsageError("--wait-s must be >= 0 and --poll-s > 0")
 
     async def run() -> int:
-        bus = make_bus(args, source="cli")
+        bus = user_bus(args, source="cli")
         await bus.start()
         try:
             return await watch_job(bus, args.job, wait_s=args.wait_s, poll_s=args.poll_s, as_json=args.json)

@@ -25,10 +25,11 @@ from typing import Any
 
 from services.cli.follow import LogFollower
 from services.cli.joblog import FoldedEvent, log_line
+from services.cli.user_logins import user_bus
 from shared.bus import Bus
 from shared.clock import SystemClock
 from shared.errors import UsageError
-from shared.runtime.connection import add_bus_args, make_bus
+from shared.runtime.connection import add_bus_args
 
 __all__ = ["register", "show_logs"]
 
@@ -56,7 +57,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
         raise UsageError("--wait-s must be >= 0 and --poll-s > 0")
 
     async def run() -> int:
-        bus = make_bus(args, source="cli")
+        bus = user_bus(args, source="cli")
         await bus.start()
         try:
             return await show_logs(bus, args.job, round_=args.round, follow=args.follow, as_json=args.json,

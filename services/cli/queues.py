@@ -22,10 +22,11 @@ import json
 from services.cli.follow import read_view
 from services.cli.queuefile import load_queue_file
 from services.cli.queueview import queues_doc, queues_table
+from services.cli.user_logins import user_bus
 from shared.bus import Bus
 from shared.clock import SystemClock
 from shared.errors import UsageError
-from shared.runtime.connection import add_bus_args, make_bus
+from shared.runtime.connection import add_bus_args
 from shared.wire.events import JobSpec, QueuesApplied
 from shared.wire.queues import QueueConfig
 from shared.wire.topics import QUEUES
@@ -85,7 +86,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     config = load_queue_file(args.file)
 
     async def run() -> None:
-        bus = make_bus(args, source="cli/admin")
+        bus = user_bus(args, source="cli/admin")
         await bus.start()
         try:
             await bus.ensure_topics((QUEUES,))
@@ -104,7 +105,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
 def cmd_queues(args: argparse.Namespace) -> int:
     async def run() -> str:
-        bus = make_bus(args, source="cli")
+        bus = user_bus(args, source="cli")
         await bus.start()
         try:
             view = await read_view(bus)

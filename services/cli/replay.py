@@ -15,12 +15,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 from services.cli.jobview import parse_instant
+from services.cli.user_logins import user_bus
 from services.scheduler.cli import policy_options
 from services.scheduler.live.rerun import LoggedEvent, rerun
 from services.scheduler.policies import PolicyChoice, UnknownPolicy
 from shared.bus.eventlog import EventLogError, LogRecord, fetch_log, read_log
 from shared.errors import UsageError
-from shared.runtime.connection import add_bus_args, make_bus
+from shared.runtime.connection import add_bus_args
 from shared.security.authorship import verifier_from_env
 from shared.wire.dispatch import HandlerTable
 from shared.wire.events import (
@@ -93,7 +94,7 @@ def load_records(args: argparse.Namespace) -> list[LogRecord]:
             return list(read_log(args.file))
         except EventLogError as exc:
             raise UsageError(str(exc)) from None
-    bus = make_bus(args, source="replay")
+    bus = user_bus(args, source="replay")
     # With HADAR_AUTHORSHIP_* (an admin's settings) the log is read as the services read it:
     # a record they refused for its author is left out here too, so a rerun folds what they folded.
     bus.verifier = verifier_from_env(os.environ)

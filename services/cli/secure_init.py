@@ -29,7 +29,7 @@ from shared.bus.settings import KafkaSettings, kafka_from_env
 from shared.errors import ConfigError, HadarError
 from shared.security.authorship import KEY_ENV
 from shared.security.identities import REGISTRY_ENV, Registry, read_master_key
-from shared.security.logins import secure_node_kafka, secure_stores
+from shared.security.logins import secure_kafka_logins, secure_stores
 from shared.security.principals import ADMIN, PRINCIPALS, SHARED_LOGINS
 from shared.security.provision import secure_kafka, secure_minio
 from shared.store.settings import S3Settings, s3_from_env
@@ -114,5 +114,7 @@ def _node_logins(kafka: KafkaSettings, root: S3Settings) -> str:
     if not key_file or not registry_file:
         return f"no node logins ({KEY_ENV} and {REGISTRY_ENV} unset)"
     registry, master = Registry.read(registry_file), read_master_key(key_file)
-    on_kafka = asyncio.run(secure_node_kafka(kafka.bootstrap, kafka.security, registry, master, login_wait_s=60.0))
-    return f"{on_kafka.summary('node kafka')}, {secure_stores(root, registry, master).summary('node and user store')}"
+    on_kafka = asyncio.run(secure_kafka_logins(kafka.bootstrap, kafka.security, registry, master,
+                                               login_wait_s=60.0))
+    on_store = secure_stores(root, registry, master)
+    return f"{on_kafka.summary('node and user kafka')}, {on_store.summary('node and user store')}"

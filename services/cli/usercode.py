@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from services.cli.user_store import store_user, user_store
+from services.cli.user_logins import store_user, user_store
 from shared.domain.bundles import CODE_LIMITS, DATA_LIMITS, BundleError, BundleLimits, PackedBundle, human_bytes, pack
 from shared.domain.layout import code_bundle_key, data_bundle_key, dataset_key, dataset_prefix
 from shared.errors import UsageError

@@ -10,10 +10,10 @@
   the registry and the master key alone, and they change with the epoch.
 * A user, ``user/<name>``: an Ed25519 key pair; the user holds the private half, the
   registry the public half, so anyone may check a user's seal (an agent too, which must
-  not hold the master key) and nobody but the user can make one. Their store login (MinIO
-  user ``hadar-user-<name>``, which may write only ``users/<name>/``) has a secret derived
-  as a node's; the admin hands it over in the credential, or in a logins file for a key
-  pair the user made (``hadar identity add-logins``).
+  not hold the master key) and nobody but the user can make one. Their logins (Kafka and
+  MinIO user ``hadar-user-<name>``, which may submit jobs and write only ``users/<name>/``)
+  have secrets derived as a node's; the admin hands them over in the credential, or in a
+  logins file for a key pair the user made (``hadar identity add-logins``).
 
 A :class:`Credential` is what an identity holds (its key and the key's epoch); the
 :class:`Registry` is what verifiers read: the current epoch of every enrolled identity, a
@@ -120,8 +120,8 @@ def read_master_key(path: str | Path) -> bytes:
 @dataclass(frozen=True, kw_only=True)
 class Credential:
     """What an identity holds: the identity, the key's epoch and the key (a node's derived
-    HMAC key, a user's Ed25519 private seed), and its logins' secrets (``kafka_password``: a
-    node's; ``store_secret``: a node's or a user's; :func:`logins`). Not in repr: the secrets."""
+    HMAC key, a user's Ed25519 private seed), and its logins' secrets (``kafka_password``,
+    ``store_secret``; :func:`logins`). Not in repr: the secrets."""
 
     identity: str
     epoch: int
@@ -283,15 +283,12 @@ def enrol(identity: str, *, master: bytes | None, registry_path: Path) -> Creden
 
 
 def logins(master: bytes | None, identity: str, epoch: int) -> dict[str, str]:
-    """The login secrets an identity's credential carries at ``epoch``: a node's Kafka
-    password and store secret, a user's store secret (users share the ``cli`` Kafka login);
-    none without the master key."""
+    """The login secrets an identity's credential carries at ``epoch``: its Kafka password
+    and its store secret; none without the master key."""
     if master is None:
         return {}
-    if identity.startswith("node/"):
-        return {"kafka_password": kafka_password(master, identity, epoch),
-                "store_secret": store_secret(master, identity, epoch)}
-    return {"store_secret": store_secret(master, identity, epoch)}
+    return {"kafka_password": kafka_password(master, identity, epoch),
+            "store_secret": store_secret(master, identity, epoch)}
 
 
 def revoke(identity: str, *, registry_path: Path) -> None:

@@ -2,11 +2,11 @@
 
 An agent and a user's ``hadar`` hold a credential (``HADAR_IDENTITY_FILE``) that carries
 their logins' secrets (:class:`shared.security.identities.Credential`). :func:`own_login_env`
-fills them into the settings environment: the Kafka login (``hadar-node-<id>``; a node's
-only, users share the ``cli`` login) when the environment asks for SASL but names no user,
-the store login (``hadar-node-<id>`` / ``hadar-user-<name>``) when it names an S3 endpoint
-but no access key. A login given in the environment always wins (a development store's root,
-an operator's own), so a deployment that never enrolled anyone is unchanged.
+fills them into the settings environment: the Kafka login (``hadar-node-<id>`` /
+``hadar-user-<name>``) when the environment asks for SASL but names no user, the store login
+(the same name) when it names an S3 endpoint but no access key. A login given in the
+environment always wins (a development store's root, an operator's own), so a deployment
+that never enrolled anyone is unchanged.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def own_login_env(env: Mapping[str, str]) -> dict[str, str]:
         return out
     credential = Credential.read(env[IDENTITY_ENV])
     login = login_of(credential.identity)
-    if kafka and credential.identity.startswith("node/"):
+    if kafka:
         if not credential.kafka_password:
             raise ConfigError(f"{IDENTITY_ENV}: the credential of {credential.identity} carries no Kafka login; "
                               "enrol it again with the master key, or set HADAR_KAFKA_USERNAME")

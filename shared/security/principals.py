@@ -28,14 +28,15 @@ user of that name exists). Each enrolled node has its own Kafka user and MinIO u
 checkpoints under its own node segment, so no node can put an object where the tracker looks
 for another node's copy, and revoking a node removes both its logins.
 
-Users share the ``cli`` Kafka login (their records are told apart by their signatures) but
-not a store login: each enrolled user has MinIO user ``hadar-user-<name>``
-(:func:`user_login`), whose policy (:func:`user_s3_policy`) reads models and reads and writes
-only the user's own prefix, ``users/<name>/`` (code and data bundles, dataset names).
+Users share no login either (the ``cli`` row has ``shared_login=False``): each enrolled user
+has Kafka user and MinIO user ``hadar-user-<name>`` (:func:`user_login`). Its ACLs
+(:func:`user_kafka_acls`) are the cli row's topics, no group; its store policy
+(:func:`user_s3_policy`) reads models and reads and writes only the user's own prefix,
+``users/<name>/`` (code and data bundles, dataset names).
 
-Guarantee: :func:`kafka_acls`, :func:`node_kafka_acls`, :func:`s3_policy`,
-:func:`node_s3_policy` and :func:`user_s3_policy` are pure functions of this table and the
-layout.
+Guarantee: :func:`kafka_acls`, :func:`node_kafka_acls`, :func:`user_kafka_acls`,
+:func:`s3_policy`, :func:`node_s3_policy` and :func:`user_s3_policy` are pure functions of
+this table and the layout.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ __all__ = [
     "Principal", "PRINCIPALS", "SERVICE_PRINCIPALS", "ADMIN", "KafkaAcl", "kafka_acls", "s3_policy",
     "s3_user", "CHECKPOINTS", "MODELS_PREFIX", "USERS_PREFIX", "node_login", "node_s3_policy", "NODE_LOGIN_PREFIX",
     "NODE_PRINCIPAL", "node_kafka_acls", "SHARED_LOGINS", "user_login", "user_s3_policy", "login_of",
-    "USER_LOGIN_PREFIX",
+    "USER_LOGIN_PREFIX", "USER_PRINCIPAL", "user_kafka_acls", "identity_kafka_acls",
 ]
 
 CHECKPOINTS = f"{_CHECKPOINTS}/"
@@ -64,7 +65,8 @@ USERS_PREFIX = f"{_USERS}/"   # users' code and data bundles (written by the CLI
 ADMIN = "admin"
 NODE_LOGIN_PREFIX = "hadar-node-"   # a node's Kafka user, MinIO user and policy: hadar-node-<node id>
 NODE_PRINCIPAL = "agent"          # the principal GPU nodes run as; its logins are per node
-USER_LOGIN_PREFIX = "hadar-user-"   # a user's MinIO user and policy: hadar-user-<name>
+USER_PRINCIPAL = "cli"            # the principal users run as; their logins are per user
+USER_LOGIN_PREFIX = "hadar-user-"   # a user's Kafka user, MinIO user and policy: hadar-user-<name>
 
 
 def _own_snapshots(group_prefix: str) -> tuple[str, ...]:
@@ -93,8 +95,9 @@ class Principal:
 PRINCIPALS: dict[str, Principal] = {p.name: p for p in (
     # Kafka topics come from the topic table: a principal writes and reads exactly the
     # topics that name it there. CLI reads never join a group (services/cli/follow.py).
-    # a user's store login is their own (user_s3_policy); the Kafka login is still shared by users
-    Principal(name="cli", writes=written_by("cli"), reads=read_by("cli"), store_per_identity=True),
+    # users share no login: each one's are their own (user_kafka_acls, user_s3_policy)
+    Principal(name="cli", writes=written_by("cli"), reads=read_by("cli"), shared_login=False,
+              store_per_identity=True),
     Principal(name="scheduler", writes=written_by("scheduler"), reads=read_by("scheduler"),
               group_prefix="hadar-scheduler", transactional_prefix="hadar-scheduler",
               s3_read=_own_snapshots("hadar-scheduler"), s3_write=_own_snapshots("hadar-scheduler")),
@@ -168,8 +171,19 @@ def node_login(node_id: str) -> str:
 
 
 def user_login(user: str) -> str:
-    """The MinIO user (access key) of user ``user``."""
+    """The Kafka user and the MinIO user (access key) of user ``user``."""
     return USER_LOGIN_PREFIX + user
+
+
+def user_kafka_acls(user: str) -> list[KafkaAcl]:
+    """The ALLOW bindings of user ``user``'s Kafka user: the cli row's topics, no group."""
+    row = PRINCIPALS[USER_PRINCIPAL]
+    return _as(f"User:{user_login(user)}", [a for a in kafka_acls(row) if a.resource_type == TOPIC])
+
+
+def _as(principal: str, acls: list[KafkaAcl]) -> list[KafkaAcl]:
+    return [KafkaAcl(resource_type=a.resource_type, resource_name=a.resource_name, pattern_type=a.pattern_type,
+                     principal=principal, operation=a.operation) for a in acls]
 
 
 def user_s3_policy(user: str, bucket: str) -> dict[str, Any]:
@@ -184,14 +198,18 @@ def login_of(identity: str) -> str:
     return node_login(name) if kind == "node" else user_login(name)
 
 
+def identity_kafka_acls(identity: str) -> list[KafkaAcl]:
+    """The ALLOW bindings of a node's or a user's own Kafka user."""
+    kind, _, name = identity.partition("/")
+    return node_kafka_acls(name) if kind == "node" else user_kafka_acls(name)
+
+
 def node_kafka_acls(node_id: str) -> list[KafkaAcl]:
     """The ALLOW bindings of node ``node_id``'s Kafka user: the agent row's topics, and its own
     consumer group only (``AgentConfig.group_id``: ``hadar-agent-<node id>``, LITERAL)."""
     row = PRINCIPALS[NODE_PRINCIPAL]
     user = f"User:{node_login(node_id)}"
-    topics = [KafkaAcl(resource_type=a.resource_type, resource_name=a.resource_name, pattern_type=a.pattern_type,
-                       principal=user, operation=a.operation)
-              for a in kafka_acls(row) if a.resource_type == TOPIC]
+    topics = _as(user, [a for a in kafka_acls(row) if a.resource_type == TOPIC])
     return [*topics, KafkaAcl(resource_type=GROUP, resource_name=f"{row.group_prefix}-{node_id}",
                               pattern_type=LITERAL, principal=user, operation=READ)]
 

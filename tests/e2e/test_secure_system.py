@@ -77,11 +77,12 @@ def enrol_node(secure_servers, node: str, tmp_path: Path, kind: str = "node") ->
     return Credential.read(path), path
 
 
-async def forge(secure_servers, events: list[tuple[Credential | None, Event]], node_env: dict[str, str]) -> None:
+async def forge(events: list[tuple[Credential | None, Event]], node_env: dict[str, str],
+                user_env: dict[str, str]) -> None:
     """Publish each event sealed with the credential given (None: unsealed), with the Kafka
-    login that may write its topic: a user's as the CLI, the rest as the node of ``node_env``
-    (a compromised node: it holds its own credential and Kafka login)."""
-    for principal, env in (("agent", node_env), ("cli", secure_servers.env["cli"])):
+    login that may write its topic: a user's record as the user of ``user_env``, the rest as
+    the node of ``node_env`` (compromised: each holds its own credential and logins)."""
+    for principal, env in (("agent", node_env), ("cli", user_env)):
         bus = KafkaBus.from_settings(kafka_from_env(env), source=f"forger-{principal}")
         await bus.start()
         try:
@@ -208,7 +209,8 @@ def impersonate(secure_servers, node_a: Credential, job_id: str, tmp_path: Path)
     ]
     node_env = own_login_env({**secure_servers.env["agent"],
                               "HADAR_IDENTITY_FILE": str(tmp_path / "node-secure-a.identity")})
-    asyncio.run(forge(secure_servers, forged, node_env))
+    user_env = own_login_env({**secure_servers.env["cli"], "HADAR_IDENTITY_FILE": str(tmp_path / "user-bob.identity")})
+    asyncio.run(forge(forged, node_env, user_env))
     deadline = time.monotonic() + 60
     while True:
         letters = {(dl.topic, dl.partition, dl.offset): dl.reason for dl in asyncio.run(dead_letters(secure_servers))

@@ -51,8 +51,8 @@ def model_event() -> ModelConsolidated:
 
 
 async def test_each_principal_and_a_node_write_their_topics_and_the_dead_letters(secure_servers, tmp_path) -> None:
-    node = node_env(secure_servers, "sec-w", tmp_path)
-    for name, env in [*((n, secure_servers.env[n]) for n in SHARED_LOGINS), ("agent", node)]:
+    node, user = node_env(secure_servers, "sec-w", tmp_path), own_login_env(secure_servers.env["cli"])
+    for name, env in [*((n, secure_servers.env[n]) for n in SHARED_LOGINS), ("agent", node), ("cli", user)]:
         bus = bus_of(env, name)
         await bus.start()
         try:
@@ -84,7 +84,7 @@ async def test_the_broker_refuses_a_model_published_with_a_nodes_credentials(sec
 
 
 async def test_the_cli_cannot_read_jobs_with_an_agent_group(secure_servers) -> None:
-    bus = bus_of(secure_servers.env["cli"], "cli")
+    bus = bus_of(own_login_env(secure_servers.env["cli"]), "cli")   # the local user's own login
     await bus.start()
     try:
         with pytest.raises(BusError, match="GroupAuthorizationFailed"):
@@ -128,7 +128,8 @@ def user_store(secure_servers, user: str, tmp_path: Path) -> MinioStore:
     credential = tmp_path / f"{user}.identity"
     done = identity_cli(secure_servers, "enrol", "user", user, "--master-key-file", admin["HADAR_AUTHORSHIP_KEY_FILE"],
                         "--registry", admin["HADAR_AUTHORSHIP_REGISTRY"], "--out", str(credential))
-    assert f"store login hadar-user-{user}: created" in done.stdout, done.stdout
+    for system in ("kafka", "store"):
+        assert f"{system} login hadar-user-{user}: created" in done.stdout, done.stdout
     settings = s3_from_env(own_login_env({**secure_servers.env["cli"], "HADAR_IDENTITY_FILE": str(credential)}))
     assert settings is not None and settings.access_key == f"hadar-user-{user}"
     return MinioStore(settings)
@@ -186,7 +187,8 @@ async def test_a_node_writes_its_own_checkpoints_and_nothing_another_node_or_the
         await reader.stop()
 
 
-async def test_a_user_writes_only_their_own_prefix_and_reads_models(secure_servers, tmp_path: Path) -> None:
+async def test_a_user_writes_only_their_own_prefix_reads_models_and_loses_both_logins_when_revoked(
+        secure_servers, tmp_path: Path) -> None:
     assert "HADAR_S3_ACCESS_KEY" not in secure_servers.env["cli"]   # no store login shared by every user
     alice, bob = user_store(secure_servers, "sec-alice", tmp_path), user_store(secure_servers, "sec-bob", tmp_path)
     root = s3_from_env(secure_servers.env["admin"])
@@ -206,6 +208,13 @@ async def test_a_user_writes_only_their_own_prefix_and_reads_models(secure_serve
         assert await denied(alice.get(pointer)) == "AccessDenied"
         assert await denied(alice.put("models/secure-u/0.safetensors", b"x")) == "AccessDenied"
         assert await bob.get(pointer) == b'{"digest": "honest"}'
+        bob_kafka = own_login_env({**secure_servers.env["cli"],
+                                   "HADAR_IDENTITY_FILE": str(tmp_path / "sec-bob.identity")})
+        assert await kafka_login_refused(bob_kafka) is None
+        identity_cli(secure_servers, "revoke", "user", "sec-bob", "--registry",
+                     secure_servers.env["admin"]["HADAR_AUTHORSHIP_REGISTRY"])
+        assert await denied(bob.get(pointer)) == "InvalidAccessKeyId"   # a revoked user's logins are gone
+        assert "wrong username or password" in (await kafka_login_refused(bob_kafka) or "")
     finally:
         for store in (alice, bob, admin):
             await store.stop()
@@ -268,6 +277,8 @@ async def test_a_node_may_not_read_with_another_nodes_group(secure_servers, tmp_
     ({"HADAR_KAFKA_CA_FILE": ""}, "HADAR_KAFKA_CA_FILE"),
 ])
 def test_a_wrong_password_or_an_untrusted_ca_fails_fast_with_one_line(secure_servers, change, named) -> None:
+    if "HADAR_KAFKA_PASSWORD" in change:   # the user's own name, with a password given that is not theirs
+        change = {**change, "HADAR_KAFKA_USERNAME": own_login_env(secure_servers.env["cli"])["HADAR_KAFKA_USERNAME"]}
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **secure_servers.env["cli"], **change}
     began = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "services.cli.main", "jobs"], env=env, cwd=ROOT,
@@ -313,9 +324,10 @@ async def test_credential_files_are_owner_only_and_complete(secure_servers) -> N
     for name in PRINCIPALS:
         env_file = directory / f"{name}.env"
         assert env_file.stat().st_mode & 0o077 == 0
-        # the agents share no login: each node's are in its credential (node_login_env)
-        assert secure_servers.env[name].get("HADAR_KAFKA_USERNAME") == (name if name != "agent" else None)
-        assert (directory / f"{name}.kafka-password").exists() == (name != "agent")
+        # nodes and users share no login: each one's are in its credential (own_login_env)
+        shared = name not in ("agent", "cli")
+        assert secure_servers.env[name].get("HADAR_KAFKA_USERNAME") == (name if shared else None)
+        assert (directory / f"{name}.kafka-password").exists() == shared
     await asyncio.sleep(0)
 
 
@@ -342,7 +354,7 @@ def test_secure_init_from_docker_secret_files_rotates_a_password(secure_servers,
         done = secure_init("rotated-" + old[:8])
         assert done.returncode == 0, done.stderr
         assert not any(secret in done.stdout + done.stderr for secret in secure_servers.secrets)
-        assert "node kafka logins" in done.stderr and "node and user store logins" in done.stderr, done.stderr
+        assert "node and user kafka logins" in done.stderr and "node and user store logins" in done.stderr, done.stderr
         assert asyncio.run(diagnose_login(env["profiler"], "rotated-" + old[:8])) is None
         assert "HADAR_KAFKA_PASSWORD" in (asyncio.run(diagnose_login(env["profiler"], old)) or "")
     finally:

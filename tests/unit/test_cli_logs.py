@@ -1,5 +1,5 @@
 """``hadar logs`` and the loss/metric in ``hadar status`` (issue 17 item 2), and ``hadar model
---round`` (item 3): read from a MemoryBus standing in for the broker (``make_bus`` patched)
+--round`` (item 3): read from a MemoryBus standing in for the broker (``user_bus`` patched)
 and a LocalStore (``user_store`` patched); no Kafka needed."""
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ JOB = JobSpec(job_id="lg-1", user="ada", model="resnet", dataset="digits", batch
 @pytest.fixture
 def bus(monkeypatch: pytest.MonkeyPatch) -> MemoryBus:
     shared = MemoryBus()
-    monkeypatch.setattr(jobs_cli, "make_bus", lambda args, source: shared)
-    monkeypatch.setattr(logs_cli, "make_bus", lambda args, source: shared)
+    monkeypatch.setattr(jobs_cli, "user_bus", lambda args, source: shared)
+    monkeypatch.setattr(logs_cli, "user_bus", lambda args, source: shared)
     return shared
 
 

@@ -82,7 +82,7 @@ def test_submission_refuses_a_job_its_queue_can_never_run() -> None:
 def bus(monkeypatch: pytest.MonkeyPatch) -> MemoryBus:
     shared = MemoryBus()
     for module in (jobs_cli, queues_cli):
-        monkeypatch.setattr(module, "make_bus", lambda args, source: shared)
+        monkeypatch.setattr(module, "user_bus", lambda args, source: shared)
     monkeypatch.setenv("HADAR_BOOTSTRAP", "memory:0")
     return shared
 

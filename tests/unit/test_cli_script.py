@@ -1,6 +1,6 @@
 """The CLI can be scripted (issue 17): one JSON document on stdout, diagnostics on stderr,
 exit codes that mean something, no consumer groups left behind. Backed by a MemoryBus
-standing in for the broker (``make_bus`` patched), so no Kafka is needed."""
+standing in for the broker (``user_bus`` patched), so no Kafka is needed."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def spec(job_id: str, *, user: str = "ada", iterations: int = 100) -> JobSpec:
 def bus(monkeypatch: pytest.MonkeyPatch) -> MemoryBus:
     """One in-process 'broker' every command of the test talks to."""
     shared = MemoryBus()
-    monkeypatch.setattr(jobs_cli, "make_bus", lambda args, source: shared)
+    monkeypatch.setattr(jobs_cli, "user_bus", lambda args, source: shared)
     monkeypatch.setenv("HADAR_BOOTSTRAP", "memory:0")
     return shared
 

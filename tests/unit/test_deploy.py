@@ -150,7 +150,7 @@ def test_secure_init_runs_our_cli_as_admin_with_every_principals_secret():
     assert init["environment"]["HADAR_KAFKA_USERNAME"] == "admin"
     targets = {s["target"] for s in init["secrets"]}
     for name in SERVICE_PRINCIPALS:
-        assert (f"kafka-{name}-password" in targets) == (name != "agent")
+        assert (f"kafka-{name}-password" in targets) == (name not in ("agent", "cli"))
     # read_secrets reads exactly the files the stack mounts (a missing one is a one-line error)
     import tempfile
     from pathlib import Path as P
@@ -158,7 +158,7 @@ def test_secure_init_runs_our_cli_as_admin_with_every_principals_secret():
         for target in targets:
             (P(tmp) / target).write_text("x\n")
         kafka, s3 = read_secrets(P(tmp))
-    assert set(kafka) == set(SERVICE_PRINCIPALS) - {"agent"} and set(s3) == {"tracker", "scheduler", "profiler"}
+    assert set(kafka) == set(SERVICE_PRINCIPALS) - {"agent", "cli"} and set(s3) == {"tracker", "scheduler", "profiler"}
     # no login shared by the agents: secure-init derives each enrolled node's own from these
     assert {"authorship-master-key", "identity-registry"} <= targets
     assert init["environment"]["HADAR_AUTHORSHIP_KEY_FILE"] == "/run/secrets/authorship-master-key"

@@ -28,6 +28,7 @@ from shared.security.principals import (
     kafka_acls,
     node_kafka_acls,
     node_login,
+    user_kafka_acls,
 )
 
 MASTER = bytes(range(32))
@@ -116,16 +117,20 @@ def test_a_credential_without_logins_is_a_config_error_when_one_is_needed(tmp_pa
         own_login_env({**SASL, "HADAR_IDENTITY_FILE": env["HADAR_IDENTITY_FILE"]})
 
 
-def test_a_user_gets_their_own_store_login_and_keeps_the_shared_kafka_one(tmp_path: Path) -> None:
+def test_a_user_gets_their_own_store_login_and_a_kafka_login_named_in_the_env_wins(tmp_path: Path) -> None:
     path = tmp_path / "alice.identity"
-    write_private(path, Credential(identity="user/alice", epoch=2, key=bytes(32), store_secret="b" * 40).to_text())
+    write_private(path, Credential(identity="user/alice", epoch=2, key=bytes(32), store_secret="b" * 40,
+                                   kafka_password="c" * 40).to_text())
     env = {"HADAR_S3_ENDPOINT": "http://m", **SASL, "HADAR_KAFKA_USERNAME": "cli", "HADAR_IDENTITY_FILE": str(path)}
     out = own_login_env(env)
     assert (out["HADAR_S3_ACCESS_KEY"], out["HADAR_S3_SECRET_KEY"]) == ("hadar-user-alice", "b" * 40)
-    assert out["HADAR_KAFKA_USERNAME"] == "cli"
+    assert out["HADAR_KAFKA_USERNAME"] == "cli"   # e.g. an operator's own: never replaced
+    mine = own_login_env({k: v for k, v in env.items() if k != "HADAR_KAFKA_USERNAME"})
+    assert (mine["HADAR_KAFKA_USERNAME"], mine["HADAR_KAFKA_PASSWORD"]) == ("hadar-user-alice", "c" * 40)
     registry = tmp_path / "identities.json"
     assert enrol("user/bob", master=MASTER, registry_path=registry).store_secret == store_secret(MASTER, "user/bob", 1)
-    assert enrol("user/bob", master=MASTER, registry_path=registry).kafka_password == ""   # users share cli's
+    assert enrol("user/bob", master=MASTER, registry_path=registry).kafka_password == kafka_password(MASTER,
+                                                                                                 "user/bob", 2)
 
 
 def test_a_nodes_kafka_user_has_the_agents_topics_and_only_its_own_group() -> None:
@@ -157,3 +162,12 @@ def test_a_user_with_their_own_key_pair_gets_their_store_login_from_a_logins_fil
     assert main(["identity", "keygen", "user", "bob", "--out", str(tmp_path / "bob.identity")]) == 0
     assert main(["identity", "add-logins", "--credential", str(tmp_path / "bob.identity"),
                  "--logins", str(logins)]) == 2   # alice's logins are not bob's
+
+
+def test_a_users_kafka_user_has_the_cli_topics_and_no_group() -> None:
+    acls = user_kafka_acls("alice")
+    assert {a.principal for a in acls} == {"User:hadar-user-alice"}
+    assert {(a.resource_name, a.operation) for a in acls} == {
+        (a.resource_name, a.operation) for a in kafka_acls(PRINCIPALS["cli"])}
+    assert not [a for a in acls if a.resource_type == GROUP]
+    assert not PRINCIPALS["cli"].shared_login and not PRINCIPALS["agent"].shared_login

@@ -1,5 +1,6 @@
-"""The object store as the user running ``hadar``: with their own store login (MinIO user
-``hadar-user-<name>``, which writes only ``users/<name>/``) from their credential
+"""The bus and the object store as the user running ``hadar``: with their own logins (Kafka
+and MinIO user ``hadar-user-<name>``, which may submit and cancel jobs, read every topic
+without a group, and write only ``users/<name>/``) from their credential
 (``HADAR_IDENTITY_FILE``) when the environment names no other (:mod:`shared.security.own_logins`)."""
 
 from __future__ import annotations
@@ -8,22 +9,30 @@ import argparse
 import getpass
 import os
 
+from shared.bus import Bus
 from shared.errors import ConfigError, UsageError
-from shared.runtime.connection import make_store
+from shared.runtime.connection import make_bus, make_store
 from shared.security.authorship import IDENTITY_ENV
 from shared.security.identities import Credential
 from shared.security.own_logins import own_login_env
 from shared.store import ObjectStore
 
-__all__ = ["user_store", "store_user"]
+__all__ = ["user_store", "user_bus", "store_user"]
 
 
 def user_store(args: argparse.Namespace) -> ObjectStore:
+    return make_store(args, _env())
+
+
+def user_bus(args: argparse.Namespace, *, source: str) -> Bus:
+    return make_bus(args, source=source, env=_env())
+
+
+def _env() -> dict[str, str]:
     try:
-        env = own_login_env(os.environ)
+        return own_login_env(os.environ)
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
-    return make_store(args, env)
 
 
 def store_user(named: str | None) -> str:
