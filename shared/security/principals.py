@@ -84,7 +84,7 @@ class Principal:
     transactional_prefix: str = ""   # Kafka transactional ids it may use (fenced publishers)
     s3_read: tuple[str, ...] = ()
     s3_write: tuple[str, ...] = ()
-    shared_login: bool = True   # False: no user of this name; each node logs in as itself
+    shared_login: bool = True   # False: no user of this name; each node or user logs in as itself
     store_per_identity: bool = False   # its members log in to the store as themselves (a node, a user)
 
     @property

@@ -198,12 +198,14 @@ def test_a_checkpoint_planted_for_another_node_is_refused_and_nothing_unearned_i
 
     started = time.monotonic()
     try:
-        _, identity_alice = enrol_node(secure_servers, "alice", tmp_path, kind="user")
+        # not alice: the secured servers are shared by this session's tests, and enrolling a
+        # user again rotates her key, so another test's scheduler would refuse her old records
+        _, identity_dana = enrol_node(secure_servers, "dana", tmp_path, kind="user")
         identities = {node: enrol_node(secure_servers, node, tmp_path)[1] for node in (ATTACKER, VICTIM)}
         submitted = subprocess.run(
             [*HADAR, "submit", "--id", job_id, "--model", "resnet", "--dataset", "digits", "--workers", "1",
              "--iterations", str(ITERATIONS), "--batch-size", "32", "--optimizer", "adam", "--lr", "0.003"],
-            env={**principal_env(secure_servers, "cli"), "HADAR_IDENTITY_FILE": str(identity_alice)}, cwd=ROOT,
+            env={**principal_env(secure_servers, "cli"), "HADAR_IDENTITY_FILE": str(identity_dana)}, cwd=ROOT,
             capture_output=True, text=True, timeout=120)
         assert submitted.returncode == 0, submitted.stderr
         serve("scheduler", "scheduler", "--policy", "hadare", "--round-s", "8", "--heartbeat-s", "1",
