@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.scheduler.core.cluster import Cluster, Node
-from services.scheduler.core.policy import JobState, Plan, PlanRequest, WaitCode, check_plan
+from services.scheduler.core.policy import JobState, Plan, PlanRequest, WaitCode, check_plan, mixes_types
 from services.scheduler.core.queues import QueuedState, plan_with_queues
-from services.scheduler.core.quota import scaled_quotas
+from services.scheduler.core.quota import entitlements, scaled_quotas, shortfall
 from services.scheduler.core.throughput import ThroughputModel
 from services.scheduler.policies import POLICY_NAMES, make_policy
 from services.scheduler.sim.simulator import RoundObservation, SimOptions, simulate
@@ -221,6 +221,8 @@ def test_every_policy_keeps_every_queue_within_its_entitlement(
     c, queues, jobs = case
     capacity = c.gpus_by_type
     nominal = scaled_quotas(queues.queues, capacity)
+    policy = make_policy(name)
+    one_type = not mixes_types(policy)   # then a job counts only if one type of its queue's quota holds it
 
     def check(obs: RoundObservation) -> None:
         state = obs.plan.state
@@ -241,11 +243,12 @@ def test_every_policy_keeps_every_queue_within_its_entitlement(
             # a queue with demand gets at least min(demand, quota), in every round (reclaim included)
             most = spec.nominal + spec.borrowing_limit if spec.borrowing_limit is not None else None
             demand = sum(j.workers for j in obs.request.jobs if queue_of[j.job_id] == spec.name
-                         and (most is None or j.workers <= most))   # a job that never fits is held back
+                         and (most is None or j.workers <= most)   # a job that never fits is held back
+                         and (not one_type or j.workers <= max(nominal[spec.name].values(), default=0)))
             assert sum(s.entitled.values()) >= min(demand, sum(nominal[spec.name].values()))
         assert sum(sum(s.entitled.values()) for s in standings.values()) <= sum(capacity.values())
 
-    simulate(policy=make_policy(name), cluster=c, jobs=jobs, throughput=TABLE,
+    simulate(policy=policy, cluster=c, jobs=jobs, throughput=TABLE,
              options=SimOptions(round_s=ROUND_S, check=True, queues=queues, stall_rounds=5, max_rounds=60),
              observer=check)
 
@@ -263,3 +266,32 @@ def test_a_queued_plan_survives_a_snapshot() -> None:
     assert again.decision() == plan_with_queues(make_policy("hadar"),
                                                 request(c, jobs, queues, round_=1, previous=plan)).decision()
     assert replace(back.state, standings=()) is not None
+
+
+def test_a_one_type_cover_takes_a_jobs_gpus_from_one_type_and_borrows_the_rest_of_it() -> None:
+    quotas = config(QueueSpec(name="a", quota={"v100": 2, "k80": 2}),
+                    QueueSpec(name="b", quota={"v100": 2, "k80": 2}))
+    gang = job("gang", "a", workers=4)
+    mixed = entitlements(quotas, {"v100": 4, "k80": 4}, {"a": [gang]}, lambda j, t: 1.0, usage={}, round_s=ROUND_S)
+    assert dict(mixed["a"].gpus) == {"v100": 2, "k80": 2} and mixed["a"].borrowed == 0   # enough for Hadar
+    one = entitlements(quotas, {"v100": 4, "k80": 4}, {"a": [gang]}, lambda j, t: 2.0 if t == "v100" else 1.0,
+                       usage={}, round_s=ROUND_S, one_type=True)
+    assert dict(one["a"].gpus) == {"v100": 4} and one["a"].borrowed == 2   # b's idle V100s complete one type
+
+
+def test_a_one_type_cover_prefers_a_type_that_holds_the_whole_job() -> None:
+    def faster_on_v100(j: JobState, t: str) -> float:
+        return 2.0 if t == "v100" else 1.0
+
+    taken, short = shortfall([job("j", "a", workers=3)], {"v100": 2, "k80": 3}, faster_on_v100, TYPES, one_type=True)
+    assert (taken, short) == ({"k80": 3}, [])   # the slower type, whole, rather than 2 V100s + a K80
+    taken, short = shortfall([job("j", "a", workers=3)], {"v100": 2, "k80": 3}, faster_on_v100, TYPES)
+    assert taken == {"v100": 2, "k80": 1} and short == []
+
+
+def test_a_job_no_single_type_can_hold_is_no_demand_for_a_one_type_policy() -> None:
+    quotas = config(QueueSpec(name="a", quota={"v100": 4, "k80": 4}))
+    wide = job("wide", "a", workers=6)
+    ent = entitlements(quotas, {"v100": 4, "k80": 4}, {"a": [wide]}, lambda j, t: 1.0, usage={}, round_s=ROUND_S,
+                       one_type=True)
+    assert ent["a"].demand == 0 and ent["a"].borrowed == 0

@@ -146,7 +146,10 @@ class Policy(Protocol):
     """A scheduling policy: ``plan`` is pure (all it carries between rounds is in
     ``Plan.state``). A policy whose plans may put a job on more GPUs than its W (HadarE's
     forked copies) says so with a class attribute ``forks = True`` (read by
-    :func:`forks`); the queue mechanism lends it GPUs no job needs."""
+    :func:`forks`); the queue mechanism lends it GPUs no job needs. A policy that may run
+    one job's workers on several GPU types at once says so with ``mixes_types = True``
+    (:func:`mixes_types`); for any other, the queue mechanism entitles each job to GPUs of
+    one type."""
 
     name: str
 
@@ -156,6 +159,11 @@ class Policy(Protocol):
 def forks(policy: Policy) -> bool:
     """Whether ``policy`` may place a job on more GPUs than its W (``Policy`` docstring)."""
     return bool(getattr(policy, "forks", False))
+
+
+def mixes_types(policy: Policy) -> bool:
+    """Whether ``policy`` may run one job's workers on several GPU types (``Policy`` docstring)."""
+    return bool(getattr(policy, "mixes_types", False))
 
 
 def previous_state(request: PlanRequest, kind: type[S]) -> S | None:

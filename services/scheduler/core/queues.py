@@ -14,7 +14,9 @@ unchanged. With queues (``shared/wire/queues.py``), each round:
    one at a time to the queue with jobs still short whose fair-share standing (decayed
    usage over weight) is lowest, within its borrowing limit, of a type the job runs on;
    for a policy that forks (``forks``: its copies use more than W), what is still idle,
-   to queues with jobs; for the others it stays in no queue's partition.
+   to queues with jobs; for the others it stays in no queue's partition. For a policy that
+   runs a job on one GPU type (all but Hadar and HadarE: ``mixes_types``), a job's GPUs
+   are all of one type, and what it borrows completes that type.
 3. **Partition.** The entitlement becomes concrete GPUs, in two passes. First every queue
    keeps, of the GPUs it held last round, as many of each type as it is entitled to: its
    running jobs' GPUs whole, job by job in keep order (the reverse of the reclaim order
@@ -36,7 +38,10 @@ random clusters, queues and jobs, every round, for every policy):
 * no queue holds more GPUs of a type than its entitlement, nor more in all than its quota
   plus its borrowing limit;
 * a queue with demand gets at least ``min(demand, quota)`` GPUs in the first round that
-  sees the demand, counting the GPUs of its quota its jobs can run on: borrowed GPUs are
+  sees the demand, counting the GPUs of its quota its jobs can run on -- with a one-type
+  policy, only jobs that one type of its quota could hold count (a gang of 4 in a queue
+  whose quota is 2 V100s + 2 K80s runs only on borrowed GPUs, which nobody can promise:
+  another queue may own them or stand lower in fair share): borrowed GPUs are
   reclaimed at that round boundary, which loses nothing (every placement is renewed each
   round and every copy checkpoints at a round's end);
 * a queue keeps the GPUs its running jobs hold, as many of each type as it is entitled to:
@@ -87,6 +92,7 @@ from services.scheduler.core.policy import (
     Wait,
     WaitCode,
     forks,
+    mixes_types,
 )
 from services.scheduler.core.quota import Entitlement, Rate, charge, decayed, entitlements
 from shared.persistence.codec import snapshot_type
@@ -131,7 +137,8 @@ def plan_with_queues(policy: Policy, request: PlanRequest) -> Plan:
     rate = job_rate(request)
     capacity = request.cluster.gpus_by_type
     usage = decayed(prev.usage, request.now_s - prev.usage_at, config.fair_share_half_life_s) if prev else {}
-    ent = entitlements(config, capacity, visible, rate, usage=usage, round_s=request.round_s, spare=forks(policy))
+    ent = entitlements(config, capacity, visible, rate, usage=usage, round_s=request.round_s, spare=forks(policy),
+                       one_type=not mixes_types(policy))
     ran_on = _previous_gpus(request.previous)
     held = _partition(request.cluster, ent, prev.held if prev else {}, visible, ran_on)
     placements: list[Placement] = []

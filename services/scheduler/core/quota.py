@@ -8,12 +8,17 @@ turns these counts into concrete GPUs and runs the policy on them. Terms:
 * A queue's *nominal* quota, scaled down type by type (largest remainders, ties by queue
   name) where the quotas of a type add up to more than the cluster has (nodes down).
 * *Demand*: the GPUs (the jobs' W, summed) of the queue's visible jobs that can run on the
-  cluster at all.
+  cluster at all (with ``one_type``: on W GPUs of one type).
 * *Cover* (:func:`shortfall`): the queue's jobs take their W GPUs from a set of GPUs, each
   only of types it runs on (rate > 0), fastest first; within a priority class the job with
   the fewest types it runs on first (the usual greedy for matching, so a flexible job does
   not take the V100 a V100-only job needs), then queue order. What the jobs lack after it
-  is their *shortfall*.
+  is their *shortfall*. For a policy that runs a job on one type only (``one_type``: all but
+  Hadar and HadarE), a job takes its W from one type: the first of its types, fastest
+  first, that still has W; failing that, what is left of the type with the most (the
+  fastest among equals), and it is short the rest *of that type only*, so what it borrows
+  completes one type. Counting across types would entitle a gang of 4 to 2 V100s + 2 K80s,
+  borrow nothing, and leave it waiting beside idle V100s under every one-type policy.
 * *Guaranteed*: the part of the nominal quota the queue's jobs use in the cover of it: the
   whole quota when the demand reaches it and its jobs run on every type; never a GPU its
   jobs cannot run on (that one is idle, and lent).
@@ -112,9 +117,10 @@ class _Short:
 
 
 def shortfall(jobs: Sequence[JobState], gpus: Mapping[str, int], rate: Rate,
-              types: Sequence[str]) -> tuple[dict[str, int], list[_Short]]:
+              types: Sequence[str], *, one_type: bool = False) -> tuple[dict[str, int], list[_Short]]:
     """The cover of ``jobs`` by ``gpus`` (module docstring): the GPUs of each type the jobs
-    take, and the jobs left short, in the order the cover took them."""
+    take, and the jobs left short, in the order the cover took them; ``one_type``: each job's
+    GPUs all of one type."""
     runs_on = {}
     for job in jobs:
         if job.job_type not in runs_on:
@@ -129,6 +135,10 @@ def shortfall(jobs: Sequence[JobState], gpus: Mapping[str, int], rate: Rate,
         kinds = runs_on[job.job_type]
         if not kinds:
             continue
+        if one_type:   # the first type with all W left, else the one with the most (fastest on ties)
+            one = next((t for t in kinds if left.get(t, 0) >= need), None) or max(
+                kinds, key=lambda t: (left.get(t, 0), -kinds.index(t)))
+            kinds = (one,)
         for t in kinds:
             take = min(need, left.get(t, 0))
             if take:
@@ -142,19 +152,23 @@ def shortfall(jobs: Sequence[JobState], gpus: Mapping[str, int], rate: Rate,
 
 def entitlements(config: QueueConfig, capacity: Mapping[str, int], jobs: Mapping[str, Sequence[JobState]],
                  rate: Rate, *, usage: Mapping[str, float], round_s: float,
-                 spare: bool = False) -> dict[str, Entitlement]:
+                 spare: bool = False, one_type: bool = False) -> dict[str, Entitlement]:
     """Every queue's entitlement for the round (module docstring). ``jobs``: each queue's
     visible jobs; ``usage``: decayed normalized GPU-seconds by queue; ``spare``: lend what
-    no job needs too."""
+    no job needs too; ``one_type``: the policy runs each job on one GPU type."""
     types = sorted(capacity)
     nominal = scaled_quotas(config.queues, capacity)
     prefs = {q.name: affinity(jobs.get(q.name, ()), types, rate) for q in config.queues}
-    demand = {q.name: sum(j.workers for j in jobs.get(q.name, ()) if any(rate(j, t) > 0 for t in types))
-              for q in config.queues}
+
+    def can_run(job: JobState) -> bool:   # on the cluster at all: with one_type, W GPUs of one type it runs on
+        return any(rate(job, t) > 0 and (not one_type or capacity[t] >= job.workers) for t in types)
+
+    runnable = {q.name: [j for j in jobs.get(q.name, ()) if can_run(j)] for q in config.queues}
+    demand = {name: sum(j.workers for j in js) for name, js in runnable.items()}
     gpus: dict[str, dict[str, int]] = {}
     short: dict[str, list[_Short]] = {}
     for q in config.queues:
-        gpus[q.name], short[q.name] = shortfall(jobs.get(q.name, ()), nominal[q.name], rate, types)
+        gpus[q.name], short[q.name] = shortfall(runnable[q.name], nominal[q.name], rate, types, one_type=one_type)
     idle = {t: capacity[t] - sum(g.get(t, 0) for g in gpus.values()) for t in types}
     extra = dict.fromkeys(gpus, 0)
     weight = {q.name: q.weight for q in config.queues}

@@ -174,6 +174,7 @@ class Hadar:
     default, TIMELINE_SLACK or CRITICAL_SLACK): the makespan-aware part (module docstring)."""
 
     name = "hadar"
+    mixes_types = True   # a job's workers may run on several GPU types at once (the queue cover may split them)
 
     def __init__(self, *, horizon: int = DEFAULT_HORIZON, price_scale: float = PRICE_SCALE,
                  utility: Utility | None = None, backfill: bool = True,

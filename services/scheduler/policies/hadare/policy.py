@@ -78,6 +78,7 @@ class HadarE:
 
     name = "hadare"
     forks = True   # copies use GPUs beyond a job's W: the queue mechanism lends it spare ones
+    mixes_types = True   # a job's workers may run on several GPU types at once (the queue cover may split them)
 
     def __init__(self, *, fork: str = "first-class", store_gbps: float = DEFAULT_STORE_GBPS,
                  optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS, price_share: float = PRICE_SHARE,
