@@ -140,7 +140,7 @@ def _enrol(args: argparse.Namespace) -> int:
     if master is not None:
         _logins(identity, args.registry, master, "created")
     else:
-        print(f"{identity}: no store login without --master-key-file")
+        print(f"{identity}: no Kafka or store login without --master-key-file")
     return 0
 
 

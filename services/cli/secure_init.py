@@ -12,9 +12,9 @@ principal) and the MinIO root (``HADAR_S3_*``), and reads each principal's secre
 ``--secrets-dir`` (docker secrets: ``kafka-<principal>-password``,
 ``s3-<principal>-secret-key``). Run again after changing a secret file, it rotates that
 credential. With ``HADAR_AUTHORSHIP_KEY_FILE`` and ``HADAR_AUTHORSHIP_REGISTRY`` it also gives
-every enrolled GPU node its own Kafka and store logins and removes a revoked node's
-(:mod:`shared.security.logins`). Prints what it did, never a secret; a
-failure is one line and exit 1.
+every enrolled GPU node and user its own Kafka and store logins and removes a revoked one's
+(:mod:`shared.security.logins`). Prints what it did, never a secret; a failure is one line
+and exit 1.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def _certs(args: argparse.Namespace) -> int:
 
 
 def read_secrets(directory: Path) -> tuple[dict[str, str], dict[str, str]]:
-    """(kafka passwords, s3 secret keys) of the service principals from ``directory`` (none of
-    the agent's: each node has its own logins)."""
+    """(kafka passwords, s3 secret keys) of the service principals from ``directory`` (none for
+    the agents or the CLI: each node and user has its own logins)."""
     kafka, s3 = {}, {}
     for name in SHARED_LOGINS:
         kafka[name] = _read(directory / f"kafka-{name}-password")
@@ -100,19 +100,19 @@ def _secure_init(args: argparse.Namespace) -> int:
         asyncio.run(secure_kafka(kafka.bootstrap, kafka.security, passwords, partitions=args.partitions,
                                  replication_factor=args.replication_factor, login_wait_s=60.0))
         secure_minio(s3, secrets)
-        nodes = _node_logins(kafka, s3)
+        identities = _identity_logins(kafka, s3)
     except HadarError as exc:
         print(f"hadar infra secure-init: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
     print(f"secure-init: {len(passwords)} kafka users with ACLs, {len(secrets)} minio users, "
-          f"{nodes}", file=sys.stderr)
+          f"{identities}", file=sys.stderr)
     return 0
 
 
-def _node_logins(kafka: KafkaSettings, root: S3Settings) -> str:
+def _identity_logins(kafka: KafkaSettings, root: S3Settings) -> str:
     key_file, registry_file = os.environ.get(KEY_ENV, "").strip(), os.environ.get(REGISTRY_ENV, "").strip()
     if not key_file or not registry_file:
-        return f"no node logins ({KEY_ENV} and {REGISTRY_ENV} unset)"
+        return f"no node or user logins ({KEY_ENV} and {REGISTRY_ENV} unset)"
     registry, master = Registry.read(registry_file), read_master_key(key_file)
     on_kafka = asyncio.run(secure_kafka_logins(kafka.bootstrap, kafka.security, registry, master,
                                                login_wait_s=60.0))

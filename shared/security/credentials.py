@@ -56,7 +56,7 @@ def env_lines(principal: str, found: Secrets, *, bootstrap: str, ca_file: Path, 
     store login: each node's and user's own are in its credential (``HADAR_IDENTITY_FILE``)."""
     lines = [f"HADAR_BOOTSTRAP={bootstrap}", "HADAR_KAFKA_SECURITY_PROTOCOL=SASL_SSL",
              f"HADAR_KAFKA_SASL_MECHANISM={MECHANISM}", f"HADAR_KAFKA_CA_FILE={ca_file}"]
-    if principal == ADMIN or PRINCIPALS[principal].shared_login:   # a node logs in as itself, from its credential
+    if principal == ADMIN or PRINCIPALS[principal].shared_login:   # nodes and users log in as themselves
         lines[3:3] = [f"HADAR_KAFKA_USERNAME={principal}", f"HADAR_KAFKA_PASSWORD={found.kafka[principal]}"]
     keys: tuple[str, str] | None = None
     if principal == ADMIN:

@@ -3,13 +3,13 @@ that ``hadar infra up --secure`` and the stack's init service (``hadar infra sec
 both run.
 
 :func:`secure_kafka`, as a super user: creates every topic, a SCRAM user per service
-principal (their passwords given), and every ACL; then waits until each principal can log
+principal with a shared login (their passwords given), and every ACL; then waits until each principal can log
 in (SCRAM credentials reach the broker's cache shortly after they are written).
 :func:`secure_minio`, as the root user: creates the bucket, a policy and a user per
 principal that uses the store. Both are idempotent: run again, they rotate the passwords
-they are given and change nothing else; a principal without a shared login (the agent: each
-node has its own, :mod:`shared.security.logins`) has no user, and one left from before
-is removed.
+they are given and change nothing else; a principal without a shared login (the agent and
+the CLI: each node and user has its own, :mod:`shared.security.logins`) has no user, and one
+left from before is removed.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ async def secure_kafka(bootstrap: str, admin: KafkaSecurity, passwords: Mapping[
     users = {name: pw for name, pw in passwords.items() if name in SHARED_LOGINS}
     async with kafka_admin(bootstrap, admin) as client:
         await upsert_users(client, users, mechanism=admin.mechanism)
-        # e.g. the agents' shared login of old: each node has its own now
+        # the agents' and users' shared logins of old: each node and user has its own now
         await delete_users(client, [n for n in SERVICE_PRINCIPALS if n not in SHARED_LOGINS],
                            mechanism=admin.mechanism)
         await apply_acls(client)
@@ -101,7 +101,7 @@ def secure_minio(root: S3Settings, secrets: Mapping[str, str]) -> None:
     for principal in PRINCIPALS.values():
         if principal.uses_s3:
             put_minio_user(admin, s3_user(principal), s3_policy(principal, root.bucket), secrets[principal.name])
-        elif principal.name != ADMIN:   # e.g. the agents' shared login of old: each node has its own now
+        elif principal.name != ADMIN:   # the agents' and users' shared logins of old: each has its own now
             remove_minio_user(admin, s3_user(principal))
 
 
