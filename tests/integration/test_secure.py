@@ -106,32 +106,31 @@ def identity_cli(secure_servers, *args: str) -> subprocess.CompletedProcess[str]
     return done
 
 
-def node_env(secure_servers, node: str, tmp_path: Path) -> dict[str, str]:
-    """Enrol ``node`` (or rotate its key) as the admin does, and return the env its agent runs
-    with: the agent's, with the node's own Kafka and store logins from its credential."""
+def own_env(secure_servers, kind: str, name: str, tmp_path: Path) -> dict[str, str]:
+    """Enrol node or user ``name`` (or rotate its key) as the admin does, and return the env it
+    runs with: its principal's (agent or cli), with its own Kafka and store logins from its
+    credential."""
     admin = secure_servers.env["admin"]
     tmp_path.mkdir(parents=True, exist_ok=True)
-    credential = tmp_path / f"{node}.identity"
-    done = identity_cli(secure_servers, "enrol", "node", node, "--master-key-file", admin["HADAR_AUTHORSHIP_KEY_FILE"],
+    credential = tmp_path / f"{name}.identity"
+    done = identity_cli(secure_servers, "enrol", kind, name, "--master-key-file", admin["HADAR_AUTHORSHIP_KEY_FILE"],
                         "--registry", admin["HADAR_AUTHORSHIP_REGISTRY"], "--out", str(credential))
     for system in ("kafka", "store"):
-        assert f"{system} login hadar-node-{node}: created" in done.stdout, done.stdout
-    env = own_login_env({**secure_servers.env["agent"], "HADAR_IDENTITY_FILE": str(credential)})
-    assert env["HADAR_KAFKA_USERNAME"] == env["HADAR_S3_ACCESS_KEY"] == f"hadar-node-{node}"
+        assert f"{system} login hadar-{kind}-{name}: created" in done.stdout, done.stdout
+    principal = "agent" if kind == "node" else "cli"
+    env = own_login_env({**secure_servers.env[principal], "HADAR_IDENTITY_FILE": str(credential)})
+    assert env["HADAR_KAFKA_USERNAME"] == env["HADAR_S3_ACCESS_KEY"] == f"hadar-{kind}-{name}"
     return env
 
 
+def node_env(secure_servers, node: str, tmp_path: Path) -> dict[str, str]:
+    return own_env(secure_servers, "node", node, tmp_path)
+
+
 def user_store(secure_servers, user: str, tmp_path: Path) -> MinioStore:
-    """Enrol ``user`` as the admin does and return a store logged in as that user's hadar."""
-    admin = secure_servers.env["admin"]
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    credential = tmp_path / f"{user}.identity"
-    done = identity_cli(secure_servers, "enrol", "user", user, "--master-key-file", admin["HADAR_AUTHORSHIP_KEY_FILE"],
-                        "--registry", admin["HADAR_AUTHORSHIP_REGISTRY"], "--out", str(credential))
-    for system in ("kafka", "store"):
-        assert f"{system} login hadar-user-{user}: created" in done.stdout, done.stdout
-    settings = s3_from_env(own_login_env({**secure_servers.env["cli"], "HADAR_IDENTITY_FILE": str(credential)}))
-    assert settings is not None and settings.access_key == f"hadar-user-{user}"
+    """A store logged in as user ``user``'s hadar, enrolled as the admin does."""
+    settings = s3_from_env(own_env(secure_servers, "user", user, tmp_path))
+    assert settings is not None
     return MinioStore(settings)
 
 
