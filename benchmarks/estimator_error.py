@@ -69,10 +69,10 @@ def score(model: ThroughputModel) -> Score:
     job_types = [j for j in model.job_types
                  if all((j, t, 1) in model.rates for t in SCORED_TYPES)]
     for job_type in job_types:
-        measured = {t: model.rates[(job_type, t, 1)] for t in SCORED_TYPES}
+        measured_rates = {t: model.rates[(job_type, t, 1)] for t in SCORED_TYPES}
         estimated = {t: estimate(job_type, t, 1) for t in SCORED_TYPES}
         tie = len(set(estimated.values())) < len(estimated)
-        if not tie and _order(measured) == _order(estimated):
+        if not tie and _order(measured_rates) == _order(estimated):
             ranked += 1
         else:
             wrong.append(job_type)

@@ -5,21 +5,22 @@ five applications' step times on one node of T4s (``aws``), RTX 2080 Tis (``rtx`
 (``dgx-ext``). Figures: ``shared.domain.sia_figures``. Scored, per the issue's two figures:
 
 * mape: mean absolute percentage error of the estimated samples/s per GPU against the
-  measured ``local_bsz / step_time``, over every row of a one-node placement (1 to 8 GPUs;
-  an estimate that says the batch does not fit counts as rate 0, a 100% error);
+  measured ``local_bsz / step_time``, over every row of a one-node placement (1 to 8 GPUs,
+  each with the figures for that many replicas; an estimate that says the batch does not
+  fit counts as rate 0, a 100% error);
 * pair_correct_frac: over (application, pair of GPU types), the fraction where the
   estimate says which of the two is faster as the measurements do, each application at
   the largest per-GPU batch measured on one GPU of all three types (step times
   interpolated between measured batches, as the simulator reads them);
 * mape_largest_batch: the same error over each (application, type)'s largest batch on one
-  GPU only, where the GPU's work dominates the step (at small batches a fixed cost per step
-  the estimator does not know -- 20-400 ms in these profiles, against its 10-80 ms of
-  framework dispatch -- decides the step time);
+  GPU only, where the GPU's work dominates the step (at small batches the fixed cost per
+  step -- 20-400 ms in these profiles, mostly framework ops, AdaptDL's per-tensor gradient
+  statistics among them -- decides the step time);
 * factor: the geometric mean of max(est/meas, meas/est) over the same rows -- symmetric,
   where MAPE caps an underestimate at 100% and so rewards "does not fit" over a rate 3x
   too high -- and how many rows the estimate wrongly says do not fit;
-* per-type MAPE, and the same figures with every application's ``tf32`` off (what the
-  estimator said before it modelled TF32), side by side.
+* per-type MAPE, and the same figures with every application's ``tf32`` off, side by side
+  (the main figures use each application's own ``tf32``).
 
 Prints a table per application, then one JSON object as its last line.
 Run: ``.venv/bin/python benchmarks/estimator_sia.py``.
@@ -63,9 +64,11 @@ def _rate(figures: JobFigures, gpu_type: str, n: int) -> float:
     return figures.batch_size / step.step_s if step.fits else 0.0
 
 
-def score(*, tf32: bool = True, verbose: bool = False) -> SiaScore:
-    def figures(app: str, batch: int) -> JobFigures:
-        return replace(sia_figures(app, batch), tf32=tf32)
+def score(*, tf32: bool | None = None, verbose: bool = False) -> SiaScore:
+    """``tf32``: None scores each application's figures as they are; False turns TF32 off for all."""
+    def figures(app: str, batch: int, replicas: int = 1) -> JobFigures:
+        job = sia_figures(app, batch, replicas)
+        return job if tf32 is None else replace(job, tf32=tf32)
 
     errors: dict[str, list[float]] = {t: [] for t in CLUSTER_GPU_TYPE.values()}
     largest: list[float] = []
@@ -80,7 +83,8 @@ def score(*, tf32: bool = True, verbose: bool = False) -> SiaScore:
                 if len(row.placement) != 1:
                     continue
                 measured = row.local_bsz / row.step_s
-                estimated = _rate(figures(app, row.local_bsz), t, row.placement[0])
+                n = row.placement[0]
+                estimated = _rate(figures(app, row.local_bsz, n), t, n)
                 errors[t].append(abs(estimated - measured) / measured)
                 if estimated > 0:
                     logs.append(abs(math.log(estimated / measured)))
@@ -118,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.parse_args(argv)
     before = score(tf32=False)
-    after = score(tf32=True, verbose=True)
-    for name, result in (("without tf32", before), ("with tf32", after)):
+    after = score(verbose=True)
+    for name, result in (("every tf32 off", before), ("as figured", after)):
         by_type = ", ".join(f"{t} {m:.2f}" for t, m in result.mape_by_type.items())
         print(f"{name}: mape {result.mape:.2f} ({by_type}), at the largest batch "
               f"{result.mape_largest_batch:.2f}; factor {result.factor:.2f} ({result.unfit} rows unfit); "

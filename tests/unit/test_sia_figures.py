@@ -49,5 +49,29 @@ def test_tf32_runs_a_convolution_network_at_the_a100s_tensor_rate() -> None:
     job = sia_figures("cifar10", 1024)
     fp32 = gpus.estimate_step(a100, dataclasses.replace(job, tf32=False))
     tf32 = gpus.estimate_step(a100, job)
-    ratio = (a100.tf32_tflops * gpus.TENSOR_EFFICIENCY) / (a100.fp32_tflops * gpus.FP32_EFFICIENCY)
+    ratio = (a100.tf32_tflops * gpus.TF32_EFFICIENCY) / (a100.fp32_tflops * gpus.FP32_EFFICIENCY)
     assert fp32.compute_s / tf32.compute_s == pytest.approx(ratio)
+
+
+@pytest.mark.parametrize(("application", "mixed", "tf32"), [
+    ("cifar10", False, True), ("imagenet", True, True), ("bert", False, True),
+    ("deepspeech2", False, False), ("yolov3", True, True)])
+def test_precision_follows_the_artifacts_training_scripts(application: str, mixed: bool, tf32: bool) -> None:
+    """imagenet and yolov3 call apex ``amp.initialize`` (O1); the others train in FP32, which
+    PyTorch 1.9 runs as TF32 on an A100 except deepspeech2's packed variable-length GRU batches."""
+    job = SIA_APPLICATIONS[application]
+    assert (job.mixed_precision, job.tf32) == (mixed, tf32)
+
+
+def test_deepspeech2_is_the_artifacts_gru_model() -> None:
+    """train.py defaults: 5 bidirectional GRU layers of 800 (not LSTMs of 1024) after two convolutions."""
+    assert 40e6 < SIA_APPLICATIONS["deepspeech2"].params < 42.5e6
+
+
+def test_one_replica_runs_the_gradient_noise_scale_difference_estimator() -> None:
+    """AdaptDL's GradientNoiseScale works on every parameter tensor each step, twice as much on one
+    replica (it differences successive gradients) as on several (it averages the replicas')."""
+    for application in SIA_APPLICATIONS:
+        one, two = sia_figures(application, 8, 1), sia_figures(application, 8, 2)
+        assert one.ops_per_step > two.ops_per_step == sia_figures(application, 8, 8).ops_per_step
+    assert sia_figures("bert", 8, 2).ops_per_step > 199 * 9  # 199 parameter tensors
