@@ -32,9 +32,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("sim", help="simulate scheduling policies on a job trace and compare them",
                               description=__doc__)
     p.add_argument("--cluster", required=True,
-                   help="built-in (gavel-108, aws-5, lab-5), a YAML file, or inline like v100:4,k80:2x4")
+                   help="built-in (gavel-108, aws-5, lab-5, sia-64, philly-2000, ...), a YAML file, "
+                        "or inline like v100:4,k80:2x4")
     p.add_argument("--trace", required=True,
-                   help="CSV file, Gavel .trace file, Sia/Pollux job list (name,time,application,num_replicas,"
+                   help="CSV file, Gavel .trace file, Philly trace (timestamp,duration,num_gpus,gpu_time,cluster), "
+                        "Sia/Pollux job list (name,time,application,num_replicas,"
                         "batch_size), or gen:jobs=N,rate=R,seed=S,multi_gpu=true|false"
                    "[,queues=A/B/C] (queues: job i's queue is names[k_i], k = numpy default_rng([S, 1])"
                    ".integers(len(names), size=N): uniform, a name listed twice drawn twice as often; the jobs "

@@ -165,3 +165,68 @@ def test_no_policy_beats_its_bound(case: tuple[Cluster, list[TraceJob], float]) 
         ttd = metrics.ttd_s
         _, bound = bound_for(name, bounds, gangs_only=result.gangs_only)
         assert bound is not None and ttd >= bound * (1 - 1e-6), (name, ttd, bound)
+
+
+# ---------------------------------------------------------------------------- the sparse LP
+
+def dense_bound(jobs: list[TraceJob], cluster: Cluster, *, fork: bool) -> float | None:
+    """The module docstring's LP written out literally: one capacity row per (arrival offset,
+    type) over every job arriving then or later (O(jobs^2) nonzeros; the oracle for the
+    cumulative form ``ttd_lower_bound`` solves)."""
+    import numpy as np
+    from scipy.optimize import linprog
+
+    from services.scheduler.sim.bounds import _caps
+
+    types = cluster.types
+    a0 = min(j.arrival_s for j in jobs)
+    s = [j.arrival_s - a0 for j in jobs]
+    rho = [[per_gpu_rate(j.job_type, j.workers, t, cluster, TABLE, gang=not fork) for t in types] for j in jobs]
+    best = [best_fork_rate(j.job_type, j.workers, cluster, TABLE) if fork
+            else best_copy_rate(j.job_type, j.workers, cluster, TABLE, gang=True) for j in jobs]
+    if min(best) <= 0:
+        return None
+    nt, n = len(types), len(jobs) * len(types)   # variables: X[j,r] GPU-seconds, then T
+    a, b = [], []
+
+    def row(entries: dict[int, float], bound: float) -> None:
+        line = np.zeros(n + 1)
+        for col, val in entries.items():
+            line[col] += val
+        a.append(line)
+        b.append(bound)
+
+    for j, job in enumerate(jobs):
+        row({j * nt + r: -rho[j][r] for r in range(nt)}, -job.total_steps)
+        per_type, total = _caps(job, cluster, fork=fork)
+        for r, t in enumerate(types):
+            row({j * nt + r: 1.0, n: -per_type[t]}, -per_type[t] * s[j])
+        row({**{j * nt + r: 1.0 for r in range(nt)}, n: -total}, -total * s[j])
+    for level in set(s):
+        for r, t in enumerate(types):
+            count = cluster.gpus_by_type[t]
+            row({**{j * nt + r: 1.0 for j in range(len(jobs)) if s[j] >= level}, n: -count}, -count * level)
+    limits = [(0.0, None if rho[j][r] > 0 else 0.0) for j in range(len(jobs)) for r in range(nt)]
+    limits.append((max(s[j] + job.total_steps / best[j] for j, job in enumerate(jobs)), None))
+    cost = np.zeros(n + 1)
+    cost[n] = 1.0
+    res = linprog(cost, A_ub=np.array(a), b_ub=np.array(b), bounds=limits, method="highs")
+    assert res.status == 0, res.message
+    return float(res.x[n])
+
+
+@PROPS
+@given(case=cases(), fork=st.booleans())
+def test_the_cumulative_lp_has_the_literal_lps_optimum(case: tuple[Cluster, list[TraceJob], float],
+                                                       fork: bool) -> None:
+    from services.scheduler.sim.bounds import ttd_lower_bound
+
+    cluster, jobs, _ = case
+    jobs = jobs + [TraceJob(job_id=f"same{i}", arrival_s=j.arrival_s, job_type=j.job_type, workers=j.workers,
+                            total_steps=j.total_steps) for i, j in enumerate(jobs[:2])]  # shared offsets
+    want = dense_bound(jobs, cluster, fork=fork)
+    got = ttd_lower_bound(jobs, cluster, TABLE, fork=fork)
+    if want is None:
+        assert got is None
+    else:
+        assert got == pytest.approx(want, rel=1e-6)

@@ -19,6 +19,10 @@
     2 DGX-A100 nodes of 8x A100 (64 GPUs), the types of Sia's measured profiles.
   - ``sia-64x2``, ``sia-64x4``, ``sia-64x8``: every node count of sia-64 times 2, 4 or 8
     (Sia's ``--cluster_scale``), 128 to 512 GPUs.
+  - ``philly-2000``: 2,000 GPUs of Gavel's table's three types on 8-GPU nodes, for replaying
+    Philly's whole trace (``philly_traces.py``): 84 nodes of V100, 84 of P100 and 82 of K80.
+    Our choice: about the size of Philly's own GPU fleet (Jeon et al. report about 2,490
+    GPUs over its virtual clusters), in the types the throughput table measures.
 
 * a path to a YAML file ``{name, nodes: [{id, gpus: {type: count}}]}``; a node's GPUs are
   indexed in the order its mapping lists the types;
@@ -103,6 +107,10 @@ def sia_64(scale: int = 1) -> Cluster:
     return _typed_nodes(name, [("t4", 6 * scale, 4), ("rtx2080ti", 3 * scale, 8), ("a100", 2 * scale, 8)])
 
 
+def philly_2000() -> Cluster:
+    return _typed_nodes("philly-2000", [("v100", 84, 8), ("p100", 84, 8), ("k80", 82, 8)])
+
+
 BUILTIN_CLUSTERS: Mapping[str, Callable[[], Cluster]] = {
     "gavel-108": gavel_108,
     "aws-5": aws_5,
@@ -111,6 +119,7 @@ BUILTIN_CLUSTERS: Mapping[str, Callable[[], Cluster]] = {
     "lab-5-multi": lab_5_multi,
     "sia-64": sia_64,
     **{f"sia-64x{k}": functools.partial(sia_64, k) for k in SIA_SCALES},
+    "philly-2000": philly_2000,
 }
 
 

@@ -1,6 +1,6 @@
 """Job traces for the simulator: CSV files, Gavel's TSV traces, Sia's job lists and a seeded generator.
 
-Four sources, all producing ``TraceJob`` records sorted by (arrival, input order):
+Five sources, all producing ``TraceJob`` records sorted by (arrival, input order):
 
 * CSV with a header naming the columns ``job_id,arrival_time_s,job_type,scale_factor,
   total_steps`` (any order) and optionally ``priority`` (default 1), ``queue`` (default: the
@@ -28,6 +28,8 @@ iterations (``shared.domain.progress``); a CSV's ``total_steps`` column is read 
   (``queues=a/b/b`` puts about two thirds of the jobs in b).
 * Sia's and Pollux's job lists, ``name,time,application,num_replicas,batch_size``: rigid jobs
   on Sia's measured profiles (``services/scheduler/sim/sia_traces.py``).
+* Pollux's copy of Microsoft's Philly trace, ``timestamp,duration,num_gpus,gpu_time,cluster``:
+  rigid jobs whose types are drawn with the caller's seed (``philly_traces.py``).
 
 A bad line raises ``TraceError`` whose one-line message names the file, line and field.
 """
@@ -346,4 +348,8 @@ def load_trace(spec: str, *, throughput: ThroughputModel, default_seed: int = 0)
 
     if sia_traces.looks_like_sia(text):
         return sia_traces.parse_sia_jobs(text, job_types=throughput.job_types, source=spec)
+    from services.scheduler.sim import philly_traces
+
+    if philly_traces.looks_like_philly(text):
+        return philly_traces.parse_philly_jobs(text, throughput=throughput, seed=default_seed, source=spec)
     return parse_csv(text, job_types=throughput.job_types, source=spec)
