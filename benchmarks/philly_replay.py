@@ -1,0 +1,124 @@
+"""The whole Philly trace (82,247 jobs, 109 days) replayed on philly-2000, one policy per process.
+
+Trace and job rule: ``services/scheduler/sim/philly_traces.py`` (types drawn with ``--seed``,
+work from each job's Philly run time on a P100). Cluster: ``philly-2000`` (84 x 8 V100,
+84 x 8 P100, 82 x 8 K80). Gavel's throughput table, 360 s rounds, no restart charge.
+
+Each policy runs in its own child process, so that its peak memory (``ru_maxrss``) is its own;
+``--parallel`` children at a time (default 1: decision times are then not shared with a
+sibling). Per policy: jobs completed, mean / p99 JCT, makespan (first arrival to last
+completion), cluster utilization over it, decision time per round (p50, p95, max, and p95 as a
+fraction of the round), rounds simulated, simulator wall time and peak memory. ``--bound``
+also solves the no-fork and fork TTD lower bounds (``bounds.py``) in the parent. Prints one
+line per policy as it finishes, then one JSON object as the last line.
+
+    python benchmarks/philly_replay.py [--policies yarn-cs,tiresias,gavel,gavel-makespan,hadar,hadare]
+        [--parallel 1] [--seed 0] [--days D] [--bound]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+
+from services.scheduler.policies import make_policy
+from services.scheduler.sim.bounds import ttd_bounds
+from services.scheduler.sim.cluster_spec import parse_cluster
+from services.scheduler.sim.simulator import SimOptions, build_throughput, simulate
+from services.scheduler.sim.traces import TraceJob, load_trace
+
+POLICIES = ("yarn-cs", "tiresias", "gavel", "gavel-makespan", "hadar", "hadare")
+CLUSTER = "philly-2000"
+ROUND_S = 360.0
+
+
+def trace_path() -> str:
+    return str(resources.files("shared.domain").joinpath("data/philly/philly.csv"))
+
+
+def jobs_of(seed: int, days: float | None) -> tuple[TraceJob, ...]:
+    jobs = load_trace(trace_path(), throughput=build_throughput(), default_seed=seed)
+    return jobs if days is None else tuple(j for j in jobs if j.arrival_s < days * 86_400)
+
+
+def replay(policy: str, seed: int, days: float | None) -> dict[str, Any]:
+    throughput = build_throughput()
+    jobs = jobs_of(seed, days)
+    cluster = parse_cluster(CLUSTER)
+    started = time.perf_counter()
+    result = simulate(policy=make_policy(policy), cluster=cluster, jobs=jobs, throughput=throughput,
+                      options=SimOptions(round_s=ROUND_S, seed=seed))
+    wall = time.perf_counter() - started
+    done = [j for j in result.jobs if j.completion_s is not None]
+    jcts = np.array([j.completion_s - j.arrival_s for j in done if j.completion_s is not None])
+    first = min(j.arrival_s for j in result.jobs)
+    last = max((j.completion_s for j in done if j.completion_s is not None), default=first)
+    span = last - first
+    busy = sum(sum(r.busy_gpu_s.values()) for r in result.rounds)
+    decisions = np.array([r.decision_ms for r in result.rounds])
+    return {
+        "policy": policy, "jobs": len(jobs), "completed": len(done), "stop": result.stop_reason,
+        "gangs_only": result.gangs_only,
+        "jct_mean_s": float(jcts.mean()) if len(jcts) else None,
+        "jct_p99_s": float(np.percentile(jcts, 99)) if len(jcts) else None,
+        "makespan_s": span, "utilization": busy / (cluster.total_gpus * span) if span > 0 else None,
+        "decision_ms_p50": float(np.percentile(decisions, 50)),
+        "decision_ms_p95": float(np.percentile(decisions, 95)),
+        "decision_ms_max": float(decisions.max()),
+        "decision_p95_of_round": float(np.percentile(decisions, 95)) / (ROUND_S * 1000.0),
+        "rounds": len(result.rounds), "wall_s": wall,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+    }
+
+
+def _line(row: dict[str, Any]) -> str:
+    def hours(x: float | None) -> str:
+        return "-" if x is None else f"{x / 3600:,.2f} h"
+    return (f"{row['policy']}: {row['completed']}/{row['jobs']} done ({row['stop']}); "
+            f"mean JCT {hours(row['jct_mean_s'])}, "
+            f"p99 {hours(row['jct_p99_s'])}, makespan {row['makespan_s'] / 86_400:.2f} d, "
+            f"utilization {row['utilization']:.3f}; decision p50/p95/max {row['decision_ms_p50']:.1f}/"
+            f"{row['decision_ms_p95']:.1f}/{row['decision_ms_max']:.1f} ms (p95 {row['decision_p95_of_round']:.2%} "
+            f"of the round); {row['rounds']} rounds in {row['wall_s']:.0f} s, peak {row['peak_rss_mib']:.0f} MiB")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--parallel", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--days", type=float, default=None, help="only jobs arriving in the first D days")
+    parser.add_argument("--bound", action="store_true", help="also solve the TTD lower bounds")
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    started = time.perf_counter()
+    rows = []
+    with ProcessPoolExecutor(max_workers=max(1, args.parallel)) as pool:
+        for row in pool.map(replay, names, [args.seed] * len(names), [args.days] * len(names)):
+            print(_line(row), flush=True)
+            rows.append(row)
+    out: dict[str, Any] = {"cluster": CLUSTER, "round_s": ROUND_S, "seed": args.seed, "days": args.days,
+                           "policies": rows, "total_wall_s": time.perf_counter() - started}
+    if args.bound:
+        t = time.perf_counter()
+        bounds = ttd_bounds(jobs_of(args.seed, args.days), parse_cluster(CLUSTER), build_throughput())
+        out.update(ttd_nofork_s=bounds.ttd_nofork_s, ttd_fork_s=bounds.ttd_fork_s, bound_wall_s=time.perf_counter() - t)
+        print(f"TTD bounds: no-fork {bounds.ttd_nofork_s}, fork {bounds.ttd_fork_s} "
+              f"({out['bound_wall_s']:.0f} s)", flush=True)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
