@@ -35,6 +35,7 @@ import numpy as np
 from services.scheduler.policies import make_policy
 from services.scheduler.sim.bounds import ttd_bounds
 from services.scheduler.sim.cluster_spec import parse_cluster
+from services.scheduler.sim.results import completed_jcts_s, compute_results, span_s
 from services.scheduler.sim.simulator import SimOptions, build_throughput, simulate
 from services.scheduler.sim.traces import TraceJob, load_trace
 
@@ -60,19 +61,14 @@ def replay(policy: str, seed: int, days: float | None) -> dict[str, Any]:
     result = simulate(policy=make_policy(policy), cluster=cluster, jobs=jobs, throughput=throughput,
                       options=SimOptions(round_s=ROUND_S, seed=seed))
     wall = time.perf_counter() - started
-    done = [j for j in result.jobs if j.completion_s is not None]
-    jcts = np.array([j.completion_s - j.arrival_s for j in done if j.completion_s is not None])
-    first = min(j.arrival_s for j in result.jobs)
-    last = max((j.completion_s for j in done if j.completion_s is not None), default=first)
-    span = last - first
-    busy = sum(sum(r.busy_gpu_s.values()) for r in result.rounds)
+    metrics = compute_results(result, throughput)   # JCT mean, span (makespan), utilization
+    jcts = np.array(completed_jcts_s(result))
     decisions = np.array([r.decision_ms for r in result.rounds])
     return {
-        "policy": policy, "jobs": len(jobs), "completed": len(done), "stop": result.stop_reason,
-        "gangs_only": result.gangs_only,
-        "jct_mean_s": float(jcts.mean()) if len(jcts) else None,
+        "policy": policy, "jobs": len(jobs), "completed": metrics.jobs_completed, "stop": result.stop_reason,
+        "gangs_only": result.gangs_only, "jct_mean_s": metrics.jct_mean_s,
         "jct_p99_s": float(np.percentile(jcts, 99)) if len(jcts) else None,
-        "makespan_s": span, "utilization": busy / (cluster.total_gpus * span) if span > 0 else None,
+        "makespan_s": span_s(result), "utilization": metrics.cru,
         "decision_ms_p50": float(np.percentile(decisions, 50)),
         "decision_ms_p95": float(np.percentile(decisions, 95)),
         "decision_ms_max": float(decisions.max()),

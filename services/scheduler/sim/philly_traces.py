@@ -26,14 +26,21 @@ Ids are ``philly-<row>`` with the data row's 0-based index, zero-padded. A bad r
 
 from __future__ import annotations
 
-import csv
 import datetime as dt
 from collections.abc import Sequence
 
 import numpy as np
 
 from services.scheduler.core.throughput import ThroughputModel
-from services.scheduler.sim.traces import TraceError, TraceJob, float_field, int_field, sort_jobs, where
+from services.scheduler.sim.traces import (
+    TraceError,
+    TraceJob,
+    float_field,
+    int_field,
+    named_rows,
+    sort_jobs,
+    where,
+)
 
 PHILLY_COLUMNS = ("timestamp", "duration", "num_gpus", "gpu_time", "cluster")
 REFERENCE_GPU = "p100"
@@ -65,20 +72,8 @@ def _timestamp(text: str, *, source: str, line: int) -> float:
 def parse_philly_jobs(text: str, *, throughput: ThroughputModel, seed: int = 0,
                       source: str = "<philly>") -> tuple[TraceJob, ...]:
     """Rows of Pollux's Philly trace -> rigid TraceJobs sorted by arrival (module docstring)."""
-    rows = csv.reader(text.splitlines())
-    header = next(rows, None)
-    if header is None:
-        raise TraceError(f"{source}: line 1: empty trace (expected a header)")
-    columns = [h.strip() for h in header]
-    if sorted(columns) != sorted(PHILLY_COLUMNS):
-        raise TraceError(f"{source}: line 1: expected the columns {','.join(PHILLY_COLUMNS)}")
     parsed: list[tuple[float, float, int]] = []
-    for index, row in enumerate(rows, start=2):
-        if not row or all(not cell.strip() for cell in row):
-            continue
-        if len(row) != len(columns):
-            raise TraceError(f"{source}: line {index}: {len(row)} fields, header has {len(columns)}")
-        cell = dict(zip(columns, row))
+    for index, cell in named_rows(text, PHILLY_COLUMNS, source=source):
         parsed.append((
             _timestamp(cell["timestamp"], source=source, line=index),
             float_field(cell["duration"], source=source, line=index, field="duration", positive=True),

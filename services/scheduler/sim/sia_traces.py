@@ -11,13 +11,20 @@ policy). A bad row raises ``TraceError`` naming file, line and field.
 
 from __future__ import annotations
 
-import csv
 from collections.abc import Iterable
 
 from services.scheduler.sim.sia_profiles import APPLICATIONS
 from services.scheduler.sim.sia_table import job_type_name, parse_job_type
 from services.scheduler.sim.sia_work import RESTART_S, total_steps, validated_batches
-from services.scheduler.sim.traces import TraceError, TraceJob, float_field, int_field, sort_jobs, where
+from services.scheduler.sim.traces import (
+    TraceError,
+    TraceJob,
+    float_field,
+    int_field,
+    named_rows,
+    sort_jobs,
+    where,
+)
 
 SIA_COLUMNS = ("name", "time", "application", "num_replicas", "batch_size")
 
@@ -32,21 +39,9 @@ def parse_sia_jobs(text: str, *, job_types: Iterable[str], source: str = "<sia>"
                    calibrated: bool = True) -> tuple[TraceJob, ...]:
     """Rows of the Sia/Pollux format -> rigid TraceJobs sorted by arrival (module docstring)."""
     known = frozenset(job_types)
-    rows = csv.reader(text.splitlines())
-    header = next(rows, None)
-    if header is None:
-        raise TraceError(f"{source}: line 1: empty trace (expected a header)")
-    columns = [h.strip() for h in header]
-    if sorted(columns) != sorted(SIA_COLUMNS):
-        raise TraceError(f"{source}: line 1: expected the columns {','.join(SIA_COLUMNS)}")
     jobs: list[TraceJob] = []
     seen: set[str] = set()
-    for index, row in enumerate(rows, start=2):
-        if not row or all(not cell.strip() for cell in row):
-            continue
-        if len(row) != len(columns):
-            raise TraceError(f"{source}: line {index}: {len(row)} fields, header has {len(columns)}")
-        cell = dict(zip(columns, (c.strip() for c in row)))
+    for index, cell in named_rows(text, SIA_COLUMNS, source=source):
         name = cell["name"]
         if not name:
             raise TraceError(f"{where(source, index, 'name')}: empty")

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -105,6 +105,25 @@ def _job_type_field(text: str, job_types: frozenset[str], *, source: str, line: 
         raise TraceError(f"{where(source, line, 'job_type')}: {job_type!r} is not a job type of the "
                          "throughput table")
     return job_type
+
+
+def named_rows(text: str, columns: Sequence[str], *, source: str) -> Iterator[tuple[int, dict[str, str]]]:
+    """(line number, cells by column) of a CSV whose header names exactly ``columns`` (any
+    order); blank lines skipped, cells stripped; a missing header, other columns or a row of
+    the wrong width raise ``TraceError`` naming the line."""
+    rows = csv.reader(text.splitlines())
+    header = next(rows, None)
+    if header is None:
+        raise TraceError(f"{source}: line 1: empty trace (expected a header)")
+    names = [h.strip() for h in header]
+    if sorted(names) != sorted(columns):
+        raise TraceError(f"{source}: line 1: expected the columns {','.join(columns)}")
+    for index, row in enumerate(rows, start=2):
+        if not row or all(not cell.strip() for cell in row):
+            continue
+        if len(row) != len(names):
+            raise TraceError(f"{source}: line {index}: {len(row)} fields, header has {len(names)}")
+        yield index, dict(zip(names, (c.strip() for c in row)))
 
 
 def sort_jobs(jobs: Iterable[TraceJob]) -> tuple[TraceJob, ...]:
