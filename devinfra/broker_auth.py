@@ -8,6 +8,11 @@ Layout under ``<run>/secure/``: ``secrets.json`` (every principal's password, 06
   stays PLAINTEXT on 127.0.0.1 (a single combined node talks to itself there), and its
   principal ``User:ANONYMOUS`` is a super user together with ``User:admin``.
   ``allow.everyone.if.no.acl.found=false``: what no ACL allows is refused.
+* Every client connection authenticates again each :data:`REAUTH_MS`
+  (``connections.max.reauth.ms``): aiokafka cannot re-authenticate in place (KIP-368), so
+  the broker closes the connection at its next request after that and the client logs in
+  anew. A revoked node's or user's connection that was open before the revocation is so cut
+  within :data:`REAUTH_MS`; the cost is one reconnect per connection per window.
 * Secrets never appear on a command line: the admin's SCRAM user is passed to ``StorageTool``
   in a Java ``@argfile`` (0600, deleted after use), and the broker's own login is in
   ``server.properties`` (0600).
@@ -25,9 +30,11 @@ from shared.security.credentials import MECHANISM, Secrets, load_or_create
 from shared.security.files import write_private
 from shared.security.principals import ADMIN
 
-__all__ = ["BrokerSecurity", "prepare", "secure_dir", "listener_properties", "scram_args", "admin_security"]
+__all__ = ["BrokerSecurity", "prepare", "secure_dir", "listener_properties", "scram_args", "admin_security",
+           "REAUTH_MS"]
 
 TLS_HOSTS = ("127.0.0.1", "localhost")
+REAUTH_MS = 300_000   # at most this long does a revoked login's open connection last
 
 
 def secure_dir(run: Path) -> Path:
@@ -78,6 +85,7 @@ def listener_properties(security: BrokerSecurity, *, port: int, controller_port:
         "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
         "super.users": f"User:{ADMIN};User:ANONYMOUS",
         "allow.everyone.if.no.acl.found": "false",
+        "connections.max.reauth.ms": str(REAUTH_MS),
     }
 
 

@@ -31,6 +31,7 @@ from devinfra import (
     stop_server,
     up,
 )
+from devinfra.kafka_config import EXTRA_PROPERTIES
 from devinfra.secure_mode import apply
 from shared.bus.settings import kafka_from_env
 from shared.errors import HadarError
@@ -96,12 +97,22 @@ class SecureServers:
     paths: InfraPaths
     env: dict[str, dict[str, str]] = field(repr=False)
     secrets: frozenset[str] = field(repr=False)
+    reauth_ms: int   # the broker's connections.max.reauth.ms
+
+
+# How often the test broker makes every connection authenticate again (a deployment's is
+# devinfra.broker_auth.REAUTH_MS, minutes): short, so that a revoked login's open connection
+# is cut within a test, and so that every secured test's clients ride out the broker closing
+# their connections every few seconds, as a deployment's do every few minutes.
+SECURE_REAUTH_MS = 8_000
 
 
 @pytest.fixture(scope="session")
 def secure_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureServers]:
     """``hadar infra up --secure`` in a private run directory, for the whole session."""
     paths = InfraPaths(cache=InfraPaths.from_env().cache, run=tmp_path_factory.mktemp("secure") / "run")
+    paths.run.mkdir(parents=True, exist_ok=True)
+    (paths.run / EXTRA_PROPERTIES).write_text(f"connections.max.reauth.ms={SECURE_REAUTH_MS}\n")
     try:
         written = apply(paths, up(paths, secure=True))
     except (InfraError, HadarError) as exc:
@@ -110,7 +121,7 @@ def secure_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureS
     env = {name: dict(line.split("=", 1) for line in path.read_text().splitlines()) for name, path in written.items()}
     secrets = frozenset(v for e in env.values() for k, v in e.items() if k.endswith(("PASSWORD", "SECRET_KEY")))
     try:
-        yield SecureServers(paths=paths, env=env, secrets=secrets)
+        yield SecureServers(paths=paths, env=env, secrets=secrets, reauth_ms=SECURE_REAUTH_MS)
     finally:
         down(paths)
 

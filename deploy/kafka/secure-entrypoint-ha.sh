@@ -65,6 +65,7 @@ ssl.endpoint.identification.algorithm=https
 authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer
 super.users=User:admin;User:${KAFKA_CONTROLLER_PRINCIPAL:-CN=hadar kafka}
 allow.everyone.if.no.acl.found=false
+connections.max.reauth.ms=300000
 log.dirs=/var/lib/kafka/data
 num.partitions=3
 default.replication.factor=3

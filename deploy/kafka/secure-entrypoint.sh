@@ -33,6 +33,7 @@ ssl.truststore.location=/run/secrets/kafka-ca
 authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer
 super.users=User:admin;User:ANONYMOUS
 allow.everyone.if.no.acl.found=false
+connections.max.reauth.ms=300000
 log.dirs=/var/lib/kafka/data
 num.partitions=3
 offsets.topic.replication.factor=1

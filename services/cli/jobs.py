@@ -43,7 +43,7 @@ from shared.domain.layout import final_key, model_key
 from shared.errors import UsageError
 from shared.runtime.connection import add_bus_args, add_store_args
 from shared.security.authorship import Sealer, sealer_from_env
-from shared.store import ObjectNotFound
+from shared.store import ObjectNotFound, StoreDenied
 from shared.wire.events import JobCancelled, JobSpec, JobSubmitted, UserCode
 
 __all__ = ["register", "submit", "jobs_table", "job_fields"]
@@ -325,6 +325,9 @@ def cmd_model(args: argparse.Namespace) -> int:
         await store.start()
         try:
             await store.get_file(key, Path(args.out))
+        except StoreDenied as exc:
+            raise UsageError(f"job: the {what} of {args.job!r} is not yours to read ({exc.code}: the store lets "
+                             "a user read only the models of their own jobs)") from None
         except ObjectNotFound:
             raise UsageError(f"job: no {what} for {args.job!r} (" + (
                 "not completed yet, or unknown job" if args.round is None else

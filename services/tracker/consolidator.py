@@ -69,7 +69,7 @@ from services.tracker.model_files import (
 from services.tracker.rollback import write_rollback
 from services.tracker.store_reader import ConsolidationStopped, StoreRangeReader
 from shared.clock import Clock
-from shared.domain.layout import final_key, optim_key, optim_key_of
+from shared.domain.layout import final_key, model_owner, optim_key, optim_key_of
 from shared.domain.model_meta import InvalidModelMetadata, ModelMetadata
 from shared.errors import HadarError
 from shared.store import InvalidKey, ObjectNotFound, ObjectStore
@@ -144,9 +144,10 @@ class Consolidator:
                             metric=metric)
 
     async def _store_outputs(self, work: DueRound, key: str, outputs: ModelFiles) -> None:
+        owner = _owner(work)
         if outputs.optim_path is not None:   # first: a copy that finds the model finds its optimizer state
-            await self.store.put_file(optim_key(work.job_id, work.round), outputs.optim_path)
-        await self.store.put_file(key, outputs.model_path)
+            await self.store.put_file(optim_key(work.job_id, work.round), outputs.optim_path, owner=owner)
+        await self.store.put_file(key, outputs.model_path, owner=owner)
 
     async def _reader(self, key: str | None, loop: asyncio.AbstractEventLoop, stop: threading.Event,
                       log: Any) -> StoreRangeReader | None:
@@ -176,7 +177,8 @@ class Consolidator:
             optim = optim_key_of(target.key)
             if outputs.optim_path is None and optim is not None and await self.store.exists(optim):
                 await self.store.get_file(optim, tmp_dir / "source.optim.safetensors")
-                await self.store.put_file(optim_key(work.job_id, work.round), tmp_dir / "source.optim.safetensors")
+                await self.store.put_file(optim_key(work.job_id, work.round), tmp_dir / "source.optim.safetensors",
+                                          owner=_owner(work))
             await self._store_outputs(work, key, outputs)
         except (ObjectNotFound, InvalidKey, NoUsableReplica) as exc:
             log.error("round.rollback_impossible", rollback_to=target.key, error=f"{type(exc).__name__}: {exc}"[:300])
@@ -274,10 +276,15 @@ class Consolidator:
         try:
             path = tmp_dir / "final.safetensors"
             await self.store.get_file(work.model_key, path)
-            await self.store.put_file(key, path)
+            await self.store.put_file(key, path, owner=work.owner)
         finally:
             shutil.rmtree(tmp_dir, ignore_errors=True)
         return key
+
+
+def _owner(work: DueRound) -> str | None:
+    """Who may read the round's model: its job's user (shared.domain.layout.model_owner)."""
+    return None if work.spec is None else model_owner(work.spec.user)
 
 
 def announcement(meta: ModelMetadata, key: str, ts: float, source: str, *, seconds: float = 0.0,

@@ -79,3 +79,4 @@ class DueCompletion:
     model_key: str
     total_steps: int
     submitted_at: float
+    owner: str | None   # who may read the final model (shared.domain.layout.model_owner)

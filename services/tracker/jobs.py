@@ -14,6 +14,7 @@ from services.tracker.acceptance import CopyPlacement
 from services.tracker.due import DueCompletion, DueRound, FinishedCopy, RollbackTarget
 from services.tracker.rollback import MODELS_REMEMBERED, ROLLBACK_AFTER_ROUNDS
 from shared.domain.deadline import copies_given_up_at
+from shared.domain.layout import model_owner
 from shared.persistence.codec import snapshot_type
 from shared.wire.events import Assignment, JobSpec
 
@@ -160,7 +161,7 @@ class JobRecord:
             return None
         submitted = self.submitted_at if self.submitted_at is not None else self.first_seen
         return DueCompletion(job_id=job_id, model_key=self.model_key, total_steps=self.consolidated_steps,
-                              submitted_at=submitted)
+                              submitted_at=submitted, owner=model_owner(self.spec.user))
 
 
 @snapshot_type("tracker.FinishedJob", formerly="services.tracker.jobs.FinishedJob")

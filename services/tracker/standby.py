@@ -94,14 +94,14 @@ class GuardedStore:
     async def stop(self) -> None:
         await self._store.stop()
 
-    async def put(self, key: str, data: bytes) -> None:
+    async def put(self, key: str, data: bytes, *, owner: str | None = None) -> None:
         await self._before(key)
-        await self._store.put(key, data)
+        await self._store.put(key, data, owner=owner)
         await self._after(key)
 
-    async def put_file(self, key: str, path: Path) -> None:
+    async def put_file(self, key: str, path: Path, *, owner: str | None = None) -> None:
         await self._before(key)
-        await self._store.put_file(key, path)
+        await self._store.put_file(key, path, owner=owner)
         await self._after(key)
 
     async def delete(self, key: str) -> None:

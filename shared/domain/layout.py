@@ -11,6 +11,10 @@
     users/{user}/data/{digest}.tar           a user's dataset bundle (hadar data put)
     users/{user}/datasets/{name}.json        which dataset bundle a name stands for now (hadar data put)
 
+Each object under ``models/`` names the job's user as its owner (:data:`OWNER_TAG`, written
+with the object; :func:`model_owner`): with ``--secure`` a user may read a model only when it
+names them (:func:`shared.security.principals.user_s3_policy`), and may tag nothing.
+
 ``node`` is the GPU node that ran the copy's rank 0 and wrote the file
 (:data:`shared.wire.records.NODE_ID_RE`): with ``--secure`` each node's store login may write
 only keys with its own node segment (:func:`shared.security.principals.node_s3_policy`), so a
@@ -42,6 +46,7 @@ __all__ = [
     "checkpoint_prefix", "model_prefix", "parse_checkpoint_key", "parse_model_key", "parse_final_key",
     "snapshot_key", "snapshot_prefix", "parse_snapshot_key", "optim_key", "optim_key_of", "parse_optim_key",
     "user_prefix", "code_bundle_key", "data_bundle_key", "dataset_key", "dataset_prefix",
+    "OWNER_TAG", "model_owner",
 ]
 
 CHECKPOINTS = "checkpoints"
@@ -73,6 +78,16 @@ class ModelKey:
 
     job_id: str
     round: int
+
+
+OWNER_TAG = "owner"   # the object tag that names the user an object belongs to
+
+
+def model_owner(user: str) -> str | None:
+    """The owner of the models of a job submitted by ``user``: ``user`` itself when it is a
+    user name of the layout (every user of a secured cluster is), else None. A development
+    cluster's free-text user (``JobSpec.user``) names no login, so nobody's policy matches it."""
+    return user if USER_RE.fullmatch(user) is not None else None
 
 
 def checkpoint_key(job_id: str, round_: int, copy: int, *, node: str) -> str:

@@ -31,8 +31,9 @@ for another node's copy, and revoking a node removes both its logins.
 Users share no login either (the ``cli`` row has ``shared_login=False``): each enrolled user
 has Kafka user and MinIO user ``hadar-user-<name>`` (:func:`user_login`). Its ACLs
 (:func:`user_kafka_acls`) are the cli row's topics, no group; its store policy
-(:func:`user_s3_policy`) reads models and reads and writes only the user's own prefix,
-``users/<name>/`` (code and data bundles, dataset names).
+(:func:`user_s3_policy`) reads and writes only the user's own prefix, ``users/<name>/``
+(code and data bundles, dataset names), and reads only the models of the user's own jobs
+(those whose owner tag names the user).
 
 Guarantee: :func:`kafka_acls`, :func:`node_kafka_acls`, :func:`user_kafka_acls`,
 :func:`s3_policy`, :func:`node_s3_policy` and :func:`user_s3_policy` are pure functions of
@@ -46,9 +47,9 @@ from typing import Any
 
 from shared.domain.layout import CHECKPOINTS as _CHECKPOINTS
 from shared.domain.layout import MODELS as _MODELS
+from shared.domain.layout import OWNER_TAG, node_checkpoint_pattern, user_prefix
 from shared.domain.layout import SNAPSHOTS as _SNAPSHOTS
 from shared.domain.layout import USERS as _USERS
-from shared.domain.layout import node_checkpoint_pattern, user_prefix
 from shared.wire.topics import PRINCIPALS as TOPIC_PRINCIPALS
 from shared.wire.topics import read_by, written_by
 
@@ -187,9 +188,16 @@ def _as(principal: str, acls: list[KafkaAcl]) -> list[KafkaAcl]:
 
 
 def user_s3_policy(user: str, bucket: str) -> dict[str, Any]:
-    """The MinIO policy of user ``user``: read models; read and write only ``users/<user>/``."""
+    """The MinIO policy of user ``user``: read and write only ``users/<user>/``, list models,
+    and read only the models whose owner tag names ``user`` (its jobs': the tracker writes
+    each model with it, shared.domain.layout.OWNER_TAG). It grants no tagging, so a user
+    cannot make another's model theirs; a model with no owner no user reads."""
     own = user_prefix(user)
-    return _policy(bucket, read=(MODELS_PREFIX, own), write=(own,))
+    policy = _policy(bucket, read=(own,), write=(own,), listable=(MODELS_PREFIX,))
+    policy["Statement"].append({
+        "Effect": "Allow", "Action": ["s3:GetObject"], "Resource": [f"arn:aws:s3:::{bucket}/{MODELS_PREFIX}*"],
+        "Condition": {"StringEquals": {f"s3:ExistingObjectTag/{OWNER_TAG}": [user]}}})
+    return policy
 
 
 def login_of(identity: str) -> str:
@@ -221,15 +229,16 @@ def node_s3_policy(node_id: str, bucket: str) -> dict[str, Any]:
     return _policy(bucket, read=(MODELS_PREFIX, USERS_PREFIX, own), write=(own,))
 
 
-def _policy(bucket: str, *, read: tuple[str, ...], write: tuple[str, ...]) -> dict[str, Any]:
+def _policy(bucket: str, *, read: tuple[str, ...], write: tuple[str, ...],
+            listable: tuple[str, ...] = ()) -> dict[str, Any]:
     def objects(prefixes: tuple[str, ...]) -> list[str]:
         return [f"arn:aws:s3:::{bucket}/{p}*" for p in prefixes]
 
-    listable = sorted({*read, *write})
+    listed = sorted({*read, *write, *listable})
     statements: list[dict[str, Any]] = [
         {"Effect": "Allow", "Action": ["s3:GetBucketLocation"], "Resource": [f"arn:aws:s3:::{bucket}"]},
         {"Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": [f"arn:aws:s3:::{bucket}"],
-         "Condition": {"StringLike": {"s3:prefix": [f"{p}*" for p in listable]}}},
+         "Condition": {"StringLike": {"s3:prefix": [f"{p}*" for p in listed]}}},
     ]
     if read:
         statements.append({"Effect": "Allow", "Action": ["s3:GetObject"], "Resource": objects(read)})

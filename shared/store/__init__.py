@@ -10,6 +10,7 @@ from shared.store.base import (
     InvalidKey,
     ObjectNotFound,
     ObjectStore,
+    StoreDenied,
     StoreUnavailable,
     validate_key,
     validate_prefix,
@@ -18,6 +19,6 @@ from shared.store.local import LocalStore
 from shared.store.minio import MinioStore
 
 __all__ = [
-    "ObjectStore", "LocalStore", "MinioStore", "ObjectNotFound", "InvalidKey", "StoreUnavailable",
+    "ObjectStore", "LocalStore", "MinioStore", "ObjectNotFound", "InvalidKey", "StoreDenied", "StoreUnavailable",
     "validate_key", "validate_prefix",
 ]

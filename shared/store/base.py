@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from shared.errors import HadarError
+from shared.wire.records import USER_RE
 
-__all__ = ["ObjectStore", "ObjectNotFound", "InvalidKey", "validate_key", "validate_prefix",
-           "prefix_can_match", "validate_range"]
+__all__ = ["ObjectStore", "ObjectNotFound", "StoreDenied", "InvalidKey", "validate_key", "validate_prefix",
+           "prefix_can_match", "validate_range", "validate_owner"]
 
 MAX_KEY_BYTES = 1024
 MAX_SEGMENT_BYTES = 255
@@ -48,6 +49,16 @@ class StoreUnavailable(HadarError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, retriable=True)
+
+
+class StoreDenied(HadarError):
+    """The store refused this login the operation: the key is outside what its policy allows,
+    or the login is unknown (revoked). ``code`` is the server's word for it (``AccessDenied``,
+    ``InvalidAccessKeyId``...). Not retriable: the same call is refused again."""
+
+    def __init__(self, op: str, key: str, code: str) -> None:
+        super().__init__(f"{op} {key!r}: refused by the store ({code})")
+        self.op, self.key, self.code = op, key, code
 
 
 class InvalidKey(HadarError):
@@ -104,6 +115,12 @@ def validate_range(offset: int, length: int) -> None:
         raise ValueError(f"offset and length must be >= 0, got offset={offset} length={length}")
 
 
+def validate_owner(owner: object) -> None:
+    """Raise ``ValueError`` unless ``owner`` is None or a user name (``USER_RE``)."""
+    if owner is not None and (not isinstance(owner, str) or USER_RE.fullmatch(owner) is None):
+        raise ValueError(f"object owner must be a user name (1-63 of a-z, 0-9, '.', '_', '-'), got {owner!r}")
+
+
 @runtime_checkable
 class ObjectStore(Protocol):
     """A flat namespace of immutable-once-written byte objects.
@@ -117,17 +134,23 @@ class ObjectStore(Protocol):
     * ``list(prefix)`` returns every key starting with ``prefix`` (plain string prefix),
       sorted.
     * ``delete`` of a missing key does nothing.
+    * ``owner`` (``put``/``put_file``) names the user the object belongs to; a bad one raises
+      ``ValueError`` before any I/O. A store with access control records it with the object,
+      in the same write, for its policies (MinioStore: the ``owner`` tag that
+      ``shared.security.principals.user_s3_policy`` reads); LocalStore has no principals and
+      records nothing.
     * Reading a missing key raises :class:`ObjectNotFound`; a bad key raises
-      :class:`InvalidKey`.
+      :class:`InvalidKey`; what the store's policy refuses this login raises
+      :class:`StoreDenied`.
     """
 
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
 
-    async def put(self, key: str, data: bytes) -> None: ...
+    async def put(self, key: str, data: bytes, *, owner: str | None = None) -> None: ...
 
-    async def put_file(self, key: str, path: Path) -> None: ...
+    async def put_file(self, key: str, path: Path, *, owner: str | None = None) -> None: ...
 
     async def get(self, key: str) -> bytes: ...
 

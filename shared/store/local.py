@@ -28,6 +28,7 @@ from shared.store.base import (
     ObjectNotFound,
     prefix_can_match,
     validate_key,
+    validate_owner,
     validate_prefix,
     validate_range,
 )
@@ -55,12 +56,14 @@ class LocalStore:
 
     # -- writes -------------------------------------------------------------------------
 
-    async def put(self, key: str, data: bytes) -> None:
+    async def put(self, key: str, data: bytes, *, owner: str | None = None) -> None:
         target = self._path(key)
+        validate_owner(owner)   # no principals here: nothing to record it for
         await asyncio.to_thread(self._write_atomic, key, target, lambda out: out.write(data))
 
-    async def put_file(self, key: str, path: Path) -> None:
+    async def put_file(self, key: str, path: Path, *, owner: str | None = None) -> None:
         target = self._path(key)
+        validate_owner(owner)
 
         def copy(out: BinaryIO) -> None:
             with open(path, "rb") as src:

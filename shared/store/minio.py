@@ -25,15 +25,19 @@ from typing import Any, TypeVar
 import structlog
 import urllib3
 from minio import Minio
+from minio.commonconfig import Tags
 from minio.error import S3Error, ServerError
 
 from shared.clock import Clock, SystemClock
+from shared.domain.layout import OWNER_TAG
 from shared.store.base import (
     DEFAULT_CHUNK,
     ObjectNotFound,
+    StoreDenied,
     StoreUnavailable,
     prefix_can_match,
     validate_key,
+    validate_owner,
     validate_prefix,
     validate_range,
 )
@@ -48,6 +52,7 @@ MAX_DELAY_S = 5.0
 _OUTAGE_CODES = frozenset({"ServiceUnavailable", "SlowDown", "XMinioServerNotInitialized", "InternalError",
                            "RequestTimeout", "XMinioReadQuorum", "XMinioWriteQuorum"})
 
+_DENIED_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled"})
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchObject", "ResourceNotFound"})
 _BUCKET_TAKEN_CODES = frozenset({"BucketAlreadyOwnedByYou", "BucketAlreadyExists"})
 _PART_SIZE = 16 * 1024 * 1024
@@ -69,6 +74,17 @@ def outage(exc: BaseException) -> bool:
     if isinstance(exc, S3Error):
         return exc.code in _OUTAGE_CODES
     return isinstance(exc, (ServerError, urllib3.exceptions.HTTPError, ConnectionError, TimeoutError))
+
+
+def _owner_tags(owner: str | None) -> Tags | None:
+    """The object tags that name ``owner`` (sent with the PUT itself: the object never
+    exists without them)."""
+    validate_owner(owner)
+    if owner is None:
+        return None
+    tags = Tags.new_object_tags()
+    tags[OWNER_TAG] = owner
+    return tags
 
 
 def _http_client() -> urllib3.PoolManager:
@@ -109,6 +125,8 @@ class MinioStore:
             try:
                 return await asyncio.to_thread(fn, *args, **kwargs)
             except Exception as exc:
+                if isinstance(exc, S3Error) and exc.code in _DENIED_CODES:
+                    raise StoreDenied(what, key, exc.code) from None
                 if not outage(exc):
                     raise
                 if delay is None:
@@ -127,15 +145,18 @@ class MinioStore:
 
     # -- writes -------------------------------------------------------------------------
 
-    async def put(self, key: str, data: bytes) -> None:
+    async def put(self, key: str, data: bytes, *, owner: str | None = None) -> None:
         validate_key(key)
+        tags = _owner_tags(owner)
         payload = bytes(data)
         await self._call("put", key, lambda: self._client.put_object(
-            self.bucket, key, io.BytesIO(payload), len(payload)))
+            self.bucket, key, io.BytesIO(payload), len(payload), tags=tags))
 
-    async def put_file(self, key: str, path: Path) -> None:
+    async def put_file(self, key: str, path: Path, *, owner: str | None = None) -> None:
         validate_key(key)
-        await self._call("put", key, self._client.fput_object, self.bucket, key, str(path), part_size=_PART_SIZE)
+        tags = _owner_tags(owner)
+        await self._call("put", key, self._client.fput_object, self.bucket, key, str(path), part_size=_PART_SIZE,
+                         tags=tags)
 
     async def delete(self, key: str) -> None:
         validate_key(key)

@@ -95,6 +95,25 @@ async def test_failed_put_file_keeps_old_object(store: ObjectStore, tmp_path: Pa
     assert await store.list() == ["keep/me"]
 
 
+async def test_an_object_may_name_its_owning_user_and_reads_back_the_same(store: ObjectStore,
+                                                                         tmp_path: Path) -> None:
+    """``owner``: the user whose object it is (a job's models). A store with access control
+    records it for its policies (shared/domain/layout.py); every store keeps the bytes as given
+    and refuses, before any I/O, an owner that is not a user name."""
+    source = tmp_path / "final.bin"
+    source.write_bytes(b"final weights")
+    await store.put("models/j/0.safetensors", b"round weights", owner="alice")
+    await store.put_file("models/j/final.safetensors", source, owner="alice")
+    assert await store.get("models/j/0.safetensors") == b"round weights"
+    assert await store.get("models/j/final.safetensors") == b"final weights"
+    for bad in ("", "Alice", "a b", "x" * 64, "../x", "-lead"):
+        with pytest.raises(ValueError, match="owner"):
+            await store.put("models/j/bad", b"x", owner=bad)
+        with pytest.raises(ValueError, match="owner"):
+            await store.put_file("models/j/bad", source, owner=bad)
+    assert await store.list("models/") == ["models/j/0.safetensors", "models/j/final.safetensors"]
+
+
 async def test_get_range(store: ObjectStore) -> None:
     data = pattern(10_000, 3)
     await store.put("r/obj", data)

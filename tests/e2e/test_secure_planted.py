@@ -32,7 +32,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from minio.error import S3Error
 from safetensors.torch import save as save_tensors
 
 from services.agent.worker.checkpoint import CheckpointMeta, restore
@@ -41,7 +40,7 @@ from shared.bus.eventlog import fetch_log
 from shared.bus.settings import kafka_from_env
 from shared.domain.layout import checkpoint_key
 from shared.security.own_logins import own_login_env
-from shared.store import MinioStore
+from shared.store import MinioStore, StoreDenied
 from shared.store.settings import s3_from_env
 from shared.wire.events import Assignment, CopyFinished, JobCompleted, ModelConsolidated, Progress
 from shared.wire.topics import MODELS, PLACEMENTS, PROGRESS
@@ -106,10 +105,10 @@ def store_of(env: dict[str, str]) -> MinioStore:
 
 
 async def refused(action) -> str:
-    """The S3 error code an attempted write or delete ends with ("" if it succeeded)."""
+    """The store's code for an attempted write or delete it refused ("" if it succeeded)."""
     try:
         await action
-    except S3Error as exc:
+    except StoreDenied as exc:
         return exc.code
     return ""
 

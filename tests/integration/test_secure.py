@@ -11,6 +11,7 @@ fails fast with one line naming the setting.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -21,6 +22,8 @@ from pathlib import Path
 import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import TopicAuthorizationFailedError
+from minio import Minio
+from minio.commonconfig import Tags
 from minio.error import S3Error
 
 from shared.bus import KafkaBus
@@ -30,9 +33,9 @@ from shared.bus.settings import kafka_from_env
 from shared.domain.layout import checkpoint_key
 from shared.security.own_logins import own_login_env
 from shared.security.principals import PRINCIPALS, SHARED_LOGINS
-from shared.store import MinioStore
+from shared.store import MinioStore, StoreDenied
 from shared.store.settings import s3_from_env
-from shared.wire.events import CopyWeight, ModelConsolidated, encode
+from shared.wire.events import CopyWeight, JobCancelled, ModelConsolidated, encode
 from shared.wire.topics import DEADLETTER, JOBS, MODELS
 
 pytestmark = [pytest.mark.kafka, pytest.mark.s3]
@@ -148,7 +151,7 @@ async def kafka_login_refused(env: dict[str, str]) -> str | None:
 
 
 async def denied(call: Awaitable[object]) -> str:
-    with pytest.raises(S3Error) as refused:
+    with pytest.raises(StoreDenied) as refused:
         await call
     return refused.value.code
 
@@ -199,7 +202,7 @@ async def test_a_user_writes_only_their_own_prefix_reads_models_and_loses_both_l
         pointer = "users/sec-bob/datasets/digits.json"
         await bob.put(pointer, b'{"digest": "honest"}')
         await alice.put("users/sec-alice/datasets/digits.json", b"{}")
-        await admin.put("models/secure-u/0.safetensors", b"m")
+        await admin.put("models/secure-u/0.safetensors", b"m", owner="sec-alice")
         assert await alice.get("models/secure-u/0.safetensors") == b"m"
         # alice can neither repoint bob's dataset name, nor plant a bundle under his prefix, nor read his
         assert await denied(alice.put(pointer, b'{"digest": "alices"}')) == "AccessDenied"
@@ -216,6 +219,46 @@ async def test_a_user_writes_only_their_own_prefix_reads_models_and_loses_both_l
         assert "wrong username or password" in (await kafka_login_refused(bob_kafka) or "")
     finally:
         for store in (alice, bob, admin):
+            await store.stop()
+
+
+async def test_a_user_reads_only_the_models_of_their_own_jobs_and_a_node_reads_any(
+        secure_servers, tmp_path: Path) -> None:
+    """The tracker tags each model with its job's user; a user's policy reads a model only
+    when the tag names them, and grants no tagging, so no user can claim another's model."""
+    tracker_settings = s3_from_env(secure_servers.env["tracker"])
+    assert tracker_settings is not None
+    tracker = MinioStore(tracker_settings)
+    carol, dave = user_store(secure_servers, "own-carol", tmp_path), user_store(secure_servers, "own-dave", tmp_path)
+    node = node_store(secure_servers, "own-n1", tmp_path)
+    for store in (tracker, carol, dave, node):
+        await store.start()
+    carols, untagged = "models/own-j/0.safetensors", "models/own-j/1.safetensors"
+    try:
+        await tracker.put(carols, b"carol's weights", owner="own-carol")
+        source = tmp_path / "final.bin"
+        source.write_bytes(b"carol's final")
+        await tracker.put_file("models/own-j/final.safetensors", source, owner="own-carol")
+        await tracker.put(untagged, b"no owner")
+        assert await carol.get(carols) == b"carol's weights"
+        assert await carol.size("models/own-j/final.safetensors") == len(b"carol's final")
+        await carol.get_file("models/own-j/final.safetensors", tmp_path / "got.bin")
+        assert (tmp_path / "got.bin").read_bytes() == b"carol's final"
+        for key in (carols, "models/own-j/final.safetensors", untagged):
+            assert await denied(dave.get(key)) == "AccessDenied"
+        assert await denied(carol.get(untagged)) == "AccessDenied"   # no owner: no user reads it
+        assert await node.get(carols) == b"carol's weights" and await node.get(untagged) == b"no owner"
+        dave_settings = dave.settings
+        raw = Minio(dave_settings.host_port, access_key=dave_settings.access_key,
+                    secret_key=dave_settings.secret_key, secure=dave_settings.secure)
+        tags = Tags.new_object_tags()
+        tags["owner"] = "own-dave"
+        with pytest.raises(S3Error) as retag:   # dave cannot claim carol's model by re-tagging it
+            await asyncio.to_thread(raw.set_object_tags, dave_settings.bucket, carols, tags)
+        assert retag.value.code == "AccessDenied"
+        assert await denied(dave.get(carols)) == "AccessDenied"
+    finally:
+        for store in (tracker, carol, dave, node):
             await store.stop()
 
 
@@ -269,6 +312,35 @@ async def test_a_node_may_not_read_with_another_nodes_group(secure_servers, tmp_
                         break
     finally:
         await bus.stop()
+
+
+async def test_a_revoked_users_open_kafka_connection_is_cut_within_one_reauthentication_window(
+        secure_servers, tmp_path: Path) -> None:
+    """Revoking removes the login at once, but a connection made before lasts until the broker
+    asks it to authenticate again: every connections.max.reauth.ms (devinfra.broker_auth.
+    REAUTH_MS; the test broker's, ``secure_servers.reauth_ms``, is shorter). aiokafka cannot re-authenticate in place
+    (KIP-368), so the broker closes the connection and the revoked login cannot open another."""
+    env = own_env(secure_servers, "user", "sec-open", tmp_path)
+    admin = bus_of(secure_servers.env["admin"], "admin")
+    bus = bus_of(env, "cli")
+    await bus.start()
+    try:
+        await bus.publish(JobCancelled(ts=1.0, source="cli", job_id="open-before", user="sec-open"))
+        identity_cli(secure_servers, "revoke", "user", "sec-open", "--registry",
+                     secure_servers.env["admin"]["HADAR_AUTHORSHIP_REGISTRY"])
+        await asyncio.sleep(secure_servers.reauth_ms / 1000 + 1)
+        with pytest.raises((TimeoutError, BusError)):
+            await asyncio.wait_for(bus.publish(JobCancelled(ts=2.0, source="cli", job_id="open-after",
+                                                            user="sec-open")), timeout=10)
+    finally:
+        with contextlib.suppress(TimeoutError, BusError):
+            await asyncio.wait_for(bus.stop(), timeout=15)
+    await admin.start()
+    try:
+        cancelled = [d.event.job_id async for d in admin.read(JOBS) if isinstance(d.event, JobCancelled)]
+    finally:
+        await admin.stop()
+    assert "open-before" in cancelled and "open-after" not in cancelled
 
 
 @pytest.mark.parametrize(("change", "named"), [

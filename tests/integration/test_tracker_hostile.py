@@ -348,11 +348,11 @@ class FailingModelStore:
     def __getattr__(self, name: str):
         return getattr(self._inner, name)
 
-    async def put_file(self, key: str, path: Path) -> None:
+    async def put_file(self, key: str, path: Path, *, owner: str | None = None) -> None:
         if key == self.failing_key:
             self.failures += 1
             raise OSError("store refuses this object")
-        await self._inner.put_file(key, path)
+        await self._inner.put_file(key, path, owner=owner)
 
 
 async def test_a_round_that_fails_every_time_ends_after_the_bound_and_the_next_round_comes_due(

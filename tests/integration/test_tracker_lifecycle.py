@@ -170,7 +170,7 @@ class NoModelWrites:
     def __getattr__(self, name: str):
         return getattr(self._inner, name)
 
-    async def put_file(self, key: str, path: Path) -> None:
+    async def put_file(self, key: str, path: Path, *, owner: str | None = None) -> None:
         raise OSError("store unavailable")
 
 

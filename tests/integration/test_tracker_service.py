@@ -271,11 +271,11 @@ class FlakyStore:
     def __getattr__(self, name: str):
         return getattr(self._inner, name)
 
-    async def put_file(self, key: str, path: Path) -> None:
+    async def put_file(self, key: str, path: Path, *, owner: str | None = None) -> None:
         if self.failures == 0:
             self.failures += 1
             raise OSError("store unavailable")
-        await self._inner.put_file(key, path)
+        await self._inner.put_file(key, path, owner=owner)
 
 
 async def test_a_failed_write_is_retried_and_announced_once(memory_bus: MemoryBus, local_store: LocalStore) -> None:
@@ -294,6 +294,48 @@ async def test_a_failed_write_is_retried_and_announced_once(memory_bus: MemoryBu
         assert service.health()["ok"] and service.health()["last_error"] == "consolidate: OSError"
     finally:
         await service.stop()
+
+
+class OwnerRecordingStore:
+    """A LocalStore that records the owner each object was written with."""
+
+    def __init__(self, inner: LocalStore) -> None:
+        self._inner = inner
+        self.owners: dict[str, str | None] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    async def put(self, key: str, data: bytes, *, owner: str | None = None) -> None:
+        self.owners[key] = owner
+        await self._inner.put(key, data, owner=owner)
+
+    async def put_file(self, key: str, path: Path, *, owner: str | None = None) -> None:
+        self.owners[key] = owner
+        await self._inner.put_file(key, path, owner=owner)
+
+
+@pytest.mark.parametrize(("user", "owner"), [("alice", "alice"), ("Alice Smith (dev)", None)])
+async def test_every_model_the_tracker_writes_is_owned_by_its_jobs_user(
+        memory_bus: MemoryBus, local_store: LocalStore, user: str, owner: str | None) -> None:
+    """With --secure a user may read a model only when it names them as its owner
+    (shared/security/principals.py): round models, optimizer states and the final model all
+    do. A development cluster's free-text user names no one: those models have no owner."""
+    store = OwnerRecordingStore(local_store)
+    job = replace(spec("j-owned", iterations=150), user=user)
+    await memory_bus.publish(JobSubmitted(ts=T0, source="cli", job=job, submitted_at=T0))
+    service = tracker(memory_bus, store)  # type: ignore[arg-type]
+    await service.start()
+    try:
+        await place(memory_bus, job, 0, [0, 1])
+        await finish(memory_bus, local_store, "j-owned", 0, 0, steps=100)
+        await finish(memory_bus, local_store, "j-owned", 0, 1, steps=60)
+        await wait_for(memory_bus, "j-owned", lambda es: any(isinstance(e, JobCompleted) for e in es))
+    finally:
+        await service.stop()
+    models = {key: who for key, who in store.owners.items() if key.startswith("models/")}
+    assert {model_key("j-owned", 0), final_key("j-owned")} <= set(models)
+    assert set(models.values()) == {owner}
 
 
 # ---------------------------------------------------------------- real Kafka + MinIO

@@ -66,15 +66,15 @@ class Gate:
     async def start(self) -> None: await self.store.start()
     async def stop(self) -> None: await self.store.stop()
 
-    async def put(self, key: str, data: bytes) -> None:
+    async def put(self, key: str, data: bytes, *, owner: str | None = None) -> None:
         await self._pass("put", key)
         self.writes.append(key)
-        await self.store.put(key, data)
+        await self.store.put(key, data, owner=owner)
 
-    async def put_file(self, key: str, path: Path) -> None:
+    async def put_file(self, key: str, path: Path, *, owner: str | None = None) -> None:
         await self._pass("put_file", key)
         self.writes.append(key)
-        await self.store.put_file(key, path)
+        await self.store.put_file(key, path, owner=owner)
 
     async def delete(self, key: str) -> None:
         await self._pass("delete", key)

@@ -295,6 +295,9 @@ def test_ha_entrypoint_replicates_every_topic_as_the_dev_cluster_does():
     assert {k: v for k, v in single.items() if k not in differs} == {
         k: v for k, v in ha.items() if k in single and k not in differs}
     assert set(single) - set(ha) == {"controller.quorum.voters"}   # written from KAFKA_QUORUM instead
+    # A revoked login's open connection is cut within the same window as the dev broker's.
+    from devinfra.broker_auth import REAUTH_MS
+    assert single["connections.max.reauth.ms"] == ha["connections.max.reauth.ms"] == str(REAUTH_MS)
     bash = shutil.which("bash")
     if bash is not None:
         out = subprocess.run([bash, "-n", str(script)], capture_output=True, text=True, timeout=30)

@@ -51,3 +51,19 @@ def test_only_one_or_three_brokers_are_offered() -> None:
     assert replication_properties(1)["default.replication.factor"] == "1"
     with pytest.raises(InfraError, match="2 brokers not supported"):
         replication_properties(2)
+
+
+def test_the_secured_broker_makes_every_connection_log_in_again_each_reauth_window(tmp_path: Path) -> None:
+    """So a revoked login's open connection is cut within REAUTH_MS; an operator's (or the
+    tests') kafka-extra.properties may shorten it, and wins."""
+    from devinfra.broker_auth import REAUTH_MS, BrokerSecurity
+    from shared.security.credentials import Secrets
+    from shared.security.principals import ADMIN
+    security = BrokerSecurity(secrets=Secrets(kafka={ADMIN: "p" * 32}, s3={}), ca_file=tmp_path / "ca.pem",
+                              server_pem=tmp_path / "server.pem")
+    secured = _settings(kafka_properties(port=1, controller_port=2, data_dir=tmp_path, security=security))
+    assert secured["connections.max.reauth.ms"] == str(REAUTH_MS) and 0 < REAUTH_MS <= 600_000
+    assert "connections.max.reauth.ms" not in _settings(kafka_properties(port=1, controller_port=2, data_dir=tmp_path))
+    shorter = kafka_properties(port=1, controller_port=2, data_dir=tmp_path, security=security,
+                               extra={"connections.max.reauth.ms": "8000"})
+    assert _settings(shorter)["connections.max.reauth.ms"] == "8000"

@@ -217,6 +217,10 @@ def test_store_policies_follow_the_layout_prefixes() -> None:
     user = {a: {r.removeprefix("arn:aws:s3:::b/") for st in user_s3_policy("alice", "b")["Statement"]
                 if a in st["Action"] for r in st["Resource"]} for a in ("s3:GetObject", "s3:PutObject")}
     assert user == {"s3:GetObject": {"models/*", "users/alice/*"}, "s3:PutObject": {"users/alice/*"}}
+    # ... and of models only those tagged as hers: the tracker tags a job's models with its user
+    (models,) = [st for st in user_s3_policy("alice", "b")["Statement"] if "arn:aws:s3:::b/models/*" in st["Resource"]]
+    assert models["Condition"] == {"StringEquals": {"s3:ExistingObjectTag/owner": ["alice"]}}
+    assert not any("s3:PutObjectTagging" in st["Action"] for st in user_s3_policy("alice", "b")["Statement"])
     assert user_login("alice") == "hadar-user-alice"
     for service in ("scheduler", "profiler"):   # their own state snapshots, nothing else
         own = {f"snapshots/hadar-{service}*"}

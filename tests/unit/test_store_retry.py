@@ -52,3 +52,26 @@ def test_a_missing_object_is_not_an_outage():
     assert not outage(S3Error(None, "NoSuchKey", "gone", "r", "i", None))
     assert outage(S3Error(None, "ServiceUnavailable", "busy", "r", "i", None))
     assert outage(ConnectionRefusedError())
+
+
+def test_a_refusal_is_an_answer_raised_once_as_store_denied():
+    """A policy's refusal (or a revoked login) is not retried: the same call is refused again."""
+    from minio.error import S3Error
+
+    from shared.store import StoreDenied
+    clock = FakeClock()
+    t0 = clock.time()
+    store = _closed_store(clock, 8.0)
+    calls = []
+
+    class RefusingClient:
+        def put_object(self, *args, **kwargs):
+            calls.append(kwargs.get("tags"))
+            raise S3Error(None, "AccessDenied", "Access Denied.", "r", "i", None)
+
+    store._client = RefusingClient()  # type: ignore[assignment]
+    with pytest.raises(StoreDenied) as caught:
+        asyncio.run(store.put("models/j/0.safetensors", b"x", owner="alice"))
+    assert caught.value.code == "AccessDenied" and not caught.value.retriable
+    assert str(caught.value) == "put 'models/j/0.safetensors': refused by the store (AccessDenied)"
+    assert len(calls) == 1 and dict(calls[0]) == {"owner": "alice"} and clock.time() == t0

@@ -87,8 +87,8 @@ class SlowStore(LocalStore):
         self.clock, self.write_s = clock, 0.0
         self.during: Callable[[], Awaitable[None]] | None = None
 
-    async def put(self, key: str, data: bytes) -> None:
-        await super().put(key, data)
+    async def put(self, key: str, data: bytes, *, owner: str | None = None) -> None:
+        await super().put(key, data, owner=owner)
         self.clock.advance(self.write_s)
         if self.during is not None:
             await self.during()
