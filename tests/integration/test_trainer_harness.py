@@ -14,6 +14,7 @@ harness (this process) still has its privileges, its files and no signal from a 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -162,6 +163,8 @@ with hadar_sdk.connect() as run:
             work += time.monotonic() - step_began
         rnd.metric("elapsed", time.monotonic() - began)
         rnd.metric("work", work)
+        if MODE == "fails_at_stop":         # as a rank's collective fails once a stopped peer is ended
+            raise RuntimeError("Connection closed by peer")
         if MODE == "extra":
             model.register_buffer("extra", torch.zeros(1))
         if MODE == "steps":
@@ -198,7 +201,8 @@ def trainer(tmp_path: Path, mode: str, *, limits: TrainerLimits = FAST, text: st
     return t
 
 
-MODES = ("good", "extra", "reshape", "pickle", "symlink", "steps", "samples", "snoop", "stubborn", "meta", "slow")
+MODES = ("good", "extra", "reshape", "pickle", "symlink", "steps", "samples", "snoop", "stubborn", "meta", "slow",
+         "fails_at_stop")
 ESCAPE_MARKER = f"hadar-escape-{os.getpid()}"   # in the command line of every process the escaper starts
 
 # Starts a child that leaves the session and a double fork's grandchild in a session of its
@@ -418,6 +422,17 @@ def test_a_trainer_that_ignores_sigterm_is_killed(trainers: dict[str, Trainer]) 
     assert result.reason == ("the trainer did not end the round within 0.5 s of the stop: "
                              "killed (SIGTERM, then SIGKILL)")
     assert result.exit_code == -signal.SIGKILL
+
+
+def test_a_trainer_that_fails_once_stopped_did_not_end_the_round(trainers: dict[str, Trainer]) -> None:
+    """The stop is the cause; what the trainer says after it may be a consequence (in a copy of
+    several ranks, a peer ended at the deadline fails the collective this rank waits in), so the
+    reason says first that the round did not end at the stop, then what the trainer said."""
+    t = trainers["fails_at_stop"]
+    result = t.run_round(request(max_steps=10**6, seconds=4.0))
+    assert not result.ok and result.stopped and not result.killed and result.steps > 0, (result, t.log_tail)
+    assert re.fullmatch(r"the trainer did not end the round at the stop: [0-9.]+ s later, the trainer failed: "
+                        r"RuntimeError: Connection closed by peer", result.reason), result.reason
 
 
 def test_crashes_silence_and_floods_are_ended_with_their_reason(tmp_path: Path) -> None:

@@ -330,7 +330,7 @@ class Trainer:
                 continue
             stopped = self._stop_at is not None
             if message is _EOF:
-                return self._fail(self._gone_reason(), stopped=stopped, progress=progress)
+                return self._fail(self._after_stop(self._gone_reason()), stopped=stopped, progress=progress)
             try:
                 if message.op == "progress":
                     progress.steps, progress.samples = message.integer("steps"), message.integer("samples")
@@ -346,12 +346,22 @@ class Trainer:
                                              message.text("of", max_len=8) or "final",
                                              message.number("value") or 0.0))
                 elif message.op == "failed":
-                    return self._fail(f"the trainer failed: {message.fields.get('reason')!s:.500}",
+                    return self._fail(self._after_stop(f"the trainer failed: {message.fields.get('reason')!s:.500}"),
                                       stopped=stopped, progress=progress)
                 elif message.op == "saved":
                     return self._saved(message, request, reference, progress, stopped)
             except (ProtocolError, TrainerRefused) as exc:
                 return self._fail(f"refused: {exc}", stopped=stopped, progress=progress)
+
+    def _after_stop(self, reason: str) -> str:
+        """``reason`` for a trainer that failed or exited instead of saving; once it was told
+        to stop, led by that: the stop is the cause, and what the trainer then said may be a
+        consequence (in a copy of several ranks, a peer ended at the deadline fails the
+        collective this rank waits in)."""
+        stop_at = self._stop_at
+        if stop_at is None:
+            return reason
+        return f"the trainer did not end the round at the stop: {time.monotonic() - stop_at:.1f} s later, {reason}"
 
     def _saved(self, message: Message, request: RoundRequest, reference: dict[str, TensorSpec] | None,
                progress: _Progress, stopped: bool) -> RoundResult:
