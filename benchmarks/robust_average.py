@@ -244,8 +244,10 @@ def train(args: argparse.Namespace) -> dict[str, object]:
                     files, metric = job.write(round_, weighing, "honest")
                     if round_ and seed < args.seeds - 1:
                         other = model_key(f"{task.key}-s{args.seeds - 1}", round_)
-                        for copies in (list(range(len(steps))), [0, len(steps) - 1]):
-                            attacks.append({**plant(job, round_, steps, other, copies), "metric_honest": metric})
+                        # every copy, and the first and last alone: the same two with --copies 2
+                        for copies in dict.fromkeys((tuple(range(len(steps))), (0, len(steps) - 1))):
+                            attacks.append({**plant(job, round_, steps, other, list(copies)),
+                                            "metric_honest": metric})
                     job.store(round_, files)
                 metrics.append(metric)
             caught = sum(bool(a["rejected"]) for a in attacks)
