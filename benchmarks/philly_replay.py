@@ -2,7 +2,9 @@
 
 Trace and job rule: ``services/scheduler/sim/philly_traces.py`` (types drawn with ``--seed``,
 work from each job's Philly run time on a P100). Cluster: ``philly-2000`` (84 x 8 V100,
-84 x 8 P100, 82 x 8 K80). Gavel's throughput table, 360 s rounds, no restart charge.
+84 x 8 P100, 82 x 8 K80). Gavel's throughput table, 360 s rounds, no restart charge -- or,
+with ``--data-plane FILE``, every start, load, upload and consolidation charged from that
+measured data plane (``shared/domain/data_plane.py``).
 
 Each policy runs in its own child process, so that its peak memory (``ru_maxrss``) is its own;
 ``--parallel`` children at a time (default 1: decision times are then not shared with a
@@ -13,7 +15,7 @@ also solves the no-fork and fork TTD lower bounds (``bounds.py``) in the parent.
 line per policy as it finishes, then one JSON object as the last line.
 
     python benchmarks/philly_replay.py [--policies yarn-cs,tiresias,gavel,gavel-makespan,hadar,hadare]
-        [--parallel 1] [--seed 0] [--days D] [--bound]
+        [--parallel 1] [--seed 0] [--days D] [--bound] [--data-plane FILE]
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from services.scheduler.sim.cluster_spec import parse_cluster
 from services.scheduler.sim.results import completed_jcts_s, compute_results, span_s
 from services.scheduler.sim.simulator import SimOptions, build_throughput, simulate
 from services.scheduler.sim.traces import TraceJob, load_trace
+from shared.domain.data_plane import load_data_plane
 
 POLICIES = ("yarn-cs", "tiresias", "gavel", "gavel-makespan", "hadar", "hadare")
 CLUSTER = "philly-2000"
@@ -53,13 +56,14 @@ def jobs_of(seed: int, days: float | None) -> tuple[TraceJob, ...]:
     return jobs if days is None else tuple(j for j in jobs if j.arrival_s < days * 86_400)
 
 
-def replay(policy: str, seed: int, days: float | None) -> dict[str, Any]:
+def replay(policy: str, seed: int, days: float | None, plane_path: str | None = None) -> dict[str, Any]:
     throughput = build_throughput()
+    plane = load_data_plane(plane_path) if plane_path is not None else None
     jobs = jobs_of(seed, days)
     cluster = parse_cluster(CLUSTER)
     started = time.perf_counter()
     result = simulate(policy=make_policy(policy), cluster=cluster, jobs=jobs, throughput=throughput,
-                      options=SimOptions(round_s=ROUND_S, seed=seed))
+                      options=SimOptions(round_s=ROUND_S, seed=seed, data_plane=plane))
     wall = time.perf_counter() - started
     metrics = compute_results(result, throughput)   # JCT mean, span (makespan), utilization
     jcts = np.array(completed_jcts_s(result))
@@ -96,15 +100,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--days", type=float, default=None, help="only jobs arriving in the first D days")
     parser.add_argument("--bound", action="store_true", help="also solve the TTD lower bounds")
+    parser.add_argument("--data-plane", default=None, help="charge moves from this measured data plane (JSON)")
     args = parser.parse_args(argv)
+    plane = load_data_plane(args.data_plane) if args.data_plane is not None else None
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     started = time.perf_counter()
     rows = []
     with ProcessPoolExecutor(max_workers=max(1, args.parallel)) as pool:
-        for row in pool.map(replay, names, [args.seed] * len(names), [args.days] * len(names)):
+        for row in pool.map(replay, names, [args.seed] * len(names), [args.days] * len(names),
+                            [args.data_plane] * len(names)):
             print(_line(row), flush=True)
             rows.append(row)
     out: dict[str, Any] = {"cluster": CLUSTER, "round_s": ROUND_S, "seed": args.seed, "days": args.days,
+                           "charged": SimOptions(data_plane=plane).charges().describe(),
                            "policies": rows, "total_wall_s": time.perf_counter() - started}
     if args.bound:
         t = time.perf_counter()

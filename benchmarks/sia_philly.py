@@ -3,7 +3,9 @@
 Runs each policy on ``shared/domain/data/sia/workloads/philly/workload-{1..8}.csv`` with
 Sia's measured throughput table (``services/scheduler/sim/sia_table.py``), its work rule
 (``sia_work.py``) and, by default, its per-application restart time on every change of
-placement (``--restart sia``; ``none`` charges nothing), at 360 s rounds. Prints per workload
+placement (``--restart sia``; ``none`` charges nothing; ``plane`` charges every start, load,
+upload and consolidation from the measured data plane ``--data-plane``,
+``shared/domain/data_plane.py``), at 360 s rounds. Prints per workload
 mean JCT, p99 JCT, makespan (last completion) and restarts per job beside
 ``reference_philly.csv`` (Sia's simulator, its Gavel baseline: ``max_sum_throughput_perf``),
 then per policy the means over workloads of those, GPU-hours held and TTD over its lower bound
@@ -15,7 +17,8 @@ round mechanism (the one checked against Gavel's own simulator), ``gavel-through
 same LP driven the way Sia's gavel.py drives it (``services/scheduler/policies/gavel/policy.py``).
 
     python benchmarks/sia_philly.py [--policies gavel-throughput,gavel-throughput-sia]
-        [--workloads 1,2,...,8] [--cluster sia-64] [--round-s 360] [--restart sia|none]
+        [--workloads 1,2,...,8] [--cluster sia-64] [--round-s 360] [--restart sia|none|plane]
+        [--data-plane shared/domain/data/data_plane/dev-vm-minio.json]
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from services.scheduler.sim.sia_table import build_sia_throughput
 from services.scheduler.sim.sia_traces import restart_s_by_job_type
 from services.scheduler.sim.simulator import RoundObservation, SimOptions, SimResult, simulate
 from services.scheduler.sim.traces import TraceJob, load_trace
+from shared.domain.data_plane import DataPlane, load_data_plane
 
 METRICS = ("jct_mean_s", "jct_p99_s", "makespan_s", "restarts_mean")
 
@@ -93,14 +97,18 @@ def metrics_of(result: SimResult, restarts: RestartCounter, bound_s: float | Non
     }
 
 
+def sim_options(jobs: tuple[TraceJob, ...], *, round_s: float, restart: str, plane: DataPlane | None) -> SimOptions:
+    return SimOptions(round_s=round_s, restart_s_by_job_type=restart_s_by_job_type(jobs) if restart == "sia" else {},
+                      data_plane=plane if restart == "plane" else None)
+
+
 def run_one(policy_name: str, jobs: tuple[TraceJob, ...], *, cluster_name: str, round_s: float, restart: str,
-            bounds: TtdBounds | None) -> dict[str, float | None]:
+            bounds: TtdBounds | None, plane: DataPlane | None = None) -> dict[str, float | None]:
     throughput = build_sia_throughput()
     restarts = RestartCounter()
-    sim_options = SimOptions(round_s=round_s,
-                             restart_s_by_job_type=restart_s_by_job_type(jobs) if restart == "sia" else {})
+    options = sim_options(jobs, round_s=round_s, restart=restart, plane=plane)
     result = simulate(policy=make_policy(policy_name), cluster=parse_cluster(cluster_name), jobs=jobs,
-                      throughput=throughput, options=sim_options, observer=restarts)
+                      throughput=throughput, options=options, observer=restarts)
     bound = bound_for(policy_name, bounds, gangs_only=result.gangs_only)[1] if bounds is not None else None
     return metrics_of(result, restarts, bound)
 
@@ -120,7 +128,9 @@ def main() -> None:
     parser.add_argument("--workloads", default="1,2,3,4,5,6,7,8")
     parser.add_argument("--cluster", default="sia-64")
     parser.add_argument("--round-s", type=float, default=360.0)
-    parser.add_argument("--restart", choices=("sia", "none"), default="sia")
+    parser.add_argument("--restart", choices=("sia", "none", "plane"), default="sia")
+    parser.add_argument("--data-plane", default=str(resources.files("shared.domain").joinpath(
+        "data/data_plane/dev-vm-minio.json")), help="with --restart plane: the measured data plane")
     parser.add_argument("--bounds", action=argparse.BooleanOptionalAction, default=True,
                         help="solve the TTD lower bounds per workload (about 5 s each)")
     args = parser.parse_args()
@@ -129,6 +139,10 @@ def main() -> None:
     ref = reference()
     throughput = build_sia_throughput()
     cluster = parse_cluster(args.cluster)
+    plane = load_data_plane(args.data_plane) if args.restart == "plane" else None
+    first = load_trace(workload_path(workloads[0]), throughput=throughput)
+    charged = sim_options(first, round_s=args.round_s, restart=args.restart, plane=plane).charges().describe()
+    print(f"charged: {charged}")
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for i in workloads:
@@ -137,7 +151,7 @@ def main() -> None:
         for name in policies:
             t = time.perf_counter()
             got = run_one(name, jobs, cluster_name=args.cluster, round_s=args.round_s, restart=args.restart,
-                          bounds=bounds)
+                          bounds=bounds, plane=plane)
             want = ref[f"workload-{i}"]
             ratio = {m: (value / want[m] if (value := got[m]) is not None and want[m] else None) for m in METRICS}
             rows.append({"workload": i, "policy": name, **got, "reference": want, "ratio": ratio,
@@ -161,6 +175,7 @@ def main() -> None:
     sia_ref = {k: _mean([ref[f"workload-{i}"][k] for i in workloads]) for k in METRICS}
     print(f"{'(Sia: gavel)':<22} " + " ".join(f"{_fmt(sia_ref[k]):>14}" for k in METRICS))
     out = {"benchmark": "sia_philly", "cluster": args.cluster, "round_s": args.round_s, "restart": args.restart,
+           "charged": charged,
            "workloads": workloads, "summary": summary, "reference_mean": sia_ref, "rows": rows,
            "wall_s": round(time.perf_counter() - started, 1)}
     print(json.dumps(out, separators=(",", ":")))

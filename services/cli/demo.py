@@ -17,6 +17,7 @@ import secrets
 import shutil
 import sys
 import time
+from importlib import resources
 from pathlib import Path
 
 from services.cli.jobfile import JobFileError, load_job_file, parse_job
@@ -31,6 +32,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "jobs"
 LAB_5 = (("lab-titanrtx", "titanrtx"), ("lab-t4", "t4"), ("lab-t400", "t400"),
          ("lab-rtx3090", "rtx3090"), ("lab-a2000", "a2000"))
 COMPARED = ("hadar", "hadare", "gavel")
+DEMO_PLANE = "data/data_plane/dev-vm-minio.json"   # in shared.domain's package data
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -171,7 +173,7 @@ async def _summarise(specs, state: SchedulerState, rates: dict[tuple[str, str, i
         jobs.append(entry)
     return {"policy": args.policy, "round_s": args.round_s, "wall_s": round(wall_s, 1),
             "rounds": state.last_round + 1, "live_utilization": state.allocation_utilization(),
-            "jobs": jobs, "simulated": _simulate_same_jobs(specs, rates, args.round_s)}
+            "jobs": jobs, "simulated": _simulate_same_jobs(specs, rates, args.round_s, args.policy)}
 
 
 def _held_out_metric(spec, path: Path) -> dict:
@@ -185,15 +187,18 @@ def _held_out_metric(spec, path: Path) -> dict:
     return {"name": metric.name, "value": round(float(metric.value), 4)}
 
 
-def _simulate_same_jobs(specs, rates: dict[tuple[str, str, int], float], round_s: float) -> dict:
+def _simulate_same_jobs(specs, rates: dict[tuple[str, str, int], float], round_s: float, live_policy: str) -> dict:
     """The same jobs, all arriving at 0, on lab-5 in the simulator, at the rates the profiler
-    published (measured, and for emulated GPUs extrapolated from the measurements)."""
+    published (measured, and for emulated GPUs extrapolated from the measurements), every move
+    charged from the data plane measured on this project's dev machine (``DEMO_PLANE``); the
+    live run's policy among them, with each job's JCT, to set beside the live one's."""
     from services.scheduler.core.throughput import ThroughputModel
     from services.scheduler.policies import make_policy
     from services.scheduler.sim.cluster_spec import lab_5
     from services.scheduler.sim.results import compute_results
     from services.scheduler.sim.simulator import SimOptions, simulate
     from services.scheduler.sim.traces import TraceJob
+    from shared.domain.data_plane import load_data_plane
     from shared.zoo import model_figures
 
     cluster = lab_5()
@@ -201,13 +206,17 @@ def _simulate_same_jobs(specs, rates: dict[tuple[str, str, int], float], round_s
     trace = [TraceJob(job_id=s.job_id, arrival_s=0.0, job_type=s.job_id, workers=s.workers,
                       total_steps=s.iterations) for s in specs]
     sizes = {s.job_id: model_figures(s.model, s.batch_size, s.dataset).param_bytes for s in specs}
-    results = {}
-    for name in COMPARED:
+    with resources.as_file(resources.files("shared.domain").joinpath(DEMO_PLANE)) as plane:
+        options = SimOptions(round_s=round_s, data_plane=load_data_plane(plane))
+    results: dict = {"charged": options.charges().describe(), "policies": {}}
+    for name in dict.fromkeys((live_policy, *COMPARED)):
         result = simulate(policy=make_policy(name), cluster=cluster, jobs=trace, throughput=throughput,
-                          options=SimOptions(round_s=round_s), model_bytes=sizes.__getitem__)
+                          options=options, model_bytes=sizes.__getitem__)
         m = compute_results(result, throughput)
-        results[name] = {"ttd_s": m.ttd_s, "cru": m.cru, "jct_mean_s": m.jct_mean_s,
-                         "jobs_completed": m.jobs_completed, "jobs_total": m.jobs_total}
+        results["policies"][name] = {
+            "ttd_s": m.ttd_s, "cru": m.cru, "jct_mean_s": m.jct_mean_s, "jobs_completed": m.jobs_completed,
+            "jobs_total": m.jobs_total,
+            "jct_s": {j.job_id: j.completion_s - j.arrival_s for j in result.jobs if j.completion_s is not None}}
     return results
 
 
@@ -224,9 +233,10 @@ def print_results(summary: dict) -> None:
         text = f"{metric['name']}={metric['value']:.4f}" if metric else "-"
         print(f"{j['job']:28} {_fmt(j.get('jct_s'), '7.1f')} {j.get('steps', 0):>6}  {text:18} "
               f"{j.get('final_model', 'not completed')}")
-    print("\nSame jobs in the simulator (lab-5 at the profiler's rates, all arriving at t=0):")
+    print("\nSame jobs in the simulator (lab-5 at the profiler's rates, all arriving at t=0; charged: "
+          f"{summary['simulated']['charged']}):")
     print(f"{'POLICY':8} {'TTD s':>8} {'CRU':>6} {'mean JCT s':>11} {'done':>6}")
-    for name, m in summary["simulated"].items():
+    for name, m in summary["simulated"]["policies"].items():
         print(f"{name:8} {_fmt(m['ttd_s'], '8.1f')} {_fmt(m['cru'], '6.2f')} {_fmt(m['jct_mean_s'], '11.1f')} "
               f"{m['jobs_completed']:>3}/{m['jobs_total']}")
     sys.stdout.flush()

@@ -52,6 +52,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="throughput table: Gavel's, or Sia's measured profiles (auto: Sia's for a Sia job list)")
     p.add_argument("--store-gbps", type=float, default=1.0,
                    help="object-store GB/s for HadarE consolidation (default 1.0)")
+    p.add_argument("--data-plane", metavar="FILE",
+                   help="charge every start, load, upload and consolidation from this measured data plane "
+                        "(JSON, as benchmarks/data_plane.py writes; shared/domain/data/data_plane/ holds this "
+                        "project's), instead of --restart-s and --store-gbps")
     p.add_argument("--max-rounds", type=int, default=100_000, help="stop after this many rounds per policy")
     p.add_argument("--queues", metavar="FILE", help="run every policy under the team queues of this queue file "
                    "(YAML, as for 'hadar queues apply') and report per-queue shares and fairness")
@@ -96,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from services.scheduler.sim.sia_traces import restart_s_by_job_type
     from services.scheduler.sim.simulator import SimOptions, build_throughput, simulate
     from services.scheduler.sim.traces import TraceError, load_trace
+    from shared.domain.data_plane import load_data_plane
 
     names = _policy_names(args.policies)
     queues = None
@@ -122,11 +127,19 @@ def run(args: argparse.Namespace) -> int:
         unknown = sorted({queues.queue_of(j.queue) for j in jobs} - {q.name for q in queues.queues})
         if unknown:
             raise UsageError(f"--queues: the trace names queue {unknown[0]!r}, which {args.queues} does not define")
+    plane = None
+    if args.data_plane is not None:
+        if args.restart_s != "0":
+            raise UsageError("--data-plane charges restarts itself: leave --restart-s out")
+        try:
+            plane = load_data_plane(args.data_plane)
+        except ValueError as exc:
+            raise UsageError(f"--data-plane: {exc}") from None
     try:
         restart_s = 0.0 if args.restart_s == "sia" else float(args.restart_s)
         options = SimOptions(round_s=args.round_s, restart_s=restart_s, store_gbps=args.store_gbps,
                              restart_s_by_job_type=restart_s_by_job_type(jobs) if args.restart_s == "sia" else {},
-                             seed=args.seed, max_rounds=args.max_rounds, queues=queues)
+                             seed=args.seed, max_rounds=args.max_rounds, queues=queues, data_plane=plane)
     except ValueError as exc:
         raise UsageError(f"--restart-s / --round-s: {exc}") from None
     policies = []
@@ -156,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
     summary = report.build_summary(cluster=cluster, trace=args.trace, jobs=len(jobs), metrics=metrics,
                                    bounds=ttd_bounds(jobs, cluster, throughput),
                                    gangs_only={name: r.gangs_only for name, r in zip(names, results)},
-                                   queue_config=queues, fairness=per_queue if queues is not None else None)
+                                   queue_config=queues, fairness=per_queue if queues is not None else None,
+                                   charged=options.charges().describe())
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as fh:
         json.dump(summary, fh, indent=2)

@@ -44,9 +44,10 @@ def test_demo_trains_real_models_and_summarises(recorded):
         assert job["steps"] >= job["iterations"]
         assert Path(job["final_model"]).stat().st_size > 0
         assert job["metric"]["name"] == "mse" and job["metric"]["value"] > 0
-    assert set(summary["simulated"]) == {"hadar", "hadare", "gavel"}
+    assert set(summary["simulated"]["policies"]) == {"hadar", "hadare", "gavel"}
+    assert summary["simulated"]["charged"].startswith("data plane: ")
     # The comparison runs on the rates the profiler published: every policy finishes the jobs.
-    assert all(m["jobs_completed"] == m["jobs_total"] == 2 for m in summary["simulated"].values())
+    assert all(m["jobs_completed"] == m["jobs_total"] == 2 for m in summary["simulated"]["policies"].values())
 
 
 def test_replay_reruns_every_round_identically(recorded):

@@ -25,6 +25,7 @@ METRIC_KEYS = {"ttd_s", "cru", "gru", "jct_mean_s", "jct_median_s", "jct_p95_s",
                "ttd_bound", "ttd_bound_s", "ttd_over_bound"}
 RATIO_KEYS = {"ttd", "cru", "jct_mean", "jct_median"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PLANE = Path(__file__).resolve().parents[2] / "shared" / "domain" / "data" / "data_plane" / "dev-vm-minio.json"
 
 
 def available_policies() -> list[str]:
@@ -85,6 +86,8 @@ def test_same_input_gives_same_summary_apart_from_decision_times(tmp_path) -> No
     (["--cluster", "v100:2,b200:1"], "unknown GPU type 'b200'"),
     (["--trace", "gen:jobs=0"], "field jobs"),
     (["--round-s", "0"], "round_s must be positive"),
+    (["--data-plane", "/nonexistent/plane.json"], "--data-plane: /nonexistent/plane.json"),
+    (["--data-plane", str(PLANE), "--restart-s", "30"], "leave --restart-s out"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args: list[str], fragment: str) -> None:
     base = {"--cluster": "v100:2", "--trace": str(EXAMPLE), "--policies": "yarn-cs", "--out": str(tmp_path)}
@@ -95,6 +98,24 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args: list[str], fra
     err = capsys.readouterr().err.strip()
     assert err.startswith("hadar sim: error: ") and fragment in err and "\n" not in err
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_a_measured_data_plane_charges_every_move_and_the_report_says_so(tmp_path) -> None:
+    runs = {}
+    for label, extra in (("flat", []), ("plane", ["--data-plane", str(PLANE)])):
+        out = tmp_path / label
+        assert main(["sim", "--cluster", "v100:2x2,p100:2,k80:4", "--trace", str(EXAMPLE), "--policies",
+                     "hadar,yarn-cs", "--round-s", "120", "--out", str(out), *extra]) == 0
+        runs[label] = json.loads((out / "summary.json").read_text())
+        assert runs[label]["charged"] in (out / "report.md").read_text()
+    assert runs["flat"]["charged"].startswith("flat: restart 0 s")
+    charged = runs["plane"]["charged"]
+    assert charged.startswith("data plane: start ") and "benchmarks/data_plane.py" in charged
+    for name in ("hadar", "yarn-cs"):
+        assert runs["plane"]["policies"][name]["jobs_completed"] == 8
+    # Under YARN-CS (first come, never preempted) costs only delay each job: later on average. Under
+    # hadar they also change what it decides next, so neither way is guaranteed.
+    assert runs["plane"]["policies"]["yarn-cs"]["jct_mean_s"] > runs["flat"]["policies"]["yarn-cs"]["jct_mean_s"]
 
 
 def test_bad_trace_line_names_line_and_field(tmp_path, capsys) -> None:

@@ -57,9 +57,10 @@ def versus(policy: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, floa
 
 def build_summary(*, cluster: Cluster, trace: str, jobs: int, metrics: Mapping[str, PolicyResults],
                   bounds: TtdBounds, gangs_only: Mapping[str, bool], queue_config: QueueConfig | None = None,
-                  fairness: Mapping[str, QueueFairness] | None = None) -> dict[str, Any]:
+                  fairness: Mapping[str, QueueFairness] | None = None, charged: str | None = None) -> dict[str, Any]:
     """The ``summary.json`` document (module docstring); seconds and ms. ``queue_config`` and
-    ``fairness`` (per policy) only for runs under queues."""
+    ``fairness`` (per policy) only for runs under queues; ``charged``: what moving state cost
+    (``SimOptions.charges().describe()``)."""
     policies: dict[str, dict[str, Any]] = {}
     for name, m in metrics.items():
         kind, bound = bound_for(name, bounds, gangs_only=gangs_only.get(name, False))
@@ -77,6 +78,8 @@ def build_summary(*, cluster: Cluster, trace: str, jobs: int, metrics: Mapping[s
         "bounds": {"ttd_fork_s": bounds.ttd_fork_s, "ttd_nofork_s": bounds.ttd_nofork_s},
         "policies": policies,
     }
+    if charged is not None:
+        out["charged"] = charged
     if queue_config is not None:
         out["queues"] = {"default_queue": queue_config.default_queue,
                          "fair_share_half_life_s": queue_config.fair_share_half_life_s,
@@ -226,6 +229,7 @@ def render_markdown(summary: Mapping[str, Any], *, plots: Sequence[str] = ()) ->
         "- Policies: " + ", ".join(f"`{name}` (stopped: {p['stop_reason']})" for name, p in policies.items()),
         f"- TTD lower bounds: {_hours(bounds['ttd_fork_s'])} h with forking, {_hours(bounds['ttd_nofork_s'])} h "
         "without (no policy can beat them; `services/scheduler/sim/bounds.py`)",
+        *([f"- Charged for moving state: {summary['charged']}"] if "charged" in summary else []),
         "",
         "## Metrics",
         "",

@@ -21,21 +21,24 @@ Semantics (exact; metrics.py and the tests rely on them):
   job, placements)``; a copy on k of the job's W workers keeps the per-worker batch, so
   each of its steps is k/W of a job step and it credits ``s * k / W`` job steps per
   second. A copy with more than W workers is an ``InvalidPlan``.
-* A copy whose set of (node, GPU) differs from the same copy's in the previous simulated
-  round (including a copy that did not run then) first spends ``restart_s`` restarting
-  (``restart_s_by_job_type[job type]`` where given). A
-  job with n > 1 copies this round (HadarE) spends ``shared.domain.fork_cost.consolidation_s``
-  at the round end: (2 n + 1) checkpoints (weights and optimizer state: n uploads, n
-  downloads, one write) through ``store_gbps``; every copy trains in
-  ``[restart, round_s - consolidation_s]``. Steps of a job = sum over copies of credited
-  rate x training time, capped at what remains; ``RoundObservation.copy_steps`` has each
-  copy's own steps, so that sum over copies of own steps x k = job steps x W (samples are
-  conserved).
-* A job whose copies can do what remains finishes at ``round start + T + consolidation_s``
-  where T is when the copies, training in parallel at their summed credited rate, reach
-  the total; it leaves at the round end (its GPUs are freed only then, as in Gavel).
+* Moving state costs time (``services.scheduler.sim.charges``): a copy is *cold* when its set
+  of (node, GPU) differs from the same copy's in the previous simulated round (including a
+  copy that did not run then), and loses ``start`` seconds at the round's start and ``end``
+  at its end; a job loses ``consolidation`` at the round's end. By default (``data_plane``
+  None) ``start`` is ``restart_s`` (``restart_s_by_job_type[job type]`` where given) for a
+  cold copy, ``end`` 0, and a job with n > 1 copies (HadarE) pays
+  ``shared.domain.fork_cost.consolidation_s``, (2 n + 1) checkpoints through ``store_gbps``;
+  with ``data_plane`` every charge is that measured model's (``shared.domain.data_plane``).
+  Every copy trains in ``[start, round_s - tail]``, ``tail`` = the largest ``end`` of the
+  job's copies + ``consolidation``. Steps of a job = sum over
+  copies of credited rate x training time, capped at what remains;
+  ``RoundObservation.copy_steps`` has each copy's own steps, so that sum over copies of own
+  steps x k = job steps x W (samples are conserved).
+* A job whose copies can do what remains finishes at ``round start + T + tail`` where T is
+  when the copies, training in parallel at their summed credited rate, reach the total; it
+  leaves at the round end (its GPUs are freed only then, as in Gavel).
 * Busy GPU-seconds: every placed GPU is held, and counts as busy, from the round start until
-  its job completes (T + consolidation_s) or, if it does not, for the whole round -- restart
+  its job completes (T + tail) or, if it does not, for the whole round -- restart
   and consolidation time included, zero-rate placements included. Attained GPU-seconds and
   time per GPU type of a job count the same held time.
 * The run stops when every job completed; when no arrivals remain and only unrunnable jobs
@@ -53,7 +56,7 @@ import dataclasses
 import functools
 import math
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -70,9 +73,10 @@ from services.scheduler.core.policy import (
 )
 from services.scheduler.core.queues import plan_with_queues
 from services.scheduler.core.throughput import ThroughputModel
+from services.scheduler.sim.charges import Charges, DataPlaneCharges, FlatCharges, checkpoint_figures
 from services.scheduler.sim.traces import TraceJob
 from shared.domain import workloads
-from shared.domain.fork_cost import consolidation_s
+from shared.domain.data_plane import DataPlane
 from shared.domain.progress import credited_steps
 from shared.wire.queues import QueueConfig
 
@@ -86,6 +90,7 @@ class SimOptions:
     # per job type, overriding restart_s (Sia charges each application its own checkpoint-restore time)
     restart_s_by_job_type: Mapping[str, float] = field(default_factory=dict)
     store_gbps: float = 1.0       # object-store bandwidth for HadarE consolidation, GB/s
+    data_plane: DataPlane | None = None  # measured costs of moving state, replacing the three above
     seed: int = 0                 # PlanRequest.seed
     check: bool = False           # check_plan on every round (tests)
     max_rounds: int = 100_000
@@ -101,6 +106,14 @@ class SimOptions:
             raise ValueError("store_gbps must be positive")
         if self.max_rounds < 1 or self.stall_rounds < 1:
             raise ValueError("max_rounds and stall_rounds must be >= 1")
+        if self.data_plane is not None and (self.restart_s or self.restart_s_by_job_type):
+            raise ValueError("restart_s is charged by the data plane when one is given: give one or the other")
+
+    def charges(self) -> Charges:
+        if self.data_plane is not None:
+            return DataPlaneCharges(plane=self.data_plane)
+        return FlatCharges(restart_s=self.restart_s, restart_s_by_job_type=self.restart_s_by_job_type,
+                           store_gbps=self.store_gbps)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,11 +223,9 @@ class _LiveJob:
 
 
 def default_model_bytes(job_type: str) -> int:
-    """``shared.domain.workloads.model_bytes``, or 0 for a job type that module does not know."""
-    try:
-        return workloads.model_bytes(job_type)
-    except ValueError:
-        return 0
+    """FP32 weight bytes of a Gavel job type or a Sia application (``charges.checkpoint_figures``),
+    or 0 for a job type neither knows."""
+    return checkpoint_figures(job_type)[0]
 
 
 def can_ever_run(job: TraceJob, cluster: Cluster, throughput: ThroughputModel) -> bool:
@@ -242,28 +253,33 @@ def finish_time(segments: Sequence[tuple[float, float]], remaining: float) -> fl
     return t + (remaining - acc_steps) / acc_rate
 
 
-def _advance(job: _LiveJob, copies: Sequence[tuple[float, int, bool]], *, now: float,
-             options: SimOptions) -> tuple[float, float, list[float]]:
-    """Progress ``job`` by one round run as ``copies`` of (own rate, workers, restarted).
+CopyRun = tuple[float, int, tuple[int, ...], bool]   # (own rate, workers, ranks per node, cold)
+
+
+def _advance(job: _LiveJob, copies: Sequence[CopyRun], *, now: float, round_s: float,
+             charges: Charges) -> tuple[float, float, list[float]]:
+    """Progress ``job`` by one round run as ``copies``.
 
     Returns (job steps credited, seconds its GPUs are held, each copy's own steps).
     """
-    round_s = options.round_s
-    consolidation = consolidation_s(job.model_bytes, len(copies), store_gbps=options.store_gbps)
-    train_end = max(0.0, round_s - consolidation)
-    restart_s = options.restart_s_by_job_type.get(job.trace.job_type, options.restart_s)
-    starts = [min(restart_s if again else 0.0, train_end) for _, _, again in copies]
-    credit = [credited_steps(rate, copy_workers=k, job_workers=job.trace.workers) for rate, k, _ in copies]
+    job_type, size, has_model = job.trace.job_type, job.model_bytes, job.rounds_run > 0
+    consolidation = charges.consolidation(job_type, size, copies=len(copies), has_model=has_model)
+    lost = [charges.copy(job_type, size, ranks_per_node=nodes, cold=cold, has_model=has_model)
+            for _, _, nodes, cold in copies]
+    tail = max(end for _, end in lost) + consolidation   # the copies' ends are equal: one checkpoint size
+    train_end = max(0.0, round_s - tail)
+    starts = [min(start, train_end) for start, _ in lost]
+    credit = [credited_steps(rate, copy_workers=k, job_workers=job.trace.workers) for rate, k, _, _ in copies]
     capacity = sum(c * (train_end - start) for c, start in zip(credit, starts))
     remaining = job.remaining
     if capacity > 0 and capacity >= remaining - _DONE_EPS:
         t = finish_time(list(zip(credit, starts)), remaining)
-        own = [rate * max(0.0, min(t, train_end) - start) for (rate, _, _), start in zip(copies, starts)]
+        own = [rate * max(0.0, min(t, train_end) - start) for (rate, _, _, _), start in zip(copies, starts)]
         job.steps_done = float(job.trace.total_steps)
-        job.completion_s = now + min(round_s, t + consolidation)
-        return remaining, min(round_s, t + consolidation), own
+        job.completion_s = now + min(round_s, t + tail)
+        return remaining, min(round_s, t + tail), own
     job.steps_done += capacity
-    return capacity, round_s, [rate * (train_end - start) for (rate, _, _), start in zip(copies, starts)]
+    return capacity, round_s, [rate * (train_end - start) for (rate, _, _, _), start in zip(copies, starts)]
 
 
 def simulate(*, policy: Policy, cluster: Cluster, jobs: Sequence[TraceJob], throughput: ThroughputModel,
@@ -272,6 +288,7 @@ def simulate(*, policy: Policy, cluster: Cluster, jobs: Sequence[TraceJob], thro
     """Run ``policy`` on ``jobs`` over ``cluster`` (see module docstring for the semantics)."""
     size_of = model_bytes or default_model_bytes
     round_s = options.round_s
+    charges = options.charges()
     pending = sorted(jobs, key=lambda j: j.arrival_s)
     ids = [j.job_id for j in pending]
     if len(set(ids)) != len(ids):
@@ -350,9 +367,10 @@ def simulate(*, policy: Policy, cluster: Cluster, jobs: Sequence[TraceJob], thro
                 rate = rate_cache.get((job.trace.job_type, gpus))
                 if rate is None:
                     rate = rate_cache[(job.trace.job_type, gpus)] = copy_rate(request, job.state(), parts)
-                runs.append((rate, len(gpus), prev_gpus.get((job_id, copy)) != gpus))
+                nodes = tuple(sorted(Counter(node for node, _ in gpus).values()))
+                runs.append((rate, len(gpus), nodes, prev_gpus.get((job_id, copy)) != gpus))
                 next_gpus[(job_id, copy)] = gpus
-            steps, held, own = _advance(job, runs, now=now, options=options)
+            steps, held, own = _advance(job, runs, now=now, round_s=round_s, charges=charges)
             steps_made[job_id] = steps
             gangs_only = gangs_only and len(runs) == 1 and runs[0][1] == job.trace.workers
             copy_steps.update({(job_id, copy): x for (copy, _), x in zip(job_copies, own)})
