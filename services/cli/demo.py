@@ -93,12 +93,14 @@ def _make_ports(args: argparse.Namespace, out: Path):
     return bus, LocalStore(root), StoreTarget.local(root)
 
 
-async def run_demo(args: argparse.Namespace, specs, out: Path) -> dict:
+async def run_demo(args: argparse.Namespace, specs, out: Path, nodes: tuple[tuple[str, str], ...] = LAB_5) -> dict:
+    """The embedded system on ``nodes`` ((node id, emulated GPU type), one GPU each) until every job
+    of ``specs`` completes or ``args.timeout_s``; the summary (and, with ``args.record``, the log)."""
     from services.embedded import EmbeddedConfig, EmbeddedSystem
     from shared.bus.eventlog import dump_bus
 
     bus, store, target = _make_ports(args, out)
-    config = EmbeddedConfig(nodes=LAB_5, policy=args.policy, policy_options=policy_options(args),
+    config = EmbeddedConfig(nodes=nodes, policy=args.policy, policy_options=policy_options(args),
                             round_s=args.round_s, seed=args.seed,
                             scheduler_group=f"hadar-demo-scheduler-{secrets.token_hex(3)}")
     system = EmbeddedSystem(config=config, bus=bus, store=store, store_target=target)
@@ -106,7 +108,7 @@ async def run_demo(args: argparse.Namespace, specs, out: Path) -> dict:
     started = time.monotonic()
     try:
         await system.start()
-        print(f"hadar demo: {len(LAB_5)} emulated agents ({', '.join(t for _, t in LAB_5)}), "
+        print(f"hadar demo: {len(nodes)} emulated agents ({', '.join(t for _, t in nodes)}), "
               f"policy {args.policy}, rounds of {args.round_s:g} s")
         for spec in specs:
             await submit(bus, spec, source="demo")
@@ -124,7 +126,7 @@ async def run_demo(args: argparse.Namespace, specs, out: Path) -> dict:
             print(f"recorded {n} events to {args.record}")
         wall = time.monotonic() - started
         rates = await _published_rates(bus)
-        return await _summarise(specs, state, rates, store, out, args, wall)
+        return await _summarise(specs, state, rates, store, out, args, wall, nodes)
     finally:
         await bus.stop()
 
@@ -152,7 +154,7 @@ async def _published_rates(bus) -> dict[tuple[str, str, int], float]:
 
 
 async def _summarise(specs, state: SchedulerState, rates: dict[tuple[str, str, int], float], store, out: Path,
-                     args, wall_s: float) -> dict:
+                     args, wall_s: float, nodes: tuple[tuple[str, str], ...]) -> dict:
     models = out / "models"
     models.mkdir(exist_ok=True)
     jobs = []
@@ -173,7 +175,7 @@ async def _summarise(specs, state: SchedulerState, rates: dict[tuple[str, str, i
         jobs.append(entry)
     return {"policy": args.policy, "round_s": args.round_s, "wall_s": round(wall_s, 1),
             "rounds": state.last_round + 1, "live_utilization": state.allocation_utilization(),
-            "jobs": jobs, "simulated": _simulate_same_jobs(specs, rates, args.round_s, args.policy)}
+            "jobs": jobs, "simulated": _simulate_same_jobs(specs, rates, args.round_s, args.policy, nodes)}
 
 
 def _held_out_metric(spec, path: Path) -> dict:
@@ -187,21 +189,22 @@ def _held_out_metric(spec, path: Path) -> dict:
     return {"name": metric.name, "value": round(float(metric.value), 4)}
 
 
-def _simulate_same_jobs(specs, rates: dict[tuple[str, str, int], float], round_s: float, live_policy: str) -> dict:
-    """The same jobs, all arriving at 0, on lab-5 in the simulator, at the rates the profiler
+def _simulate_same_jobs(specs, rates: dict[tuple[str, str, int], float], round_s: float, live_policy: str,
+                        nodes: tuple[tuple[str, str], ...]) -> dict:
+    """The same jobs, all arriving at 0, on the same nodes in the simulator, at the rates the profiler
     published (measured, and for emulated GPUs extrapolated from the measurements), every move
     charged from the data plane measured on this project's dev machine (``DEMO_PLANE``); the
     live run's policy among them, with each job's JCT, to set beside the live one's."""
+    from services.scheduler.core.cluster import Cluster, Node
     from services.scheduler.core.throughput import ThroughputModel
     from services.scheduler.policies import make_policy
-    from services.scheduler.sim.cluster_spec import lab_5
     from services.scheduler.sim.results import compute_results
     from services.scheduler.sim.simulator import SimOptions, simulate
     from services.scheduler.sim.traces import TraceJob
     from shared.domain.data_plane import load_data_plane
     from shared.zoo import model_figures
 
-    cluster = lab_5()
+    cluster = Cluster(name="demo", nodes=tuple(Node(node_id=node, gpus=(gpu_type,)) for node, gpu_type in nodes))
     throughput = ThroughputModel(rates=dict(rates))
     trace = [TraceJob(job_id=s.job_id, arrival_s=0.0, job_type=s.job_id, workers=s.workers,
                       total_steps=s.iterations) for s in specs]
@@ -233,7 +236,7 @@ def print_results(summary: dict) -> None:
         text = f"{metric['name']}={metric['value']:.4f}" if metric else "-"
         print(f"{j['job']:28} {_fmt(j.get('jct_s'), '7.1f')} {j.get('steps', 0):>6}  {text:18} "
               f"{j.get('final_model', 'not completed')}")
-    print("\nSame jobs in the simulator (lab-5 at the profiler's rates, all arriving at t=0; charged: "
+    print("\nSame jobs in the simulator (the same nodes at the profiler's rates, all arriving at t=0; charged: "
           f"{summary['simulated']['charged']}):")
     print(f"{'POLICY':8} {'TTD s':>8} {'CRU':>6} {'mean JCT s':>11} {'done':>6}")
     for name, m in summary["simulated"]["policies"].items():

@@ -1,0 +1,106 @@
+"""A recorded live run as a simulator workload (services/scheduler/sim/from_log.py), on a log built by hand.
+
+One job of 300 steps on two single-GPU nodes, rounds of 100 s from T0. The profiler first rates
+it 10 s into round 0 (so it can first be placed in round 1), then measures 2 and 4 steps/s on
+the t4; it estimates 9 on the v100 and never measures it. The live scheduler placed it on the t4
+in rounds 1 and 2; the live run completed it 250 s after its submission at T0 + 5.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from services.scheduler.core.policy import Placement
+from services.scheduler.sim.from_log import compare, live_workload
+from services.scheduler.sim.simulator import SimOptions
+from shared.domain.data_plane import DataPlane
+from shared.wire.events import (
+    Assignment,
+    Event,
+    GpuInfo,
+    JobCompleted,
+    JobSpec,
+    JobSubmitted,
+    NodeRegistered,
+    RoundStarted,
+    ThroughputEstimate,
+)
+
+T0 = 1_700_000_000.0
+SPEC = JobSpec(job_id="j", user="u", model="resnet", dataset="digits", batch_size=32, workers=1, iterations=300)
+
+
+def _log() -> list[Event]:
+    def rate(ts: float, basis: str, rates: dict[str, float]) -> ThroughputEstimate:
+        return ThroughputEstimate(ts=T0 + ts, source="profiler", job_id="j", basis=basis,  # type: ignore[arg-type]
+                                  workers=1, rates=rates, model_bytes=1_000_000_000)
+
+    def placed(r: int) -> Assignment:
+        return Assignment(ts=T0 + 100 * r, source="scheduler", round=r, job=SPEC, copy=0, node_id="a",
+                          gpus=(0,), gpu_type="t4", world_size=1, ranks=(0,), step_budget=300,
+                          deadline=T0 + 100 * (r + 1))
+
+    return [
+        NodeRegistered(ts=T0 - 5, source="agent", node_id="b", gpus=(GpuInfo(index=0, type="v100"),)),
+        NodeRegistered(ts=T0 - 5, source="agent", node_id="a", gpus=(GpuInfo(index=0, type="t4"),)),
+        NodeRegistered(ts=T0 - 5, source="agent", node_id="gone", gpus=(GpuInfo(index=0, type="k80"),)),
+        *[RoundStarted(ts=T0 + 100 * r, source="scheduler", round=r, policy="hadar", started_at=T0 + 100 * r,
+                       nodes=("a", "b"), ends_at=T0 + 100 * (r + 1), round_s=100.0, seed=3) for r in range(3)],
+        JobSubmitted(ts=T0 + 5, source="cli", job=SPEC, submitted_at=T0 + 5),
+        rate(10, "estimate", {"t4": 1.0, "v100": 8.0}),
+        rate(120, "measured", {"t4": 2.0}),
+        rate(130, "estimate", {"v100": 10.0}),
+        placed(1),
+        rate(220, "measured", {"t4": 4.0}),
+        placed(2),
+        JobCompleted(ts=T0 + 255, source="tracker", job_id="j", final_key="k", total_steps=300, jct_s=250.0,
+                     completed_at=T0 + 255),
+    ]
+
+
+def test_the_workload_is_what_the_live_run_saw() -> None:
+    w = live_workload(_log())
+    assert [(n.node_id, n.gpus) for n in w.cluster.nodes] == [("a", ("t4",)), ("b", ("v100",))]
+    (job,) = w.jobs
+    assert (job.job_id, job.arrival_s, job.workers, job.total_steps) == ("j", 10.0, 1, 300)
+    # measured wherever measured (mean 3 on the t4, the estimate of 1 ignored); else the mean estimate
+    assert w.throughput.rate("j", "t4", 1) == 3.0 and w.throughput.rate("j", "v100", 1) == 9.0
+    assert (w.policy, w.seed, w.round_s, w.policy_options) == ("hadar", 3, 100.0, {})
+    assert w.submitted_s == {"j": 5.0} and w.live_jct_s == {"j": 250.0} and w.model_bytes == {"j": 1_000_000_000}
+    place = Placement(job_id="j", copy=0, node_id="a", gpus=(0,))
+    assert w.placements == {1: (place,), 2: (place,)}
+
+
+def test_replayed_placements_give_the_simulated_jct_from_submission() -> None:
+    # Round 1 (t = 100) on the t4 at 3 steps/s: 100 s -> 300 steps, done at 200; 195 s after submission.
+    (row,) = compare(live_workload(_log()), replay=True)
+    assert (row.live_jct_s, row.simulated_jct_s) == (250.0, pytest.approx(195.0))
+    # A data plane (checkpoint: 1 GB of weights + momentum = 2 GB) charges round 1 a cold start of
+    # 10 s, an upload of 2 s and a one-replica consolidation: read 2 s, average 1 s, write 2 s.
+    plane = DataPlane(store_upload_gbps=1.0, store_download_gbps=1.0, consolidate_gbps=2.0, intra_node_gbps=1.0,
+                      inter_node_gbps=1.0, process_start_s=10.0, warm_start_s=0.0)
+    (row,) = compare(live_workload(_log()), SimOptions(data_plane=plane), replay=True)
+    # It trains [10, 100 - 7] = 83 s -> 249 steps. Round 2: warm, loads 2 GB (2 s), 51 left at 3/s -> 17 s,
+    # done at 200 + 2 + 17 + tail (upload 2 + reads of the replica and the start model 4 + 1 + 2) = 228
+    assert row.simulated_jct_s == pytest.approx(228.0 - 5.0)
+
+
+def test_the_live_policy_decides_afresh_on_the_mean_rates() -> None:
+    # hadar puts the job on its fastest type by the mean rates, the v100 (9/s): 300 / 9 s into round 1.
+    (row,) = compare(live_workload(_log()), replay=False)
+    assert row.simulated_jct_s == pytest.approx(100 + 300 / 9 - 5)
+
+
+def test_only_the_run_from_since_counts() -> None:
+    earlier = JobSubmitted(ts=T0 - 50, source="cli", job=SPEC.__class__(**{**SPEC.__dict__, "job_id": "old"}),
+                           submitted_at=T0 - 50)
+    rated = ThroughputEstimate(ts=T0 - 40, source="profiler", job_id="old", basis="measured", workers=1,
+                               rates={"t4": 1.0})
+    assert [j.job_id for j in live_workload([earlier, rated, *_log()]).jobs] == ["old", "j"]
+    w = live_workload([earlier, rated, *_log()], since=T0)
+    assert [j.job_id for j in w.jobs] == ["j"] and set(w.submitted_s) == {"j"}
+
+
+def test_a_log_without_rounds_is_not_a_live_run() -> None:
+    with pytest.raises(ValueError, match="not a live run"):
+        live_workload([e for e in _log() if not isinstance(e, RoundStarted)])
