@@ -125,6 +125,7 @@ class WorkerSpec:
     peers: tuple[str, ...] = ()       # the node of every rank, in rank order (empty: not known)
     code: CodeTarget | None = None     # a user's own code; None: the zoo's ``model`` on ``dataset``
     ledger_dir: str = ""               # what this node wrote at its checkpoint keys (worker/ledger.py; "": default)
+    evaluation: bool = False           # Assignment.evaluation: measure start_from, train and upload nothing
 
     def ledger(self) -> WrittenLedger:
         """This node's record of what it wrote at its checkpoint keys."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, TypeAlias
 
+from shared.domain.layout import final_key
 from shared.wire.events import (
     Assignment,
     CopyFinished,
@@ -69,9 +70,11 @@ class CopyRun:
     start_metric: float | None = None  # of this copy's final weights (on the agent)
     final_metric: float | None = None
     log_tail: str = ""                # user code: the end of its output, when it failed
+    evaluation: bool = False          # user code: it measured the job's final model, trained nothing
 
     def doc(self) -> dict[str, Any]:
         return {"copy": self.copy, "nodes": list(self.nodes), "gpu_type": self.gpu_type, "workers": self.workers,
+                "evaluation": self.evaluation,
                 "step_budget": self.budget, "steps": self.steps, "loss": _number(self.loss, 6),
                 "samples_per_s": _number(self.samples_per_s, 3), "status": self.status,
                 "reason": self.reason or None, "rejected": self.rejected or None, "missing": self.missing,
@@ -105,6 +108,7 @@ class _Job:
     copies: dict[tuple[int, int], CopyRun] = field(default_factory=dict)
     models: dict[int, RoundModel] = field(default_factory=dict)
     events: list[FoldedEvent] = field(default_factory=list)   # the job's folded events, for log lines
+    final_metric: tuple[str, float] | None = None   # user code: an evaluation copy's measure of the final model
 
 
 class TrainingLog:
@@ -150,7 +154,10 @@ class TrainingLog:
             copies = [job.copies[k].doc() for k in sorted(job.copies) if k[0] == number]
             model = job.models.get(number)
             rounds.append({"round": number, "copies": copies, "model": None if model is None else model.doc()})
-        return {"job": job_id, "rounds": rounds, "latest": self.latest(job_id)}
+        final = None if job.final_metric is None else {
+            "key": final_key(job_id), "metric": {"name": job.final_metric[0], "value": _number(job.final_metric[1], 6),
+                                                 "by": "agent"}}
+        return {"job": job_id, "rounds": rounds, "latest": self.latest(job_id), "final_model": final}
 
     def latest(self, job_id: str) -> dict[str, Any]:
         """The latest reported training loss (of the newest round that reported one, averaged
@@ -183,6 +190,7 @@ def _apply(job: _Job, e: Event) -> None:
         if e.node_id not in run.nodes:
             run.nodes.append(e.node_id)
         run.gpu_type, run.workers, run.budget, run.start_from = e.gpu_type, e.world_size, e.step_budget, e.start_from
+        run.evaluation = e.evaluation
     elif isinstance(e, Progress):
         run = _run(job, e.round, e.copy)
         run.steps = max(run.steps, e.steps_round)
@@ -197,7 +205,10 @@ def _apply(job: _Job, e: Event) -> None:
         run.metric_name, run.start_metric, run.final_metric = e.metric_name, e.start_metric, e.final_metric
         run.log_tail = e.log_tail
         if e.metric_name and e.start_metric is not None and run.start_from is not None:
-            _evaluated(job, run.start_from, e.metric_name, e.start_metric)
+            if e.evaluation:
+                _final_evaluated(job, e.metric_name, e.start_metric)
+            else:
+                _evaluated(job, run.start_from, e.metric_name, e.start_metric)
     elif isinstance(e, ModelConsolidated):
         old = job.models.get(e.round)
         model = RoundModel(key=e.key, total_steps=e.total_steps, metric_name=e.metric_name,
@@ -222,6 +233,15 @@ def _evaluated(job: _Job, start_from: str, name: str, value: float) -> None:
             return
 
 
+def _final_evaluated(job: _Job, name: str, value: float) -> None:
+    """An evaluation copy's measure of the job's final model, which is a byte copy of its
+    latest round model: that model's metric too."""
+    job.final_metric = (name, value)
+    keyed = [number for number, model in job.models.items() if model.key is not None]
+    if keyed:
+        _evaluated(job, job.models[max(keyed)].key or "", name, value)
+
+
 def _verdicts(job: _Job, round_: int, rejected: Iterable[Any], missing: Iterable[int]) -> None:
     for r in rejected:
         _run(job, round_, r.copy).rejected = r.reason
@@ -237,6 +257,8 @@ def log_line(e: FoldedEvent) -> str:
     """One human line for one of a job's events: time, round, copy, then what happened."""
     head = f"{_time(e.ts)}  round {e.round:<4}"
     if isinstance(e, Assignment):
+        if e.evaluation:
+            return f"{head} copy {e.copy:<3} evaluates  the final model on {e.node_id} {e.gpu_type}"
         return (f"{head} copy {e.copy:<3} assigned   {e.node_id} {e.gpu_type} x{len(e.gpus)} "
                 f"(copy of {e.world_size} workers), budget {e.step_budget} steps")
     if isinstance(e, Progress):

@@ -114,6 +114,8 @@ def _round_started(e: RoundStarted) -> str:
 
 
 def _assignment(e: Assignment) -> str:
+    if e.evaluation:
+        return f"  evaluate {e.job_id}'s final model on {e.node_id} GPU {list(e.gpus)} ({e.gpu_type})"
     start = e.start_from or f"seed {e.job.hyper.seed}"
     span = f", rendezvous {e.rendezvous}" if e.rendezvous else ""
     return (f"  place {e.job_id} copy {e.copy} on {e.node_id} GPUs {list(e.gpus)} "

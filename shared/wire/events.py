@@ -240,6 +240,12 @@ class Assignment(Event):
     together (K; 0: not stated, as in records written before the field existed): what a
     copy's local-SGD recipe (``shared/domain/local_sgd.py``) scales by. With more than one
     copy K is at least this copy's ``world_size``.
+
+    ``evaluation``: the copy trains nothing and uploads nothing; it runs the job's own script
+    on ``start_from`` (the completed job's final model) for its held-out metric, which it
+    reports as ``CopyFinished.start_metric`` -- how a user-code job's final model is
+    evaluated without the tracker ever running user code. Only for user code (the tracker
+    evaluates zoo models itself), one copy, step budget 0.
     """
 
     TYPE: ClassVar[str] = "Assignment"
@@ -258,9 +264,14 @@ class Assignment(Event):
     peers: tuple[str, ...] = ()
     copies: int = 1
     fork_workers: int = 0
+    evaluation: bool = False
 
     def _check(self) -> None:
         check_node_id(self.node_id, self.TYPE)
+        if self.evaluation:
+            require(self.job.code is not None, "Assignment.evaluation: only for a job of user code")
+            require(self.step_budget == 0 and self.copies == 1 and self.start_from is not None,
+                    "Assignment.evaluation: needs step_budget 0, one copy and a start_from")
         require(1 <= self.copies <= 1024, "Assignment.copies: must be in 1..1024")
         require(0 <= self.fork_workers <= 65536, "Assignment.fork_workers: must be in 0..65536")
         require(self.fork_workers == 0 or self.fork_workers >= self.world_size,
@@ -331,13 +342,18 @@ class CopyFinished(Event):
     start_metric: float | None = None
     final_metric: float | None = None
     log_tail: str = ""
+    evaluation: bool = False   # the report of an evaluation copy (Assignment.evaluation): no checkpoint
 
     def _check(self) -> None:
         check_job_id(self.job_id, self.TYPE)
         require(self.round >= 0 and self.copy >= 0, "CopyFinished.round/copy: must be >= 0")
         require(self.steps_round >= 0, "CopyFinished.steps_round: must be >= 0")
-        require(self.status == "failed" or self.checkpoint is not None,
-                "CopyFinished.checkpoint: required unless status is 'failed'")
+        if self.evaluation:
+            require(self.checkpoint is None and self.steps_round == 0,
+                    "CopyFinished.evaluation: an evaluation copy trains no step and writes no checkpoint")
+        else:
+            require(self.status == "failed" or self.checkpoint is not None,
+                    "CopyFinished.checkpoint: required unless status is 'failed'")
         require(len(self.metric_name) <= 32, "CopyFinished.metric_name: at most 32 characters")
         require(len(self.log_tail) <= MAX_LOG_TAIL, f"CopyFinished.log_tail: at most {MAX_LOG_TAIL} characters")
 

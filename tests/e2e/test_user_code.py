@@ -6,7 +6,8 @@ Checked from the event log and the store alone: the job completes; at least one 
 two or more copies; every round model is the samples-weighted average of its stored
 replicas; samples are conserved; ``hadar model`` gives a file that loads strictly into the
 example's own ``model.build`` and reaches the held-out accuracy the example states; the
-script's metric reached ``hadar logs``; a bad submission is one line and exit 2; and every
+script's metric reached ``hadar logs``, the final model's measured by an evaluation copy
+on an agent and equal to that file's accuracy; a bad submission is one line and exit 2; and every
 service log line is a JSON object.
 """
 
@@ -104,10 +105,11 @@ def test_a_user_script_forks_consolidates_and_loads_with_its_own_builder(tmp_pat
             for p in procs:
                 assert p.poll() is None, f"a service exited early (code {p.returncode}); logs in {tmp_path}"
             records = asyncio.run(_read_log(kafka.bootstrap))
-            if any(isinstance(e, JobCompleted) and e.job_id == job_id for _, e in records):
-                break
+            if any(isinstance(e, CopyFinished) and e.job_id == job_id and e.evaluation for _, e in records):
+                break   # completed, and its final model measured by an evaluation copy
         else:
-            pytest.fail(f"the job did not complete in {RUN_TIMEOUT_S} s; logs in {tmp_path}")
+            pytest.fail(f"the job did not complete and get its final model evaluated in {RUN_TIMEOUT_S} s; "
+                        f"logs in {tmp_path}")
         logs = _hadar(["logs", job_id, "--json"], env)
         assert logs.returncode == 0, logs.stderr
     finally:
@@ -122,8 +124,10 @@ def test_a_user_script_forks_consolidates_and_loads_with_its_own_builder(tmp_pat
     assert any(len(e.copies) >= 2 for e in rounds), "HadarE never ran the user job as two or more copies"
     failed = [e for _, e in records if isinstance(e, CopyFinished) and e.job_id == job_id and e.status == "failed"]
     assert not failed, [(e.reason, e.log_tail[-300:]) for e in failed]
-    finished = [e for _, e in records if isinstance(e, CopyFinished) and e.job_id == job_id]
+    finished = [e for _, e in records if isinstance(e, CopyFinished) and e.job_id == job_id and not e.evaluation]
     assert all(e.metric_name == "accuracy" and e.final_metric is not None for e in finished)
+    (evaluation,) = [e for _, e in records if isinstance(e, CopyFinished) and e.job_id == job_id and e.evaluation]
+    assert evaluation.status == "ok" and evaluation.checkpoint is None and evaluation.start_metric is not None
     completed = next(e for _, e in records if isinstance(e, JobCompleted) and e.job_id == job_id)
     placed = {(e.round, e.copy) for _, e in records if isinstance(e, Assignment) and e.job_id == job_id}
     rank0 = {(e.round, e.copy): e.node_id for _, e in records   # the node that wrote each copy's checkpoint
@@ -154,4 +158,9 @@ def test_a_user_script_forks_consolidates_and_loads_with_its_own_builder(tmp_pat
     assert got.returncode == 0, got.stderr
     meta = json.loads(got.stdout)["metadata"]
     assert meta["code_entrypoint"] == "train.py" and json.loads(meta["code_config"]) == CONFIG
-    assert _accuracy(out, data) >= ACCURACY
+    accuracy = _accuracy(out, data)
+    assert accuracy >= ACCURACY
+    # The final model's metric in `hadar logs` is the script's own, measured on an agent: the
+    # held-out accuracy of exactly the file `hadar model` gives.
+    assert doc["final_model"]["metric"]["by"] == "agent"
+    assert doc["final_model"]["metric"]["value"] == pytest.approx(accuracy, abs=1e-6)

@@ -28,7 +28,7 @@ from services.agent.protocol import StoreTarget
 from services.agent.worker.checkpoint import read_checkpoint
 from services.cli.usercode import CodeRequest, deliver, upload_dataset
 from shared.bus import Bus, MemoryBus
-from shared.domain.layout import code_bundle_key, model_key
+from shared.domain.layout import code_bundle_key, final_key, model_key
 from shared.store import LocalStore
 from shared.wire.events import JobSpec, Progress, RoundStarted, UserCode
 from tests.integration.test_agent import assign, job, load_local, start_agent
@@ -117,6 +117,19 @@ async def test_a_user_job_trains_warm_over_rounds_with_the_harness_metadata(memo
         _, meta = load_local(tmp_path, second.checkpoint or "")
         assert (meta.job, meta.round, meta.copy, meta.steps, meta.total_steps) == ("user1", 1, 0, 40, 100)
         assert meta.model == "digits-cnn" and meta.metric_name == "accuracy"
+
+        # The job completed with round 1's model: an evaluation copy measures its final model
+        # with the script's own metric, trains nothing and uploads nothing.
+        tensors, _ = read_checkpoint(tmp_path / (second.checkpoint or ""))
+        save_file({k: v for k, v in tensors.items() if not k.startswith("optim.")}, str(tmp_path / final_key("user1")),
+                  metadata={"total_steps": "100"})
+        await memory_bus.publish(dataclasses.replace(assign(spec, 2, budget=0, start_from=final_key("user1")),
+                                                     evaluation=True))
+        final = await watch.finished("user1", 2, timeout_s=180)
+        assert (final.status, final.evaluation, final.steps_round, final.checkpoint) == ("ok", True, 0, None), (
+            final.reason, final.log_tail)
+        assert final.metric_name == "accuracy" and final.start_metric == pytest.approx(second.final_metric)
+        assert not (tmp_path / "checkpoints" / "user1" / "2").exists()
     finally:
         await agent.stop()
         await watch.stop()

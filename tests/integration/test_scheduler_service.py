@@ -16,12 +16,14 @@ from shared.wire.events import (
     CopyWeight,
     GpuInfo,
     JobCancelled,
+    JobCompleted,
     JobSpec,
     JobSubmitted,
     ModelConsolidated,
     NodeRegistered,
     RoundStarted,
     ThroughputEstimate,
+    UserCode,
 )
 from shared.wire.topics import PLACEMENTS
 
@@ -178,6 +180,36 @@ async def test_an_idle_scheduler_places_a_new_job_in_its_first_round() -> None:
         await asyncio.sleep(0.2)
         placed = [(e.round, e.job_id) for e in await _placements(bus) if isinstance(e, Assignment)]
         assert placed == [(0, "late-rate")]
+    finally:
+        await service.stop()
+        await bus.stop()
+
+
+async def test_an_idle_scheduler_still_evaluates_the_final_model_of_a_completed_user_job() -> None:
+    """The last job completing leaves the cluster idle, yet its final model (user code) still
+    needs its evaluation copy: the scheduler plans a round for it alone, and no more."""
+    bus = MemoryBus()
+    await bus.start()
+    config = SchedulerConfig(policy="yarn-cs", round_s=0.5, heartbeat_s=1000, late_copy_s=0, consolidation_wait_s=0)
+    service = SchedulerService(bus=bus, config=config)
+    await service.start()
+    try:
+        now = time.time()
+        await bus.publish(NodeRegistered(ts=now, source="agent", node_id="n1", gpus=(GpuInfo(index=0, type="t4"),)))
+        spec = JobSpec(job_id="mine", user="alice", model="user", dataset="-", batch_size=32, workers=1,
+                       iterations=100, code=UserCode(digest="a" * 64, size=1, entrypoint="train.py"))
+        await bus.publish(JobSubmitted(ts=now, source="cli", job=spec, submitted_at=now))
+        await bus.publish(JobCompleted(ts=now, source="tracker", job_id="mine",
+                                       final_key="models/mine/final.safetensors", total_steps=100, jct_s=0.0,
+                                       completed_at=now))
+        for _ in range(100):
+            if any(isinstance(e, Assignment) for e in await _placements(bus)):
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.5)   # three more rounds' time: the try is in flight, nothing is re-placed
+        placed = [e for e in await _placements(bus) if isinstance(e, Assignment)]
+        assert [(e.job_id, e.evaluation, e.start_from) for e in placed] == [
+            ("mine", True, "models/mine/final.safetensors")]
     finally:
         await service.stop()
         await bus.stop()

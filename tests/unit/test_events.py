@@ -213,8 +213,15 @@ def _joint(kwargs: dict[str, Any], cls: type[Record]) -> dict[str, Any]:
     """Make fields that _check ties together consistent."""
     if cls is Progress:
         kwargs["steps_total"] = min(INT64[1], kwargs["steps_round"] + abs(kwargs["steps_total"]))
+    elif cls is CopyFinished and kwargs.get("evaluation"):
+        kwargs["checkpoint"], kwargs["steps_round"] = None, 0
     elif cls is CopyFinished and kwargs["status"] != "failed" and kwargs.get("checkpoint") is None:
         kwargs["checkpoint"] = "checkpoints/x/0/n0/0.safetensors"
+    elif cls is Assignment and kwargs.get("evaluation"):
+        if kwargs["job"].code is None:
+            kwargs["evaluation"] = False
+        else:
+            kwargs.update(step_budget=0, copies=1, start_from=kwargs.get("start_from") or "models/x/final.safetensors")
     elif cls is QueueConfig:
         kwargs["default_queue"] = kwargs["queues"][0].name
     elif cls is RoundStarted:
@@ -417,6 +424,37 @@ def test_an_assignments_peers_name_one_valid_node_per_rank_and_this_node_for_its
     with pytest.raises(InvalidEvent) as err:
         _spanning(peers=peers)
     assert err.value.reason.startswith(reason)
+
+
+def _evaluation(**change: Any) -> Assignment:
+    code = UserCode(digest="a" * 64, size=10, entrypoint="train.py")
+    job = JobSpec(**_spec(user="alice", dataset="-", code=code))
+    fields: dict[str, Any] = dict(ts=1.0, source="s", round=9, job=job, copy=0, node_id="n1", gpus=(0,),
+                                  gpu_type="v100", world_size=1, ranks=(0,), step_budget=0, deadline=2.0,
+                                  start_from="models/resnet-1/final.safetensors", evaluation=True)
+    return Assignment(**{**fields, **change})
+
+
+@pytest.mark.parametrize("change", [
+    {"job": JobSpec(**_spec())}, {"step_budget": 1}, {"start_from": None}, {"copies": 2},
+], ids=["zoo job", "steps", "no model", "forked"])
+def test_an_evaluation_copy_is_one_copy_of_user_code_that_trains_nothing_from_a_model(change: dict) -> None:
+    assert _evaluation().evaluation
+    with pytest.raises(InvalidEvent) as err:
+        _evaluation(**change)
+    assert err.value.reason.startswith("Assignment.evaluation:")
+
+
+def test_an_evaluation_report_carries_no_checkpoint_and_no_step() -> None:
+    fields: dict[str, Any] = dict(ts=1.0, source="s", job_id="resnet-1", round=9, copy=0, node_id="n1",
+                                  status="ok", steps_round=0, evaluation=True, metric_name="accuracy",
+                                  start_metric=0.9)
+    assert CopyFinished(**fields).checkpoint is None
+    for change in ({"checkpoint": "checkpoints/resnet-1/9/n1/0.safetensors"}, {"steps_round": 3}):
+        with pytest.raises(InvalidEvent, match=r"CopyFinished\.evaluation:"):
+            CopyFinished(**{**fields, **change})
+    with pytest.raises(InvalidEvent, match=r"CopyFinished\.checkpoint:"):
+        CopyFinished(**{**fields, "evaluation": False})
 
 
 def test_values_msgpack_cannot_carry_are_rejected_when_the_event_is_built():

@@ -24,6 +24,7 @@ from shared.wire.events import (
     NodeRegistered,
     RoundStarted,
     ThroughputEstimate,
+    UserCode,
 )
 
 T0 = 1_700_000_000.0
@@ -104,3 +105,12 @@ def test_only_the_run_from_since_counts() -> None:
 def test_a_log_without_rounds_is_not_a_live_run() -> None:
     with pytest.raises(ValueError, match="not a live run"):
         live_workload([e for e in _log() if not isinstance(e, RoundStarted)])
+
+
+def test_an_evaluation_copy_after_completion_is_not_a_placement() -> None:
+    code = JobSpec(job_id="j", user="u", model="user", dataset="-", batch_size=32, workers=1, iterations=300,
+                   code=UserCode(digest="a" * 64, size=1, entrypoint="train.py"))
+    evaluation = Assignment(ts=T0 + 300, source="scheduler", round=3, job=code, copy=0, node_id="b", gpus=(0,),
+                            gpu_type="v100", world_size=1, ranks=(0,), step_budget=0, deadline=T0 + 400,
+                            start_from="models/j/final.safetensors", evaluation=True)
+    assert set(live_workload([*_log(), evaluation]).placements) == {1, 2}

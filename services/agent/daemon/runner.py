@@ -193,7 +193,7 @@ class CopyRun:
                 store=self.ctx.store, slowdown=devices.slowdown.get(gpu, 1.0), emulated=devices.emulated,
                 progress_s=self.ctx.progress_s, threads=self.ctx.threads, env=env,
                 local_gpus=a.gpus, local_ranks=a.ranks, peers=peers, local_sgd=recipe, code=code,
-                ledger_dir=self.ctx.ledger_dir))
+                ledger_dir=self.ctx.ledger_dir, evaluation=a.evaluation))
         return specs
 
     async def run(self) -> CopyFinished | None:
@@ -358,7 +358,7 @@ class CopyRun:
                              status=cast(_CopyStatus, status),   # as the worker reported it: checked here
                              gpu_type=a.gpu_type, checkpoint=checkpoint, reason=reason[:500],
                              emulated=self.ctx.devices.emulated, log_tail=log_tail[-MAX_LOG_TAIL:],
-                             **(metrics or {}))
+                             evaluation=a.evaluation, **(metrics or {}))
         self.ctx.metrics.finished(status)
         return event
 

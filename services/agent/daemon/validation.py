@@ -14,6 +14,7 @@ plausible for *this* node *now* is decided here, before any process starts:
   same job (``models/{job}/{r}.safetensors`` or ``checkpoints/{job}/{r}/{c}.safetensors``
   with r < the assignment's round), so a copy never starts from another job's weights, a
   later round's or a key outside the layout. (The scheduler names consolidated models.)
+  An evaluation copy (``evaluation``) starts from exactly the job's final model.
 
 Every check returns a :class:`Problem` (a short ``code``, used as a metric label, and a
 ``detail`` naming the value) or None; nothing here raises or does I/O.
@@ -26,7 +27,7 @@ import re
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-from shared.domain.layout import parse_checkpoint_key, parse_model_key
+from shared.domain.layout import final_key, parse_checkpoint_key, parse_model_key
 from shared.wire.events import Assignment
 
 __all__ = ["Problem", "assignment_problem", "rendezvous_problem", "MIN_PORT", "MAX_PORT"]
@@ -105,7 +106,11 @@ def assignment_problem(a: Assignment, *, gpus: AbstractSet[int], now: float,
         problem = rendezvous_problem(a.rendezvous)
         if problem:
             return Problem(code="rendezvous", detail=problem)
-    if a.start_from is not None:
+    if a.evaluation:
+        if a.start_from != final_key(a.job_id):
+            return Problem(code="start_from", detail=f"an evaluation copy starts from {final_key(a.job_id)!r}, "
+                                                     f"not {a.start_from!r}")
+    elif a.start_from is not None:
         parsed = parse_model_key(a.start_from) or parse_checkpoint_key(a.start_from)
         if parsed is None or parsed.job_id != a.job_id or parsed.round >= a.round:
             return Problem(code="start_from", detail=f"start_from {a.start_from!r} is not a model or checkpoint "

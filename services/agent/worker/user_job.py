@@ -170,7 +170,7 @@ class UserCodeWorker:
                 self.emit("failed", reason=f"user code: {result.reason}"[:500], log_tail=self._tail(session))
                 return 1
             key = None
-            if spec.rank == 0:
+            if spec.rank == 0 and not spec.evaluation:   # an evaluation copy measures its start, nothing more
                 key = self._checkpoint(session.store, result, round_steps, total)
             status = "preempted" if self.stop_requested else "ok"
             name, start_metric, final_metric = _metrics(result)

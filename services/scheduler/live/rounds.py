@@ -22,6 +22,7 @@ from services.scheduler.core.policy import (
 )
 from services.scheduler.core.queues import QueuedState
 from services.scheduler.core.throughput import ThroughputModel
+from services.scheduler.live.evaluations import evaluation_assignments
 from services.scheduler.live.state import SchedulerState
 from services.scheduler.policies import PolicyChoice
 from shared.domain.progress import credited_steps
@@ -118,7 +119,9 @@ def plan_to_events(plan: Plan, request: PlanRequest, state: SchedulerState, timi
     the job's remaining steps are split across its copies in proportion to their credited
     rates (a copy's rate x k/W on k of the job's W workers), and a copy's share of job
     steps is W/k of its own steps, rounded up -- so copies together do not overshoot the
-    job by more than one of their own steps each when the estimates hold.
+    job by more than one of their own steps each when the estimates hold. Evaluation copies
+    of completed user-code jobs come last, on GPUs the plan left free
+    (:mod:`services.scheduler.live.evaluations`).
     """
     jobs = {j.job_id: j for j in request.jobs}
     copies = plan.copies()
@@ -129,11 +132,13 @@ def plan_to_events(plan: Plan, request: PlanRequest, state: SchedulerState, timi
     for (job_id, _), rate in rates.items():
         total_rate[job_id] = total_rate.get(job_id, 0.0) + rate
     ts = timing.started_at
+    evaluations = evaluation_assignments(plan, request, state, round_=timing.round, ts=ts,
+                                         deadline=timing.ends_at, source=source)
     events: list[Event] = [RoundStarted(
         ts=ts, source=source, round=timing.round, policy=choice.name, policy_options=choice.options_json,
         seed=seed, round_s=timing.round_s, heartbeat_s=timing.heartbeat_s, started_at=timing.started_at,
         ends_at=timing.ends_at, nodes=tuple(n.node_id for n in request.cluster.nodes),
-        assignments=sum(len(p) for p in copies.values()),
+        assignments=sum(len(p) for p in copies.values()) + len(evaluations),
         waiting=tuple(Waiting(job_id=w.job_id, code=w.code.value, detail=w.detail[:200]) for w in plan.waiting),
         decision_ms=decision_ms, inputs=dict(sorted(inputs.items())),
         queues=plan.state.standings if isinstance(plan.state, QueuedState) else (),
@@ -171,4 +176,5 @@ def plan_to_events(plan: Plan, request: PlanRequest, state: SchedulerState, timi
                 deadline=timing.ends_at, start_from=record.model_key, rendezvous=rendezvous, peers=peers,
                 copies=fork[job_id][0], fork_workers=fork[job_id][1],
             ))
+    events.extend(evaluations)
     return events

@@ -388,7 +388,7 @@ class SchedulerService:
             ended = self.state.rounds.get(previous_round)
             if ended is not None and ended.assignments:
                 self.costs.consolidation(previous_round, self.clock.time() - ended.started.ends_at)
-            if not self.state.active_jobs():
+            if not self.state.active_jobs() and not self.state.awaiting_evaluation(self.clock.time()):
                 self.telemetry.went_idle()
                 if await self._wait_for(lambda: bool(self.state.active_jobs()), 1.0):
                     # From idle the round starts with the new job: planned before its estimate

@@ -81,6 +81,14 @@ class JobRecord:
     progress_round: int = -1            # latest round whose model added steps
     runs_since_progress: int = 0        # rounds run after ``progress_round``
     last_outcome: str = ""              # why the latest decided round added nothing ("" if it did)
+    # User code's final model, evaluated by an evaluation copy on an agent (services/scheduler/live/evaluations.py)
+    evaluations: int = 0                # evaluation copies placed
+    last_evaluation_round: int = -1
+    last_evaluation_deadline: float = 0.0
+    last_evaluation_reported: bool = False   # the latest try's report came (with or without a metric)
+    final_metric_name: str = ""
+    final_metric: float | None = None
+    evaluation_failure: str = ""        # why the latest evaluation copy gave no metric
 
     @property
     def active(self) -> bool:
@@ -122,6 +130,8 @@ class RoundRecord:
 FINISHED_KEPT = 1024    # completed or cancelled jobs whose records stay in memory (views, the demo)
 SEEN_WINDOW = 65_536   # event ids remembered for dedupe (~8 MB): far more than one commit interval
 ROUNDS_KEPT = 64       # rounds kept in memory; older ones live on in the log only
+MAX_EVALUATIONS = 3    # tries at a user-code job's final-model metric before it is left without one
+EVALUATION_REPORT_S = 60.0   # after its deadline, an evaluation copy that has not reported is tried again
 
 
 @snapshot_type("scheduler.SchedulerState", formerly="services.scheduler.state.SchedulerState")
@@ -258,6 +268,12 @@ class SchedulerState:
         job = self.jobs.get(e.job_id)
         if job is None:
             return
+        if e.evaluation:   # after the job: not training time, not a round it ran
+            if job.last_evaluation_round != e.round:
+                job.evaluations += 1
+                job.last_evaluation_round, job.last_evaluation_deadline = e.round, e.deadline
+                job.last_evaluation_reported = False
+            return
         job.attained_gpu_s += seconds * len(e.gpus)
         job.time_by_type[e.gpu_type] = job.time_by_type.get(e.gpu_type, 0.0) + seconds
         if job.last_round != e.round:
@@ -277,10 +293,25 @@ class SchedulerState:
 
     def _on_CopyFinished(self, e: CopyFinished) -> None:
         job = self.jobs.get(e.job_id)
+        if e.evaluation:
+            if job is not None and self._evaluation_placed(e):
+                job.last_evaluation_reported |= e.round == job.last_evaluation_round
+                if e.status == "ok" and e.metric_name and e.start_metric is not None:
+                    job.final_metric_name, job.final_metric = e.metric_name, e.start_metric
+                else:
+                    job.evaluation_failure = (e.reason or "the script reported no metric of its start")[:200]
+            return
         if job is not None and e.status != "failed":
             key = (e.round, e.copy)
             workers = self._copy_workers(e.job_id, e.round, e.copy, default=job.spec.workers)
             job.live_steps[key] = max(job.live_steps.get(key, 0), e.steps_round * workers)
+
+    def _evaluation_placed(self, e: CopyFinished) -> bool:
+        """Whether ``e`` reports an evaluation copy placed on its node (its round kept)."""
+        record = self.rounds.get(e.round)
+        return record is not None and any(
+            a.evaluation and a.job_id == e.job_id and a.copy == e.copy and a.node_id == e.node_id
+            for a in record.assignments)
 
     def _copy_workers(self, job_id: str, round_: int, copy: int, *, default: int) -> int:
         """The copy's world size, from its Assignment when the round is kept."""
@@ -348,6 +379,17 @@ class SchedulerState:
     def active_jobs(self) -> list[JobRecord]:
         """Active jobs in submission order (ties by id): the order snapshots list them."""
         return sorted((j for j in self.jobs.values() if j.active), key=lambda j: (j.submitted_at, j.spec.job_id))
+
+    def awaiting_evaluation(self, now: float) -> list[JobRecord]:
+        """Completed user-code jobs whose final model has no metric yet and may be evaluated
+        at ``now``: fewer than MAX_EVALUATIONS tries, the latest of them reported or
+        EVALUATION_REPORT_S past its deadline (its report lost). Oldest completion first."""
+        due = [j for j in self.jobs.values()
+               if j.completed_at is not None and j.spec.code is not None and j.final_metric is None
+               and j.evaluations < MAX_EVALUATIONS
+               and (j.evaluations == 0 or j.last_evaluation_reported
+                    or now >= j.last_evaluation_deadline + EVALUATION_REPORT_S)]
+        return sorted(due, key=lambda j: (j.completed_at or 0.0, j.spec.job_id))
 
     def unrated_jobs(self) -> list[str]:
         """Active jobs no ThroughputEstimate has rated yet, in submission order."""

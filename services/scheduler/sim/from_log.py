@@ -121,7 +121,7 @@ def live_workload(events: Iterable[Event], *, since: float = 0.0) -> LiveWorkloa
             completed[e.job_id] = e
         elif isinstance(e, RoundStarted):
             rounds.append(e)
-        elif isinstance(e, Assignment):
+        elif isinstance(e, Assignment) and not e.evaluation:   # an evaluation copy trains nothing
             placed[e.round].append(Placement(job_id=e.job.job_id, copy=e.copy, node_id=e.node_id, gpus=e.gpus))
     planned_on = {node for r in rounds for node in r.nodes} & set(nodes)
     if not rounds or not planned_on or not submitted:
