@@ -49,6 +49,8 @@ def add_tracker_parser(services: argparse._SubParsersAction,
     parser.add_argument("--consolidation-threads", type=int, default=None,
                         help="threads that average a round's replicas "
                              "(default: 1; more only help with spare memory bandwidth)")
+    parser.add_argument("--consolidation-jobs", type=int, default=None,
+                        help="jobs whose rounds are consolidated at once, each job's in order (default: 4)")
     parser.add_argument("--keep-round-models", type=int, default=None,
                         help="round models kept per running job, the latest ones (default: 2, at least 1)")
     parser.add_argument("--keep-checkpoints", dest="delete_checkpoints", action="store_const", const=False,
@@ -74,7 +76,7 @@ def tracker_config(args: argparse.Namespace) -> TrackerConfig:
 
     flags = {"group": args.group, "mode": args.mode, "finish_timeout_s": args.finish_timeout_s,
              "tick_s": args.tick_s, "max_attempts": args.max_attempts, "temp_dir": args.temp_dir,
-             "consolidation_threads": args.consolidation_threads,
+             "consolidation_threads": args.consolidation_threads, "consolidation_jobs": args.consolidation_jobs,
              "keep_round_models": args.keep_round_models, "delete_checkpoints": args.delete_checkpoints,
              "delete_completed_models": args.delete_completed_models,
              "straggler_sweep_s": args.straggler_sweep_s, "snapshot_every": args.snapshot_every,

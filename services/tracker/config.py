@@ -37,7 +37,10 @@ class TrackerConfig:
     scheduler's default ``consolidation_wait_s`` of 60 s. ``chunk_bytes``: accumulator
     chunk, also the size of each ranged read from the store. ``consolidation_threads``:
     threads that average a round's chunks (1..256; default 1, see
-    :func:`default_consolidation_threads`; the model is the same bytes whatever the number). ``temp_dir``: where
+    :func:`default_consolidation_threads`; the model is the same bytes whatever the number).
+    ``consolidation_jobs``: jobs whose due rounds are consolidated at once (1..64; one job's
+    rounds always in order), so one job's download overlaps another's averaging and upload,
+    and the next round no longer waits for the jobs one after another. ``temp_dir``: where
     consolidated models are staged (None: the system's). An invalid value raises
     :class:`~shared.runtime.config.FieldError` naming the field.
 
@@ -65,6 +68,7 @@ class TrackerConfig:
     max_attempts: int = 6
     chunk_bytes: int = 8 << 20
     consolidation_threads: int = field(default_factory=default_consolidation_threads)
+    consolidation_jobs: int = 4
     temp_dir: str | None = None
     keep_round_models: int = 2
     delete_checkpoints: bool = True
@@ -92,6 +96,8 @@ class TrackerConfig:
         if not 1 <= self.consolidation_threads <= MAX_CONSOLIDATION_THREADS:
             raise FieldError("consolidation_threads",
                              f"must be in 1..{MAX_CONSOLIDATION_THREADS}, got {self.consolidation_threads}")
+        if not 1 <= self.consolidation_jobs <= 64:
+            raise FieldError("consolidation_jobs", f"must be in 1..64, got {self.consolidation_jobs}")
         if not 1 <= self.keep_round_models <= 1_000_000:
             raise FieldError("keep_round_models", f"must be in 1..1000000, got {self.keep_round_models}")
         if not 0 <= self.straggler_sweep_s <= 1e9:

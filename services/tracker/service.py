@@ -7,9 +7,10 @@ the one before, none: the log start) and replays, from the offsets it covers, ev
 RoundStarted, then hadar.jobs, hadar.placements, hadar.models and hadar.progress, to
 rebuild its state -- placements before the events checked against them, and every
 RoundStarted first because its partition is not its Assignments' -- then follows them in
-consumer group ``config.group``; a worker consolidates due rounds one at a time, off the
-event loop, and after every ``snapshot_every`` rounds it decided writes a snapshot (the
-newest ``snapshots_kept`` are kept; a failed write is logged, counted in
+consumer group ``config.group``; a worker consolidates due rounds off the event loop, the
+rounds of ``config.consolidation_jobs`` jobs at once (one job's rounds always in order), and
+after every ``snapshot_every`` rounds it decided writes a snapshot (the newest
+``snapshots_kept`` are kept; a failed write is logged, counted in
 ``hadar_tracker_snapshots{outcome}`` and tried again ``snapshot_every`` rounds later).
 
 Guarantees:
@@ -247,19 +248,11 @@ class TrackerService:
         completions = self.state.due_completions()
         self._attempts.retain([("round", w.job_id, w.round) for w in rounds]
                               + [("complete", c.job_id, 0) for c in completions])
+        by_job: dict[str, list[DueRound]] = {}
         for work in rounds:
-            if self._stopping:
-                break  # drain: the round in progress (if any) finished; start no new one
-            key = ("round", work.job_id, work.round)
-            if self._attempts.waiting(key, time.monotonic()):
-                continue
-            try:
-                await self._round(work)
-                self._attempts.succeeded(key)
-            except Exception as exc:
-                if self._failed("consolidate", exc, key, job=work.job_id, round=work.round):
-                    await self._give_up(work)
-                    self._m.given_up.inc()
+            by_job.setdefault(work.job_id, []).append(work)
+        slots = asyncio.Semaphore(self.config.consolidation_jobs)
+        await asyncio.gather(*(self._job_rounds(works, slots) for works in by_job.values()))
         for completion in self.state.due_completions():
             key = ("complete", completion.job_id, 0)
             if self._stopping or self._attempts.waiting(key, time.monotonic()):
@@ -277,6 +270,23 @@ class TrackerService:
         self._m.open.set(self.state.open_rounds())
         for kind, size in self.state.sizes().items():
             self._m.entries.labels(kind=kind).set(size)
+
+    async def _job_rounds(self, works: list[DueRound], slots: asyncio.Semaphore) -> None:
+        """One job's due rounds, in order; other jobs' run beside them, ``consolidation_jobs`` at once."""
+        for work in works:
+            key = ("round", work.job_id, work.round)
+            if self._attempts.waiting(key, time.monotonic()):
+                continue
+            async with slots:
+                if self._stopping:
+                    return  # drain: rounds in progress finish; none starts
+                try:
+                    await self._round(work)
+                    self._attempts.succeeded(key)
+                except Exception as exc:
+                    if self._failed("consolidate", exc, key, job=work.job_id, round=work.round):
+                        await self._give_up(work)
+                        self._m.given_up.inc()
 
     async def _give_up(self, work: DueRound) -> None:
         """After the last failed attempt: announce the round as abandoned if the bus takes it;

@@ -385,3 +385,51 @@ async def test_a_two_worker_job_forked_into_two_one_worker_copies_is_credited_ha
         assert service.state.consolidated_worker_steps("j-half") == 121
     finally:
         await service.stop()
+
+
+class SlowUploadStore:
+    """A LocalStore whose model uploads take 0.3 s each, recording how many jobs upload at once."""
+
+    def __init__(self, inner: LocalStore) -> None:
+        self._inner = inner
+        self.uploading: set[str] = set()
+        self.most_at_once = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    async def put_file(self, key: str, path: Path, *, owner: str | None = None) -> None:
+        if key.startswith("models/") and not key.endswith(".optim.safetensors"):
+            job_id = key.split("/")[1]
+            self.uploading.add(job_id)
+            self.most_at_once = max(self.most_at_once, len(self.uploading))
+            await asyncio.sleep(0.3)
+            self.uploading.discard(job_id)
+        await self._inner.put_file(key, path, owner=owner)
+
+
+@pytest.mark.parametrize("jobs_at_once", [1, 3])
+async def test_rounds_of_several_jobs_are_consolidated_at_once_up_to_the_setting(
+        memory_bus: MemoryBus, local_store: LocalStore, jobs_at_once: int) -> None:
+    """Three jobs' rounds due together: with ``consolidation_jobs`` 3 their uploads overlap
+    (the next round does not wait for them one after another); with 1 they never do."""
+    store = SlowUploadStore(local_store)
+    config = TrackerConfig(group=f"tracker-{uuid.uuid4().hex[:8]}", tick_s=0.05, chunk_bytes=256,
+                           consolidation_jobs=jobs_at_once)
+    service = TrackerService(bus=memory_bus, store=store, config=config, clock=FakeClock(T0))  # type: ignore[arg-type]
+    jobs = [spec(f"j-at-once-{i}") for i in range(3)]
+    started = T0
+    await memory_bus.publish(RoundStarted(ts=started, source="scheduler", round=0, policy="hadare",
+                                          started_at=started, ends_at=started + 360, assignments=3))
+    for copy, job in enumerate(jobs):   # one copy each, on nodes n0, n1, n2
+        await memory_bus.publish(Assignment(ts=started, source="scheduler", round=0, job=job, copy=copy,
+                                            node_id=f"n{copy}", gpus=(0,), gpu_type="V100", world_size=1,
+                                            ranks=(0,), step_budget=1_000, deadline=started + 360))
+        await finish(memory_bus, local_store, job.job_id, 0, copy, steps=10)
+    await service.start()
+    try:
+        for job in jobs:
+            await wait_for(memory_bus, job.job_id, lambda es: bool(consolidations(es)))
+    finally:
+        await service.stop()
+    assert store.most_at_once == jobs_at_once
