@@ -13,6 +13,7 @@ from shared.bus import MemoryBus
 from shared.clock import FakeClock
 from shared.wire.events import (
     Assignment,
+    CopyFinished,
     CopyWeight,
     GpuInfo,
     JobCancelled,
@@ -185,9 +186,19 @@ async def test_an_idle_scheduler_places_a_new_job_in_its_first_round() -> None:
         await bus.stop()
 
 
+async def _evaluations(bus: MemoryBus, count: int) -> list[Assignment]:
+    for _ in range(100):
+        placed = [e for e in await _placements(bus) if isinstance(e, Assignment) and e.evaluation]
+        if len(placed) >= count:
+            return placed
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"fewer than {count} evaluation copies were placed")
+
+
 async def test_an_idle_scheduler_still_evaluates_the_final_model_of_a_completed_user_job() -> None:
     """The last job completing leaves the cluster idle, yet its final model (user code) still
-    needs its evaluation copy: the scheduler plans a round for it alone, and no more."""
+    needs its evaluation copy: the scheduler plans a round for it alone, once more after a
+    try without a metric, and no more once one reports it; replay re-derives every round."""
     bus = MemoryBus()
     await bus.start()
     config = SchedulerConfig(policy="yarn-cs", round_s=0.5, heartbeat_s=1000, late_copy_s=0, consolidation_wait_s=0)
@@ -202,14 +213,22 @@ async def test_an_idle_scheduler_still_evaluates_the_final_model_of_a_completed_
         await bus.publish(JobCompleted(ts=now, source="tracker", job_id="mine",
                                        final_key="models/mine/final.safetensors", total_steps=100, jct_s=0.0,
                                        completed_at=now))
-        for _ in range(100):
-            if any(isinstance(e, Assignment) for e in await _placements(bus)):
-                break
-            await asyncio.sleep(0.05)
+        (first,) = await _evaluations(bus, 1)
+        assert (first.job_id, first.start_from, first.node_id) == ("mine", "models/mine/final.safetensors", "n1")
         await asyncio.sleep(1.5)   # three more rounds' time: the try is in flight, nothing is re-placed
-        placed = [e for e in await _placements(bus) if isinstance(e, Assignment)]
-        assert [(e.job_id, e.evaluation, e.start_from) for e in placed] == [
-            ("mine", True, "models/mine/final.safetensors")]
+        assert len(await _evaluations(bus, 1)) == 1
+
+        def report(a: Assignment, **outcome: object) -> CopyFinished:
+            return CopyFinished(ts=time.time(), source="agent/n1", job_id="mine", round=a.round, copy=0,
+                                node_id="n1", steps_round=0, evaluation=True, **outcome)  # type: ignore[arg-type]
+
+        await bus.publish(report(first, status="failed", reason="the script crashed"))
+        second = (await _evaluations(bus, 2))[1]
+        await bus.publish(report(second, status="ok", metric_name="accuracy", start_metric=0.9))
+        await asyncio.sleep(1.5)
+        assert len(await _evaluations(bus, 1)) == 2
+        assert service.state.jobs["mine"].final_metric == 0.9
+        assert all(c.matches for c in rerun(await _log(bus)))
     finally:
         await service.stop()
         await bus.stop()
