@@ -13,6 +13,10 @@ Guarantees:
   A refused event changes nothing and is reported once, with its reason and the
   ``origin`` it was applied with, by ``drain_refusals``. A late event (a round already
   decided, a job already finished) or a repeat changes nothing and is not refused.
+* Evaluation copies (``Assignment.evaluation``: a completed user-code job's final model
+  measured on an agent, :mod:`services.scheduler.live.evaluations`) train nothing: they
+  count toward their round's Assignments, but open no round of their job, and their
+  CopyFinished is neither taken nor refused.
 * Held, not lost: a CopyFinished whose copy has no Assignment yet (the topics are read in
   parallel) is held, and judged again when an Assignment of its (job, round) arrives,
   when all of the round's placements are known (RoundStarted.assignments of them), or
@@ -177,7 +181,7 @@ class TrackerState:
         was_complete = self._index.complete(e.round)
         self._index.place(e.round, e.job_id, e.copy, e.node_id)
         changed = False
-        if e.job_id not in self._finished:
+        if e.job_id not in self._finished and not e.evaluation:   # an evaluation copy trains nothing
             job = self._job(e.job_id, e.ts)
             job.spec = job.spec or e.job
             if e.round > job.floor:
@@ -215,6 +219,8 @@ class TrackerState:
         return True
 
     def _on_CopyFinished(self, e: CopyFinished, origin: object) -> bool:
+        if e.evaluation:
+            return False   # a completed job's final model measured (the scheduler's concern): nothing to average
         return self._settle(HeldReport(event=e, origin=origin), self._judge(e))
 
     def _judge(self, e: CopyFinished) -> _Verdict:

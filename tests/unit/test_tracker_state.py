@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tracker_events import (
@@ -16,8 +18,8 @@ from tracker_events import (
     submitted,
 )
 
-from shared.domain.layout import model_key
-from shared.wire.events import JobCancelled, ModelConsolidated
+from shared.domain.layout import final_key, model_key
+from shared.wire.events import CopyFinished, JobCancelled, JobSpec, ModelConsolidated, UserCode
 
 
 def test_round_is_due_once_every_assigned_copy_finished() -> None:
@@ -180,3 +182,20 @@ def test_a_late_copyfinished_of_a_decided_round_is_ignored_not_refused() -> None
                   consolidated(0, {0: 100}, total=100)])
     assert not state.apply(finished(1, 80))
     assert state.drain_refusals() == []
+
+
+def test_an_evaluation_copy_is_never_a_round_of_its_job_but_counts_toward_its_round() -> None:
+    """An evaluation copy (a completed user-code job's final model, measured on an agent)
+    trains nothing: the tracker opens no round for it and takes no report of it, whether it
+    still remembers the job or not; the round it shares with a training copy still comes due."""
+    code = UserCode(digest="a" * 64, size=1, entrypoint="train.py")
+    old = JobSpec(job_id="old", user="u", model="user", dataset="-", batch_size=32, workers=1, iterations=10,
+                  code=code)
+    evaluation = replace(assignment(0, round_=1, node="n2", job=old, budget=0), start_from=final_key("old"),
+                         evaluation=True)
+    report = CopyFinished(ts=T0 + 700, source="agent", job_id="old", round=1, copy=0, node_id="n2", status="ok",
+                          steps_round=0, evaluation=True, metric_name="accuracy", start_metric=0.9)
+    state = fold([submitted(), started(1, 2), assignment(0, round_=1), evaluation, report, finished(0, 100, round_=1)])
+    assert state.jobs() == 1 and state.open_rounds() == 1 and not state.drain_refusals()
+    (work,) = state.due_rounds(T0 + 720, timeout_s=60)
+    assert (work.job_id, work.round) == ("j1", 1)
