@@ -14,7 +14,7 @@ from typing import Any
 
 from services.cli.joblog import TrainingLog
 from services.cli.queueview import job_queue_doc, queue_jobs, queue_of, reclaim_reason
-from services.scheduler.live.state import JobRecord, SchedulerState
+from services.scheduler.live.state import MAX_EVALUATIONS, JobRecord, SchedulerState
 from services.scheduler.live.stuck import stuck_reason
 from shared.errors import UsageError
 
@@ -90,7 +90,11 @@ def job_doc(state: SchedulerState, job_id: str, *, now: float,
     ``gpus`` maps GPU type to count in its last round. With
     ``training``: ``loss`` (``{"round", "value"}``, the newest round's copies' last reported
     training loss, averaged) and ``metric`` (``{"round", "name", "value"}``, the latest
-    model's held-out metric), each null until reported.
+    model's held-out metric), each null until reported. ``final_evaluation``: for a completed
+    job of user code, how its final model's evaluation copy went
+    (:mod:`services.scheduler.live.evaluations`): ``{"state": "pending" | "measured" |
+    "given up", "tries", "metric": {"name", "value"} | null, "failure": str | null}``; null
+    otherwise (the tracker evaluates zoo models).
     """
     job = state.jobs.get(job_id)
     if job is None:
@@ -108,9 +112,24 @@ def job_doc(state: SchedulerState, job_id: str, *, now: float,
         "rounds_run": job.rounds_run, "attained_gpu_s": round(job.attained_gpu_s, 1),
         "latest_model": job.model_key, "final_model": job.final_key,
         "jct_s": None if job.completed_at is None else round(job.completed_at - job.submitted_at, 3),
-        "queue": job_queue_doc(state, job, now),
+        "queue": job_queue_doc(state, job, now), "final_evaluation": final_evaluation_doc(job),
         **((training or TrainingLog()).latest(job_id)),
     }
+
+
+def final_evaluation_doc(job: JobRecord) -> dict[str, Any] | None:
+    """How a completed user-code job's final model was measured (see :func:`job_doc`)."""
+    if job.completed_at is None or job.spec.code is None:
+        return None
+    if job.final_metric is not None:
+        state = "measured"
+    elif job.evaluations >= MAX_EVALUATIONS and job.last_evaluation_reported:
+        state = "given up"
+    else:
+        state = "pending"
+    return {"state": state, "tries": job.evaluations,
+            "metric": None if job.final_metric is None else {"name": job.final_metric_name, "value": job.final_metric},
+            "failure": job.evaluation_failure or None}
 
 
 def select_jobs(state: SchedulerState, *, include_done: bool, states: Collection[str] = (),

@@ -112,6 +112,8 @@ def test_a_user_script_forks_consolidates_and_loads_with_its_own_builder(tmp_pat
                         f"logs in {tmp_path}")
         logs = _hadar(["logs", job_id, "--json"], env)
         assert logs.returncode == 0, logs.stderr
+        status = _hadar(["status", job_id, "--json"], env)
+        assert status.returncode == 0, status.stderr
     finally:
         stop_services(procs)
         records = asyncio.run(_read_log(kafka.bootstrap))
@@ -164,3 +166,6 @@ def test_a_user_script_forks_consolidates_and_loads_with_its_own_builder(tmp_pat
     # held-out accuracy of exactly the file `hadar model` gives.
     assert doc["final_model"]["metric"]["by"] == "agent"
     assert doc["final_model"]["metric"]["value"] == pytest.approx(accuracy, abs=1e-6)
+    final_evaluation = json.loads(status.stdout)["final_evaluation"]
+    assert final_evaluation["state"] == "measured" and final_evaluation["tries"] == 1
+    assert final_evaluation["metric"]["value"] == pytest.approx(accuracy, abs=1e-6)

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from services.agent.daemon.validation import assignment_problem
 from services.cli.joblog import TrainingLog
+from services.cli.jobview import job_doc
 from services.scheduler.core.policy import Placement, Plan
 from services.scheduler.live.rounds import RoundTiming, build_request, plan_to_events
 from services.scheduler.live.state import EVALUATION_REPORT_S, MAX_EVALUATIONS, SchedulerState
@@ -172,3 +173,34 @@ def test_hadar_logs_shows_the_evaluation_as_the_final_models_metric() -> None:
     assert doc["latest"]["metric"] == {"round": 0, "name": "accuracy", "value": 0.97}
     evaluation_row = next(r for r in doc["rounds"] if r["round"] == 1)["copies"][0]
     assert evaluation_row["evaluation"] is True and evaluation_row["step_budget"] == 0
+
+
+def test_hadar_status_says_how_the_final_models_evaluation_went() -> None:
+    state = completed_state(spec("u1"), spec("zoo", code=None))
+    assert job_doc(state, "zoo", now=T0 + 100)["final_evaluation"] is None   # the tracker evaluates zoo models
+    doc = job_doc(state, "u1", now=T0 + 100)["final_evaluation"]
+    assert doc == {"state": "pending", "tries": 0, "metric": None, "failure": None}
+    for round_ in range(1, 1 + MAX_EVALUATIONS):
+        for a in evaluations(plan_round(state, round_)):
+            state.apply(report(a, metric=None, status="failed"))
+    doc = job_doc(state, "u1", now=T0 + 100)["final_evaluation"]
+    assert doc == {"state": "given up", "tries": MAX_EVALUATIONS, "metric": None, "failure": "crashed"}
+    other = completed_state(spec("u2"))
+    (a,) = evaluations(plan_round(other, 1))
+    other.apply(report(a, metric=0.97))
+    doc = job_doc(other, "u2", now=T0 + 100)["final_evaluation"]
+    assert doc == {"state": "measured", "tries": 1, "metric": {"name": "accuracy", "value": 0.97}, "failure": None}
+
+
+def test_a_report_folded_before_its_assignment_still_counts() -> None:
+    """A viewer (``hadar status``) and a restarted scheduler fold placements after progress:
+    the evaluation's report waits for its Assignment, then counts."""
+    live = completed_state(spec("u1"))
+    (a,) = evaluations(plan_round(live, 1))
+    viewer = completed_state(spec("u1"))
+    viewer.apply(RoundStarted(ts=a.ts, source="s", round=1, policy="x", started_at=a.ts, ends_at=a.deadline))
+    viewer.apply(report(a, metric=0.97))
+    assert viewer.jobs["u1"].final_metric is None
+    viewer.apply(a)
+    assert viewer.jobs["u1"].final_metric == 0.97 and viewer.jobs["u1"].last_evaluation_reported
+    assert not viewer.awaiting_evaluation(a.deadline + 1000)

@@ -89,6 +89,10 @@ class JobRecord:
     final_metric_name: str = ""
     final_metric: float | None = None
     evaluation_failure: str = ""        # why the latest evaluation copy gave no metric
+    evaluation_placed: set[tuple[int, str]] = field(default_factory=set)   # (round, node) of each try
+    # reports of evaluation copies whose Assignment is not folded yet (a viewer folds placements last):
+    # (round, node) -> (status, metric name, metric, reason)
+    evaluation_reports: dict[tuple[int, str], tuple[str, str, float | None, str]] = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
@@ -132,6 +136,7 @@ SEEN_WINDOW = 65_536   # event ids remembered for dedupe (~8 MB): far more than 
 ROUNDS_KEPT = 64       # rounds kept in memory; older ones live on in the log only
 MAX_EVALUATIONS = 3    # tries at a user-code job's final-model metric before it is left without one
 EVALUATION_REPORT_S = 60.0   # after its deadline, an evaluation copy that has not reported is tried again
+MAX_EVALUATIONS_HELD = 16    # evaluation reports per job waiting for their Assignment (forged ones cannot grow it)
 
 
 @snapshot_type("scheduler.SchedulerState", formerly="services.scheduler.state.SchedulerState")
@@ -273,6 +278,8 @@ class SchedulerState:
                 job.evaluations += 1
                 job.last_evaluation_round, job.last_evaluation_deadline = e.round, e.deadline
                 job.last_evaluation_reported = False
+            job.evaluation_placed.add((e.round, e.node_id))
+            _settle_evaluation(job, e.round, e.node_id)
             return
         job.attained_gpu_s += seconds * len(e.gpus)
         job.time_by_type[e.gpu_type] = job.time_by_type.get(e.gpu_type, 0.0) + seconds
@@ -294,24 +301,15 @@ class SchedulerState:
     def _on_CopyFinished(self, e: CopyFinished) -> None:
         job = self.jobs.get(e.job_id)
         if e.evaluation:
-            if job is not None and self._evaluation_placed(e):
-                job.last_evaluation_reported |= e.round == job.last_evaluation_round
-                if e.status == "ok" and e.metric_name and e.start_metric is not None:
-                    job.final_metric_name, job.final_metric = e.metric_name, e.start_metric
-                else:
-                    job.evaluation_failure = (e.reason or "the script reported no metric of its start")[:200]
+            if job is not None and len(job.evaluation_reports) < MAX_EVALUATIONS_HELD:
+                job.evaluation_reports.setdefault((e.round, e.node_id),
+                                                  (e.status, e.metric_name, e.start_metric, e.reason[:200]))
+                _settle_evaluation(job, e.round, e.node_id)
             return
         if job is not None and e.status != "failed":
             key = (e.round, e.copy)
             workers = self._copy_workers(e.job_id, e.round, e.copy, default=job.spec.workers)
             job.live_steps[key] = max(job.live_steps.get(key, 0), e.steps_round * workers)
-
-    def _evaluation_placed(self, e: CopyFinished) -> bool:
-        """Whether ``e`` reports an evaluation copy placed on its node (its round kept)."""
-        record = self.rounds.get(e.round)
-        return record is not None and any(
-            a.evaluation and a.job_id == e.job_id and a.copy == e.copy and a.node_id == e.node_id
-            for a in record.assignments)
 
     def _copy_workers(self, job_id: str, round_: int, copy: int, *, default: int) -> int:
         """The copy's world size, from its Assignment when the round is kept."""
@@ -427,6 +425,20 @@ class SchedulerState:
         ran = {a.job_id for a in record.assignments}
         return sorted(j for j in ran if j in self.jobs and self.jobs[j].active
                       and self.jobs[j].decided_round < round_)
+
+
+def _settle_evaluation(job: JobRecord, round_: int, node_id: str) -> None:
+    """Take the report of the evaluation copy of ``round_`` on ``node_id`` once both it and its
+    Assignment are folded, in either order (a report from a node no try was placed on stays
+    unmatched and changes nothing)."""
+    if (round_, node_id) not in job.evaluation_placed or (round_, node_id) not in job.evaluation_reports:
+        return
+    status, name, value, reason = job.evaluation_reports.pop((round_, node_id))
+    job.last_evaluation_reported |= round_ == job.last_evaluation_round
+    if status == "ok" and name and value is not None:
+        job.final_metric_name, job.final_metric = name, value
+    else:
+        job.evaluation_failure = reason or "the script reported no metric of its start"
 
 
 def merge_rates(rates: dict[tuple[str, str, int], tuple[str, float]], e: ThroughputEstimate) -> None:
