@@ -90,9 +90,10 @@ class JobRecord:
     final_metric: float | None = None
     evaluation_failure: str = ""        # why the latest evaluation copy gave no metric
     evaluation_placed: set[tuple[int, str]] = field(default_factory=set)   # (round, node) of each try
-    # reports of evaluation copies whose Assignment is not folded yet (a viewer folds placements last):
-    # (round, node) -> (status, metric name, metric, reason)
-    evaluation_reports: dict[tuple[int, str], tuple[str, str, float | None, str]] = field(default_factory=dict)
+    # the latest report of an evaluation copy from each node, until its Assignment is folded (a
+    # viewer folds placements last): node -> (round, status, metric name, metric, reason). One per
+    # node, so a node can hold back no other node's report.
+    evaluation_reports: dict[str, tuple[int, str, str, float | None, str]] = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
@@ -136,7 +137,6 @@ SEEN_WINDOW = 65_536   # event ids remembered for dedupe (~8 MB): far more than 
 ROUNDS_KEPT = 64       # rounds kept in memory; older ones live on in the log only
 MAX_EVALUATIONS = 3    # tries at a user-code job's final-model metric before it is left without one
 EVALUATION_REPORT_S = 60.0   # after its deadline, an evaluation copy that has not reported is tried again
-MAX_EVALUATIONS_HELD = 16    # evaluation reports per job waiting for their Assignment (forged ones cannot grow it)
 
 
 @snapshot_type("scheduler.SchedulerState", formerly="services.scheduler.state.SchedulerState")
@@ -301,9 +301,9 @@ class SchedulerState:
     def _on_CopyFinished(self, e: CopyFinished) -> None:
         job = self.jobs.get(e.job_id)
         if e.evaluation:
-            if job is not None and len(job.evaluation_reports) < MAX_EVALUATIONS_HELD:
-                job.evaluation_reports.setdefault((e.round, e.node_id),
-                                                  (e.status, e.metric_name, e.start_metric, e.reason[:200]))
+            if job is not None:
+                job.evaluation_reports[e.node_id] = (e.round, e.status, e.metric_name, e.start_metric,
+                                                     e.reason[:200])
                 _settle_evaluation(job, e.round, e.node_id)
             return
         if job is not None and e.status != "failed":
@@ -431,9 +431,10 @@ def _settle_evaluation(job: JobRecord, round_: int, node_id: str) -> None:
     """Take the report of the evaluation copy of ``round_`` on ``node_id`` once both it and its
     Assignment are folded, in either order (a report from a node no try was placed on stays
     unmatched and changes nothing)."""
-    if (round_, node_id) not in job.evaluation_placed or (round_, node_id) not in job.evaluation_reports:
+    held = job.evaluation_reports.get(node_id)
+    if held is None or held[0] != round_ or (round_, node_id) not in job.evaluation_placed:
         return
-    status, name, value, reason = job.evaluation_reports.pop((round_, node_id))
+    _, status, name, value, reason = job.evaluation_reports.pop(node_id)
     job.last_evaluation_reported |= round_ == job.last_evaluation_round
     if status == "ok" and name and value is not None:
         job.final_metric_name, job.final_metric = name, value
