@@ -14,7 +14,7 @@ from typing import Any
 
 from services.cli.joblog import TrainingLog
 from services.cli.queueview import job_queue_doc, queue_jobs, queue_of, reclaim_reason
-from services.scheduler.live.state import MAX_EVALUATIONS, JobRecord, SchedulerState
+from services.scheduler.live.state import JobRecord, SchedulerState
 from services.scheduler.live.stuck import stuck_reason
 from shared.errors import UsageError
 
@@ -121,13 +121,7 @@ def final_evaluation_doc(job: JobRecord) -> dict[str, Any] | None:
     """How a completed user-code job's final model was measured (see :func:`job_doc`)."""
     if job.completed_at is None or job.spec.code is None:
         return None
-    if job.final_metric is not None:
-        state = "measured"
-    elif job.evaluations >= MAX_EVALUATIONS and job.last_evaluation_reported:
-        state = "given up"
-    else:
-        state = "pending"
-    return {"state": state, "tries": job.evaluations,
+    return {"state": job.final_evaluation, "tries": job.evaluations,
             "metric": None if job.final_metric is None else {"name": job.final_metric_name, "value": job.final_metric},
             "failure": job.evaluation_failure or None}
 

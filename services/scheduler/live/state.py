@@ -82,8 +82,6 @@ class JobRecord:
     runs_since_progress: int = 0        # rounds run after ``progress_round``
     last_outcome: str = ""              # why the latest decided round added nothing ("" if it did)
     # User code's final model, evaluated by an evaluation copy on an agent (services/scheduler/live/evaluations.py)
-    evaluations: int = 0                # evaluation copies placed
-    last_evaluation_round: int = -1
     last_evaluation_deadline: float = 0.0
     last_evaluation_reported: bool = False   # the latest try's report came (with or without a metric)
     final_metric_name: str = ""
@@ -94,6 +92,25 @@ class JobRecord:
     # viewer folds placements last): node -> (round, status, metric name, metric, reason). One per
     # node, so a node can hold back no other node's report.
     evaluation_reports: dict[str, tuple[int, str, str, float | None, str]] = field(default_factory=dict)
+
+    @property
+    def evaluations(self) -> int:
+        """Evaluation copies placed (one per try, each in its own round)."""
+        return len(self.evaluation_placed)
+
+    @property
+    def last_evaluation_round(self) -> int:
+        return max((r for r, _ in self.evaluation_placed), default=-1)
+
+    @property
+    def final_evaluation(self) -> str:
+        """How the final model's evaluation stands: "measured", "given up" (MAX_EVALUATIONS
+        tries, the last reported without a metric) or "pending"."""
+        if self.final_metric is not None:
+            return "measured"
+        if self.evaluations >= MAX_EVALUATIONS and self.last_evaluation_reported:
+            return "given up"
+        return "pending"
 
     @property
     def active(self) -> bool:
@@ -274,10 +291,8 @@ class SchedulerState:
         if job is None:
             return
         if e.evaluation:   # after the job: not training time, not a round it ran
-            if job.last_evaluation_round != e.round:
-                job.evaluations += 1
-                job.last_evaluation_round, job.last_evaluation_deadline = e.round, e.deadline
-                job.last_evaluation_reported = False
+            if e.round > job.last_evaluation_round:
+                job.last_evaluation_deadline, job.last_evaluation_reported = e.deadline, False
             job.evaluation_placed.add((e.round, e.node_id))
             _settle_evaluation(job, e.round, e.node_id)
             return
