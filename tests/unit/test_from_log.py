@@ -8,6 +8,8 @@ in rounds 1 and 2; the live run completed it 250 s after its submission at T0 + 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from services.scheduler.core.policy import Placement
@@ -114,3 +116,32 @@ def test_an_evaluation_copy_after_completion_is_not_a_placement() -> None:
                             gpu_type="v100", world_size=1, ranks=(0,), step_budget=0, deadline=T0 + 400,
                             start_from="models/j/final.safetensors", evaluation=True)
     assert set(live_workload([*_log(), evaluation]).placements) == {1, 2}
+
+
+def test_a_job_the_live_run_finished_faster_than_its_mean_rate_keeps_its_last_placement() -> None:
+    # Live, the job sped up once it ran alone (2 then 3.5 steps/s on the t4) and was done within
+    # round 1. At the mean rate of 2.75 round 1 trains 275 steps: the recorded rounds end with 25 to
+    # go, and the replay renews round 1's placement, as the live scheduler would have.
+    log = [e for e in _log() if not (isinstance(e, Assignment) and e.round == 2)]
+    log = [dataclasses.replace(e, rates={"t4": 3.5}) if isinstance(e, ThroughputEstimate) and e.ts == T0 + 220
+           else e for e in log]
+    (row,) = compare(live_workload(log), replay=True)
+    assert row.simulated_jct_s == pytest.approx(200 + 25 / 2.75 - 5)
+
+
+def test_a_renewed_placement_never_takes_a_gpu_the_recorded_round_placed() -> None:
+    # The same run, but in round 2 the live scheduler gave the t4 to another job: the lingering job
+    # waits for round 3, when the t4 is free again.
+    other = dataclasses.replace(SPEC, job_id="k", iterations=1_000_000)
+    log = [e for e in _log() if not (isinstance(e, Assignment) and e.round == 2)]
+    log = [dataclasses.replace(e, rates={"t4": 3.5}) if isinstance(e, ThroughputEstimate) and e.ts == T0 + 220
+           else e for e in log]
+    log += [JobSubmitted(ts=T0 + 6, source="cli", job=other, submitted_at=T0 + 6),
+            ThroughputEstimate(ts=T0 + 10, source="profiler", job_id="k", basis="measured", workers=1,  # type: ignore[arg-type]
+                               rates={"t4": 1.0}),
+            RoundStarted(ts=T0 + 300, source="scheduler", round=3, policy="hadar", started_at=T0 + 300,
+                         nodes=("a", "b"), ends_at=T0 + 400, round_s=100.0, seed=3),
+            Assignment(ts=T0 + 200, source="scheduler", round=2, job=other, copy=0, node_id="a", gpus=(0,),
+                       gpu_type="t4", world_size=1, ranks=(0,), step_budget=100, deadline=T0 + 300)]
+    rows = {r.job_id: r for r in compare(live_workload(log), replay=True)}
+    assert rows["j"].simulated_jct_s == pytest.approx(300 + 25 / 2.75 - 5)

@@ -22,7 +22,8 @@ the live one (``JobCompleted.jct_s``), either under the live run's policy (``rep
 it decides afresh, knowing every rate from the start, where the live one began from the
 profiler's first estimates) or placing exactly what the live rounds placed (``replay=True``:
 only time accounting differs -- each move's cost, round-boundary waits, and a rate that
-changed with contention where the simulator holds its mean).
+changed with contention where the simulator holds its mean; a job the live run completed
+keeps its last placement until the replay completes it too, :class:`RecordedPlacements`).
 """
 
 from __future__ import annotations
@@ -55,18 +56,42 @@ __all__ = ["LiveWorkload", "JobComparison", "RecordedPlacements", "live_workload
 
 class RecordedPlacements:
     """A policy placing in round r what the live scheduler placed in its round r (of the jobs
-    still active in the simulation)."""
+    still active in the simulation).
+
+    A job the live run completed but the replay has not by the end of its last recorded round
+    (it sped up at the end, say once it ran alone, where the replay holds its mean rate) keeps
+    its last round's placement, as the live scheduler renews a placement each round until the
+    job is done: whole, and only on GPUs that round's recorded placements and an earlier-ending
+    job's renewal leave free (the job placed longest ago first). A job the live run did not
+    complete is never placed beyond what was recorded."""
 
     name = "recorded"
     forks = True          # the live policy may have forked and mixed: the plans are taken as they were
     mixes_types = True
 
-    def __init__(self, rounds: Mapping[int, tuple[Placement, ...]]) -> None:
+    def __init__(self, rounds: Mapping[int, tuple[Placement, ...]], *, completed: Iterable[str] = ()) -> None:
         self.rounds = rounds
+        last: dict[str, int] = {}
+        for r, placements in rounds.items():
+            for p in placements:
+                last[p.job_id] = max(last.get(p.job_id, r), r)
+        done = set(completed)
+        self._renewable = sorted(
+            ((r, job_id, tuple(p for p in rounds[r] if p.job_id == job_id))
+             for job_id, r in last.items() if job_id in done), key=lambda t: (t[0], t[1]))
 
     def plan(self, request: PlanRequest) -> Plan:
         active = {j.job_id for j in request.jobs}
-        return Plan(placements=tuple(p for p in self.rounds.get(request.round, ()) if p.job_id in active))
+        placed = [p for p in self.rounds.get(request.round, ()) if p.job_id in active]
+        taken = {(p.node_id, g) for p in placed for g in p.gpus}
+        for last_round, job_id, placements in self._renewable:
+            if last_round >= request.round or job_id not in active:
+                continue
+            gpus = {(p.node_id, g) for p in placements for g in p.gpus}
+            if not gpus & taken:
+                taken |= gpus
+                placed.extend(placements)
+        return Plan(placements=tuple(placed))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,7 +176,7 @@ def compare(workload: LiveWorkload, options: SimOptions | None = None, *, replay
     live policy or its recorded placements (module docstring; ``options`` gives the charges, its
     ``round_s`` and ``seed`` are the live run's)."""
     sim_options = dataclasses.replace(options or SimOptions(), round_s=workload.round_s, seed=workload.seed)
-    policy = (RecordedPlacements(workload.placements) if replay
+    policy = (RecordedPlacements(workload.placements, completed=workload.live_jct_s) if replay
               else make_policy(workload.policy, **workload.policy_options))
     result = simulate(policy=policy, cluster=workload.cluster,
                       jobs=workload.jobs, throughput=workload.throughput, options=sim_options,
