@@ -230,3 +230,19 @@ def test_the_cumulative_lp_has_the_literal_lps_optimum(case: tuple[Cluster, list
         assert got is None
     else:
         assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_a_cap_the_lp_without_caps_breaks_is_added_and_binds() -> None:
+    # Two single-GPU jobs of 100 steps at t = 0; one fast GPU (10 steps/s), ten slow ones (1/s).
+    # Without the per-job caps, each job could spread over ten slow GPUs at once: T = 10. With
+    # them, a job holds one GPU at a time: they share the fast GPU, a of T each, and run on a
+    # slow one the rest of T: T (1 + 9 a) = 100 at a = 1/2, so T = 100 / 5.5.
+    from services.scheduler.core.cluster import Node
+    from services.scheduler.core.throughput import ThroughputModel
+    from services.scheduler.sim.bounds import ttd_lower_bound
+
+    cluster = Cluster(name="two-speeds", nodes=(Node(node_id="f", gpus=("fast",)),
+                                                *(Node(node_id=f"s{i}", gpus=("slow",)) for i in range(10))))
+    table = ThroughputModel(rates={("m", "fast", 1): 10.0, ("m", "slow", 1): 1.0})
+    jobs = [TraceJob(job_id=f"j{i}", arrival_s=0.0, job_type="m", workers=1, total_steps=100) for i in range(2)]
+    assert ttd_lower_bound(jobs, cluster, table, fork=False) == pytest.approx(100 / 5.5, rel=1e-6)
