@@ -225,19 +225,19 @@ def ttd_lower_bound(jobs: Sequence[TraceJob], cluster: Cluster, throughput: Thro
     per_type = np.array([[c[0][t] for t in types] for c in caps], dtype=float).reshape(n_jobs, n_types)
     total = np.array([c[1] for c in caps], dtype=float)
 
-    rows_ = _Rows()
+    fixed = _Rows()
     # work: -sum_r y[j,r] <= -1
-    rows_.add(j_idx, y_col[j_idx, r_idx], -np.ones(len(j_idx)), -np.ones(n_jobs))
+    fixed.add(j_idx, y_col[j_idx, r_idx], -np.ones(len(j_idx)), -np.ones(n_jobs))
     # cumulative: seconds y (group k) + C[k+1,r] - C[k,r] <= 0, one row per (k, r)
     kr = np.arange(n_levels * n_types)
     k_of, r_of = kr // n_types, kr % n_types
     nxt = k_of + 1 < n_levels
-    rows_.add(np.concatenate([group[j_idx] * n_types + r_idx, kr, kr[nxt]]),
+    fixed.add(np.concatenate([group[j_idx] * n_types + r_idx, kr, kr[nxt]]),
               np.concatenate([y_col[j_idx, r_idx], c_base + kr, c_base + kr[nxt] + n_types]),
               np.concatenate([coef[j_idx, r_idx], -np.ones(len(kr)), np.ones(int(nxt.sum()))]),
               np.zeros(len(kr)))
     # capacity: C[k,r] - n_r T <= -n_r s_k
-    rows_.add(np.concatenate([kr, kr]), np.concatenate([c_base + kr, np.full(len(kr), t_col)]),
+    fixed.add(np.concatenate([kr, kr]), np.concatenate([c_base + kr, np.full(len(kr), t_col)]),
               np.concatenate([np.ones(len(kr)), -counts[r_of]]), -counts[r_of] * levels[k_of])
 
     pair_cap = per_type[j_idx, r_idx]
@@ -251,7 +251,7 @@ def ttd_lower_bound(jobs: Sequence[TraceJob], cluster: Cluster, throughput: Thro
     cost = np.zeros(n_cols)
     cost[t_col] = 1.0
     while True:
-        cuts = _Rows(rows_)
+        cuts = _Rows(fixed)
         # per job and type: seconds y[j,r] - c[j,r] T <= -c[j,r] s_j
         pick = np.flatnonzero(pair_in)
         at = np.arange(len(pick))
