@@ -243,7 +243,6 @@ def ttd_lower_bound(jobs: Sequence[TraceJob], cluster: Cluster, throughput: Thro
     pair_cap = per_type[j_idx, r_idx]
     pair_in = np.zeros(len(j_idx), dtype=bool)
     job_in = np.zeros(n_jobs, dtype=bool)
-    job_pairs = np.split(np.arange(len(j_idx)), np.searchsorted(j_idx, np.arange(1, n_jobs)))
     lower = np.zeros(n_cols)
     upper = np.full(n_cols, np.inf)
     upper[:t_col] = np.where(usable.ravel(), np.inf, 0.0)
@@ -260,8 +259,8 @@ def ttd_lower_bound(jobs: Sequence[TraceJob], cluster: Cluster, throughput: Thro
                  -pair_cap[pick] * offsets[j_idx[pick]])
         # per job: sum_r seconds y[j,r] - G_j T <= -G_j s_j
         chosen = np.flatnonzero(job_in)
-        members = np.concatenate([job_pairs[j] for j in chosen]) if chosen.size else np.zeros(0, dtype=np.int64)
-        row_of = np.repeat(np.arange(len(chosen)), [len(job_pairs[j]) for j in chosen])
+        members = np.flatnonzero(job_in[j_idx])             # the (job, type) pairs of the chosen jobs
+        row_of = np.searchsorted(chosen, j_idx[members])
         cuts.add(np.concatenate([row_of, np.arange(len(chosen))]),
                  np.concatenate([y_col[j_idx[members], r_idx[members]], np.full(len(chosen), t_col)]),
                  np.concatenate([coef[j_idx[members], r_idx[members]], -total[chosen]]),
