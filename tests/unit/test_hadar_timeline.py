@@ -99,6 +99,21 @@ def test_gangs_that_cannot_run_together_are_serialised_in_the_lp(gpus):
     assert makespan(gang_lp(jobs, profiles, count)) == pytest.approx(alone, rel=1e-6)
 
 
+def test_gangs_too_wide_to_share_the_fast_type_take_turns_on_it():
+    # Two 5-GPU gangs, one node of 8 V100s and three of 8 K80s: only one gang fits on the
+    # V100s at a time, and a gang of both types steps at its K80s' rate, so at best they
+    # take turns on the V100s: T = 2 w / (R_v100 + R_k80). Counting GPU-seconds per type
+    # alone, each would hold 4 V100s and one K80 throughout and be credited both.
+    cluster = Cluster(name="t", nodes=(Node(node_id="v", gpus=("v100",) * 8),
+                                       *(Node(node_id=f"k{i}", gpus=("k80",) * 8) for i in range(3))))
+    work = steps(RESNET50, "v100", 100)
+    jobs = [JobState(job_id=f"g{i}", job_type=RESNET50, workers=5, total_steps=work) for i in range(2)]
+    profiles, count = profiles_of(cluster, jobs)
+    node_rate = {o.label: o.rate for o in profiles["g0"].options if o.one_node}
+    turns = 2 * work / (node_rate["v100@node"] + node_rate["k80@node"])
+    assert makespan(gang_lp(jobs, profiles, count)) == pytest.approx(turns, rel=1e-6)
+
+
 def test_a_part_time_gang_does_not_leave_gpus_to_jobs_that_cannot_fill_them():
     # A 4-GPU gang and three single-GPU jobs of 100 rounds each on five V100s: while the gang
     # runs, one single job can; otherwise three. So 100 + 3 (T - 100) >= 300: T >= 166.7 rounds

@@ -8,6 +8,14 @@ which some wide gang runs (an extra variable, 0 <= tau <= L):
 
 * (a) at most fit = floor(N / w) wide gangs run at once: sum_wide X / W_j <= fit tau
   (X / W_j: the time gang j runs);
+* (a_S) the same within a set S of GPU types, N_S GPUs: a column whose option may use only
+  types of S (a GPU type's one-node option, or a spread option whose eligible types are in
+  S) holds its gang's W_j GPUs all from S, so at most floor(N_S / w) wide gangs run on such
+  columns at once: sum over those columns X / W_j <= floor(N_S / w) L. Without it the LP
+  gives two gangs too wide to share the fast type part of it each, throughout, and credits
+  each GPU at its own type's rate, where a gang of mixed types steps at its slowest
+  worker's. S ranges over the columns' own type sets (a spread option's are the types at
+  least as fast as its slowest: Hadar's levels), so the rows stay few;
 * while a wide gang runs, narrow jobs hold at most N - w GPUs; otherwise narrow job s holds
   at most W_s. So with y_s >= 0 the part of s's GPU-seconds X_s done beside a wide gang:
   (b) X_s - y_s <= W_s (L - tau) for each narrow job s, and (c) sum_s y_s <= (N - w) tau.
@@ -18,7 +26,8 @@ to the GPUs narrow jobs leave idle: a narrow job that is done holds nothing, so 
 longer fills a gang's off-time with work that does not exist. A width is left out where
 its rows cannot cut: at most fit wide gangs and narrow jobs of at most N - w GPUs in all.
 
-Cost: per width and interval, 1 + S variables and S + 3 rows (S narrow jobs).
+Cost: per width and interval, 1 + S variables and S + 3 rows (S narrow jobs), and one row
+per set of types that can cut.
 """
 
 from __future__ import annotations
@@ -46,10 +55,12 @@ class GangRows:
         return n
 
 
-def gang_rows(*, width: np.ndarray, members: np.ndarray, total: float, col_job: np.ndarray) -> GangRows:
+def gang_rows(*, width: np.ndarray, members: np.ndarray, total: float, col_job: np.ndarray,
+              col_types: np.ndarray | None = None, count: np.ndarray | None = None) -> GangRows:
     """The module's rows for LP rows of gang width ``width[j]`` (0: divisible work, no rows),
     each standing for ``members[j]`` gangs (a pooled class), ``total`` GPUs, and columns of
-    jobs ``col_job``."""
+    jobs ``col_job``; with ``col_types[c]`` (bool per GPU type: what column c may hold) and
+    ``count`` (GPUs per type), also the rows (a_S)."""
     n_c = col_job.size
     rows_x: list[tuple[int, int | np.intp, float]] = []   # columns from np.flatnonzero are numpy ints
     rows_e: list[tuple[int, int, float]] = []
@@ -86,9 +97,34 @@ def gang_rows(*, width: np.ndarray, members: np.ndarray, total: float, col_job: 
             rows_e += [(row_c, n_e + i, 1.0) for i in range(narrow.size)] + [(row_c, tau, -(total - w))]
             length.append(0.0)
             n_e += narrow.size
+    if width.size and col_types is not None and count is not None:
+        for on_set, at_once in _set_rows(width, members, col_job, col_types, count):
+            rows_x += [(len(length), c, v) for c, v in on_set]
+            length.append(at_once)
     n_rows = len(length)
     return GangRows(x=_sparse(rows_x, (n_rows, n_c)), extra=_sparse(rows_e, (n_rows, n_e)),
                     length=np.array(length))
+
+
+def _set_rows(width: np.ndarray, members: np.ndarray, col_job: np.ndarray, col_types: np.ndarray,
+              count: np.ndarray) -> list[tuple[list[tuple[int, float]], float]]:
+    """Rows (a_S) that can cut: ([(column, 1 / W)], floor(N_S / w)) per width w and type set S
+    of the wide columns, where S holds fewer GPUs than the cluster and more wide gangs have
+    columns in S than fit on it."""
+    everything = count > 0
+    out = []
+    for w in sorted({float(x) for x in width if x >= 2}):
+        wide_cols = np.flatnonzero(width[col_job] >= w)
+        for key in sorted({col_types[c].tobytes() for c in wide_cols}):
+            s = np.frombuffer(key, dtype=bool)
+            if (everything & ~s).sum() == 0:
+                continue                                    # all types: (a) already holds it
+            fit = math.floor(float(count[s].sum()) / w + 1e-9)
+            inside = wide_cols[~(col_types[wide_cols] & ~s).any(axis=1)]
+            if members[np.unique(col_job[inside])].sum() <= fit + 1e-9:
+                continue
+            out.append(([(int(c), 1.0 / float(width[col_job[c]])) for c in inside], float(fit)))
+    return out
 
 
 def _sparse(entries: Sequence[tuple[int, int | np.intp, float]], shape: tuple[int, int]) -> csr_matrix:

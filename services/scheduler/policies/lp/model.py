@@ -83,6 +83,15 @@ class Columns:
                    cap=np.concatenate([lp.cap_f[j, r], lp.spread_cap[s, q]]),
                    spread=np.concatenate([np.full(j.size, -1), s]).astype(int))
 
+    def type_sets(self, lp: WorkLp) -> np.ndarray:
+        """[c, r]: whether column c's option may hold GPUs of type r (its own type, or every
+        type its spread column is eligible on)."""
+        sets = np.zeros((self.job.size, lp.count.size), dtype=bool)
+        own = self.spread < 0
+        sets[np.flatnonzero(own), self.gpu_type[own]] = True
+        sets[~own] = lp.spread_cap[self.spread[~own]] > 0
+        return sets
+
     def per_spread_type(self, values: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
         """``values[c]`` of the spread columns' variables summed into [spread column, type]."""
         out = np.zeros(shape)
@@ -99,8 +108,10 @@ class Columns:
 
 def gang_rows_of(lp: WorkLp, cols: Columns) -> GangRows:
     """``gang_cuts``' rows for ``lp`` (none when its work is divisible)."""
-    return gang_rows(width=lp.gang_width, members=lp.cap_g / np.maximum(lp.gang_width, 1.0) if lp.gang_width.size
-                     else lp.gang_width, total=float(lp.count.sum()), col_job=cols.job)
+    if not lp.gang_width.size:
+        return gang_rows(width=lp.gang_width, members=lp.gang_width, total=float(lp.count.sum()), col_job=cols.job)
+    return gang_rows(width=lp.gang_width, members=lp.cap_g / np.maximum(lp.gang_width, 1.0),
+                     total=float(lp.count.sum()), col_job=cols.job, col_types=cols.type_sets(lp), count=lp.count)
 
 
 def type_rates(lp: WorkLp) -> np.ndarray:
@@ -152,7 +163,7 @@ def makespan_lp(lp: WorkLp,
     a_ub = coo_matrix((vals, (row_i, col_i)), shape=(r_col + n_c, nv)).tocsr()
     b_ub = np.concatenate([-lp.rem, np.zeros(n_r + n_j + n_c)])
     cuts = gang_rows_of(lp, cols)
-    if cuts.n_extra:                        # X, then T, then the cuts' variables
+    if cuts.length.size:                    # X, then T, then the cuts' variables
         a_ub = hstack([a_ub, csr_matrix((a_ub.shape[0], cuts.n_extra))])
         a_ub = vstack([a_ub, hstack([cuts.x, csr_matrix(-cuts.length[:, None]), cuts.extra])]).tocsr()
         b_ub = np.concatenate([b_ub, np.zeros(cuts.length.size)])

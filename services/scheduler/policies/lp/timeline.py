@@ -112,7 +112,7 @@ def solve(lp: WorkLp, *, round_s: float, horizon_s: float, weights: Sequence[flo
     rhs = [-lp.rem, (lp.count[:, None] * lengths[None, :]).ravel(), (lp.cap_g[:, None] * lengths[None, :]).ravel()]
     cuts = gang_rows_of(lp, cols)
     n_extra = cuts.n_extra * n_k
-    if n_extra:                             # X[c, k] then the cuts' variables E[e, k], rows per interval
+    if cuts.length.size:                    # X[c, k] then the cuts' variables E[e, k], rows per interval
         eye = identity(n_k, format="csr")
         a_ub = vstack([hstack([a_ub, csr_matrix((a_ub.shape[0], n_extra))]),
                        hstack([kron(cuts.x, eye), kron(cuts.extra, eye)])]).tocsr()
