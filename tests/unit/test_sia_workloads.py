@@ -126,6 +126,32 @@ def test_the_spanning_bound_covers_every_shape_across_nodes(table) -> None:
     assert 0 < bounds.ttd_fork_s <= bounds.ttd_nofork_s
 
 
+def test_a_gang_wider_than_a_node_is_not_charged_its_spanning_twice(table) -> None:
+    # rate(job, t, n) beyond a node's size is already the packed placement across nodes, so
+    # a planner's factor for spanning is 1 there: Hadar plans a 10-GPU A100 gang at what
+    # 8 + 2 A100s measure, not 0.8 of it.
+    from services.scheduler.policies.hadar.ledger import RowLayout
+    from services.scheduler.policies.hadar.profile import ProfileBook
+
+    job_type = "imagenet (batch size 1600)"
+    assert table.cross_node_factor(job_type, ["a100"], 10) == 1.0
+    layout = RowLayout.of(parse_cluster("sia-64"))
+    book = ProfileBook(table, types=layout.types, row_type=layout.row_type, row_cap=layout.row_cap)
+    spread = {o.label: o.rate for o in book.get(job_type, 10).options}
+    assert spread["a100+@spread"] == pytest.approx(
+        table.placement_rate(job_type, [Part("a", "a100", 8), Part("b", "a100", 2)]))
+    # Within a node's size: what the slower two-node shape measures against one node (at
+    # most 1: for some, two nodes measure faster).
+    for app, gpu_type, below_one in (("bert (batch size 384)", "t4", True), (job_type, "a100", False)):
+        two_nodes = min(table.shape_rate(app, gpu_type, (3, 1)), table.shape_rate(app, gpu_type, (2, 2)))
+        ratio = two_nodes / table.rate(app, gpu_type, 4)
+        assert table.cross_node_factor(app, [gpu_type], 4) == pytest.approx(min(1.0, ratio))
+        assert (ratio < 1.0) == below_one
+    # Several types: the smallest factor of theirs.
+    assert table.cross_node_factor(job_type, ["a100", "t4"], 4) == min(
+        table.cross_node_factor(job_type, [t], 4) for t in ("a100", "t4"))
+
+
 # ------------------------------------------------------------------ work rule
 
 def test_at_the_smallest_batch_the_work_is_the_progress_column() -> None:

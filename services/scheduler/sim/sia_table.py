@@ -24,6 +24,12 @@ states where each comes from):
   were profiled) runs at the packed rate times ``default_cross_node`` (0.8, as
   ``ThroughputModel``'s own default), so a placement the packed rate allows never stalls.
   ``cross_node=False`` ignores the shape (always the packed rate).
+* ``cross_node_factor(job, types, n)``, what planners (Hadar's spread options) multiply
+  ``rate`` by for a copy that spans nodes: 1 where ``n`` is above a type's node size (its
+  ``rate`` already is the packed placement across nodes; 0.8 on top charged the spanning
+  twice), else the slower two-node shape's rate over one node's; the smallest over
+  ``types``. A placement on more nodes than that may step slower (the planner's drift
+  check re-plans it).
 * With ``n`` workers below the job's ``W`` (a HadarE copy) the copy still steps the full
   global batch; the simulator credits it ``k / W`` of a step per step, so such copies are
   under-credited: these tables are for rigid gangs.
@@ -139,6 +145,23 @@ class ProfiledThroughputModel(ThroughputModel):
             if it is not None:
                 best = max(best, 1.0 / it.seconds)
         return best
+
+    def cross_node_factor(self, job_type: str, gpu_types: Iterable[str], n: int) -> float:
+        if not self.cross_node:
+            return 1.0
+        factors = []
+        for gpu_type in set(gpu_types):
+            size = self.profiled_gpus.get(gpu_type, (0, 0))[0]
+            packed = self.rate(job_type, gpu_type, n)
+            if packed <= 0 or n < 2:
+                continue
+            if n > size:
+                factors.append(1.0)
+                continue
+            two_nodes = min(self.shape_rate(job_type, gpu_type, (n - 1, 1)),
+                            self.shape_rate(job_type, gpu_type, (n - n // 2, n // 2)))
+            factors.append(min(1.0, two_nodes / packed))
+        return min(factors) if factors else self.default_cross_node
 
     def placement_rate(self, job_type: str, parts: Iterable[Part]) -> float:
         parts = [p for p in parts if p.count > 0]
