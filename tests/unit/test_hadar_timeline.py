@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.scheduler.core.cluster import Cluster, Node
-from services.scheduler.core.policy import JobState, PlanRequest
+from services.scheduler.core.policy import JobState, Placement, Plan, PlanRequest
 from services.scheduler.core.throughput import ThroughputModel
 from services.scheduler.policies import make_policy
 from services.scheduler.policies.hadar.ledger import RowLayout
@@ -181,6 +181,23 @@ def test_the_gangs_rounding_credit_is_carried_in_hadars_state_and_survives_a_sna
     state = plan.state
     assert set(state.gang_credit) == {"g0", "g1"} and all(-1.0 <= v <= 1.0 for v in state.gang_credit.values())
     assert unpack(pack(state)).gang_credit == state.gang_credit
+
+
+def test_of_two_equal_jobs_the_one_on_the_fast_type_keeps_it():
+    # Two equal jobs, one V100 and one K80: either may have the V100 this round. Whichever
+    # ran on it last round keeps it (a move costs a restart); the LP no longer flips them.
+    cluster = nodes("v100", "k80")
+    jobs = [JobState(job_id=f"j{i}", job_type=RESNET18, workers=1, total_steps=steps(RESNET18, "v100", 50))
+            for i in range(2)]
+    v100 = RowLayout.of(cluster).types.index("v100")
+    for holder, other in (("j0", "j1"), ("j1", "j0")):
+        _, chosen = critical(cluster, jobs, held={holder: {v100}}, keep_rounds=1.0)
+        assert chosen == {holder: {"v100"}, other: {"k80"}}
+    plan = make_policy("hadar").plan(PlanRequest(
+        round=1, now_s=360.0, round_s=360.0, cluster=cluster, jobs=tuple(jobs), throughput=TP,
+        previous=Plan(placements=(Placement(job_id="j1", copy=0, node_id="n0", gpus=(0,)),
+                                  Placement(job_id="j0", copy=0, node_id="n1", gpus=(0,))))))
+    assert {(p.job_id, p.node_id) for p in plan.placements} == {("j1", "n0"), ("j0", "n1")}
 
 
 def test_a_tight_job_whose_gpus_a_gang_took_runs_on_another_type():

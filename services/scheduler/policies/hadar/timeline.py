@@ -39,6 +39,11 @@ of the types it got (``Hadar._plan_job``):
   counts fully), ties to Smith's order. Its matrix is totally unimodular, so the simplex
   optimum is integral.
 
+Of near-equal plans the LP keeps what runs: a job's work this round on the types it ran on
+last round is valued ``keep_rounds`` rounds earlier (Hadar's KEEP_ROUNDS), since each move
+costs a restart the LP does not see; without it the round's slice flipped gangs between
+types from one round to the next.
+
 The others are planned as before (density order, prices, back-fill), so Hadar's
 primal-dual pricing still decides everything the LP leaves open, and gangs still mix types
 and nodes.
@@ -128,10 +133,12 @@ def end_round(best_rounds: float, *, round_: int, previous: int | None, arrived:
 
 def critical_types(jobs: Sequence[JobState], profiles: Mapping[str, JobProfile], count: np.ndarray, *,
                    round_: int, round_s: float, previous: int | None, arrived: bool, slack: float,
-                   credit: Mapping[str, float] | None = None) -> CriticalRound:
+                   credit: Mapping[str, float] | None = None, held: Mapping[str, set[int]] | None = None,
+                   keep_rounds: float = 0.0) -> CriticalRound:
     """This round's critical jobs by the module's rule (``credit``: the gangs' rounding
-    credit from the previous round); no critical job (and E from the previous round, or -1)
-    when an LP fails.
+    credit from the previous round; ``held``: the GPU type indices each job ran on last
+    round, whose work this round the LP values ``keep_rounds`` earlier, ``lp/timeline``);
+    no critical job (and E from the previous round, or -1) when an LP fails.
 
     Above POOL_ABOVE jobs the LPs run on classes of jobs with the same job type, W and
     power-of-two bucket of remaining rounds (one class: their summed work, summed W,
@@ -149,11 +156,16 @@ def critical_types(jobs: Sequence[JobState], profiles: Mapping[str, JobProfile],
     lp = pool(gang_lp(live, profiles, count), [[at[j.job_id] for j in g] for g in groups])
     weights = [sum(max(j.priority, 1e-9) for j in g) for g in groups]
     growth = 4.0 if len(groups) < len(live) else 2.0
+    keep = np.zeros(lp.rho.shape)
+    for c, group in enumerate(groups):
+        for job in group:
+            keep[c, sorted((held or {}).get(job.job_id, ()))] = 1.0
     end, plan = solve_until(
         lp, kept_end=previous if not arrived else None,
         new_end=lambda best: end_round(best / round_s, round_=round_, previous=previous, arrived=arrived,
                                        slack=slack),
-        horizon_of=lambda e: (e - round_) * round_s, round_s=round_s, weights=weights, growth=growth)
+        horizon_of=lambda e: (e - round_) * round_s, round_s=round_s, weights=weights, growth=growth,
+        keep=keep, keep_rounds=keep_rounds)
     if end is None:
         return CriticalRound(end=kept, chosen=[])
     end = int(end)

@@ -84,11 +84,15 @@ class Timeline:
 
 
 def solve(lp: WorkLp, *, round_s: float, horizon_s: float, weights: Sequence[float] | None = None,
-          growth: float = 2.0, completion_weight: float = 0.0) -> Timeline | None:
+          growth: float = 2.0, completion_weight: float = 0.0, keep: np.ndarray | None = None,
+          keep_rounds: float = 0.0) -> Timeline | None:
     """The module's LP on ``lp`` over [0, ``horizon_s``] (None: no solution, e.g. a horizon
     shorter than the makespan LP's T*); ``weights``: w_j, default 1; ``growth``: of the
     interval lengths (``intervals``); ``completion_weight``: beta of the objective (0: mean
-    busy time alone, as Hadar's critical rule uses it)."""
+    busy time alone, as Hadar's critical rule uses it). ``keep[j, r]``: job j held GPUs of
+    type r last round; its work there this round is valued as if done ``keep_rounds``
+    rounds earlier, so that of near-equal plans the LP keeps what runs (a move costs a
+    restart) instead of flipping between them from round to round."""
     # the cap a hair over the horizon, so that E = now + T* stays feasible in floating point
     lengths = np.array(intervals(horizon_s * (1.0 + 1e-7) + 1e-6, round_s, growth))
     n_j, n_r = lp.rho.shape
@@ -102,6 +106,9 @@ def solve(lp: WorkLp, *, round_s: float, horizon_s: float, weights: Sequence[flo
     x_of = np.arange(nv).reshape(n_c, n_k)
     per_step = np.where(lp.rem > 0, w / np.maximum(lp.rem, 1e-300), 0.0)
     cost = (per_step[cols.job] * cols.rate)[:, None] * (mids / ends[-1])[None, :]
+    if keep is not None and keep_rounds > 0:
+        kept = keep[cols.job, cols.gpu_type] > 0
+        cost[kept, 0] -= per_step[cols.job[kept]] * cols.rate[kept] * keep_rounds * round_s / ends[-1]
     k_i = np.tile(np.arange(n_k), n_c)
     # rows: work (n_j): -sum rate X <= -R; capacity (n_r n_k): sum X[., r, k] <= n_r L_k;
     # per job and interval (n_j n_k): sum X[j, ., k] <= GF_j L_k
@@ -177,7 +184,8 @@ def peak_rates(lp: WorkLp, cols: Columns) -> np.ndarray:
 
 def solve_until(lp: WorkLp, *, kept_end: float | None, new_end: Callable[[float], float],
                 horizon_of: Callable[[float], float], round_s: float, weights: Sequence[float] | None = None,
-                growth: float = 2.0, completion_weight: float = 0.0) -> tuple[float | None, Timeline | None]:
+                growth: float = 2.0, completion_weight: float = 0.0, keep: np.ndarray | None = None,
+                keep_rounds: float = 0.0) -> tuple[float | None, Timeline | None]:
     """(E, plan) for this round, E in the caller's units (``horizon_of(E)``: seconds from
     now to it). The LP runs up to the kept E (None: E must be set or moved) while it still
     has a solution; else up to ``new_end(T*)``, T* from the makespan LP, which is thus
@@ -185,7 +193,7 @@ def solve_until(lp: WorkLp, *, kept_end: float | None, new_end: Callable[[float]
     (E, None) when the timeline LP has none."""
     if kept_end is not None and horizon_of(kept_end) > 0:
         plan = solve(lp, round_s=round_s, horizon_s=horizon_of(kept_end), weights=weights, growth=growth,
-                     completion_weight=completion_weight)
+                     completion_weight=completion_weight, keep=keep, keep_rounds=keep_rounds)
         if plan is not None:
             return kept_end, plan
     best = makespan(lp)
@@ -193,7 +201,7 @@ def solve_until(lp: WorkLp, *, kept_end: float | None, new_end: Callable[[float]
         return None, None
     end = new_end(best)
     return end, solve(lp, round_s=round_s, horizon_s=horizon_of(end), weights=weights, growth=growth,
-                      completion_weight=completion_weight)
+                      completion_weight=completion_weight, keep=keep, keep_rounds=keep_rounds)
 
 
 def job_classes(jobs: Sequence[JobState], rounds: Callable[[JobState], float]) -> list[list[JobState]]:
