@@ -170,23 +170,32 @@ def test_no_policy_beats_its_bound(case: tuple[Cluster, list[TraceJob], float]) 
 # ---------------------------------------------------------------------------- the sparse LP
 
 def dense_bound(jobs: list[TraceJob], cluster: Cluster, *, fork: bool) -> float | None:
-    """The module docstring's LP written out literally: one capacity row per (arrival offset,
-    type) over every job arriving then or later (O(jobs^2) nonzeros; the oracle for the
-    cumulative form ``ttd_lower_bound`` solves)."""
+    """The LP of the docstrings of ``bounds.py`` and ``bound_gangs.py`` written out literally:
+    one capacity row per (arrival offset, type) over every job arriving then or later, and
+    for the no-fork bound one row per (arrival offset, level set S, gang width w) over every
+    gang of width >= w (O(jobs^2) nonzeros; the oracle for the cumulative form, the caps and
+    the set rows that ``ttd_lower_bound`` adds only where they bind)."""
+    import math
+
     import numpy as np
     from scipy.optimize import linprog
 
+    from services.scheduler.sim.bound_gangs import level_columns
     from services.scheduler.sim.bounds import _caps
 
     types = cluster.types
     a0 = min(j.arrival_s for j in jobs)
     s = [j.arrival_s - a0 for j in jobs]
-    rho = [[per_gpu_rate(j.job_type, j.workers, t, cluster, TABLE, gang=not fork) for t in types] for j in jobs]
+    rho = [np.array([per_gpu_rate(j.job_type, j.workers, t, cluster, TABLE, gang=not fork) for t in types])
+           for j in jobs]
     best = [best_fork_rate(j.job_type, j.workers, cluster, TABLE) if fork
             else best_copy_rate(j.job_type, j.workers, cluster, TABLE, gang=True) for j in jobs]
     if min(best) <= 0:
         return None
-    nt, n = len(types), len(jobs) * len(types)   # variables: X[j,r] GPU-seconds, then T
+    # variables: X[c] GPU-seconds per column (job, type, credited rate, type-set mask), then T
+    cols = [(j, r, rate, mask) for j, job in enumerate(jobs)
+            for r, rate, mask in level_columns(rho[j], gang=not fork and job.workers >= 2)]
+    n = len(cols)
     a, b = [], []
 
     def row(entries: dict[int, float], bound: float) -> None:
@@ -197,16 +206,26 @@ def dense_bound(jobs: list[TraceJob], cluster: Cluster, *, fork: bool) -> float 
         b.append(bound)
 
     for j, job in enumerate(jobs):
-        row({j * nt + r: -rho[j][r] for r in range(nt)}, -job.total_steps)
+        mine = [c for c, col in enumerate(cols) if col[0] == j]
+        row({c: -cols[c][2] for c in mine}, -job.total_steps)
         per_type, total = _caps(job, cluster, fork=fork)
         for r, t in enumerate(types):
-            row({j * nt + r: 1.0, n: -per_type[t]}, -per_type[t] * s[j])
-        row({**{j * nt + r: 1.0 for r in range(nt)}, n: -total}, -total * s[j])
+            row({**{c: 1.0 for c in mine if cols[c][1] == r}, n: -per_type[t]}, -per_type[t] * s[j])
+        row({**dict.fromkeys(mine, 1.0), n: -total}, -total * s[j])
+    gangs = [] if fork else sorted({job.workers for job in jobs if job.workers >= 2})
+    masks = sorted({col[3] for col in cols})
     for level in set(s):
         for r, t in enumerate(types):
             count = cluster.gpus_by_type[t]
-            row({**{j * nt + r: 1.0 for j in range(len(jobs)) if s[j] >= level}, n: -count}, -count * level)
-    limits = [(0.0, None if rho[j][r] > 0 else 0.0) for j in range(len(jobs)) for r in range(nt)]
+            row({**{c: 1.0 for c, col in enumerate(cols) if s[col[0]] >= level and col[1] == r}, n: -count},
+                -count * level)
+        for w in gangs:
+            for mask in masks:
+                fit = math.floor(sum(cluster.gpus_by_type[t] for r, t in enumerate(types) if mask >> r & 1) / w + 1e-9)
+                row({**{c: 1.0 / jobs[col[0]].workers for c, col in enumerate(cols)
+                        if s[col[0]] >= level and jobs[col[0]].workers >= w and col[3] & ~mask == 0}, n: -fit},
+                    -fit * level)
+    limits: list[tuple[float, float | None]] = [(0.0, None)] * n
     limits.append((max(s[j] + job.total_steps / best[j] for j, job in enumerate(jobs)), None))
     cost = np.zeros(n + 1)
     cost[n] = 1.0
@@ -246,3 +265,21 @@ def test_a_cap_the_lp_without_caps_breaks_is_added_and_binds() -> None:
     table = ThroughputModel(rates={("m", "fast", 1): 10.0, ("m", "slow", 1): 1.0})
     jobs = [TraceJob(job_id=f"j{i}", arrival_s=0.0, job_type="m", workers=1, total_steps=100) for i in range(2)]
     assert ttd_lower_bound(jobs, cluster, table, fork=False) == pytest.approx(100 / 5.5, rel=1e-6)
+
+
+def test_gangs_too_wide_to_share_the_fast_type_take_turns_on_it_in_the_no_fork_bound() -> None:
+    # Two 5-GPU gangs, one node of 8 V100s and three of 8 K80s. Only one fits on the V100s
+    # at a time, and a gang holding a K80 steps at the K80's rate, so at best they take turns
+    # on the V100s: T = 2 w / (R_v100 + R_k80). Counting GPU-seconds per type alone, each
+    # holds 4 V100s and one K80 throughout, credited both: T = w / (0.8 R_v100 + 0.2 R_k80).
+    from services.scheduler.sim.bounds import ttd_lower_bound
+
+    cluster = Cluster(name="t", nodes=(Node(node_id="v", gpus=("v100",) * 8),
+                                       *(Node(node_id=f"k{i}", gpus=("k80",) * 8) for i in range(3))))
+    job_type = "ResNet-50 (batch size 32)"
+    fast, slow = TABLE.rate(job_type, "v100", 5), TABLE.rate(job_type, "k80", 5)
+    work = int(fast * 36_000)
+    jobs = [job(f"g{i}", 0.0, work, job_type=job_type, workers=5) for i in range(2)]
+    assert ttd_lower_bound(jobs, cluster, TABLE, fork=False) == pytest.approx(2 * work / (fast + slow), rel=1e-6)
+    # The fork bound may split each job into copies over both types: below it.
+    assert ttd_lower_bound(jobs, cluster, TABLE, fork=True) < 2 * work / (fast + slow)

@@ -51,7 +51,11 @@ share ``y[j,r] = X[j,r] * rho[j,r] / w_j`` of job j's work done on type r)::
       T >= s_j + w_j / R_j                                 every job
 
 with (K, c, G, R) = (gang, c1, G1, R1) for the no-fork bound and (fork, cF, GF, RF) for the
-fork bound. Every schedule of the kind a bound covers gives a feasible point (X =
+fork bound. In the no-fork bound a gang's GPU-seconds are split further by
+*level* (``bound_gangs``): a GPU of type r in a gang whose slowest type is k earns
+``rho[j,k]``, and rows keep gangs too wide to share a set of types from overlapping on it
+(two 10-GPU gangs on 16 A100s take turns there); those rows, like the caps, are added only
+where the solution breaks them. Every schedule of the kind a bound covers gives a feasible point (X =
 GPU-seconds each job held while active, T = its TTD): jobs arriving at s or later only run
 in [a_0 + s, a_0 + T], and a job never holds more GPUs, nor trains faster, than the caps
 say. A job that no copy can move (R_j = 0) makes the bound ``None``: no finite TTD exists.
@@ -69,6 +73,7 @@ from scipy.sparse import coo_matrix, csr_matrix
 
 from services.scheduler.core.cluster import Cluster
 from services.scheduler.core.throughput import ThroughputModel
+from services.scheduler.sim import bound_gangs
 from services.scheduler.sim.traces import TraceJob
 
 FORKING_POLICIES = frozenset({"hadare"})
@@ -207,18 +212,15 @@ def ttd_lower_bound(jobs: Sequence[TraceJob], cluster: Cluster, throughput: Thro
     if (best <= 0).any():
         return None
     n_jobs = len(jobs)
+    widths = np.array([j.workers for j in jobs])
     levels, group = np.unique(offsets, return_inverse=True)
     n_levels = len(levels)
-    t_col = n_jobs * n_types
+    col_job, col_type, col_rate, col_set = _columns(jobs, rho, fork=fork)
+    n_x = col_job.size
+    t_col = n_x                              # y[c] (share of its job's work), then T
     c_base = t_col + 1                       # C[k, r] at c_base + k * n_types + r
-    n_cols = c_base + n_levels * n_types
-    # seconds[j, r]: GPU-seconds of type r that job j's whole work takes (inf: r cannot help)
-    with np.errstate(divide="ignore"):
-        seconds = np.where(rho > 0, work[:, None] / np.where(rho > 0, rho, 1.0), np.inf)
-    usable = np.isfinite(seconds)
-    coef = np.where(usable, seconds, 0.0)
-    y_col = np.arange(t_col).reshape(n_jobs, n_types)
-    j_idx, r_idx = np.nonzero(usable)
+    n_base = c_base + n_levels * n_types     # then D[k] of each (type set, width) row in force
+    coef = work[col_job] / col_rate          # GPU-seconds of its type that all of its job's work takes there
     counts = np.array([cluster.gpus_by_type[t] for t in types], dtype=float)
     by_workers = {j.workers: _caps(j, cluster, fork=fork) for j in jobs}   # caps depend on W only
     caps = [by_workers[job.workers] for job in jobs]
@@ -226,58 +228,93 @@ def ttd_lower_bound(jobs: Sequence[TraceJob], cluster: Cluster, throughput: Thro
     total = np.array([c[1] for c in caps], dtype=float)
 
     fixed = _Rows()
-    # work: -sum_r y[j,r] <= -1
-    fixed.add(j_idx, y_col[j_idx, r_idx], -np.ones(len(j_idx)), -np.ones(n_jobs))
-    # cumulative: seconds y (group k) + C[k+1,r] - C[k,r] <= 0, one row per (k, r)
+    # work: -sum_c y[c] <= -1
+    fixed.add(col_job, np.arange(n_x), -np.ones(n_x), -np.ones(n_jobs))
+    # cumulative: seconds y (group k, type r) + C[k+1,r] - C[k,r] <= 0, one row per (k, r)
     kr = np.arange(n_levels * n_types)
     k_of, r_of = kr // n_types, kr % n_types
     nxt = k_of + 1 < n_levels
-    fixed.add(np.concatenate([group[j_idx] * n_types + r_idx, kr, kr[nxt]]),
-              np.concatenate([y_col[j_idx, r_idx], c_base + kr, c_base + kr[nxt] + n_types]),
-              np.concatenate([coef[j_idx, r_idx], -np.ones(len(kr)), np.ones(int(nxt.sum()))]),
+    fixed.add(np.concatenate([group[col_job] * n_types + col_type, kr, kr[nxt]]),
+              np.concatenate([np.arange(n_x), c_base + kr, c_base + kr[nxt] + n_types]),
+              np.concatenate([coef, -np.ones(len(kr)), np.ones(int(nxt.sum()))]),
               np.zeros(len(kr)))
     # capacity: C[k,r] - n_r T <= -n_r s_k
     fixed.add(np.concatenate([kr, kr]), np.concatenate([c_base + kr, np.full(len(kr), t_col)]),
               np.concatenate([np.ones(len(kr)), -counts[r_of]]), -counts[r_of] * levels[k_of])
 
-    pair_cap = per_type[j_idx, r_idx]
-    pair_in = np.zeros(len(j_idx), dtype=bool)
+    pairs, pair_of = np.unique(col_job * n_types + col_type, return_inverse=True)
+    pair_job, pair_cap = pairs // n_types, per_type[pairs // n_types, pairs % n_types]
+    pair_in = np.zeros(len(pairs), dtype=bool)
     job_in = np.zeros(n_jobs, dtype=bool)
-    lower = np.zeros(n_cols)
-    upper = np.full(n_cols, np.inf)
-    upper[:t_col] = np.where(usable.ravel(), np.inf, 0.0)
-    lower[t_col] = float(np.max(offsets + work / best))
-    cost = np.zeros(n_cols)
-    cost[t_col] = 1.0
+    sets = [] if fork else bound_gangs.candidates(col_job, col_set, widths, counts, widths >= 2)
+    set_in = np.zeros(len(sets), dtype=bool)
     while True:
         cuts = _Rows(fixed)
-        # per job and type: seconds y[j,r] - c[j,r] T <= -c[j,r] s_j
-        pick = np.flatnonzero(pair_in)
-        at = np.arange(len(pick))
-        cuts.add(np.concatenate([at, at]), np.concatenate([y_col[j_idx[pick], r_idx[pick]], np.full(len(pick), t_col)]),
-                 np.concatenate([coef[j_idx[pick], r_idx[pick]], -pair_cap[pick]]),
-                 -pair_cap[pick] * offsets[j_idx[pick]])
-        # per job: sum_r seconds y[j,r] - G_j T <= -G_j s_j
+        # per job and type: seconds of its columns of type r - c[j,r] T <= -c[j,r] s_j
+        chosen = np.flatnonzero(pair_in)
+        members = np.flatnonzero(pair_in[pair_of])
+        cuts.add(np.concatenate([np.searchsorted(chosen, pair_of[members]), np.arange(len(chosen))]),
+                 np.concatenate([members, np.full(len(chosen), t_col)]),
+                 np.concatenate([coef[members], -pair_cap[chosen]]), -pair_cap[chosen] * offsets[pair_job[chosen]])
+        # per job: seconds of all its columns - G_j T <= -G_j s_j
         chosen = np.flatnonzero(job_in)
-        members = np.flatnonzero(job_in[j_idx])             # the (job, type) pairs of the chosen jobs
-        row_of = np.searchsorted(chosen, j_idx[members])
-        cuts.add(np.concatenate([row_of, np.arange(len(chosen))]),
-                 np.concatenate([y_col[j_idx[members], r_idx[members]], np.full(len(chosen), t_col)]),
-                 np.concatenate([coef[j_idx[members], r_idx[members]], -total[chosen]]),
-                 -total[chosen] * offsets[chosen])
-        res = linprog(cost, A_ub=cuts.matrix(n_cols), b_ub=cuts.bounds(), bounds=np.column_stack([lower, upper]),
-                      method="highs")
+        members = np.flatnonzero(job_in[col_job])
+        cuts.add(np.concatenate([np.searchsorted(chosen, col_job[members]), np.arange(len(chosen))]),
+                 np.concatenate([members, np.full(len(chosen), t_col)]),
+                 np.concatenate([coef[members], -total[chosen]]), -total[chosen] * offsets[chosen])
+        # per (type set, width) in force, bound_gangs: D[k] >= D[k+1] + gang time of group k there,
+        # D[k] <= fit (T - s_k)
+        for b, row in enumerate(sets[i] for i in np.flatnonzero(set_in)):
+            d = n_base + b * n_levels + np.arange(n_levels)
+            inside = np.flatnonzero(row.weight > 0)
+            cuts.add(np.concatenate([group[col_job[inside]], np.arange(n_levels), np.arange(n_levels - 1)]),
+                     np.concatenate([inside, d, d[1:]]),
+                     np.concatenate([coef[inside] * row.weight[inside], -np.ones(n_levels), np.ones(n_levels - 1)]),
+                     np.zeros(n_levels))
+            cuts.add(np.concatenate([np.arange(n_levels)] * 2), np.concatenate([d, np.full(n_levels, t_col)]),
+                     np.concatenate([np.ones(n_levels), np.full(n_levels, -float(row.fit))]), -row.fit * levels)
+        n_cols = n_base + n_levels * int(set_in.sum())
+        lower = np.zeros(n_cols)
+        lower[t_col] = float(np.max(offsets + work / best))
+        cost = np.zeros(n_cols)
+        cost[t_col] = 1.0
+        res = linprog(cost, A_ub=cuts.matrix(n_cols), b_ub=cuts.bounds(),
+                      bounds=np.column_stack([lower, np.full(n_cols, np.inf)]), method="highs")
         if res.status != 0:
             raise RuntimeError(f"TTD bound LP failed: {res.message}")
         t_end = float(res.x[t_col])
-        held = coef * res.x[:t_col].reshape(n_jobs, n_types)           # X[j, r], GPU-seconds
+        seconds = coef * res.x[:n_x]                                    # X[c], GPU-seconds
         room = t_end - offsets
-        new_pairs = (held[j_idx, r_idx] - pair_cap * room[j_idx] > _SLACK * (1 + pair_cap * t_end)) & ~pair_in
-        new_jobs = (held.sum(axis=1) - total * room > _SLACK * (1 + total * t_end)) & ~job_in
-        if not new_pairs.any() and not new_jobs.any():
+        held = np.bincount(pair_of, weights=seconds, minlength=len(pairs))
+        new_pairs = (held - pair_cap * room[pair_job] > _SLACK * (1 + pair_cap * t_end)) & ~pair_in
+        held = np.bincount(col_job, weights=seconds, minlength=n_jobs)
+        new_jobs = (held - total * room > _SLACK * (1 + total * t_end)) & ~job_in
+        new_sets = np.array([not set_in[i] and bound_gangs.violated(row, seconds, group[col_job], levels, t_end,
+                                                                    _SLACK)
+                             for i, row in enumerate(sets)], dtype=bool)
+        if not new_pairs.any() and not new_jobs.any() and not new_sets.any():
             return t_end
         pair_in |= new_pairs
         job_in |= new_jobs
+        set_in |= new_sets
+
+
+def _columns(jobs: Sequence[TraceJob], rho: np.ndarray, *,
+             fork: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The LP's columns (job, GPU type, credited rate per GPU-second, type-set mask): per
+    usable type, or per level for a gang in the no-fork bound (``bound_gangs``); built once
+    per (job type, W)."""
+    by_key: dict[tuple[str, int], list[int]] = {}
+    for i, job in enumerate(jobs):
+        by_key.setdefault((job.job_type, job.workers), []).append(i)
+    parts: list[tuple[np.ndarray, ...]] = []
+    for (_, workers), members in by_key.items():
+        template = bound_gangs.level_columns(rho[members[0]], gang=not fork and workers >= 2)
+        idx = np.array(members)
+        parts.append((np.repeat(idx, len(template)), np.tile([t[0] for t in template], len(idx)),
+                      np.tile([t[1] for t in template], len(idx)), np.tile([t[2] for t in template], len(idx))))
+    return (np.concatenate([p[0] for p in parts]).astype(int), np.concatenate([p[1] for p in parts]).astype(int),
+            np.concatenate([p[2] for p in parts]).astype(float), np.concatenate([p[3] for p in parts]).astype(np.int64))
 
 
 _SLACK = 1e-7   # relative excess over a cap that counts as breaking it (HiGHS's own tolerance)
