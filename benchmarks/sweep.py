@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import time
 from collections import defaultdict
@@ -180,7 +181,8 @@ def plot(cells: list[dict], out: str, policies: tuple[str, ...]) -> list[str]:
         right.axhline(1.0, color="grey", linewidth=0.8)
         left.legend(fontsize=7)
         fig.tight_layout()
-        path = os.path.join(out, f"sweep_{cluster}_{mix}_{arrivals}.png")
+        name = re.sub(r"[^A-Za-z0-9.-]+", "-", os.path.basename(cluster)).strip("-")   # a YAML path or inline spec
+        path = os.path.join(out, f"sweep_{name}_{mix}_{arrivals}.png")
         fig.savefig(path, dpi=90)
         plt.close(fig)
         paths.append(path)
