@@ -18,7 +18,7 @@ as :func:`shared.domain.workloads.calibrated_fallback` does (docs/architecture.m
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from shared import zoo
@@ -26,7 +26,7 @@ from shared.domain import gpus, workloads
 from shared.wire.events import DEFAULT_OPTIMIZER_SLOTS, MAX_MODEL_BYTES, MAX_OPTIMIZER_SLOTS, JobSpec
 
 __all__ = ["Sizer", "catalog_rates", "checkpoint_size", "emulated_rates", "job_figures_for", "size_or_unknown",
-           "anchored_rates", "is_provisional", "NOMINAL_JOB"]
+           "anchored_rates", "is_provisional", "on_emulated_types", "NOMINAL_JOB"]
 
 NOMINAL_JOB = "ResNet-18 (batch size 32)"   # what a job of user code without a usable hint is taken for
 
@@ -102,6 +102,29 @@ def emulated_rates(gpu_type: str, rate: float, reference: str = "") -> dict[str,
     """
     cpu_rate = rate * gpus.emulation_slowdown(gpu_type, reference)
     return {t: cpu_rate / gpus.emulation_slowdown(t, reference) for t in gpus.GPU_TYPES if t != gpu_type}
+
+
+def on_emulated_types(rates: Mapping[str, float], emulated: Mapping[str, str]) -> dict[str, float]:
+    """A job's first estimate on a cluster where the GPU types ``emulated`` (type -> the
+    reference its nodes throttle by, "" = the catalog's default) are emulated: each gets the
+    catalog's rate of its reference divided by its slowdown, so the ratios between emulated
+    types are the emulation's exact ones (the catalog's describe real GPUs: a launch-bound
+    LSTM is equally fast on every one of them, not on throttled CPUs); the level is the
+    catalog's until the first measurement re-estimates them (:func:`emulated_rates`). Real
+    types, and an emulated type whose reference is unknown or does not run the job, keep
+    ``rates``."""
+    out = dict(rates)
+    for gpu_type, reference in emulated.items():
+        if gpu_type not in gpus.GPU_TYPES:
+            continue
+        try:
+            base = rates.get(gpus.emulation_reference(reference or None), 0.0)
+            slowdown = gpus.emulation_slowdown(gpu_type, reference or None)
+        except ValueError:
+            continue
+        if base > 0:
+            out[gpu_type] = base / slowdown
+    return out
 
 
 def anchored_rates(spec: JobSpec, gpu_type: str, rate: float) -> dict[str, float]:

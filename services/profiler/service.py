@@ -15,13 +15,17 @@
   measured on an emulated GPU also re-estimates every other type by the emulation's
   slowdowns relative to the reference the Progress names, as the agent throttled by
   (:func:`~services.profiler.estimate.emulated_rates`): on an emulated cluster the
-  catalog's real-GPU estimate would send work to the wrong nodes. A job of user code gets a
+  catalog's real-GPU estimate would send work to the wrong nodes. For the same reason the
+  profiler reads hadar.nodes: on GPU types that only emulated nodes offer, a job's first
+  estimate already has the emulation's ratios between types
+  (:func:`~services.profiler.estimate.on_emulated_types`). A job of user code gets a
   provisional estimate (:mod:`services.profiler.estimate`), so it is placed before it was ever
   measured; its first measurement on a real GPU re-estimates every other type from it.
-* Restart: hadar.jobs and hadar.throughput are replayed first, so a job already
-  estimated is not estimated again and smoothing resumes from the last published rate.
+* Restart: hadar.jobs, hadar.throughput and hadar.nodes are replayed first, so a job already
+  estimated is not estimated again, smoothing resumes from the last published rate and the
+  emulated types are known.
   With an object store the profiler snapshots its state every ``snapshot_interval_s``
-  (``services/profiler/snapshot.py``) and a restart replays the two topics only after
+  (``services/profiler/snapshot.py``) and a restart replays the three topics only after
   the offsets of the newest valid snapshot (a damaged one falls back to the one before).
   A delivery is acked only after what it caused is published (at-least-once).
 """
@@ -43,6 +47,7 @@ from services.profiler.estimate import (
     checkpoint_size,
     emulated_rates,
     is_provisional,
+    on_emulated_types,
     size_or_unknown,
 )
 from services.profiler.snapshot import SERVICE, capture, restore
@@ -64,17 +69,19 @@ from shared.wire.events import (
     JobSpec,
     JobSubmitted,
     ModelConsolidated,
+    NodeHeartbeat,
+    NodeRegistered,
     Progress,
     RoundAbandoned,
     ThroughputEstimate,
 )
-from shared.wire.topics import DEADLETTER, JOBS, MODELS, PROGRESS, THROUGHPUT
+from shared.wire.topics import DEADLETTER, JOBS, MODELS, NODES, PROGRESS, THROUGHPUT
 
 __all__ = ["ProfilerConfig", "ProfilerService", "Estimator", "Sizer"]
 
 Estimator = Callable[[JobSpec], dict[str, float]]
-INPUT_TOPICS: tuple[str, ...] = (JOBS, PROGRESS, MODELS)
-RECOVERY_TOPICS: tuple[str, ...] = (THROUGHPUT, JOBS)   # read at start-up: its own estimates, the jobs
+INPUT_TOPICS: tuple[str, ...] = (JOBS, PROGRESS, MODELS, NODES)
+RECOVERY_TOPICS: tuple[str, ...] = (THROUGHPUT, JOBS, NODES)   # read at start-up: its own estimates, jobs, nodes
 MAX_WORKERS = 64  # ThroughputEstimate.workers range
 
 
@@ -156,6 +163,8 @@ class ProfilerService:
                     self.state.seed(delivery.event)
                 elif isinstance(delivery.event, JobSubmitted):
                     self.state.add_job(delivery.event.job)
+                elif isinstance(delivery.event, NodeRegistered):
+                    self.state.add_node(delivery.event)
         self.recovery["records"] = records
         self._last_snapshot = self.clock.time()
         self._replayed = True
@@ -181,8 +190,8 @@ class ProfilerService:
                 try:
                     async with self._fold_lock:
                         await self._handle_safely(delivery)
-                        if delivery.topic == JOBS:
-                            self._cover(JOBS, delivery.partition, delivery.offset)
+                        if delivery.topic in (JOBS, NODES):
+                            self._cover(delivery.topic, delivery.partition, delivery.offset)
                     await delivery.ack()
                     await self._maybe_snapshot()
                 finally:
@@ -217,6 +226,9 @@ class ProfilerService:
         if self.state.add_job(event.job):
             await self._estimate(event.job)
 
+    async def _on_node(self, event: NodeRegistered) -> None:
+        self.state.add_node(event)
+
     async def _on_finished(self, event: JobCompleted | JobCancelled) -> None:
         if isinstance(event, JobCancelled):
             spec = self.state.spec(event.job_id)
@@ -229,6 +241,7 @@ class ProfilerService:
         log = self._log.bind(job=spec.job_id)
         try:
             rates = await asyncio.to_thread(self.estimator, spec)
+            rates = on_emulated_types(rates, self.state.emulated_types())
             model_bytes, slots = await asyncio.to_thread(size_or_unknown, self.sizer, spec)
         except ValueError as exc:
             self._m_no_figures.inc()
@@ -320,7 +333,7 @@ class ProfilerService:
         self._log.info("profiler.snapshot_written", key=saved.key, bytes=saved.bytes)
 
     HANDLERS: ClassVar[HandlerTable[Callable[[ProfilerService, Any], Awaitable[None]]]] = HandlerTable({
-        JobSubmitted: _on_submitted, Progress: _measure,
+        JobSubmitted: _on_submitted, Progress: _measure, NodeRegistered: _on_node,
         JobCompleted: _on_finished, JobCancelled: _on_finished,
-    }, topics=INPUT_TOPICS, ignore=(CopyFinished, ModelConsolidated, RoundAbandoned))
+    }, topics=INPUT_TOPICS, ignore=(CopyFinished, ModelConsolidated, RoundAbandoned, NodeHeartbeat))
 

@@ -1,13 +1,14 @@
 """What the profiler saves in a state snapshot, and the offsets it covers.
 
 A profiler snapshot (``shared.persistence.snapshot`` format, service ``"profiler"``) holds its whole
-:class:`ProfilerState` -- job specs, which jobs were estimated, each copy's last report and
-each key's EWMA and last published rate -- and, for the two topics the profiler replays at
-start (``hadar.throughput`` and ``hadar.jobs``), the offset of every partition up to which
+:class:`ProfilerState` -- job specs, which jobs were estimated, each copy's last report,
+each key's EWMA and last published rate, and each node's GPU types -- and, for the three
+topics the profiler replays at start (``hadar.throughput``, ``hadar.jobs`` and
+``hadar.nodes``), the offset of every partition up to which
 that state covers them: what the start-up replay read, then the jobs it handled and the
 estimates it published itself.
 
-A restart from it replays those two topics from the recorded offsets only, exactly as a
+A restart from it replays those three topics from the recorded offsets only, exactly as a
 whole-log restart replays them from the start (seeding published rates, remembering jobs
 and estimates), so no job is estimated twice and smoothing resumes from the snapshot's
 EWMA (a whole-log restart resumes from the last published rate). Its consumer group
@@ -48,5 +49,6 @@ def restore(snapshot: StateSnapshot, *, alpha: float, threshold: float) -> Profi
     if not (isinstance(body, ProfilerSnapshot) and isinstance(body.state, ProfilerState)):
         raise SnapshotCorrupt("not a profiler snapshot body")
     state = body.state
+    state.fill_added_attributes()
     state.alpha, state.threshold = alpha, threshold   # settings come from the config, not the snapshot
     return state

@@ -16,6 +16,9 @@ Pure: Progress events in, "publish this rate" decisions out; no I/O, no clock.
   starting at the first sample.
 * A rate is to be published when the key has none published yet, or the EWMA differs from
   the last published value by more than ``threshold`` (5%) of it.
+* Nodes (NodeRegistered, the latest per node): a GPU type is *emulated* when every node
+  that offers it is emulated (:meth:`ProfilerState.emulated_types`, with the reference its
+  slowdowns are relative to); one real GPU of the type makes it real.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import math
 from dataclasses import dataclass
 
 from shared.persistence.codec import snapshot_type
-from shared.wire.events import JobSpec, Progress, ThroughputEstimate
+from shared.wire.events import JobSpec, NodeRegistered, Progress, ThroughputEstimate
 
 __all__ = ["MeasuredUpdate", "ProfilerState", "RateKey", "DEFAULT_ALPHA", "DEFAULT_THRESHOLD",
            "MAX_RATE", "MIN_INTERVAL_S"]
@@ -72,6 +75,24 @@ class ProfilerState:
         self._last: dict[tuple[str, int, int, str], _Last] = {}   # (job, round, copy, node)
         self._ewma: dict[RateKey, float] = {}
         self._published: dict[RateKey, float] = {}
+        self._nodes: dict[str, tuple[tuple[str, ...], bool, str]] = {}   # node -> (GPU types, emulated, reference)
+
+    def fill_added_attributes(self) -> None:
+        """Give a state restored from an older snapshot what later versions added (the nodes)."""
+        self.__dict__.setdefault("_nodes", {})
+
+    # ------------------------------------------------------------------ nodes
+
+    def add_node(self, event: NodeRegistered) -> None:
+        """Remember a node's GPU types and whether they are emulated (its latest registration)."""
+        self._nodes[event.node_id] = (tuple(sorted({g.type for g in event.gpus})), event.emulated,
+                                      event.emulation_reference)
+
+    def emulated_types(self) -> dict[str, str]:
+        """``{gpu_type: emulation reference}`` of the types that only emulated nodes offer."""
+        real = {t for types, emulated, _ in self._nodes.values() if not emulated for t in types}
+        return {t: reference for types, emulated, reference in self._nodes.values() if emulated
+                for t in types if t not in real}
 
     # ------------------------------------------------------------------ jobs
 

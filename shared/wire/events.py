@@ -143,6 +143,7 @@ class NodeRegistered(Event):
     gpus: tuple[GpuInfo, ...]
     address: str = ""
     emulated: bool = False
+    emulation_reference: str = ""   # emulated: the type its slowdowns are relative to ("" = catalog default)
 
     def _check(self) -> None:
         check_node_id(self.node_id, self.TYPE)

@@ -64,7 +64,7 @@ TOPICS: tuple[Topic, ...] = (
     Topic(name=JOBS, events=("JobSubmitted", "JobCancelled"), writers=("cli",),
           readers=("scheduler", "agent", "tracker", "profiler", "cli"), retention=_FOREVER),
     Topic(name=NODES, events=("NodeRegistered", "NodeHeartbeat"), writers=("agent",),
-          readers=("scheduler", "cli"), retention=_FOREVER),
+          readers=("scheduler", "profiler", "cli"), retention=_FOREVER),
     Topic(name=THROUGHPUT, events=("ThroughputEstimate",), writers=("profiler",),
           readers=("scheduler", "profiler", "cli"), retention=_FOREVER),
     Topic(name=PROGRESS, events=("Progress", "CopyFinished"), writers=("agent",),

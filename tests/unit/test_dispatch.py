@@ -151,11 +151,11 @@ def test_tracker_state_folds_exactly_the_services_input_topics() -> None:
     assert TrackerState.HANDLERS.ignored == frozenset()
 
 
-def test_profiler_handles_its_input_topics_and_ignores_copy_results_and_models() -> None:
+def test_profiler_handles_its_input_topics_and_ignores_copy_results_models_and_heartbeats() -> None:
     from services.profiler.service import INPUT_TOPICS, ProfilerService
 
     assert_covers(ProfilerService.HANDLERS, INPUT_TOPICS)
-    assert ProfilerService.HANDLERS.ignored == {CopyFinished, ModelConsolidated, RoundAbandoned}
+    assert ProfilerService.HANDLERS.ignored == {CopyFinished, ModelConsolidated, RoundAbandoned, NodeHeartbeat}
 
 
 def test_agent_handles_its_topics_and_ignores_submissions() -> None:

@@ -12,6 +12,7 @@ from services.profiler.estimate import (
     checkpoint_size,
     emulated_rates,
     job_figures_for,
+    on_emulated_types,
 )
 from services.profiler.service import ProfilerConfig, ProfilerService
 from services.profiler.state import ProfilerState
@@ -19,9 +20,11 @@ from shared.bus import MemoryBus
 from shared.clock import FakeClock
 from shared.domain import gpus, workloads
 from shared.wire.events import (
+    GpuInfo,
     Hyperparameters,
     JobSpec,
     JobSubmitted,
+    NodeRegistered,
     Progress,
     ThroughputEstimate,
 )
@@ -247,3 +250,73 @@ def test_a_rate_measured_on_an_emulated_gpu_re_estimates_every_other_type():
     slowdown = gpus.emulation_slowdown
     assert rates["rtx3090"] == pytest.approx(10.0 * slowdown("t4") / slowdown("rtx3090"))
     assert rates["rtx3090"] > 10.0 > rates["k80"]     # faster and slower emulated types
+
+
+def node(node_id: str, *types: str, emulated: bool, reference: str = "") -> NodeRegistered:
+    return NodeRegistered(ts=T0, source="agent", node_id=node_id, emulated=emulated, emulation_reference=reference,
+                          gpus=tuple(GpuInfo(index=i, type=t) for i, t in enumerate(types)))
+
+
+def test_a_type_is_emulated_while_only_emulated_nodes_offer_it():
+    state = ProfilerState()
+    state.add_node(node("a", "t4", "k80", emulated=True, reference="v100"))
+    state.add_node(node("b", "a100", emulated=True))
+    assert state.emulated_types() == {"t4": "v100", "k80": "v100", "a100": ""}
+    state.add_node(node("c", "k80", emulated=False))                 # a real K80 somewhere
+    assert state.emulated_types() == {"t4": "v100", "a100": ""}
+    state.add_node(node("a", "t4", emulated=False))                  # node a registered again, real now
+    assert state.emulated_types() == {"a100": ""}
+
+
+def test_the_first_estimate_on_emulated_types_has_the_emulations_ratios():
+    # The catalog's LSTM is launch-bound: about equally fast on a K80 and an RTX 3090. Emulated,
+    # the K80 is throttled far more; the first estimate must say so before any measurement.
+    lstm = JobSpec(job_id="l", user="u", model="lstm", dataset="digits", batch_size=32, workers=1, iterations=100)
+    catalog = catalog_rates(lstm)
+    assert catalog["k80"] == pytest.approx(catalog["rtx3090"], rel=0.2)
+    first = on_emulated_types(catalog, {"k80": "", "rtx3090": ""})
+    slowdown = gpus.emulation_slowdown
+    assert first["rtx3090"] / first["k80"] == pytest.approx(slowdown("k80") / slowdown("rtx3090"))
+    assert first["k80"] == pytest.approx(catalog[gpus.emulation_reference()] / slowdown("k80"))
+    assert first["v100"] == catalog["v100"]                           # not emulated: the catalog's
+    assert on_emulated_types(catalog, {"k80": "no-such-gpu"}) == catalog   # an unknown reference: no scale
+
+
+async def test_service_reads_nodes_and_estimates_emulated_types_by_their_slowdowns_after_a_restart_too() -> None:
+    bus = MemoryBus(clock=FakeClock(T0))
+    await bus.start()
+    flat = {t: 10.0 for t in gpus.GPU_TYPES}
+    await bus.publish(node("n0", "k80", "t4", emulated=True, reference="a100"))
+    await bus.publish(node("n1", "v100", emulated=False))
+    service = ProfilerService(bus=bus, config=ProfilerConfig(group="prof"), clock=FakeClock(T0),
+                              estimator=lambda spec: dict(flat))
+    await service.start()
+    try:
+        await bus.publish(JobSubmitted(ts=T0, source="cli", job=SPEC, submitted_at=T0))
+        [first] = await _estimates(bus, lambda es: len(es) >= 1)
+    finally:
+        await service.stop()
+    slowdown = gpus.emulation_slowdown
+    assert first.rates["k80"] == pytest.approx(10.0 / slowdown("k80", "a100"))
+    assert first.rates["t4"] == pytest.approx(10.0 / slowdown("t4", "a100"))
+    assert first.rates["v100"] == 10.0 and first.rates["h100"] == 10.0     # real or absent: the catalog's
+    # A restarted profiler knows the nodes from the log before it estimates the next job.
+    again = ProfilerService(bus=bus, config=ProfilerConfig(group="prof-2"), clock=FakeClock(T0),
+                            estimator=lambda spec: dict(flat))
+    await again.start()
+    try:
+        assert again.state.emulated_types() == {"k80": "a100", "t4": "a100"}
+    finally:
+        await again.stop()
+        await bus.stop()
+
+
+def test_a_snapshot_from_before_nodes_were_kept_restores_with_none():
+    from services.profiler.snapshot import capture, restore
+
+    state = ProfilerState()
+    del state.__dict__["_nodes"]                                      # as a snapshot written before them
+    restored = restore(capture(state, {}, created_at=T0), alpha=0.3, threshold=0.05)
+    assert restored.emulated_types() == {}
+    restored.add_node(node("a", "k80", emulated=True))
+    assert restored.emulated_types() == {"k80": ""}

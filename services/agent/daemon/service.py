@@ -152,7 +152,8 @@ class AgentDaemon:
         self.pool.start()
         await self._publish(NodeRegistered(ts=self.clock.time(), source=self.source, node_id=self.config.node_id,
                                            gpus=self.devices.gpus, address=self.config.address,
-                                           emulated=self.devices.emulated))
+                                           emulated=self.devices.emulated,
+                                           emulation_reference=self.devices.reference))
         self.log.info("agent.registered", devices=[g.type for g in self.devices.gpus], kind=self.devices.kind)
         await self._seed_rounds()
         self._sub = self.bus.subscribe(TOPICS, self.config.group)
