@@ -92,7 +92,10 @@ def solve(lp: WorkLp, *, round_s: float, horizon_s: float, weights: Sequence[flo
     busy time alone, as Hadar's critical rule uses it). ``keep[j, r]``: job j held GPUs of
     type r last round; its work there this round is valued as if done ``keep_rounds``
     rounds earlier, so that of near-equal plans the LP keeps what runs (a move costs a
-    restart) instead of flipping between them from round to round."""
+    restart) instead of flipping between them from round to round. Above half a round the
+    kept columns' cost this round is negative, so the LP gives such a job its held GPUs for
+    the whole first interval even when less would finish it (work rows are >=): a
+    round-based plan holds them for the round anyway."""
     # the cap a hair over the horizon, so that E = now + T* stays feasible in floating point
     lengths = np.array(intervals(horizon_s * (1.0 + 1e-7) + 1e-6, round_s, growth))
     n_j, n_r = lp.rho.shape
