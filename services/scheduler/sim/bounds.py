@@ -42,7 +42,8 @@ Notation, for a trace on a cluster:
   ``G1_j = W_j`` or ``GF_j = sum over nodes of min(W_j, node size)``.
 
 The bound is the optimum T of the LP over GPU-seconds ``X[j,r] >= 0`` (solved as the
-share ``y[j,r] = X[j,r] * rho[j,r] / w_j`` of job j's work done on type r)::
+share ``y[j,r] = X[j,r] * rho[j,r] / w_j`` of job j's work done on type r; per level and
+type for a gang in the no-fork bound, below)::
 
     minimize T  subject to
       sum_r rho[j,r] X[j,r] >= w_j                         every job (its work)
