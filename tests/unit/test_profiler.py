@@ -285,7 +285,7 @@ def test_the_first_estimate_on_emulated_types_has_the_emulations_ratios():
 async def test_service_reads_nodes_and_estimates_emulated_types_by_their_slowdowns_after_a_restart_too() -> None:
     bus = MemoryBus(clock=FakeClock(T0))
     await bus.start()
-    flat = {t: 10.0 for t in gpus.GPU_TYPES}
+    flat = dict.fromkeys(gpus.GPU_TYPES, 10.0)
     await bus.publish(node("n0", "k80", "t4", emulated=True, reference="a100"))
     await bus.publish(node("n1", "v100", emulated=False))
     service = ProfilerService(bus=bus, config=ProfilerConfig(group="prof"), clock=FakeClock(T0),
