@@ -135,6 +135,11 @@ async def test_under_team_queues_a_restart_from_a_snapshot_decides_identically(p
 LEGACY = Path(__file__).resolve().parents[1] / "data" / "snapshots"
 # The policies the code of tests/data/snapshots/README.md had (later ones have no legacy snapshot).
 LEGACY_POLICIES = ("yarn-cs", "tiresias", "gavel", "gavel-makespan", "hadar", "hadare")
+# Policies that decide this scenario differently since then: their old state is still
+# adopted, but what today's code decides from it is not what today's code decided from its own.
+DECIDES_DIFFERENTLY_SINCE = {
+    "hadar": "2026-12-06: its LPs' per-type-set gang rows (lp/gang_cuts.py) change rounds 1-5 here",
+}
 
 
 @pytest.mark.parametrize("policy", LEGACY_POLICIES)
@@ -142,7 +147,9 @@ async def test_a_snapshot_written_before_names_were_stable_restores(policy, tmp_
     """The snapshot after round 5 as the code before the layout change wrote it (classes
     named by module path: tests/data/snapshots/README.md) stands in for today's: the
     restarted scheduler takes it, re-derives rounds 6 and 7 identically and then decides
-    every round as a scheduler that never stopped."""
+    every round as a scheduler that never stopped -- for a policy that decides this
+    scenario as it did then; one that does not still takes the old state, and finds the
+    rounds that followed it differ (DECIDES_DIFFERENTLY_SINCE)."""
     legacy = (LEGACY / f"scheduler-{policy}.snapshot").read_bytes()
     assert b"services.scheduler." in legacy            # the old, module-path names
 
@@ -151,7 +158,11 @@ async def test_a_snapshot_written_before_names_were_stable_restores(policy, tmp_
 
     again, got, _ = await interrupted(policy, 14, 8, tmp_path, damage=written_before, snapshot_every=3)
     assert again.recovery["snapshot"] == AFTER_ROUND_5 and again.recovery["skipped"] == []
-    assert again.recovery["rounds_rederived"] == 2 and again.recovery["differing_rounds"] == []
+    assert again.recovery["rounds_rederived"] == 2
+    if policy in DECIDES_DIFFERENTLY_SINCE:
+        assert again.recovery["differing_rounds"] == [6, 7], DECIDES_DIFFERENTLY_SINCE[policy]
+        return
+    assert again.recovery["differing_rounds"] == []
     assert got == await uninterrupted(policy, 14)
 
 
