@@ -124,6 +124,7 @@ from services.scheduler.core.policy import (
     PlanRequest,
     Wait,
     WaitCode,
+    parts_of,
     previous_state,
 )
 from services.scheduler.policies.hadar.commit import (
@@ -281,12 +282,10 @@ class _Round:
         if previous is None:
             return {}
         tindex = {t: i for i, t in enumerate(self.layout.types)}
-        nodes = {n.node_id: n for n in self.request.cluster.nodes}
         held: dict[str, set[int]] = {}
         for p in previous.placements:
-            node = nodes.get(p.node_id)
-            if node is not None:
-                held.setdefault(p.job_id, set()).update(tindex[node.gpus[g]] for g in p.gpus if g < node.size)
+            if p.node_id in self.request.cluster.by_id:     # a node that left holds nothing now
+                held.setdefault(p.job_id, set()).update(tindex[part.gpu_type] for part in parts_of(self.request, [p]))
         return held
 
     def _curve(self) -> PriceCurve:
