@@ -86,7 +86,7 @@ def test_a_bad_profile_file_names_itself(tmp_path: Path) -> None:
 
 def test_checkpoint_figures_know_gavel_types_and_sia_applications() -> None:
     assert checkpoint_figures("ResNet-50 (batch size 32)") == (workloads.model_bytes("ResNet-50 (batch size 32)"), 1)
-    assert checkpoint_figures("bert (batch size 12)") == (109_483_778 * 4, 2)   # AdamW: two slots
+    assert checkpoint_figures("bert (batch size 12, W=1)") == (109_483_778 * 4, 2)   # AdamW: two slots
     assert checkpoint_figures("nobody's model")[0] == 0
 
 

@@ -12,12 +12,11 @@ from services.scheduler.core.policy import JobState, Placement, PlanRequest, Wai
 from services.scheduler.policies import make_policy
 from services.scheduler.policies.gang import GangRequest, sequential_gangs
 from services.scheduler.policies.gavel.lp import max_sum_throughput
-from services.scheduler.sim.sia_table import build_sia_throughput
+from services.scheduler.sim.sia_table import build_sia_throughput, job_type_name
 
 ROUND_S = 360.0
 SIA = build_sia_throughput()
-SIA_TYPES = ("cifar10 (batch size 2048)", "imagenet (batch size 1600)", "bert (batch size 384)",
-             "deepspeech2 (batch size 320)", "yolov3 (batch size 64)")
+SIA_APPS = (("cifar10", 2048), ("imagenet", 1600), ("bert", 384), ("deepspeech2", 320), ("yolov3", 64))
 
 
 def cluster(*nodes: tuple[str, ...]) -> Cluster:
@@ -58,11 +57,12 @@ def sia_requests(draw: st.DrawFn) -> PlanRequest:
     specs = draw(st.lists(st.tuples(st.sampled_from(["t4", "rtx2080ti", "a100"]), st.sampled_from([4, 8])),
                           min_size=1, max_size=5))
     cl = cluster(*[(t,) * n for t, n in specs])
-    jobs = tuple(JobState(job_id=f"j{i}", job_type=draw(st.sampled_from(SIA_TYPES)),
-                          workers=draw(st.sampled_from([1, 2, 4, 6, 8, 12])), total_steps=draw(st.integers(1, 5000)),
-                          arrival_s=float(draw(st.integers(0, 3))))
-                 for i in range(draw(st.integers(0, 10))))
-    return PlanRequest(round=0, now_s=0.0, round_s=ROUND_S, cluster=cl, jobs=jobs, throughput=SIA, previous=None)
+    jobs = []
+    for i in range(draw(st.integers(0, 10))):
+        (app, batch), workers = draw(st.sampled_from(SIA_APPS)), draw(st.sampled_from([1, 2, 4, 6, 8, 12]))
+        jobs.append(JobState(job_id=f"j{i}", job_type=job_type_name(app, batch, workers), workers=workers,
+                             total_steps=draw(st.integers(1, 5000)), arrival_s=float(draw(st.integers(0, 3)))))
+    return PlanRequest(round=0, now_s=0.0, round_s=ROUND_S, cluster=cl, jobs=tuple(jobs), throughput=SIA, previous=None)
 
 
 @pytest.mark.parametrize("name", ["gavel-throughput", "gavel-throughput-sia"])
@@ -88,8 +88,8 @@ def test_plans_honour_the_request_on_a_random_cluster(name: str, s: PlanRequest)
 
 def test_sia_variant_restores_from_its_own_state_only() -> None:
     cl = cluster(("t4",) * 4, ("a100",) * 8)
-    jobs = (JobState(job_id="a", job_type=SIA_TYPES[0], workers=4, total_steps=10**5),
-            JobState(job_id="b", job_type=SIA_TYPES[1], workers=8, total_steps=10**5))
+    jobs = (JobState(job_id="a", job_type=job_type_name(*SIA_APPS[0], 4), workers=4, total_steps=10**5),
+            JobState(job_id="b", job_type=job_type_name(*SIA_APPS[1], 8), workers=8, total_steps=10**5))
     s = PlanRequest(round=0, now_s=0.0, round_s=ROUND_S, cluster=cl, jobs=jobs, throughput=SIA, previous=None)
     first = make_policy("gavel-throughput").plan(s)
     nxt = PlanRequest(round=1, now_s=ROUND_S, round_s=ROUND_S, cluster=cl, jobs=jobs, throughput=SIA, previous=first)

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from services.scheduler.sim.sia_table import parse_job_type
 from shared.domain import data_plane, fork_cost, workloads
 from shared.domain.data_plane import DataPlane
 from shared.domain.sia_figures import sia_figures
@@ -35,9 +35,6 @@ from shared.wire.events import DEFAULT_OPTIMIZER_SLOTS
 
 __all__ = ["Charges", "FlatCharges", "DataPlaneCharges", "checkpoint_figures"]
 
-_SIA_TYPE = re.compile(r"^(?P<app>[a-z0-9]+) \(batch size (?P<batch>[1-9]\d*)\)$")
-
-
 @functools.cache
 def checkpoint_figures(job_type: str) -> tuple[int, int]:
     """(weights bytes, optimizer slots) of ``job_type``; (0, default slots) if unknown."""
@@ -45,10 +42,10 @@ def checkpoint_figures(job_type: str) -> tuple[int, int]:
     try:
         figures = workloads.figures_for(job_type)
     except ValueError:
-        m = _SIA_TYPE.match(job_type)
-        if m is not None:
+        sia = parse_job_type(job_type)
+        if sia is not None:
             with contextlib.suppress(ValueError):
-                figures = sia_figures(m["app"], int(m["batch"]))
+                figures = sia_figures(sia.application, sia.batch)
     if figures is None:
         return 0, DEFAULT_OPTIMIZER_SLOTS
     return figures.params * 4, figures.optimizer_slots

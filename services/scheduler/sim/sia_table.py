@@ -2,37 +2,41 @@
 
 ``build_sia_throughput()`` returns a :class:`ProfiledThroughputModel`: a
 ``services.scheduler.core.throughput.ThroughputModel`` whose job types are
-``"<application> (batch size B)"`` (B the *global* batch, fixed: jobs are rigid, as the
-workload rows give them) for every validated batch of the five applications, on the GPU
-types ``t4`` (Sia's ``aws``), ``rtx2080ti`` (``rtx``) and ``a100`` (``dgx-ext``).
+``"<application> (batch size B, W=W)"`` -- the global batch B over W replicas, both fixed:
+jobs are rigid, as the workload rows give them -- for every validated batch of the five
+applications, on the GPU types ``t4`` (Sia's ``aws``), ``rtx2080ti`` (``rtx``) and ``a100``
+(``dgx-ext``).
 
-Unit, as everywhere in Hadar: a copy's own optimizer steps per second, one step being one
-iteration of the global batch. Rule (``sia_profiles`` for the step times, whose docstring
-states where each comes from):
+Unit, as everywhere in Hadar: a copy's own optimizer steps per second. On ``n = W`` GPUs one
+step is one iteration of the global batch B. A copy on ``n != W`` GPUs (HadarE forks a gang
+into copies, one per node) keeps the gang's per-GPU work, as the live system keeps the
+per-worker batch (``shared.domain.progress``): each GPU runs the gang's passes (Sia's atomic
+batch and accumulation steps for B on W GPUs of that type, packed), so one of its steps trains
+``n / W`` of B and the simulator credits it ``n / W`` job steps. Rule (``sia_profiles`` for the
+step times, whose docstring states where each comes from):
 
-* ``rate(job, type, n)``: ``1 / iteration(packed, B).seconds`` with ``packed`` the ``n``
-  GPUs on as few nodes of that type's profile size as possible (4 per T4 node, 8 per
-  RTX 2080 Ti or A100 node) -- what Sia's Gavel predicts for a job's gang; 0 where the
-  profiles cannot say (outside the measured batches or shapes) or beyond the profiled
-  nodes (16 aws, 3 rtx, 2 dgx-ext). No fallback to another worker count or estimator.
+* ``rate(job, type, n)``: ``1 / seconds(packed)`` with ``packed`` the ``n`` GPUs on as few
+  nodes of that type's profile size as possible (4 per T4 node, 8 per RTX 2080 Ti or A100
+  node); at ``n = W`` what Sia's Gavel predicts for a job's gang. ``seconds(shape)``: at
+  ``n = W`` Sia's ``iteration(shape, B)``; otherwise the gang's per-GPU passes timed on
+  ``shape`` (``step + accum x (step - sync)`` at the gang's atomic batch). 0 where the
+  profiles cannot say (outside the measured batches or shapes) or beyond the profiled nodes
+  (16 aws, 3 rtx, 2 dgx-ext). No fallback to another worker count or estimator.
 * ``placement_rate(job, parts)``: the placement's own shape, one replica count per node in
-  the order the parts name the nodes: ``1 / iteration(shape, B).seconds``, so 4 GPUs as
-  2 + 2 on two nodes pay the measured cross-node synchronisation (``step_time +
-  sync_time`` of that placement row) and 4 on one node do not. A copy mixing GPU types
-  runs at the slowest type's rate for that shape (synchronous data parallelism). A shape
-  across nodes the profiles cannot describe (outside the measured hull, or more nodes than
-  were profiled) runs at the packed rate times ``default_cross_node`` (0.8, as
-  ``ThroughputModel``'s own default), so a placement the packed rate allows never stalls.
-  ``cross_node=False`` ignores the shape (always the packed rate).
+  the order the parts name the nodes: ``1 / seconds(shape)``, so 4 GPUs as 2 + 2 on two nodes
+  pay the measured cross-node synchronisation (``step_time + sync_time`` of that placement
+  row) and 4 on one node do not. A copy mixing GPU types runs at the slowest type's rate for
+  that shape (synchronous data parallelism). A shape across nodes the profiles cannot
+  describe (outside the measured hull, or more nodes than were profiled) runs at the packed
+  rate times ``default_cross_node`` (0.8, as ``ThroughputModel``'s own default), so a
+  placement the packed rate allows never stalls. ``cross_node=False`` ignores the shape
+  (always the packed rate).
 * ``cross_node_factor(job, types, n)``, what planners (Hadar's spread options) multiply
   ``rate`` by for a copy that spans nodes: 1 where ``n`` is above a type's node size (its
   ``rate`` already is the packed placement across nodes; 0.8 on top charged the spanning
   twice), else the slower two-node shape's rate over one node's; the smallest over
   ``types``. A placement on more nodes than that may step slower (the planner's drift
   check re-plans it).
-* With ``n`` workers below the job's ``W`` (a HadarE copy) the copy still steps the full
-  global batch; the simulator credits it ``k / W`` of a step per step, so such copies are
-  under-credited: these tables are for rigid gangs.
 
 Work per job is ``sia_work.total_steps``; Sia's calibration slowdown is charged there, not here,
 so these rates are the measured ones.
@@ -56,18 +60,29 @@ from services.scheduler.sim.sia_profiles import (
 )
 from services.scheduler.sim.sia_work import validated_batches
 
-JOB_TYPE_RE = re.compile(r"^(?P<app>[a-z0-9]+) \(batch size (?P<batch>[1-9]\d*)\)$")
+JOB_TYPE_RE = re.compile(r"^(?P<app>[a-z0-9]+) \(batch size (?P<batch>[1-9]\d*), W=(?P<replicas>[1-9]\d*)\)$")
 # Profiled physical nodes per Sia cluster (simulator_config.cluster_max_physical_nnodes).
 PROFILED_NODES = {"aws": MAX_INTERPOLATED_NODES, "rtx": 3, "dgx-ext": 2}
 
 
-def job_type_name(application: str, batch: int) -> str:
-    return f"{application} (batch size {batch})"
+@dataclass(frozen=True, kw_only=True)
+class SiaJobType:
+    """What a job type of this table names: an application, its global batch, its replicas."""
+
+    application: str
+    batch: int
+    replicas: int
 
 
-def parse_job_type(job_type: str) -> tuple[str, int] | None:
+def job_type_name(application: str, batch: int, replicas: int) -> str:
+    return f"{application} (batch size {batch}, W={replicas})"
+
+
+def parse_job_type(job_type: str) -> SiaJobType | None:
     m = JOB_TYPE_RE.match(job_type)
-    return (m["app"], int(m["batch"])) if m is not None and m["app"] in APPLICATIONS else None
+    if m is None or m["app"] not in APPLICATIONS:
+        return None
+    return SiaJobType(application=m["app"], batch=int(m["batch"]), replicas=int(m["replicas"]))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,8 +101,9 @@ class ProfiledThroughputModel(ThroughputModel):
 
     @property
     def job_types(self) -> tuple[str, ...]:
-        return tuple(sorted(job_type_name(app, batch) for app in self.batch_range
-                            for batch in validated_batches(app)))
+        most = max(size * nodes for size, nodes in self.profiled_gpus.values())
+        return tuple(sorted(job_type_name(app, batch, replicas) for app in self.batch_range
+                            for batch in validated_batches(app) for replicas in range(1, most + 1)))
 
     def scales(self, job_type: str, gpu_type: str) -> tuple[int, ...]:
         if parse_job_type(job_type) is None or gpu_type not in self.profiled_gpus:
@@ -110,19 +126,34 @@ class ProfiledThroughputModel(ThroughputModel):
         cached = self._shape_rates.get(key)
         if cached is not None:
             return cached
-        parsed = parse_job_type(job_type)
-        profile = self.profiles.get((parsed[0], gpu_type)) if parsed else None
+        job = parse_job_type(job_type)
+        profile = self.profiles.get((job.application, gpu_type)) if job else None
         value = 0.0
-        if parsed is not None and profile is not None:
-            low, high = self.batch_range[parsed[0]]
-            it = (profile.iteration(shape, parsed[1], min_batch=low, max_batch=high)
-                  if len(shape) <= self.profiled_gpus[gpu_type][1] else None)
-            if it is not None:
-                value = 1.0 / it.seconds
+        if job is not None and profile is not None:
+            seconds = (self._seconds(job, gpu_type, profile, shape)
+                       if len(shape) <= self.profiled_gpus[gpu_type][1] else None)
+            if seconds is not None:
+                value = 1.0 / seconds
             elif len(shape) > 1:   # a shape the data cannot describe: the packed rate, slowed
                 value = self.rate(job_type, gpu_type, sum(shape)) * self.default_cross_node
         self._shape_rates[key] = value
         return value
+
+    def _seconds(self, job: SiaJobType, gpu_type: str, profile: AppProfile, shape: tuple[int, ...], *,
+                 use_rows: bool = True) -> float | None:
+        """One own step of ``sum(shape)`` GPUs (module docstring), or None where the data cannot say."""
+        low, high = self.batch_range[job.application]
+        if sum(shape) == job.replicas:
+            it = profile.iteration(shape, job.batch, min_batch=low, max_batch=high, use_rows=use_rows)
+            return it.seconds if it is not None else None
+        gang = profile.iteration(packed_placement(job.replicas, self.profiled_gpus[gpu_type][0]), job.batch,
+                                 min_batch=low, max_batch=high)
+        times = profile.step_and_sync_s(shape, gang.atomic_bsz, use_rows=use_rows) if gang is not None else None
+        if gang is None or times is None:
+            return None
+        step, sync = times
+        seconds = step + gang.accum_steps * (step - sync)
+        return seconds if seconds > 0 else None
 
     def spanning_bound(self, job_type: str, gpu_type: str, n: int) -> float:
         """The most steps/s any placement of ``n`` workers across nodes with a ``gpu_type`` GPU
@@ -130,20 +161,19 @@ class ProfiledThroughputModel(ThroughputModel):
         node count 2..n (it depends only on node and replica counts), and the fallback
         (packed rate x ``default_cross_node``). A mixed copy runs at most at its slowest type's
         shape rate, so this bounds it too."""
-        parsed = parse_job_type(job_type)
-        profile = self.profiles.get((parsed[0], gpu_type)) if parsed else None
-        if parsed is None or profile is None or n < 2:
+        job = parse_job_type(job_type)
+        profile = self.profiles.get((job.application, gpu_type)) if job else None
+        if job is None or profile is None or n < 2:
             return 0.0
-        low, high = self.batch_range[parsed[0]]
         best = self.rate(job_type, gpu_type, n) * self.default_cross_node
         for shape in profile.measured_shapes(n):
             if len(shape) > 1:
                 best = max(best, self.shape_rate(job_type, gpu_type, shape))
         for nodes in range(2, min(n, MAX_INTERPOLATED_NODES) + 1):
             shape = (n - nodes + 1,) + (1,) * (nodes - 1)   # stands for every shape of that many nodes
-            it = profile.iteration(shape, parsed[1], min_batch=low, max_batch=high, use_rows=False)
-            if it is not None:
-                best = max(best, 1.0 / it.seconds)
+            seconds = self._seconds(job, gpu_type, profile, shape, use_rows=False)
+            if seconds is not None:
+                best = max(best, 1.0 / seconds)
         return best
 
     def cross_node_factor(self, job_type: str, gpu_types: Iterable[str], n: int) -> float:

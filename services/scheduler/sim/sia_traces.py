@@ -4,7 +4,7 @@ As in ``shared/domain/data/sia/workloads/philly/workload-*.csv`` (Sia's artifact
 uses the same columns). A CSV whose header names exactly these five columns, in any order,
 is read as this format. Each row becomes a rigid ``TraceJob``: id = ``name``, arrival =
 ``time`` (s), ``workers = num_replicas``, ``job_type = "<application> (batch size
-<batch_size>)"`` (the global batch, ``sia_table``), ``total_steps =
+<batch_size>, W=<num_replicas>)"`` (the global batch and its replicas, ``sia_table``), ``total_steps =
 sia_work.total_steps(application, batch_size)`` (the work rule stated there, the same for every
 policy). A bad row raises ``TraceError`` naming file, line and field.
 """
@@ -53,17 +53,21 @@ def parse_sia_jobs(text: str, *, job_types: Iterable[str], source: str = "<sia>"
             raise TraceError(f"{where(source, index, 'application')}: {app!r} has no profile "
                              f"(known: {', '.join(APPLICATIONS)})")
         batch = int_field(cell["batch_size"], source=source, line=index, field="batch_size", minimum=1)
+        replicas = int_field(cell["num_replicas"], source=source, line=index, field="num_replicas", minimum=1)
         batches = validated_batches(app)
-        job_type = job_type_name(app, batch)
-        if not batches[0] <= batch <= batches[-1] or job_type not in known:
+        job_type = job_type_name(app, batch, replicas)
+        if not batches[0] <= batch <= batches[-1] or job_type_name(app, batch, 1) not in known:
             raise TraceError(f"{where(source, index, 'batch_size')}: {batch} is not a batch size the throughput "
                              f"table has for {app} (validated: {', '.join(map(str, batches))}; "
                              "is the table Sia's?)")
+        if job_type not in known:
+            raise TraceError(f"{where(source, index, 'num_replicas')}: {replicas} replicas: more GPUs than the "
+                             "throughput table has of any one type")
         jobs.append(TraceJob(
             job_id=name,
             arrival_s=float_field(cell["time"], source=source, line=index, field="time"),
             job_type=job_type,
-            workers=int_field(cell["num_replicas"], source=source, line=index, field="num_replicas", minimum=1),
+            workers=replicas,
             total_steps=total_steps(app, batch, calibrated=calibrated),
         ))
     return sort_jobs(jobs)
@@ -75,5 +79,5 @@ def restart_s_by_job_type(jobs: Iterable[TraceJob]) -> dict[str, float]:
     for job in jobs:
         parsed = parse_job_type(job.job_type)
         if parsed is not None:
-            out[job.job_type] = RESTART_S[parsed[0]]
+            out[job.job_type] = RESTART_S[parsed.application]
     return out
