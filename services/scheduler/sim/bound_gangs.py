@@ -25,10 +25,11 @@ breaks, and ``bounds.py`` adds each such pair's rows for every arrival offset at
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
+
+from services.scheduler.policies.lp.gang_cuts import crowded_sets
 
 
 def level_columns(rho: np.ndarray, *, gang: bool) -> list[tuple[int, float, int]]:
@@ -56,19 +57,17 @@ class SetRow:
 
 def candidates(col_job: np.ndarray, col_set: np.ndarray, widths: np.ndarray, counts: np.ndarray,
                gang_job: np.ndarray) -> list[SetRow]:
-    """The (S, w) pairs that can cut: S a level's set, w a gang width present, more gangs of
-    width >= w with columns in S than fit on it."""
+    """The (S, w) pairs that can cut (``lp/gang_cuts.crowded_sets``): S a level's set, w a gang
+    width present, more gangs of width >= w with columns in S than fit on it."""
+    col_width = np.where(gang_job[col_job], widths[col_job], 0).astype(float)
+    col_types = (col_set[:, None] >> np.arange(counts.size)) & 1 == 1
     out = []
-    is_gang = gang_job[col_job]
-    for w in sorted({int(x) for x in widths[gang_job] if x >= 2}):
-        wide = is_gang & (widths[col_job] >= w)
-        for mask in sorted({int(m) for m in col_set[wide]}):
-            inside = wide & ((col_set & ~mask) == 0)
-            n_gpus = float(sum(counts[r] for r in range(counts.size) if mask >> r & 1))
-            fit = math.floor(n_gpus / w + 1e-9)
-            if np.unique(col_job[inside]).size <= fit:
-                continue
-            out.append(SetRow(weight=np.where(inside, 1.0 / widths[col_job], 0.0), fit=fit))
+    for crowded in crowded_sets(col_width=col_width, col_job=col_job, col_types=col_types,
+                                count=np.asarray(counts, dtype=float), members=np.ones(widths.size),
+                                whole_cluster=True):
+        weight = np.zeros(col_job.size)
+        weight[crowded.columns] = 1.0 / widths[col_job[crowded.columns]]
+        out.append(SetRow(weight=weight, fit=crowded.fit))
     return out
 
 

@@ -98,32 +98,48 @@ def gang_rows(*, width: np.ndarray, members: np.ndarray, total: float, col_job: 
             length.append(0.0)
             n_e += narrow.size
     if width.size and col_types is not None and count is not None:
-        for on_set, at_once in _set_rows(width, members, col_job, col_types, count):
-            rows_x += [(len(length), c, v) for c, v in on_set]
-            length.append(at_once)
+        col_width = np.where(width[col_job] >= 2, width[col_job], 0.0)
+        for crowded in crowded_sets(col_width=col_width, col_job=col_job, col_types=col_types, count=count,
+                                    members=members, whole_cluster=False):
+            rows_x += [(len(length), c, 1.0 / float(width[col_job[c]])) for c in crowded.columns]
+            length.append(float(crowded.fit))
     n_rows = len(length)
     return GangRows(x=_sparse(rows_x, (n_rows, n_c)), extra=_sparse(rows_e, (n_rows, n_e)),
                     length=np.array(length))
 
 
-def _set_rows(width: np.ndarray, members: np.ndarray, col_job: np.ndarray, col_types: np.ndarray,
-              count: np.ndarray) -> list[tuple[list[tuple[int, float]], float]]:
-    """Rows (a_S) that can cut: ([(column, 1 / W)], floor(N_S / w)) per width w and type set S
-    of the wide columns, where S holds fewer GPUs than the cluster and more wide gangs have
-    columns in S than fit on it."""
+@dataclass(frozen=True, kw_only=True)
+class CrowdedSet:
+    """A set S of GPU types and a gang width w whose row (a_S) can cut: more gangs of width
+    >= w have columns within S than ``fit`` = floor(N_S / w) of them run on S at once."""
+
+    width: float
+    columns: np.ndarray   # the columns of gangs of width >= w whose types all lie in S
+    fit: int
+
+
+def crowded_sets(*, col_width: np.ndarray, col_job: np.ndarray, col_types: np.ndarray, count: np.ndarray,
+                 members: np.ndarray, whole_cluster: bool) -> list[CrowdedSet]:
+    """Every (S, w) pair that can cut, S ranging over the wide columns' own type sets.
+
+    ``col_width[c]``: the gang width of column c's job (below 2: not a gang); ``col_types[c]``
+    (bool per GPU type): the types column c may hold; ``count``: GPUs per type; ``members[j]``:
+    how many gangs LP row j stands for (a pooled class). ``whole_cluster=False`` leaves out S =
+    every type, where a caller's own row (a) already holds. Used by the policies' LPs
+    (:func:`gang_rows`) and the no-fork TTD bound (``sim/bound_gangs``) alike."""
     everything = count > 0
     out = []
-    for w in sorted({float(x) for x in width if x >= 2}):
-        wide_cols = np.flatnonzero(width[col_job] >= w)
+    for w in sorted({float(x) for x in col_width if x >= 2}):
+        wide_cols = np.flatnonzero(col_width >= w)
         for key in sorted({col_types[c].tobytes() for c in wide_cols}):
             s = np.frombuffer(key, dtype=bool)
-            if (everything & ~s).sum() == 0:
-                continue                                    # all types: (a) already holds it
+            if not whole_cluster and (everything & ~s).sum() == 0:
+                continue
             fit = math.floor(float(count[s].sum()) / w + 1e-9)
             inside = wide_cols[~(col_types[wide_cols] & ~s).any(axis=1)]
             if members[np.unique(col_job[inside])].sum() <= fit + 1e-9:
                 continue
-            out.append(([(int(c), 1.0 / float(width[col_job[c]])) for c in inside], float(fit)))
+            out.append(CrowdedSet(width=w, columns=inside, fit=fit))
     return out
 
 
