@@ -124,7 +124,6 @@ from services.scheduler.core.policy import (
     PlanRequest,
     Wait,
     WaitCode,
-    parts_of,
     previous_state,
 )
 from services.scheduler.policies.hadar.commit import (
@@ -132,13 +131,8 @@ from services.scheduler.policies.hadar.commit import (
     next_round,
     slot_index,
 )
-from services.scheduler.policies.hadar.critical import (
-    CRITICAL_SLACK,
-    critical_jobs,
-    job_capacity_rounds,
-    rounds_needed,
-    target_end,
-)
+from services.scheduler.policies.hadar.critical import CRITICAL_SLACK
+from services.scheduler.policies.hadar.critical_rules import decide_critical
 from services.scheduler.policies.hadar.dp import Choice, best_choice, round_costs
 from services.scheduler.policies.hadar.ledger import (
     Commitment,
@@ -162,7 +156,7 @@ from services.scheduler.policies.hadar.profile import (
     signature_drifted,
 )
 from services.scheduler.policies.hadar.slot import RowCounts, assign_indices, backfill
-from services.scheduler.policies.hadar.timeline import TIMELINE_SLACK, critical_types
+from services.scheduler.policies.hadar.timeline import TIMELINE_SLACK
 
 DEFAULT_HORIZON = 64
 DRIFT_TOLERANCE = 0.5
@@ -233,11 +227,12 @@ class _Round:
         self.prev = previous_state(request, LedgerState)
         self.explain: dict[str, dict[str, Any]] = {}
         self.waits: dict[str, Wait] = {}
-        self.allowed: dict[str, set[int]] = {}     # critical job -> GPU types it may use (timeline rule)
-        self.gang_credit: dict[str, float] = {}    # the timeline rule's gang rounding credit
         self.ledger = Ledger(layout=self.layout, horizon=cfg.horizon, round_=request.round, curve=self._curve(),
                              max_workers=max((j.workers for j in self.jobs), default=1))
-        self.target, self.critical = self._critical()
+        decided = decide_critical(request, self.jobs, self.profiles, self.layout, self.prev, enabled=cfg.critical,
+                                  rule=cfg.critical_rule, slack=cfg.critical_slack, keep_rounds=cfg.keep_rounds)
+        self.target, self.critical = decided.target_end, list(decided.order)
+        self.allowed, self.gang_credit = decided.allowed, dict(decided.gang_credit)
         carried = self._carried()
         if self.critical:
             first = set(self.critical)
@@ -252,41 +247,6 @@ class _Round:
             self.explain.setdefault(job_id, {})["replanned"] = "capacity"
 
     # ------------------------------------------------------------------ set-up
-
-    def _critical(self) -> tuple[int, list[str]]:
-        """(target end round E, critical job ids in planning order): ``hadar/critical``."""
-        request, cfg, prev = self.request, self.cfg, self.prev
-        previous = prev.target_end if prev is not None and prev.target_end >= 0 else None
-        new = [j.job_id for j in self.jobs if j.arrival_s > request.now_s - request.round_s]
-        if cfg.critical and cfg.critical_rule == "timeline":
-            count = np.bincount(self.layout.row_type, weights=self.layout.row_cap, minlength=len(self.layout.types))
-            decided = critical_types(self.jobs, self.profiles, count, round_=request.round, round_s=request.round_s,
-                                     previous=previous, arrived=bool(new), slack=cfg.critical_slack,
-                                     credit=prev.gang_credit if prev is not None else None,
-                                     held=self._held(), keep_rounds=cfg.keep_rounds)
-            self.allowed, self.gang_credit = dict(decided.chosen), decided.credit
-            return decided.end, [job_id for job_id, _ in decided.chosen]
-        need = {j.job_id: rounds_needed(j, self.profiles[j.job_id], request.round_s) for j in self.jobs}
-        capacity = (job_capacity_rounds(self.jobs, self.profiles, need, types=self.layout.row_type,
-                                        caps=self.layout.row_cap, round_s=request.round_s)
-                    if previous is None or new else 0.0)
-        target = target_end(need, new, round_=request.round, previous=previous, slack=cfg.critical_slack,
-                            capacity=capacity)
-        if not cfg.critical:
-            return target, []
-        return target, critical_jobs(self.jobs, need, round_=request.round, target=target)
-
-    def _held(self) -> dict[str, set[int]]:
-        """The GPU type indices each job ran on in the previous round's plan."""
-        previous = self.request.previous
-        if previous is None:
-            return {}
-        tindex = {t: i for i, t in enumerate(self.layout.types)}
-        held: dict[str, set[int]] = {}
-        for p in previous.placements:
-            if p.node_id in self.request.cluster.by_id:     # a node that left holds nothing now
-                held.setdefault(p.job_id, set()).update(tindex[part.gpu_type] for part in parts_of(self.request, [p]))
-        return held
 
     def _curve(self) -> PriceCurve:
         request = self.request

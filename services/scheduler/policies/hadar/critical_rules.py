@@ -1,0 +1,75 @@
+"""Which jobs a Hadar round plans first: the configured critical rule applied to one request.
+
+Two rules (``Hadar``'s ``critical_rule``): ``"timeline"`` (``hadar/timeline``, the default),
+which also names the GPU types each critical job may use this round, and ``"laxity"``
+(``hadar/critical``), which lets a critical job use any type. Both keep a target end round
+E in the policy's state; ``critical=False`` still sets E (laxity rule's way) but names no job.
+
+Pure: a function of the request, the jobs' profiles and the previous round's state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from services.scheduler.core.policy import JobState, PlanRequest, parts_of
+from services.scheduler.policies.hadar.critical import (
+    critical_jobs,
+    job_capacity_rounds,
+    rounds_needed,
+    target_end,
+)
+from services.scheduler.policies.hadar.ledger import LedgerState, RowLayout
+from services.scheduler.policies.hadar.profile import JobProfile
+from services.scheduler.policies.hadar.timeline import critical_types
+
+
+@dataclass(frozen=True, kw_only=True)
+class CriticalDecision:
+    """E (the target end round), the critical jobs in planning order, the GPU type indices
+    each may use (timeline rule; a job not named may use any) and the gangs' rounding credit
+    to carry to the next round (``LedgerState.gang_credit``)."""
+
+    target_end: int
+    order: tuple[str, ...]
+    allowed: Mapping[str, set[int]] = field(default_factory=dict)
+    gang_credit: Mapping[str, float] = field(default_factory=dict)
+
+
+def decide_critical(request: PlanRequest, jobs: Sequence[JobState], profiles: Mapping[str, JobProfile],
+                    layout: RowLayout, previous: LedgerState | None, *, enabled: bool, rule: str, slack: float,
+                    keep_rounds: float) -> CriticalDecision:
+    """The module's rules for this round (``jobs`` in arrival order)."""
+    last_end = previous.target_end if previous is not None and previous.target_end >= 0 else None
+    new = [j.job_id for j in jobs if j.arrival_s > request.now_s - request.round_s]
+    if enabled and rule == "timeline":
+        count = np.bincount(layout.row_type, weights=layout.row_cap, minlength=len(layout.types))
+        decided = critical_types(jobs, profiles, count, round_=request.round, round_s=request.round_s,
+                                 previous=last_end, arrived=bool(new), slack=slack,
+                                 credit=previous.gang_credit if previous is not None else None,
+                                 held=held_types(request, layout), keep_rounds=keep_rounds)
+        return CriticalDecision(target_end=decided.end, order=tuple(job_id for job_id, _ in decided.chosen),
+                                allowed=dict(decided.chosen), gang_credit=decided.credit)
+    need = {j.job_id: rounds_needed(j, profiles[j.job_id], request.round_s) for j in jobs}
+    capacity = (job_capacity_rounds(jobs, profiles, need, types=layout.row_type, caps=layout.row_cap,
+                                    round_s=request.round_s)
+                if last_end is None or new else 0.0)
+    target = target_end(need, new, round_=request.round, previous=last_end, slack=slack, capacity=capacity)
+    order = tuple(critical_jobs(jobs, need, round_=request.round, target=target)) if enabled else ()
+    return CriticalDecision(target_end=target, order=order)
+
+
+def held_types(request: PlanRequest, layout: RowLayout) -> dict[str, set[int]]:
+    """The GPU type indices (``layout.types``) each job ran on in the previous round's plan."""
+    previous = request.previous
+    if previous is None:
+        return {}
+    tindex = {t: i for i, t in enumerate(layout.types)}
+    held: dict[str, set[int]] = {}
+    for p in previous.placements:
+        if p.node_id in request.cluster.by_id:     # a node that left holds nothing now
+            held.setdefault(p.job_id, set()).update(tindex[part.gpu_type] for part in parts_of(request, [p]))
+    return held
