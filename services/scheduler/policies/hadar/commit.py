@@ -31,10 +31,11 @@ from services.scheduler.policies.hadar.profile import JobProfile
 
 def build_commitment(*, job: JobState, profile: JobProfile, choice: Choice,
                      utility_at: Callable[[np.ndarray], np.ndarray], ledger: Ledger, request: PlanRequest, horizon: int,
-                     sticky: bool) -> Commitment | None:
-    """``choice`` committed on rows of ``ledger`` (None when its GPUs are not free)."""
+                     sticky: bool, types: np.ndarray | None = None) -> Commitment | None:
+    """``choice`` committed on rows of ``ledger`` (None when its GPUs are not free), on rows
+    of ``types`` only (bool per GPU type) if given."""
     option = profile.options[choice.option]
-    got = pick_gpus(ledger, profile, choice.option, choice.slots, sticky=sticky)
+    got = pick_gpus(ledger, profile, choice.option, choice.slots, sticky=sticky, types=types)
     if got is None:
         return None
     rows, counts, same_rows = got

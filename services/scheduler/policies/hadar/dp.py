@@ -197,8 +197,8 @@ def _runs(slots: np.ndarray) -> list[tuple[int, int]]:
     return [(int(slots[a]), int(slots[b - 1]) + 1) for a, b in zip(starts, ends)]
 
 
-def _sticky(ledger: Ledger, profile: JobProfile, index: int,
-            slots: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+def _sticky(ledger: Ledger, profile: JobProfile, index: int, slots: np.ndarray,
+            types: np.ndarray | None) -> tuple[np.ndarray, np.ndarray] | None:
     """One set of rows for all ``slots``: cheapest by summed price (rows of one type cost the
     same: then the row with the least committed over the slots first), free in every slot.
 
@@ -209,6 +209,10 @@ def _sticky(ledger: Ledger, profile: JobProfile, index: int,
     w = profile.workers
     need_free = w if option.one_node else 1
     cand = profile.candidates[index]
+    if types is not None:
+        cand = cand[types[ledger.layout.row_type[cand]]]
+        if not cand.size:
+            return None
     cum, fill = ledger.cum_type_price(), ledger.cum_fill
     runs = _runs(slots)
     by_type = sum(cum[:, hi] - cum[:, lo] for lo, hi in runs)      # (R,) summed price of a GPU of each type
@@ -244,21 +248,23 @@ def _sticky(ledger: Ledger, profile: JobProfile, index: int,
     return None
 
 
-def pick_gpus(ledger: Ledger, profile: JobProfile, index: int, slots: np.ndarray,
-              *, sticky: bool = True) -> tuple[np.ndarray, np.ndarray, bool] | None:
+def pick_gpus(ledger: Ledger, profile: JobProfile, index: int, slots: np.ndarray, *, sticky: bool = True,
+              types: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, bool] | None:
     """(rows (k,), counts (len(slots), k), same rows in all slots) for option ``index``.
 
     With ``sticky``, the same rows in every slot when such rows exist; otherwise the
-    cheapest rows slot by slot, which is exactly what ``round_costs`` priced. None if the
-    GPUs are not there.
+    cheapest rows slot by slot, which is exactly what ``round_costs`` priced. ``types``
+    (bool per GPU type) narrows the option's eligible types: a spread option of level r may
+    use every type at least as fast as r, and the cheapest of those is often an idle fast
+    type that some other job was given. None if the GPUs are not there.
     """
     option = profile.options[index]
-    found = _sticky(ledger, profile, index, slots) if sticky else None
+    found = _sticky(ledger, profile, index, slots, types) if sticky else None
     if found is not None:
         rows, counts = found
         return rows, np.repeat(counts[None, :], slots.size, axis=0), True
     row_type = ledger.layout.row_type
-    allowed = option.eligible[row_type]
+    allowed = option.eligible[row_type] if types is None else option.eligible[row_type] & types[row_type]
     per_slot = []
     for t in slots:
         got = select_rows(ledger.type_price[row_type, t], ledger.free(int(t)), allowed, profile.workers,

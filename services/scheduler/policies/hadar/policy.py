@@ -410,9 +410,21 @@ class _Round:
                      utility_at: Callable[[np.ndarray], np.ndarray], *,
                      force: bool = False) -> Commitment | None:
         """The chosen schedule on concrete rows: the same rows in every round if they exist
-        and keep the payoff positive (or ``force``), else the cheapest rows round by round."""
+        and keep the payoff positive (or ``force``), else the cheapest rows round by round.
+
+        A critical job given GPU types by the critical rule (``hadar/timeline``, which
+        counted its gang on exactly those) takes rows of those types only: a spread option
+        of level r may use every type at least as fast as r, and the cheapest rows of those
+        are often an idle fast type the rule gave another job. If they are not free, it
+        waits for the back-fill (``hadar/slot``) rather than take that job's GPUs."""
         args: dict[str, Any] = dict(job=job, profile=prof, choice=choice, utility_at=utility_at,
                                     ledger=self.ledger, request=self.request, horizon=self.cfg.horizon)
+        allowed = self.allowed.get(job.job_id) if force else None
+        if allowed:
+            types = np.zeros(len(self.layout.types), dtype=bool)
+            types[sorted(allowed)] = True
+            return (build_commitment(**args, sticky=True, types=types)
+                    or build_commitment(**args, sticky=False, types=types))
         commitment = build_commitment(**args, sticky=True)
         if commitment is not None and (force or commitment.utility - commitment.cost > 0):
             return commitment
