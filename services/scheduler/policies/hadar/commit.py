@@ -31,11 +31,13 @@ from services.scheduler.policies.hadar.profile import JobProfile
 
 def build_commitment(*, job: JobState, profile: JobProfile, choice: Choice,
                      utility_at: Callable[[np.ndarray], np.ndarray], ledger: Ledger, request: PlanRequest, horizon: int,
-                     sticky: bool, types: np.ndarray | None = None) -> Commitment | None:
+                     sticky: bool, types: np.ndarray | None = None,
+                     held: tuple[np.ndarray, np.ndarray] | None = None) -> Commitment | None:
     """``choice`` committed on rows of ``ledger`` (None when its GPUs are not free), on rows
-    of ``types`` only (bool per GPU type) if given."""
+    of ``types`` only (bool per GPU type) if given, on ``held`` (rows, GPUs on each: where
+    the job ran last round) if the option may run there (``dp.pick_gpus``)."""
     option = profile.options[choice.option]
-    got = pick_gpus(ledger, profile, choice.option, choice.slots, sticky=sticky, types=types)
+    got = pick_gpus(ledger, profile, choice.option, choice.slots, sticky=sticky, types=types, keep=held)
     if got is None:
         return None
     rows, counts, same_rows = got

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.scheduler.core.policy import JobState, PlanRequest, parts_of
+from services.scheduler.core.policy import JobState, PlanRequest
 from services.scheduler.policies.hadar.critical import (
     critical_jobs,
     job_capacity_rounds,
@@ -40,17 +40,21 @@ class CriticalDecision:
 
 
 def decide_critical(request: PlanRequest, jobs: Sequence[JobState], profiles: Mapping[str, JobProfile],
-                    layout: RowLayout, previous: LedgerState | None, *, enabled: bool, rule: str, slack: float,
-                    keep_rounds: float) -> CriticalDecision:
-    """The module's rules for this round (``jobs`` in arrival order)."""
+                    layout: RowLayout, previous: LedgerState | None, *,
+                    held: Mapping[str, tuple[np.ndarray, np.ndarray]],
+                    enabled: bool, rule: str, slack: float, keep_rounds: float) -> CriticalDecision:
+    """The module's rules for this round (``jobs`` in arrival order; ``held``: the rows each
+    job held in the previous round's plan and its GPUs on each, ``hadar/slot.held_rows``)."""
     last_end = previous.target_end if previous is not None and previous.target_end >= 0 else None
     new = [j.job_id for j in jobs if j.arrival_s > request.now_s - request.round_s]
     if enabled and rule == "timeline":
         count = np.bincount(layout.row_type, weights=layout.row_cap, minlength=len(layout.types))
+        held_types = {job_id: set(layout.row_type[rows].tolist()) for job_id, (rows, _) in held.items()}
         decided = critical_types(jobs, profiles, count, round_=request.round, round_s=request.round_s,
                                  previous=last_end, arrived=bool(new), slack=slack,
                                  credit=previous.gang_credit if previous is not None else None,
-                                 held=held_types(request, layout), keep_rounds=keep_rounds)
+                                 held=held_types,
+                                 keep_rounds=keep_rounds)
         return CriticalDecision(target_end=decided.end, order=tuple(job_id for job_id, _ in decided.chosen),
                                 allowed=dict(decided.chosen), gang_credit=decided.credit)
     need = {j.job_id: rounds_needed(j, profiles[j.job_id], request.round_s) for j in jobs}
@@ -60,16 +64,3 @@ def decide_critical(request: PlanRequest, jobs: Sequence[JobState], profiles: Ma
     target = target_end(need, new, round_=request.round, previous=last_end, slack=slack, capacity=capacity)
     order = tuple(critical_jobs(jobs, need, round_=request.round, target=target)) if enabled else ()
     return CriticalDecision(target_end=target, order=order)
-
-
-def held_types(request: PlanRequest, layout: RowLayout) -> dict[str, set[int]]:
-    """The GPU type indices (``layout.types``) each job ran on in the previous round's plan."""
-    previous = request.previous
-    if previous is None:
-        return {}
-    tindex = {t: i for i, t in enumerate(layout.types)}
-    held: dict[str, set[int]] = {}
-    for p in previous.placements:
-        if p.node_id in request.cluster.by_id:     # a node that left holds nothing now
-            held.setdefault(p.job_id, set()).update(tindex[part.gpu_type] for part in parts_of(request, [p]))
-    return held

@@ -21,10 +21,13 @@ Three steps (notation of ``hadar.py``'s docstring):
    (utility prorated by the share of work inside the horizon). The best payoff wins;
    ties go to the first option (node options before spread), then the earliest tau.
 3. ``pick_gpus``: concrete rows for the chosen option and slots. First try one set of
-   rows for all the chosen slots ("sticky": no migration between rounds; rows by summed
-   price over the slots, with enough free GPUs in every slot); fall back to the cheapest
-   rows slot by slot (exactly the kappa of step 1). Price ties are broken by the
-   profile's ``tie_order``.
+   rows for all the chosen slots ("sticky": no migration between rounds): exactly where
+   the job ran last round if the option may use those GPUs and they are free in every
+   slot (any other placement restarts it), else rows by summed price over the slots,
+   with enough free GPUs in every slot; fall back to the cheapest rows slot by slot
+   (exactly the kappa of step 1). Price ties are broken by the profile's ``tie_order``.
+   Keeping only part of the old placement would still restart the job and only
+   fragments the nodes, so it is all or nothing.
 """
 
 from __future__ import annotations
@@ -248,17 +251,34 @@ def _sticky(ledger: Ledger, profile: JobProfile, index: int, slots: np.ndarray,
     return None
 
 
+def _keeps(ledger: Ledger, profile: JobProfile, index: int, slots: np.ndarray, types: np.ndarray | None,
+           rows: np.ndarray, counts: np.ndarray) -> bool:
+    """Whether option ``index`` can run on exactly ``counts`` GPUs of ``rows`` in every slot."""
+    option = profile.options[index]
+    row_type = ledger.layout.row_type[rows]
+    if int(counts.sum()) != profile.workers or (option.one_node and rows.size != 1):
+        return False
+    if not option.eligible[row_type].all() or (types is not None and not types[row_type].all()):
+        return False
+    return bool((ledger.cap[rows] - ledger.z[slots][:, rows].max(axis=0) >= counts).all())
+
+
 def pick_gpus(ledger: Ledger, profile: JobProfile, index: int, slots: np.ndarray, *, sticky: bool = True,
-              types: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, bool] | None:
+              types: np.ndarray | None = None,
+              keep: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray, bool] | None:
     """(rows (k,), counts (len(slots), k), same rows in all slots) for option ``index``.
 
-    With ``sticky``, the same rows in every slot when such rows exist; otherwise the
-    cheapest rows slot by slot, which is exactly what ``round_costs`` priced. ``types``
+    With ``sticky``, the same rows in every slot when such rows exist: ``keep`` (rows,
+    counts: where the job ran last round) when the option may use all of them and they are
+    free in every slot, since any other placement is a restart; else the cheapest. Without,
+    the cheapest rows slot by slot, which is exactly what ``round_costs`` priced. ``types``
     (bool per GPU type) narrows the option's eligible types: a spread option of level r may
     use every type at least as fast as r, and the cheapest of those is often an idle fast
     type that some other job was given. None if the GPUs are not there.
     """
     option = profile.options[index]
+    if sticky and keep is not None and _keeps(ledger, profile, index, slots, types, *keep):
+        return keep[0], np.repeat(keep[1][None, :], slots.size, axis=0), True
     found = _sticky(ledger, profile, index, slots, types) if sticky else None
     if found is not None:
         rows, counts = found

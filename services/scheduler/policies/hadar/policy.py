@@ -155,7 +155,7 @@ from services.scheduler.policies.hadar.profile import (
     ProfileBook,
     signature_drifted,
 )
-from services.scheduler.policies.hadar.slot import RowCounts, assign_indices, backfill
+from services.scheduler.policies.hadar.slot import RowCounts, assign_indices, backfill, held_rows
 from services.scheduler.policies.hadar.timeline import TIMELINE_SLACK
 
 DEFAULT_HORIZON = 64
@@ -229,8 +229,10 @@ class _Round:
         self.waits: dict[str, Wait] = {}
         self.ledger = Ledger(layout=self.layout, horizon=cfg.horizon, round_=request.round, curve=self._curve(),
                              max_workers=max((j.workers for j in self.jobs), default=1))
-        decided = decide_critical(request, self.jobs, self.profiles, self.layout, self.prev, enabled=cfg.critical,
-                                  rule=cfg.critical_rule, slack=cfg.critical_slack, keep_rounds=cfg.keep_rounds)
+        self.held = held_rows(request, self.layout)
+        decided = decide_critical(request, self.jobs, self.profiles, self.layout, self.prev, held=self.held,
+                                  enabled=cfg.critical, rule=cfg.critical_rule, slack=cfg.critical_slack,
+                                  keep_rounds=cfg.keep_rounds)
         self.target, self.critical = decided.target_end, list(decided.order)
         self.allowed, self.gang_credit = decided.allowed, dict(decided.gang_credit)
         carried = self._carried()
@@ -418,7 +420,8 @@ class _Round:
         are often an idle fast type the rule gave another job. If they are not free, it
         waits for the back-fill (``hadar/slot``) rather than take that job's GPUs."""
         args: dict[str, Any] = dict(job=job, profile=prof, choice=choice, utility_at=utility_at,
-                                    ledger=self.ledger, request=self.request, horizon=self.cfg.horizon)
+                                    ledger=self.ledger, request=self.request, horizon=self.cfg.horizon,
+                                    held=self.held.get(job.job_id))
         allowed = self.allowed.get(job.job_id) if force else None
         if allowed:
             types = np.zeros(len(self.layout.types), dtype=bool)

@@ -12,7 +12,9 @@ which releases and re-plans its schedule.
 
 GPU indices. A row's GPUs are interchangeable for the ledger; indices are assigned at the
 end: a job keeps the indices it had in the previous plan (copy 0, same node and type) when
-they are still free, and takes the lowest free indices otherwise.
+they are still free, and takes the lowest free indices otherwise. Where a job ran in the
+previous plan (:func:`held_rows`) the row choice (``dp.pick_gpus``) keeps when it may and
+the GPUs are free, so a job re-planned each round does not move for nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from services.scheduler.core.cluster import Cluster
-from services.scheduler.core.policy import Placement
+from services.scheduler.core.policy import Placement, PlanRequest, parts_of
 from services.scheduler.policies.hadar.dp import select_rows
 from services.scheduler.policies.hadar.ledger import RowLayout
 from services.scheduler.policies.hadar.profile import JobProfile
@@ -56,6 +58,24 @@ def backfill(idle: np.ndarray, candidates: Iterable[tuple[str, JobProfile]],
                 out[job_id] = ((rows, counts), option.label)
                 break
     return out
+
+
+def held_rows(request: PlanRequest, layout: RowLayout) -> dict[str, RowCounts]:
+    """Where each job ran in the previous round's plan: (rows, sorted indices into ``layout``;
+    GPUs on each). A node that left holds nothing."""
+    previous = request.previous
+    if previous is None:
+        return {}
+    index = {(node_id, gpu_type): row for row, (node_id, gpu_type, _) in enumerate(layout.keys)}
+    held: dict[str, dict[int, int]] = defaultdict(dict)
+    for p in previous.placements:
+        if p.node_id in request.cluster.by_id:
+            for part in parts_of(request, [p]):
+                row = index.get((part.node_id, part.gpu_type))
+                if row is not None:
+                    held[p.job_id][row] = held[p.job_id].get(row, 0) + part.count
+    return {job_id: (np.array(sorted(rows), dtype=np.int64),
+                     np.array([rows[r] for r in sorted(rows)], dtype=np.int64)) for job_id, rows in held.items()}
 
 
 def assign_indices(cluster: Cluster, layout: RowLayout, slot0: Sequence[tuple[str, RowCounts]],
