@@ -235,3 +235,38 @@ def test_above_pool_above_jobs_the_plan_is_valid_and_the_shortest_run_first():
     check_plan(req, plan)
     placed = {p.job_id for p in plan.placements}
     assert len(plan.placements) == 40 and "j000" in placed and f"j{POOL_ABOVE + 19:03d}" not in placed
+
+
+def test_of_two_equal_jobs_the_one_on_the_fast_type_keeps_it():
+    # As Hadar's timeline rule (KEEP_ROUNDS): either job may have the V100 this round; the
+    # one that ran there keeps it, since a move is a restart (Sia's eight workloads: mean JCT
+    # 2,714 -> 2,137 s, restarts per job 2.79 -> 2.10). Models too big to be worth a second
+    # copy (its consolidation would cost more than it trains) keep each job to one GPU.
+    from services.scheduler.core.policy import Placement, Plan
+
+    cluster = Cluster(name="two", nodes=(Node(node_id="n0", gpus=("v100",)), Node(node_id="n1", gpus=("k80",))))
+    steps = int(TP.rate(JOB_TYPES[0], "v100", 1) * 360.0 * 50)
+    jobs = tuple(JobState(job_id=f"j{i}", job_type=JOB_TYPES[0], workers=1, total_steps=steps,
+                          model_bytes=20 * 10**9) for i in range(2))
+    for on_v100, on_k80 in (("j0", "j1"), ("j1", "j0")):
+        previous = Plan(placements=(Placement(job_id=on_v100, copy=0, node_id="n0", gpus=(0,)),
+                                    Placement(job_id=on_k80, copy=0, node_id="n1", gpus=(0,))))
+        plan = make_policy("hadare").plan(PlanRequest(round=1, now_s=360.0, round_s=360.0, cluster=cluster,
+                                                      jobs=jobs, throughput=TP, previous=previous))
+        assert {(p.job_id, p.node_id) for p in plan.placements} == {(on_v100, "n0"), (on_k80, "n1")}
+
+
+def test_a_copy_keeps_its_node_when_another_is_as_good():
+    # Two jobs, two equal nodes, each job on one last round, too big to fork: neither moves
+    # (j, first in line, took the first node in cluster order).
+    from services.scheduler.core.policy import Placement, Plan
+
+    cluster = Cluster(name="two", nodes=tuple(Node(node_id=f"n{i}", gpus=("v100",) * 4) for i in range(2)))
+    per_round = TP.rate(JOB_TYPES[0], "v100", 4) * 360.0
+    jobs = tuple(JobState(job_id=job_id, job_type=JOB_TYPES[0], workers=4, total_steps=int(per_round * rounds),
+                          model_bytes=20 * 10**9) for job_id, rounds in (("j", 40), ("k", 50)))
+    previous = Plan(placements=(Placement(job_id="j", copy=0, node_id="n1", gpus=(0, 1, 2, 3)),
+                                Placement(job_id="k", copy=0, node_id="n0", gpus=(0, 1, 2, 3))))
+    plan = make_policy("hadare").plan(PlanRequest(round=1, now_s=360.0, round_s=360.0, cluster=cluster,
+                                                  jobs=jobs, throughput=TP, previous=previous))
+    assert {(p.job_id, p.node_id) for p in plan.placements} == {("j", "n1"), ("k", "n0")}

@@ -29,7 +29,11 @@ Rule (one round at a time, no reservation of future rounds):
    optimal makespan, each job's work as early as that allows; the round's fractional
    share rounded to whole GPUs by error diffusion, what a job was due and not given
    carried to the next round, a job the LP ends this round served first, so a job about
-   to finish is not kept waiting by a sliver). ``split="makespan"`` (the earlier rule,
+   to finish is not kept waiting by a sliver; of near-equal plans it keeps what runs, a
+   job's work this round on the types its copies ran on last round valued KEEP_ROUNDS
+   earlier, as Hadar's timeline rule does, since every move is a restart: on Sia's eight
+   workloads mean JCT 2,714 -> 2,137 s, restarts per job 2.79 -> 2.10, makespan +2%; the
+   gavel traces unchanged). ``split="makespan"`` (the earlier rule,
    and the fallback when an LP fails): only the GPU types the makespan LP gives it
    (``hadare/split.type_split``: the fork lower bound's LP on the remaining work, ties
    broken toward giving the jobs first in line their fastest types, within
@@ -41,7 +45,8 @@ Rule (one round at a time, no reservation of future rounds):
    holds both (README "Forking").
 3. Copies. Each job, in turn, adds copies one at a time: among the node/type groups it
    may use with free GPUs, on nodes it has no copy on, the one with the largest value
-   per GPU net of the group's price (``price_share``, default 0: off); it stops when
+   per GPU net of the group's price (``price_share``, default 0: off; ties: a group one
+   of its copies ran on last round, then cluster order); it stops when
    no group gains (gain <= 0: the job is expected to finish, or consolidating one more
    copy costs more than it trains) or it has n copies (n = the number of nodes).
    k = min(W_j, free GPUs of the group), then the fewest of them that give the same gain.
@@ -101,6 +106,7 @@ from shared.domain.progress import credited_steps
 from shared.wire.events import DEFAULT_OPTIMIZER_SLOTS
 
 EPS = 1e-9
+KEEP_ROUNDS = 1.0
 PRICE_SHARE = 0.0
 SPLIT_SLACK = 0.01
 WINDOW = 1.0
@@ -127,6 +133,7 @@ class _Job:
     job: JobState
     rates: list[float] = field(default_factory=list)   # credited rates of its copies so far
     nodes: set[str] = field(default_factory=set)
+    held: frozenset[tuple[str, str]] = frozenset()     # (node, type) of its copies last round
 
     def steps(self, rates: list[float], round_s: float, cost: CopyCost) -> float:
         train = max(0.0, round_s - cost.seconds(self.job.model_bytes, len(rates), self.job.optimizer_slots))
@@ -172,12 +179,18 @@ def plan_copies(request: PlanRequest, cost: CopyCost = CopyCost(), price_share: 
     for r in cluster.types if price_share > 0 else ():
         ratios = [credited(j, r, 1) / top[j.job_id] for j in order]
         best[r] = [max(ratios[i + 1: i + 1 + window], default=0.0) for i in range(len(order))] + [0.0]
+    held: dict[str, set[tuple[str, str]]] = {}
+    for p in request.previous.placements if request.previous is not None else ():
+        node = cluster.by_id.get(p.node_id)
+        if node is not None:
+            held.setdefault(p.job_id, set()).update((p.node_id, node.gpus[g]) for g in p.gpus if g < len(node.gpus))
     budgets, carried = _main_pass_budgets(request, order, credited, speed, split,
-                                        timeline_slack if split == "timeline" else split_slack, completion_weight)
+                                        timeline_slack if split == "timeline" else split_slack, completion_weight,
+                                        held)
     placements: list[Placement] = []
     explain: dict[str, dict[str, object]] = {}
     limit = len(cluster.nodes)
-    states = [_Job(job=job) for job in order]
+    states = [_Job(job=job, held=frozenset(held.get(job.job_id, ()))) for job in order]
     for share, split_only in ((price_share, True), (0.0, False)):   # priced pass, then back-fill
         for pos, state in enumerate(states):
             job = state.job
@@ -215,15 +228,15 @@ def plan_copies(request: PlanRequest, cost: CopyCost = CopyCost(), price_share: 
 
 
 def _main_pass_budgets(request: PlanRequest, order: list[JobState], credited: _Credited, speed: dict[str, float],
-                       split: str, slack: float,
-                       completion_weight: float) -> tuple[dict[str, dict[str, int]], TimelineState | None]:
+                       split: str, slack: float, completion_weight: float,
+                       held: dict[str, set[tuple[str, str]]]) -> tuple[dict[str, dict[str, int]], TimelineState | None]:
     """(job id -> GPUs per type its main pass may take, the state to carry): the time-indexed
     LP's slice of this round (``split="timeline"``, ``hadare/timeline``; on classes of jobs
     above POOL_ABOVE jobs) or every GPU of the types the makespan split gives it
     (``"makespan"``, or when an LP fails)."""
     cluster = request.cluster
     if split == "timeline" and order:
-        got = _timeline_budgets(request, order, credited, speed, slack, completion_weight)
+        got = _timeline_budgets(request, order, credited, speed, slack, completion_weight, held)
         if got is not None:
             return got
     types = type_split(order, cluster, credited, urgency=[speed[j.job_id] / j.remaining for j in order],
@@ -232,7 +245,8 @@ def _main_pass_budgets(request: PlanRequest, order: list[JobState], credited: _C
 
 
 def _timeline_budgets(request: PlanRequest, order: list[JobState], credited: _Credited, speed: dict[str, float],
-                      slack: float, completion_weight: float) -> tuple[dict[str, dict[str, int]], TimelineState] | None:
+                      slack: float, completion_weight: float,
+                      held: dict[str, set[tuple[str, str]]]) -> tuple[dict[str, dict[str, int]], TimelineState] | None:
     """``_main_pass_budgets`` by the time-indexed LP; None if an LP fails. The makespan LP
     is solved only when E must be set or moved (first round, arrivals, E missed)."""
     full = fork_lp(order, cluster := request.cluster, credited)
@@ -247,10 +261,16 @@ def _timeline_budgets(request: PlanRequest, order: list[JobState], credited: _Cr
     now, weights = request.now_s, [sum(max(order[i].priority, EPS) for i in g) for g in groups]
     ids = frozenset(j.job_id for j in request.jobs)
     previous = previous_state(request, TimelineState)
+    tindex = {t: r for r, t in enumerate(cluster.types)}
+    keep = np.zeros(lp.rho.shape)
+    for c, group in enumerate(groups):
+        for i in group:
+            keep[c, sorted({tindex[t] for _, t in held.get(order[i].job_id, ())})] = 1.0
     end, plan = solve_until(
         lp, kept_end=previous.end_s if previous is not None and not ids - previous.job_ids else None,
         new_end=lambda best: target_end_s(best, now_s=now, previous=previous, job_ids=ids, slack=slack),
-        horizon_of=lambda e: e - now, round_s=request.round_s, weights=weights, completion_weight=completion_weight)
+        horizon_of=lambda e: e - now, round_s=request.round_s, weights=weights, completion_weight=completion_weight,
+        keep=keep, keep_rounds=KEEP_ROUNDS)
     if end is None or plan is None:
         return None
     types, keys = cluster.types, [order[g[0]].job_id for g in groups]
@@ -277,9 +297,15 @@ class _FreeGroups:
                 self.idle[(n.node_id, t)] = list(n.indices_of(t))
                 self.buckets.setdefault((t, len(self.idle[(n.node_id, t)])), []).append(n.node_id)
 
-    def candidates(self, used: set[str], allowed: dict[str, int] | None) -> Iterator[tuple[str, str, int]]:
-        """(node, type, idle count) of the first group of each (type, count) off ``used``
-        whose type has GPUs left in ``allowed`` (None: every type)."""
+    def candidates(self, used: set[str], allowed: dict[str, int] | None,
+                   held: frozenset[tuple[str, str]] = frozenset()) -> Iterator[tuple[str, str, int]]:
+        """(node, type, idle count): the groups of ``held`` with idle GPUs, then the first group
+        of each (type, count), all off ``used`` and of a type with GPUs left in ``allowed``
+        (None: every type)."""
+        for node_id, t in sorted(held, key=lambda g: (self.order[g[0]], g[1])):
+            idle = len(self.idle.get((node_id, t), ()))
+            if idle and node_id not in used and (allowed is None or allowed.get(t, 0) >= 1):
+                yield node_id, t, idle
         for (t, count), nodes in self.buckets.items():
             if allowed is not None and allowed.get(t, 0) < 1:
                 continue
@@ -309,8 +335,8 @@ def _best_group(state: _Job, free: _FreeGroups, credited: _Credited, best: dict[
     """(group, GPUs, credited rate) of the job's best next copy, or None if none gains."""
     job = state.job
     now = state.steps(state.rates, round_s, cost)
-    found, found_score, found_at = None, 0.0, 0
-    for node_id, gpu_type, idle in free.candidates(state.nodes, allowed):
+    found, found_score, found_at = None, 0.0, (2, 0)
+    for node_id, gpu_type, idle in free.candidates(state.nodes, allowed, state.held):
         k = min(job.workers, idle, allowed[gpu_type] if allowed is not None else idle)
         rate = credited(job, gpu_type, k)
         if rate <= EPS:
@@ -324,10 +350,11 @@ def _best_group(state: _Job, free: _FreeGroups, credited: _Credited, best: dict[
             k, rate = k - 1, smaller
         price = price_share * best[gpu_type][pos] if price_share > 0 else 0.0
         score = rate / (k * top) - price
-        at = free.order[node_id]
+        # ties: where a copy ran last round (another group would restart it), then cluster order
+        at = (0 if (node_id, gpu_type) in state.held else 1, free.order[node_id])
         if gain <= EPS or score <= -EPS:
             continue
         if (found is None or score > found_score + EPS
-                or (score >= found_score - EPS and at < found_at)):   # ties: first node in cluster order
+                or (score >= found_score - EPS and at < found_at)):
             found, found_score, found_at = ((node_id, gpu_type), k, rate), score, at
     return found
