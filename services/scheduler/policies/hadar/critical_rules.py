@@ -53,8 +53,7 @@ def decide_critical(request: PlanRequest, jobs: Sequence[JobState], profiles: Ma
         decided = critical_types(jobs, profiles, count, round_=request.round, round_s=request.round_s,
                                  previous=last_end, arrived=bool(new), slack=slack,
                                  credit=previous.gang_credit if previous is not None else None,
-                                 held=held_types,
-                                 keep_rounds=keep_rounds)
+                                 held=held_types, keep_rounds=keep_rounds)
         return CriticalDecision(target_end=decided.end, order=tuple(job_id for job_id, _ in decided.chosen),
                                 allowed=dict(decided.chosen), gang_credit=decided.credit)
     need = {j.job_id: rounds_needed(j, profiles[j.job_id], request.round_s) for j in jobs}

@@ -426,8 +426,8 @@ class _Round:
         if allowed:
             types = np.zeros(len(self.layout.types), dtype=bool)
             types[sorted(allowed)] = True
-            return (build_commitment(**args, sticky=True, types=types)
-                    or build_commitment(**args, sticky=False, types=types))
+            commitment = build_commitment(**args, sticky=True, types=types)
+            return commitment if commitment is not None else build_commitment(**args, sticky=False, types=types)
         commitment = build_commitment(**args, sticky=True)
         if commitment is not None and (force or commitment.utility - commitment.cost > 0):
             return commitment
