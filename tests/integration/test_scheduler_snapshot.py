@@ -139,6 +139,8 @@ LEGACY_POLICIES = ("yarn-cs", "tiresias", "gavel", "gavel-makespan", "hadar", "h
 # adopted, but what today's code decides from it is not what today's code decided from its own.
 DECIDES_DIFFERENTLY_SINCE = {
     "hadar": "2026-12-06: its LPs' per-type-set gang rows (lp/gang_cuts.py) change rounds 1-5 here",
+    "hadare": "2026-12-06: its timeline keeps each job on the types its copies ran on (KEEP_ROUNDS), "
+              "which changes rounds 1-5 here",
 }
 
 
