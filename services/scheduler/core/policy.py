@@ -183,6 +183,25 @@ def parts_of(request: PlanRequest, placements: list[Placement]) -> list[Part]:
     return [Part(node_id, gpu_type, c) for (node_id, gpu_type), c in counts.items()]
 
 
+def previous_parts(request: PlanRequest) -> dict[str, list[Part]]:
+    """Where each job ran in the previous round's plan, all its copies together: (node, GPU
+    type, GPUs) on the nodes still in the cluster (a node that left, or GPUs it no longer
+    has, hold nothing). What the policies keep a job on when they may (a move is a restart)."""
+    if request.previous is None:
+        return {}
+    by_id = request.cluster.by_id
+    counts: dict[str, dict[tuple[str, str], int]] = defaultdict(lambda: defaultdict(int))
+    for p in request.previous.placements:
+        node = by_id.get(p.node_id)
+        if node is None:
+            continue
+        for g in p.gpus:
+            if g < len(node.gpus):
+                counts[p.job_id][(p.node_id, node.gpus[g])] += 1
+    return {job_id: [Part(node_id, gpu_type, c) for (node_id, gpu_type), c in held.items()]
+            for job_id, held in counts.items()}
+
+
 def copy_rate(request: PlanRequest, job: JobState, placements: list[Placement]) -> float:
     return request.throughput.placement_rate(job.job_type, parts_of(request, placements))
 

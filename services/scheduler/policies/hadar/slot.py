@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from services.scheduler.core.cluster import Cluster
-from services.scheduler.core.policy import Placement, PlanRequest, parts_of
+from services.scheduler.core.policy import Placement, PlanRequest, previous_parts
 from services.scheduler.policies.hadar.dp import select_rows
 from services.scheduler.policies.hadar.ledger import RowLayout
 from services.scheduler.policies.hadar.profile import JobProfile
@@ -61,21 +61,16 @@ def backfill(idle: np.ndarray, candidates: Iterable[tuple[str, JobProfile]],
 
 
 def held_rows(request: PlanRequest, layout: RowLayout) -> dict[str, RowCounts]:
-    """Where each job ran in the previous round's plan: (rows, sorted indices into ``layout``;
-    GPUs on each). A node that left holds nothing."""
-    previous = request.previous
-    if previous is None:
-        return {}
+    """Where each job ran in the previous round's plan (``core.policy.previous_parts``) as
+    (rows, sorted indices into ``layout``; GPUs on each)."""
     index = {(node_id, gpu_type): row for row, (node_id, gpu_type, _) in enumerate(layout.keys)}
-    held: dict[str, dict[int, int]] = defaultdict(dict)
-    for p in previous.placements:
-        if p.node_id in request.cluster.by_id:
-            for part in parts_of(request, [p]):
-                row = index.get((part.node_id, part.gpu_type))
-                if row is not None:
-                    held[p.job_id][row] = held[p.job_id].get(row, 0) + part.count
-    return {job_id: (np.array(sorted(rows), dtype=np.int64),
-                     np.array([rows[r] for r in sorted(rows)], dtype=np.int64)) for job_id, rows in held.items()}
+    out: dict[str, RowCounts] = {}
+    for job_id, parts in previous_parts(request).items():
+        rows = sorted((index[(p.node_id, p.gpu_type)], p.count) for p in parts if (p.node_id, p.gpu_type) in index)
+        if rows:
+            out[job_id] = (np.array([r for r, _ in rows], dtype=np.int64),
+                           np.array([c for _, c in rows], dtype=np.int64))
+    return out
 
 
 def assign_indices(cluster: Cluster, layout: RowLayout, slot0: Sequence[tuple[str, RowCounts]],

@@ -84,6 +84,7 @@ from services.scheduler.core.policy import (
     PlanRequest,
     Wait,
     WaitCode,
+    previous_parts,
     previous_state,
 )
 from services.scheduler.policies.hadare.split import type_split
@@ -179,11 +180,7 @@ def plan_copies(request: PlanRequest, cost: CopyCost = CopyCost(), price_share: 
     for r in cluster.types if price_share > 0 else ():
         ratios = [credited(j, r, 1) / top[j.job_id] for j in order]
         best[r] = [max(ratios[i + 1: i + 1 + window], default=0.0) for i in range(len(order))] + [0.0]
-    held: dict[str, set[tuple[str, str]]] = {}
-    for p in request.previous.placements if request.previous is not None else ():
-        node = cluster.by_id.get(p.node_id)
-        if node is not None:
-            held.setdefault(p.job_id, set()).update((p.node_id, node.gpus[g]) for g in p.gpus if g < len(node.gpus))
+    held = {job_id: {(p.node_id, p.gpu_type) for p in parts} for job_id, parts in previous_parts(request).items()}
     budgets, carried = _main_pass_budgets(request, order, credited, speed, split,
                                         timeline_slack if split == "timeline" else split_slack, completion_weight,
                                         held)
