@@ -14,7 +14,8 @@ from typing import Any
 
 from services.cli.joblog import TrainingLog
 from services.cli.queueview import job_queue_doc, queue_jobs, queue_of, reclaim_reason
-from services.scheduler.live.state import JobRecord, SchedulerState
+from services.scheduler.live.records import JobRecord
+from services.scheduler.live.state import SchedulerState
 from services.scheduler.live.stuck import stuck_reason
 from shared.errors import UsageError
 

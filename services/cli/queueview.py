@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from services.scheduler.live.state import JobRecord, SchedulerState
+from services.scheduler.live.records import JobRecord
+from services.scheduler.live.state import SchedulerState
 from shared.wire.queues import QueueConfig, QueueStanding
 
 __all__ = ["standings", "queue_of", "queue_jobs", "job_queue_doc", "estimated_start", "queues_doc",

@@ -9,8 +9,9 @@ from services.agent.daemon.validation import assignment_problem
 from services.cli.joblog import TrainingLog
 from services.cli.jobview import job_doc
 from services.scheduler.core.policy import Placement, Plan
+from services.scheduler.live.records import MAX_EVALUATIONS
 from services.scheduler.live.rounds import RoundTiming, build_request, plan_to_events
-from services.scheduler.live.state import EVALUATION_REPORT_S, MAX_EVALUATIONS, SchedulerState
+from services.scheduler.live.state import EVALUATION_REPORT_S, SchedulerState
 from services.scheduler.policies import PolicyChoice
 from shared.domain.layout import final_key, model_key
 from shared.wire.events import (

@@ -17,11 +17,16 @@ from __future__ import annotations
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from services.scheduler.live.acceptance import CHECKS
-from services.scheduler.live.stuck import stuck_reason
+from services.scheduler.live.records import (
+    MAX_EVALUATIONS,
+    JobRecord,
+    NodeRecord,
+    RoundRecord,
+    settle_evaluation,
+)
 from shared.bus.rejection import Rejected
 from shared.persistence.codec import snapshot_type
 from shared.wire.dispatch import HandlerTable
@@ -31,7 +36,6 @@ from shared.wire.events import (
     Event,
     JobCancelled,
     JobCompleted,
-    JobSpec,
     JobSubmitted,
     ModelConsolidated,
     NodeHeartbeat,
@@ -59,100 +63,9 @@ from shared.wire.topics import (
 FOLDED_TOPICS: tuple[str, ...] = (JOBS, NODES, THROUGHPUT, PROGRESS, MODELS, QUEUES, PLACEMENTS)
 
 
-@snapshot_type("scheduler.JobRecord", formerly="services.scheduler.state.JobRecord")
-@dataclass(kw_only=True)
-class JobRecord:
-    spec: JobSpec
-    submitted_at: float
-    cancelled: bool = False
-    completed_at: float | None = None
-    final_key: str | None = None
-    steps_done: int = 0                 # authoritative: the last consolidated model's total
-    model_key: str | None = None        # the last consolidated model (start point of the next round)
-    consolidated_round: int = -1
-    decided_round: int = -1             # latest round with a model or given up (RoundAbandoned)
-    # (round, copy) -> worker-steps (own steps x the copy's workers) reported this round
-    live_steps: dict[tuple[int, int], int] = field(default_factory=dict)
-    attained_gpu_s: float = 0.0
-    time_by_type: dict[str, float] = field(default_factory=dict)
-    rounds_run: int = 0
-    first_round: int | None = None
-    last_round: int | None = None
-    progress_round: int = -1            # latest round whose model added steps
-    runs_since_progress: int = 0        # rounds run after ``progress_round``
-    last_outcome: str = ""              # why the latest decided round added nothing ("" if it did)
-    # User code's final model, evaluated by an evaluation copy on an agent (services/scheduler/live/evaluations.py)
-    last_evaluation_deadline: float = 0.0
-    last_evaluation_reported: bool = False   # the latest try's report came (with or without a metric)
-    final_metric_name: str = ""
-    final_metric: float | None = None
-    evaluation_failure: str = ""        # why the latest evaluation copy gave no metric
-    evaluation_placed: set[tuple[int, str]] = field(default_factory=set)   # (round, node) of each try
-    # the latest report of an evaluation copy from each node, until its Assignment is folded (a
-    # viewer folds placements last): node -> (round, status, metric name, metric, reason). One per
-    # node, so a node can hold back no other node's report.
-    evaluation_reports: dict[str, tuple[int, str, str, float | None, str]] = field(default_factory=dict)
-
-    @property
-    def evaluations(self) -> int:
-        """Evaluation copies placed (one per try, each in its own round)."""
-        return len(self.evaluation_placed)
-
-    @property
-    def last_evaluation_round(self) -> int:
-        return max((r for r, _ in self.evaluation_placed), default=-1)
-
-    @property
-    def final_evaluation(self) -> str:
-        """How the final model's evaluation stands: "measured", "given up" (MAX_EVALUATIONS
-        tries, the last reported without a metric) or "pending"."""
-        if self.final_metric is not None:
-            return "measured"
-        if self.evaluations >= MAX_EVALUATIONS and self.last_evaluation_reported:
-            return "given up"
-        return "pending"
-
-    @property
-    def active(self) -> bool:
-        return not self.cancelled and self.completed_at is None
-
-    @property
-    def state(self) -> str:
-        if self.completed_at is not None:
-            return "completed"
-        if self.cancelled:
-            return "cancelled"
-        if self.last_round is None:
-            return "waiting"
-        return "stuck" if stuck_reason(self) is not None else "running"
-
-    def progress_steps(self) -> int:
-        """Consolidated steps plus what copies reported since, in job steps: a copy on k of
-        the job's W workers earns k/W of a step per step (shared.domain.progress; display only)."""
-        pending = sum(s for (r, _), s in self.live_steps.items() if r > self.consolidated_round)
-        return min(self.spec.iterations, self.steps_done + pending // self.spec.workers)
-
-
-@snapshot_type("scheduler.NodeRecord", formerly="services.scheduler.state.NodeRecord")
-@dataclass(kw_only=True)
-class NodeRecord:
-    registered: NodeRegistered
-    last_seen: float
-    incarnation: int = 0     # times the node came back with other devices
-
-
-@snapshot_type("scheduler.RoundRecord", formerly="services.scheduler.state.RoundRecord")
-@dataclass(kw_only=True)
-class RoundRecord:
-    started: RoundStarted
-    assignments: list[Assignment] = field(default_factory=list)
-    placed: set[tuple[str, int, str]] = field(default_factory=set)   # (job, copy, node) of ``assignments``
-
-
 FINISHED_KEPT = 1024    # completed or cancelled jobs whose records stay in memory (views, the demo)
 SEEN_WINDOW = 65_536   # event ids remembered for dedupe (~8 MB): far more than one commit interval
 ROUNDS_KEPT = 64       # rounds kept in memory; older ones live on in the log only
-MAX_EVALUATIONS = 3    # tries at a user-code job's final-model metric before it is left without one
 EVALUATION_REPORT_S = 60.0   # after its deadline, an evaluation copy that has not reported is tried again
 
 
@@ -294,7 +207,7 @@ class SchedulerState:
             if e.round > job.last_evaluation_round:
                 job.last_evaluation_deadline, job.last_evaluation_reported = e.deadline, False
             job.evaluation_placed.add((e.round, e.node_id))
-            _settle_evaluation(job, e.round, e.node_id)
+            settle_evaluation(job, e.round, e.node_id)
             return
         job.attained_gpu_s += seconds * len(e.gpus)
         job.time_by_type[e.gpu_type] = job.time_by_type.get(e.gpu_type, 0.0) + seconds
@@ -319,7 +232,7 @@ class SchedulerState:
             if job is not None:
                 job.evaluation_reports[e.node_id] = (e.round, e.status, e.metric_name, e.start_metric,
                                                      e.reason[:200])
-                _settle_evaluation(job, e.round, e.node_id)
+                settle_evaluation(job, e.round, e.node_id)
             return
         if job is not None and e.status != "failed":
             key = (e.round, e.copy)
@@ -440,21 +353,6 @@ class SchedulerState:
         ran = {a.job_id for a in record.assignments}
         return sorted(j for j in ran if j in self.jobs and self.jobs[j].active
                       and self.jobs[j].decided_round < round_)
-
-
-def _settle_evaluation(job: JobRecord, round_: int, node_id: str) -> None:
-    """Take the report of the evaluation copy of ``round_`` on ``node_id`` once both it and its
-    Assignment are folded, in either order (a report from a node no try was placed on stays
-    unmatched and changes nothing)."""
-    held = job.evaluation_reports.get(node_id)
-    if held is None or held[0] != round_ or (round_, node_id) not in job.evaluation_placed:
-        return
-    _, status, name, value, reason = job.evaluation_reports.pop(node_id)
-    job.last_evaluation_reported |= round_ == job.last_evaluation_round
-    if status == "ok" and name and value is not None:
-        job.final_metric_name, job.final_metric = name, value
-    else:
-        job.evaluation_failure = reason or "the script reported no metric of its start"
 
 
 def merge_rates(rates: dict[tuple[str, str, int], tuple[str, float]], e: ThroughputEstimate) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from services.scheduler.live.state import JobRecord
+    from services.scheduler.live.records import JobRecord
 
 __all__ = ["STUCK_AFTER_ROUNDS", "stuck_reason"]
 
