@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 from services.scheduler.core.cluster import Cluster
@@ -190,16 +190,13 @@ def previous_parts(request: PlanRequest) -> dict[str, list[Part]]:
     if request.previous is None:
         return {}
     by_id = request.cluster.by_id
-    counts: dict[str, dict[tuple[str, str], int]] = defaultdict(lambda: defaultdict(int))
+    kept: dict[str, list[Placement]] = defaultdict(list)
     for p in request.previous.placements:
         node = by_id.get(p.node_id)
-        if node is None:
-            continue
-        for g in p.gpus:
-            if g < len(node.gpus):
-                counts[p.job_id][(p.node_id, node.gpus[g])] += 1
-    return {job_id: [Part(node_id, gpu_type, c) for (node_id, gpu_type), c in held.items()]
-            for job_id, held in counts.items()}
+        gpus = tuple(g for g in p.gpus if g < len(node.gpus)) if node is not None else ()
+        if gpus:
+            kept[p.job_id].append(replace(p, gpus=gpus))
+    return {job_id: parts_of(request, placements) for job_id, placements in kept.items()}
 
 
 def copy_rate(request: PlanRequest, job: JobState, placements: list[Placement]) -> float:
