@@ -12,8 +12,8 @@ import dataclasses
 
 import pytest
 
-from services.scheduler.core.policy import Placement
-from services.scheduler.sim.from_log import compare, live_workload
+from services.scheduler.core.policy import JobState, Placement, PlanRequest
+from services.scheduler.sim.from_log import RecordedPlacements, compare, live_workload
 from services.scheduler.sim.simulator import SimOptions
 from shared.domain.data_plane import DataPlane
 from shared.wire.events import (
@@ -145,3 +145,33 @@ def test_a_renewed_placement_never_takes_a_gpu_the_recorded_round_placed() -> No
                        gpu_type="t4", world_size=1, ranks=(0,), step_budget=100, deadline=T0 + 300)]
     rows = {r.job_id: r for r in compare(live_workload(log), replay=True)}
     assert rows["j"].simulated_jct_s == pytest.approx(300 + 25 / 2.75 - 5)
+
+
+def test_a_renewed_placement_displaces_another_jobs_forked_copy() -> None:
+    # As above, but in round 2 the live scheduler forked the other job onto the t4 freed by the
+    # job's completion (copy 1 beside its copy 0 on the v100). A fork runs only on GPUs left
+    # once the active jobs are placed, so had the job still been running it would have kept the
+    # t4: the replay renews it there in round 2 and the other job trains on its copy 0 alone.
+    other = dataclasses.replace(SPEC, job_id="k", iterations=1_000_000)
+    log = [e for e in _log() if not (isinstance(e, Assignment) and e.round == 2)]
+    log = [dataclasses.replace(e, rates={"t4": 3.5}) if isinstance(e, ThroughputEstimate) and e.ts == T0 + 220
+           else e for e in log]
+
+    def forked(copy: int, node: str, gpu_type: str) -> Assignment:
+        return Assignment(ts=T0 + 200, source="scheduler", round=2, job=other, copy=copy, node_id=node, gpus=(0,),
+                          gpu_type=gpu_type, world_size=1, ranks=(0,), step_budget=100, deadline=T0 + 300)
+
+    log += [JobSubmitted(ts=T0 + 6, source="cli", job=other, submitted_at=T0 + 6),
+            ThroughputEstimate(ts=T0 + 10, source="profiler", job_id="k", basis="measured", workers=1,  # type: ignore[arg-type]
+                               rates={"t4": 1.0, "v100": 2.0}),
+            forked(0, "b", "v100"), forked(1, "a", "t4")]
+    w = live_workload(log)
+    rows = {r.job_id: r for r in compare(w, replay=True)}
+    assert rows["j"].simulated_jct_s == pytest.approx(200 + 25 / 2.75 - 5)
+    # The other job's copy 0 stays where the live round put it; only its fork gives way.
+    jobs = tuple(JobState(job_id=j.job_id, job_type=j.job_type, workers=1, total_steps=j.total_steps)
+                 for j in w.jobs)
+    request = PlanRequest(round=2, now_s=200.0, round_s=100.0, cluster=w.cluster, throughput=w.throughput,
+                          jobs=jobs)
+    plan = RecordedPlacements(w.placements, completed=w.live_jct_s).plan(request)
+    assert sorted((p.job_id, p.copy, p.node_id) for p in plan.placements) == [("j", 0, "a"), ("k", 0, "b")]

@@ -61,9 +61,11 @@ class RecordedPlacements:
     A job the live run completed but the replay has not by the end of its last recorded round
     (it sped up at the end, say once it ran alone, where the replay holds its mean rate) keeps
     its last round's placement, as the live scheduler renews a placement each round until the
-    job is done: whole, and only on GPUs that round's recorded placements and an earlier-ending
-    job's renewal leave free (the job placed longest ago first). A job the live run did not
-    complete is never placed beyond what was recorded."""
+    job is done: whole, and only on GPUs that no other job's copy 0 and no earlier-ending job's
+    renewal hold (the job placed longest ago first). Another job's forked copy (copy >= 1) on
+    those GPUs gives way: HadarE forks onto GPUs the active jobs leave, and the live round found
+    them free only because this job had completed. A job the live run did not complete is
+    never placed beyond what was recorded."""
 
     name = "recorded"
     forks = True          # the live policy may have forked and mixed: the plans are taken as they were
@@ -83,14 +85,17 @@ class RecordedPlacements:
     def plan(self, request: PlanRequest) -> Plan:
         active = {j.job_id for j in request.jobs}
         placed = [p for p in self.rounds.get(request.round, ()) if p.job_id in active]
-        taken = {(p.node_id, g) for p in placed for g in p.gpus}
+        held = {(p.node_id, g) for p in placed if p.copy == 0 for g in p.gpus}
         for last_round, job_id, placements in self._renewable:
             if last_round >= request.round or job_id not in active:
                 continue
             gpus = {(p.node_id, g) for p in placements for g in p.gpus}
-            if not gpus & taken:
-                taken |= gpus
-                placed.extend(placements)
+            if gpus & held:
+                continue
+            held |= gpus
+            displaced = {(p.job_id, p.copy) for p in placed if gpus & {(p.node_id, g) for g in p.gpus}}
+            placed = [p for p in placed if (p.job_id, p.copy) not in displaced]
+            placed.extend(placements)
         return Plan(placements=tuple(placed))
 
 
