@@ -163,7 +163,8 @@ def main() -> None:
         jobs = load_trace(workload_path(i), throughput=throughput)
         if args.arrivals == "zero":
             jobs = at_first_arrival(jobs)
-        bounds = ttd_bounds(jobs, cluster, throughput) if args.bounds else None
+        options = sim_options(jobs, round_s=args.round_s, restart=args.restart, plane=plane)
+        bounds = ttd_bounds(jobs, cluster, throughput, first_start_s=options.first_start_s) if args.bounds else None
         for name in policies:
             t = time.perf_counter()
             got = run_one(name, jobs, cluster_name=args.cluster, round_s=args.round_s, restart=args.restart,

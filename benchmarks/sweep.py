@@ -80,13 +80,14 @@ def run_task(task: Task) -> list[dict]:
     throughput = build_throughput(cross_node=True)
     cluster = parse_cluster(task.cluster)
     jobs = load_trace(task.trace, throughput=throughput)
-    bounds = ttd_bounds(jobs, cluster, throughput)
+    options = SimOptions(round_s=task.round_s)
+    bounds = ttd_bounds(jobs, cluster, throughput, first_start_s=options.first_start_s)
     rows = []
     for name in task.policies:
         t0 = time.process_time()
         opts = {key: value for policy, key, value in task.options if policy == name}
         result = simulate(policy=make_policy(name, **opts), cluster=cluster, jobs=jobs, throughput=throughput,
-                          options=SimOptions(round_s=task.round_s))
+                          options=options)
         m = compute_results(result, throughput)
         kind, bound = bound_for(name, bounds, gangs_only=result.gangs_only)
         rows.append({"cluster": task.cluster, "mix": task.mix, "arrivals": task.arrivals, "jobs": task.jobs,

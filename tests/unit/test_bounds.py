@@ -116,6 +116,25 @@ def test_forking_lets_one_job_use_every_node() -> None:
     assert b.ttd_fork_s == pytest.approx(100.0)
 
 
+def test_every_jobs_first_start_holds_its_gpus_before_it_trains() -> None:
+    # Every policy's first placement of a job costs its start (a restart the simulator charges
+    # with the GPUs held): 360 steps at 1/s after 40 s of start is 400 s, forked or not.
+    b = ttd_bounds([job("a", 0, 360)], parse_cluster("v100:1"), ONE, first_start_s=lambda _: 40.0)
+    assert b == TtdBounds(ttd_fork_s=pytest.approx(400.0), ttd_nofork_s=pytest.approx(400.0))
+    # Two 300-step jobs on one V100: each start takes the GPU too, 2 x (50 + 300) = 700 s
+    # (shifting when work may begin alone would give 650).
+    two = [job("a", 0, 300), job("b", 0, 300)]
+    assert ttd_bounds(two, parse_cluster("v100:1"), ONE, first_start_s=lambda _: 50.0) == TtdBounds(
+        ttd_fork_s=pytest.approx(700.0), ttd_nofork_s=pytest.approx(700.0))
+    # A gang of two holds both GPUs through its start; a forked job's least start is one GPU's.
+    gang = [job("g", 0, 600, job_type="ResNet-50 (batch size 32)", workers=2),
+            job("s", 0, 1, job_type="ResNet-50 (batch size 32)")]
+    plain = ttd_bounds(gang, parse_cluster("v100:2"), TABLE)
+    started = ttd_bounds(gang, parse_cluster("v100:2"), TABLE, first_start_s=lambda _: 100.0)
+    assert plain.ttd_nofork_s is not None
+    assert started.ttd_nofork_s == pytest.approx(plain.ttd_nofork_s + 150.0)   # (2 + 1) x 100 GPU-s on 2 GPUs
+
+
 def test_unrunnable_job_has_no_bound_and_empty_trace_has_zero() -> None:
     b = ttd_bounds([job("a", 0, 10, job_type="B")], parse_cluster("v100:1"), ONE)
     assert b == TtdBounds(ttd_fork_s=None, ttd_nofork_s=None)
@@ -151,14 +170,14 @@ def cases(draw) -> tuple[Cluster, list[TraceJob], float]:
 @given(case=cases())
 def test_no_policy_beats_its_bound(case: tuple[Cluster, list[TraceJob], float]) -> None:
     cluster, jobs, restart_s = case
-    bounds = ttd_bounds(jobs, cluster, TABLE)
+    options = SimOptions(restart_s=restart_s, check=True, stall_rounds=3)
+    bounds = ttd_bounds(jobs, cluster, TABLE, first_start_s=options.first_start_s)
     if bounds.ttd_fork_s is None:
         return
     # a gang of W is a plan of one copy: the fork bound is never above the no-fork one
     assert bounds.ttd_nofork_s is None or bounds.ttd_fork_s <= bounds.ttd_nofork_s * (1 + 1e-9)
     for name in registered():
-        result = simulate(policy=make_policy(name), cluster=cluster, jobs=jobs, throughput=TABLE,
-                          options=SimOptions(restart_s=restart_s, check=True, stall_rounds=3))
+        result = simulate(policy=make_policy(name), cluster=cluster, jobs=jobs, throughput=TABLE, options=options)
         metrics = compute_results(result, TABLE)
         if metrics.jobs_completed < metrics.jobs_total:
             continue
@@ -169,12 +188,14 @@ def test_no_policy_beats_its_bound(case: tuple[Cluster, list[TraceJob], float]) 
 
 # ---------------------------------------------------------------------------- the sparse LP
 
-def dense_bound(jobs: list[TraceJob], cluster: Cluster, *, fork: bool) -> float | None:
+def dense_bound(jobs: list[TraceJob], cluster: Cluster, *, fork: bool, start: float = 0.0) -> float | None:
     """The LP of the docstrings of ``bounds.py`` and ``bound_gangs.py`` written out literally:
-    one capacity row per (arrival offset, type) over every job arriving then or later, and
-    for the no-fork bound one row per (arrival offset, level set S, gang width w) over every
+    one capacity row per (offset, type) over every job arriving then or later, and
+    for the no-fork bound one row per (offset, level set S, gang width w) over every
     gang of width >= w (O(jobs^2) nonzeros; the oracle for the cumulative form, the caps and
-    the set rows that ``ttd_lower_bound`` adds only where they bind)."""
+    the set rows that ``ttd_lower_bound`` adds only where they bind). With a first ``start``,
+    each job's work counts from its arrival + start, and its own start GPU-seconds E[j, r]
+    join the rows of the offsets up to its arrival."""
     import math
 
     import numpy as np
@@ -185,7 +206,8 @@ def dense_bound(jobs: list[TraceJob], cluster: Cluster, *, fork: bool) -> float 
 
     types = cluster.types
     a0 = min(j.arrival_s for j in jobs)
-    s = [j.arrival_s - a0 for j in jobs]
+    arrived = [j.arrival_s - a0 for j in jobs]
+    s = [a + start for a in arrived]
     rho = [np.array([per_gpu_rate(j.job_type, j.workers, t, cluster, TABLE, gang=not fork) for t in types])
            for j in jobs]
     best = [best_fork_rate(j.job_type, j.workers, cluster, TABLE) if fork
@@ -195,7 +217,9 @@ def dense_bound(jobs: list[TraceJob], cluster: Cluster, *, fork: bool) -> float 
     # variables: X[c] GPU-seconds per column (job, type, credited rate, type-set mask), then T
     cols = [(j, r, rate, mask) for j, job in enumerate(jobs)
             for r, rate, mask in level_columns(rho[j], gang=not fork and job.workers >= 2)]
-    n = len(cols)
+    starts = [(j, r) for j in range(len(jobs)) for r in range(len(types))] if start else []
+    e0 = len(cols)                          # E[j, r] after the X columns, then T
+    n = e0 + len(starts)
     a, b = [], []
 
     def row(entries: dict[int, float], bound: float) -> None:
@@ -212,12 +236,15 @@ def dense_bound(jobs: list[TraceJob], cluster: Cluster, *, fork: bool) -> float 
         for r, t in enumerate(types):
             row({**{c: 1.0 for c in mine if cols[c][1] == r}, n: -per_type[t]}, -per_type[t] * s[j])
         row({**dict.fromkeys(mine, 1.0), n: -total}, -total * s[j])
+        if start:
+            row({e0 + i: -1.0 for i, (jj, _) in enumerate(starts) if jj == j}, -start * (1 if fork else job.workers))
     gangs = [] if fork else sorted({job.workers for job in jobs if job.workers >= 2})
     masks = sorted({col[3] for col in cols})
-    for level in set(s):
+    for level in set(s) | set(arrived):
         for r, t in enumerate(types):
             count = cluster.gpus_by_type[t]
-            row({**{c: 1.0 for c, col in enumerate(cols) if s[col[0]] >= level and col[1] == r}, n: -count},
+            row({**{c: 1.0 for c, col in enumerate(cols) if s[col[0]] >= level and col[1] == r},
+                 **{e0 + i: 1.0 for i, (j, rr) in enumerate(starts) if arrived[j] >= level and rr == r}, n: -count},
                 -count * level)
         for w in gangs:
             for mask in masks:
@@ -240,11 +267,11 @@ def test_the_cumulative_lp_has_the_literal_lps_optimum(case: tuple[Cluster, list
                                                        fork: bool) -> None:
     from services.scheduler.sim.bounds import ttd_lower_bound
 
-    cluster, jobs, _ = case
+    cluster, jobs, start = case
     jobs = jobs + [TraceJob(job_id=f"same{i}", arrival_s=j.arrival_s, job_type=j.job_type, workers=j.workers,
                             total_steps=j.total_steps) for i, j in enumerate(jobs[:2])]  # shared offsets
-    want = dense_bound(jobs, cluster, fork=fork)
-    got = ttd_lower_bound(jobs, cluster, TABLE, fork=fork)
+    want = dense_bound(jobs, cluster, fork=fork, start=start)
+    got = ttd_lower_bound(jobs, cluster, TABLE, fork=fork, first_start_s=lambda _: start)
     if want is None:
         assert got is None
     else:

@@ -61,11 +61,20 @@ GPU-seconds each job held while active, T = its TTD): jobs arriving at s or late
 in [a_0 + s, a_0 + T], and a job never holds more GPUs, nor trains faster, than the caps
 say. A job that no copy can move (R_j = 0) makes the bound ``None``: no finite TTD exists.
 An empty trace has bound 0.
+
+*First starts* (``first_start_s``, what the simulator's charges take from every copy at its
+first placement: ``SimOptions.first_start_s``). A job's first copy loses ``d_j`` seconds on the
+GPUs it holds before it trains, and nothing makes that start cheaper, so the bound charges
+each job once: its work is done in ``[a_0 + s_j + d_j, a_0 + T]`` (``s_j + d_j`` replaces
+``s_j`` in its rows above), and ``E[j,r] >= 0`` GPU-seconds of type r with ``sum_r E[j,r] >=
+g_j d_j`` (``g_j`` = W_j for a gang, 1 for the fork bound, whose least copy is one GPU) join
+the capacity rows of every offset ``s <= s_j``. Restarts after the first, waits for a round
+boundary, consolidation and upload are not charged: a policy may avoid them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -187,8 +196,9 @@ def _job_rates(jobs: Sequence[TraceJob], cluster: Cluster, throughput: Throughpu
 
 
 def ttd_lower_bound(jobs: Sequence[TraceJob], cluster: Cluster, throughput: ThroughputModel, *,
-                    fork: bool) -> float | None:
-    """The LP bound of the module docstring, seconds from the first arrival (None: unbounded).
+                    fork: bool, first_start_s: Callable[[str], float] | None = None) -> float | None:
+    """The LP bound of the module docstring, seconds from the first arrival (None: unbounded);
+    ``first_start_s``: seconds a job of a type loses at its first placement (None: nothing).
 
     The capacity rows ``sum_{j: s_j >= s} X[j,r] <= n_r (T - s)`` are written with a
     cumulative variable per (distinct arrival offset s_k, type r), ``C[k,r] >= C[k+1,r] +
@@ -207,20 +217,27 @@ def ttd_lower_bound(jobs: Sequence[TraceJob], cluster: Cluster, throughput: Thro
     types = cluster.types
     n_types = len(types)
     a0 = min(j.arrival_s for j in jobs)
-    offsets = np.array([j.arrival_s - a0 for j in jobs])
+    arrived = np.array([j.arrival_s - a0 for j in jobs])
+    start = np.array([first_start_s(j.job_type) if first_start_s is not None else 0.0 for j in jobs])
+    if (start < 0).any():
+        raise ValueError("first_start_s must be >= 0")
+    offsets = arrived + start                # a job trains from its first start's end
     work = np.array([float(j.total_steps) for j in jobs])
     rho, best = _job_rates(jobs, cluster, throughput, fork=fork)
     if (best <= 0).any():
         return None
     n_jobs = len(jobs)
     widths = np.array([j.workers for j in jobs])
-    levels, group = np.unique(offsets, return_inverse=True)
+    starts = bool(start.any())
+    levels, inverse = np.unique(np.concatenate([offsets, arrived]) if starts else offsets, return_inverse=True)
+    group, start_group = inverse[:n_jobs], inverse[n_jobs:]
     n_levels = len(levels)
     col_job, col_type, col_rate, col_set = _columns(jobs, rho, fork=fork)
     n_x = col_job.size
     t_col = n_x                              # y[c] (share of its job's work), then T
     c_base = t_col + 1                       # C[k, r] at c_base + k * n_types + r
-    n_base = c_base + n_levels * n_types     # then D[k] of each (type set, width) row in force
+    e_base = c_base + n_levels * n_types     # E[k, r]: first starts of the jobs arriving at level k, if any
+    n_base = e_base + (n_levels * n_types if starts else 0)   # then D[k] of each (type set, width) row in force
     coef = work[col_job] / col_rate          # GPU-seconds of its type that all of its job's work takes there
     counts = np.array([cluster.gpus_by_type[t] for t in types], dtype=float)
     by_workers = {j.workers: _caps(j, cluster, fork=fork) for j in jobs}   # caps depend on W only
@@ -231,17 +248,22 @@ def ttd_lower_bound(jobs: Sequence[TraceJob], cluster: Cluster, throughput: Thro
     fixed = _Rows()
     # work: -sum_c y[c] <= -1
     fixed.add(col_job, np.arange(n_x), -np.ones(n_x), -np.ones(n_jobs))
-    # cumulative: seconds y (group k, type r) + C[k+1,r] - C[k,r] <= 0, one row per (k, r)
+    # cumulative: seconds y (group k, type r) [+ E[k,r]] + C[k+1,r] - C[k,r] <= 0, one row per (k, r)
     kr = np.arange(n_levels * n_types)
     k_of, r_of = kr // n_types, kr % n_types
     nxt = k_of + 1 < n_levels
-    fixed.add(np.concatenate([group[col_job] * n_types + col_type, kr, kr[nxt]]),
-              np.concatenate([np.arange(n_x), c_base + kr, c_base + kr[nxt] + n_types]),
-              np.concatenate([coef, -np.ones(len(kr)), np.ones(int(nxt.sum()))]),
+    first = (kr,) if starts else ()
+    fixed.add(np.concatenate([group[col_job] * n_types + col_type, kr, kr[nxt], *first]),
+              np.concatenate([np.arange(n_x), c_base + kr, c_base + kr[nxt] + n_types, *(e_base + f for f in first)]),
+              np.concatenate([coef, -np.ones(len(kr)), np.ones(int(nxt.sum())), *(np.ones(len(f)) for f in first)]),
               np.zeros(len(kr)))
     # capacity: C[k,r] - n_r T <= -n_r s_k
     fixed.add(np.concatenate([kr, kr]), np.concatenate([c_base + kr, np.full(len(kr), t_col)]),
               np.concatenate([np.ones(len(kr)), -counts[r_of]]), -counts[r_of] * levels[k_of])
+    if starts:
+        # first starts: -sum_r E[k,r] <= -(GPU-seconds the first starts of the jobs arriving at level k hold)
+        held = np.bincount(start_group, weights=start * (1.0 if fork else widths), minlength=n_levels)
+        fixed.add(k_of, e_base + kr, -np.ones(len(kr)), -held)
 
     pairs, pair_of = np.unique(col_job * n_types + col_type, return_inverse=True)
     pair_job, pair_cap = pairs // n_types, per_type[pairs // n_types, pairs % n_types]
@@ -342,9 +364,12 @@ class _Rows:
         return np.concatenate(self.rhs)
 
 
-def ttd_bounds(jobs: Sequence[TraceJob], cluster: Cluster, throughput: ThroughputModel) -> TtdBounds:
-    return TtdBounds(ttd_fork_s=ttd_lower_bound(jobs, cluster, throughput, fork=True),
-                     ttd_nofork_s=ttd_lower_bound(jobs, cluster, throughput, fork=False))
+def ttd_bounds(jobs: Sequence[TraceJob], cluster: Cluster, throughput: ThroughputModel, *,
+               first_start_s: Callable[[str], float] | None = None) -> TtdBounds:
+    """Both bounds; ``first_start_s``: the run's ``SimOptions.first_start_s`` (None: no charge)."""
+    return TtdBounds(ttd_fork_s=ttd_lower_bound(jobs, cluster, throughput, fork=True, first_start_s=first_start_s),
+                     ttd_nofork_s=ttd_lower_bound(jobs, cluster, throughput, fork=False,
+                                                  first_start_s=first_start_s))
 
 
 def bound_for(policy: str, bounds: TtdBounds, *, gangs_only: bool) -> tuple[str, float | None]:

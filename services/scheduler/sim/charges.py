@@ -59,6 +59,10 @@ class Charges(Protocol):
     def consolidation(self, job_type: str, model_bytes: int, *, copies: int, has_model: bool) -> float:
         """Seconds at the round's end the job's model is being made."""
 
+    def first_start_s(self, job_type: str) -> float:
+        """The least seconds any copy of a ``job_type`` job loses at its first placement (cold, no
+        model yet, on any layout): what the TTD bounds charge every job once (``sim/bounds.py``)."""
+
     def describe(self) -> str:
         """One line for reports: what this run charged."""
 
@@ -75,6 +79,9 @@ class FlatCharges:
 
     def consolidation(self, job_type: str, model_bytes: int, *, copies: int, has_model: bool) -> float:
         return fork_cost.consolidation_s(model_bytes, copies, store_gbps=self.store_gbps)
+
+    def first_start_s(self, job_type: str) -> float:
+        return self.restart_s_by_job_type.get(job_type, self.restart_s)
 
     def describe(self) -> str:
         restart = "each application's own" if self.restart_s_by_job_type else f"{self.restart_s:g} s"
@@ -98,6 +105,11 @@ class DataPlaneCharges:
         return data_plane.consolidation_s(
             self.plane, checkpoint_bytes=fork_cost.checkpoint_bytes(model_bytes, optimizer_slots=slots),
             copies=copies, has_model=has_model)
+
+    def first_start_s(self, job_type: str) -> float:
+        # data_plane.copy_charges, cold without a model: the process start, plus a broadcast
+        # that a one-rank copy does not make
+        return self.plane.process_start_s
 
     def describe(self) -> str:
         p = self.plane

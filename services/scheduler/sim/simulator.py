@@ -115,6 +115,11 @@ class SimOptions:
         return FlatCharges(restart_s=self.restart_s, restart_s_by_job_type=self.restart_s_by_job_type,
                            store_gbps=self.store_gbps)
 
+    def first_start_s(self, job_type: str) -> float:
+        """The least training time a ``job_type`` job loses in the round of its first placement
+        (a round's start charge takes at most the round): what the TTD bounds charge it."""
+        return min(self.charges().first_start_s(job_type), self.round_s)
+
 
 @dataclass(frozen=True, kw_only=True)
 class JobRecord:
