@@ -169,6 +169,24 @@ def test_shortest_job_takes_every_node_first():
     assert [w.job_id for w in plan.waiting] == ["long"]
 
 
+def test_a_narrow_job_gets_its_gpus_on_distinct_nodes_before_a_wide_one_packs_them():
+    # Two nodes of two V100s. The single-GPU job is on the critical path (ten times the work),
+    # so the LP gives it a GPU of each node and the 2-GPU job the other two. The 2-GPU job
+    # comes first in Smith's order; realized first, it took both GPUs of one node as one copy
+    # and left the narrow job, one copy per node, a single GPU.
+    cluster = Cluster(name="two", nodes=(Node(node_id="a", gpus=("v100",) * 2), Node(node_id="b", gpus=("v100",) * 2)))
+    wide_type = "ResNet-50 (batch size 32)"
+    jobs = [JobState(job_id="wide", job_type=wide_type, workers=2,
+                     total_steps=int(20 * TP.rate(wide_type, "v100", 2) * 360.0)),
+            JobState(job_id="narrow", job_type=RESNET, workers=1,
+                     total_steps=int(200 * TP.rate(RESNET, "v100", 1) * 360.0))]
+    req = request_of(cluster, jobs)
+    plan = make_policy("hadare").plan(req)
+    check_plan(req, plan)
+    assert sorted(p.node_id for p in plan.placements if p.job_id == "narrow") == ["a", "b"]
+    assert sorted((p.node_id, len(p.gpus)) for p in plan.placements if p.job_id == "wide") == [("a", 1), ("b", 1)]
+
+
 def test_a_job_that_one_copy_finishes_is_not_forked_until_leftovers():
     cluster = one_gpu_nodes("v100", "v100")
     per_round = TP.rate(RESNET, "v100", 1) * 360.0

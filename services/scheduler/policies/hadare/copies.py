@@ -43,7 +43,10 @@ Rule (one round at a time, no reservation of future rounds):
    on aws-5 / lab-5). The makespan split alone holds TTD within 5% but delays the short
    jobs that share a type with long ones (lab-5 mean JCT 1.15x gavel); the timeline
    holds both (README "Forking").
-3. Copies. Each job, in turn, adds copies one at a time: among the node/type groups it
+3. Copies. Each job, in turn (in the main pass narrowest W first, then in Smith's order:
+   the LP's GPUs per type are the same whoever goes first, but a narrow job needs a GPU on
+   each of many nodes where a wide one may take its share anywhere; ``_pass_order``),
+   adds copies one at a time: among the node/type groups it
    may use with free GPUs, on nodes it has no copy on, the one with the largest value
    per GPU net of the group's price (``price_share``, default 0: off; ties: a group one
    of its copies ran on last round, then cluster order); it stops when
@@ -189,7 +192,7 @@ def plan_copies(request: PlanRequest, cost: CopyCost = CopyCost(), price_share: 
     limit = len(cluster.nodes)
     states = [_Job(job=job, held=frozenset(held.get(job.job_id, ()))) for job in order]
     for share, split_only in ((price_share, True), (0.0, False)):   # priced pass, then back-fill
-        for pos, state in enumerate(states):
+        for pos, state in _pass_order(states, split_only):
             job = state.job
             while len(state.rates) < limit:
                 allowed = budgets[job.job_id] if split_only else None
@@ -222,6 +225,18 @@ def plan_copies(request: PlanRequest, cost: CopyCost = CopyCost(), price_share: 
                                 detail="the GPUs went to jobs ahead of it (weighted shortest remaining first)"))
         explain.setdefault(job.job_id, {})["source"] = "waiting"
     return Plan(placements=tuple(placements), waiting=tuple(waiting), explain=explain, state=carried)
+
+
+def _pass_order(states: list[_Job], budgeted: bool) -> list[tuple[int, _Job]]:
+    """(position in Smith's order, job) in the order a pass visits them. The budgeted pass
+    realizes the LP's GPUs per type, which the jobs can all take in any order but one: a
+    copy holds at most W GPUs of a node and a job one copy per node, so a narrow job needs
+    a GPU on many nodes where a wide one can take its share anywhere, in copies of any size
+    up to W. Narrowest first, then Smith's order; gang-heavy trace, seed 1: a 4-GPU job
+    ahead in Smith's order took two GPUs of each of three nodes, and the single-GPU job on
+    the critical path found room on three nodes of the six its budget could use."""
+    ranked = list(enumerate(states))
+    return sorted(ranked, key=lambda ps: (ps[1].job.workers, ps[0])) if budgeted else ranked
 
 
 def _main_pass_budgets(request: PlanRequest, order: list[JobState], credited: _Credited, speed: dict[str, float],
