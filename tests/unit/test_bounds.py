@@ -135,6 +135,18 @@ def test_every_jobs_first_start_holds_its_gpus_before_it_trains() -> None:
     assert started.ttd_nofork_s == pytest.approx(plain.ttd_nofork_s + 150.0)   # (2 + 1) x 100 GPU-s on 2 GPUs
 
 
+def test_a_forked_job_gets_one_copy_per_node_not_its_best_per_gpu_rate_on_every_gpu() -> None:
+    # A 2-worker job steps 1.0/s on one V100 and 0.6/s on two: per GPU a lone worker is the
+    # more efficient (1.0 x 1/2 credited against 0.6 x 2/2 / 2), but a node takes one copy,
+    # so the best a node of two V100s gives is the copy of two, 0.6 job steps/s, not 2 x 0.5.
+    table = ThroughputModel(rates={("A", "v100", 1): 1.0, ("A", "v100", 2): 0.6}, cross_node=False)
+    cluster = Cluster(name="pairs", nodes=(Node(node_id="a", gpus=("v100",) * 2),
+                                           Node(node_id="b", gpus=("v100",) * 2)))
+    assert best_fork_rate("A", 2, cluster, table) == pytest.approx(1.2)
+    b = ttd_bounds([job("j", 0, 1200, workers=2)], cluster, table)
+    assert b.ttd_fork_s == pytest.approx(1000.0) and b.ttd_nofork_s == pytest.approx(2000.0)
+
+
 def test_unrunnable_job_has_no_bound_and_empty_trace_has_zero() -> None:
     b = ttd_bounds([job("a", 0, 10, job_type="B")], parse_cluster("v100:1"), ONE)
     assert b == TtdBounds(ttd_fork_s=None, ttd_nofork_s=None)
