@@ -105,11 +105,10 @@ def sim_options(jobs: tuple[TraceJob, ...], *, round_s: float, restart: str, pla
                       data_plane=plane if restart == "plane" else None)
 
 
-def run_one(policy_name: str, jobs: tuple[TraceJob, ...], *, cluster_name: str, round_s: float, restart: str,
-            bounds: TtdBounds | None, plane: DataPlane | None = None) -> dict[str, float | None]:
+def run_one(policy_name: str, jobs: tuple[TraceJob, ...], *, cluster_name: str, options: SimOptions,
+            bounds: TtdBounds | None) -> dict[str, float | None]:
     throughput = build_sia_throughput()
     restarts = RestartCounter()
-    options = sim_options(jobs, round_s=round_s, restart=restart, plane=plane)
     result = simulate(policy=make_policy(policy_name), cluster=parse_cluster(cluster_name), jobs=jobs,
                       throughput=throughput, options=options, observer=restarts)
     bound = bound_for(policy_name, bounds, gangs_only=result.gangs_only)[1] if bounds is not None else None
@@ -167,8 +166,7 @@ def main() -> None:
         bounds = ttd_bounds(jobs, cluster, throughput, first_start_s=options.first_start_s) if args.bounds else None
         for name in policies:
             t = time.perf_counter()
-            got = run_one(name, jobs, cluster_name=args.cluster, round_s=args.round_s, restart=args.restart,
-                          bounds=bounds, plane=plane)
+            got = run_one(name, jobs, cluster_name=args.cluster, options=options, bounds=bounds)
             want = ref[f"workload-{i}"]
             ratio = {m: (value / want[m] if (value := got[m]) is not None and want[m] else None) for m in METRICS}
             rows.append({"workload": i, "policy": name, **got, "reference": want, "ratio": ratio,

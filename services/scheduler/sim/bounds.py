@@ -268,11 +268,12 @@ def ttd_lower_bound(jobs: Sequence[TraceJob], cluster: Cluster, throughput: Thro
     kr = np.arange(n_levels * n_types)
     k_of, r_of = kr // n_types, kr % n_types
     nxt = k_of + 1 < n_levels
-    first = (kr,) if starts else ()
-    fixed.add(np.concatenate([group[col_job] * n_types + col_type, kr, kr[nxt], *first]),
-              np.concatenate([np.arange(n_x), c_base + kr, c_base + kr[nxt] + n_types, *(e_base + f for f in first)]),
-              np.concatenate([coef, -np.ones(len(kr)), np.ones(int(nxt.sum())), *(np.ones(len(f)) for f in first)]),
-              np.zeros(len(kr)))
+    rows = [group[col_job] * n_types + col_type, kr, kr[nxt]]
+    cols = [np.arange(n_x), c_base + kr, c_base + kr[nxt] + n_types]
+    vals = [coef, -np.ones(len(kr)), np.ones(int(nxt.sum()))]
+    if starts:
+        rows, cols, vals = rows + [kr], cols + [e_base + kr], vals + [np.ones(len(kr))]
+    fixed.add(np.concatenate(rows), np.concatenate(cols), np.concatenate(vals), np.zeros(len(kr)))
     # capacity: C[k,r] - n_r T <= -n_r s_k
     fixed.add(np.concatenate([kr, kr]), np.concatenate([c_base + kr, np.full(len(kr), t_col)]),
               np.concatenate([np.ones(len(kr)), -counts[r_of]]), -counts[r_of] * levels[k_of])
