@@ -147,6 +147,19 @@ def test_a_forked_job_gets_one_copy_per_node_not_its_best_per_gpu_rate_on_every_
     assert b.ttd_fork_s == pytest.approx(1000.0) and b.ttd_nofork_s == pytest.approx(2000.0)
 
 
+def test_a_node_held_by_a_forked_copy_is_not_also_credited_to_other_jobs() -> None:
+    # The same 2-worker job (1200 steps) and a 1-worker job (1000 steps at 1.0/s) on one node
+    # of two V100s. Crediting per GPU, the forked job runs at 0.5 per GPU on one GPU and
+    # reaches its best 0.6/s on "1.2 GPUs", leaving room for the other: T = 1200 / 0.6 = 2000.
+    # But the node holds one copy of it: a copy of one (0.5/s, a GPU left for the other job)
+    # for x s, and of two (0.6/s, both GPUs) for the rest. The other job needs x >= 1000, so
+    # 0.5 x + 0.6 (T - x) = 1200 gives T = 6500 / 3, and that schedule reaches it.
+    table = ThroughputModel(rates={("A", "v100", 1): 1.0, ("A", "v100", 2): 0.6}, cross_node=False)
+    b = ttd_bounds([job("j", 0, 1200, workers=2), job("b", 0, 1000)], parse_cluster("v100:1x2"), table)
+    assert b.ttd_fork_s == pytest.approx(6500 / 3)
+    assert b.ttd_nofork_s == pytest.approx(2500.0)   # the gang holds both GPUs for 2000 s
+
+
 def test_unrunnable_job_has_no_bound_and_empty_trace_has_zero() -> None:
     b = ttd_bounds([job("a", 0, 10, job_type="B")], parse_cluster("v100:1"), ONE)
     assert b == TtdBounds(ttd_fork_s=None, ttd_nofork_s=None)
@@ -201,11 +214,13 @@ def test_no_policy_beats_its_bound(case: tuple[Cluster, list[TraceJob], float]) 
 # ---------------------------------------------------------------------------- the sparse LP
 
 def dense_bound(jobs: list[TraceJob], cluster: Cluster, *, fork: bool, start: float = 0.0) -> float | None:
-    """The LP of the docstrings of ``bounds.py`` and ``bound_gangs.py`` written out literally:
-    one capacity row per (offset, type) over every job arriving then or later, and
-    for the no-fork bound one row per (offset, level set S, gang width w) over every
+    """The LP of the docstrings of ``bounds.py``, ``bound_gangs.py`` and ``bound_forks.py``
+    written out literally: one capacity row per (offset, type) over every job arriving then or
+    later, and for the no-fork bound one row per (offset, level set S, gang width w) over every
     gang of width >= w (O(jobs^2) nonzeros; the oracle for the cumulative form, the caps and
-    the set rows that ``ttd_lower_bound`` adds only where they bind). With a first ``start``,
+    the set rows that ``ttd_lower_bound`` adds only where they bind). The fork bound's columns
+    are ``bound_forks``'s, in node-seconds, capped per (job, node class) by the class's
+    nodes. With a first ``start``,
     each job's work counts from its arrival + start, and its own start GPU-seconds E[j, r]
     join the rows of the offsets up to its arrival."""
     import math
@@ -213,8 +228,9 @@ def dense_bound(jobs: list[TraceJob], cluster: Cluster, *, fork: bool, start: fl
     import numpy as np
     from scipy.optimize import linprog
 
+    from services.scheduler.sim.bound_forks import node_classes, node_columns
     from services.scheduler.sim.bound_gangs import level_columns
-    from services.scheduler.sim.bounds import _caps
+    from services.scheduler.sim.bounds import _caps, _spans
 
     types = cluster.types
     a0 = min(j.arrival_s for j in jobs)
@@ -226,9 +242,17 @@ def dense_bound(jobs: list[TraceJob], cluster: Cluster, *, fork: bool, start: fl
             else best_copy_rate(j.job_type, j.workers, cluster, TABLE, gang=True) for j in jobs]
     if min(best) <= 0:
         return None
-    # variables: X[c] GPU-seconds per column (job, type, credited rate, type-set mask), then T
-    cols = [(j, r, rate, mask) for j, job in enumerate(jobs)
-            for r, rate, mask in level_columns(rho[j], gang=not fork and job.workers >= 2)]
+    # variables: X[c] units per column (job, type, credited rate, type-set mask, GPUs per unit,
+    # slot: a type, or a node class for the fork bound), then T
+    classes = node_classes(cluster)
+    if fork:
+        cols = [(j, types.index(c.gpu_type), c.credit, 1 << types.index(c.gpu_type), c.gpus, c.node_class)
+                for j, job in enumerate(jobs)
+                for c in node_columns(job.job_type, job.workers, classes, TABLE,
+                                      _spans(job.job_type, job.workers, cluster, TABLE))]
+    else:
+        cols = [(j, r, rate, mask, 1, r) for j, job in enumerate(jobs)
+                for r, rate, mask in level_columns(rho[j], gang=job.workers >= 2)]
     starts = [(j, r) for j in range(len(jobs)) for r in range(len(types))] if start else []
     e0 = len(cols)                          # E[j, r] after the X columns, then T
     n = e0 + len(starts)
@@ -245,9 +269,10 @@ def dense_bound(jobs: list[TraceJob], cluster: Cluster, *, fork: bool, start: fl
         mine = [c for c, col in enumerate(cols) if col[0] == j]
         row({c: -cols[c][2] for c in mine}, -job.total_steps)
         per_type, total = _caps(job, cluster, fork=fork)
-        for r, t in enumerate(types):
-            row({**{c: 1.0 for c in mine if cols[c][1] == r}, n: -per_type[t]}, -per_type[t] * s[j])
-        row({**dict.fromkeys(mine, 1.0), n: -total}, -total * s[j])
+        slot_caps = [float(c.nodes) for c in classes] if fork else [float(per_type[t]) for t in types]
+        for slot, cap in enumerate(slot_caps):
+            row({**{c: 1.0 for c in mine if cols[c][5] == slot}, n: -cap}, -cap * s[j])
+        row({**{c: float(cols[c][4]) for c in mine}, n: -total}, -total * s[j])
         if start:
             row({e0 + i: -1.0 for i, (jj, _) in enumerate(starts) if jj == j}, -start * (1 if fork else job.workers))
     gangs = [] if fork else sorted({job.workers for job in jobs if job.workers >= 2})
@@ -255,7 +280,7 @@ def dense_bound(jobs: list[TraceJob], cluster: Cluster, *, fork: bool, start: fl
     for level in set(s) | set(arrived):
         for r, t in enumerate(types):
             count = cluster.gpus_by_type[t]
-            row({**{c: 1.0 for c, col in enumerate(cols) if s[col[0]] >= level and col[1] == r},
+            row({**{c: float(col[4]) for c, col in enumerate(cols) if s[col[0]] >= level and col[1] == r},
                  **{e0 + i: 1.0 for i, (j, rr) in enumerate(starts) if arrived[j] >= level and rr == r}, n: -count},
                 -count * level)
         for w in gangs:

@@ -58,7 +58,11 @@ fork bound. In the no-fork bound a gang's GPU-seconds are split further by
 *level* (``bound_gangs``): a GPU of type r in a gang whose slowest type is k earns
 ``rho[j,k]``, and rows keep gangs too wide to share a set of types from overlapping on it
 (two 10-GPU gangs on 16 A100s take turns there); those rows, like the caps, are added only
-where the solution breaks them. Every schedule of the kind a bound covers gives a feasible point (X =
+where the solution breaks them. In the fork bound the columns are per node class instead
+(``bound_forks``): node-seconds of one copy's part of k GPUs, credited at most that copy's
+rate x k / W_j, with a cap per (job, node class) of the class's nodes in place of
+``X[j,r] <= cF[j,r] (T - s_j)``; a node holds one copy of a job, so it is not credited as
+several lone workers at once. Every schedule of the kind a bound covers gives a feasible point (X =
 GPU-seconds each job held while active, T = its TTD): jobs arriving at s or later only run
 in [a_0 + s, a_0 + T], and a job never holds more GPUs, nor trains faster, than the caps
 say. A job that no copy can move (R_j = 0) makes the bound ``None``: no finite TTD exists.
@@ -86,6 +90,7 @@ from scipy.sparse import coo_matrix, csr_matrix
 from services.scheduler.core.cluster import Cluster
 from services.scheduler.core.throughput import ThroughputModel
 from services.scheduler.sim import bound_gangs
+from services.scheduler.sim.bound_forks import best_slowest, node_classes, node_columns
 from services.scheduler.sim.traces import TraceJob
 
 FORKING_POLICIES = frozenset({"hadare"})
@@ -142,26 +147,17 @@ def _spanning(job_type: str, gpu_type: str, n: int, cluster: Cluster, throughput
     return throughput.rate(job_type, gpu_type, n) * span_factor(job_type, gpu_type, n, cluster, throughput)
 
 
-def _best_min(values: list[tuple[float, int]], n: int) -> float:
-    """Largest min of value over a set of (value, GPUs) entries holding at least n GPUs."""
-    held = 0
-    for value, count in sorted(values, reverse=True):
-        held += count
-        if held >= n:
-            return value
-    return 0.0
-
-
 def best_copy_rate(job_type: str, workers: int, cluster: Cluster, throughput: ThroughputModel, *,
                    gang: bool = False) -> float:
     """``R1``: the most job steps/s one copy can be credited (of exactly W workers if ``gang``)."""
     best = 0.0
     for n in _sizes(workers, cluster, gang=gang):
-        one_node = max((_best_min([(throughput.rate(job_type, t, n), len(node.indices_of(t))) for t in node.types], n)
+        one_node = max((best_slowest([(throughput.rate(job_type, t, n), len(node.indices_of(t)))
+                                      for t in node.types], n)
                         for node in cluster.nodes if node.size >= n), default=0.0)
         spanning = 0.0
         if len(cluster.nodes) > 1:
-            spanning = _best_min([(_spanning(job_type, t, n, cluster, throughput), c)
+            spanning = best_slowest([(_spanning(job_type, t, n, cluster, throughput), c)
                                   for t, c in cluster.gpus_by_type.items()], n)
         best = max(best, max(one_node, spanning) * n / workers)
     return best
@@ -170,21 +166,22 @@ def best_copy_rate(job_type: str, workers: int, cluster: Cluster, throughput: Th
 def best_fork_rate(job_type: str, workers: int, cluster: Cluster, throughput: ThroughputModel) -> float:
     """``RF``: the most job steps/s a job's copies together can be credited. A job's copies
     are on distinct nodes (a spanning copy counts on each), so a node gives it at most one
-    copy's part: a copy of k <= min(W, node size) of its GPUs, credited k / W of the slowest
-    one's rate at k, or its GPUs in a copy spanning nodes, each credited at most the spanning
-    bound / W. (Crediting each GPU of a node its type's best per-GPU rate, as ``rho`` does,
-    counted a 4-GPU node four single-GPU copies: Transformer (batch size 32), W = 8, on six
-    4-GPU nodes, 22.0 steps/s where one copy per node reaches 12.2.)"""
+    copy's part, its best ``bound_forks`` column. (Crediting each GPU of a node its type's
+    best per-GPU rate, as ``rho`` does, counted a 4-GPU node four single-GPU copies:
+    Transformer (batch size 32), W = 8, on six 4-GPU nodes, 22.0 steps/s where one copy per
+    node reaches 12.2.)"""
+    classes = node_classes(cluster)
+    best = [0.0] * len(classes)
+    for column in node_columns(job_type, workers, classes, throughput, _spans(job_type, workers, cluster, throughput)):
+        best[column.node_class] = max(best[column.node_class], column.credit)
+    return sum(c.nodes * b for c, b in zip(classes, best, strict=True))
+
+
+def _spans(job_type: str, workers: int, cluster: Cluster, throughput: ThroughputModel) -> dict[str, float]:
+    """Per type t, the most steps/s a copy of the job spanning nodes with a GPU of t reaches."""
     top = min(workers, cluster.total_gpus)
-    spans = {t: max((_spanning(job_type, t, n, cluster, throughput) for n in range(2, top + 1)), default=0.0)
-             for t in cluster.types}
-    total = 0.0
-    for node in cluster.nodes:
-        one = max((_best_min([(throughput.rate(job_type, t, k), len(node.indices_of(t))) for t in node.types], k)
-                   * k for k in range(1, min(workers, node.size) + 1)), default=0.0)
-        spanning = min(workers, node.size) * max((spans[t] for t in node.types), default=0.0)
-        total += max(one, spanning) / workers
-    return total
+    return {t: max((_spanning(job_type, t, n, cluster, throughput) for n in range(2, top + 1)), default=0.0)
+            for t in cluster.types}
 
 
 def _caps(job: TraceJob, cluster: Cluster, *, fork: bool) -> tuple[dict[str, int], int]:
@@ -196,19 +193,13 @@ def _caps(job: TraceJob, cluster: Cluster, *, fork: bool) -> tuple[dict[str, int
     return per_type, sum(min(w, node.size) for node in cluster.nodes)
 
 
-def _job_rates(jobs: Sequence[TraceJob], cluster: Cluster, throughput: ThroughputModel, *,
-               fork: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(rho[j, r], best single rate R_j) per job; computed once per (job type, W)."""
-    types = cluster.types
-    memo: dict[tuple[str, int], tuple[list[float], float]] = {}
-    for key in {(j.job_type, j.workers) for j in jobs}:
-        job_type, w = key
-        memo[key] = ([per_gpu_rate(job_type, w, t, cluster, throughput, gang=not fork) for t in types],
-                     best_fork_rate(job_type, w, cluster, throughput) if fork
-                     else best_copy_rate(job_type, w, cluster, throughput, gang=True))
-    rho = np.array([memo[(j.job_type, j.workers)][0] for j in jobs], dtype=float).reshape(len(jobs), len(types))
-    best = np.array([memo[(j.job_type, j.workers)][1] for j in jobs], dtype=float)
-    return rho, best
+def _best_rates(jobs: Sequence[TraceJob], cluster: Cluster, throughput: ThroughputModel, *,
+                fork: bool) -> np.ndarray:
+    """The best rate R_j (RF or R1) per job; computed once per (job type, W)."""
+    memo = {key: best_fork_rate(*key, cluster, throughput) if fork
+            else best_copy_rate(*key, cluster, throughput, gang=True)
+            for key in {(j.job_type, j.workers) for j in jobs}}
+    return np.array([memo[(j.job_type, j.workers)] for j in jobs], dtype=float)
 
 
 def ttd_lower_bound(jobs: Sequence[TraceJob], cluster: Cluster, throughput: ThroughputModel, *,
@@ -239,7 +230,7 @@ def ttd_lower_bound(jobs: Sequence[TraceJob], cluster: Cluster, throughput: Thro
         raise ValueError("first_start_s must be >= 0")
     offsets = arrived + start                # a job trains from its first start's end
     work = np.array([float(j.total_steps) for j in jobs])
-    rho, best = _job_rates(jobs, cluster, throughput, fork=fork)
+    best = _best_rates(jobs, cluster, throughput, fork=fork)
     if (best <= 0).any():
         return None
     n_jobs = len(jobs)
@@ -248,18 +239,18 @@ def ttd_lower_bound(jobs: Sequence[TraceJob], cluster: Cluster, throughput: Thro
     levels, inverse = np.unique(np.concatenate([offsets, arrived]) if starts else offsets, return_inverse=True)
     group, start_group = inverse[:n_jobs], inverse[n_jobs:]
     n_levels = len(levels)
-    col_job, col_type, col_rate, col_set = _columns(jobs, rho, fork=fork)
+    columns, slot_cap = _columns(jobs, cluster, throughput, fork=fork)
+    col_job, col_type = columns.job, columns.gpu_type
     n_x = col_job.size
     t_col = n_x                              # y[c] (share of its job's work), then T
     c_base = t_col + 1                       # C[k, r] at c_base + k * n_types + r
     e_base = c_base + n_levels * n_types     # E[k, r]: first starts of the jobs arriving at level k, if any
     n_base = e_base + (n_levels * n_types if starts else 0)   # then D[k] of each (type set, width) row in force
-    coef = work[col_job] / col_rate          # GPU-seconds of its type that all of its job's work takes there
+    coef = work[col_job] / columns.rate      # units (GPU- or node-seconds) all of its job's work takes there
+    gpu_coef = coef * columns.gpus           # and GPU-seconds of its type
     counts = np.array([cluster.gpus_by_type[t] for t in types], dtype=float)
-    by_workers = {j.workers: _caps(j, cluster, fork=fork) for j in jobs}   # caps depend on W only
-    caps = [by_workers[job.workers] for job in jobs]
-    per_type = np.array([[c[0][t] for t in types] for c in caps], dtype=float).reshape(n_jobs, n_types)
-    total = np.array([c[1] for c in caps], dtype=float)
+    by_workers = {j.workers: _caps(j, cluster, fork=fork)[1] for j in jobs}   # caps depend on W only
+    total = np.array([by_workers[job.workers] for job in jobs], dtype=float)
 
     fixed = _Rows()
     # work: -sum_c y[c] <= -1
@@ -270,7 +261,7 @@ def ttd_lower_bound(jobs: Sequence[TraceJob], cluster: Cluster, throughput: Thro
     nxt = k_of + 1 < n_levels
     rows = [group[col_job] * n_types + col_type, kr, kr[nxt]]
     cols = [np.arange(n_x), c_base + kr, c_base + kr[nxt] + n_types]
-    vals = [coef, -np.ones(len(kr)), np.ones(int(nxt.sum()))]
+    vals = [gpu_coef, -np.ones(len(kr)), np.ones(int(nxt.sum()))]
     if starts:
         rows, cols, vals = rows + [kr], cols + [e_base + kr], vals + [np.ones(len(kr))]
     fixed.add(np.concatenate(rows), np.concatenate(cols), np.concatenate(vals), np.zeros(len(kr)))
@@ -282,26 +273,27 @@ def ttd_lower_bound(jobs: Sequence[TraceJob], cluster: Cluster, throughput: Thro
         held = np.bincount(start_group, weights=start * (1.0 if fork else widths), minlength=n_levels)
         fixed.add(k_of, e_base + kr, -np.ones(len(kr)), -held)
 
-    pairs, pair_of = np.unique(col_job * n_types + col_type, return_inverse=True)
-    pair_job, pair_cap = pairs // n_types, per_type[pairs // n_types, pairs % n_types]
+    n_slots = slot_cap.shape[1]
+    pairs, pair_of = np.unique(col_job * n_slots + columns.slot, return_inverse=True)
+    pair_job, pair_cap = pairs // n_slots, slot_cap[pairs // n_slots, pairs % n_slots]
     pair_in = np.zeros(len(pairs), dtype=bool)
     job_in = np.zeros(n_jobs, dtype=bool)
-    sets = [] if fork else bound_gangs.candidates(col_job, col_set, widths, counts, widths >= 2)
+    sets = [] if fork else bound_gangs.candidates(col_job, columns.mask, widths, counts, widths >= 2)
     set_in = np.zeros(len(sets), dtype=bool)
     while True:
         cuts = _Rows(fixed)
-        # per job and type: seconds of its columns of type r - c[j,r] T <= -c[j,r] s_j
+        # per job and slot (type, or node class): its columns' units there - cap T <= -cap s_j
         chosen = np.flatnonzero(pair_in)
         members = np.flatnonzero(pair_in[pair_of])
         cuts.add(np.concatenate([np.searchsorted(chosen, pair_of[members]), np.arange(len(chosen))]),
                  np.concatenate([members, np.full(len(chosen), t_col)]),
                  np.concatenate([coef[members], -pair_cap[chosen]]), -pair_cap[chosen] * offsets[pair_job[chosen]])
-        # per job: seconds of all its columns - G_j T <= -G_j s_j
+        # per job: GPU-seconds of all its columns - G_j T <= -G_j s_j
         chosen = np.flatnonzero(job_in)
         members = np.flatnonzero(job_in[col_job])
         cuts.add(np.concatenate([np.searchsorted(chosen, col_job[members]), np.arange(len(chosen))]),
                  np.concatenate([members, np.full(len(chosen), t_col)]),
-                 np.concatenate([coef[members], -total[chosen]]), -total[chosen] * offsets[chosen])
+                 np.concatenate([gpu_coef[members], -total[chosen]]), -total[chosen] * offsets[chosen])
         # per (type set, width) in force, bound_gangs: D[k] >= D[k+1] + gang time of group k there,
         # D[k] <= fit (T - s_k)
         for b, row in enumerate(sets[i] for i in np.flatnonzero(set_in)):
@@ -323,9 +315,10 @@ def ttd_lower_bound(jobs: Sequence[TraceJob], cluster: Cluster, throughput: Thro
         if res.status != 0:
             raise RuntimeError(f"TTD bound LP failed: {res.message}")
         t_end = float(res.x[t_col])
-        seconds = coef * res.x[:n_x]                                    # X[c], GPU-seconds
+        units = coef * res.x[:n_x]
+        seconds = units * columns.gpus                                  # X[c], GPU-seconds
         room = t_end - offsets
-        held = np.bincount(pair_of, weights=seconds, minlength=len(pairs))
+        held = np.bincount(pair_of, weights=units, minlength=len(pairs))
         new_pairs = (held - pair_cap * room[pair_job] > _SLACK * (1 + pair_cap * t_end)) & ~pair_in
         held = np.bincount(col_job, weights=seconds, minlength=n_jobs)
         new_jobs = (held - total * room > _SLACK * (1 + total * t_end)) & ~job_in
@@ -339,22 +332,48 @@ def ttd_lower_bound(jobs: Sequence[TraceJob], cluster: Cluster, throughput: Thro
         set_in |= new_sets
 
 
-def _columns(jobs: Sequence[TraceJob], rho: np.ndarray, *,
-             fork: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The LP's columns (job, GPU type, credited rate per GPU-second, type-set mask): per
-    usable type, or per level for a gang in the no-fork bound (``bound_gangs``); built once
-    per (job type, W)."""
+@dataclass(frozen=True, kw_only=True)
+class _Columns:
+    """The LP's columns, one entry per column."""
+
+    job: np.ndarray         # its job's index
+    gpu_type: np.ndarray    # its GPU type's index
+    rate: np.ndarray        # job steps credited per unit: a GPU-second, or a node-second (fork)
+    gpus: np.ndarray        # GPUs of its type per unit
+    slot: np.ndarray        # its cap within its job: a type (no-fork), or a node class (fork)
+    mask: np.ndarray        # bit mask of its type set (``bound_gangs``)
+
+
+def _columns(jobs: Sequence[TraceJob], cluster: Cluster, throughput: ThroughputModel, *,
+             fork: bool) -> tuple[_Columns, np.ndarray]:
+    """(the columns, each job's cap per slot: ``[j, slot]``): per usable type, or per level
+    for a gang (``bound_gangs``), in GPU-seconds for the no-fork bound; per node class, copy
+    size and type, in node-seconds, for the fork bound (``bound_forks``). Built once per
+    (job type, W)."""
+    types = cluster.types
+    index = {t: r for r, t in enumerate(types)}
+    classes = node_classes(cluster)
     by_key: dict[tuple[str, int], list[int]] = {}
     for i, job in enumerate(jobs):
         by_key.setdefault((job.job_type, job.workers), []).append(i)
-    parts: list[tuple[np.ndarray, ...]] = []
-    for (_, workers), members in by_key.items():
-        template = bound_gangs.level_columns(rho[members[0]], gang=not fork and workers >= 2)
+    parts: list[list[np.ndarray]] = []
+    caps = np.zeros((len(jobs), len(classes) if fork else len(types)))
+    for (job_type, workers), members in by_key.items():
+        template: list[tuple[int, float, int, int, int]]   # (type, rate, GPUs, slot, mask)
+        if fork:
+            template = [(index[c.gpu_type], c.credit, c.gpus, c.node_class, 1 << index[c.gpu_type])
+                        for c in node_columns(job_type, workers, classes, throughput,
+                                              _spans(job_type, workers, cluster, throughput))]
+            caps[members] = [c.nodes for c in classes]
+        else:
+            rho = np.array([per_gpu_rate(job_type, workers, t, cluster, throughput, gang=True) for t in types])
+            template = [(r, rate, 1, r, mask) for r, rate, mask in bound_gangs.level_columns(rho, gang=workers >= 2)]
+            caps[members] = [min(workers, cluster.gpus_by_type[t]) for t in types]
         idx = np.array(members)
-        parts.append((np.repeat(idx, len(template)), np.tile([t[0] for t in template], len(idx)),
-                      np.tile([t[1] for t in template], len(idx)), np.tile([t[2] for t in template], len(idx))))
-    return (np.concatenate([p[0] for p in parts]).astype(int), np.concatenate([p[1] for p in parts]).astype(int),
-            np.concatenate([p[2] for p in parts]).astype(float), np.concatenate([p[3] for p in parts]).astype(np.int64))
+        parts.append([np.repeat(idx, len(template)), *(np.tile([t[k] for t in template], len(idx)) for k in range(5))])
+    joined = [np.concatenate([p[k] for p in parts]) for k in range(6)]
+    return _Columns(job=joined[0].astype(int), gpu_type=joined[1].astype(int), rate=joined[2].astype(float),
+                    gpus=joined[3].astype(float), slot=joined[4].astype(int), mask=joined[5].astype(np.int64)), caps
 
 
 _SLACK = 1e-7   # relative excess over a cap that counts as breaking it (HiGHS's own tolerance)
