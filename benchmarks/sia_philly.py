@@ -21,6 +21,7 @@ same LP driven the way Sia's gavel.py drives it (``services/scheduler/policies/g
     python benchmarks/sia_philly.py [--policies gavel-throughput,gavel-throughput-sia]
         [--workloads 1,2,...,8] [--cluster sia-64] [--round-s 360] [--restart sia|none|plane]
         [--data-plane shared/domain/data/data_plane/dev-vm-minio.json] [--arrivals trace|zero]
+        [--policy-option POLICY:KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from services.scheduler.policies import make_policy
+from services.scheduler.policies import make_policy, parse_scoped_policy_option
 from services.scheduler.sim.bounds import TtdBounds, bound_for, ttd_bounds
 from services.scheduler.sim.cluster_spec import parse_cluster
 from services.scheduler.sim.sia_table import build_sia_throughput
@@ -106,11 +107,11 @@ def sim_options(jobs: tuple[TraceJob, ...], *, round_s: float, restart: str, pla
 
 
 def run_one(policy_name: str, jobs: tuple[TraceJob, ...], *, cluster_name: str, options: SimOptions,
-            bounds: TtdBounds | None) -> dict[str, float | None]:
+            bounds: TtdBounds | None, policy_options: dict[str, Any] | None = None) -> dict[str, float | None]:
     throughput = build_sia_throughput()
     restarts = RestartCounter()
-    result = simulate(policy=make_policy(policy_name), cluster=parse_cluster(cluster_name), jobs=jobs,
-                      throughput=throughput, options=options, observer=restarts)
+    result = simulate(policy=make_policy(policy_name, **(policy_options or {})), cluster=parse_cluster(cluster_name),
+                      jobs=jobs, throughput=throughput, options=options, observer=restarts)
     bound = bound_for(policy_name, bounds, gangs_only=result.gangs_only)[1] if bounds is not None else None
     return metrics_of(result, restarts, bound)
 
@@ -144,8 +145,13 @@ def main() -> None:
                              "online policy; Sia's reference figures then do not apply)")
     parser.add_argument("--bounds", action=argparse.BooleanOptionalAction, default=True,
                         help="solve the TTD lower bounds per workload (about 5 s each)")
+    parser.add_argument("--policy-option", action="append", default=[], metavar="POLICY:KEY=VALUE",
+                        help="an option for one policy's constructor, e.g. hadare:node_slots=true (repeatable)")
     args = parser.parse_args()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    scoped: dict[str, dict[str, Any]] = {}
+    for policy, key, value in (parse_scoped_policy_option(text) for text in args.policy_option):
+        scoped.setdefault(policy, {})[key] = value
     workloads = [int(w) for w in args.workloads.split(",")]
     ref = reference()
     throughput = build_sia_throughput()
@@ -166,7 +172,8 @@ def main() -> None:
         bounds = ttd_bounds(jobs, cluster, throughput, first_start_s=options.first_start_s) if args.bounds else None
         for name in policies:
             t = time.perf_counter()
-            got = run_one(name, jobs, cluster_name=args.cluster, options=options, bounds=bounds)
+            got = run_one(name, jobs, cluster_name=args.cluster, options=options, bounds=bounds,
+                          policy_options=scoped.get(name))
             want = ref[f"workload-{i}"]
             ratio = {m: (value / want[m] if (value := got[m]) is not None and want[m] else None) for m in METRICS}
             rows.append({"workload": i, "policy": name, **got, "reference": want, "ratio": ratio,

@@ -270,3 +270,53 @@ def test_a_copy_keeps_its_node_when_another_is_as_good():
     plan = make_policy("hadare").plan(PlanRequest(round=1, now_s=360.0, round_s=360.0, cluster=cluster,
                                                   jobs=jobs, throughput=TP, previous=previous))
     assert {(p.job_id, p.node_id) for p in plan.placements} == {("j", "n1"), ("k", "n0")}
+
+
+# ---------------------------------------------------------------------------- one copy per node
+
+PAIRS = Cluster(name="pairs", nodes=(Node(node_id="a", gpus=("v100",) * 2), Node(node_id="b", gpus=("v100",) * 2)))
+
+
+def lone_best(job: JobState, gpu_type: str, k: int) -> float:
+    """A 2-worker job: a lone worker 1.0 job steps/s x 1/2, a copy of two 0.6 (per GPU the lone worker wins)."""
+    return {1: 0.5, 2: 0.6}[k]
+
+
+def test_with_node_slots_a_node_holds_one_copy_of_a_job_in_the_lp():
+    # 1200 steps on two nodes of two V100s. Per GPU, four lone workers: 4 x 0.5 = 2.0 steps/s,
+    # T = 600 s; one copy per node, the best is two copies of two: 1.2 steps/s, T = 1000 s.
+    job = JobState(job_id="j", job_type="A", workers=2, total_steps=1200)
+    assert makespan(fork_lp([job], PAIRS, lone_best)) == pytest.approx(600.0, rel=1e-6)
+    assert makespan(fork_lp([job], PAIRS, lone_best, nodes=True)) == pytest.approx(1000.0, rel=1e-6)
+    # With a second job of one worker (1000 steps at 1.0/s alone on a GPU), the forked one runs
+    # lone workers while the other has a GPU on each node: the bound's 6500 / 3 on one node.
+    other = JobState(job_id="o", job_type="A", workers=1, total_steps=1000)
+
+    def rates(j: JobState, gpu_type: str, k: int) -> float:
+        return lone_best(j, gpu_type, k) if j.workers == 2 else 1.0
+    one_node = Cluster(name="one", nodes=(Node(node_id="a", gpus=("v100",) * 2),))
+    assert makespan(fork_lp([job, other], one_node, rates, nodes=True)) == pytest.approx(6500 / 3, rel=1e-6)
+
+
+def test_pooled_node_slots_stay_a_relaxation_of_their_jobs():
+    from services.scheduler.policies.lp.timeline import pool
+
+    jobs = [JobState(job_id=f"j{i}", job_type="A", workers=2, total_steps=600 * (i + 1)) for i in range(3)]
+    full = fork_lp(jobs, PAIRS, lone_best, nodes=True)
+    alone = makespan(full)
+    pooled_lp = pool(full, [[0, 1, 2]])
+    assert pooled_lp.nodes is not None and pooled_lp.nodes.cap.tolist() == [6.0]   # 2 nodes x 3 jobs
+    together = makespan(pooled_lp)
+    assert alone is not None and together is not None
+    # three jobs may hold a node each: lone workers of two jobs per node, 3600 steps at 2.0/s
+    assert alone == pytest.approx(1800.0, rel=1e-6)
+    assert together <= alone * (1 + 1e-9)
+    # one job alone is held to a copy per node: 3600 steps at 1.2/s at best
+    assert makespan(fork_lp([JobState(job_id="x", job_type="A", workers=2, total_steps=3600)], PAIRS, lone_best,
+                            nodes=True)) == pytest.approx(3000.0, rel=1e-6)
+
+
+def test_hadare_with_node_slots_plans_valid_rounds_and_ends_above_its_bound():
+    metrics, bounds = run_generated("hadare", "aws-5-multi", jobs=10, seed=1, multi_gpu=True, node_slots=True)
+    assert metrics.jobs_completed == metrics.jobs_total
+    assert bounds.ttd_fork_s is not None and metrics.ttd_s >= bounds.ttd_fork_s * (1 - 1e-6)

@@ -146,7 +146,8 @@ class _Job:
 
 def plan_copies(request: PlanRequest, cost: CopyCost = CopyCost(), price_share: float = PRICE_SHARE,
                 split_slack: float = SPLIT_SLACK, split: str = "timeline",
-                timeline_slack: float = TIMELINE_SLACK, completion_weight: float = COMPLETION_WEIGHT) -> Plan:
+                timeline_slack: float = TIMELINE_SLACK, completion_weight: float = COMPLETION_WEIGHT, *,
+                node_slots: bool = False) -> Plan:
     """The round's copies by the module's rule (placements, waiting, explain; no state)."""
     cluster, tp, round_s = request.cluster, request.throughput, request.round_s
     free = _FreeGroups(cluster)
@@ -186,7 +187,7 @@ def plan_copies(request: PlanRequest, cost: CopyCost = CopyCost(), price_share: 
     held = {job_id: {(p.node_id, p.gpu_type) for p in parts} for job_id, parts in previous_parts(request).items()}
     budgets, carried = _main_pass_budgets(request, order, credited, speed, split,
                                         timeline_slack if split == "timeline" else split_slack, completion_weight,
-                                        held)
+                                        node_slots, held)
     placements: list[Placement] = []
     explain: dict[str, dict[str, object]] = {}
     limit = len(cluster.nodes)
@@ -240,7 +241,7 @@ def _pass_order(states: list[_Job], budgeted: bool) -> list[tuple[int, _Job]]:
 
 
 def _main_pass_budgets(request: PlanRequest, order: list[JobState], credited: _Credited, speed: dict[str, float],
-                       split: str, slack: float, completion_weight: float,
+                       split: str, slack: float, completion_weight: float, node_slots: bool,
                        held: dict[str, set[tuple[str, str]]]) -> tuple[dict[str, dict[str, int]], TimelineState | None]:
     """(job id -> GPUs per type its main pass may take, the state to carry): the time-indexed
     LP's slice of this round (``split="timeline"``, ``hadare/timeline``; on classes of jobs
@@ -248,7 +249,7 @@ def _main_pass_budgets(request: PlanRequest, order: list[JobState], credited: _C
     (``"makespan"``, or when an LP fails)."""
     cluster = request.cluster
     if split == "timeline" and order:
-        got = _timeline_budgets(request, order, credited, speed, slack, completion_weight, held)
+        got = _timeline_budgets(request, order, credited, speed, slack, completion_weight, held, node_slots)
         if got is not None:
             return got
     types = type_split(order, cluster, credited, urgency=[speed[j.job_id] / j.remaining for j in order],
@@ -257,11 +258,11 @@ def _main_pass_budgets(request: PlanRequest, order: list[JobState], credited: _C
 
 
 def _timeline_budgets(request: PlanRequest, order: list[JobState], credited: _Credited, speed: dict[str, float],
-                      slack: float, completion_weight: float,
-                      held: dict[str, set[tuple[str, str]]]) -> tuple[dict[str, dict[str, int]], TimelineState] | None:
+                      slack: float, completion_weight: float, held: dict[str, set[tuple[str, str]]],
+                      node_slots: bool) -> tuple[dict[str, dict[str, int]], TimelineState] | None:
     """``_main_pass_budgets`` by the time-indexed LP; None if an LP fails. The makespan LP
     is solved only when E must be set or moved (first round, arrivals, E missed)."""
-    full = fork_lp(order, cluster := request.cluster, credited)
+    full = fork_lp(order, cluster := request.cluster, credited, nodes=node_slots)
     if len(order) > POOL_ABOVE:
         at = {j.job_id: i for i, j in enumerate(order)}
         def rounds(j: JobState) -> float:

@@ -73,7 +73,10 @@ class HadarE:
     each job's GPUs (``hadare/copies`` rule 2); ``timeline_slack``: the share of the
     optimal makespan the timeline may give up for mean JCT (default 0.045);
     ``completion_weight``: the timeline objective's share of completion bounds, in [0, 1)
-    (``hadare/timeline``; default 0.75, 0: mean busy time alone).
+    (``hadare/timeline``; default 0.75, 0: mean busy time alone). ``node_slots``: the
+    timeline LP holds a job to one copy per node (``lp/model.NodeColumns``) instead of
+    crediting each GPU its best per-GPU rate; off by default: it trades mean JCT for TTD
+    (README "Known limits", the gang-heavy trace).
     """
 
     name = "hadare"
@@ -84,7 +87,7 @@ class HadarE:
                  optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS, price_share: float = PRICE_SHARE,
                  split_slack: float = SPLIT_SLACK, split: str = "timeline",
                  timeline_slack: float = TIMELINE_SLACK, completion_weight: float = COMPLETION_WEIGHT,
-                 **options: Any) -> None:
+                 node_slots: bool = False, **options: Any) -> None:
         if fork not in FORK_MODES:
             raise ValueError(f"fork must be one of {', '.join(FORK_MODES)}")
         if split not in SPLITS or not timeline_slack >= 0 or not 0 <= completion_weight < 1:
@@ -99,6 +102,7 @@ class HadarE:
         self.split = split
         self.timeline_slack = float(timeline_slack)
         self.completion_weight = float(completion_weight)
+        self.node_slots = bool(node_slots)
         # Leftover mode's primary plans without critical-first (``hadar/critical``): copies already
         # speed up the long jobs, and with it mean JCT fell (aws-5, 20 jobs, seeds 1-5: 1.54x -> 1.30x gavel).
         self.primary = Hadar(**({"critical": False} | options)) if fork == "leftover" else None
@@ -107,7 +111,7 @@ class HadarE:
         if self.primary is not None:
             return fork(request, self.primary.plan(request))
         return plan_copies(request, self.cost, self.price_share, self.split_slack, self.split, self.timeline_slack,
-                           self.completion_weight)
+                           self.completion_weight, node_slots=self.node_slots)
 
 
 def fork(request: PlanRequest, base: Plan) -> Plan:

@@ -48,7 +48,7 @@ from scipy.optimize import linprog
 from scipy.sparse import coo_matrix, csr_matrix, hstack, identity, kron, vstack
 
 from services.scheduler.core.policy import JobState
-from services.scheduler.policies.lp.model import Columns, WorkLp, gang_rows_of, makespan
+from services.scheduler.policies.lp.model import Columns, NodeColumns, WorkLp, gang_rows_of, makespan, slot_rows
 
 __all__ = ["Timeline", "intervals", "solve", "peak_rates", "solve_until", "job_classes", "pool",
            "SHARE_EPS", "POOL_ABOVE", "CLASS_BASE"]
@@ -120,6 +120,10 @@ def solve(lp: WorkLp, *, round_s: float, horizon_s: float, weights: Sequence[flo
     vals = np.concatenate([-np.repeat(cols.rate, n_k), np.ones(2 * nv)])
     a_ub = coo_matrix((vals, (rows, np.tile(x_of.ravel(), 3))), shape=(n_j + (n_r + n_j) * n_k, nv)).tocsr()
     rhs = [-lp.rem, (lp.count[:, None] * lengths[None, :]).ravel(), (lp.cap_g[:, None] * lengths[None, :]).ravel()]
+    slots, slot_cap = slot_rows(lp, cols)
+    if slot_cap.size:                       # per slot and interval: sum X / gpus <= cap L_k
+        a_ub = vstack([a_ub, kron(slots, identity(n_k, format="csr"))]).tocsr()
+        rhs.append(np.kron(slot_cap, lengths))
     cuts = gang_rows_of(lp, cols)
     n_extra = cuts.n_extra * n_k
     if cuts.length.size:                    # X[c, k] then the cuts' variables E[e, k], rows per interval
@@ -173,6 +177,12 @@ def peak_rates(lp: WorkLp, cols: Columns) -> np.ndarray:
     rate first within each type's GPUs and its cap_g (greedy is optimal: the limits nest,
     columns within types within the job)."""
     out = np.zeros(lp.rem.size)
+    if lp.nodes is not None:            # a node of each slot at its best copy
+        n = lp.nodes
+        per_slot = np.zeros(n.cap.size)
+        np.maximum.at(per_slot, n.slot, n.rate * n.gpus)
+        np.add.at(out, n.slot_job, per_slot * n.cap)
+        return out
     for j in range(lp.rem.size):
         mine = np.flatnonzero(cols.job == j)
         free, left = lp.count.astype(float), float(lp.cap_g[j])
@@ -223,6 +233,7 @@ def pool(lp: WorkLp, groups: Sequence[Sequence[int]]) -> WorkLp:
     Every schedule of the jobs is one of the pooled job, so the LP stays a relaxation of
     the same kind."""
     first = [g[0] for g in groups]
+    nodes = _pooled_nodes(lp.nodes, groups) if lp.nodes is not None else None
     spread = [(c, s) for c, g in enumerate(groups) for s in np.flatnonzero(lp.spread_job == g[0])]
     members = np.array([len(groups[c]) for c, _ in spread], dtype=float)
     picked = np.array([s for _, s in spread], dtype=int)
@@ -231,4 +242,25 @@ def pool(lp: WorkLp, groups: Sequence[Sequence[int]]) -> WorkLp:
                   cap_g=np.array([lp.cap_g[list(g)].sum() for g in groups]), count=lp.count,
                   spread_job=np.array([c for c, _ in spread], dtype=int), spread_rate=lp.spread_rate[picked],
                   spread_cap=(lp.spread_cap[picked] * members[:, None]).reshape(len(spread), lp.rho.shape[1]),
-                  gang_width=lp.gang_width[first] if lp.gang_width.size else lp.gang_width)
+                  gang_width=lp.gang_width[first] if lp.gang_width.size else lp.gang_width, nodes=nodes)
+
+
+def _pooled_nodes(nodes: NodeColumns, groups: Sequence[Sequence[int]]) -> NodeColumns:
+    """The node columns of each group's first job, for the group; a slot's nodes times the
+    group's jobs (a slot's nodes depend on W and the cluster alone; each job holds a copy per
+    node, so together as many copies as they are)."""
+    slots_of = [np.flatnonzero(nodes.slot_job == j) for j in range(int(nodes.slot_job.max(initial=-1)) + 1)]
+    parts, caps, owners, base = [], [], [], 0
+    for c, g in enumerate(groups):
+        mine = np.flatnonzero(nodes.job == g[0])
+        own = slots_of[g[0]] if g[0] < len(slots_of) else np.zeros(0, dtype=int)
+        rank = np.searchsorted(own, nodes.slot[mine])           # the slot's place among its job's slots
+        parts.append((np.full(mine.size, c), nodes.gpu_type[mine], nodes.rate[mine], nodes.gpus[mine], base + rank))
+        caps.append(nodes.cap[own] * len(g))                  # same W and cluster: the same slots
+        owners.append(np.full(own.size, c))
+        base += own.size
+    joined = [np.concatenate([p[i] for p in parts]) if parts else np.zeros(0) for i in range(5)]
+    return NodeColumns(job=joined[0].astype(int), gpu_type=joined[1].astype(int), rate=joined[2].astype(float),
+                       gpus=joined[3].astype(float), slot=joined[4].astype(int),
+                       cap=np.concatenate(caps) if caps else np.zeros(0),
+                       slot_job=np.concatenate(owners).astype(int) if owners else np.zeros(0, dtype=int))
