@@ -234,9 +234,11 @@ def test_fork_cost_is_n_uploads_n_downloads_one_write_with_optimizer_state():
 
 def test_bad_options_are_refused():
     for bad in ({"fork": "sometimes"}, {"store_gbps": 0}, {"price_share": -1}, {"split": "sometimes"},
-                {"timeline_slack": -0.1}, {"completion_weight": 1.0}, {"completion_weight": -0.1}):
-        with pytest.raises(ValueError):
-            make_policy("hadare", **bad)
+                {"timeline_slack": -0.1}, {"completion_weight": 1.0}, {"completion_weight": -0.1},
+                {"node_slot": True}, {"horizon": 10}):
+        with pytest.raises((ValueError, TypeError)):
+            make_policy("hadare", **bad)   # a misspelt option, or one only leftover mode's Hadar takes
+    make_policy("hadare", fork="leftover", horizon=10)
 
 
 def test_makespan_split_keeps_the_slow_type_for_the_job_efficient_on_it():

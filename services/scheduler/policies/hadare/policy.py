@@ -90,6 +90,8 @@ class HadarE:
                  node_slots: bool = False, **options: Any) -> None:
         if fork not in FORK_MODES:
             raise ValueError(f"fork must be one of {', '.join(FORK_MODES)}")
+        if options and fork != "leftover":   # only leftover mode's Hadar takes more; never ignore a typo
+            raise ValueError(f"unknown option(s) for hadare: {', '.join(sorted(options))}")
         if split not in SPLITS or not timeline_slack >= 0 or not 0 <= completion_weight < 1:
             raise ValueError(f"split must be one of {', '.join(SPLITS)}; timeline_slack must be >= 0; "
                              "completion_weight in [0, 1)")
