@@ -30,7 +30,8 @@ def recorded(tmp_path_factory) -> tuple[Path, dict]:
     log = out / "events.log"
     # Non-default policy options and seed: replay must take them from the log, not from flags.
     run = hadar("demo", "--out", str(out), "--round-s", "8", "--timeout-s", "200", "--record", str(log),
-                "--policy-option", "horizon=32", "--policy-option", "order=arrival", "--seed", "5",
+                "--policy-option", "timeline_slack=0.06", "--policy-option", "completion_weight=0.5",
+                "--seed", "5",
                 "--jobs", "examples/jobs/resnet-diabetes.yaml", "examples/jobs/autoencoder-ratings.yaml",
                 timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -53,8 +54,8 @@ def test_demo_trains_real_models_and_summarises(recorded):
 def test_replay_reruns_every_round_identically(recorded):
     log, _ = recorded
     started = [r.event for r in read_log(log) if isinstance(r.event, RoundStarted)]
-    assert started and all((s.policy, s.policy_options, s.seed) == ("hadare", '{"horizon":32,"order":"arrival"}', 5)
-                           for s in started)
+    recorded_as = ("hadare", '{"completion_weight":0.5,"timeline_slack":0.06}', 5)
+    assert started and all((s.policy, s.policy_options, s.seed) == recorded_as for s in started)
     run = hadar("replay", "--file", str(log), "--rerun")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "0 round(s) differ" in run.stdout and "DIFFERS" not in run.stdout

@@ -175,3 +175,24 @@ def test_a_renewed_placement_displaces_another_jobs_forked_copy() -> None:
                           jobs=jobs)
     plan = RecordedPlacements(w.placements, completed=w.live_jct_s).plan(request)
     assert sorted((p.job_id, p.copy, p.node_id) for p in plan.placements) == [("j", 0, "a"), ("k", 0, "b")]
+
+
+def test_a_lingering_forked_job_renews_the_copies_whose_gpus_are_free() -> None:
+    # Live, job j ran two copies (t4 and a2000) in round 1 and was done by its end; in round 2 the
+    # live scheduler put job k's copy 0 on the t4 and forked k onto the a2000. The replay, a few
+    # steps short, renews j's copy on the a2000 (k's fork gives way) instead of waiting, with the
+    # whole placement, until a round that holds neither GPU (the failure of test_sim_vs_live:
+    # 19.5 s live, 41.1 s replayed). Copies keep their GPUs whole and are numbered from 0.
+    from services.scheduler.core.cluster import Cluster, Node
+    from services.scheduler.core.throughput import ThroughputModel
+
+    cluster = Cluster(name="two", nodes=(Node(node_id="t", gpus=("t4",)), Node(node_id="a", gpus=("a2000",))))
+
+    def copy(job: str, n: int, node: str) -> Placement:
+        return Placement(job_id=job, copy=n, node_id=node, gpus=(0,))
+    rounds = {1: (copy("j", 0, "t"), copy("j", 1, "a")), 2: (copy("k", 0, "t"), copy("k", 1, "a"))}
+    jobs = tuple(JobState(job_id=j, job_type="m", workers=1, total_steps=1000) for j in ("j", "k"))
+    request = PlanRequest(round=2, now_s=20.0, round_s=10.0, cluster=cluster,
+                          throughput=ThroughputModel(rates={("m", "t4", 1): 1.0, ("m", "a2000", 1): 1.0}), jobs=jobs)
+    plan = RecordedPlacements(rounds, completed={"j": 19.5}).plan(request)
+    assert sorted((p.job_id, p.copy, p.node_id) for p in plan.placements) == [("j", 0, "a"), ("k", 0, "t")]

@@ -72,7 +72,8 @@ class NodeColumns:
     ``slot[c]``; a job's columns of slot s use at most ``cap[s]`` nodes at once, so at most
     ``sum_c X_c / gpus[c] <= cap[s] T``. A slot is the nodes with c GPUs of a type (c < W),
     or with at least W of it: a node of several types is one slot per type, which loosens
-    the rows there (a copy per type) but never cuts a plan that ``check_plan`` allows.
+    the rows there (a copy per type) but never cuts a plan of HadarE's copies (each on one
+    node and one type).
     Without these rows a job whose lone worker is the most efficient was credited that rate
     on every GPU of every node: an 8-GPU Transformer on six 4-GPU nodes 22.0 job steps/s,
     where one copy per node reaches 12.2, so the LP planned it last."""

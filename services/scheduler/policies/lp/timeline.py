@@ -175,7 +175,8 @@ def _with_completion_bounds(lp: WorkLp, cols: Columns, a_ub: csr_matrix, rhs: li
 def peak_rates(lp: WorkLp, cols: Columns) -> np.ndarray:
     """[j]: the most steps per second job j can earn at once, F_j: its columns filled best
     rate first within each type's GPUs and its cap_g (greedy is optimal: the limits nest,
-    columns within types within the job)."""
+    columns within types within the job); with node columns, each slot's nodes at the slot's
+    best copy."""
     out = np.zeros(lp.rem.size)
     if lp.nodes is not None:            # a node of each slot at its best copy
         n = lp.nodes
