@@ -230,7 +230,7 @@ def dense_bound(jobs: list[TraceJob], cluster: Cluster, *, fork: bool, start: fl
 
     from services.scheduler.sim.bound_forks import node_classes, node_columns
     from services.scheduler.sim.bound_gangs import level_columns
-    from services.scheduler.sim.bounds import _caps, _spans
+    from services.scheduler.sim.bounds import _spans, _total_cap
 
     types = cluster.types
     a0 = min(j.arrival_s for j in jobs)
@@ -268,8 +268,9 @@ def dense_bound(jobs: list[TraceJob], cluster: Cluster, *, fork: bool, start: fl
     for j, job in enumerate(jobs):
         mine = [c for c, col in enumerate(cols) if col[0] == j]
         row({c: -cols[c][2] for c in mine}, -job.total_steps)
-        per_type, total = _caps(job, cluster, fork=fork)
-        slot_caps = [float(c.nodes) for c in classes] if fork else [float(per_type[t]) for t in types]
+        total = _total_cap(job.workers, cluster, fork=fork)
+        slot_caps = ([float(c.nodes) for c in classes] if fork
+                     else [float(min(job.workers, cluster.gpus_by_type[t])) for t in types])
         for slot, cap in enumerate(slot_caps):
             row({**{c: 1.0 for c in mine if cols[c][5] == slot}, n: -cap}, -cap * s[j])
         row({**{c: float(cols[c][4]) for c in mine}, n: -total}, -total * s[j])

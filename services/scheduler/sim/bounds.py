@@ -184,13 +184,9 @@ def _spans(job_type: str, workers: int, cluster: Cluster, throughput: Throughput
             for t in cluster.types}
 
 
-def _caps(job: TraceJob, cluster: Cluster, *, fork: bool) -> tuple[dict[str, int], int]:
-    """(GPUs of each type, GPUs in all) the job may hold at once."""
-    w = job.workers
-    if not fork:
-        return {t: min(w, n) for t, n in cluster.gpus_by_type.items()}, w
-    per_type = {t: sum(min(w, len(node.indices_of(t))) for node in cluster.nodes) for t in cluster.types}
-    return per_type, sum(min(w, node.size) for node in cluster.nodes)
+def _total_cap(workers: int, cluster: Cluster, *, fork: bool) -> int:
+    """``G``: the GPUs a job of W workers may hold at once (its caps per slot: ``_columns``)."""
+    return sum(min(workers, node.size) for node in cluster.nodes) if fork else workers
 
 
 def _best_rates(jobs: Sequence[TraceJob], cluster: Cluster, throughput: ThroughputModel, *,
@@ -249,7 +245,7 @@ def ttd_lower_bound(jobs: Sequence[TraceJob], cluster: Cluster, throughput: Thro
     coef = work[col_job] / columns.rate      # units (GPU- or node-seconds) all of its job's work takes there
     gpu_coef = coef * columns.gpus           # and GPU-seconds of its type
     counts = np.array([cluster.gpus_by_type[t] for t in types], dtype=float)
-    by_workers = {j.workers: _caps(j, cluster, fork=fork)[1] for j in jobs}   # caps depend on W only
+    by_workers = {j.workers: _total_cap(j.workers, cluster, fork=fork) for j in jobs}
     total = np.array([by_workers[job.workers] for job in jobs], dtype=float)
 
     fixed = _Rows()

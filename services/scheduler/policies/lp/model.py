@@ -76,7 +76,8 @@ class NodeColumns:
     node and one type).
     Without these rows a job whose lone worker is the most efficient was credited that rate
     on every GPU of every node: an 8-GPU Transformer on six 4-GPU nodes 22.0 job steps/s,
-    where one copy per node reaches 12.2, so the LP planned it last."""
+    where one copy per node reaches 12.2, so the LP planned it last. Columns and slots are in
+    job order, and a job's slots are numbered consecutively."""
 
     job: np.ndarray
     gpu_type: np.ndarray

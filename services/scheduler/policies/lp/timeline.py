@@ -250,16 +250,17 @@ def _pooled_nodes(nodes: NodeColumns, groups: Sequence[Sequence[int]]) -> NodeCo
     """The node columns of each group's first job, for the group; a slot's nodes times the
     group's jobs (a slot's nodes depend on W and the cluster alone; each job holds a copy per
     node, so together as many copies as they are)."""
-    slots_of = [np.flatnonzero(nodes.slot_job == j) for j in range(int(nodes.slot_job.max(initial=-1)) + 1)]
+    jobs = np.arange(int(max(nodes.job.max(initial=-1), nodes.slot_job.max(initial=-1))) + 2)
+    col_at, slot_at = np.searchsorted(nodes.job, jobs), np.searchsorted(nodes.slot_job, jobs)   # in job order
     parts, caps, owners, base = [], [], [], 0
     for c, g in enumerate(groups):
-        mine = np.flatnonzero(nodes.job == g[0])
-        own = slots_of[g[0]] if g[0] < len(slots_of) else np.zeros(0, dtype=int)
-        rank = np.searchsorted(own, nodes.slot[mine])           # the slot's place among its job's slots
-        parts.append((np.full(mine.size, c), nodes.gpu_type[mine], nodes.rate[mine], nodes.gpus[mine], base + rank))
-        caps.append(nodes.cap[own] * len(g))                  # same W and cluster: the same slots
-        owners.append(np.full(own.size, c))
-        base += own.size
+        mine = np.arange(col_at[g[0]], col_at[g[0] + 1])
+        first_slot, n_slots = int(slot_at[g[0]]), int(slot_at[g[0] + 1] - slot_at[g[0]])
+        parts.append((np.full(mine.size, c), nodes.gpu_type[mine], nodes.rate[mine], nodes.gpus[mine],
+                      base + nodes.slot[mine] - first_slot))
+        caps.append(nodes.cap[first_slot:first_slot + n_slots] * len(g))   # same W and cluster: the same slots
+        owners.append(np.full(n_slots, c))
+        base += n_slots
     joined = [np.concatenate([p[i] for p in parts]) if parts else np.zeros(0) for i in range(5)]
     return NodeColumns(job=joined[0].astype(int), gpu_type=joined[1].astype(int), rate=joined[2].astype(float),
                        gpus=joined[3].astype(float), slot=joined[4].astype(int),
