@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.live.rerun import LoggedEvent, rerun
 from services.scheduler.live.service import SchedulerService
@@ -181,6 +183,86 @@ async def test_an_idle_scheduler_places_a_new_job_in_its_first_round() -> None:
         await asyncio.sleep(0.2)
         placed = [(e.round, e.job_id) for e in await _placements(bus) if isinstance(e, Assignment)]
         assert placed == [(0, "late-rate")]
+    finally:
+        await service.stop()
+        await bus.stop()
+
+
+async def _rounds_and_placements(bus: MemoryBus, *, rounds: int) -> list:
+    for _ in range(100):
+        events = await _placements(bus)
+        if sum(isinstance(e, RoundStarted) for e in events) >= rounds:
+            await asyncio.sleep(0.2)   # the round's assignments follow its RoundStarted
+            return await _placements(bus)
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"fewer than {rounds} rounds started within 5 s (rounds are 30 s)")
+
+
+async def test_a_round_that_placed_nothing_ends_when_its_jobs_get_estimates() -> None:
+    """A scheduler that starts before its profiler plans its first round with unrated jobs
+    and places nothing. The first estimate, a moment later, ends that round; the next one
+    waits the moment the profiler takes to rate the other job too, then places both: waiting
+    out the round would idle the whole cluster (6 minutes by default)."""
+    bus = MemoryBus()
+    await bus.start()
+    now = time.time()
+    for node in ("n1", "n2"):
+        await bus.publish(NodeRegistered(ts=now, source="agent", node_id=node, gpus=(GpuInfo(index=0, type="t4"),)))
+    for job_id in ("first", "second"):
+        spec = JobSpec(job_id=job_id, user="u", model="resnet", dataset="digits", batch_size=32, workers=1,
+                       iterations=100)
+        await bus.publish(JobSubmitted(ts=now, source="cli", job=spec, submitted_at=now))
+    config = SchedulerConfig(policy="yarn-cs", round_s=30, heartbeat_s=1000, late_copy_s=0, consolidation_wait_s=0)
+    service = SchedulerService(bus=bus, config=config)
+    await service.start()
+    try:
+        events = await _rounds_and_placements(bus, rounds=1)
+        assert not [e for e in events if isinstance(e, Assignment)]   # round 0: no estimate, nothing placed
+        for job_id in ("first", "second"):
+            await bus.publish(ThroughputEstimate(ts=time.time(), source="profiler", job_id=job_id,
+                                                 basis="estimate", workers=1, rates={"t4": 4.0}))
+            await asyncio.sleep(0.5)
+        events = await _rounds_and_placements(bus, rounds=2)
+        assert sorted((e.round, e.job_id) for e in events if isinstance(e, Assignment)) == [
+            (1, "first"), (1, "second")]
+        first, second = (e for e in events if isinstance(e, RoundStarted))
+        assert second.started_at < first.ends_at
+        # The empty round offered its GPUs only until the next round started.
+        offered_s = second.started_at - first.started_at + (second.ends_at - second.started_at)
+        assert service.state.allocation_utilization() == pytest.approx(
+            (second.ends_at - second.started_at) / offered_s)
+    finally:
+        await service.stop()
+        await bus.stop()
+
+
+async def test_a_round_that_placed_nothing_ends_when_a_node_joins_and_not_on_a_heartbeat() -> None:
+    """The same when the jobs had no GPU: the first node to register starts the next round.
+    A node already in the cluster registering again changes nothing, so the round runs on."""
+    bus = MemoryBus()
+    await bus.start()
+    now = time.time()
+    spec = JobSpec(job_id="gang", user="u", model="resnet", dataset="digits", batch_size=32, workers=2,
+                   iterations=100)
+    await bus.publish(JobSubmitted(ts=now, source="cli", job=spec, submitted_at=now))
+    await bus.publish(ThroughputEstimate(ts=now, source="profiler", job_id="gang", basis="estimate", workers=2,
+                                         rates={"t4": 4.0}))
+    config = SchedulerConfig(policy="yarn-cs", round_s=30, heartbeat_s=1000, late_copy_s=0, consolidation_wait_s=0)
+    service = SchedulerService(bus=bus, config=config)
+    await service.start()
+    try:
+        await _rounds_and_placements(bus, rounds=1)
+        one_gpu = NodeRegistered(ts=time.time(), source="agent", node_id="n1", gpus=(GpuInfo(index=0, type="t4"),))
+        await bus.publish(one_gpu)
+        events = await _rounds_and_placements(bus, rounds=2)   # a node joined: round 1 at once, still too small
+        assert not [e for e in events if isinstance(e, Assignment)]
+        await bus.publish(one_gpu)
+        await asyncio.sleep(1.5)
+        assert sum(isinstance(e, RoundStarted) for e in await _placements(bus)) == 2
+        await bus.publish(NodeRegistered(ts=time.time(), source="agent", node_id="n2",
+                                         gpus=(GpuInfo(index=0, type="t4"),)))
+        events = await _rounds_and_placements(bus, rounds=3)
+        assert sorted((e.round, e.node_id) for e in events if isinstance(e, Assignment)) == [(2, "n1"), (2, "n2")]
     finally:
         await service.stop()
         await bus.stop()

@@ -88,6 +88,34 @@ def test_replayed_placements_give_the_simulated_jct_from_submission() -> None:
     assert row.simulated_jct_s == pytest.approx(228.0 - 5.0)
 
 
+def _ended_early(log: list[Event], by: float) -> list[Event]:
+    """The same run had round 0, which placed nothing, ended ``by`` seconds early when the
+    job's estimate came (services/scheduler/live/pacing.py): everything later is earlier."""
+    shifted: list[Event] = []
+    for e in log:
+        if isinstance(e, RoundStarted) and e.round >= 1:
+            e = dataclasses.replace(e, ts=e.ts - by, started_at=e.started_at - by, ends_at=e.ends_at - by)
+        elif isinstance(e, Assignment):
+            e = dataclasses.replace(e, ts=e.ts - by, deadline=e.deadline - by)
+        elif isinstance(e, JobCompleted):
+            e = dataclasses.replace(e, ts=e.ts - by, completed_at=e.completed_at - by, jct_s=e.jct_s - by)
+        elif e.ts >= T0 + 100:
+            e = dataclasses.replace(e, ts=e.ts - by)
+        shifted.append(e)
+    return shifted
+
+
+def test_a_first_round_that_ended_early_moves_the_replay_with_it() -> None:
+    """The simulator's rounds are a grid from t0: t0 is set so that the first round that placed
+    anything (round 1, 12 s after round 0 began) lies on it, and the replay keeps the live times."""
+    early = live_workload(_ended_early(_log(), 88.0))
+    (job,) = early.jobs
+    assert (job.arrival_s, early.submitted_s, early.live_jct_s) == (98.0, {"j": 93.0}, {"j": 162.0})
+    (row,) = compare(early, replay=True)
+    (full,) = compare(live_workload(_log()), replay=True)
+    assert row.simulated_jct_s == pytest.approx(full.simulated_jct_s - 88.0)
+
+
 def test_the_live_policy_decides_afresh_on_the_mean_rates() -> None:
     # hadar puts the job on its fastest type by the mean rates, the v100 (9/s): 300 / 9 s into round 1.
     (row,) = compare(live_workload(_log()), replay=False)

@@ -20,11 +20,12 @@ assignment again.)
 **What a believed round makes stale** is bounded too: only rounds *close* behind it, in
 [latest - max_round_leap, latest). A live assignment far behind the believed round cannot
 come from a scheduler that really reached that round (rounds start after the previous one
-ends, so old rounds' deadlines have passed): the belief was forged, or the scheduler's log
-was reset. Such an assignment is judged on its own (deadline, validity, GPUs) and does not
-move the belief. Hence even a forged *stream* of far rounds leaves real assignments
-running; what a forged round can do is preempt the running copies once, when it is
-believed, and one inside the leap can make up to ``max_round_leap`` rounds stale.
+ends, or earlier only after one that placed nothing, so old rounds' deadlines have
+passed): the belief was forged, or the scheduler's log was reset. Such an assignment is
+judged on its own (deadline, validity, GPUs) and does not move the belief. Hence even a
+forged *stream* of far rounds leaves real assignments running; what a forged round can do
+is preempt the running copies once, when it is believed, and one inside the leap can make
+up to ``max_round_leap`` rounds stale.
 
 **An Assignment for this node** is decided in this order:
 

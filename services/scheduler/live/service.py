@@ -18,12 +18,16 @@ Guarantees:
   another policy or options than the last round recorded, it logs the change and plans the
   next round afresh. Every ``snapshot_every`` rounds it writes a snapshot; a failed write
   is logged and counted, never fatal (the next one covers it).
-* A round starts no earlier than the previous one's end, and only after the tracker
-  announced the models of the jobs that ran in it, so copies of the next round start from
-  the averaged model -- or, if it never does, once the previous round's deadline plus
-  ``late_copy_s`` plus ``consolidation_wait_s`` has passed (``shared.domain.deadline``, the rule
-  the tracker decides a late round by), so it never plans past a round the tracker may
-  still decide.
+* A round starts no earlier than the previous one's end (unless that placed nothing: next
+  point), and only after the tracker announced the models of the jobs that ran in it, so
+  copies of the next round start from the averaged model -- or, if it never does, once the
+  previous round's deadline plus ``late_copy_s`` plus ``consolidation_wait_s`` has passed
+  (``shared.domain.deadline``, the rule the tracker decides a late round by), so it never
+  plans past a round the tracker may still decide.
+* A round that placed nothing while jobs wait ends early, as soon as a job gets its first
+  estimate or a node joins (:func:`services.scheduler.live.pacing.wake_after_empty_round`):
+  a scheduler started before its profiler or its agents would otherwise idle the whole
+  cluster for a round. Nothing runs in such a round, so no copy is cut short.
 * A round is never shorter than ``round_overhead_factor`` x the measured start-up +
   consolidation overhead of recent rounds (:mod:`services.scheduler.live.round_length`), so a
   slow start cannot leave rounds without progress; a stretched round is logged
@@ -55,6 +59,7 @@ from services.scheduler.config import DecisionSettings, SchedulerConfig
 from services.scheduler.core.policy import InvalidPlan, Plan, PlanRequest, Policy, check_plan
 from services.scheduler.core.queues import plan_with_queues
 from services.scheduler.live.metrics import SchedulerCounters, SchedulerTelemetry
+from services.scheduler.live.pacing import Pacer, wake_after_empty_round
 from services.scheduler.live.publish import RoundFailed, publish_each, publish_fenced
 from services.scheduler.live.recovery import resume
 from services.scheduler.live.rerun import LoggedEvent
@@ -100,7 +105,7 @@ INPUT_TOPICS = (JOBS, NODES, THROUGHPUT, PROGRESS, MODELS, QUEUES)
 RECOVERY_TOPICS = (*INPUT_TOPICS, PLACEMENTS)   # read from the start (or a snapshot) at start-up
 LEADERSHIP_TOPICS = (LEADERSHIP,)   # followed by a standby (shared.runtime.leadership)
 RETRY_BASE_S = 0.05
-ESTIMATE_WAIT_S = 5.0   # the most a round started from idle waits for its new jobs' first estimates
+ESTIMATE_WAIT_S = 5.0   # the most a round started early waits for its new jobs' first estimates
 
 
 def _timed_plan(policy: Policy, request: PlanRequest) -> tuple[Plan, float]:
@@ -132,7 +137,7 @@ class SchedulerService:
         self._placed: dict[int, int] = {}   # placements partition -> next offset after our rounds
         self._lettered: dict[int, int] = {}   # deadletter partition -> next offset not counted
         self.recovery: dict[str, Any] = {}
-        self._changed = asyncio.Event()
+        self.pacer = Pacer(self.clock, stopping=lambda: self._stopping)
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self._fold_lock = asyncio.Lock()   # held while the state is folded, planned from or snapshot
@@ -184,7 +189,7 @@ class SchedulerService:
             return
         self.stepped_down = reason
         self._stopping = True
-        self._changed.set()
+        self.pacer.changed()
         current = asyncio.current_task()
         for task in self._tasks:
             if task is not current:
@@ -202,7 +207,7 @@ class SchedulerService:
 
     async def stop(self) -> None:
         self._stopping = True
-        self._changed.set()
+        self.pacer.changed()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -313,7 +318,7 @@ class SchedulerService:
                     tp = f"{delivery.topic}:{delivery.partition}"
                     self._folded[tp] = max(self._folded.get(tp, 0), delivery.offset + 1)
                 await delivery.ack()
-                self._changed.set()
+                self.pacer.changed()
 
     def _count_letter(self, delivery: Delivery) -> None:
         """Count a record of hadar.deadletter (once per origin) and the offset it covers."""
@@ -351,19 +356,6 @@ class SchedulerService:
 
     # ------------------------------------------------------------------ rounds
 
-    async def _wait_for(self, predicate, timeout_s: float) -> bool:
-        deadline = self.clock.time() + timeout_s
-        while not predicate():
-            remaining = deadline - self.clock.time()
-            if remaining <= 0 or self._stopping:
-                return predicate()
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), min(remaining, 0.5))
-            except TimeoutError:
-                pass
-        return True
-
     def wait_left(self, round_: int, *, now: float) -> float:
         """Seconds the next round may still wait for ``round_``'s models at ``now``: until
         :func:`shared.domain.deadline.next_round_gives_up_at` of its deadline (0 for a round not
@@ -377,12 +369,19 @@ class SchedulerService:
 
     async def _rounds(self) -> None:
         next_start = self.clock.time()
+        wake: Callable[[], bool] | None = None
         failures = 0
         while not self._stopping:
-            await self.clock.sleep(next_start - self.clock.time())
+            if await self.pacer.sleep_until(next_start, wake):
+                # Ended early by a first estimate or a new node: the profiler rates jobs one by
+                # one, so give the others the moment the idle start gives them.
+                await self.pacer.wait_for(lambda: not self.state.unrated_jobs(),
+                                          min(ESTIMATE_WAIT_S, next_start - self.clock.time()))
+            wake = None
             previous_round = self.next_round - 1
-            if not await self._wait_for(lambda r=previous_round: not self.state.awaiting_consolidation(r),
-                                        self.wait_left(previous_round, now=self.clock.time())):
+            def consolidated(r: int = previous_round) -> bool:
+                return not self.state.awaiting_consolidation(r)
+            if not await self.pacer.wait_for(consolidated, self.wait_left(previous_round, now=self.clock.time())):
                 self._log.warning("round.consolidation_timeout", round=previous_round,
                                   jobs=self.state.awaiting_consolidation(previous_round))
             ended = self.state.rounds.get(previous_round)
@@ -390,11 +389,12 @@ class SchedulerService:
                 self.costs.consolidation(previous_round, self.clock.time() - ended.started.ends_at)
             if not self.state.active_jobs() and not self.state.awaiting_evaluation(self.clock.time()):
                 self.telemetry.went_idle()
-                if await self._wait_for(lambda: bool(self.state.active_jobs()), 1.0):
+                if await self.pacer.wait_for(lambda: bool(self.state.active_jobs()), 1.0):
                     # From idle the round starts with the new job: planned before its estimate
                     # (the profiler answers within milliseconds), the job would wait a whole
                     # round on an idle cluster.
-                    await self._wait_for(lambda: not self.state.unrated_jobs(), min(ESTIMATE_WAIT_S, self._round_s))
+                    await self.pacer.wait_for(lambda: not self.state.unrated_jobs(),
+                                              min(ESTIMATE_WAIT_S, self._round_s))
                 next_start = self.clock.time()
                 continue
             try:
@@ -412,6 +412,8 @@ class SchedulerService:
             failures = 0
             self._last_error = None
             next_start = self.clock.time() + self._round_s
+            wake = wake_after_empty_round(self.state, self.next_round - 1, now=self.clock.time,
+                                          heartbeat_s=self.settings.heartbeat_s)
 
     async def plan_round(self) -> None:
         """Plan and publish round ``next_round`` now; raise :class:`RoundFailed` if it cannot.

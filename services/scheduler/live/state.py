@@ -322,6 +322,13 @@ class SchedulerState:
         rated = {job_id for job_id, _, _ in self.rates}
         return [j.spec.job_id for j in self.active_jobs() if j.spec.job_id not in rated]
 
+    def placeable(self, at: float, heartbeat_s: float) -> tuple[frozenset[str], frozenset[str]]:
+        """The active jobs a plan could place at ``at`` (rated) and the nodes it could place on
+        (live): a round that placed nothing has something new to plan once either grows."""
+        rated = {job_id for job_id, _, _ in self.rates}
+        return (frozenset(j.spec.job_id for j in self.active_jobs() if j.spec.job_id in rated),
+                frozenset(n.registered.node_id for n in self.live_nodes(at, heartbeat_s)))
+
     def live_nodes(self, at: float, heartbeat_s: float, missed: int = 3) -> list[NodeRecord]:
         """Nodes heard from within ``missed`` heartbeat periods of ``at``, sorted by id."""
         horizon = missed * heartbeat_s
@@ -331,8 +338,9 @@ class SchedulerState:
     def allocation_utilization(self) -> float | None:
         """GPU-seconds assigned / GPU-seconds offered, over every round folded.
 
-        Offered: every GPU of the round's live nodes for the round's length; assigned: every
-        GPU of every Assignment for the same length. None before the first round.
+        Offered: every GPU of the round's live nodes for the round's length (until the next
+        round's start, for a round that placed nothing and ended early); assigned: every GPU of
+        every Assignment for the same length. None before the first round.
         """
         offered, assigned = self._pruned_gpu_s
         for record in self.rounds.values():
@@ -341,7 +349,10 @@ class SchedulerState:
         return assigned / offered if offered > 0 else None
 
     def _round_gpu_s(self, record: RoundRecord) -> tuple[float, float]:
-        seconds = max(0.0, record.started.ends_at - record.started.started_at)
+        ends_at = record.started.ends_at
+        if (after := self.rounds.get(record.started.round + 1)) is not None:
+            ends_at = min(ends_at, after.started.started_at)   # a round that placed nothing may end early
+        seconds = max(0.0, ends_at - record.started.started_at)
         offered = seconds * sum(len(self.nodes[n].registered.gpus) for n in record.started.nodes if n in self.nodes)
         return offered, seconds * sum(len(a.gpus) for a in record.assignments)
 

@@ -7,8 +7,11 @@
   by index as it registered;
 * **jobs** -- each submitted job, arriving when the profiler first published a rate for it
   (the scheduler cannot place a job before: ``services/scheduler/live/state.py``), with its
-  workers and iterations; times are seconds from round 0's start, so the simulator's rounds
-  (multiples of ``round_s``) fall where the live ones were planned;
+  workers and iterations; times are seconds from ``t0``, which puts the first round that
+  placed anything, round b, at ``t0 + b * round_s``, so the simulator's rounds (multiples of
+  ``round_s``) fall where the live ones were planned (t0 is round 0's start unless a round
+  before b, placing nothing, ended early when a rate or a node came:
+  ``services/scheduler/live/pacing.py``);
 * **throughput** -- per (job, GPU type) the mean of every rate the profiler *measured* over
   the run, and for a type never measured the mean of its estimates: a live copy's rate moves
   with what else runs beside it, a simulated one's does not, so the mean is the fairest one
@@ -112,7 +115,7 @@ class LiveWorkload:
     jobs: tuple[TraceJob, ...]
     throughput: ThroughputModel
     model_bytes: Mapping[str, int]
-    submitted_s: Mapping[str, float]      # from round 0's start
+    submitted_s: Mapping[str, float]      # from t0 (module docstring)
     live_jct_s: Mapping[str, float]       # jobs the live run completed
     policy: str
     policy_options: Mapping[str, object]
@@ -164,8 +167,10 @@ def live_workload(events: Iterable[Event], *, since: float = 0.0) -> LiveWorkloa
     if not rounds or not planned_on or not submitted:
         raise ValueError("the log holds no round, node or job: not a live run")
     first = min(rounds, key=lambda r: r.round)
-    t0 = first.started_at
     round_s = first.round_s or first.ends_at - first.started_at
+    base = min((r for r, ps in placed.items() if ps), default=first.round)
+    t0 = min((r.started_at - (r.round - first.round) * round_s for r in rounds if r.round == base),
+             default=first.started_at)
     rates = {(job, gpu_type, 1): statistics.fmean(values) for (job, gpu_type), values in estimated.items()}
     rates.update({(job, gpu_type, 1): statistics.fmean(values) for (job, gpu_type), values in measured.items()})
     cluster = Cluster(name="live", nodes=tuple(
