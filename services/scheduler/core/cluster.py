@@ -32,11 +32,19 @@ class Node:
         return len(self.gpus)
 
     def indices_of(self, gpu_type: str) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.gpus) if t == gpu_type)
+        return self._indices.get(gpu_type, ())
 
-    @property
+    @cached_property
+    def _indices(self) -> dict[str, tuple[int, ...]]:
+        """GPU indices by type (computed once: policies ask every round, for every node)."""
+        found: dict[str, list[int]] = {}
+        for i, t in enumerate(self.gpus):
+            found.setdefault(t, []).append(i)
+        return {t: tuple(indices) for t, indices in found.items()}
+
+    @cached_property
     def types(self) -> tuple[str, ...]:
-        return tuple(sorted(set(self.gpus)))
+        return tuple(sorted(self._indices))
 
 
 @snapshot_type("core.Cluster", formerly="services.scheduler.cluster.Cluster")
