@@ -7,11 +7,12 @@
   by index as it registered;
 * **jobs** -- each submitted job, arriving when the profiler first published a rate for it
   (the scheduler cannot place a job before: ``services/scheduler/live/state.py``), with its
-  workers and iterations; times are seconds from ``t0``, which puts the first round that
-  placed anything, round b, at ``t0 + b * round_s``, so the simulator's rounds (multiples of
-  ``round_s``) fall where the live ones were planned (t0 is round 0's start unless a round
-  before b, placing nothing, ended early when a rate or a node came:
-  ``services/scheduler/live/pacing.py``);
+  workers and iterations; times are seconds from ``t0``, the start the first round of the
+  log would have had if every round had run ``round_s``, so the simulator's rounds
+  (multiples of ``round_s``) fall where the live ones were planned: t0 is the first round's
+  start, unless rounds before the first that placed anything, placing nothing, ended early
+  when a rate or a node came (``services/scheduler/live/pacing.py``); then t0 is set back
+  from that first placing round's start;
 * **throughput** -- per (job, GPU type) the mean of every rate the profiler *measured* over
   the run, and for a type never measured the mean of its estimates: a live copy's rate moves
   with what else runs beside it, a simulated one's does not, so the mean is the fairest one
