@@ -15,6 +15,8 @@ from services.scheduler.live.state import SchedulerState
 from shared.clock import Clock
 
 POLL_S = 0.5   # the longest a wait goes without reading the clock again
+WAKE_EVERY_S = 0.25   # the most often a sleep re-checks ``wake``: a check may read the whole state,
+                      # and a large cluster's heartbeats are hundreds of events a second
 
 
 class Pacer:
@@ -45,8 +47,8 @@ class Pacer:
         return True
 
     async def sleep_until(self, at: float, wake: Callable[[], bool] | None = None) -> bool:
-        """The clock's sleep until ``at``, ended early once ``wake()`` holds after an event;
-        True if it was."""
+        """The clock's sleep until ``at``, ended early once ``wake()`` holds after an event
+        (checked at most every ``WAKE_EVERY_S``); True if it was."""
         if wake is None:
             await self.clock.sleep(at - self.clock.time())
             return False
@@ -61,6 +63,7 @@ class Pacer:
                 task.cancel()
             if sleeping.done() and not sleeping.cancelled():
                 return False
+            await self.clock.sleep(min(WAKE_EVERY_S, at - self.clock.time()))
         return False
 
 
