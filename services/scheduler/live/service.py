@@ -367,6 +367,10 @@ class SchedulerService:
                                        consolidation_wait_s=self.config.consolidation_wait_s)
         return max(0.0, until - now)
 
+    async def _await_estimates(self, limit_s: float) -> None:
+        """Until every active job has an estimate, for at most ESTIMATE_WAIT_S (and ``limit_s``)."""
+        await self.pacer.wait_for(lambda: not self.state.unrated_jobs(), min(ESTIMATE_WAIT_S, limit_s))
+
     async def _rounds(self) -> None:
         next_start = self.clock.time()
         wake: Callable[[], bool] | None = None
@@ -375,8 +379,7 @@ class SchedulerService:
             if await self.pacer.sleep_until(next_start, wake):
                 # Ended early by a first estimate or a new node: the profiler rates jobs one by
                 # one, so give the others the moment the idle start gives them.
-                await self.pacer.wait_for(lambda: not self.state.unrated_jobs(),
-                                          min(ESTIMATE_WAIT_S, next_start - self.clock.time()))
+                await self._await_estimates(next_start - self.clock.time())
             wake = None
             previous_round = self.next_round - 1
             def consolidated(r: int = previous_round) -> bool:
@@ -393,8 +396,7 @@ class SchedulerService:
                     # From idle the round starts with the new job: planned before its estimate
                     # (the profiler answers within milliseconds), the job would wait a whole
                     # round on an idle cluster.
-                    await self.pacer.wait_for(lambda: not self.state.unrated_jobs(),
-                                              min(ESTIMATE_WAIT_S, self._round_s))
+                    await self._await_estimates(self._round_s)
                 next_start = self.clock.time()
                 continue
             try:

@@ -319,13 +319,16 @@ class SchedulerState:
 
     def unrated_jobs(self) -> list[str]:
         """Active jobs no ThroughputEstimate has rated yet, in submission order."""
-        rated = {job_id for job_id, _, _ in self.rates}
+        rated = self._rated()
         return [j.spec.job_id for j in self.active_jobs() if j.spec.job_id not in rated]
+
+    def _rated(self) -> set[str]:
+        return {job_id for job_id, _, _ in self.rates}
 
     def placeable(self, at: float, heartbeat_s: float) -> tuple[frozenset[str], frozenset[str]]:
         """The active jobs a plan could place at ``at`` (rated) and the nodes it could place on
         (live): a round that placed nothing has something new to plan once either grows."""
-        rated = {job_id for job_id, _, _ in self.rates}
+        rated = self._rated()
         return (frozenset(j.spec.job_id for j in self.active_jobs() if j.spec.job_id in rated),
                 frozenset(n.registered.node_id for n in self.live_nodes(at, heartbeat_s)))
 
