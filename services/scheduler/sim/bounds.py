@@ -84,11 +84,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import linprog
 from scipy.sparse import coo_matrix, csr_matrix
 
 from services.scheduler.core.cluster import Cluster
 from services.scheduler.core.throughput import ThroughputModel
+from services.scheduler.policies.lp.highs import solve as solve_lp
 from services.scheduler.sim import bound_gangs
 from services.scheduler.sim.bound_forks import best_slowest, node_classes, node_columns
 from services.scheduler.sim.traces import TraceJob
@@ -306,9 +306,8 @@ def ttd_lower_bound(jobs: Sequence[TraceJob], cluster: Cluster, throughput: Thro
         lower[t_col] = float(np.max(offsets + work / best))
         cost = np.zeros(n_cols)
         cost[t_col] = 1.0
-        res = linprog(cost, A_ub=cuts.matrix(n_cols), b_ub=cuts.bounds(),
-                      bounds=np.column_stack([lower, np.full(n_cols, np.inf)]), method="highs")
-        if res.status != 0:
+        res = solve_lp(cost, cuts.matrix(n_cols), cuts.bounds(), np.column_stack([lower, np.full(n_cols, np.inf)]))
+        if not res.ok:
             raise RuntimeError(f"TTD bound LP failed: {res.message}")
         t_end = float(res.x[t_col])
         units = coef * res.x[:n_x]

@@ -1,4 +1,4 @@
-"""Gavel's allocation LPs, solved with scipy's HiGHS (``linprog(method="highs")``).
+"""Gavel's allocation LPs, solved by HiGHS (``policies/lp/highs.py``).
 
 Notation: m jobs, n GPU types. ``rates[j, t]`` is job j's whole-job steps/s on ``sf[j]``
 GPUs of type t (0 where it cannot run there, including types with fewer than ``sf[j]``
@@ -53,9 +53,9 @@ constraints and a zero objective; returns the allocation at the smallest feasibl
 from __future__ import annotations
 
 import numpy as np
-from scipy.optimize import linprog
 from scipy.sparse import coo_matrix, csr_matrix, hstack, vstack
 
+from services.scheduler.policies.lp.highs import solve as solve_lp
 from shared.errors import HadarError
 
 FACE_SLACK = 1e-6          # relative slack on z* when optimising on the max-min optimal face
@@ -116,15 +116,15 @@ def max_min_fairness(rates: np.ndarray, sf: np.ndarray, weights: np.ndarray, gpu
     b_ub = np.concatenate([np.zeros(m), base_rhs])
     c = np.zeros(m * n + 1)
     c[-1] = -1.0
-    res = linprog(c, A_ub=a_ub, b_ub=b_ub, bounds=bounds + [(0.0, None)], method="highs")
-    if res.status != 0:
+    res = solve_lp(c, a_ub, b_ub, bounds + [(0.0, None)])
+    if not res.ok:
         raise AllocationError(f"max-min LP failed: {res.message}")
     z_star = float(res.x[-1])
     # Stage 2: on the optimal face, maximise the total normalised throughput.
     a_ub2 = vstack([fair, base]).tocsr()
     b_ub2 = np.concatenate([np.full(m, -z_star * (1 - FACE_SLACK)), base_rhs])
-    res2 = linprog(-coef.ravel(), A_ub=a_ub2, b_ub=b_ub2, bounds=bounds, method="highs")
-    x = res2.x if res2.status == 0 else res.x[:-1]
+    res2 = solve_lp(-coef.ravel(), a_ub2, b_ub2, bounds)
+    x = res2.x if res2.ok else res.x[:-1]
     allocation: np.ndarray = np.clip(x.reshape(m, n), 0.0, 1.0)
     return allocation
 
@@ -152,8 +152,8 @@ def max_sum_throughput(rates: np.ndarray, sf: np.ndarray, gpus: np.ndarray) -> n
     base, base_rhs = _base_constraints(c_sf, gpus)
     base_rhs[:len(members)] = sizes
     bounds = [(0.0, size if r > 0 else 0.0) for size, row in zip(sizes, c_rates) for r in row]
-    res = linprog(-c_rates.ravel(), A_ub=base, b_ub=base_rhs, bounds=bounds, method="highs")
-    if res.status != 0:
+    res = solve_lp(-c_rates.ravel(), base, base_rhs, bounds)
+    if not res.ok:
         raise AllocationError(f"max-sum-throughput LP failed: {res.message}")
     y = res.x.reshape(len(members), n)
     allocation = np.zeros((m, n))
@@ -168,8 +168,8 @@ def _feasible_at(rates: np.ndarray, remaining: np.ndarray, makespan: float, base
     m, n = rates.shape
     a_ub = vstack([_per_job_rows(-rates), base]).tocsr()
     b_ub = np.concatenate([-remaining / makespan, base_rhs])
-    res = linprog(np.zeros(m * n), A_ub=a_ub, b_ub=b_ub, bounds=bounds, method="highs")
-    return res.x.reshape(m, n) if res.status == 0 else None
+    res = solve_lp(np.zeros(m * n), a_ub, b_ub, bounds)
+    return res.x.reshape(m, n) if res.ok else None
 
 
 def min_total_duration(rates: np.ndarray, sf: np.ndarray, remaining: np.ndarray,

@@ -52,11 +52,11 @@ import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from scipy.optimize import linprog
 from scipy.sparse import coo_matrix
 
 from services.scheduler.core.policy import JobState
 from services.scheduler.policies.hadar.profile import JobProfile
+from services.scheduler.policies.lp.highs import solve as solve_lp
 
 CRITICAL_SLACK = 0.05      # slack: share of the makespan bound given to shorter jobs
 CRITICAL_MARGIN = 1        # margin: rounds of laxity at which a job becomes critical
@@ -129,8 +129,8 @@ def capacity_rounds(gpu_rounds: np.ndarray, workers: np.ndarray, capacity: np.nd
     bounds.append((0.0, None))
     cost = np.zeros(t_col + 1)
     cost[t_col] = 1.0
-    res = linprog(cost, A_ub=a_ub, b_ub=b_ub, bounds=bounds, method="highs")
-    if res.status != 0:
+    res = solve_lp(cost, a_ub, b_ub, bounds)
+    if not res.ok:
         return 0.0       # no bound: the single-job bound stands alone
     return float(res.x[t_col])
 

@@ -64,11 +64,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import linprog
 from scipy.sparse import coo_matrix
 
 from services.scheduler.core.policy import JobState
 from services.scheduler.policies.hadar.profile import JobProfile
+from services.scheduler.policies.lp.highs import solve as solve_lp
 from services.scheduler.policies.lp.model import WorkLp, type_rates
 from services.scheduler.policies.lp.timeline import (
     POOL_ABOVE,
@@ -356,9 +356,9 @@ def _transport(value: np.ndarray, workers: np.ndarray, cap: np.ndarray, count: n
     rows = np.concatenate([np.repeat(np.arange(n_j), n_r), n_j + np.tile(np.arange(n_r), n_j)])
     a_ub = coo_matrix((np.ones(2 * var.size), (rows, np.concatenate([var, var]))), shape=(n_j + n_r, var.size))
     upper = np.where(value > 0, cap, 0.0).ravel()
-    res = linprog(-value.ravel(), A_ub=a_ub.tocsr(), b_ub=np.concatenate([workers, count]),
-                  bounds=np.column_stack([np.zeros(var.size), upper]), method="highs-ds")
-    if res.status != 0:
+    res = solve_lp(-value.ravel(), a_ub, np.concatenate([workers, count]),
+                   np.column_stack([np.zeros(var.size), upper]), simplex_only=True)
+    if not res.ok:
         return None
     y: np.ndarray = np.round(res.x).reshape(n_j, n_r)
     return y

@@ -24,10 +24,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import numpy as np
-from scipy.optimize import linprog
 
 from services.scheduler.core.cluster import Cluster
 from services.scheduler.core.policy import JobState
+from services.scheduler.policies.lp.highs import solve as solve_lp
 from services.scheduler.policies.lp.model import Columns, fork_lp, makespan_lp
 
 __all__ = ["type_split", "SHARE_EPS"]
@@ -46,19 +46,19 @@ def type_split(jobs: Sequence[JobState], cluster: Cluster,
     n_j, n_r = rho.shape
     cols = Columns.of(lp)
     cost, a_ub, b_ub, upper = makespan_lp(lp, cols)
-    res = linprog(cost, A_ub=a_ub, b_ub=b_ub, bounds=upper, method="highs")
-    if res.status == 0 and urgency is not None:
+    res = solve_lp(cost, a_ub, b_ub, upper)
+    if res.ok and urgency is not None:
         # among splits within (1 + slack) of the optimal T: fewest GPU-seconds for urgent jobs
         weights = np.asarray(urgency, dtype=float)
         weights = weights / max(float(weights.max()), 1e-300)
         n_c = cols.job.size
         second = np.concatenate([weights[cols.job], np.zeros(cost.size - n_c)])
         upper[n_c] = (0.0, float(res.x[n_c]) * (1.0 + slack))
-        again = linprog(second, A_ub=a_ub, b_ub=b_ub, bounds=upper, method="highs")
-        if again.status == 0:
+        again = solve_lp(second, a_ub, b_ub, upper)
+        if again.ok:
             res = again
     everything = {j.job_id: {r for r, v in zip(types, rho[i]) if v > 0} for i, j in enumerate(jobs)}
-    if res.status != 0:
+    if not res.ok:
         return everything
     x = cols.per_job_type(res.x[:cols.job.size], (n_j, n_r))
     out = {}

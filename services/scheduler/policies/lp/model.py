@@ -23,12 +23,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import linprog
 from scipy.sparse import coo_matrix, csr_matrix, hstack, vstack
 
 from services.scheduler.core.cluster import Cluster
 from services.scheduler.core.policy import JobState
 from services.scheduler.policies.lp.gang_cuts import GangRows, gang_rows
+from services.scheduler.policies.lp.highs import solve as solve_lp
 
 __all__ = ["WorkLp", "NodeColumns", "Columns", "gang_rows_of", "slot_rows", "type_rates", "fork_lp", "makespan_lp",
            "makespan"]
@@ -262,5 +262,5 @@ def makespan(lp: WorkLp) -> float | None:
         return 0.0
     cols = Columns.of(lp)
     cost, a_ub, b_ub, upper = makespan_lp(lp, cols)
-    res = linprog(cost, A_ub=a_ub, b_ub=b_ub, bounds=upper, method="highs")
-    return float(res.x[cols.job.size]) if res.status == 0 else None
+    res = solve_lp(cost, a_ub, b_ub, upper)
+    return float(res.x[cols.job.size]) if res.ok else None

@@ -44,10 +44,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import linprog
 from scipy.sparse import coo_matrix, csr_matrix, hstack, identity, kron, vstack
 
 from services.scheduler.core.policy import JobState
+from services.scheduler.policies.lp.highs import solve as solve_lp
 from services.scheduler.policies.lp.model import Columns, NodeColumns, WorkLp, gang_rows_of, makespan, slot_rows
 
 __all__ = ["Timeline", "intervals", "solve", "peak_rates", "solve_until", "job_classes", "pool",
@@ -137,9 +137,8 @@ def solve(lp: WorkLp, *, round_s: float, horizon_s: float, weights: Sequence[flo
     if completion_weight > 0:
         a_ub, rhs, objective, upper = _with_completion_bounds(
             lp, cols, a_ub, rhs, objective, upper, lengths=lengths, weights=w, beta=completion_weight)
-    res = linprog(objective, A_ub=a_ub, b_ub=np.concatenate(rhs),
-                  bounds=np.column_stack([np.zeros(objective.size), upper]), method="highs")
-    if res.status != 0:
+    res = solve_lp(objective, a_ub, np.concatenate(rhs), np.column_stack([np.zeros(objective.size), upper]))
+    if not res.ok:
         return None
     x = res.x[:nv].reshape(n_c, n_k)
     return Timeline(lengths=lengths, x=cols.per_job_type(x, (n_j, n_r)),

@@ -1,0 +1,72 @@
+"""The direct HiGHS door returns what scipy's linprog returns, vertex for vertex.
+
+The policies' pinned results (Sia's streams, the sweep's tables) were computed through
+``linprog(method="highs")``; moving to the binding must not move one of them, so the
+comparison is exact equality of the optimal point, not a tolerance.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.optimize import linprog
+from scipy.sparse import coo_matrix
+from scipy.sparse import random as sparse_random
+
+from services.scheduler.policies.lp.highs import solve
+
+
+def _lp(seed: int) -> tuple[np.ndarray, object, np.ndarray, list[tuple[float, float | None]]]:
+    rng = np.random.default_rng(seed)
+    m, n = int(rng.integers(3, 40)), int(rng.integers(3, 120))
+    a = sparse_random(m, n, density=0.25, random_state=seed, format="csr")
+    cost = -rng.random(n)
+    cost[rng.random(n) < 0.3] = 0.0                   # ties: many optimal vertices
+    b = rng.random(m) * 3.0
+    bounds = [(0.0, 1.0 if rng.random() < 0.6 else None) for _ in range(n)]
+    return cost, a, b, bounds
+
+
+@pytest.mark.parametrize("seed", range(60))
+@pytest.mark.parametrize("method", ["highs", "highs-ds"])
+def test_the_same_vertex_as_linprog(seed: int, method: str) -> None:
+    cost, a, b, bounds = _lp(seed)
+    ref = linprog(cost, A_ub=a, b_ub=b, bounds=bounds, method=method)
+    got = solve(cost, a, b, bounds, simplex_only=method == "highs-ds")
+    assert got.ok == (ref.status == 0)
+    if got.ok:
+        np.testing.assert_array_equal(got.x, ref.x)
+
+
+def test_bounds_in_each_form_linprog_takes() -> None:
+    cost, a, b, _ = _lp(3)
+    n = cost.size
+    pairs = [(0.0, 0.5)] * n
+    for form in ((0.0, 0.5), pairs, np.array(pairs)):
+        got = solve(cost, a, b, form)
+        np.testing.assert_array_equal(got.x, linprog(cost, A_ub=a, b_ub=b, bounds=form, method="highs").x)
+    default = solve(cost, a, b)
+    np.testing.assert_array_equal(default.x, linprog(cost, A_ub=a, b_ub=b, method="highs").x)
+
+
+def test_dense_and_coo_with_repeated_entries() -> None:
+    # coo entries at one place add up, as in linprog (the cuts modules build such matrices).
+    a = coo_matrix(([1.0, 1.0, 1.0], ([0, 0, 1], [0, 0, 1])), shape=(2, 2))
+    got = solve(np.array([-1.0, -1.0]), a, np.array([1.0, 1.0]))
+    np.testing.assert_allclose(got.x, [0.5, 1.0])
+    dense = solve(np.array([-1.0, -1.0]), a.toarray(), np.array([1.0, 1.0]))
+    np.testing.assert_array_equal(dense.x, got.x)
+
+
+def test_infeasible_and_unbounded_say_so() -> None:
+    infeasible = solve(np.array([1.0]), np.array([[1.0]]), np.array([-1.0]), [(0.0, None)])
+    assert not infeasible.ok and "nfeasible" in infeasible.message
+    unbounded = solve(np.array([-1.0]), np.array([[-1.0]]), np.array([1.0]), [(0.0, None)])
+    assert not unbounded.ok and "nbounded" in unbounded.message
+
+
+def test_a_shape_mismatch_is_refused() -> None:
+    with pytest.raises(ValueError, match="columns"):
+        solve(np.zeros(3), np.ones((2, 2)), np.ones(2))
+    with pytest.raises(ValueError, match="bounds"):
+        solve(np.zeros(2), np.ones((2, 2)), np.ones(2), [(0.0, 1.0)] * 3)
