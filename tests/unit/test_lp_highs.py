@@ -1,8 +1,10 @@
 """The direct HiGHS door returns what scipy's linprog returns, vertex for vertex.
 
 The policies' pinned results (Sia's streams, the sweep's tables) were computed through
-``linprog(method="highs")``; moving to the binding must not move one of them, so the
-comparison is exact equality of the optimal point, not a tolerance.
+``linprog(method="highs")``; moving to the binding must not move one of them, so where both
+run the same HiGHS release the comparison is exact equality of the optimal point, not a
+tolerance. A scipy that bundles another release may pick another optimal vertex among ties:
+then the optimal values must still agree.
 """
 
 from __future__ import annotations
@@ -13,7 +15,18 @@ from scipy.optimize import linprog
 from scipy.sparse import coo_matrix
 from scipy.sparse import random as sparse_random
 
-from services.scheduler.policies.lp.highs import solve
+from services.scheduler.policies.lp.highs import solve, solver_version
+
+
+def _scipy_highs() -> str | None:
+    try:   # scipy does not publish its bundled HiGHS's version; read it where it keeps it
+        from scipy.optimize._highspy import _core
+    except ImportError:
+        return None
+    return f"{_core.HIGHS_VERSION_MAJOR}.{_core.HIGHS_VERSION_MINOR}.{_core.HIGHS_VERSION_PATCH}"
+
+
+SAME_RELEASE = _scipy_highs() == solver_version()
 
 
 def _lp(seed: int) -> tuple[np.ndarray, object, np.ndarray, list[tuple[float, float | None]]]:
@@ -35,7 +48,9 @@ def test_the_same_vertex_as_linprog(seed: int, method: str) -> None:
     got = solve(cost, a, b, bounds, simplex_only=method == "highs-ds")
     assert got.ok == (ref.status == 0)
     if got.ok:
-        np.testing.assert_array_equal(got.x, ref.x)
+        assert float(cost @ got.x) == pytest.approx(ref.fun, rel=1e-9, abs=1e-9)
+        if SAME_RELEASE:
+            np.testing.assert_array_equal(got.x, ref.x)
 
 
 def test_bounds_in_each_form_linprog_takes() -> None:

@@ -40,6 +40,11 @@ class LpResult:
     message: str
 
 
+def solver_version() -> str:
+    """The HiGHS release that solves (``major.minor.patch``)."""
+    return str(highspy.Highs().version())
+
+
 def _options(*, simplex_only: bool) -> highspy.HighsOptions:
     options = highspy.HighsOptions()
     options.presolve = "on"
