@@ -136,7 +136,7 @@ def test_a_table_over_every_topic_must_decide_about_every_event_type() -> None:
 
 
 def test_scheduler_state_folds_exactly_the_services_input_topics_and_its_placements() -> None:
-    from services.scheduler.live.service import INPUT_TOPICS
+    from services.scheduler.live.inputs import INPUT_TOPICS
     from services.scheduler.live.state import SchedulerState
 
     assert_covers(SchedulerState.HANDLERS, (*INPUT_TOPICS, PLACEMENTS))

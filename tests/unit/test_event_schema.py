@@ -159,7 +159,7 @@ def test_the_topic_table_names_exactly_the_topics_each_service_reads() -> None:
     from services.agent.daemon.service import TOPICS as AGENT
     from services.profiler.service import INPUT_TOPICS as PROFILER
     from services.profiler.service import RECOVERY_TOPICS as PROFILER_START
-    from services.scheduler.live.service import RECOVERY_TOPICS as SCHEDULER
+    from services.scheduler.live.inputs import RECOVERY_TOPICS as SCHEDULER
     from services.tracker.service import INPUT_TOPICS as TRACKER
 
     # the scheduler alone follows hadar.deadletter, to count bad records once (issue 17)

@@ -16,8 +16,8 @@ from services.profiler.service import INPUT_TOPICS as PROFILER_TOPICS
 from services.profiler.service import RECOVERY_TOPICS as PROFILER_RECOVERY
 from services.profiler.service import ProfilerConfig
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.live.service import INPUT_TOPICS as SCHEDULER_TOPICS
-from services.scheduler.live.service import RECOVERY_TOPICS as SCHEDULER_RECOVERY
+from services.scheduler.live.inputs import INPUT_TOPICS as SCHEDULER_TOPICS
+from services.scheduler.live.inputs import RECOVERY_TOPICS as SCHEDULER_RECOVERY
 from services.tracker.config import TrackerConfig
 from services.tracker.service import INPUT_TOPICS as TRACKER_TOPICS
 from shared.bus import KafkaBus

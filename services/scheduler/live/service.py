@@ -58,11 +58,11 @@ from prometheus_client import CollectorRegistry
 from services.scheduler.config import DecisionSettings, SchedulerConfig
 from services.scheduler.core.policy import InvalidPlan, Plan, PlanRequest, Policy, check_plan
 from services.scheduler.core.queues import plan_with_queues
+from services.scheduler.live.inputs import Inputs
 from services.scheduler.live.metrics import SchedulerCounters, SchedulerTelemetry
 from services.scheduler.live.pacing import Pacer, wake_after_empty_round
 from services.scheduler.live.publish import RoundFailed, publish_each, publish_fenced
 from services.scheduler.live.recovery import resume
-from services.scheduler.live.rerun import LoggedEvent
 from services.scheduler.live.round_length import (
     RoundCosts,
     copy_startup_s,
@@ -80,29 +80,15 @@ from services.scheduler.live.snapshot import (
 )
 from services.scheduler.live.state import SchedulerState
 from services.scheduler.live.stuck import stuck_reason
-from shared.bus import Bus, Delivery
-from shared.bus.rejection import Rejected, dead_letter_delivery
+from shared.bus import Bus
 from shared.clock import Clock, SystemClock
 from shared.domain.deadline import next_round_gives_up_at
 from shared.persistence.snapshot import Recovered, SnapshotStore
 from shared.runtime.leadership import Leadership, LeadershipLost
 from shared.store import ObjectStore
-from shared.wire.events import DeadLetter, Event, Progress, topic_for
-from shared.wire.topics import (
-    ALL_TOPICS,
-    DEADLETTER,
-    JOBS,
-    LEADERSHIP,
-    MODELS,
-    NODES,
-    PLACEMENTS,
-    PROGRESS,
-    QUEUES,
-    THROUGHPUT,
-)
+from shared.wire.events import Event, Progress
+from shared.wire.topics import ALL_TOPICS, LEADERSHIP
 
-INPUT_TOPICS = (JOBS, NODES, THROUGHPUT, PROGRESS, MODELS, QUEUES)
-RECOVERY_TOPICS = (*INPUT_TOPICS, PLACEMENTS)   # read from the start (or a snapshot) at start-up
 LEADERSHIP_TOPICS = (LEADERSHIP,)   # followed by a standby (shared.runtime.leadership)
 RETRY_BASE_S = 0.05
 ESTIMATE_WAIT_S = 5.0   # the most a round started early waits for its new jobs' first estimates
@@ -128,19 +114,14 @@ class SchedulerService:
         self.policy = self.settings.choice.build()
         self.clock = clock or SystemClock()
         self.run_rounds = run_rounds
-        self.state = SchedulerState()
         self.previous: Plan | None = None
         self.next_round = 0
         self.costs = RoundCosts()
         self._round_s = self.settings.round_s   # the length of the last round planned
-        self._folded: dict[str, int] = {}
-        self._placed: dict[int, int] = {}   # placements partition -> next offset after our rounds
-        self._lettered: dict[int, int] = {}   # deadletter partition -> next offset not counted
         self.recovery: dict[str, Any] = {}
         self.pacer = Pacer(self.clock, stopping=lambda: self._stopping)
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
-        self._fold_lock = asyncio.Lock()   # held while the state is folded, planned from or snapshot
         self._last_error: str | None = None   # logged in full; /healthz shows only its kind
         self._log = structlog.get_logger(__name__).bind(service=self.name, policy=self.config.policy)
         self.leadership = (Leadership(bus, role=self.name, fencing_id=self.config.fencing_id, holder=holder,
@@ -154,6 +135,9 @@ class SchedulerService:
         self.counters = SchedulerCounters(self.registry)
         self.telemetry = SchedulerTelemetry(self.registry, state=lambda: self.state, now=self.clock.time,
                                             round_s=self.settings.round_s, heartbeat_s=self.settings.heartbeat_s)
+        self.inputs = Inputs(bus=bus, group=self.config.group, source=self.config.source, clock=self.clock,
+                             counters=self.counters, telemetry=self.telemetry, log=self._log,
+                             on_folded=self.pacer.changed, on_progress=self._measure_startup)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -166,7 +150,7 @@ class SchedulerService:
 
     async def _begin(self) -> None:
         await self._recover()
-        self._tasks.append(asyncio.create_task(self._consume(), name="scheduler-consume"))
+        self._tasks.append(asyncio.create_task(self.inputs.consume(), name="scheduler-consume"))
         if self.run_rounds:
             self._tasks.append(asyncio.create_task(self._rounds(), name="scheduler-rounds"))
 
@@ -216,9 +200,14 @@ class SchedulerService:
             await self.leadership.stop()
 
     @property
+    def state(self) -> SchedulerState:
+        """Everything folded from the inputs and the scheduler's own rounds."""
+        return self.inputs.state
+
+    @property
     def records_folded(self) -> int:
         """Input records folded so far (restored from a snapshot included): a test's settle point."""
-        return sum(self._folded.values())
+        return self.inputs.records
 
     def health(self) -> dict[str, Any]:
         failed = [t.get_name() for t in self._tasks if t.done() and not t.cancelled()]
@@ -234,16 +223,7 @@ class SchedulerService:
     async def _recover(self) -> None:
         t0 = time.perf_counter()
         found = await self._load_snapshot()
-        log: list[LoggedEvent] = []
-        for topic in RECOVERY_TOPICS:
-            # From the offsets the snapshot covers (a partition it does not name: from the start).
-            async for d in self.bus.read(topic, start=found.start(topic)):
-                log.append(LoggedEvent(topic=d.topic, partition=d.partition, offset=d.offset, event=d.event))
-                if topic == PLACEMENTS:
-                    self._placed[d.partition] = max(self._placed.get(d.partition, 0), d.offset + 1)
-                else:
-                    tp = f"{d.topic}:{d.partition}"
-                    self._folded[tp] = max(self._folded.get(tp, 0), d.offset + 1)
+        log = await self.inputs.read_log(found)
         resumed = resume(log, state=self.state, body=found.value, configured=self.settings.choice)
         if resumed.out_of_sequence:
             self._log.warning("scheduler.rounds_out_of_sequence", rounds=list(resumed.out_of_sequence[:10]),
@@ -260,11 +240,7 @@ class SchedulerService:
             self._log.warning("scheduler.policy_changed", recorded=resumed.policy_changed_from,
                               configured=self.settings.choice.describe(), next_round=self.next_round)
         self.recovery["seconds"] = round(time.perf_counter() - t0, 4)
-        letters = 0   # past the letters the snapshot counts (all of them without a snapshot that does)
-        async for d in self.bus.read(DEADLETTER, start=dict(self._lettered)):
-            letters += 1
-            self._count_letter(d)
-        self.recovery["dead_letters"] = letters
+        self.recovery["dead_letters"] = await self.inputs.count_letters()
 
     async def _load_snapshot(self) -> Recovered[SchedulerSnapshot]:
         """The newest valid snapshot and its body, adopted into this service (none: empty)."""
@@ -273,10 +249,10 @@ class SchedulerService:
         found = await self.snapshots.recover(restore)
         self.recovery.update(found.recovery())
         if found.snapshot is not None and found.value is not None:
-            self.state = found.value.state
-            self._folded, self._placed = input_offsets(found.snapshot)
+            self.inputs.state = found.value.state
+            self.inputs.folded, self.inputs.placed = input_offsets(found.snapshot)
             self.telemetry.dead_letters.extend(dead_letter_origins(found.value))
-            self._lettered = dead_letter_start(found.snapshot, found.value) or {}
+            self.inputs.lettered = dead_letter_start(found.snapshot, found.value) or {}
             self._log.info("scheduler.snapshot_loaded", key=found.key, next_round=found.value.next_round)
         return found
 
@@ -286,11 +262,11 @@ class SchedulerService:
 
         def take():
             return capture(state=self.state, previous=self.previous, previous_key=self.settings.choice.key,
-                           next_round=self.next_round, folded=dict(self._folded), placed=dict(self._placed),
-                           created_at=self.clock.time(), dead_letters=self.telemetry.dead_letters.origins(),
-                           lettered=self._lettered)
+                           next_round=self.next_round, folded=dict(self.inputs.folded),
+                           placed=dict(self.inputs.placed), created_at=self.clock.time(),
+                           dead_letters=self.telemetry.dead_letters.origins(), lettered=self.inputs.lettered)
         try:
-            saved = await self.snapshots.save(take, hold=self._fold_lock)
+            saved = await self.snapshots.save(take, hold=self.inputs.lock)
         except Exception as exc:
             self.counters.snapshots.labels(outcome="failed").inc()
             self._log.warning("scheduler.snapshot_failed", round=self.next_round - 1,
@@ -300,51 +276,7 @@ class SchedulerService:
         self.counters.snapshots.labels(outcome="written").inc()
         self._log.info("scheduler.snapshot_written", key=saved.key, round=self.next_round - 1, bytes=saved.bytes)
 
-    # ------------------------------------------------------------------ consuming
-
-    async def _consume(self) -> None:
-        def resume(topic: str, partition: int) -> int:
-            # Recovery read every input from the start (or a snapshot's offsets) to the end: a
-            # partition it found nothing in is read from its start.
-            if topic == DEADLETTER:
-                return self._lettered.get(partition, 0)
-            return self._folded.get(f"{topic}:{partition}", 0)
-        async with self.bus.subscribe(list(INPUT_TOPICS) + [DEADLETTER], self.config.group, resume=resume) as sub:
-            async for delivery in sub:
-                if delivery.topic == DEADLETTER:
-                    self._count_letter(delivery)
-                else:
-                    await self._fold(delivery)
-                    tp = f"{delivery.topic}:{delivery.partition}"
-                    self._folded[tp] = max(self._folded.get(tp, 0), delivery.offset + 1)
-                await delivery.ack()
-                self.pacer.changed()
-
-    def _count_letter(self, delivery: Delivery) -> None:
-        """Count a record of hadar.deadletter (once per origin) and the offset it covers."""
-        if isinstance(delivery.event, DeadLetter):
-            self.telemetry.dead_letters.add(delivery.event)
-        self._lettered[delivery.partition] = max(self._lettered.get(delivery.partition, 0), delivery.offset + 1)
-
-    async def _fold(self, delivery: Delivery) -> None:
-        """Fold one event; one the state refuses, or whose fold fails, is dead-lettered with
-        the reason, counted and logged, and changes nothing -- the loop goes on."""
-        event = delivery.event
-        try:
-            async with self._fold_lock:
-                applied = self.state.apply(event)
-        except Exception as exc:   # Rejected, or a bug a hostile event found: never stop consuming
-            reason = str(exc) if isinstance(exc, Rejected) else f"scheduler: {type(exc).__name__}: {exc}"
-            self.counters.rejected.labels(type=event.TYPE).inc()
-            self._log.warning("event.rejected", topic=delivery.topic, offset=delivery.offset, event_type=event.TYPE,
-                              job=getattr(event, "job_id", None), node=getattr(event, "node_id", None),
-                              round=getattr(event, "round", None), reason=reason[:300])
-            await dead_letter_delivery(self.bus, delivery, reason, ts=self.clock.time(), source=self.config.source)
-            return
-        if applied:
-            self.counters.events_in.labels(type=event.TYPE).inc()
-            if isinstance(event, Progress):
-                self._measure_startup(event)
+    # ------------------------------------------------------------------ rounds
 
     def _measure_startup(self, e: Progress) -> None:
         record, job = self.state.rounds.get(e.round), self.state.jobs.get(e.job_id)
@@ -353,8 +285,6 @@ class SchedulerService:
         self.costs.startup(e.round, e.job_id, e.copy, copy_startup_s(
             ts=e.ts, started_at=record.started.started_at, steps_round=e.steps_round,
             samples_per_s=e.samples_per_s, batch_size=job.spec.batch_size, workers=e.workers))
-
-    # ------------------------------------------------------------------ rounds
 
     def wait_left(self, round_: int, *, now: float) -> float:
         """Seconds the next round may still wait for ``round_``'s models at ``now``: until
@@ -434,10 +364,10 @@ class SchedulerService:
                               configured_s=stretch.configured_s, overhead_s=round(stretch.overhead_s or 0.0, 3),
                               factor=self.config.round_overhead_factor,
                               note="start-up + consolidation would leave too little of the round for training")
-        async with self._fold_lock:
+        async with self.inputs.lock:
             timing = RoundTiming(round=self.next_round, started_at=self.clock.time(), round_s=stretch.round_s,
                                  heartbeat_s=settings.heartbeat_s)
-            inputs = dict(self._folded)
+            inputs = dict(self.inputs.folded)
             request = build_request(self.state, timing, self.previous, settings.seed)
             try:
                 plan, seconds = await asyncio.to_thread(_timed_plan, self.policy, request)
@@ -455,13 +385,13 @@ class SchedulerService:
         try:
             if self.leadership is not None:
                 await publish_fenced(self.leadership.publisher, events, round_=timing.round,
-                                     timeout_s=timing.ends_at - self.clock.time(), applied=self._applied)
+                                     timeout_s=timing.ends_at - self.clock.time(), applied=self.inputs.applied)
             else:
                 # Waits are real time (a real broker's acks take real time), the deadline is the
                 # service clock's: a fake clock's sleep would jump it past the round's end at once.
-                await publish_each(self.bus, events, round_=timing.round, applied=self._applied,
+                await publish_each(self.bus, events, round_=timing.round, applied=self.inputs.applied,
                                    give_up=lambda: self._stopping or self.clock.time() >= timing.ends_at,
-                                   placed=self._note_placed, on_retry=self._publish_retried(timing.round))
+                                   placed=self.inputs.note_placed, on_retry=self._publish_retried(timing.round))
         except RoundFailed as exc:
             if exc.spent:
                 self._spend(plan, timing)
@@ -473,16 +403,6 @@ class SchedulerService:
 
     def _spend(self, plan: Plan, timing: RoundTiming) -> None:
         self.previous, self.next_round, self._round_s = plan, timing.round + 1, timing.round_s
-
-    async def _applied(self, event: Event, partition: int | None = None, offset: int | None = None) -> None:
-        async with self._fold_lock:
-            self.state.apply(event)
-        if partition is not None and offset is not None and topic_for(event) == PLACEMENTS:
-            self._note_placed(partition, offset)
-        self.counters.events_out.labels(type=event.TYPE).inc()
-
-    def _note_placed(self, partition: int, offset: int) -> None:
-        self._placed[partition] = max(self._placed.get(partition, 0), offset + 1)
 
     def _publish_retried(self, round_: int) -> Callable[[Event, BaseException, int, float], None]:
         def retried(event: Event, error: BaseException, attempt: int, wait_s: float) -> None:
