@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from scipy.optimize import linprog
-from scipy.sparse import coo_matrix
+from scipy.sparse import coo_matrix, csr_matrix
 from scipy.sparse import random as sparse_random
 
 from services.scheduler.policies.lp.highs import solve, solver_version
@@ -78,6 +78,13 @@ def test_infeasible_and_unbounded_say_so() -> None:
     assert not infeasible.ok and "nfeasible" in infeasible.message
     unbounded = solve(np.array([-1.0]), np.array([[-1.0]]), np.array([1.0]), [(0.0, None)])
     assert not unbounded.ok and "nbounded" in unbounded.message
+
+
+def test_no_rows_or_no_columns() -> None:
+    free = solve(np.array([-1.0, 2.0]), csr_matrix((0, 2)), np.zeros(0), [(0.0, 3.0), (1.0, 4.0)])
+    np.testing.assert_array_equal(free.x, [3.0, 1.0])
+    assert solve(np.zeros(0), csr_matrix((2, 0)), np.ones(2)).ok
+    assert not solve(np.zeros(0), csr_matrix((2, 0)), np.array([1.0, -1.0])).ok
 
 
 def test_a_shape_mismatch_is_refused() -> None:

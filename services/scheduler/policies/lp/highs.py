@@ -90,6 +90,9 @@ def solve(cost: np.ndarray, a_ub: object, b_ub: np.ndarray, bounds: Bounds | Non
     if matrix.shape[1] != n:
         raise ValueError(f"a_ub has {matrix.shape[1]} columns, cost has {n}")
     lower, upper = _column_bounds(bounds, n)
+    if n == 0:   # HiGHS calls a model without columns empty, not solved: 0 <= b_ub decides
+        feasible = bool(np.all(np.asarray(b_ub, dtype=float) >= 0.0))
+        return LpResult(ok=feasible, x=np.empty(0), message="optimal" if feasible else "Infeasible")
     lp = highspy.HighsLp()
     lp.num_col_ = n
     lp.num_row_ = m
