@@ -93,6 +93,8 @@ def test_no_rows_or_no_columns() -> None:
 def test_a_shape_mismatch_is_refused() -> None:
     with pytest.raises(ValueError, match="columns"):
         solve(np.zeros(3), np.ones((2, 2)), np.ones(2))
+    with pytest.raises(ValueError, match="rows"):
+        solve(np.zeros(2), np.ones((2, 2)), np.ones(3))
     with pytest.raises(ValueError, match="bounds"):
         solve(np.zeros(2), np.ones((2, 2)), np.ones(2), [(0.0, 1.0)] * 3)
 

@@ -6,11 +6,12 @@ Every LP of the policies and the simulator's bounds has the form
 
 and is solved here. scipy's ``linprog(method="highs")`` runs the same solver, but around each
 solve it re-checks every option, converts the inputs twice and fills the bound marginals in a
-Python loop: 1.76 ms a call against 0.58 ms here on a 20 x 40 LP, and a quarter of Hadar's
-Philly replay went to it (two LPs a round). The model HiGHS receives is the one ``linprog``
-hands it (the matrix column-wise in canonical order, the same bounds, presolve on, dual
-simplex), and ``pyproject.toml`` pins highspy to the HiGHS release scipy bundles, so the same
-vertex comes back bit for bit (``tests/unit/test_lp_highs.py`` holds them side by side).
+Python loop: 1.76 ms a call against 0.58 ms here on a 20 x 40 LP; on the first six days of
+Hadar's Philly replay (small LPs, two a round) that wrapper was a quarter of the run. The
+model HiGHS receives is the one ``linprog`` hands it (the matrix column-wise in canonical
+order, the same bounds, presolve on, dual simplex), and ``pyproject.toml`` pins highspy to
+the HiGHS release scipy bundles, so the same vertex comes back bit for bit
+(``tests/unit/test_lp_highs.py`` holds them side by side).
 
 Each thread has one solver, cleared before every call: no basis carries over from one LP to
 the next, so an answer never depends on what was solved before it, and calls from several
@@ -43,7 +44,7 @@ class LpResult:
 
 def solver_version() -> str:
     """The HiGHS release that solves (``major.minor.patch``)."""
-    return str(highspy.Highs().version())
+    return str(_solver().version())
 
 
 def _options(*, simplex_only: bool) -> highspy.HighsOptions:
@@ -108,8 +109,11 @@ def solve(cost: np.ndarray, a_ub: object, b_ub: np.ndarray, bounds: Bounds | Non
     if matrix.shape[1] != n:
         raise ValueError(f"a_ub has {matrix.shape[1]} columns, cost has {n}")
     lower, upper = _column_bounds(bounds, n)
+    rhs = np.asarray(b_ub, dtype=float)
+    if rhs.shape != (m,):
+        raise ValueError(f"b_ub has shape {rhs.shape}, a_ub has {m} rows")
     if n == 0:   # HiGHS calls a model without columns empty, not solved: 0 <= b_ub decides
-        feasible = bool(np.all(np.asarray(b_ub, dtype=float) >= 0.0))
+        feasible = bool(np.all(rhs >= 0.0))
         return LpResult(ok=feasible, x=np.empty(0), message="optimal" if feasible else "Infeasible")
     lp = highspy.HighsLp()
     lp.num_col_ = n
@@ -118,7 +122,7 @@ def solve(cost: np.ndarray, a_ub: object, b_ub: np.ndarray, bounds: Bounds | Non
     lp.col_lower_ = lower
     lp.col_upper_ = upper
     lp.row_lower_ = np.full(m, -np.inf)
-    lp.row_upper_ = np.asarray(b_ub, dtype=float)
+    lp.row_upper_ = rhs
     lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
     lp.a_matrix_.num_col_ = n
     lp.a_matrix_.num_row_ = m
