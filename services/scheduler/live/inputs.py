@@ -52,6 +52,11 @@ class Inputs:
         """Input records folded so far (those a restored snapshot covers included)."""
         return sum(self.folded.values())
 
+    def adopt(self, state: SchedulerState, *, folded: dict[str, int], placed: dict[int, int],
+              lettered: dict[int, int]) -> None:
+        """Start from a restored snapshot's state and the offsets it covers."""
+        self.state, self.folded, self.placed, self.lettered = state, folded, placed, lettered
+
     async def read_log(self, found: Recovered) -> list[LoggedEvent]:
         """Every record of the recovery topics past ``found``'s offsets (all without a snapshot),
         with the offsets advanced past them: what a restart re-derives its rounds from."""

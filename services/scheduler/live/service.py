@@ -249,10 +249,10 @@ class SchedulerService:
         found = await self.snapshots.recover(restore)
         self.recovery.update(found.recovery())
         if found.snapshot is not None and found.value is not None:
-            self.inputs.state = found.value.state
-            self.inputs.folded, self.inputs.placed = input_offsets(found.snapshot)
+            folded, placed = input_offsets(found.snapshot)
+            self.inputs.adopt(found.value.state, folded=folded, placed=placed,
+                              lettered=dead_letter_start(found.snapshot, found.value) or {})
             self.telemetry.dead_letters.extend(dead_letter_origins(found.value))
-            self.inputs.lettered = dead_letter_start(found.snapshot, found.value) or {}
             self._log.info("scheduler.snapshot_loaded", key=found.key, next_round=found.value.next_round)
         return found
 
