@@ -210,6 +210,28 @@ def test_forked_copies_pay_restart_once_and_consolidation_every_round() -> None:
     assert m.ftf_mean == pytest.approx(260.0 / 200.0)   # isolated: 200 steps at rate 1
 
 
+def test_a_copy_on_the_gpus_another_copy_of_its_job_held_is_warm() -> None:
+    # The same two copies as above, numbered the other way round every round (copy 0 on the
+    # second node in odd rounds). A warm process is the job's on those GPUs whatever the
+    # copy's number (the agent's warm key has no copy index), so the restart is paid once,
+    # as when the numbers stay: completion 260 s, not 260 + 2 x 10.
+    class Renumbering(ForkEverywhere):
+        def plan(self, request: PlanRequest) -> Plan:
+            base = super().plan(request)
+            if request.round % 2 == 0:
+                return base
+            last = len(base.placements) - 1
+            return Plan(placements=tuple(Placement(job_id=p.job_id, copy=last - p.copy, node_id=p.node_id,
+                                                   gpus=p.gpus) for p in base.placements), waiting=base.waiting)
+
+    model = tiny_model({("M", "v100", 1): 1.0})
+    result = simulate(policy=Renumbering(), cluster=parse_cluster("v100:2"), jobs=[job("m", 0, "M", 200)],
+                      throughput=model, model_bytes=lambda job_type: 5 * 10**9,
+                      options=SimOptions(round_s=100, restart_s=10, store_gbps=1.0, check=True))
+    (rec,) = result.jobs
+    assert rec.completion_s == pytest.approx(260.0)
+
+
 def test_replaced_copy_pays_restart_every_round() -> None:
     # Task-level mixer rotates GPUs each round: 30 s restart per round on a rate-1 job.
     model = tiny_model({("M", "v100", 1): 1.0})

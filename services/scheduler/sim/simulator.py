@@ -22,8 +22,9 @@ Semantics (exact; metrics.py and the tests rely on them):
   each of its steps is k/W of a job step and it credits ``s * k / W`` job steps per
   second. A copy with more than W workers is an ``InvalidPlan``.
 * Moving state costs time (``services.scheduler.sim.charges``): a copy is *cold* when its set
-  of (node, GPU) differs from the same copy's in the previous simulated round (including a
-  copy that did not run then), and loses ``start`` seconds at the round's start and ``end``
+  of (node, GPU) is not the set of any copy of its job in the previous simulated round
+  (whatever the copies' numbers: a warm process is the job's on those GPUs, as the agent's
+  warm key is), and loses ``start`` seconds at the round's start and ``end``
   at its end; a job loses ``consolidation`` at the round's end. By default (``data_plane``
   None) ``start`` is ``restart_s`` (``restart_s_by_job_type[job type]`` where given) for a
   cold copy, ``end`` 0, and a job with n > 1 copies (HadarE) pays
@@ -314,7 +315,9 @@ def simulate(*, policy: Policy, cluster: Cluster, jobs: Sequence[TraceJob], thro
     simulated = 0
     stall = 0
     previous: Plan | None = None
-    prev_gpus: dict[tuple[str, int], frozenset[tuple[str, int]]] = {}
+    # Per job, the GPU set of each of its copies last round: a copy is warm on one of them
+    # whatever its number (the agent's warm key is the job and its GPUs, not the copy).
+    prev_gpus: dict[str, set[frozenset[tuple[str, int]]]] = {}
     # A copy's rate depends only on its job type and GPU set (cluster and table are fixed).
     rate_cache: dict[tuple[str, frozenset[tuple[str, int]]], float] = {}
     stop_reason = "completed"
@@ -358,7 +361,7 @@ def simulate(*, policy: Policy, cluster: Cluster, jobs: Sequence[TraceJob], thro
         steps_made: dict[str, float] = {}
         completions: dict[str, float] = {}
         copy_steps: dict[tuple[str, int], float] = {}
-        next_gpus: dict[tuple[str, int], frozenset[tuple[str, int]]] = {}
+        next_gpus: dict[str, set[frozenset[tuple[str, int]]]] = defaultdict(set)
 
         for job_id, job_copies in copies_by_job.items():
             job = live.get(job_id)
@@ -373,8 +376,8 @@ def simulate(*, policy: Policy, cluster: Cluster, jobs: Sequence[TraceJob], thro
                 if rate is None:
                     rate = rate_cache[(job.trace.job_type, gpus)] = copy_rate(request, job.state(), parts)
                 nodes = tuple(sorted(Counter(node for node, _ in gpus).values()))
-                runs.append((rate, len(gpus), nodes, prev_gpus.get((job_id, copy)) != gpus))
-                next_gpus[(job_id, copy)] = gpus
+                runs.append((rate, len(gpus), nodes, gpus not in prev_gpus.get(job_id, ())))
+                next_gpus[job_id].add(gpus)
             steps, held, own = _advance(job, runs, now=now, round_s=round_s, charges=charges)
             steps_made[job_id] = steps
             gangs_only = gangs_only and len(runs) == 1 and runs[0][1] == job.trace.workers
