@@ -181,14 +181,16 @@ class _LiveJob:
         "first_start_s",
         "last_wait",
         "model_bytes",
+        "restart_s",
         "rounds_run",
         "steps_done",
         "trace",
     )
 
-    def __init__(self, trace: TraceJob, model_bytes: int) -> None:
+    def __init__(self, trace: TraceJob, model_bytes: int, restart_s: float) -> None:
         self.trace = trace
         self.model_bytes = model_bytes
+        self.restart_s = restart_s
         self.steps_done = 0.0
         self.attained_gpu_s = 0.0
         self.rounds_run = 0
@@ -203,7 +205,8 @@ class _LiveJob:
             self._state = JobState(
                 job_id=t.job_id, job_type=t.job_type, workers=t.workers, total_steps=t.total_steps,
                 steps_done=self.steps_done, arrival_s=t.arrival_s, priority=t.priority,
-                attained_gpu_s=self.attained_gpu_s, model_bytes=self.model_bytes, queue=t.queue, user=t.user,
+                attained_gpu_s=self.attained_gpu_s, model_bytes=self.model_bytes, restart_s=self.restart_s,
+                queue=t.queue, user=t.user,
                 priority_class=t.priority_class)
         return self._state
 
@@ -226,6 +229,14 @@ class _LiveJob:
                          priority=t.priority, arrival_s=t.arrival_s, first_start_s=self.first_start_s,
                          completion_s=self.completion_s, steps_done=self.steps_done,
                          gpu_s=self.attained_gpu_s, rounds_run=self.rounds_run, last_wait=self.last_wait)
+
+
+def _move_cost(charges: Charges, job_type: str, model_bytes: int) -> float:
+    """``JobState.restart_s``: what the run's charges take from a cold one-GPU copy of a job
+    that has a model, over a warm one (a move's cost, as the policy is told it)."""
+    cold = charges.copy(job_type, model_bytes, ranks_per_node=(1,), cold=True, has_model=True)
+    warm = charges.copy(job_type, model_bytes, ranks_per_node=(1,), cold=False, has_model=True)
+    return max(0.0, sum(cold) - sum(warm))
 
 
 def default_model_bytes(job_type: str) -> int:
@@ -300,7 +311,8 @@ def simulate(*, policy: Policy, cluster: Cluster, jobs: Sequence[TraceJob], thro
     if len(set(ids)) != len(ids):
         raise ValueError("duplicate job id in trace")
     bytes_of = {job_type: size_of(job_type) for job_type in {j.job_type for j in pending}}
-    live = {j.job_id: _LiveJob(j, bytes_of[j.job_type]) for j in pending}
+    live = {j.job_id: _LiveJob(j, bytes_of[j.job_type], _move_cost(charges, j.job_type, bytes_of[j.job_type]))
+            for j in pending}
     runnable = {j.job_id: can_ever_run(j, cluster, throughput) for j in pending}
     for job_id, ok in runnable.items():
         if not ok:  # a policy may never see it (no plan() once only such jobs are left)
