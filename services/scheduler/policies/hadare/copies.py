@@ -59,7 +59,7 @@ Rule (one round at a time, no reservation of future rounds):
    candidate beside k, and the one that trains the job more is taken, a restart's loss
    spread over the rounds the job has left at that rate (paid once, then kept); the value
    per GPU is net of that spread loss. Sia's eight workloads with Sia's restarts: mean
-   JCT 2,046 -> 1,964 s, restarts per job 2.05 -> 1.53, TTD / bound 1.34 -> 1.30 (counted
+   JCT 2,046 -> 1,945 s, restarts per job 2.05 -> 1.51, TTD / bound 1.34 -> 1.30 (counted
    over this round alone, the last two were 1.42 and 1.39: copies stayed small while the
    LP grew the long jobs); without restarts every figure is the same.
    Value: the copy's comparative efficiency c_j(r, k) / (k c_j(best type, 1)); price of
@@ -338,8 +338,9 @@ def _best_group(state: _Job, free: FreeGroups, credited: _Credited, best: dict[s
                     break
                 k, rate = k - 1, smaller
             sizes.append(k)
-        if job.restart_s > 0 and kept and len(kept) not in sizes and len(kept) <= min(job.workers, budget):
-            sizes.append(len(kept))
+        if (job.restart_s > 0 and len(kept) not in sizes and len(kept) <= min(job.workers, budget)
+                and free.has(node_id, gpu_type, kept)):
+            sizes.append(len(kept))     # the warm copy: the very GPUs it held, all idle
         # Of the group's sizes, the one that trains the job most, a restart's loss spread over
         # the rounds the job has left at that rate (a move is paid once, then kept); ties: the
         # first (the rule's k).
@@ -347,6 +348,7 @@ def _best_group(state: _Job, free: FreeGroups, credited: _Credited, best: dict[s
         for size in sizes:
             rate = credited(job, gpu_type, size)
             lost = 0.0 if len(kept) == size and free.has(node_id, gpu_type, kept) else job.restart_s
+            # (free.take takes exactly these GPUs then: ``prefer``)
             alone = state.steps(state.rates + [rate], round_s, cost, state.lost + [0.0])
             spread = lost / max(1.0, job.remaining / max(alone, EPS))
             worth = state.steps(state.rates + [rate], round_s, cost, state.lost + [spread])
