@@ -344,11 +344,17 @@ class CopyFinished(Event):
     final_metric: float | None = None
     log_tail: str = ""
     evaluation: bool = False   # the report of an evaluation copy (Assignment.evaluation): no checkpoint
+    # Seconds on the reporting agent's clock from taking the copy's GPUs to its rank 0 ready to
+    # step (None: it never got there), and whether that worker was warm (kept from last round).
+    start_s: float | None = None
+    start_warm: bool = False
 
     def _check(self) -> None:
         check_job_id(self.job_id, self.TYPE)
         require(self.round >= 0 and self.copy >= 0, "CopyFinished.round/copy: must be >= 0")
         require(self.steps_round >= 0, "CopyFinished.steps_round: must be >= 0")
+        require(self.start_s is None or 0.0 <= self.start_s <= 86_400.0,
+                "CopyFinished.start_s: must be in [0, 86400] seconds")
         if self.evaluation:
             require(self.checkpoint is None and self.steps_round == 0,
                     "CopyFinished.evaluation: an evaluation copy trains no step and writes no checkpoint")

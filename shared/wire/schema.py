@@ -105,6 +105,7 @@ CONSTRAINTS: dict[tuple[str, str], dict[str, Any]] = {
     ("CopyFinished", "round"): _NONNEG,
     ("CopyFinished", "copy"): _NONNEG,
     ("CopyFinished", "steps_round"): _NONNEG,
+    ("CopyFinished", "start_s"): {"minimum": 0, "maximum": 86_400},
     ("ModelConsolidated", "job_id"): _JOB_ID,
     ("ModelConsolidated", "total_steps"): _NONNEG,
     ("RoundAbandoned", "job_id"): _JOB_ID,

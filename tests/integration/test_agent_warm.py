@@ -122,3 +122,6 @@ async def test_a_copy_kept_on_its_slot_keeps_its_worker_and_reloads_the_consolid
     finally:
         await store.stop()
     assert all(isinstance(d, CopyFinished) for d in finished)
+    # each report says how its copy started (what the scheduler learns a move costs from)
+    assert [d.start_warm for d in finished] == [False, True, True]
+    assert all(d.start_s is not None and 0.0 <= d.start_s < 120.0 for d in finished)

@@ -100,6 +100,7 @@ FIELDS: dict[tuple[str, str], st.SearchStrategy[Any]] = {
     ("JobSpec", "priority_class"): st.integers(0, 100),
     ("CopyFinished", "metric_name"): text(0, 32),
     ("CopyFinished", "log_tail"): text(0, 64),
+    ("CopyFinished", "start_s"): st.none() | floats(0, 86_400),
     ("UserCode", "digest"): digests,
     ("UserCode", "size"): st.integers(1, 2**40),
     ("UserCode", "entrypoint"): st.from_regex(r"[a-z_]{1,8}(/[a-z_]{1,8}){0,2}\.py", fullmatch=True),

@@ -114,6 +114,8 @@ class CopyRun:
         self.workers: list[WorkerProcess] = []
         self.reported: set[int] = set()    # pids of workers that sent their final message
         self.startup: dict[str, Any] = {}   # rank 0's "started" report: warm, setup_s, ready_at
+        self.start_s: float | None = None   # agent clock: GPUs taken -> rank 0 ready (CopyFinished.start_s)
+        self._began = 0.0
         self.stop_reason = ""
         self.steps_round = 0
         self.first_failure = ""
@@ -205,6 +207,7 @@ class CopyRun:
             if self._stopping:
                 raise RuntimeError(f"preempted before its workers started ({self.stop_reason})")
             specs = self._specs()
+            self._began = self.ctx.clock.time()
             decisions = []
             for gpu, (worker, decision) in zip(self.a.gpus, await self.ctx.slots.take(list(self.a.gpus), specs)):
                 self.workers.append(worker)
@@ -269,6 +272,7 @@ class CopyRun:
                 self._started += 1
                 if spec.rank == 0:
                     self.startup = message
+                    self.start_s = max(0.0, self.ctx.clock.time() - self._began)
                     if isinstance(message.get("ready_at"), (int, float)):
                         self.ctx.metrics.copy_start(float(message["ready_at"]) - self.a.ts,
                                                     warm=bool(message.get("warm")))
@@ -358,7 +362,8 @@ class CopyRun:
                              status=cast(_CopyStatus, status),   # as the worker reported it: checked here
                              gpu_type=a.gpu_type, checkpoint=checkpoint, reason=reason[:500],
                              emulated=self.ctx.devices.emulated, log_tail=log_tail[-MAX_LOG_TAIL:],
-                             evaluation=a.evaluation, **(metrics or {}))
+                             evaluation=a.evaluation, start_s=self.start_s,
+                             start_warm=bool(self.startup.get("warm")), **(metrics or {}))
         self.ctx.metrics.finished(status)
         return event
 

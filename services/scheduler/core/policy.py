@@ -48,7 +48,8 @@ class JobState:
     optimizer_slots: int | None = None
     # Seconds a cold copy of the job (new processes, or another GPU set) trains less than a
     # warm one on the GPUs it ran on last round: what a move costs it. 0: unknown, taken as
-    # free. Simulated: the run's charges (sim/charges.py); live: not yet measured, 0.
+    # free. Simulated: the run's charges (sim/charges.py); live: its copies' measured
+    # start-ups, cold over warm (live/records.JobRecord.move_cost_s).
     restart_s: float = 0.0
     # Teams (services/scheduler/core/queues.py): the queue named at submission ("": the
     # default queue), the submitting user and the job's priority class in its queue.

@@ -38,6 +38,11 @@ class JobRecord:
     progress_round: int = -1            # latest round whose model added steps
     runs_since_progress: int = 0        # rounds run after ``progress_round``
     last_outcome: str = ""              # why the latest decided round added nothing ("" if it did)
+    # Its copies' measured start-ups (CopyFinished.start_s) as (sum of seconds, copies), of cold
+    # workers and of warm ones. A job's reports share one partition (keyed by job id), so a
+    # replay folds them in the order the service did.
+    cold_starts: tuple[float, int] = (0.0, 0)
+    warm_starts: tuple[float, int] = (0.0, 0)
     # User code's final model, evaluated by an evaluation copy on an agent (services/scheduler/live/evaluations.py)
     last_evaluation_deadline: float = 0.0
     last_evaluation_reported: bool = False   # the latest try's report came (with or without a metric)
@@ -72,6 +77,21 @@ class JobRecord:
     @property
     def active(self) -> bool:
         return not self.cancelled and self.completed_at is None
+
+    @property
+    def move_cost_s(self) -> float:
+        """What a move costs a copy of this job (``JobState.restart_s``): its cold copies' mean
+        start-up over its warm copies', once both were measured; else 0 (unknown)."""
+        (cold, n_cold), (warm, n_warm) = self.cold_starts, self.warm_starts
+        return max(0.0, cold / n_cold - warm / n_warm) if n_cold and n_warm else 0.0
+
+    def note_start(self, seconds: float, *, warm: bool) -> None:
+        """Fold one copy's measured start-up (``CopyFinished.start_s``)."""
+        total, n = self.warm_starts if warm else self.cold_starts
+        if warm:
+            self.warm_starts = (total + seconds, n + 1)
+        else:
+            self.cold_starts = (total + seconds, n + 1)
 
     @property
     def state(self) -> str:

@@ -74,12 +74,13 @@ def build_request(state: SchedulerState, timing: RoundTiming, previous: Plan | N
 
     A job's ``model_bytes``/``optimizer_slots`` are the last size its estimates stated
     (0 and None while none has: charged nothing, as the simulator charges a workload it
-    does not know)."""
+    does not know); its ``restart_s`` what its copies' measured start-ups say a move costs
+    (``JobRecord.move_cost_s``; 0 until a cold and a warm copy both reported one)."""
     jobs = tuple(
         JobState(
             job_id=j.spec.job_id, job_type=j.spec.job_id, workers=j.spec.workers,
             total_steps=j.spec.iterations, steps_done=float(j.steps_done), arrival_s=j.submitted_at,
-            priority=j.spec.priority, attained_gpu_s=j.attained_gpu_s,
+            priority=j.spec.priority, attained_gpu_s=j.attained_gpu_s, restart_s=j.move_cost_s,
             queue=j.spec.queue, user=j.spec.user, priority_class=j.spec.priority_class,
             **_size(state.sizes.get(j.spec.job_id)),
         )

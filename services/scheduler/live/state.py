@@ -234,6 +234,8 @@ class SchedulerState:
                                                      e.reason[:200])
                 settle_evaluation(job, e.round, e.node_id)
             return
+        if job is not None and e.start_s is not None:
+            job.note_start(e.start_s, warm=e.start_warm)
         if job is not None and e.status != "failed":
             key = (e.round, e.copy)
             workers = self._copy_workers(e.job_id, e.round, e.copy, default=job.spec.workers)
