@@ -12,7 +12,16 @@ from services.scheduler.live.rounds import RoundTiming, build_request
 from services.scheduler.live.snapshot import capture, restore
 from services.scheduler.live.state import SchedulerState
 from shared.persistence.snapshot import dump, load
-from shared.wire.events import CopyFinished, GpuInfo, InvalidEvent, JobSpec, JobSubmitted, NodeRegistered, decode, encode
+from shared.wire.events import (
+    CopyFinished,
+    GpuInfo,
+    InvalidEvent,
+    JobSpec,
+    JobSubmitted,
+    NodeRegistered,
+    decode,
+    encode,
+)
 
 T0 = 1_700_000_000.0
 TIMING = RoundTiming(round=3, started_at=T0 + 100, round_s=60.0, heartbeat_s=5.0)
