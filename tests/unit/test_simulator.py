@@ -191,6 +191,14 @@ def test_two_job_example_metrics_are_exact() -> None:
     assert list(times) == [0.0, 100.0, 200.0] and list(util) == [1.0, 0.5, 0.5]
 
 
+def _forked_run(policy, model: ThroughputModel):
+    """One 200-step job of a 5 GB model on two single-V100 nodes: 100 s rounds, 10 s restarts,
+    consolidation through 1 GB/s."""
+    return simulate(policy=policy, cluster=parse_cluster("v100:2"), jobs=[job("m", 0, "M", 200)],
+                    throughput=model, model_bytes=lambda job_type: 5 * 10**9,
+                    options=SimOptions(round_s=100, restart_s=10, store_gbps=1.0, check=True))
+
+
 def test_forked_copies_pay_restart_once_and_consolidation_every_round() -> None:
     # Two single-V100 nodes, one job forked into 2 copies at rate 1 each, 200 steps, rounds of
     # 100 s, restart 10 s, 5 GB model + 5 GB momentum at 1 GB/s -> 50 s consolidation while
@@ -198,9 +206,7 @@ def test_forked_copies_pay_restart_once_and_consolidation_every_round() -> None:
     # r0: copies train [10,50] -> 80 steps. r1: same GPUs, no restart, [0,50] -> 100 (180).
     # r2: 20 left at rate 2 -> T=10, completion 200 + 10 + 50 = 260, GPUs held 60 s each.
     model = tiny_model({("M", "v100", 1): 1.0})
-    result = simulate(policy=ForkEverywhere(), cluster=parse_cluster("v100:2"), jobs=[job("m", 0, "M", 200)],
-                      throughput=model, model_bytes=lambda job_type: 5 * 10**9,
-                      options=SimOptions(round_s=100, restart_s=10, store_gbps=1.0, check=True))
+    result = _forked_run(ForkEverywhere(), model)
     (rec,) = result.jobs
     assert rec.completion_s == pytest.approx(260.0)
     assert [r.busy_gpu_s["v100"] for r in result.rounds] == pytest.approx([200.0, 200.0, 120.0])
@@ -224,11 +230,7 @@ def test_a_copy_on_the_gpus_another_copy_of_its_job_held_is_warm() -> None:
             return Plan(placements=tuple(Placement(job_id=p.job_id, copy=last - p.copy, node_id=p.node_id,
                                                    gpus=p.gpus) for p in base.placements), waiting=base.waiting)
 
-    model = tiny_model({("M", "v100", 1): 1.0})
-    result = simulate(policy=Renumbering(), cluster=parse_cluster("v100:2"), jobs=[job("m", 0, "M", 200)],
-                      throughput=model, model_bytes=lambda job_type: 5 * 10**9,
-                      options=SimOptions(round_s=100, restart_s=10, store_gbps=1.0, check=True))
-    (rec,) = result.jobs
+    (rec,) = _forked_run(Renumbering(), tiny_model({("M", "v100", 1): 1.0})).jobs
     assert rec.completion_s == pytest.approx(260.0)
 
 

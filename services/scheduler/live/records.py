@@ -88,10 +88,7 @@ class JobRecord:
     def note_start(self, seconds: float, *, warm: bool) -> None:
         """Fold one copy's measured start-up (``CopyFinished.start_s``)."""
         total, n = self.warm_starts if warm else self.cold_starts
-        if warm:
-            self.warm_starts = (total + seconds, n + 1)
-        else:
-            self.cold_starts = (total + seconds, n + 1)
+        setattr(self, "warm_starts" if warm else "cold_starts", (total + seconds, n + 1))
 
     @property
     def state(self) -> str:
