@@ -144,16 +144,38 @@ class CopyCost:
 class _Job:
     job: JobState
     rates: list[float] = field(default_factory=list)   # credited rates of its copies so far
-    lost: list[float] = field(default_factory=list)    # seconds each of them restarts (0: warm)
     nodes: set[str] = field(default_factory=set)
     held: Mapping[tuple[str, str], tuple[int, ...]] = field(default_factory=dict)  # last round's copies' GPUs
+    warm_rate: float = 0.0                              # summed credited rate of its warm copies
+    cold: list[tuple[float, float]] = field(default_factory=list)   # (credited rate, seconds lost) of the others
 
-    def steps(self, rates: list[float], round_s: float, cost: CopyCost, lost: list[float] | None = None) -> float:
-        """Job steps this round of copies at credited ``rates``, each training the round less
-        the consolidation of them all and its own restart (``lost``: this state's)."""
-        train = max(0.0, round_s - cost.seconds(self.job.model_bytes, len(rates), self.job.optimizer_slots))
-        lost = self.lost if lost is None else lost
-        return min(self.job.remaining, sum(r * max(0.0, train - x) for r, x in zip(rates, lost, strict=True)))
+    def add(self, rate: float, lost: float) -> None:
+        self.rates.append(rate)
+        if lost > 0:
+            self.cold.append((rate, lost))
+        else:
+            self.warm_rate += rate
+
+    def _trained(self, train: float) -> float:
+        """Its copies' job steps if each trains ``train`` seconds less its own restart; O(cold copies)."""
+        return self.warm_rate * train + sum(r * max(0.0, train - x) for r, x in self.cold)
+
+    def _train_s(self, copies: int, round_s: float, cost: CopyCost) -> float:
+        return max(0.0, round_s - cost.seconds(self.job.model_bytes, copies, self.job.optimizer_slots))
+
+    def steps(self, round_s: float, cost: CopyCost) -> float:
+        """Job steps this round of its copies, each training the round less the consolidation
+        of them all and its own restart."""
+        return min(self.job.remaining, self._trained(self._train_s(len(self.rates), round_s, cost)))
+
+    def one_more(self, round_s: float, cost: CopyCost) -> Callable[[float, float], float]:
+        """``steps`` of this state's copies and one more at (credited rate, seconds it loses):
+        the others' part is summed once (their training time depends only on the count), so
+        each candidate costs O(1) however many copies the job has."""
+        train = self._train_s(len(self.rates) + 1, round_s, cost)
+        base = self._trained(train)
+        remaining = self.job.remaining
+        return lambda rate, lost: min(remaining, base + rate * max(0.0, train - lost))
 
 
 def plan_copies(request: PlanRequest, cost: CopyCost = CopyCost(), price_share: float = PRICE_SHARE,
@@ -219,14 +241,13 @@ def plan_copies(request: PlanRequest, cost: CopyCost = CopyCost(), price_share: 
                     allowed[gpu_type] -= k
                 placements.append(Placement(job_id=job.job_id, copy=len(state.rates), node_id=node_id,
                                             gpus=tuple(gpus)))
-                state.rates.append(rate)
-                state.lost.append(lost)
+                state.add(rate, lost)
                 state.nodes.add(node_id)
     for pos, state in enumerate(states):
         if state.rates:
             explain[state.job.job_id] = {"source": "fork-plan", "order": pos,
                                          "forked_copies": len(state.rates) - 1,
-                                         "expected_steps": state.steps(state.rates, round_s, cost)}
+                                         "expected_steps": state.steps(round_s, cost)}
     placed = {p.job_id for p in placements}
     waiting = []
     for job in jobs:
@@ -321,7 +342,8 @@ def _best_group(state: _Job, free: FreeGroups, credited: _Credited, best: dict[s
     is a candidate beside the rule's k, and what a move costs is weighed, in the gain and
     in the value per GPU-second trained."""
     job = state.job
-    now = state.steps(state.rates, round_s, cost)
+    now = state.steps(round_s, cost)
+    plus = state.one_more(round_s, cost)
     found, found_score, found_at = None, 0.0, (2, 0)
     for node_id, gpu_type, idle in free.candidates(state.nodes, allowed, state.held):
         kept = state.held.get((node_id, gpu_type), ())
@@ -330,11 +352,11 @@ def _best_group(state: _Job, free: FreeGroups, credited: _Credited, best: dict[s
         rate = credited(job, gpu_type, k)
         sizes = []
         if rate > EPS:
-            gain = state.steps(state.rates + [rate], round_s, cost, state.lost + [job.restart_s]) - now
+            gain = plus(rate, job.restart_s) - now
             # the fewest GPUs of the group that still reach that gain
             while k > 1:
                 smaller = credited(job, gpu_type, k - 1)
-                if state.steps(state.rates + [smaller], round_s, cost, state.lost + [job.restart_s]) - now < gain - EPS:
+                if plus(smaller, job.restart_s) - now < gain - EPS:
                     break
                 k, rate = k - 1, smaller
             sizes.append(k)
@@ -347,17 +369,18 @@ def _best_group(state: _Job, free: FreeGroups, credited: _Credited, best: dict[s
         pick = None
         for size in sizes:
             rate = credited(job, gpu_type, size)
+            if rate <= EPS:
+                continue
             lost = 0.0 if len(kept) == size and free.has(node_id, gpu_type, kept) else job.restart_s
             # (free.take takes exactly these GPUs then: ``prefer``)
-            alone = state.steps(state.rates + [rate], round_s, cost, state.lost + [0.0])
-            spread = lost / max(1.0, job.remaining / max(alone, EPS))
-            worth = state.steps(state.rates + [rate], round_s, cost, state.lost + [spread])
-            if rate > EPS and (pick is None or worth > pick[0] + EPS):
+            spread = lost / max(1.0, job.remaining / max(plus(rate, 0.0), EPS)) if lost > 0 else 0.0
+            worth = plus(rate, spread) if len(sizes) > 1 else 0.0    # one size: nothing to weigh
+            if pick is None or worth > pick[0] + EPS:
                 pick = (worth, size, rate, lost, spread)
         if pick is None:
             continue
         _, k, rate, lost, spread = pick
-        gain = state.steps(state.rates + [rate], round_s, cost, state.lost + [lost]) - now
+        gain = plus(rate, lost) - now
         price = price_share * best[gpu_type][pos] if price_share > 0 else 0.0
         score = rate * max(0.0, 1.0 - spread / round_s) / (k * top) - price
         # ties: where a copy ran last round (another group would restart it), then cluster order
