@@ -94,7 +94,6 @@ from services.scheduler.core.policy import (
     PlanRequest,
     Wait,
     WaitCode,
-    previous_parts,
     previous_state,
 )
 from services.scheduler.policies.hadare.groups import FreeGroups, previous_gpus
@@ -218,8 +217,8 @@ def plan_copies(request: PlanRequest, cost: CopyCost = CopyCost(), price_share: 
     for r in cluster.types if price_share > 0 else ():
         ratios = [credited(j, r, 1) / top[j.job_id] for j in order]
         best[r] = [max(ratios[i + 1: i + 1 + window], default=0.0) for i in range(len(order))] + [0.0]
-    held = {job_id: {(p.node_id, p.gpu_type) for p in parts} for job_id, parts in previous_parts(request).items()}
     held_gpus = previous_gpus(request)
+    held = {job_id: set(groups) for job_id, groups in held_gpus.items()}
     budgets, carried = _main_pass_budgets(request, order, credited, speed, split,
                                         timeline_slack if split == "timeline" else split_slack, completion_weight,
                                         node_slots, held)
