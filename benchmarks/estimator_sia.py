@@ -20,7 +20,12 @@ five applications' step times on one node of T4s (``aws``), RTX 2080 Tis (``rtx`
   where MAPE caps an underestimate at 100% and so rewards "does not fit" over a rate 3x
   too high -- and how many rows the estimate wrongly says do not fit;
 * per-type MAPE, and the same figures with every application's ``tf32`` off, side by side
-  (the main figures use each application's own ``tf32``).
+  (the main figures use each application's own ``tf32``);
+* mape_anchored: the error once the job was measured on one other type, as the profiler then
+  re-estimates (``services.profiler.estimate.anchored_rates``): for every row and every other
+  type measured at the same placement and batch (step times interpolated as above), that
+  type's measured rate times the estimate's ratio of the two types; per (measured, estimated)
+  type pair too.
 
 Prints a table per application, then one JSON object as its last line.
 Run: ``.venv/bin/python benchmarks/estimator_sia.py``.
@@ -56,6 +61,8 @@ class SiaScore:
     pairs: int
     rows: int
     wrong_pairs: tuple[str, ...]
+    mape_anchored: float
+    mape_anchored_by_pair: dict[str, float]
 
 
 def _rate(figures: JobFigures, gpu_type: str, n: int) -> float:
@@ -76,6 +83,7 @@ def score(*, tf32: bool | None = None, verbose: bool = False) -> SiaScore:
     unfit = 0
     pairs: list[bool] = []
     wrong: list[str] = []
+    anchored: dict[str, list[float]] = {}
     for app in APPLICATIONS:
         profiles = {t: AppProfile.load(app, cluster) for cluster, t in CLUSTER_GPU_TYPE.items()}
         for t, profile in profiles.items():
@@ -90,6 +98,12 @@ def score(*, tf32: bool | None = None, verbose: bool = False) -> SiaScore:
                     logs.append(abs(math.log(estimated / measured)))
                 else:
                     unfit += 1
+                for anchor, other in profiles.items():
+                    step = other.step_and_sync_s((n,), row.local_bsz) if anchor != t else None
+                    at_anchor = _rate(figures(app, row.local_bsz, n), anchor, n)
+                    if step is not None and at_anchor > 0:
+                        guess = row.local_bsz / step[0] * estimated / at_anchor
+                        anchored.setdefault(f"{anchor}->{t}", []).append(abs(guess - measured) / measured)
             top = max((r for r in profile.rows if r.placement == (1,)), key=lambda r: r.local_bsz)
             measured = top.local_bsz / top.step_s
             largest.append(abs(_rate(figures(app, top.local_bsz), t, 1) - measured) / measured)
@@ -115,7 +129,9 @@ def score(*, tf32: bool | None = None, verbose: bool = False) -> SiaScore:
                     mape_largest_batch=statistics.fmean(largest),
                     factor=math.exp(statistics.fmean(logs)), unfit=unfit,
                     pair_correct_frac=sum(pairs) / len(pairs), pairs=len(pairs), rows=len(everything),
-                    wrong_pairs=tuple(wrong))
+                    wrong_pairs=tuple(wrong),
+                    mape_anchored=statistics.fmean(e for es in anchored.values() for e in es),
+                    mape_anchored_by_pair={k: statistics.fmean(es) for k, es in sorted(anchored.items())})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,10 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     after = score(verbose=True)
     for name, result in (("every tf32 off", before), ("as figured", after)):
         by_type = ", ".join(f"{t} {m:.2f}" for t, m in result.mape_by_type.items())
+        by_pair = ", ".join(f"{k} {m:.2f}" for k, m in result.mape_anchored_by_pair.items())
         print(f"{name}: mape {result.mape:.2f} ({by_type}), at the largest batch "
               f"{result.mape_largest_batch:.2f}; factor {result.factor:.2f} ({result.unfit} rows unfit); "
               f"pairs right {result.pair_correct_frac:.2f}; "
-              f"wrong: {', '.join(result.wrong_pairs) or 'none'}")
+              f"wrong: {', '.join(result.wrong_pairs) or 'none'}; after one measured type: mape "
+              f"{result.mape_anchored:.2f} ({by_pair})")
     print(json.dumps({"mape": round(after.mape, 4), "pair_correct_frac": round(after.pair_correct_frac, 4),
                       "pairs": after.pairs, "rows": after.rows,
                       "mape_by_type": {t: round(m, 4) for t, m in after.mape_by_type.items()},
@@ -137,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
                       "factor_without_tf32": round(before.factor, 4),
                       "mape_without_tf32": round(before.mape, 4),
                       "mape_largest_batch_without_tf32": round(before.mape_largest_batch, 4),
-                      "pair_correct_frac_without_tf32": round(before.pair_correct_frac, 4)}))
+                      "pair_correct_frac_without_tf32": round(before.pair_correct_frac, 4),
+                      "mape_anchored": round(after.mape_anchored, 4),
+                      "mape_anchored_by_pair": {k: round(m, 4) for k, m in after.mape_anchored_by_pair.items()}}))
     return 0
 
 

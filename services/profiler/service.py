@@ -20,7 +20,9 @@
   estimate already has the emulation's ratios between types
   (:func:`~services.profiler.estimate.on_emulated_types`). A job of user code gets a
   provisional estimate (:mod:`services.profiler.estimate`), so it is placed before it was ever
-  measured; its first measurement on a real GPU re-estimates every other type from it.
+  measured. A rate measured on a real GPU re-estimates every other real type of the job from
+  it, at the estimator's ratios (:func:`~services.profiler.estimate.anchored_rates`), for every
+  job: against published step times that halves the estimate's error.
 * Restart: hadar.jobs, hadar.throughput and hadar.nodes are replayed first, so a job already
   estimated is not estimated again, smoothing resumes from the last published rate and the
   emulated types are known.
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import structlog
@@ -46,12 +48,11 @@ from services.profiler.estimate import (
     catalog_rates,
     checkpoint_size,
     emulated_rates,
-    is_provisional,
     on_emulated_types,
     size_or_unknown,
 )
 from services.profiler.snapshot import SERVICE, capture, restore
-from services.profiler.state import DEFAULT_ALPHA, DEFAULT_THRESHOLD, ProfilerState
+from services.profiler.state import DEFAULT_ALPHA, DEFAULT_THRESHOLD, MeasuredUpdate, ProfilerState
 from shared.bus import Bus, BusError, Delivery
 from shared.bus.rejection import Rejected, dead_letter_delivery
 from shared.clock import Clock, SystemClock
@@ -268,13 +269,8 @@ class ProfilerService:
         self._log.info("measured.published", job=update.job_id, round=progress.round,
                        gpu_type=update.gpu_type, workers=update.workers, rate=round(update.rate, 4),
                        emulated=update.emulated)
-        spec = self.state.spec(update.job_id)
-        if not update.emulated and spec is not None and is_provisional(spec):
-            rates = await asyncio.to_thread(anchored_rates, spec, update.gpu_type, update.rate)
-            if rates:
-                await self._publish(ThroughputEstimate(
-                    ts=self.clock.time(), source=self.config.source, job_id=update.job_id, basis="estimate",
-                    workers=update.workers, rates=rates), emulated=False)
+        if not update.emulated:
+            await self._anchor(update)
             return
         if update.emulated and update.gpu_type in GPU_TYPES:
             try:
@@ -285,6 +281,25 @@ class ProfilerService:
             await self._publish(ThroughputEstimate(
                 ts=self.clock.time(), source=self.config.source, job_id=update.job_id, basis="estimate",
                 workers=update.workers, rates=rates), emulated=True)
+
+    async def _anchor(self, update: MeasuredUpdate) -> None:
+        """Re-estimate every other real type of a job from its rate measured on a real GPU, at
+        the estimator's ratio for the measured copy's workers (``estimate.anchored_rates``);
+        emulated types keep the emulation's estimate. Nothing for a job the estimator cannot
+        rate, or one this profiler never saw submitted."""
+        spec = self.state.spec(update.job_id)
+        if spec is None:
+            return
+        try:
+            estimate = await asyncio.to_thread(self.estimator, replace(spec, workers=update.workers))
+        except ValueError:
+            return
+        emulated = self.state.emulated_types()
+        rates = {t: r for t, r in anchored_rates(estimate, update.gpu_type, update.rate).items() if t not in emulated}
+        if rates:
+            await self._publish(ThroughputEstimate(
+                ts=self.clock.time(), source=self.config.source, job_id=update.job_id, basis="estimate",
+                workers=update.workers, rates=rates), emulated=False)
 
     async def _publish(self, event: ThroughputEstimate, *, emulated: bool) -> None:
         partition, offset = await self.bus.publish(event)

@@ -161,6 +161,6 @@ def test_a_job_of_user_code_is_estimated_before_it_is_measured() -> None:
     assert job_figures_for(spec).family == "provisional"   # not the zoo's resnet, whatever the label
     hinted = JobSpec(**{**spec.__dict__, "code": UserCode(digest="b" * 64, size=1, entrypoint="t.py", hint="lstm")})
     assert job_figures_for(hinted).family == "provisional:lstm"
-    anchored = anchored_rates(spec, "t4", 2.0)   # one measurement re-anchors every other type
+    anchored = anchored_rates(rates, "t4", 2.0)   # one measurement re-anchors every other type
     assert "t4" not in anchored
     assert anchored["v100"] == pytest.approx(2.0 * rates["v100"] / rates["t4"])

@@ -320,3 +320,37 @@ def test_a_snapshot_from_before_nodes_were_kept_restores_with_none():
     assert restored.emulated_types() == {}
     restored.add_node(node("a", "k80", emulated=True))
     assert restored.emulated_types() == {"k80": ""}
+
+
+async def test_a_jobs_first_real_measurement_re_estimates_every_other_real_type_at_the_estimates_ratio() -> None:
+    # Against Sia's measured step times the catalog alone is off by 77% on average; anchored on
+    # one measured type it is off by 37% (benchmarks/estimator_sia.py). So a zoo job, not only
+    # user code, measured on a real V100 has every other real type re-estimated from it, at
+    # the estimate's ratio for the measured copy's own workers; emulated types keep theirs.
+    bus = MemoryBus(clock=FakeClock(T0))
+    await bus.start()
+    await bus.publish(node("n0", "t4", emulated=True))
+    seen: list[int] = []
+
+    def estimator(spec: JobSpec) -> dict[str, float]:
+        seen.append(spec.workers)
+        return {"v100": 10.0, "k80": 2.0 if spec.workers == 2 else 4.0, "a100": 20.0, "t4": 5.0}
+
+    service = ProfilerService(bus=bus, config=ProfilerConfig(group="prof"), clock=FakeClock(T0),
+                              estimator=estimator, sizer=lambda spec: (1000, 2))
+    await service.start()
+    try:
+        await bus.publish(JobSubmitted(ts=T0, source="cli", job=SPEC, submitted_at=T0))
+        await bus.publish(progress(T0 + 1, 0))
+        await bus.publish(progress(T0 + 11, 80))                           # 8 steps/s on 2 V100s
+        await bus.publish(progress(T0 + 1, 0, copy=1, workers=1))
+        await bus.publish(progress(T0 + 11, 50, copy=1, workers=1))        # 5 steps/s on 1 V100
+        found = await _estimates(bus, lambda es: len(es) >= 5)
+    finally:
+        await service.stop()
+        await bus.stop()
+    assert [(e.basis, e.workers) for e in found] == [("estimate", 2), ("measured", 2), ("estimate", 2),
+                                                    ("measured", 1), ("estimate", 1)]
+    assert found[2].rates == {"k80": pytest.approx(1.6), "a100": pytest.approx(16.0)}
+    assert found[4].rates == {"k80": pytest.approx(2.0), "a100": pytest.approx(10.0)}
+    assert seen == [2, 2, 1]
