@@ -48,6 +48,11 @@ def _number(value: float | None, digits: int) -> float | None:
     return None if value is None or not math.isfinite(value) else round(value, digits)
 
 
+def _loss(value: float | None) -> str:
+    """A reported training loss; None (Progress.loss: none reported) as "-"."""
+    return "-" if value is None else f"{value:.4f}"
+
+
 @dataclass
 class CopyRun:
     """One copy of one round, as far as the log tells."""
@@ -194,7 +199,8 @@ def _apply(job: _Job, e: Event) -> None:
     elif isinstance(e, Progress):
         run = _run(job, e.round, e.copy)
         run.steps = max(run.steps, e.steps_round)
-        run.loss, run.samples_per_s = e.loss, e.samples_per_s
+        run.loss = e.loss if e.loss is not None else run.loss   # None: none reported
+        run.samples_per_s = e.samples_per_s
         run.gpu_type, run.workers = run.gpu_type or e.gpu_type, run.workers or e.workers
         if run.status == "assigned":
             run.status = "running"
@@ -263,7 +269,7 @@ def log_line(e: FoldedEvent) -> str:
                 f"(copy of {e.world_size} workers), budget {e.step_budget} steps")
     if isinstance(e, Progress):
         return (f"{head} copy {e.copy:<3} progress   step {e.steps_round} (job step {e.steps_total})  "
-                f"loss {e.loss:.4f}  {e.samples_per_s:.1f} samples/s  [{e.node_id} {e.gpu_type}]")
+                f"loss {_loss(e.loss)}  {e.samples_per_s:.1f} samples/s  [{e.node_id} {e.gpu_type}]")
     if isinstance(e, CopyFinished):
         text = f"{head} copy {e.copy:<3} finished   {e.status}, {e.steps_round} steps"
         if e.metric_name:

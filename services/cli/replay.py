@@ -123,9 +123,10 @@ def _assignment(e: Assignment) -> str:
 
 
 def _progress(e: Progress) -> str:
+    loss = "no loss reported" if e.loss is None else f"loss {e.loss:.4f}"
     return (f"  progress {e.job_id} r{e.round} c{e.copy} on {e.node_id}: "
             f"{e.steps_round} steps this round ({e.steps_total} total), "
-            f"{e.samples_per_s:.0f} samples/s, loss {e.loss:.4f}")
+            f"{e.samples_per_s:.0f} samples/s, {loss}")
 
 
 def _copy_finished(e: CopyFinished) -> str:

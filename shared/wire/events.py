@@ -310,7 +310,7 @@ class Progress(Event):
     steps_round: int
     steps_total: int
     samples_per_s: float
-    loss: float
+    loss: float | None              # None: the copy reported none (a user's script need not)
     emulated: bool = False
     emulation_reference: str = ""   # emulated: the type slowdowns are relative to ("" = catalog default)
 

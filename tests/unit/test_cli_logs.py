@@ -188,3 +188,18 @@ def test_model_round_downloads_that_rounds_model(bus, capsys, monkeypatch, tmp_p
     assert out.read_bytes() == b"round three"
     assert main(["model", "lg-1", "--round", "4", "--out", str(out)]) == 2
     assert "no model of round 4" in capsys.readouterr().err
+
+
+def test_a_copy_that_reports_no_loss_shows_a_dash_and_keeps_the_last_loss_it_reported(bus, capsys):
+    # A user's script need not report a loss (Progress.loss None): its steps and rate still show.
+    t = time.time() - 1000
+    quiet = Progress(ts=t + 30, source="agent/n0", job_id="lg-1", round=0, copy=0, node_id="n0", gpu_type="V100",
+                     workers=1, steps_round=320, steps_total=320, samples_per_s=3000.0, loss=None)
+    events = history(t)
+    publish(bus, events[:7] + [quiet] + events[7:])
+    assert main(["logs", "lg-1"]) == 0
+    assert any("progress   step 320 (job step 320)  loss -  3000.0 samples/s" in line
+               for line in capsys.readouterr().out.splitlines())
+    assert main(["logs", "lg-1", "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)["rounds"][0]["copies"][0]
+    assert (first["steps"], first["loss"], first["samples_per_s"]) == (320, 0.75, 3000.0)

@@ -315,7 +315,8 @@ class CopyRun:
         a = self.a
         try:
             steps_round, steps_total = int(m["steps_round"]), int(m["steps_total"])
-            samples_per_s, loss = float(m["samples_per_s"]), float(m["loss"])
+            samples_per_s = float(m["samples_per_s"])
+            loss = None if m.get("loss") is None else float(m["loss"])   # a user's script may report none
             event = Progress(ts=self.ctx.clock.time(), source=self.ctx.source, job_id=a.job_id, round=a.round,
                              copy=a.copy, node_id=self.ctx.node_id, gpu_type=a.gpu_type, workers=a.world_size,
                              steps_round=steps_round, steps_total=steps_total, samples_per_s=samples_per_s,

@@ -276,6 +276,17 @@ class Trainer:
                 return f"the trainer failed: {message.fields.get('reason')!s:.500}"
         return None
 
+    def wait_ready(self) -> str | None:
+        """Wait for the script's first SDK call (its ``hello``), so that its imports and its
+        own set-up count in a cold start (CopyFinished.start_s); at once once it came. None
+        when it came; else why not, and the trainer is ended."""
+        if not self.process.started or self._ended:
+            return "the trainer is not running"
+        reason = self._await_hello()
+        if reason is not None:
+            self._end_process()
+        return reason
+
     def _gone_reason(self) -> str:
         if self.violation:
             return f"the trainer broke the SDK protocol: {self.violation}"

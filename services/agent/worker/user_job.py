@@ -156,6 +156,10 @@ class UserCodeWorker:
         try:
             session, warm = self._session()
             start, round_steps, total = self._load_start(session.store)
+            reason = session.trainer.wait_ready()   # the script's own set-up is part of a cold start
+            if reason is not None:
+                self.emit("failed", reason=f"user code: {reason}"[:500], log_tail=self._tail(session))
+                return 1
             ready = time.time()
             self.emit("started", steps_round=round_steps, steps_total=total, pid=os.getpid(), warm=warm,
                       setup_s=round(ready - (received if warm else self.process_start), 3), ready_at=ready,
@@ -194,7 +198,7 @@ class UserCodeWorker:
             return
         steps_round, steps_total, samples_per_s = rate.update(steps)
         self.emit("progress", steps_round=steps_round, steps_total=steps_total, samples_per_s=samples_per_s,
-                  loss=loss if loss is not None and math.isfinite(loss) else float("nan"))
+                  loss=loss if loss is not None and math.isfinite(loss) else None)   # None: not reported
 
     def _load_start(self, store: StoreClient) -> StartState:
         return load_start(store, self.spec, emit=self.emit, stopped=lambda: self.stop_requested)
