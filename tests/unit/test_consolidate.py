@@ -256,6 +256,25 @@ def test_mismatched_and_garbage_replicas_are_rejected_with_reasons(tmp_path: Pat
     np.testing.assert_allclose(out["w"], expected, rtol=2e-6, atol=2e-7)
 
 
+def test_copies_that_did_no_step_do_not_outvote_the_layout_of_one_that_trained(tmp_path: Path) -> None:
+    # Round 0 of a job forked three ways with Adam: two copies start too late to step, and a
+    # copy that never stepped has no optimizer state yet (it is created at the first step),
+    # so their files lack the "optim.*" tensors. They carry no work (weight 0); the copy that
+    # trained must not be rejected for the layout they share, its steps lost.
+    rng = np.random.default_rng(3)
+    weights = {"w": rng.standard_normal((4, 3)).astype(np.float32)}
+    trained = _replica(tmp_path / "trained.safetensors", {**weights, "optim.0.exp_avg": np.ones((4, 3), np.float32)})
+    late = [_replica(tmp_path / f"late{i}.safetensors", dict(weights)) for i in range(2)]
+    weighing, _ = consolidate_local([(late[0], 0), (trained, 40), (late[1], 0)], tmp_path / "out.safetensors")
+    assert [r.copy for r in weighing.accepted] == [1] and weighing.round_steps == 40
+    assert sorted(r.copy for r in weighing.rejected) == [0, 2]
+    assert "missing tensors ['optim.0.exp_avg']" in weighing.rejected[0].reason
+    # Among copies that did work the layout most share still wins: one odd copy is left out.
+    odd = _replica(tmp_path / "odd.safetensors", {**weights, "extra": np.ones(2, np.float32)})
+    weighing, _ = consolidate_local([(trained, 10), (odd, 50), (trained, 10)], tmp_path / "out2.safetensors")
+    assert [r.copy for r in weighing.accepted] == [0, 2] and [r.copy for r in weighing.rejected] == [1]
+
+
 def test_nothing_usable_raises_with_every_reason(tmp_path: Path) -> None:
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(struct.pack("<Q", 4) + b"[1,2")

@@ -7,8 +7,10 @@ safetensors file per copy, each with the steps it claims this round):
 
 * Every replica's header is parsed. A replica that does not parse,
   or whose tensor names, shapes or dtypes differ from the others', is *rejected* with a
-  one-line reason; the reference layout is the one shared by the most replicas (ties: the
-  larger total steps, then the lowest copy id). The rest are averaged. Reasons are at
+  one-line reason; the reference layout is the one shared by the most replicas that did
+  work, steps > 0 (by all of them when none did; ties: the larger total steps, then the
+  lowest copy id): a copy that never stepped lacks the optimizer state a first step
+  creates and must not outvote one that trained. The rest are averaged. Reasons are at
   most 240 characters of valid UTF-8, fit for an event.
 * Steps are a claim, bounded per copy: clamped to ``Replica.max_steps`` (the copy's step
   budget, when the caller knows it); a claim that is negative or above
@@ -283,8 +285,12 @@ def _fit_total(kept: list[tuple[Replica, Header]], prior_worker_steps: int, job_
 
 
 def _reference_header(parsed: list[tuple[Replica, Header]]) -> Header:
+    """The layout the most replicas that did work share (every replica's when none did). A
+    copy that never stepped carries no work and may lack state its first step creates (Adam's
+    moments): it does not vote, so it cannot outvote a copy that trained."""
+    working = [item for item in parsed if item[0].steps > 0] or parsed
     groups: dict[tuple, list[tuple[Replica, Header]]] = {}
-    for item in parsed:
+    for item in working:
         groups.setdefault(item[1].signature(), []).append(item)
     best = min(groups.values(), key=lambda g: (-len(g), -sum(r.steps for r, _ in g),
                                                min(r.copy for r, _ in g)))
