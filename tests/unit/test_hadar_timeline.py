@@ -226,6 +226,21 @@ def test_a_tight_job_whose_gpus_a_gang_took_runs_on_another_type():
     assert _single_gpus(lp, [[job]], free=np.array([0.0, 1.0]), after_gangs=False, **args) == []
 
 
+def test_a_tight_job_keeps_its_fast_type_even_if_another_job_then_cannot_run():
+    # Gangs rounded up took all but two fast GPUs that the LP's slice gave three single-GPU
+    # jobs. Moving the tight job (the one that sets E) to the slow type would let all three
+    # run, but it runs at a tenth of its speed there and E slides by most of a round; the
+    # others have laxity. (Gang-heavy trace, seed 1, round 203: E slid this way ~40 rounds.)
+    lp = WorkLp(types=["0", "1"], rho=np.array([[0.1, 1.0], [0.0, 1.0], [0.0, 1.0]]),
+                rem=np.array([100.0, 10.0, 10.0]) * 360.0, cap_f=np.ones((3, 2)), cap_g=np.ones(3),
+                count=np.array([4.0, 4.0]))
+    jobs = [[JobState(job_id=j, job_type=RESNET18, workers=1, total_steps=1)] for j in ("t", "a", "b")]
+    args = dict(share=np.array([[0.0, 1.0], [0.0, 1.0], [0.0, 1.0]]), rates=lp.rho,
+                smith=np.array([2, 0, 1]), round_s=360.0, tight=np.array([True, False, False]))
+    got = dict(_single_gpus(lp, jobs, free=np.array([1.0, 2.0]), after_gangs=True, **args))
+    assert got == {"t": {1}, "a": {1}}
+
+
 def test_two_long_jobs_get_the_type_each_is_efficient_on():
     # ResNet-50 is ~6x slower on a K80; Recommendation about as fast on either. Each alone would
     # take the V100 (laxity counts each job on its fastest type); together the makespan needs the split.
