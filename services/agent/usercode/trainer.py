@@ -278,8 +278,8 @@ class Trainer:
 
     def wait_ready(self) -> str | None:
         """Wait for the script's first SDK call (its ``hello``), so that its imports and its
-        own set-up count in a cold start (CopyFinished.start_s); at once once it came. None
-        when it came; else why not, and the trainer is ended."""
+        own set-up count in a cold start (CopyFinished.start_s); a warm trainer said it long
+        ago and returns at once. None when it came; else why not, and the trainer is ended."""
         if not self.process.started or self._ended:
             return "the trainer is not running"
         reason = self._await_hello()
