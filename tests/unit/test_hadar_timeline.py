@@ -16,6 +16,7 @@ from services.scheduler.policies.hadar.ledger import RowLayout
 from services.scheduler.policies.hadar.profile import ProfileBook
 from services.scheduler.policies.hadar.timeline import (
     POOL_ABOVE,
+    _round_slice,
     _single_gpus,
     _transport,
     critical_types,
@@ -239,6 +240,23 @@ def test_a_tight_job_keeps_its_fast_type_even_if_another_job_then_cannot_run():
                 smith=np.array([2, 0, 1]), round_s=360.0, tight=np.array([True, False, False]))
     got = dict(_single_gpus(lp, jobs, free=np.array([1.0, 2.0]), after_gangs=True, **args))
     assert got == {"t": {1}, "a": {1}}
+
+
+def test_a_gang_due_its_turn_does_not_take_the_gpu_of_the_tight_job():
+    # A 2-GPU gang the LP runs half of each round on the slow type, which other gangs hold,
+    # is due its turn; its other option is the two fast GPUs, one of which the slice gives
+    # the tight single-GPU job that sets E. The gang waits (its credit carries); the job runs.
+    lp = WorkLp(types=["0", "1"], rho=np.array([[1.0, 1.5], [0.1, 1.0]]), rem=np.array([50.0, 100.0]) * 360.0,
+                cap_f=np.array([[2.0, 2.0], [1.0, 1.0]]), cap_g=np.array([2.0, 1.0]), count=np.array([0.0, 2.0]),
+                gang_width=np.array([2.0, 1.0]))
+    groups = [[JobState(job_id="g", job_type=RESNET18, workers=2, total_steps=1)],
+              [JobState(job_id="t", job_type=RESNET18, workers=1, total_steps=1)]]
+    chosen, credit = _round_slice(lp, groups, share=np.array([[1.0, 0.0], [0.0, 1.0]]), spread_now=np.zeros((0, 2)),
+                                  rates=lp.rho, smith=np.array([0, 1]), round_s=360.0,
+                                  rounds=np.array([50.0, 100.0]), tight=np.array([False, True]),
+                                  credit={"g": 0.6})
+    assert chosen == [("t", {1})]
+    assert credit == {"g": pytest.approx(1.0)}   # its due (0.5 + 0.6, capped), not run: carried
 
 
 def test_two_long_jobs_get_the_type_each_is_efficient_on():

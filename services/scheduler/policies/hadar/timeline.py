@@ -31,7 +31,10 @@ of the types it got (``Hadar._plan_job``):
 * Gangs (W >= 2) run whole or not at all (``_whole_gangs``), on one option each, by error
   diffusion: a gang runs when what the LP gives it this round plus what it was given and
   did not run before reaches about half a round (or when it has less than a round of
-  laxity to E), so over rounds it runs about the part of the time the LP gives it.
+  laxity to E), so over rounds it runs about the part of the time the LP gives it. One GPU
+  of its slice's type is held back from the gangs for each *tight* single-GPU job (less
+  than a round of laxity): a gang may round onto another option than the LP's, and it
+  must not take the GPU of the job that sets E (``_tight_singles``).
 * Single-GPU jobs get the GPUs left by a transportation problem: y[j, r] integer GPUs,
   sum_r y[j, r] <= 1, sum_j y[j, r] <= n_r left, maximising sum v[j, r] y[j, r] with
   v[j, r] = min(1, share / need) the part of what j can use of r this round that the LP
@@ -176,21 +179,51 @@ def critical_types(jobs: Sequence[JobState], profiles: Mapping[str, JobProfile],
     rank = [min(j.remaining / max(j.priority, 1e-9) for j in g) / max(rates[c].max(), 1e-12)
             for c, g in enumerate(groups)]
     smith = np.argsort(np.argsort(rank, kind="stable"), kind="stable")
-    free = lp.count.astype(float).copy()
     # rounds each job needs at its best rate (whole gang); *tight*: less than a round of laxity to E
     rounds = lp.rem / np.maximum(lp.gang_width * rates.max(axis=1) * round_s, 1e-300)
     tight = (rounds > end - round_ - 1) & np.array([len(g) == 1 for g in groups])
-    gangs, carried = _whole_gangs(lp, groups, share, plan.spread_now, rates, smith, free, rounds=rounds,
-                                  tight=tight, credit=credit or {})
+    chosen, carried = _round_slice(lp, groups, share, plan.spread_now, rates, smith, round_s=round_s, rounds=rounds,
+                                   tight=tight, credit=credit or {})
+    return CriticalRound(end=end, credit=carried, chosen=chosen)
+
+
+def _round_slice(lp: WorkLp, groups: Sequence[Sequence[JobState]], share: np.ndarray, spread_now: np.ndarray,
+                 rates: np.ndarray, smith: np.ndarray, *, round_s: float, rounds: np.ndarray, tight: np.ndarray,
+                 credit: Mapping[str, float]) -> tuple[list[tuple[str, set[int]]], dict[str, float]]:
+    """This round's slice of the LP rounded to critical jobs (the module docstring), in
+    planning order, and the gangs' credit to carry: whole gangs first, on the GPUs left
+    after one of its type is held back for each tight single-GPU job
+    (:func:`_tight_singles`), then the single-GPU jobs on what the gangs left."""
+    free = lp.count.astype(float).copy()
+    held_back = _tight_singles(groups, share, rates, tight, free)
+    free -= held_back
+    gangs, carried = _whole_gangs(lp, groups, share, spread_now, rates, smith, free, rounds=rounds,
+                                  tight=tight, credit=credit)
+    free += held_back
     singles = _single_gpus(lp, groups, share, rates, smith, free, round_s=round_s, tight=tight,
                            after_gangs=bool(gangs))
     # Planning order: the most constrained placements first. Gangs on one node, then single
     # GPUs on their one type, then gangs that span nodes, which take what is left of their
     # types (their DP takes a job's slowest eligible GPUs first, which may be ones the LP
     # gave a single-GPU job).
-    return CriticalRound(end=end, credit=carried,
-                         chosen=([(job_id, types) for spans, job_id, types in gangs if not spans] + singles
-                                 + [(job_id, types) for spans, job_id, types in gangs if spans]))
+    return ([(job_id, types) for spans, job_id, types in gangs if not spans] + singles
+            + [(job_id, types) for spans, job_id, types in gangs if spans]), carried
+
+
+def _tight_singles(groups: Sequence[Sequence[JobState]], share: np.ndarray, rates: np.ndarray, tight: np.ndarray,
+                   free: np.ndarray) -> np.ndarray:
+    """GPUs per type held back from the gangs' rounding for the tight single-GPU jobs: one of
+    the type the LP's slice gives each (its fastest if none), while any is free. A gang
+    rounded up to whole GPUs may run on another option than the LP's, and on the gang-heavy
+    trace of README "Known limits" (seed 2) an 8-GPU gang due its turn took every P100 and
+    V100 left, the job that sets E among them, every fourth round: E slid 20 rounds."""
+    held = np.zeros_like(free)
+    for c, group in enumerate(groups):
+        if tight[c] and group[0].workers == 1:
+            r = int(np.argmax(share[c])) if share[c].max() > SHARE_EPS else int(np.argmax(rates[c]))
+            if free[r] - held[r] >= 1:
+                held[r] += 1
+    return held
 
 
 def _single_gpus(lp: WorkLp, groups: Sequence[Sequence[JobState]], share: np.ndarray, rates: np.ndarray,
