@@ -191,15 +191,12 @@ def _round_slice(lp: WorkLp, groups: Sequence[Sequence[JobState]], share: np.nda
                  rates: np.ndarray, smith: np.ndarray, *, round_s: float, rounds: np.ndarray, tight: np.ndarray,
                  credit: Mapping[str, float]) -> tuple[list[tuple[str, set[int]]], dict[str, float]]:
     """This round's slice of the LP rounded to critical jobs (the module docstring), in
-    planning order, and the gangs' credit to carry: whole gangs first, on the GPUs left
-    after one of its type is held back for each tight single-GPU job
+    planning order, and the gangs' credit to carry: whole gangs first, none rounded onto
+    another option than the LP's where that takes the GPU of a tight single-GPU job
     (:func:`_tight_singles`), then the single-GPU jobs on what the gangs left."""
     free = lp.count.astype(float).copy()
-    held_back = _tight_singles(groups, share, rates, tight, free)
-    free -= held_back
     gangs, carried = _whole_gangs(lp, groups, share, spread_now, rates, smith, free, rounds=rounds,
-                                  tight=tight, credit=credit)
-    free += held_back
+                                  tight=tight, credit=credit, keep=_tight_singles(groups, share, rates, tight, free))
     singles = _single_gpus(lp, groups, share, rates, smith, free, round_s=round_s, tight=tight,
                            after_gangs=bool(gangs))
     # Planning order: the most constrained placements first. Gangs on one node, then single
@@ -212,11 +209,11 @@ def _round_slice(lp: WorkLp, groups: Sequence[Sequence[JobState]], share: np.nda
 
 def _tight_singles(groups: Sequence[Sequence[JobState]], share: np.ndarray, rates: np.ndarray, tight: np.ndarray,
                    free: np.ndarray) -> np.ndarray:
-    """GPUs per type held back from the gangs' rounding for the tight single-GPU jobs: one of
-    the type the LP's slice gives each (its fastest if none), while any is free. A gang
-    rounded up to whole GPUs may run on another option than the LP's, and on the gang-heavy
-    trace of README "Known limits" (seed 2) an 8-GPU gang due its turn took every P100 and
-    V100 left, the job that sets E among them, every fourth round: E slid 20 rounds."""
+    """GPUs per type a gang rounded onto another option than the LP's must leave for the
+    tight single-GPU jobs: one of the type the LP's slice gives each (its fastest if none),
+    while any is free. On the gang-heavy trace of README "Known limits" (seed 2) an 8-GPU
+    gang due its turn, its K80s held by another gang, took every P100 and V100 left, the
+    job that sets E among them, every fourth round: E slid 20 rounds."""
     held = np.zeros_like(free)
     for c, group in enumerate(groups):
         if tight[c] and group[0].workers == 1:
@@ -279,7 +276,8 @@ def _in_turn(group: Sequence[JobState]) -> list[JobState]:
 
 def _whole_gangs(lp: WorkLp, groups: Sequence[Sequence[JobState]], share: np.ndarray, spread_now: np.ndarray,
                  rates: np.ndarray, smith: np.ndarray, free: np.ndarray, *, rounds: np.ndarray, tight: np.ndarray,
-                 credit: Mapping[str, float]) -> tuple[list[tuple[bool, str, set[int]]], dict[str, float]]:
+                 credit: Mapping[str, float], keep: np.ndarray | None = None,
+                 ) -> tuple[list[tuple[bool, str, set[int]]], dict[str, float]]:
     """The gangs (W >= 2) to run now, each on all its W GPUs, as (whether it spans nodes,
     job id, the types it may use), and the gangs' credit for the next round; takes their
     GPUs off ``free``.
@@ -299,8 +297,9 @@ def _whole_gangs(lp: WorkLp, groups: Sequence[Sequence[JobState]], share: np.nda
 
     Which GPUs: one option per gang (``_gang_options``: those the LP runs now first), the
     first whose GPUs (``_take_gang``) fit in what the LP leaves to the jobs not yet placed,
-    else the first whose GPUs are free: rounding a gang up to W GPUs of one option should
-    not drop a job the LP runs now if another option avoids it."""
+    else the first whose GPUs are free but for ``keep`` (GPUs per type: the tight single-GPU
+    jobs'): rounding a gang up to W GPUs of one option should not drop a job the LP runs
+    now if another option avoids it, and never the job that sets E."""
     wanted, budget, due_of = [], 0.0, {}
     for c, group in enumerate(groups):
         width = group[0].workers
@@ -328,20 +327,29 @@ def _whole_gangs(lp: WorkLp, groups: Sequence[Sequence[JobState]], share: np.nda
         for job in _in_turn(groups[c])[:runs]:
             if taken + width > budget + width / 2.0:
                 break
-            tried = [(column, _take_gang(width, now, usable, rates[c], free, one_node=column < 0))
-                     for column, now, usable in options]
-            takes = [(column, take) for column, take in tried if take is not None]
-            if not takes:
-                continue
             # an option within what the LP leaves to the others first: rounded up, it
-            # displaces no job the LP runs now
-            column, take = next(((col, t) for col, t in takes if np.all(t <= free - pending + 1e-6)), takes[0])
+            # displaces no job the LP runs now; else one that leaves the tight jobs' GPUs
+            found = next(((column, take) for column, take in _takes(width, options, rates[c], free)
+                          if np.all(take <= free - pending + 1e-6)), None)
+            if found is None:
+                found = next(iter(_takes(width, options, rates[c], free - (0.0 if keep is None else keep))), None)
+            if found is None:
+                continue
+            column, take = found
             free -= take
             taken += width
             out.append((column >= 0, job.job_id, {int(r) for r in np.flatnonzero(take > 0)}))
     ran = {job_id for _, job_id, _ in out}
     return out, {job_id: float(np.clip(due - (job_id in ran), -CREDIT_CAP, CREDIT_CAP))
                  for job_id, due in due_of.items()}
+
+
+def _takes(width: int, options: Sequence[tuple[int, np.ndarray, np.ndarray]], rates: np.ndarray,
+           free: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """(option, its GPUs per type) of each option of a gang whose W GPUs ``free`` holds, in turn."""
+    tried = [(column, _take_gang(width, now, usable, rates, free, one_node=column < 0))
+             for column, now, usable in options]
+    return [(column, take) for column, take in tried if take is not None]
 
 
 def _gang_options(lp: WorkLp, c: int, share: np.ndarray,
