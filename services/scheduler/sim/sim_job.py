@@ -37,7 +37,6 @@ class JobRecord:
     last_wait: str | None = None  # "code: detail" of the last round the policy left it waiting
 
 
-
 class LiveJob:
     """Mutable per-job progress; ``state()`` caches the JobState until the job changes."""
 

@@ -31,10 +31,10 @@ of the types it got (``Hadar._plan_job``):
 * Gangs (W >= 2) run whole or not at all (``_whole_gangs``), on one option each, by error
   diffusion: a gang runs when what the LP gives it this round plus what it was given and
   did not run before reaches about half a round (or when it has less than a round of
-  laxity to E), so over rounds it runs about the part of the time the LP gives it. One GPU
-  of its slice's type is held back from the gangs for each *tight* single-GPU job (less
-  than a round of laxity): a gang may round onto another option than the LP's, and it
-  must not take the GPU of the job that sets E (``_tight_singles``).
+  laxity to E), so over rounds it runs about the part of the time the LP gives it. A gang
+  rounded onto another option than the LP's must leave one GPU of its slice's type for
+  each *tight* single-GPU job (less than a round of laxity): it must not take the GPU of
+  the job that sets E (``_tight_singles``).
 * Single-GPU jobs get the GPUs left by a transportation problem: y[j, r] integer GPUs,
   sum_r y[j, r] <= 1, sum_j y[j, r] <= n_r left, maximising sum v[j, r] y[j, r] with
   v[j, r] = min(1, share / need) the part of what j can use of r this round that the LP
@@ -63,7 +63,7 @@ LP, all HiGHS; above POOL_ABOVE jobs on classes of jobs (``critical_types``).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -276,7 +276,7 @@ def _in_turn(group: Sequence[JobState]) -> list[JobState]:
 
 def _whole_gangs(lp: WorkLp, groups: Sequence[Sequence[JobState]], share: np.ndarray, spread_now: np.ndarray,
                  rates: np.ndarray, smith: np.ndarray, free: np.ndarray, *, rounds: np.ndarray, tight: np.ndarray,
-                 credit: Mapping[str, float], keep: np.ndarray | None = None,
+                 credit: Mapping[str, float], keep: np.ndarray,
                  ) -> tuple[list[tuple[bool, str, set[int]]], dict[str, float]]:
     """The gangs (W >= 2) to run now, each on all its W GPUs, as (whether it spans nodes,
     job id, the types it may use), and the gangs' credit for the next round; takes their
@@ -332,7 +332,7 @@ def _whole_gangs(lp: WorkLp, groups: Sequence[Sequence[JobState]], share: np.nda
             found = next(((column, take) for column, take in _takes(width, options, rates[c], free)
                           if np.all(take <= free - pending + 1e-6)), None)
             if found is None:
-                found = next(iter(_takes(width, options, rates[c], free - (0.0 if keep is None else keep))), None)
+                found = next(_takes(width, options, rates[c], free - keep), None)
             if found is None:
                 continue
             column, take = found
@@ -345,11 +345,13 @@ def _whole_gangs(lp: WorkLp, groups: Sequence[Sequence[JobState]], share: np.nda
 
 
 def _takes(width: int, options: Sequence[tuple[int, np.ndarray, np.ndarray]], rates: np.ndarray,
-           free: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """(option, its GPUs per type) of each option of a gang whose W GPUs ``free`` holds, in turn."""
-    tried = [(column, _take_gang(width, now, usable, rates, free, one_node=column < 0))
-             for column, now, usable in options]
-    return [(column, take) for column, take in tried if take is not None]
+           free: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """(option, its GPUs per type) of each option of a gang whose W GPUs ``free`` holds, in
+    turn, each worked out only when asked for."""
+    for column, now, usable in options:
+        take = _take_gang(width, now, usable, rates, free, one_node=column < 0)
+        if take is not None:
+            yield column, take
 
 
 def _gang_options(lp: WorkLp, c: int, share: np.ndarray,
