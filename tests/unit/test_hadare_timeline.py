@@ -298,6 +298,25 @@ def test_with_node_slots_a_node_holds_one_copy_of_a_job_in_the_lp():
     assert makespan(fork_lp([job, other], one_node, rates, nodes=True)) == pytest.approx(6500 / 3, rel=1e-6)
 
 
+@settings(max_examples=60, deadline=None)
+@given(nodes=st.lists(st.lists(st.sampled_from(TYPES), min_size=1, max_size=9), min_size=1, max_size=12),
+       widths=st.lists(st.integers(1, 10), min_size=1, max_size=5))
+def test_node_slots_are_one_per_count_below_w_and_one_for_w_or_more(nodes: list[list[str]], widths: list[int]) -> None:
+    # the definition, per job and type: a slot per count c < W of the nodes holding exactly c
+    # GPUs of it, and one for the nodes holding W or more; cap = how many such nodes
+    cluster = Cluster(name="c", nodes=tuple(Node(node_id=f"n{i}", gpus=tuple(g)) for i, g in enumerate(nodes)))
+    jobs = [JobState(job_id=f"j{i}", job_type="A", workers=w, total_steps=100) for i, w in enumerate(widths)]
+    lp = fork_lp(jobs, cluster, lambda j, t, k: float(k), nodes=True)
+    assert lp.nodes is not None
+    want: list[tuple[int, int]] = []   # (job, cap) per slot, in job order then type order
+    for j, w in enumerate(widths):
+        for t in lp.types:
+            held = [sum(1 for g in n if g == t) for n in nodes]
+            for c in sorted({min(x, w) for x in held if x > 0}):
+                want.append((j, sum(1 for x in held if (x >= w if c == w else x == c))))
+    assert list(zip(lp.nodes.slot_job.tolist(), lp.nodes.cap.astype(int).tolist(), strict=True)) == want
+
+
 def test_pooled_node_slots_stay_a_relaxation_of_their_jobs():
     from services.scheduler.policies.lp.timeline import pool
 

@@ -19,6 +19,7 @@ plus ``gang_cuts``' rows when jobs run as whole gangs. Solved with scipy's HiGHS
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -203,11 +204,20 @@ def _node_columns(widths: Sequence[int], steps: Sequence[Sequence[Sequence[float
     cols: list[tuple[int, int, float, int, int]] = []
     caps: list[int] = []
     slot_job: list[int] = []
+    # per type: how many nodes hold exactly c GPUs of it, c = 1..; a job of width w has a slot
+    # per c < w and one for the nodes with w or more
+    held_counts = [np.bincount(per_node[:, r], minlength=1) for r in range(per_node.shape[1])]
+
+    @functools.cache
+    def slots_of(w: int, r: int) -> tuple[tuple[int, int], ...]:
+        counts = held_counts[r]
+        below = [(c, int(counts[c])) for c in range(1, min(w, counts.size)) if counts[c]]
+        wide = int(counts[w:].sum())
+        return tuple(below + ([(w, wide)] if wide else []))
+
     for j, w in enumerate(widths):
         for r in range(per_node.shape[1]):
-            held = per_node[:, r]
-            for c in sorted({int(min(x, w)) for x in held if x > 0}):
-                nodes = int(((held >= w) if c == w else (held == c)).sum())
+            for c, nodes in slots_of(w, r):
                 best = 0.0
                 for k in range(1, c + 1):
                     value = steps[j][r][k - 1]
