@@ -53,6 +53,14 @@ Rule (one round at a time, no reservation of future rounds):
    no group gains (gain <= 0: the job is expected to finish, or consolidating one more
    copy costs more than it trains) or it has n copies (n = the number of nodes).
    k = min(W_j, free GPUs of the group), then the fewest of them that give the same gain.
+   In the budgeted pass k is also at most the job's budget of the type spread evenly over
+   the nodes with idle GPUs of it that the job has no copy on, where that smaller copy
+   earns more per GPU: the LP credits each GPU at its column's rate (with ``node_slots``,
+   a copy of that size on each of several nodes), and a budget of two GPUs taken as one
+   copy of two on one node, where a lone worker is more efficient, earns less than the LP
+   planned (gang-heavy trace, seed 3: a 2-GPU Transformer, the longest job, on 2-GPU copies
+   at 0.63x the per-GPU rate of lone workers; with ``node_slots`` hadare 1.129x -> 1.049x its
+   fork bound).
    Moves: a copy on exactly the GPUs a copy of the job held last round (whatever its
    number) is warm; any other restarts and trains ``JobState.restart_s`` less (0:
    unknown, taken as free). On a group where the job ran, the size it had there is a
@@ -331,6 +339,16 @@ def _timeline_budgets(request: PlanRequest, order: list[JobState], credited: _Cr
             TimelineState(end_s=end, job_ids=ids, credit={key: v for key, v in kept.items() if v}))
 
 
+def _spread_size(job: JobState, gpu_type: str, k: int, budget: int, nodes: int, credited: _Credited) -> int:
+    """The size of a budgeted copy of up to ``k`` GPUs when ``budget`` GPUs of the type may go
+    to copies on ``nodes`` nodes (a copy each): the budget spread evenly over them where that
+    earns more per GPU than ``k`` (module docstring, rule 3), else ``k``."""
+    small = min(k, -(-budget // max(1, min(budget, nodes))))
+    if small < k and credited(job, gpu_type, small) / small > credited(job, gpu_type, k) / k + EPS:
+        return small
+    return k
+
+
 def _best_group(state: _Job, free: FreeGroups, credited: _Credited, best: dict[str, list[float]],
                 pos: int, round_s: float, cost: CopyCost,
                 price_share: float, top: float,
@@ -348,6 +366,8 @@ def _best_group(state: _Job, free: FreeGroups, credited: _Credited, best: dict[s
         kept = state.held.get((node_id, gpu_type), ())
         budget = allowed[gpu_type] if allowed is not None else idle
         k = min(job.workers, idle, budget)
+        if allowed is not None:
+            k = _spread_size(job, gpu_type, k, budget, free.nodes_with_idle(gpu_type, state.nodes), credited)
         rate = credited(job, gpu_type, k)
         sizes = []
         if rate > EPS:

@@ -21,9 +21,11 @@ class FreeGroups:
         self.order = {n.node_id: i for i, n in enumerate(cluster.nodes)}
         self.idle: dict[tuple[str, str], list[int]] = {}
         self.buckets: dict[tuple[str, int], list[str]] = {}
+        self.with_idle: dict[str, int] = {}      # type -> nodes with idle GPUs of it
         for n in cluster.nodes:
             for t in n.types:
                 self.idle[(n.node_id, t)] = list(n.indices_of(t))
+                self.with_idle[t] = self.with_idle.get(t, 0) + 1
                 self.buckets.setdefault((t, len(self.idle[(n.node_id, t)])), []).append(n.node_id)
 
     def candidates(self, used: set[str], allowed: dict[str, int] | None,
@@ -42,6 +44,10 @@ class FreeGroups:
                 if node_id not in used:
                     yield node_id, t, count
                     break
+
+    def nodes_with_idle(self, gpu_type: str, used: set[str]) -> int:
+        """How many nodes off ``used`` have idle GPUs of ``gpu_type``; O(len(used))."""
+        return self.with_idle.get(gpu_type, 0) - sum(1 for n in used if self.idle.get((n, gpu_type)))
 
     def has(self, node_id: str, gpu_type: str, gpus: tuple[int, ...]) -> bool:
         """Whether every GPU of ``gpus`` is idle."""
@@ -63,6 +69,8 @@ class FreeGroups:
         if rest:
             new = self.buckets.setdefault((gpu_type, len(rest)), [])
             bisect.insort(new, node_id, key=self.order.__getitem__)
+        else:
+            self.with_idle[gpu_type] -= 1
         return got
 
 
