@@ -145,11 +145,18 @@ class Columns:
 
 
 def slot_rows(lp: WorkLp, cols: Columns) -> tuple[csr_matrix, np.ndarray]:
-    """(A, cap): the node rows ``A X <= cap x time``, one per slot (none without nodes)."""
+    """(A, cap): the node rows ``A X <= cap x time``, one per slot of two or more columns
+    (none without nodes). A slot of one column of g GPUs needs no row: the column's own
+    bound, at most cap x g GPUs at once, is that row (so a one-worker job, whose one slot per
+    type is every node holding the type, adds no rows)."""
     if lp.nodes is None or cols.slot is None or cols.weight is None:
         return csr_matrix((0, cols.job.size)), np.zeros(0)
-    a = coo_matrix((cols.weight, (cols.slot, np.arange(cols.job.size))), shape=(lp.nodes.cap.size, cols.job.size))
-    return a.tocsr(), lp.nodes.cap.astype(float)
+    shared = np.flatnonzero(np.bincount(cols.slot, minlength=lp.nodes.cap.size) >= 2)
+    row_of = np.full(lp.nodes.cap.size, -1)
+    row_of[shared] = np.arange(shared.size)
+    mine = np.flatnonzero(row_of[cols.slot] >= 0)
+    a = coo_matrix((cols.weight[mine], (row_of[cols.slot[mine]], mine)), shape=(shared.size, cols.job.size))
+    return a.tocsr(), lp.nodes.cap[shared].astype(float)
 
 
 def gang_rows_of(lp: WorkLp, cols: Columns) -> GangRows:
