@@ -335,7 +335,8 @@ def test_pooled_node_slots_stay_a_relaxation_of_their_jobs():
                             nodes=True)) == pytest.approx(3000.0, rel=1e-6)
 
 
-def test_a_budget_of_gpus_goes_to_copies_on_several_nodes_where_lone_workers_earn_more_per_gpu():
+@pytest.mark.parametrize("options", [{}, {"node_slots": True}], ids=["default", "node_slots"])
+def test_a_budget_of_gpus_goes_to_copies_on_several_nodes_where_lone_workers_earn_more_per_gpu(options):
     # Two nodes of four V100s. A (W = 2): a lone worker 0.5 job steps/s, a pair 0.6 (0.3 per GPU);
     # B (W = 4): 0.4 per GPU at any size. The node LP runs A as a lone worker on each node and B
     # on the other six GPUs, both ending together; A's budget of two V100s taken as one pair
@@ -345,7 +346,7 @@ def test_a_budget_of_gpus_goes_to_copies_on_several_nodes_where_lone_workers_ear
     two = Cluster(name="two", nodes=tuple(Node(node_id=f"n{i}", gpus=("v100",) * 4) for i in range(2)))
     jobs = (JobState(job_id="a", job_type="A", workers=2, total_steps=360_000),
             JobState(job_id="b", job_type="B", workers=4, total_steps=864_000))
-    plan = make_policy("hadare", node_slots=True).plan(
+    plan = make_policy("hadare", **options).plan(
         PlanRequest(round=0, now_s=0.0, round_s=360.0, cluster=two, jobs=jobs, throughput=model))
     copies = {(p.job_id, p.node_id): len(p.gpus) for p in plan.placements}
     assert copies == {("a", "n0"): 1, ("a", "n1"): 1, ("b", "n0"): 3, ("b", "n1"): 3}

@@ -25,10 +25,11 @@ Rule (one round at a time, no reservation of future rounds):
    mean completion time when work is divisible -- as forking makes it.
 2. Types and GPUs. A job's main pass may use, of each GPU type, at most the GPUs the
    time-indexed LP gives it this round (``split="timeline"``, the default:
-   ``hadare/timeline``: every job done by a target end E within ``timeline_slack`` of the
-   optimal makespan, each job's work as early as that allows; the round's fractional
-   share rounded to whole GPUs by error diffusion, what a job was due and not given
-   carried to the next round, a job the LP ends this round served first, so a job about
+   ``hadare/timeline``, its columns a copy of k GPUs per node as the copies are
+   (``node_slots``, default; ``lp/model.NodeColumns``): every job done by a target end E
+   within ``timeline_slack`` of the optimal makespan, each job's work as early as that
+   allows; the round's fractional share rounded to whole GPUs by error diffusion, what a
+   job was due and not given carried to the next round, a job the LP ends this round served first, so a job about
    to finish is not kept waiting by a sliver; of near-equal plans it keeps what runs, a
    job's work this round on the types its copies ran on last round valued KEEP_ROUNDS
    earlier, as Hadar's timeline rule does, since every move is a restart: on Sia's eight
@@ -188,7 +189,7 @@ class _Job:
 def plan_copies(request: PlanRequest, cost: CopyCost = CopyCost(), price_share: float = PRICE_SHARE,
                 split_slack: float = SPLIT_SLACK, split: str = "timeline",
                 timeline_slack: float = TIMELINE_SLACK, completion_weight: float = COMPLETION_WEIGHT, *,
-                node_slots: bool = False) -> Plan:
+                node_slots: bool = True) -> Plan:
     """The round's copies by the module's rule (placements, waiting, explain; no state)."""
     cluster, tp, round_s = request.cluster, request.throughput, request.round_s
     free = FreeGroups(cluster)
@@ -341,9 +342,9 @@ def _timeline_budgets(request: PlanRequest, order: list[JobState], credited: _Cr
 
 def _spread_size(job: JobState, gpu_type: str, k: int, budget: int, nodes: int, credited: _Credited) -> int:
     """The size of a budgeted copy of up to ``k`` GPUs when ``budget`` GPUs of the type may go
-    to copies on ``nodes`` nodes (a copy each): the budget spread evenly over them where that
-    earns more per GPU than ``k`` (module docstring, rule 3), else ``k``."""
-    small = min(k, -(-budget // max(1, min(budget, nodes))))
+    to copies on ``nodes`` (<= budget) nodes, a copy each: the budget spread evenly over them
+    where that earns more per GPU than ``k`` (module docstring, rule 3), else ``k``."""
+    small = min(k, -(-budget // max(1, nodes)))
     if small < k and credited(job, gpu_type, small) / small > credited(job, gpu_type, k) / k + EPS:
         return small
     return k
@@ -366,8 +367,8 @@ def _best_group(state: _Job, free: FreeGroups, credited: _Credited, best: dict[s
         kept = state.held.get((node_id, gpu_type), ())
         budget = allowed[gpu_type] if allowed is not None else idle
         k = min(job.workers, idle, budget)
-        if allowed is not None:
-            k = _spread_size(job, gpu_type, k, budget, free.nodes_with_idle(gpu_type, state.nodes), credited)
+        if allowed is not None and k > 1:
+            k = _spread_size(job, gpu_type, k, budget, free.nodes_with_idle(gpu_type, state.nodes, budget), credited)
         rate = credited(job, gpu_type, k)
         sizes = []
         if rate > EPS:

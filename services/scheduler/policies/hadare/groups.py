@@ -45,9 +45,13 @@ class FreeGroups:
                     yield node_id, t, count
                     break
 
-    def nodes_with_idle(self, gpu_type: str, used: set[str]) -> int:
-        """How many nodes off ``used`` have idle GPUs of ``gpu_type``; O(len(used))."""
-        return self.with_idle.get(gpu_type, 0) - sum(1 for n in used if self.idle.get((n, gpu_type)))
+    def nodes_with_idle(self, gpu_type: str, used: set[str], up_to: int) -> int:
+        """How many nodes off ``used`` have idle GPUs of ``gpu_type``, counted up to ``up_to``:
+        O(1) when there are plainly that many, else O(len(used))."""
+        total = self.with_idle.get(gpu_type, 0)
+        if total - len(used) >= up_to:
+            return up_to
+        return min(up_to, total - sum(1 for n in used if self.idle.get((n, gpu_type))))
 
     def has(self, node_id: str, gpu_type: str, gpus: tuple[int, ...]) -> bool:
         """Whether every GPU of ``gpus`` is idle."""

@@ -74,9 +74,10 @@ class HadarE:
     optimal makespan the timeline may give up for mean JCT (default 0.045);
     ``completion_weight``: the timeline objective's share of completion bounds, in [0, 1)
     (``hadare/timeline``; default 0.75, 0: mean busy time alone). ``node_slots``: the
-    timeline LP holds a job to one copy per node (``lp/model.NodeColumns``) instead of
-    crediting each GPU its best per-GPU rate; off by default: it trades mean JCT for TTD
-    (README "Known limits", the gang-heavy trace).
+    timeline LP holds a job to one copy per node (``lp/model.NodeColumns``), as its copies
+    are (default); False credits each GPU its best per-GPU rate, which plans a job whose
+    lone worker is the most efficient last, as if it could run a copy on every GPU (README
+    "Known limits", the gang-heavy trace).
     """
 
     name = "hadare"
@@ -87,7 +88,7 @@ class HadarE:
                  optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS, price_share: float = PRICE_SHARE,
                  split_slack: float = SPLIT_SLACK, split: str = "timeline",
                  timeline_slack: float = TIMELINE_SLACK, completion_weight: float = COMPLETION_WEIGHT,
-                 node_slots: bool = False, **options: Any) -> None:
+                 node_slots: bool = True, **options: Any) -> None:
         if fork not in FORK_MODES:
             raise ValueError(f"fork must be one of {', '.join(FORK_MODES)}")
         if options and fork != "leftover":   # only leftover mode's Hadar takes more; never ignore a typo
