@@ -29,12 +29,12 @@ Rule (one round at a time, no reservation of future rounds):
    (``node_slots``, default; ``lp/model.NodeColumns``): every job done by a target end E
    within ``timeline_slack`` of the optimal makespan, each job's work as early as that
    allows; the round's fractional share rounded to whole GPUs by error diffusion, what a
-   job was due and not given carried to the next round, a job the LP ends this round served first, so a job about
-   to finish is not kept waiting by a sliver; of near-equal plans it keeps what runs, a
-   job's work this round on the types its copies ran on last round valued KEEP_ROUNDS
-   earlier, as Hadar's timeline rule does, since every move is a restart: on Sia's eight
-   workloads mean JCT 2,714 -> 2,137 s, restarts per job 2.79 -> 2.10, makespan +2%; the
-   gavel traces unchanged). ``split="makespan"`` (the earlier rule,
+   job was due and not given carried to the next round, a job the LP ends this round
+   served first, so a job about to finish is not kept waiting by a sliver; of near-equal
+   plans it keeps what runs, a job's work this round on the types its copies ran on last
+   round valued KEEP_ROUNDS earlier, as Hadar's timeline rule does, since every move is a
+   restart: on Sia's eight workloads mean JCT 2,714 -> 2,137 s, restarts per job 2.79 ->
+   2.10, makespan +2%; the gavel traces unchanged). ``split="makespan"`` (the earlier rule,
    and the fallback when an LP fails): only the GPU types the makespan LP gives it
    (``hadare/split.type_split``: the fork lower bound's LP on the remaining work, ties
    broken toward giving the jobs first in line their fastest types, within
@@ -363,12 +363,16 @@ def _best_group(state: _Job, free: FreeGroups, credited: _Credited, best: dict[s
     now = state.steps(round_s, cost)
     plus = state.one_more(round_s, cost)
     found, found_score, found_at = None, 0.0, (2, 0)
+    spread_k: dict[tuple[str, int], int] = {}    # (type, k) -> its spread size, worked out once a call
     for node_id, gpu_type, idle in free.candidates(state.nodes, allowed, state.held):
         kept = state.held.get((node_id, gpu_type), ())
         budget = allowed[gpu_type] if allowed is not None else idle
         k = min(job.workers, idle, budget)
         if allowed is not None and k > 1:
-            k = _spread_size(job, gpu_type, k, budget, free.nodes_with_idle(gpu_type, state.nodes, budget), credited)
+            if (gpu_type, k) not in spread_k:
+                nodes = free.nodes_with_idle(gpu_type, state.nodes, budget)
+                spread_k[(gpu_type, k)] = _spread_size(job, gpu_type, k, budget, nodes, credited)
+            k = spread_k[(gpu_type, k)]
         rate = credited(job, gpu_type, k)
         sizes = []
         if rate > EPS:
