@@ -352,6 +352,20 @@ def test_a_budget_of_gpus_goes_to_copies_on_several_nodes_where_lone_workers_ear
     assert copies == {("a", "n0"): 1, ("a", "n1"): 1, ("b", "n0"): 3, ("b", "n1"): 3}
 
 
+def test_free_groups_count_the_nodes_a_budget_may_spread_over():
+    from services.scheduler.policies.hadare.groups import FreeGroups
+
+    cluster = Cluster(name="c", nodes=(Node(node_id="a", gpus=("v100",) * 2), Node(node_id="b", gpus=("v100",) * 2),
+                                       Node(node_id="c", gpus=("v100", "k80"))))
+    free = FreeGroups(cluster)
+    assert free.nodes_with_idle("v100", set(), up_to=5) == 3
+    assert free.nodes_with_idle("v100", set(), up_to=2) == 2       # plainly that many: not counted
+    free.take("a", "v100", 2)                                         # a has no idle V100 left
+    assert free.nodes_with_idle("v100", {"a", "b"}, up_to=5) == 1     # only c: a is full, b is used
+    assert free.nodes_with_idle("v100", {"c"}, up_to=5) == 1
+    assert free.nodes_with_idle("k80", {"a"}, up_to=5) == 1
+
+
 def test_hadare_with_node_slots_plans_valid_rounds_and_ends_above_its_bound():
     metrics, bounds = run_generated("hadare", "aws-5-multi", jobs=10, seed=1, multi_gpu=True, node_slots=True)
     assert metrics.jobs_completed == metrics.jobs_total
