@@ -189,7 +189,7 @@ class _Job:
 def plan_copies(request: PlanRequest, cost: CopyCost = CopyCost(), price_share: float = PRICE_SHARE,
                 split_slack: float = SPLIT_SLACK, split: str = "timeline",
                 timeline_slack: float = TIMELINE_SLACK, completion_weight: float = COMPLETION_WEIGHT, *,
-                node_slots: bool = True) -> Plan:
+                node_slots: bool) -> Plan:
     """The round's copies by the module's rule (placements, waiting, explain; no state)."""
     cluster, tp, round_s = request.cluster, request.throughput, request.round_s
     free = FreeGroups(cluster)
