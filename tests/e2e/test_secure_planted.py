@@ -61,9 +61,13 @@ pytestmark = [pytest.mark.kafka, pytest.mark.s3, pytest.mark.slow]
 
 ATTACKER, VICTIM = "secure-p1", "secure-p2"
 ITERATIONS = 1500
-# The final model's held-out accuracy: honest runs of this test (nothing planted got through)
-# reached 0.973-0.987 (the honest run 0.96); the planted run fell to 0.12.
-ACCURACY = 0.9
+# The final model's held-out accuracy (297 digits, ten classes: chance is 0.1). The issue's
+# planted run fell to 0.12. Honest runs of this test reached 0.973-0.987 -- and 0.892 in CI at
+# stop 50, where the last round was one copy's 133 Adam steps at lr 0.003 and that copy's own
+# model scored 0.892 before any averaging (its rounds before: 0.97-0.98). So the bar sits far
+# above garbage and well below an honest run's noise; the exact-average checks above are what
+# prove no step was credited that the assigned node did not train.
+ACCURACY = 0.6
 RUN_TIMEOUT_S = 240
 ATTACK_TIMEOUT_S = 120
 ATTACK_MARGIN_S = 5
