@@ -352,6 +352,51 @@ def test_a_budget_of_gpus_goes_to_copies_on_several_nodes_where_lone_workers_ear
     assert copies == {("a", "n0"): 1, ("a", "n1"): 1, ("b", "n0"): 3, ("b", "n1"): 3}
 
 
+def test_the_timeline_lp_counts_the_copies_its_node_columns_hold_this_round():
+    # The two nodes above: the node LP runs A as a lone worker on each node and B on the
+    # other six GPUs; the first interval says so in GPUs and in copies (B's are as good at
+    # any size: 1.5 copies of four or two of three, at most one per node).
+    model = ThroughputModel(rates={("A", "v100", 1): 1.0, ("A", "v100", 2): 0.6,
+                                   **{("B", "v100", k): 1.6 for k in (1, 2, 3, 4)}}, cross_node=False)
+    two = Cluster(name="two", nodes=tuple(Node(node_id=f"n{i}", gpus=("v100",) * 4) for i in range(2)))
+    jobs = [JobState(job_id="a", job_type="A", workers=2, total_steps=360_000),
+            JobState(job_id="b", job_type="B", workers=4, total_steps=864_000)]
+    def credited(job: JobState, gpu_type: str, k: int) -> float:
+        return model.rate(job.job_type, gpu_type, k) * k / job.workers
+    lp = fork_lp(jobs, two, credited, nodes=True)
+    best = makespan(lp)
+    assert best is not None
+    plan = solve(lp, round_s=360.0, horizon_s=best)
+    assert plan is not None
+    share = plan.x[:, :, 0] / plan.lengths[0]
+    assert share[:, 0] == pytest.approx([2.0, 6.0], abs=1e-6)
+    assert plan.copies_now[0, 0] == pytest.approx(2.0, abs=1e-6)
+    assert 1.5 - 1e-6 <= plan.copies_now[1, 0] <= 2.0 + 1e-6
+    # without node columns the LP plans no copies
+    assert not solve(fork_lp(jobs, two, credited), round_s=360.0, horizon_s=best).copies_now.any()
+
+
+def test_a_budgeted_copy_keeps_the_size_the_lp_planned_when_the_nodes_it_planned_are_taken():
+    # Two nodes of four V100s. Four one-round jobs (c*, W = 1) go first in the budgeted pass
+    # and fill n0. A (W = 2) earns 1.0 per GPU alone, 0.6 per GPU as a pair: the LP plans
+    # it lone workers on two nodes, and only n1 is left. Sized to use A's budget up on the
+    # free node, A ran a pair there at 0.6x its rate per GPU; at the LP's size it runs a lone
+    # worker and B (W = 4, the same rate at any size) and D (W = 1) run the rest of n1 at
+    # their best rates.
+    model = ThroughputModel(rates={("A", "v100", 1): 1.0, ("A", "v100", 2): 0.6, ("C", "v100", 1): 1.0,
+                                   ("D", "v100", 1): 1.0, **{("B", "v100", k): 1.6 for k in (1, 2, 3, 4)}},
+                            cross_node=False)
+    two = Cluster(name="two", nodes=tuple(Node(node_id=f"n{i}", gpus=("v100",) * 4) for i in range(2)))
+    jobs = (JobState(job_id="a", job_type="A", workers=2, total_steps=360_000),
+            JobState(job_id="b", job_type="B", workers=4, total_steps=864_000),
+            JobState(job_id="d", job_type="D", workers=1, total_steps=36_000),
+            *(JobState(job_id=f"c{i}", job_type="C", workers=1, total_steps=300) for i in range(4)))
+    plan = make_policy("hadare").plan(
+        PlanRequest(round=0, now_s=0.0, round_s=360.0, cluster=two, jobs=jobs, throughput=model))
+    copies = {(p.job_id, p.node_id): len(p.gpus) for p in plan.placements}
+    assert copies == {**{(f"c{i}", "n0"): 1 for i in range(4)}, ("a", "n1"): 1, ("b", "n1"): 2, ("d", "n1"): 1}
+
+
 def test_free_groups_count_the_nodes_a_budget_may_spread_over():
     from services.scheduler.policies.hadare.groups import FreeGroups
 

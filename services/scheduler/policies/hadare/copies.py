@@ -54,14 +54,23 @@ Rule (one round at a time, no reservation of future rounds):
    no group gains (gain <= 0: the job is expected to finish, or consolidating one more
    copy costs more than it trains) or it has n copies (n = the number of nodes).
    k = min(W_j, free GPUs of the group), then the fewest of them that give the same gain.
-   In the budgeted pass k is also at most the job's budget of the type spread evenly over
-   the nodes with idle GPUs of it that the job has no copy on, where that smaller copy
-   earns more per GPU: the LP credits each GPU at its column's rate (with ``node_slots``,
-   a copy of that size on each of several nodes), and a budget of two GPUs taken as one
-   copy of two on one node, where a lone worker is more efficient, earns less than the LP
-   planned (gang-heavy trace, seed 3: a 2-GPU Transformer, the longest job, on 2-GPU copies
-   at 0.63x the per-GPU rate of lone workers; with ``node_slots`` hadare 1.129x -> 1.049x its
-   fork bound).
+   In the budgeted pass k is also at most the size of the copies the LP planned for the
+   job on the type, where that smaller copy earns more per GPU: the LP credits each GPU at
+   its column's rate (with ``node_slots``, a copy of that size on each of several nodes),
+   and a budget of two GPUs taken as one copy of two on one node, where a lone worker is
+   more efficient, earns less than the LP planned (gang-heavy trace, seed 3: a 2-GPU
+   Transformer, the longest job, on 2-GPU copies at 0.63x the per-GPU rate of lone
+   workers; with ``node_slots`` hadare 1.129x -> 1.049x its fork bound). The planned size
+   is the job's GPUs of the type in the LP's first interval over its copies there
+   (``Timeline.copies_now``), rounded up; it holds when fewer nodes are free than the LP
+   planned copies on (the rest of the budget is left to the back-fill, where other jobs
+   run it at their own best size): sized to use the budget up on the free nodes, the
+   longest job of the gang-heavy trace's seed 4 (an 8-GPU Transformer) ran copies of 2-3
+   V100s at 0.63x the per-GPU rate of the lone workers the LP planned, and 1- and 2-GPU
+   jobs that the bound runs on V100s ran on K80s (Sia's eight workloads: mean JCT 1,975
+   -> 1,929 s, TTD the same). Without node columns the LP plans no sizes, and the budget
+   spread evenly over the nodes with idle GPUs of the type the job has no copy on stands
+   in for them.
    Moves: a copy on exactly the GPUs a copy of the job held last round (whatever its
    number) is warm; any other restarts and trains ``JobState.restart_s`` less (0:
    unknown, taken as free). On a group where the job ran, the size it had there is a
@@ -94,8 +103,6 @@ import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from services.scheduler.core.policy import (
     JobState,
     Placement,
@@ -103,24 +110,10 @@ from services.scheduler.core.policy import (
     PlanRequest,
     Wait,
     WaitCode,
-    previous_state,
 )
+from services.scheduler.policies.hadare.budgets import Credited, main_pass_budgets
 from services.scheduler.policies.hadare.groups import FreeGroups, previous_gpus
-from services.scheduler.policies.hadare.split import type_split
-from services.scheduler.policies.hadare.timeline import (
-    COMPLETION_WEIGHT,
-    TIMELINE_SLACK,
-    TimelineState,
-    budgets,
-    target_end_s,
-)
-from services.scheduler.policies.lp.model import fork_lp
-from services.scheduler.policies.lp.timeline import (
-    POOL_ABOVE,
-    job_classes,
-    pool,
-    solve_until,
-)
+from services.scheduler.policies.hadare.timeline import COMPLETION_WEIGHT, TIMELINE_SLACK
 from shared.domain.fork_cost import DEFAULT_STORE_GBPS, consolidation_s
 from shared.domain.progress import credited_steps
 from shared.wire.events import DEFAULT_OPTIMIZER_SLOTS
@@ -130,9 +123,6 @@ KEEP_ROUNDS = 1.0
 PRICE_SHARE = 0.0
 SPLIT_SLACK = 0.01
 WINDOW = 1.0
-
-_Credited = Callable[[JobState, str, int], float]   # credited(job, gpu type, k): a copy's job steps/s
-
 
 @dataclass(frozen=True, kw_only=True)
 class CopyCost:
@@ -228,9 +218,10 @@ def plan_copies(request: PlanRequest, cost: CopyCost = CopyCost(), price_share: 
         best[r] = [max(ratios[i + 1: i + 1 + window], default=0.0) for i in range(len(order))] + [0.0]
     held_gpus = previous_gpus(request)
     held = {job_id: set(groups) for job_id, groups in held_gpus.items()}
-    budgets, carried = _main_pass_budgets(request, order, credited, speed, split,
-                                        timeline_slack if split == "timeline" else split_slack, completion_weight,
-                                        node_slots, held)
+    main = main_pass_budgets(request, order, credited, speed, split=split, node_slots=node_slots, held=held,
+                             slack=timeline_slack if split == "timeline" else split_slack,
+                             completion_weight=completion_weight, keep_rounds=KEEP_ROUNDS)
+    budgets = {job_id: dict(got) for job_id, got in main.gpus.items()}
     placements: list[Placement] = []
     explain: dict[str, dict[str, object]] = {}
     limit = len(cluster.nodes)
@@ -240,7 +231,8 @@ def plan_copies(request: PlanRequest, cost: CopyCost = CopyCost(), price_share: 
             job = state.job
             while len(state.rates) < limit:
                 allowed = budgets[job.job_id] if split_only else None
-                pick = _best_group(state, free, credited, best, pos, round_s, cost, share, top[job.job_id], allowed)
+                pick = _best_group(state, free, credited, best, pos, round_s, cost, share, top[job.job_id], allowed,
+                                   main.copy_sizes.get(job.job_id))
                 if pick is None:
                     break
                 (node_id, gpu_type), k, rate, lost = pick
@@ -268,7 +260,7 @@ def plan_copies(request: PlanRequest, cost: CopyCost = CopyCost(), price_share: 
             waiting.append(Wait(job_id=job.job_id, code=WaitCode.PRIORITY,
                                 detail="the GPUs went to jobs ahead of it (weighted shortest remaining first)"))
         explain.setdefault(job.job_id, {})["source"] = "waiting"
-    return Plan(placements=tuple(placements), waiting=tuple(waiting), explain=explain, state=carried)
+    return Plan(placements=tuple(placements), waiting=tuple(waiting), explain=explain, state=main.state)
 
 
 def _pass_order(states: list[_Job], budgeted: bool) -> list[tuple[int, _Job]]:
@@ -283,77 +275,21 @@ def _pass_order(states: list[_Job], budgeted: bool) -> list[tuple[int, _Job]]:
     return sorted(ranked, key=lambda ps: (ps[1].job.workers, ps[0])) if budgeted else ranked
 
 
-def _main_pass_budgets(request: PlanRequest, order: list[JobState], credited: _Credited, speed: dict[str, float],
-                       split: str, slack: float, completion_weight: float, node_slots: bool,
-                       held: dict[str, set[tuple[str, str]]]) -> tuple[dict[str, dict[str, int]], TimelineState | None]:
-    """(job id -> GPUs per type its main pass may take, the state to carry): the time-indexed
-    LP's slice of this round (``split="timeline"``, ``hadare/timeline``; on classes of jobs
-    above POOL_ABOVE jobs) or every GPU of the types the makespan split gives it
-    (``"makespan"``, or when an LP fails)."""
-    cluster = request.cluster
-    if split == "timeline" and order:
-        got = _timeline_budgets(request, order, credited, speed, slack, completion_weight, held, node_slots)
-        if got is not None:
-            return got
-    types = type_split(order, cluster, credited, urgency=[speed[j.job_id] / j.remaining for j in order],
-                       slack=slack)
-    return {job_id: {t: cluster.gpus_by_type[t] for t in got} for job_id, got in types.items()}, None
-
-
-def _timeline_budgets(request: PlanRequest, order: list[JobState], credited: _Credited, speed: dict[str, float],
-                      slack: float, completion_weight: float, held: dict[str, set[tuple[str, str]]],
-                      node_slots: bool) -> tuple[dict[str, dict[str, int]], TimelineState] | None:
-    """``_main_pass_budgets`` by the time-indexed LP; None if an LP fails. The makespan LP
-    is solved only when E must be set or moved (first round, arrivals, E missed)."""
-    full = fork_lp(order, cluster := request.cluster, credited, nodes=node_slots)
-    if len(order) > POOL_ABOVE:
-        at = {j.job_id: i for i, j in enumerate(order)}
-        def rounds(j: JobState) -> float:
-            return j.remaining / max(speed[j.job_id] * request.round_s, EPS)
-        groups = [[at[j.job_id] for j in g] for g in job_classes(order, rounds)]
-        lp = pool(full, groups)
-    else:
-        groups, lp = [[i] for i in range(len(order))], full
-    now, weights = request.now_s, [sum(max(order[i].priority, EPS) for i in g) for g in groups]
-    ids = frozenset(j.job_id for j in request.jobs)
-    previous = previous_state(request, TimelineState)
-    tindex = {t: r for r, t in enumerate(cluster.types)}
-    keep = np.zeros(lp.rho.shape)
-    for c, group in enumerate(groups):
-        for i in group:
-            keep[c, sorted({tindex[t] for _, t in held.get(order[i].job_id, ())})] = 1.0
-    end, plan = solve_until(
-        lp, kept_end=previous.end_s if previous is not None and not ids - previous.job_ids else None,
-        new_end=lambda best: target_end_s(best, now_s=now, previous=previous, job_ids=ids, slack=slack),
-        horizon_of=lambda e: e - now, round_s=request.round_s, weights=weights, completion_weight=completion_weight,
-        keep=keep, keep_rounds=KEEP_ROUNDS)
-    if end is None or plan is None:
-        return None
-    types, keys = cluster.types, [order[g[0]].job_id for g in groups]
-    carried = previous.credit if previous is not None else {}
-    credit = np.array([[carried.get(key, {}).get(t, 0.0) for t in types] for key in keys]).reshape(len(keys), -1)
-    later = plan.x[:, :, 1:].sum(axis=(1, 2))
-    got, credit = budgets(plan.x[:, :, 0] / plan.lengths[0], groups, full.cap_f, count=full.count, credit=credit,
-                          finishing=later <= 1e-6 * np.maximum(plan.x.sum(axis=(1, 2)), EPS))
-    kept = {key: {t: float(credit[c, r]) for r, t in enumerate(types) if credit[c, r]} for c, key in enumerate(keys)}
-    return ({j.job_id: {types[r]: n for r, n in got[i].items()} for i, j in enumerate(order)},
-            TimelineState(end_s=end, job_ids=ids, credit={key: v for key, v in kept.items() if v}))
-
-
-def _spread_size(job: JobState, gpu_type: str, k: int, budget: int, nodes: int, credited: _Credited) -> int:
-    """The size of a budgeted copy of up to ``k`` GPUs when ``budget`` GPUs of the type may go
-    to copies on ``nodes`` (<= budget) nodes, a copy each: the budget spread evenly over them
-    where that earns more per GPU than ``k`` (module docstring, rule 3), else ``k``."""
-    small = min(k, -(-budget // max(1, nodes)))
+def _spread_size(job: JobState, gpu_type: str, k: int, planned: int, credited: Credited) -> int:
+    """The size of a budgeted copy of up to ``k`` GPUs when the job's copies of the type are
+    to be ``planned`` GPUs each (module docstring, rule 3): that size where it earns more per
+    GPU than ``k``, else ``k``."""
+    small = min(k, max(1, planned))
     if small < k and credited(job, gpu_type, small) / small > credited(job, gpu_type, k) / k + EPS:
         return small
     return k
 
 
-def _best_group(state: _Job, free: FreeGroups, credited: _Credited, best: dict[str, list[float]],
+def _best_group(state: _Job, free: FreeGroups, credited: Credited, best: dict[str, list[float]],
                 pos: int, round_s: float, cost: CopyCost,
                 price_share: float, top: float,
-                allowed: dict[str, int] | None = None) -> tuple[tuple[str, str], int, float, float] | None:
+                allowed: dict[str, int] | None = None,
+                copy_sizes: Mapping[str, int] | None = None) -> tuple[tuple[str, str], int, float, float] | None:
     """(group, GPUs, credited rate, seconds it restarts) of the job's best next copy, or None
     if none gains. A copy is warm (restarts 0 s, else ``JobState.restart_s``) on exactly
     the GPUs a copy of the job held last round; so on such a group the copy that keeps them
@@ -370,8 +306,10 @@ def _best_group(state: _Job, free: FreeGroups, credited: _Credited, best: dict[s
         k = min(job.workers, idle, budget)
         if allowed is not None and k > 1:
             if (gpu_type, k) not in spread_k:
-                nodes = free.nodes_with_idle(gpu_type, state.nodes, budget)
-                spread_k[(gpu_type, k)] = _spread_size(job, gpu_type, k, budget, nodes, credited)
+                planned = (copy_sizes or {}).get(gpu_type)
+                if planned is None:     # the LP did not say: the budget spread over the free nodes
+                    planned = -(-budget // max(1, free.nodes_with_idle(gpu_type, state.nodes, budget)))
+                spread_k[(gpu_type, k)] = _spread_size(job, gpu_type, k, planned, credited)
             k = spread_k[(gpu_type, k)]
         rate = credited(job, gpu_type, k)
         sizes = []

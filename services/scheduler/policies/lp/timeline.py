@@ -75,12 +75,15 @@ def intervals(horizon_s: float, round_s: float, growth: float = 2.0) -> list[flo
 
 @dataclass(frozen=True, kw_only=True)
 class Timeline:
-    """The LP's solution: ``lengths[k]`` (seconds), ``x[j, r, k]`` GPU-seconds and
-    ``spread_now[s, r]``: the GPUs of type r spread column s holds in the first interval."""
+    """The LP's solution: ``lengths[k]`` (seconds), ``x[j, r, k]`` GPU-seconds,
+    ``spread_now[s, r]``: the GPUs of type r spread column s holds in the first interval, and
+    with node columns ``copies_now[j, r]``: the copies (nodes) job j holds of type r in it
+    (zeros without node columns)."""
 
     lengths: np.ndarray
     x: np.ndarray
     spread_now: np.ndarray
+    copies_now: np.ndarray
 
 
 def solve(lp: WorkLp, *, round_s: float, horizon_s: float, weights: Sequence[float] | None = None,
@@ -141,8 +144,11 @@ def solve(lp: WorkLp, *, round_s: float, horizon_s: float, weights: Sequence[flo
     if not res.ok:
         return None
     x = res.x[:nv].reshape(n_c, n_k)
+    copies = (cols.per_job_type(x[:, 0] * cols.weight / lengths[0], (n_j, n_r)) if cols.weight is not None
+              else np.zeros((n_j, n_r)))
     return Timeline(lengths=lengths, x=cols.per_job_type(x, (n_j, n_r)),
-                    spread_now=cols.per_spread_type(x[:, 0] / lengths[0], (lp.spread_job.size, n_r)))
+                    spread_now=cols.per_spread_type(x[:, 0] / lengths[0], (lp.spread_job.size, n_r)),
+                    copies_now=copies)
 
 
 def _with_completion_bounds(lp: WorkLp, cols: Columns, a_ub: csr_matrix, rhs: list[np.ndarray], objective: np.ndarray,
