@@ -61,3 +61,22 @@ def test_the_simulator_tells_the_policy_its_charge_for_a_move():
     simulate(policy=Recording(), cluster=NODE, jobs=[job], throughput=TP,
              options=SimOptions(round_s=ROUND_S, restart_s_by_job_type={JOB_TYPE: 42.0}))
     assert seen and set(seen) == {42.0}
+
+
+@pytest.mark.parametrize(("restart_s", "pair"), [(200.0, ("n0", (0, 1))), (0.0, ("n1", (0, 1)))])
+def test_a_warm_copy_keeps_its_gpus_before_a_narrower_job_takes_one_of_them(restart_s, pair):
+    # Two nodes of two V100s. A (W = 2) ran as a pair on n0, the size its LP plans again (a
+    # lone worker earns 0.4 per GPU, a pair 1.0); N (W = 1) arrives with one round's work and
+    # goes first in the budgeted pass (narrowest first), taking the first idle GPU: n0's.
+    # Where a move costs, A keeps its pair and N runs on n1; where it is free, nothing is kept
+    # first and A's pair moves to n1.
+    model = ThroughputModel(rates={("A", "v100", 1): 0.8, ("A", "v100", 2): 2.0, ("N", "v100", 1): 1.0},
+                            cross_node=False)
+    two = Cluster(name="two", nodes=tuple(Node(node_id=f"n{i}", gpus=("v100",) * 2) for i in range(2)))
+    jobs = (JobState(job_id="a", job_type="A", workers=2, total_steps=720_000, restart_s=restart_s),
+            JobState(job_id="n", job_type="N", workers=1, total_steps=300, restart_s=restart_s))
+    previous = Plan(placements=(Placement(job_id="a", copy=0, node_id="n0", gpus=(0, 1)),))
+    plan = make_policy("hadare").plan(PlanRequest(round=1, now_s=ROUND_S, round_s=ROUND_S, cluster=two, jobs=jobs,
+                                                  throughput=model, previous=previous))
+    assert pair in [(p.node_id, p.gpus) for p in plan.placements if p.job_id == "a"]
+    assert [p.node_id for p in plan.placements if p.job_id == "n"] == ["n1" if pair[0] == "n0" else "n0"]
