@@ -376,6 +376,28 @@ def test_the_timeline_lp_counts_the_copies_its_node_columns_hold_this_round():
     assert not solve(fork_lp(jobs, two, credited), round_s=360.0, horizon_s=best).copies_now.any()
 
 
+def test_the_keep_bonus_covers_the_gpus_a_job_held_not_every_gpu_of_their_type():
+    # One node of four V100s; A held one of them last round, B (a little less work) none.
+    # Valued a round earlier on every V100, A's work took all four this round -- three GPUs
+    # it never ran on, each a restart, while B waited; on the GPU it held, A keeps that one.
+    one = Cluster(name="one", nodes=(Node(node_id="n0", gpus=("v100",) * 4),))
+    jobs = [JobState(job_id="a", job_type="A", workers=4, total_steps=4 * 3600),
+            JobState(job_id="b", job_type="B", workers=4, total_steps=int(3.8 * 3600))]
+    lp = fork_lp(jobs, one, lambda j, t, k: float(k), nodes=True)   # one step/s per GPU at any size
+    best = makespan(lp)
+    assert best is not None
+    held = np.array([[1.0], [0.0]])
+
+    def now(**cap: np.ndarray) -> list[float]:
+        plan = solve(lp, round_s=360.0, horizon_s=best * 1.05, completion_weight=COMPLETION_WEIGHT, keep=held,
+                     keep_rounds=1.0, **cap)
+        assert plan is not None
+        return (plan.x[:, 0, 0] / plan.lengths[0]).tolist()
+
+    assert now() == pytest.approx([4.0, 0.0], abs=1e-6)          # uncapped (Hadar's timeline keeps this form)
+    assert now(keep_gpus=held) == pytest.approx([1.0, 3.0], abs=1e-6)
+
+
 def test_a_budgeted_copy_keeps_the_size_the_lp_planned_when_the_nodes_it_planned_are_taken():
     # Two nodes of four V100s. Four one-round jobs (c*, W = 1) go first in the budgeted pass
     # and fill n0. A (W = 2) earns 1.0 per GPU alone, 0.6 per GPU as a pair: the LP plans

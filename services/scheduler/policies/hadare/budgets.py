@@ -22,6 +22,7 @@ from services.scheduler.policies.lp.timeline import POOL_ABOVE, SHARE_EPS, job_c
 EPS = 1e-9
 
 Credited = Callable[[JobState, str, int], float]   # credited(job, gpu type, k): a copy's job steps/s
+Held = Mapping[str, Mapping[tuple[str, str], tuple[int, ...]]]   # job id -> (node, type) -> GPUs its copy held
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,12 +40,13 @@ class MainPass:
 
 def main_pass_budgets(request: PlanRequest, order: Sequence[JobState], credited: Credited,
                       speed: Mapping[str, float], *, split: str, slack: float, completion_weight: float,
-                      node_slots: bool, held: Mapping[str, set[tuple[str, str]]], keep_rounds: float) -> MainPass:
+                      node_slots: bool, held: Held, keep_rounds: float) -> MainPass:
     """The time-indexed LP's slice of this round (``split="timeline"``; on classes of jobs
     above POOL_ABOVE jobs), or every GPU of the types the makespan split gives each job
     (``"makespan"``, or when an LP fails). ``order``: the jobs in planning order; ``speed``:
-    each job's pooled rate; ``held``: the (node, type) groups each job's copies held last
-    round, whose types the LP values ``keep_rounds`` earlier."""
+    each job's pooled rate; ``held``: the GPUs each job's copies held last round by (node,
+    type), whose work this round the LP values ``keep_rounds`` earlier, on at most that
+    many GPUs of each type (``lp/timeline.solve``'s ``keep_gpus``)."""
     if split == "timeline" and order:
         got = _timeline(request, order, credited, speed, slack=slack, completion_weight=completion_weight,
                         held=held, node_slots=node_slots, keep_rounds=keep_rounds)
@@ -58,7 +60,7 @@ def main_pass_budgets(request: PlanRequest, order: Sequence[JobState], credited:
 
 
 def _timeline(request: PlanRequest, order: Sequence[JobState], credited: Credited, speed: Mapping[str, float], *,
-              slack: float, completion_weight: float, held: Mapping[str, set[tuple[str, str]]], node_slots: bool,
+              slack: float, completion_weight: float, held: Held, node_slots: bool,
               keep_rounds: float) -> MainPass | None:
     """``main_pass_budgets`` by the time-indexed LP; None if an LP fails. The makespan LP
     is solved only when E must be set or moved (first round, arrivals, E missed)."""
@@ -76,14 +78,17 @@ def _timeline(request: PlanRequest, order: Sequence[JobState], credited: Credite
     previous = previous_state(request, TimelineState)
     tindex = {t: r for r, t in enumerate(cluster.types)}
     keep = np.zeros(lp.rho.shape)
+    keep_gpus = np.zeros(lp.rho.shape)
     for c, group in enumerate(groups):
         for i in group:
-            keep[c, sorted({tindex[t] for _, t in held.get(order[i].job_id, ())})] = 1.0
+            for (_, t), gpus in held.get(order[i].job_id, {}).items():
+                keep[c, tindex[t]] = 1.0
+                keep_gpus[c, tindex[t]] += len(gpus)
     end, plan = solve_until(
         lp, kept_end=previous.end_s if previous is not None and not ids - previous.job_ids else None,
         new_end=lambda best: target_end_s(best, now_s=now, previous=previous, job_ids=ids, slack=slack),
         horizon_of=lambda e: e - now, round_s=request.round_s, weights=weights, completion_weight=completion_weight,
-        keep=keep, keep_rounds=keep_rounds)
+        keep=keep, keep_rounds=keep_rounds, keep_gpus=keep_gpus)
     if end is None or plan is None:
         return None
     types, keys = cluster.types, [order[g[0]].job_id for g in groups]

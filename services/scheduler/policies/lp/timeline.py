@@ -88,7 +88,7 @@ class Timeline:
 
 def solve(lp: WorkLp, *, round_s: float, horizon_s: float, weights: Sequence[float] | None = None,
           growth: float = 2.0, completion_weight: float = 0.0, keep: np.ndarray | None = None,
-          keep_rounds: float = 0.0) -> Timeline | None:
+          keep_rounds: float = 0.0, keep_gpus: np.ndarray | None = None) -> Timeline | None:
     """The module's LP on ``lp`` over [0, ``horizon_s``] (None: no solution, e.g. a horizon
     shorter than the makespan LP's T*); ``weights``: w_j, default 1; ``growth``: of the
     interval lengths (``intervals``); ``completion_weight``: beta of the objective (0: mean
@@ -98,7 +98,11 @@ def solve(lp: WorkLp, *, round_s: float, horizon_s: float, weights: Sequence[flo
     restart) instead of flipping between them from round to round. Above half a round the
     kept columns' cost this round is negative, so the LP gives such a job its held GPUs for
     the whole first interval even when less would finish it (work rows are >=): a
-    round-based plan holds them for the round anyway."""
+    round-based plan holds them for the round anyway. ``keep_gpus[j, r]`` (None: no cap):
+    the GPUs of type r job j held, the most this round's work there is valued earlier on
+    (a variable K_c <= X[c, 0] per kept column carries the bonus, at most ``keep_gpus``
+    x L_0 per job and type); uncapped, the bonus is on every GPU of a held type, so the LP
+    grows a job that held one GPU of it onto all of them, each new one a restart."""
     # the cap a hair over the horizon, so that E = now + T* stays feasible in floating point
     lengths = np.array(intervals(horizon_s * (1.0 + 1e-7) + 1e-6, round_s, growth))
     n_j, n_r = lp.rho.shape
@@ -112,9 +116,14 @@ def solve(lp: WorkLp, *, round_s: float, horizon_s: float, weights: Sequence[flo
     x_of = np.arange(nv).reshape(n_c, n_k)
     per_step = np.where(lp.rem > 0, w / np.maximum(lp.rem, 1e-300), 0.0)
     cost = (per_step[cols.job] * cols.rate)[:, None] * (mids / ends[-1])[None, :]
+    bonus = None
     if keep is not None and keep_rounds > 0:
         kept = keep[cols.job, cols.gpu_type] > 0
-        cost[kept, 0] -= per_step[cols.job[kept]] * cols.rate[kept] * keep_rounds * round_s / ends[-1]
+        if keep_gpus is None:
+            cost[kept, 0] -= per_step[cols.job[kept]] * cols.rate[kept] * keep_rounds * round_s / ends[-1]
+        else:   # the bonus on a variable K_c <= X[c, 0], at most the held GPUs of (job, type) in all
+            kc = np.flatnonzero(kept)
+            bonus = (kc, per_step[cols.job[kc]] * cols.rate[kc] * keep_rounds * round_s / ends[-1], keep_gpus)
     k_i = np.tile(np.arange(n_k), n_c)
     # rows: work (n_j): -sum rate X <= -R; capacity (n_r n_k): sum X[., r, k] <= n_r L_k;
     # per job and interval (n_j n_k): sum X[j, ., k] <= GF_j L_k
@@ -137,6 +146,9 @@ def solve(lp: WorkLp, *, round_s: float, horizon_s: float, weights: Sequence[flo
     # per column and interval: 0 <= X <= cap L_k
     upper = np.concatenate([(cols.cap[:, None] * lengths[None, :]).ravel(), np.full(n_extra, np.inf)])
     objective = np.concatenate([cost.ravel(), np.zeros(n_extra)])
+    if bonus is not None and bonus[0].size:
+        a_ub, rhs, objective, upper = _with_kept_gpus(cols, a_ub, rhs, objective, upper, *bonus,
+                                                      first=x_of[:, 0], length=float(lengths[0]), n_r=n_r)
     if completion_weight > 0:
         a_ub, rhs, objective, upper = _with_completion_bounds(
             lp, cols, a_ub, rhs, objective, upper, lengths=lengths, weights=w, beta=completion_weight)
@@ -149,6 +161,23 @@ def solve(lp: WorkLp, *, round_s: float, horizon_s: float, weights: Sequence[flo
     return Timeline(lengths=lengths, x=cols.per_job_type(x, (n_j, n_r)),
                     spread_now=cols.per_spread_type(x[:, 0] / lengths[0], (lp.spread_job.size, n_r)),
                     copies_now=copies)
+
+
+def _with_kept_gpus(cols: Columns, a_ub: csr_matrix, rhs: list[np.ndarray], objective: np.ndarray,
+                    upper: np.ndarray, kept: np.ndarray, value: np.ndarray, held: np.ndarray, *, first: np.ndarray,
+                    length: float, n_r: int) -> tuple[csr_matrix, list[np.ndarray], np.ndarray, np.ndarray]:
+    """The LP with the keep bonus on at most the GPUs a job held of a type: a variable K per
+    kept column c (``kept``) earning ``value[c]`` with K <= X[c, first interval] (``first[c]``:
+    its variable) and, per (job, type), sum K <= ``held[j, r]`` x ``length``."""
+    n_b, n_x = kept.size, a_ub.shape[1]
+    pairs, pair_of = np.unique(cols.job[kept] * n_r + cols.gpu_type[kept], return_inverse=True)
+    link = hstack([coo_matrix((-np.ones(n_b), (np.arange(n_b), first[kept])), shape=(n_b, n_x)),
+                   identity(n_b, format="csr")])
+    per_pair = hstack([csr_matrix((pairs.size, n_x)),
+                       coo_matrix((np.ones(n_b), (pair_of, np.arange(n_b))), shape=(pairs.size, n_b))])
+    a_ub = vstack([hstack([a_ub, csr_matrix((a_ub.shape[0], n_b))]), link, per_pair]).tocsr()
+    return (a_ub, [*rhs, np.zeros(n_b), held.ravel()[pairs] * length], np.concatenate([objective, -value]),
+            np.concatenate([upper, np.full(n_b, np.inf)]))
 
 
 def _with_completion_bounds(lp: WorkLp, cols: Columns, a_ub: csr_matrix, rhs: list[np.ndarray], objective: np.ndarray,
@@ -204,7 +233,7 @@ def peak_rates(lp: WorkLp, cols: Columns) -> np.ndarray:
 def solve_until(lp: WorkLp, *, kept_end: float | None, new_end: Callable[[float], float],
                 horizon_of: Callable[[float], float], round_s: float, weights: Sequence[float] | None = None,
                 growth: float = 2.0, completion_weight: float = 0.0, keep: np.ndarray | None = None,
-                keep_rounds: float = 0.0) -> tuple[float | None, Timeline | None]:
+                keep_rounds: float = 0.0, keep_gpus: np.ndarray | None = None) -> tuple[float | None, Timeline | None]:
     """(E, plan) for this round, E in the caller's units (``horizon_of(E)``: seconds from
     now to it). The LP runs up to the kept E (None: E must be set or moved) while it still
     has a solution; else up to ``new_end(T*)``, T* from the makespan LP, which is thus
@@ -212,7 +241,7 @@ def solve_until(lp: WorkLp, *, kept_end: float | None, new_end: Callable[[float]
     (E, None) when the timeline LP has none."""
     if kept_end is not None and horizon_of(kept_end) > 0:
         plan = solve(lp, round_s=round_s, horizon_s=horizon_of(kept_end), weights=weights, growth=growth,
-                     completion_weight=completion_weight, keep=keep, keep_rounds=keep_rounds)
+                     completion_weight=completion_weight, keep=keep, keep_rounds=keep_rounds, keep_gpus=keep_gpus)
         if plan is not None:
             return kept_end, plan
     best = makespan(lp)
@@ -220,7 +249,7 @@ def solve_until(lp: WorkLp, *, kept_end: float | None, new_end: Callable[[float]
         return None, None
     end = new_end(best)
     return end, solve(lp, round_s=round_s, horizon_s=horizon_of(end), weights=weights, growth=growth,
-                      completion_weight=completion_weight, keep=keep, keep_rounds=keep_rounds)
+                      completion_weight=completion_weight, keep=keep, keep_rounds=keep_rounds, keep_gpus=keep_gpus)
 
 
 def job_classes(jobs: Sequence[JobState], rounds: Callable[[JobState], float]) -> list[list[JobState]]:
