@@ -77,18 +77,16 @@ def _timeline(request: PlanRequest, order: Sequence[JobState], credited: Credite
     ids = frozenset(j.job_id for j in request.jobs)
     previous = previous_state(request, TimelineState)
     tindex = {t: r for r, t in enumerate(cluster.types)}
-    keep = np.zeros(lp.rho.shape)
-    keep_gpus = np.zeros(lp.rho.shape)
+    keep_gpus = np.zeros(lp.rho.shape)    # GPUs held per (class, type); its types are the kept ones
     for c, group in enumerate(groups):
         for i in group:
             for (_, t), gpus in held.get(order[i].job_id, {}).items():
-                keep[c, tindex[t]] = 1.0
                 keep_gpus[c, tindex[t]] += len(gpus)
     end, plan = solve_until(
         lp, kept_end=previous.end_s if previous is not None and not ids - previous.job_ids else None,
         new_end=lambda best: target_end_s(best, now_s=now, previous=previous, job_ids=ids, slack=slack),
         horizon_of=lambda e: e - now, round_s=request.round_s, weights=weights, completion_weight=completion_weight,
-        keep=keep, keep_rounds=keep_rounds, keep_gpus=keep_gpus)
+        keep=keep_gpus, keep_rounds=keep_rounds, keep_gpus=keep_gpus)
     if end is None or plan is None:
         return None
     types, keys = cluster.types, [order[g[0]].job_id for g in groups]
