@@ -26,7 +26,7 @@ schedule (nodes may not hold it): it is the fluid LP's own rate model with gangs
 and the gap to Hadar's T* on the same rates is what wholeness alone costs.
 
     PYTHONPATH=. python benchmarks/gang_configurations.py [--workloads 1,2] [--apps imagenet]
-        [--cluster sia-64] [--max-iterations 300]
+        [--cluster sia-64] [--max-iterations 1000]
 
 Last line: one JSON object {"rows": [...], "seconds"}.
 """
