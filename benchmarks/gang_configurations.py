@@ -72,8 +72,9 @@ class GangOption:
 
 @dataclass(frozen=True, kw_only=True)
 class ConfigurationLp:
-    """``value``: the master's optimum at the last iteration (seconds); ``lower``: Farley's
-    bound on the LP (``value`` when ``converged``); ``columns``: configurations generated."""
+    """``value``: the master's optimum at the last iteration (seconds); ``lower``: the best
+    lower bound on the LP found (within GAP of ``value`` when ``converged``); ``columns``:
+    configurations generated."""
 
     value: float
     lower: float
@@ -212,7 +213,8 @@ def measure(workload: int, jobs: Sequence[TraceJob], cluster_name: str, *, max_i
     fluid = makespan(gang_lp(states, profiles, count))
     if fluid is None:
         raise RuntimeError(f"workload {workload}: Hadar's makespan LP has no solution")
-    # whole gangs meet every row of the fluid LP (its cuts are valid for them), so its T* is a floor
+    # whole gangs meet every row of the fluid LP (type counts and gang cuts, both valid for
+    # them; it has no node rows) at the same rates, so its T* is a floor
     got = configuration_lp([s.workers for s in states], options, [s.total_steps for s in states], count.tolist(),
                            max_iterations=max_iterations, floor=fluid)
     bound = ttd_bounds(tuple(jobs), cluster, throughput).ttd_nofork_s
