@@ -48,6 +48,7 @@ from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
 from benchmarks.sia_philly import at_first_arrival, workload_path
 from services.scheduler.core.policy import JobState
+from services.scheduler.core.throughput import ThroughputModel
 from services.scheduler.policies.hadar.ledger import RowLayout
 from services.scheduler.policies.hadar.profile import ProfileBook
 from services.scheduler.policies.hadar.timeline import gang_lp
@@ -198,10 +199,10 @@ class Row:
                 f"({self.nofork_bound_s:,.0f} s)")
 
 
-def measure(workload: int, jobs: Sequence[TraceJob], cluster_name: str, *, max_iterations: int) -> Row:
+def measure(workload: int, jobs: Sequence[TraceJob], cluster_name: str, throughput: ThroughputModel, *,
+            max_iterations: int) -> Row:
     """The configuration LP, Hadar's fluid T* and the no-fork bound on ``jobs`` (all present
     at once)."""
-    throughput = build_sia_throughput()
     cluster = parse_cluster(cluster_name)
     layout = RowLayout.of(cluster)
     book = ProfileBook(throughput, types=layout.types, row_type=layout.row_type, row_cap=layout.row_cap)
@@ -238,7 +239,7 @@ def main() -> None:
         jobs = at_first_arrival(load_trace(workload_path(w), throughput=throughput))
         if apps:
             jobs = tuple(j for j in jobs if j.job_type.split()[0] in apps)
-        row = measure(w, jobs, args.cluster, max_iterations=args.max_iterations)
+        row = measure(w, jobs, args.cluster, throughput, max_iterations=args.max_iterations)
         rows.append(row)
         print(row.line(), flush=True)
     print(json.dumps({"benchmark": "gang_configurations", "cluster": args.cluster,
