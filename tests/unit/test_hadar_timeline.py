@@ -251,7 +251,7 @@ def test_a_gang_due_its_turn_does_not_take_the_gpu_of_the_tight_job():
                 gang_width=np.array([2.0, 1.0]))
     groups = [[JobState(job_id="g", job_type=RESNET18, workers=2, total_steps=1)],
               [JobState(job_id="t", job_type=RESNET18, workers=1, total_steps=1)]]
-    chosen, credit = _round_slice(lp, groups, share=np.array([[1.0, 0.0], [0.0, 1.0]]), spread_now=np.zeros((0, 2)),
+    chosen, credit, _ = _round_slice(lp, groups, share=np.array([[1.0, 0.0], [0.0, 1.0]]), spread_now=np.zeros((0, 2)),
                                   rates=lp.rho, smith=np.array([0, 1]), round_s=360.0,
                                   rounds=np.array([50.0, 100.0]), tight=np.array([False, True]),
                                   credit={"g": 0.6})

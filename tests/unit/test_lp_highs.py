@@ -126,3 +126,23 @@ def test_solving_keeps_no_memory_per_call() -> None:
     for _ in range(6000):
         solve(cost, a, b, bounds)
     assert _rss_kib() - before < 512
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_integer_columns_give_the_optimum_brute_force_gives_and_nothing_on_stdout(seed, capfd):
+    # A knapsack with a side constraint and one continuous slack column: small enough to
+    # enumerate. HiGHS's MIP prints repaired incumbents to stdout from C++ under some
+    # options (lp/highs._mip_options); stdout carries the services' JSON logs.
+    rng = np.random.default_rng(seed)
+    n = 7
+    value, weight, other = rng.integers(1, 20, n), rng.integers(1, 10, n), rng.integers(0, 5, n)
+    cap = float(weight.sum() // 2)
+    a_ub = np.vstack([np.append(weight, 0.0), np.append(other, -1.0)])
+    cost = np.append(-value, 0.5).astype(float)          # the slack s >= other . x - 6 costs 0.5 a unit
+    got = solve(cost, a_ub, np.array([cap, 6.0]), [(0, 1)] * n + [(0, None)],
+                integral=np.array([True] * n + [False]))
+    assert got.ok and np.allclose(got.x[:n], np.round(got.x[:n]))
+    best = min(-value @ x + 0.5 * max(0.0, other @ x - 6.0)
+               for x in (np.array([(k >> i) & 1 for i in range(n)]) for k in range(2 ** n)) if weight @ x <= cap)
+    assert cost @ got.x == pytest.approx(best, abs=1e-6)
+    assert capfd.readouterr().out == ""

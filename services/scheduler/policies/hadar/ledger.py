@@ -115,7 +115,7 @@ class LedgerState(PolicyState):
     value_lo: float
     value_hi: float
     target_end: int = -1   # E of ``hadar/critical`` (-1: none)
-    gang_credit: Mapping[str, float] = field(default_factory=dict)   # ``hadar/timeline._whole_gangs``
+    gang_credit: Mapping[str, float] = field(default_factory=dict)   # ``hadar/gangs.gang_dues``
 
 
 class Ledger:

@@ -28,13 +28,15 @@ Rounding this round's slice of the LP (fractional GPUs per job and type) to *cri
 jobs, each planned before every other job on the otherwise empty ledger, only on options
 of the types it got (``Hadar._plan_job``):
 
-* Gangs (W >= 2) run whole or not at all (``_whole_gangs``), on one option each, by error
-  diffusion: a gang runs when what the LP gives it this round plus what it was given and
-  did not run before reaches about half a round (or when it has less than a round of
-  laxity to E), so over rounds it runs about the part of the time the LP gives it. A gang
-  rounded onto another option than the LP's must leave one GPU of its slice's type for
-  each *tight* single-GPU job (less than a round of laxity): it must not take the GPU of
-  the job that sets E (``_tight_singles``).
+* Gangs (W >= 2) run whole or not at all (``hadar/gangs``), on one option each, by error
+  diffusion: a gang is *due* when what the LP gives it this round plus what it was given
+  and did not run before reaches about half a round (or when it has less than a round of
+  laxity to E), so over rounds it runs about the part of the time the LP gives it. The due
+  gangs are rounded one at a time, each named by the GPU types it may use; or, with
+  Hadar's ``seat_gangs`` (off by default), seated together by one MIP on the cluster's
+  rows (``hadar/seats``), each on the exact GPUs its planning then takes. No gang takes the
+  GPU the LP's slice gives a *tight* single-GPU job (less than a round of laxity): the job
+  that sets E (``tight_singles``).
 * Single-GPU jobs get the GPUs left by a transportation problem: y[j, r] integer GPUs,
   sum_r y[j, r] <= 1, sum_j y[j, r] <= n_r left, maximising sum v[j, r] y[j, r] with
   v[j, r] = min(1, share / need) the part of what j can use of r this round that the LP
@@ -63,14 +65,16 @@ LP, all HiGHS; above POOL_ABOVE jobs on classes of jobs (``critical_types``).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.sparse import coo_matrix
 
 from services.scheduler.core.policy import JobState
+from services.scheduler.policies.hadar.gangs import SeatContext, in_turn, seated_gangs, tight_singles, whole_gangs
 from services.scheduler.policies.hadar.profile import JobProfile
+from services.scheduler.policies.hadar.seats import Seat
 from services.scheduler.policies.lp.highs import solve as solve_lp
 from services.scheduler.policies.lp.model import WorkLp, type_rates
 from services.scheduler.policies.lp.timeline import (
@@ -83,18 +87,19 @@ from services.scheduler.policies.lp.timeline import (
 
 TIMELINE_SLACK = 0.04   # Hadar's default critical_slack under this rule (hadar.py "Constants")
 TIE_WEIGHT = 1e-3    # Smith's order breaks ties of v without outweighing any real difference
-CREDIT_CAP = 1.0     # a gang's rounding credit, in rounds (``_whole_gangs``): no wind-up while it cannot fit
 
 
 @dataclass(frozen=True, kw_only=True)
 class CriticalRound:
     """What the rule decided this round: E (target end round, -1: none yet), the critical
-    jobs in planning order with the GPU type indices each may use, and the gangs' rounding
-    credit to carry to the next round (``LedgerState.gang_credit``)."""
+    jobs in planning order with the GPU type indices each may use, the gangs' rounding
+    credit to carry to the next round (``LedgerState.gang_credit``) and the seated gangs'
+    seats (``hadar/seats``)."""
 
     end: int
     chosen: list[tuple[str, set[int]]]
     credit: dict[str, float] = field(default_factory=dict)
+    seats: dict[str, Seat] = field(default_factory=dict)
 
 
 def gang_lp(jobs: Sequence[JobState], profiles: Mapping[str, JobProfile], count: np.ndarray) -> WorkLp:
@@ -137,11 +142,14 @@ def end_round(best_rounds: float, *, round_: int, previous: int | None, arrived:
 def critical_types(jobs: Sequence[JobState], profiles: Mapping[str, JobProfile], count: np.ndarray, *,
                    round_: int, round_s: float, previous: int | None, arrived: bool, slack: float,
                    credit: Mapping[str, float] | None = None, held: Mapping[str, set[int]] | None = None,
-                   keep_rounds: float = 0.0) -> CriticalRound:
+                   keep_rounds: float = 0.0, rows: tuple[np.ndarray, np.ndarray] | None = None,
+                   held_rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None) -> CriticalRound:
     """This round's critical jobs by the module's rule (``credit``: the gangs' rounding
     credit from the previous round; ``held``: the GPU type indices each job ran on last
-    round, whose work this round the LP values ``keep_rounds`` earlier, ``lp/timeline``);
-    no critical job (and E from the previous round, or -1) when an LP fails.
+    round, whose work this round the LP values ``keep_rounds`` earlier, ``lp/timeline``;
+    ``rows``: the cluster's rows, type index and GPUs of each, to seat the gangs on
+    (``gangs.seated_gangs``; None: types only), ``held_rows``: each job's rows and GPUs
+    last round); no critical job (and E from the previous round, or -1) when an LP fails.
 
     Above POOL_ABOVE jobs the LPs run on classes of jobs with the same job type, W and
     power-of-two bucket of remaining rounds (one class: their summed work, summed W,
@@ -182,21 +190,36 @@ def critical_types(jobs: Sequence[JobState], profiles: Mapping[str, JobProfile],
     # rounds each job needs at its best rate (whole gang); *tight*: less than a round of laxity to E
     rounds = lp.rem / np.maximum(lp.gang_width * rates.max(axis=1) * round_s, 1e-300)
     tight = (rounds > end - round_ - 1) & np.array([len(g) == 1 for g in groups])
-    chosen, carried = _round_slice(lp, groups, share, plan.spread_now, rates, smith, round_s=round_s, rounds=rounds,
-                                   tight=tight, credit=credit or {})
-    return CriticalRound(end=end, credit=carried, chosen=chosen)
+    seating = (SeatContext(row_type=rows[0], row_cap=rows[1], profiles=profiles, held=held_rows or {},
+                           round_s=round_s) if rows is not None else None)
+    chosen, carried, seats = _round_slice(lp, groups, share, plan.spread_now, rates, smith, round_s=round_s,
+                                          rounds=rounds, tight=tight, credit=credit or {}, seating=seating)
+    return CriticalRound(end=end, credit=carried, chosen=chosen, seats=seats)
 
 
 def _round_slice(lp: WorkLp, groups: Sequence[Sequence[JobState]], share: np.ndarray, spread_now: np.ndarray,
                  rates: np.ndarray, smith: np.ndarray, *, round_s: float, rounds: np.ndarray, tight: np.ndarray,
-                 credit: Mapping[str, float]) -> tuple[list[tuple[str, set[int]]], dict[str, float]]:
+                 credit: Mapping[str, float], seating: SeatContext | None = None,
+                 ) -> tuple[list[tuple[str, set[int]]], dict[str, float], dict[str, Seat]]:
     """This round's slice of the LP rounded to critical jobs (the module docstring), in
-    planning order, and the gangs' credit to carry: whole gangs first, none rounded onto
-    another option than the LP's where that takes the GPU of a tight single-GPU job
-    (:func:`_tight_singles`), then the single-GPU jobs on what the gangs left."""
+    planning order, the gangs' credit to carry and the gangs' seats (empty unless
+    ``seating`` is given and the seats were solved): whole gangs first, none where it takes
+    the GPU of a tight single-GPU job (``gangs.tight_singles``), then the single-GPU jobs on
+    what the gangs left."""
     free = lp.count.astype(float).copy()
-    gangs, carried = _whole_gangs(lp, groups, share, spread_now, rates, smith, free, rounds=rounds,
-                                  tight=tight, credit=credit, keep=_tight_singles(groups, share, rates, tight, free))
+    keep = tight_singles(groups, share, rates, tight, free)
+    seated = (seated_gangs(groups, share, smith, free, rounds=rounds, tight=tight, credit=credit, keep=keep,
+                           context=seating) if seating is not None else None)
+    if seated is not None:
+        seats, carried = seated
+        singles = _single_gpus(lp, groups, share, rates, smith, free, round_s=round_s, tight=tight,
+                               after_gangs=bool(seats))
+        # Seated gangs first, on their seats' rows; a single-GPU job fits any GPU of its type left.
+        types = {s.job_id: set(seating.row_type[s.rows].tolist()) for s in seats} if seating is not None else {}
+        return ([(s.job_id, types[s.job_id]) for s in seats] + singles, carried,
+                {s.job_id: s for s in seats})
+    gangs, carried = whole_gangs(lp, groups, share, spread_now, rates, smith, free, rounds=rounds,
+                                 tight=tight, credit=credit, keep=keep)
     singles = _single_gpus(lp, groups, share, rates, smith, free, round_s=round_s, tight=tight,
                            after_gangs=bool(gangs))
     # Planning order: the most constrained placements first. Gangs on one node, then single
@@ -204,23 +227,7 @@ def _round_slice(lp: WorkLp, groups: Sequence[Sequence[JobState]], share: np.nda
     # types (their DP takes a job's slowest eligible GPUs first, which may be ones the LP
     # gave a single-GPU job).
     return ([(job_id, types) for spans, job_id, types in gangs if not spans] + singles
-            + [(job_id, types) for spans, job_id, types in gangs if spans]), carried
-
-
-def _tight_singles(groups: Sequence[Sequence[JobState]], share: np.ndarray, rates: np.ndarray, tight: np.ndarray,
-                   free: np.ndarray) -> np.ndarray:
-    """GPUs per type a gang rounded onto another option than the LP's must leave for the
-    tight single-GPU jobs: one of the type the LP's slice gives each (its fastest if none),
-    while any is free. On the gang-heavy trace of README "Known limits" (seed 2) an 8-GPU
-    gang due its turn, its K80s held by another gang, took every P100 and V100 left, the
-    job that sets E among them, every fourth round: E slid 20 rounds."""
-    held = np.zeros_like(free)
-    for c, group in enumerate(groups):
-        if tight[c] and group[0].workers == 1:
-            r = int(np.argmax(share[c])) if share[c].max() > SHARE_EPS else int(np.argmax(rates[c]))
-            if free[r] - held[r] >= 1:
-                held[r] += 1
-    return held
+            + [(job_id, types) for spans, job_id, types in gangs if spans]), carried, {}
 
 
 def _single_gpus(lp: WorkLp, groups: Sequence[Sequence[JobState]], share: np.ndarray, rates: np.ndarray,
@@ -259,7 +266,7 @@ def _single_gpus(lp: WorkLp, groups: Sequence[Sequence[JobState]], share: np.nda
     for c, group in enumerate(groups):
         left = got[c].copy()
         worth = float((value[c] * got[c]).sum() / max(got[c].sum(), 1e-12))
-        for job in _in_turn(group):
+        for job in in_turn(group):
             if left.sum() < 1 - 1e-6:
                 break
             r = int(np.argmax(np.where(left >= 1, rates[c], -1.0)))          # fastest type left to the class
@@ -267,133 +274,6 @@ def _single_gpus(lp: WorkLp, groups: Sequence[Sequence[JobState]], share: np.nda
             chosen.append((worth, int(smith[c]), job.job_id, {r}))
     chosen.sort(key=lambda item: (-item[0], item[1]))
     return [(job_id, types) for _, _, job_id, types in chosen]
-
-
-def _in_turn(group: Sequence[JobState]) -> list[JobState]:
-    """A class's jobs in Smith's order (least remaining work per unit of priority first)."""
-    return sorted(group, key=lambda j: (j.remaining / max(j.priority, 1e-9), j.arrival_s, j.job_id))
-
-
-def _whole_gangs(lp: WorkLp, groups: Sequence[Sequence[JobState]], share: np.ndarray, spread_now: np.ndarray,
-                 rates: np.ndarray, smith: np.ndarray, free: np.ndarray, *, rounds: np.ndarray, tight: np.ndarray,
-                 credit: Mapping[str, float], keep: np.ndarray,
-                 ) -> tuple[list[tuple[bool, str, set[int]]], dict[str, float]]:
-    """The gangs (W >= 2) to run now, each on all its W GPUs, as (whether it spans nodes,
-    job id, the types it may use), and the gangs' credit for the next round; takes their
-    GPUs off ``free``.
-
-    The LP runs gang c for ``units`` = its GPUs now / W of this round (a class: that many of
-    its gangs). A gang's *fill* is that part of what it can use this round (``units`` over
-    the part of a round it still needs, at most 1, so one about to finish is not starved by
-    its sliver; 1 when it has less than a round of laxity to E). Rounding carries its error
-    from round to round: a gang's *due* is its fill plus its credit, the fill it was given
-    and did not run before (negative: it ran beyond it), kept within +-CREDIT_CAP. Gangs go
-    by due, then Smith's order, each while the GPUs taken stay within half a gang of
-    sum W max(due, 0) (so of gangs that may not overlap and split the round in the LP, one
-    runs) and W GPUs it can use are free. So over rounds a gang runs about the part of the
-    time the LP gives it; rounded alone each round, a gang the LP ran half of every round
-    ran in every round and left the jobs beside it nothing. Pooled classes (above POOL_ABOVE
-    jobs) round ``units`` and carry no credit.
-
-    Which GPUs: one option per gang (``_gang_options``: those the LP runs now first), the
-    first whose GPUs (``_take_gang``) fit in what the LP leaves to the jobs not yet placed,
-    else the first whose GPUs are free but for ``keep`` (GPUs per type: the tight single-GPU
-    jobs'): rounding a gang up to W GPUs of one option should not drop a job the LP runs
-    now if another option avoids it, and never the job that sets E."""
-    wanted, budget, due_of = [], 0.0, {}
-    for c, group in enumerate(groups):
-        width = group[0].workers
-        units = float(share[c].sum()) / width
-        if width < 2:
-            continue
-        if len(group) == 1:
-            job_id = group[0].job_id
-            due = min(1.0, units / max(min(1.0, float(rounds[c])), 1e-9)) + credit.get(job_id, 0.0)
-            due = max(due, 1.0) if tight[c] else due
-            due_of[job_id], runs = due, 1
-            budget += width * max(due, 0.0)
-        else:
-            due, runs = units / len(group), math.floor(units + 0.5)
-            budget += width * units
-        if due > SHARE_EPS:
-            wanted.append((-due, int(smith[c]), c, runs))
-    out: list[tuple[bool, str, set[int]]] = []
-    taken = 0.0
-    pending = share.sum(axis=0)             # GPUs of each type the LP gives jobs not yet placed
-    for _, _, c, runs in sorted(wanted):
-        width = groups[c][0].workers
-        options = _gang_options(lp, c, share[c], spread_now)
-        pending -= share[c]
-        for job in _in_turn(groups[c])[:runs]:
-            if taken + width > budget + width / 2.0:
-                break
-            # an option within what the LP leaves to the others first: rounded up, it
-            # displaces no job the LP runs now; else one that leaves the tight jobs' GPUs
-            found = next(((column, take) for column, take in _takes(width, options, rates[c], free)
-                          if np.all(take <= free - pending + 1e-6)), None)
-            if found is None:
-                found = next(_takes(width, options, rates[c], free - keep), None)
-            if found is None:
-                continue
-            column, take = found
-            free -= take
-            taken += width
-            out.append((column >= 0, job.job_id, {int(r) for r in np.flatnonzero(take > 0)}))
-    ran = {job_id for _, job_id, _ in out}
-    return out, {job_id: float(np.clip(due - (job_id in ran), -CREDIT_CAP, CREDIT_CAP))
-                 for job_id, due in due_of.items()}
-
-
-def _takes(width: int, options: Sequence[tuple[int, np.ndarray, np.ndarray]], rates: np.ndarray,
-           free: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
-    """(option, its GPUs per type) of each option of a gang whose W GPUs ``free`` holds, in
-    turn, each worked out only when asked for."""
-    for column, now, usable in options:
-        take = _take_gang(width, now, usable, rates, free, one_node=column < 0)
-        if take is not None:
-            yield column, take
-
-
-def _gang_options(lp: WorkLp, c: int, share: np.ndarray,
-                  spread_now: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """Gang c's options as (spread column, or -1 for one node; its GPUs of each type the LP
-    holds now; the types it may use): those the LP runs now first, most GPUs first, then by
-    rate. A node option is one type; one placement over several of the LP's columns would
-    run at the slowest one's rate."""
-    mine = np.flatnonzero(lp.spread_job == c)
-    spread_held = spread_now[mine].sum(axis=0) if mine.size else np.zeros_like(share)
-    on_node = np.clip(share - spread_held, 0.0, None)
-    ranked = []
-    for r in np.flatnonzero(lp.rho[c] > 0):
-        only = np.zeros(share.size, dtype=bool)
-        only[r] = True
-        ranked.append((float(on_node[r]), float(lp.rho[c, r]), -1, np.where(only, on_node, 0.0), only))
-    for s in mine:
-        ranked.append((float(spread_now[s].sum()), float(lp.spread_rate[s]), int(s), spread_now[s],
-                       lp.spread_cap[s] > 0))
-    ranked.sort(key=lambda o: (-o[0] if o[0] > SHARE_EPS else 0.0, -o[1]))
-    return [(column, now, usable) for _, _, column, now, usable in ranked]
-
-
-def _take_gang(width: int, now: np.ndarray, usable: np.ndarray, rates: np.ndarray, free: np.ndarray, *,
-               one_node: bool) -> np.ndarray | None:
-    """W GPUs per type for one gang on one option, or None if they are not free: one node
-    option takes W of its type; a spread column the LP's mix of its types (scaled to W),
-    then its slowest types."""
-    if one_node:
-        r = int(np.flatnonzero(usable)[0])
-        if free[r] < width:
-            return None
-        take = np.zeros_like(free)
-        take[r] = width
-        return take
-    given = float(now.sum())
-    mix = now * (width / given) if given > SHARE_EPS else np.zeros_like(free)
-    take = np.where(usable, np.minimum(free, np.floor(mix + 1e-6)), 0.0)
-    order = np.lexsort((rates, -(mix - take)))
-    for r in order[usable[order]]:
-        take[r] += min(free[r] - take[r], width - take.sum())
-    return take if take.sum() >= width else None
 
 
 def _transport(value: np.ndarray, workers: np.ndarray, cap: np.ndarray, count: np.ndarray) -> np.ndarray | None:

@@ -62,6 +62,36 @@ _CHOOSE = _options(simplex_only=False)
 _SIMPLEX = _options(simplex_only=True)
 
 
+MIP_MAX_NODES = 20_000
+MIP_ABS_GAP = 1e-7
+
+
+def _mip_options() -> highspy.HighsOptions:
+    """Branch and bound on the model as given. HiGHS 1.12 prints
+    ``HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();`` to stdout
+    from C++, whatever ``output_flag`` says, whenever it repairs an incumbent that fails on
+    the original model: one found on the presolved model, by a sub-MIP heuristic, or after
+    its symmetry handling or a root restart. Stdout carries the services' JSON log lines, so all of those are
+    off; the seat MIPs (``hadar/seats``) are small enough not to need them. A node limit
+    rather than a time limit keeps the answer independent of the machine's load."""
+    options = _options(simplex_only=False)
+    options.presolve = "off"
+    options.mip_detect_symmetry = False
+    options.mip_heuristic_run_rins = False
+    options.mip_heuristic_run_rens = False
+    options.mip_heuristic_run_root_reduced_cost = False
+    options.mip_heuristic_run_zi_round = False
+    options.mip_heuristic_run_shifting = False
+    options.mip_heuristic_run_feasibility_jump = False
+    options.mip_max_nodes = MIP_MAX_NODES
+    options.mip_rel_gap = 0.0           # proven optimal: a model's own small tie-break terms decide
+    options.mip_abs_gap = MIP_ABS_GAP
+    return options
+
+
+_MIP = _mip_options()
+
+
 _PER_THREAD = threading.local()
 
 
@@ -93,13 +123,15 @@ def _column_bounds(bounds: Bounds | None, n: int) -> tuple[np.ndarray, np.ndarra
 
 
 def solve(cost: np.ndarray, a_ub: object, b_ub: np.ndarray, bounds: Bounds | None = None,
-          *, simplex_only: bool = False) -> LpResult:
+          *, simplex_only: bool = False, integral: np.ndarray | None = None) -> LpResult:
     """Minimise ``cost . x`` subject to ``a_ub @ x <= b_ub`` and the column bounds.
 
     ``a_ub`` is a scipy sparse matrix or a dense array; ``bounds`` is a pair for every column,
     one pair for all, an (n, 2) array, or None for ``x >= 0`` (linprog's conventions).
     ``simplex_only`` keeps HiGHS on the simplex (linprog's ``method="highs-ds"``), so the
-    answer is a vertex.
+    answer is a vertex. ``integral`` (bool per column) makes those columns integer: a MIP,
+    solved to optimality (within MIP_ABS_GAP of the objective) in at most MIP_MAX_NODES
+    branch-and-bound nodes (``ok`` False past it).
     """
     c = np.ascontiguousarray(cost, dtype=float)
     n = c.size
@@ -129,8 +161,14 @@ def solve(cost: np.ndarray, a_ub: object, b_ub: np.ndarray, bounds: Bounds | Non
     lp.a_matrix_.start_ = matrix.indptr
     lp.a_matrix_.index_ = matrix.indices
     lp.a_matrix_.value_ = matrix.data
+    mip = integral is not None and bool(np.any(integral))
+    if mip:
+        lp.integrality_ = [highspy.HighsVarType.kInteger if flag else highspy.HighsVarType.kContinuous
+                           for flag in np.asarray(integral, dtype=bool).tolist()]
     solver = _solver()
-    solver.passOptions(_SIMPLEX if simplex_only else _CHOOSE)
+    solver.passOptions(_MIP if mip else _SIMPLEX if simplex_only else _CHOOSE)
+    if mip:   # a root restart re-presolves (the options object does not carry this one)
+        solver.setOptionValue("mip_allow_restart", False)
     if solver.passModel(lp) == highspy.HighsStatus.kError:
         return LpResult(ok=False, x=np.empty(0), message="HiGHS refused the model")
     solver.run()
