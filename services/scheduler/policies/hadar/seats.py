@@ -38,7 +38,7 @@ the gang-heavy trace of README "Known limits" 1.052 / 1.080 / 1.058x the bound o
 (seeds 1-6) and on Sia's eight streams with Sia's restarts (``--policies hadar``):
 
 * the option's rate (RATE = 0.5 of the rate ratio per GPU and unit of due): at 0.02 (in one
-  objective with the others) gangs kept slow spread seats, and Sia's streams ran 40% more GPU-hours than before seats;
+  objective with the others) gangs kept slow spread seats, and Sia's streams ran 36% more GPU-hours than before seats;
 * a GPU the slice gives a single-GPU job (DISPLACE per GPU): at 0.1 gangs took those for
   faster seats, mean JCT +4.1% on the gang-heavy trace; at 1 gangs took slow seats rather
   than any, and seeds 3 and 6 ended 1.061 / 1.055x the bound. At 0.3 the trace ends

@@ -71,9 +71,9 @@ def _mip_options() -> highspy.HighsOptions:
     ``HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();`` to stdout
     from C++, whatever ``output_flag`` says, whenever it repairs an incumbent that fails on
     the original model: one found on the presolved model, by a sub-MIP heuristic, or after
-    its symmetry handling or a root restart. Stdout carries the services' JSON log lines, so all of those are
-    off; the seat MIPs (``hadar/seats``) are small enough not to need them. A node limit
-    rather than a time limit keeps the answer independent of the machine's load."""
+    its symmetry handling or a root restart. Stdout carries the services' JSON log lines, so
+    all of those are off; the seat MIPs (``hadar/seats``) are small enough not to need them.
+    A node limit rather than a time limit keeps the answer independent of the machine's load."""
     options = _options(simplex_only=False)
     options.presolve = "off"
     options.mip_detect_symmetry = False
