@@ -45,7 +45,7 @@ class CriticalDecision:
 def decide_critical(request: PlanRequest, jobs: Sequence[JobState], profiles: Mapping[str, JobProfile],
                     layout: RowLayout, previous: LedgerState | None, *,
                     held: Mapping[str, tuple[np.ndarray, np.ndarray]],
-                    enabled: bool, rule: str, slack: float, keep_rounds: float, seat: bool = True) -> CriticalDecision:
+                    enabled: bool, rule: str, slack: float, keep_rounds: float, seat: bool) -> CriticalDecision:
     """The module's rules for this round (``jobs`` in arrival order; ``held``: the rows each
     job held in the previous round's plan and its GPUs on each, ``hadar/slot.held_rows``;
     ``seat``: the timeline rule seats its due gangs, ``hadar/seats``)."""

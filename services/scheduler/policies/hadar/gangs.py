@@ -91,9 +91,8 @@ def in_turn(group: Sequence[JobState]) -> list[JobState]:
     return sorted(group, key=lambda j: (j.remaining / max(j.priority, 1e-9), j.arrival_s, j.job_id))
 
 
-def whole_gangs(lp: WorkLp, groups: Sequence[Sequence[JobState]], share: np.ndarray, spread_now: np.ndarray,
-                rates: np.ndarray, smith: np.ndarray, free: np.ndarray, *, rounds: np.ndarray, tight: np.ndarray,
-                credit: Mapping[str, float], keep: np.ndarray,
+def whole_gangs(lp: WorkLp, groups: Sequence[Sequence[JobState]], dues: GangDues, share: np.ndarray,
+                spread_now: np.ndarray, rates: np.ndarray, free: np.ndarray, *, keep: np.ndarray,
                 ) -> tuple[list[tuple[bool, str, set[int]]], dict[str, float]]:
     """The gangs (W >= 2) to run now, each on all its W GPUs, as (whether it spans nodes,
     job id, the types it may use), and the gangs' credit for the next round; takes their
@@ -116,8 +115,7 @@ def whole_gangs(lp: WorkLp, groups: Sequence[Sequence[JobState]], share: np.ndar
     first whose GPUs (``_take_gang``) fit in what the LP leaves to the jobs not yet placed,
     else the first whose GPUs are free but for ``keep`` (GPUs per type: the tight single-GPU
     jobs'): rounding a gang up to W GPUs of one option should not drop a job the LP runs
-    now if another option avoids it, and never the job that sets E."""
-    dues = gang_dues(groups, share, smith, rounds=rounds, tight=tight, credit=credit)
+    now if another option avoids it, and never the job that sets E. ``dues``: ``gang_dues``."""
     budget = dues.budget
     out: list[tuple[bool, str, set[int]]] = []
     taken = 0.0
@@ -209,13 +207,11 @@ class SeatContext:
     round_s: float
 
 
-def seated_gangs(groups: Sequence[Sequence[JobState]], share: np.ndarray, smith: np.ndarray, free: np.ndarray, *,
-                 rounds: np.ndarray, tight: np.ndarray, credit: Mapping[str, float], keep: np.ndarray,
-                 context: SeatContext) -> tuple[list[Seat], dict[str, float]] | None:
+def seated_gangs(groups: Sequence[Sequence[JobState]], dues: GangDues, share: np.ndarray, free: np.ndarray, *,
+                 keep: np.ndarray, context: SeatContext) -> tuple[list[Seat], dict[str, float]] | None:
     """The due gangs seated together (``hadar/seats``), in the order of their dues, and the
     gangs' credit for the next round; takes their GPUs off ``free``. None where a due class
     pools several jobs or the MIP is not solved (the caller then uses ``whole_gangs``)."""
-    dues = gang_dues(groups, share, smith, rounds=rounds, tight=tight, credit=credit)
     if any(len(groups[c]) > 1 for _, _, c, _ in dues.wanted):
         return None
     singles = [c for c, group in enumerate(groups) if group[0].workers == 1]

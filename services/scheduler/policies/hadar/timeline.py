@@ -72,7 +72,14 @@ import numpy as np
 from scipy.sparse import coo_matrix
 
 from services.scheduler.core.policy import JobState
-from services.scheduler.policies.hadar.gangs import SeatContext, in_turn, seated_gangs, tight_singles, whole_gangs
+from services.scheduler.policies.hadar.gangs import (
+    SeatContext,
+    gang_dues,
+    in_turn,
+    seated_gangs,
+    tight_singles,
+    whole_gangs,
+)
 from services.scheduler.policies.hadar.profile import JobProfile
 from services.scheduler.policies.hadar.seats import Seat
 from services.scheduler.policies.lp.highs import solve as solve_lp
@@ -208,18 +215,17 @@ def _round_slice(lp: WorkLp, groups: Sequence[Sequence[JobState]], share: np.nda
     what the gangs left."""
     free = lp.count.astype(float).copy()
     keep = tight_singles(groups, share, rates, tight, free)
-    seated = (seated_gangs(groups, share, smith, free, rounds=rounds, tight=tight, credit=credit, keep=keep,
-                           context=seating) if seating is not None else None)
-    if seated is not None:
+    dues = gang_dues(groups, share, smith, rounds=rounds, tight=tight, credit=credit)
+    seated = (seated_gangs(groups, dues, share, free, keep=keep, context=seating)
+              if seating is not None else None)
+    if seating is not None and seated is not None:
         seats, carried = seated
         singles = _single_gpus(lp, groups, share, rates, smith, free, round_s=round_s, tight=tight,
                                after_gangs=bool(seats))
         # Seated gangs first, on their seats' rows; a single-GPU job fits any GPU of its type left.
-        types = {s.job_id: set(seating.row_type[s.rows].tolist()) for s in seats} if seating is not None else {}
-        return ([(s.job_id, types[s.job_id]) for s in seats] + singles, carried,
+        return ([(s.job_id, set(seating.row_type[s.rows].tolist())) for s in seats] + singles, carried,
                 {s.job_id: s for s in seats})
-    gangs, carried = whole_gangs(lp, groups, share, spread_now, rates, smith, free, rounds=rounds,
-                                 tight=tight, credit=credit, keep=keep)
+    gangs, carried = whole_gangs(lp, groups, dues, share, spread_now, rates, free, keep=keep)
     singles = _single_gpus(lp, groups, share, rates, smith, free, round_s=round_s, tight=tight,
                            after_gangs=bool(gangs))
     # Planning order: the most constrained placements first. Gangs on one node, then single
