@@ -320,14 +320,17 @@ def test_the_timeline_keeps_the_makespan_target_and_shortens_jobs_against_laxity
     assert timeline.jct_mean_s < 0.97 * laxity.jct_mean_s
 
 
-@pytest.mark.parametrize("cluster,seed", [("aws-5", 5), ("aws-5-multi", 3)])
-def test_gangs_end_no_later_than_under_the_laxity_rule(cluster, seed):
+@pytest.mark.parametrize("cluster,seed,seat_gangs", [("aws-5", 5, False), ("aws-5-multi", 3, False),
+                                                     ("aws-5-multi", 3, True)])
+def test_gangs_end_no_later_than_under_the_laxity_rule(cluster, seed, seat_gangs):
     # aws-5 seed 5: three 4-GPU gangs on five one-GPU nodes. With work counted as divisible
     # and gangs rounded like single GPUs, the timeline ended 26% after the laxity rule (no gang
     # was ever critical until E had passed). aws-5-multi seed 3: rounding an 8-GPU gang onto
     # all eight V100s (the LP's most-used option) left the longest single-GPU job a K80 and
-    # ended 18% after, until options that drop no job the LP runs came first.
-    timeline, _ = run_generated("hadar", cluster, jobs=10, seed=seed, multi_gpu=True)
+    # ended 18% after, until options that drop no job the LP runs came first. Seated
+    # (``seat_gangs``), the MIP put it there again over the job that sets E (3.5% after)
+    # until seats left the GPUs of single-GPU jobs near their limit (``NEAR_LAXITY``).
+    timeline, _ = run_generated("hadar", cluster, jobs=10, seed=seed, multi_gpu=True, seat_gangs=seat_gangs)
     laxity, _ = run_generated("hadar", cluster, jobs=10, seed=seed, multi_gpu=True, critical_rule="laxity")
     assert timeline.jobs_completed == timeline.jobs_total == laxity.jobs_completed
     assert timeline.ttd_s <= 1.01 * laxity.ttd_s

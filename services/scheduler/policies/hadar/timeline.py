@@ -36,7 +36,8 @@ of the types it got (``Hadar._plan_job``):
   Hadar's ``seat_gangs`` (off by default), seated together by one MIP on the cluster's
   rows (``hadar/seats``), each on the exact GPUs its planning then takes. No gang takes the
   GPU the LP's slice gives a *tight* single-GPU job (less than a round of laxity): the job
-  that sets E (``tight_singles``).
+  that sets E (``tight_singles``); nor does a seated gang take the GPU of one *near* its
+  limit (laxity under NEAR_LAXITY of the rounds left to E).
 * Single-GPU jobs get the GPUs left by a transportation problem: y[j, r] integer GPUs,
   sum_r y[j, r] <= 1, sum_j y[j, r] <= n_r left, maximising sum v[j, r] y[j, r] with
   v[j, r] = min(1, share / need) the part of what j can use of r this round that the LP
@@ -93,6 +94,11 @@ from services.scheduler.policies.lp.timeline import (
 )
 
 TIMELINE_SLACK = 0.04   # Hadar's default critical_slack under this rule (hadar.py "Constants")
+# Seated gangs (``seat_gangs``) also leave its GPU to a single-GPU job whose laxity to E is
+# under this part of the rounds left: the seat MIP values a gang's rate above the singles it
+# displaces, and on aws-5-multi seed 3 it seated the 8-GPU Transformer on all eight V100s
+# (the LP had it on K80s) over the job that sets E, which then ended 3.5% late.
+NEAR_LAXITY = 0.2
 TIE_WEIGHT = 1e-3    # Smith's order breaks ties of v without outweighing any real difference
 
 
@@ -196,27 +202,31 @@ def critical_types(jobs: Sequence[JobState], profiles: Mapping[str, JobProfile],
     smith = np.argsort(np.argsort(rank, kind="stable"), kind="stable")
     # rounds each job needs at its best rate (whole gang); *tight*: less than a round of laxity to E
     rounds = lp.rem / np.maximum(lp.gang_width * rates.max(axis=1) * round_s, 1e-300)
-    tight = (rounds > end - round_ - 1) & np.array([len(g) == 1 for g in groups])
+    lone = np.array([len(g) == 1 for g in groups])
+    tight = (rounds > end - round_ - 1) & lone
+    near = (rounds > (end - round_) * (1.0 - NEAR_LAXITY) - 1) & lone
     seating = (SeatContext(row_type=rows[0], row_cap=rows[1], profiles=profiles, held=held_rows or {},
                            round_s=round_s) if rows is not None else None)
     chosen, carried, seats = _round_slice(lp, groups, share, plan.spread_now, rates, smith, round_s=round_s,
-                                          rounds=rounds, tight=tight, credit=credit or {}, seating=seating)
+                                          rounds=rounds, tight=tight, near=near, credit=credit or {},
+                                          seating=seating)
     return CriticalRound(end=end, credit=carried, chosen=chosen, seats=seats)
 
 
 def _round_slice(lp: WorkLp, groups: Sequence[Sequence[JobState]], share: np.ndarray, spread_now: np.ndarray,
                  rates: np.ndarray, smith: np.ndarray, *, round_s: float, rounds: np.ndarray, tight: np.ndarray,
-                 credit: Mapping[str, float], seating: SeatContext | None = None,
+                 near: np.ndarray, credit: Mapping[str, float], seating: SeatContext | None = None,
                  ) -> tuple[list[tuple[str, set[int]]], dict[str, float], dict[str, Seat]]:
     """This round's slice of the LP rounded to critical jobs (the module docstring), in
     planning order, the gangs' credit to carry and the gangs' seats (empty unless
     ``seating`` is given and the seats were solved): whole gangs first, none where it takes
-    the GPU of a tight single-GPU job (``gangs.tight_singles``), then the single-GPU jobs on
-    what the gangs left."""
+    the GPU of a tight single-GPU job (``gangs.tight_singles``; seated gangs also leave those
+    of the ``near`` ones), then the single-GPU jobs on what the gangs left."""
     free = lp.count.astype(float).copy()
     keep = tight_singles(groups, share, rates, tight, free)
     dues = gang_dues(groups, share, smith, rounds=rounds, tight=tight, credit=credit)
-    seated = (seated_gangs(groups, dues, share, free, keep=keep, context=seating)
+    seated = (seated_gangs(groups, dues, share, free, context=seating,
+                           keep=np.maximum(keep, tight_singles(groups, share, rates, near, free)))
               if seating is not None else None)
     if seating is not None and seated is not None:
         seats, carried = seated
