@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-from services.scheduler.policies import make_policy
+from services.scheduler.policies import make_policy, parse_scoped_policy_option
 from services.scheduler.sim.bounds import ttd_bounds
 from services.scheduler.sim.cluster_spec import parse_cluster
 from services.scheduler.sim.results import completed_jcts_s, compute_results, span_s
@@ -56,20 +56,22 @@ def jobs_of(seed: int, days: float | None) -> tuple[TraceJob, ...]:
     return jobs if days is None else tuple(j for j in jobs if j.arrival_s < days * 86_400)
 
 
-def replay(policy: str, seed: int, days: float | None, plane_path: str | None = None) -> dict[str, Any]:
+def replay(policy: str, seed: int, days: float | None, plane_path: str | None = None,
+           options: dict[str, Any] | None = None) -> dict[str, Any]:
     throughput = build_throughput()
     plane = load_data_plane(plane_path) if plane_path is not None else None
     jobs = jobs_of(seed, days)
     cluster = parse_cluster(CLUSTER)
     started = time.perf_counter()
-    result = simulate(policy=make_policy(policy), cluster=cluster, jobs=jobs, throughput=throughput,
+    result = simulate(policy=make_policy(policy, **(options or {})), cluster=cluster, jobs=jobs, throughput=throughput,
                       options=SimOptions(round_s=ROUND_S, seed=seed, data_plane=plane))
     wall = time.perf_counter() - started
     metrics = compute_results(result, throughput)   # JCT mean, span (makespan), utilization
     jcts = np.array(completed_jcts_s(result))
     decisions = np.array([r.decision_ms for r in result.rounds])
     return {
-        "policy": policy, "jobs": len(jobs), "completed": metrics.jobs_completed, "stop": result.stop_reason,
+        "policy": policy, "options": options or {}, "jobs": len(jobs), "completed": metrics.jobs_completed,
+        "stop": result.stop_reason,
         "gangs_only": result.gangs_only, "jct_mean_s": metrics.jct_mean_s,
         "jct_p99_s": float(np.percentile(jcts, 99)) if len(jcts) else None,
         "makespan_s": span_s(result), "utilization": metrics.cru,
@@ -85,7 +87,8 @@ def replay(policy: str, seed: int, days: float | None, plane_path: str | None = 
 def _line(row: dict[str, Any]) -> str:
     def hours(x: float | None) -> str:
         return "-" if x is None else f"{x / 3600:,.2f} h"
-    return (f"{row['policy']}: {row['completed']}/{row['jobs']} done ({row['stop']}); "
+    named = row["policy"] + "".join(f" {k}={v}" for k, v in row["options"].items())
+    return (f"{named}: {row['completed']}/{row['jobs']} done ({row['stop']}); "
             f"mean JCT {hours(row['jct_mean_s'])}, "
             f"p99 {hours(row['jct_p99_s'])}, makespan {row['makespan_s'] / 86_400:.2f} d, "
             f"utilization {row['utilization']:.3f}; decision p50/p95/max {row['decision_ms_p50']:.1f}/"
@@ -101,14 +104,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--days", type=float, default=None, help="only jobs arriving in the first D days")
     parser.add_argument("--bound", action="store_true", help="also solve the TTD lower bounds")
     parser.add_argument("--data-plane", default=None, help="charge moves from this measured data plane (JSON)")
+    parser.add_argument("--policy-option", action="append", default=[], metavar="POLICY:KEY=VALUE",
+                        help="an option for one policy's constructor, e.g. hadar:seat_gangs=false (repeatable)")
     args = parser.parse_args(argv)
+    scoped: dict[str, dict[str, Any]] = {}
+    for policy, key, value in (parse_scoped_policy_option(text) for text in args.policy_option):
+        scoped.setdefault(policy, {})[key] = value
     plane = load_data_plane(args.data_plane) if args.data_plane is not None else None
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     started = time.perf_counter()
     rows = []
     with ProcessPoolExecutor(max_workers=max(1, args.parallel)) as pool:
         for row in pool.map(replay, names, [args.seed] * len(names), [args.days] * len(names),
-                            [args.data_plane] * len(names)):
+                            [args.data_plane] * len(names), [scoped.get(n) for n in names]):
             print(_line(row), flush=True)
             rows.append(row)
     out: dict[str, Any] = {"cluster": CLUSTER, "round_s": ROUND_S, "seed": args.seed, "days": args.days,
