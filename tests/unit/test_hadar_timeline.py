@@ -254,7 +254,7 @@ def test_a_gang_due_its_turn_does_not_take_the_gpu_of_the_tight_job():
     chosen, credit, _ = _round_slice(lp, groups, share=np.array([[1.0, 0.0], [0.0, 1.0]]), spread_now=np.zeros((0, 2)),
                                   rates=lp.rho, smith=np.array([0, 1]), round_s=360.0,
                                   rounds=np.array([50.0, 100.0]), tight=np.array([False, True]),
-                                  credit={"g": 0.6})
+                                  near=np.array([False, True]), credit={"g": 0.6})
     assert chosen == [("t", {1})]
     assert credit == {"g": pytest.approx(1.0)}   # its due (0.5 + 0.6, capped), not run: carried
 
