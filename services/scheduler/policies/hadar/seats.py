@@ -64,7 +64,8 @@ of one of the gang's options; None (the caller rounds one at a time) when the MI
 than MAX_COLUMNS columns or HiGHS does not prove it optimal within its node limit
 (``lp/highs.MIP_MAX_NODES``). The MIP is small: a column per (gang, row) for node seats,
 per (gang, spread option, row) for spread seats, and rows of one type and size beyond the
-first sum W are left out (``_rows_to_consider``).
+first sum W are left out (``_rows_to_consider``). Where every due gang fits, it is solved
+once (the second stage with all of them running, the first stage's optimum then), else twice.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ import numpy as np
 from scipy.sparse import coo_matrix, vstack
 
 from services.scheduler.policies.hadar.profile import Option
-from services.scheduler.policies.lp.highs import MIP_ABS_GAP
+from services.scheduler.policies.lp.highs import MIP_ABS_GAP, LpResult
 from services.scheduler.policies.lp.highs import solve as solve_lp
 
 TIE = 1e-3          # Smith's order among gangs of equal due
@@ -169,6 +170,7 @@ def seat_gangs(asks: Sequence[SeatAsk], *, row_type: np.ndarray, row_cap: np.nda
     usage: list[list[tuple[int, float]]] = [[] for _ in range(row_cap.size)]   # (column, GPUs per unit) per row
     seen = _rows_to_consider(asks, row_type, row_cap)
     budget_terms: list[tuple[int, float]] = []
+    every_gang: list[tuple[float, int]] = []      # (first-stage value, W) of each gang with a seat
     for g, ask in enumerate(asks):
         width = ask.width
         best = max((o.rate for o in ask.options), default=0.0)
@@ -220,6 +222,7 @@ def seat_gangs(asks: Sequence[SeatAsk], *, row_type: np.ndarray, row_cap: np.nda
         if seats:
             constraint([(s, 1.0) for s in seats], 1.0)
             budget_terms += [(s, float(width)) for s in seats]
+            every_gang.append((width * ask.due * (1.0 + TIE * (1.0 - ask.rank)), width))
     if not budget_terms:
         return {}
     for h, terms in enumerate(usage):
@@ -241,13 +244,24 @@ def seat_gangs(asks: Sequence[SeatAsk], *, row_type: np.ndarray, row_cap: np.nda
     integral = np.array([kind != "displaced" for kind in cols.kind])
     bounds = np.column_stack([np.zeros(n_cols), cols.upper])
     first = np.array(cols.first)
+    held_first = vstack([a_ub, coo_matrix(-first[None, :])]).tocsr()
+
+    def where(floor: float) -> LpResult:
+        """The second stage: where they run, the first stage's value held at ``floor``."""
+        return solve_lp(-np.array(cols.value), held_first, np.array([*rhs, -floor]), bounds, integral=integral)
+
+    # Every gang with a seat running is the first stage's optimum whenever it is feasible
+    # (each due is positive), so try that first: one MIP a round, not two, wherever the due
+    # gangs all fit (most rounds of a cluster not full, e.g. the Philly replay). Each W due
+    # is at least 2 SHARE_EPS, far above the gap, so the answer is the two stages' own.
+    if sum(w for _, w in every_gang) <= budget + max(a.width for a in asks) / 2.0:
+        res = where(sum(v for v, _ in every_gang) - 2 * MIP_ABS_GAP)
+        if res.ok:
+            return _read(asks, cols, np.round(res.x))
     res = solve_lp(-first, a_ub, np.array(rhs), bounds, integral=integral)
     if not res.ok:
         return None
-    # Second stage: where they run, the set's value held (to within the solver's gap)
-    floor = float(first @ np.round(res.x)) - 2 * MIP_ABS_GAP
-    a_ub = vstack([a_ub, coo_matrix(-first[None, :])]).tocsr()
-    res = solve_lp(-np.array(cols.value), a_ub, np.array([*rhs, -floor]), bounds, integral=integral)
+    res = where(float(first @ np.round(res.x)) - 2 * MIP_ABS_GAP)   # to within the solver's gap
     if not res.ok:
         return None
     return _read(asks, cols, np.round(res.x))
