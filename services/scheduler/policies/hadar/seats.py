@@ -14,8 +14,8 @@ type on one node, C_h GPUs). A seat is one of the gang's placement options
 with C_h >= W; a spread option as integer GPUs n_h on rows of its eligible types, summing
 to W. Binary z (node seat on row h) and y (spread seat), integer n. Constraints: each gang
 at most one seat (run_g); GPUs of each row at most C_h; GPUs of each type at most C_r less
-``reserved_r`` (the tight single-GPU jobs', ``gangs.tight_singles``: never the GPU of the
-job that sets E); sum_g W_g run_g at most the rounding's budget plus half the widest gang
+``reserved_r`` (the tight and near-tight single-GPU jobs', ``gangs.tight_singles``: never
+the GPU of the job that sets E); sum_g W_g run_g at most the rounding's budget plus half the widest gang
 (as ``gangs.whole_gangs``); kept_g only on the gang's seat of last round (the same GPUs on
 every row: anything else restarts it); d_r >= GPUs of type r seated beyond those the LP
 leaves after its single-GPU jobs. Two objectives, in turn (lexicographic, as the one-at-a-
@@ -51,13 +51,18 @@ the gang-heavy trace of README "Known limits" 1.052 / 1.080 / 1.058x the bound o
 PREFER (the LP's types) at 1 rather than 0.04 gave the same on the gang-heavy trace and
 1.55x on Sia's streams.
 
-Off by default (Hadar's ``seat_gangs``): on the small multi-GPU traces it is slightly worse
-(aws-5-multi, seeds 1-3: 1.000 -> 1.018x the bound at 10 jobs, 1.027 -> 1.038x at 20), and on
-aws-5-multi seed 3 an 8-GPU gang seated on the fast GPUs of the single-GPU job that later
-sets E ends the run 3.5% after the laxity rule (``test_hadar_timeline``'s
-``test_gangs_end_no_later_than_under_the_laxity_rule``). A rate term of 0.1 or less, or
-strict non-displacement (2 per GPU, the single-GPU jobs' slice rounded up), keeps that run
-on time but ends gang-heavy seeds 3 and 6 at 1.074-1.084x.
+Off by default (Hadar's ``seat_gangs``). On aws-5-multi seed 3 an 8-GPU gang seated on the
+fast GPUs of the single-GPU job that later sets E ended the run 3.5% after the laxity rule
+(``test_hadar_timeline``'s ``test_gangs_end_no_later_than_under_the_laxity_rule``); a rate
+term of 0.1 or less, or strict non-displacement (2 per GPU, the single-GPU jobs' slice rounded
+up), kept that run on time but ended gang-heavy seeds 3 and 6 at 1.074-1.084x. Reserving the
+GPUs of single-GPU jobs *near* their limit too (``timeline.NEAR_LAXITY``) keeps it on time at
+no cost elsewhere. What keeps it off: mean JCT on Gavel's generated multi-GPU mixes, seed 1,
++2% / +3% / +4% / +7% (aws-5-multi 20 and 40 jobs, lab-5-multi 20 and 40); on lab-5-multi
+with 40 jobs the single-GPU jobs +8% and the 4-GPU gangs +10%, some 4-GPU gangs seated across
+two nodes (at the cross-node rate) rather than on a whole node with a GPU the slice gives a
+single-GPU job. PREFER 1, DISPLACE 1 or RATE 0.25 narrow that to +0.4-4% but gave back most
+of Sia's gain before (PREFER 1: 1.55x); RATE 1 and DISPLACE 0.1 widen it.
 
 Guarantees: pure; no row or type over its GPUs; no gang over one seat; every seat W GPUs
 of one of the gang's options; None (the caller rounds one at a time) when the MIP has more
