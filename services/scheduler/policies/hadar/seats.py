@@ -57,13 +57,15 @@ fast GPUs of the single-GPU job that later sets E ended the run 3.5% after the l
 term of 0.1 or less, or strict non-displacement (2 per GPU, the single-GPU jobs' slice rounded
 up), kept that run on time but ended gang-heavy seeds 3 and 6 at 1.074-1.084x. Reserving the
 GPUs of single-GPU jobs *near* their limit too (``timeline.NEAR_LAXITY``) keeps it on time,
-and the other figures here within 0.1%. What keeps it off: mean JCT on Gavel's generated
-multi-GPU mixes, seed 1, +1.7% / +3.8% / +2.8% / +7.1% (aws-5-multi 20 and 40 jobs,
-lab-5-multi 20 and 40); on lab-5-multi with 40 jobs the single-GPU jobs +8% and the 4-GPU
-gangs +10%, some 4-GPU gangs seated across two nodes (at the cross-node rate) rather than on a
-whole node with a GPU the slice gives a single-GPU job. PREFER 1, DISPLACE 1 or RATE 0.25
-narrow that to -0.6% to +4.9%, but the first two gave back much of Sia's gain before (1.55x,
-1.48x; RATE 0.25 not run there); RATE 1 and DISPLACE 0.1 widen it.
+and Sia's streams and the gang-heavy seeds above within 0.1% of mean JCT (on lab-5-multi with
+40 jobs, below, it costs 5.9% of mean JCT; on aws-5-multi with 40 it saves 3.2%). What keeps
+it off: mean JCT on Gavel's generated multi-GPU mixes, seed 1, +1.7% / +3.8% / +2.8% / +7.1%
+(aws-5-multi 20 and 40 jobs, lab-5-multi 20 and 40); on lab-5-multi with 40 jobs the
+single-GPU jobs +8% and the 4-GPU gangs +10%, some 4-GPU gangs seated across two nodes (at the
+cross-node rate) rather than on a whole node with a GPU the slice gives, or the reservation
+keeps for, a single-GPU job. PREFER 1, DISPLACE 1 or RATE 0.25 narrow that to -0.6% to +4.9%,
+but the first two gave back much of Sia's gain before (1.55x, 1.48x; RATE 0.25 not run there);
+RATE 1 and DISPLACE 0.1 widen it.
 
 Guarantees: pure; no row or type over its GPUs; no gang over one seat; every seat W GPUs
 of one of the gang's options; None (the caller rounds one at a time) when the MIP has more
