@@ -185,6 +185,8 @@ def seat_gangs(asks: Sequence[SeatAsk], *, row_type: np.ndarray, row_cap: np.nda
         held = _held_map(ask)
         speed = (ask.per_worker / max(float(ask.per_worker.max()), 1e-300) if ask.per_worker is not None
                  else np.zeros(n_types))
+        runs = width * ask.due * (1.0 + TIE * (1.0 - ask.rank))       # the first stage's value
+        keep_worth = width * (MOVE_SHARE * ask.due * min(1.0, ask.restart_share) + KEEP_BONUS)
         seats: list[int] = []
         for o, option in enumerate(ask.options):
             if option.rate <= 0:
@@ -195,9 +197,7 @@ def seat_gangs(asks: Sequence[SeatAsk], *, row_type: np.ndarray, row_cap: np.nda
             else:
                 types |= option.eligible
             fit = min(1.0, float(ask.now[types].sum()) / width)
-            runs = width * ask.due * (1.0 + TIE * (1.0 - ask.rank))
             worth = width * ask.due * (PREFER * fit + RATE * option.rate / best)
-            keep_worth = width * (MOVE_SHARE * ask.due * min(1.0, ask.restart_share) + KEEP_BONUS)
             if option.one_node:
                 for h in np.flatnonzero(seen & (row_type == option.gpu_type) & (row_cap >= width)).tolist():
                     z = cols.add(g, o, h, "node", 1.0, worth - ROW_TIE * width * h / row_cap.size, runs)
@@ -230,7 +230,7 @@ def seat_gangs(asks: Sequence[SeatAsk], *, row_type: np.ndarray, row_cap: np.nda
         if seats:
             constraint([(s, 1.0) for s in seats], 1.0)
             budget_terms += [(s, float(width)) for s in seats]
-            every_gang.append((width * ask.due * (1.0 + TIE * (1.0 - ask.rank)), width))
+            every_gang.append((runs, width))
     if not budget_terms:
         return {}
     for h, terms in enumerate(usage):
@@ -244,7 +244,8 @@ def seat_gangs(asks: Sequence[SeatAsk], *, row_type: np.ndarray, row_cap: np.nda
         constraint(terms, float(count[r] - reserved[r]))
         d = cols.add(-1, -1, -1, "displaced", float(count[r]), -DISPLACE)
         constraint(terms + [(d, -1.0)], float(max(left_by_singles[r], 0.0)))
-    constraint(budget_terms, budget + max(a.width for a in asks) / 2.0)
+    gpus_allowed = budget + max(a.width for a in asks) / 2.0
+    constraint(budget_terms, gpus_allowed)
     n_cols = len(cols.kind)
     if n_cols > MAX_COLUMNS:
         return None
@@ -262,7 +263,7 @@ def seat_gangs(asks: Sequence[SeatAsk], *, row_type: np.ndarray, row_cap: np.nda
     # (each due is positive), so try that first: one MIP a round, not two, wherever the due
     # gangs all fit (most rounds of a cluster not full, e.g. the Philly replay). Each W due
     # is at least 2 SHARE_EPS, far above the gap, so the answer is the two stages' own.
-    if sum(w for _, w in every_gang) <= budget + max(a.width for a in asks) / 2.0:
+    if sum(w for _, w in every_gang) <= gpus_allowed:
         res = where(sum(v for v, _ in every_gang) - 2 * MIP_ABS_GAP)
         if res.ok:
             return _read(asks, cols, np.round(res.x))
