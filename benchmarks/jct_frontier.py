@@ -101,7 +101,7 @@ def run_trace(cluster_name: str, jobs_n: int, seed: int, factors: list[float], r
     throughput = build_throughput(cross_node=True)
     cluster = parse_cluster(cluster_name)
     jobs = load_trace(f"gen:jobs={jobs_n},rate=0,seed={seed},multi_gpu=false", throughput=throughput)
-    bound = ttd_bounds(jobs, cluster, throughput).ttd_nofork_s
+    bound = ttd_bounds(jobs, cluster, throughput, round_s=round_s).ttd_nofork_s
     gavel = compute_results(simulate(policy=make_policy("gavel"), cluster=cluster, jobs=jobs, throughput=throughput,
                                      options=SimOptions(round_s=round_s)), throughput)
     p = processing_rounds(jobs, [g for node in cluster.nodes for g in node.gpus], throughput, round_s)

@@ -53,7 +53,7 @@ def run_cluster(cluster_name: str, traces: list[str], round_s: float) -> dict:
     for spec in traces:
         jobs = load_trace(spec, throughput=throughput)
         total += len(jobs)
-        bounds = ttd_bounds(jobs, cluster, throughput)
+        bounds = ttd_bounds(jobs, cluster, throughput, round_s=round_s)
         metrics, bound = {}, {}
         for name in POLICIES:
             result = simulate(policy=make_policy(name), cluster=cluster, jobs=jobs, throughput=throughput,

@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.bound:
         t = time.perf_counter()
         bounds = ttd_bounds(jobs_of(args.seed, args.days), parse_cluster(CLUSTER), build_throughput(),
-                            first_start_s=SimOptions(round_s=ROUND_S, data_plane=plane).first_start_s)
+                            first_start_s=SimOptions(round_s=ROUND_S, data_plane=plane).first_start_s,
+                            round_s=ROUND_S)
         out.update(ttd_nofork_s=bounds.ttd_nofork_s, ttd_fork_s=bounds.ttd_fork_s, bound_wall_s=time.perf_counter() - t)
         print(f"TTD bounds: no-fork {bounds.ttd_nofork_s}, fork {bounds.ttd_fork_s} "
               f"({out['bound_wall_s']:.0f} s)", flush=True)

@@ -169,7 +169,8 @@ def main() -> None:
         if args.arrivals == "zero":
             jobs = at_first_arrival(jobs)
         options = sim_options(jobs, round_s=args.round_s, restart=args.restart, plane=plane)
-        bounds = ttd_bounds(jobs, cluster, throughput, first_start_s=options.first_start_s) if args.bounds else None
+        bounds = (ttd_bounds(jobs, cluster, throughput, first_start_s=options.first_start_s, round_s=args.round_s)
+                  if args.bounds else None)
         for name in policies:
             t = time.perf_counter()
             got = run_one(name, jobs, cluster_name=args.cluster, options=options, bounds=bounds,

@@ -81,7 +81,7 @@ def run_task(task: Task) -> list[dict]:
     cluster = parse_cluster(task.cluster)
     jobs = load_trace(task.trace, throughput=throughput)
     options = SimOptions(round_s=task.round_s)
-    bounds = ttd_bounds(jobs, cluster, throughput, first_start_s=options.first_start_s)
+    bounds = ttd_bounds(jobs, cluster, throughput, first_start_s=options.first_start_s, round_s=options.round_s)
     rows = []
     for name in task.policies:
         t0 = time.process_time()

@@ -167,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
               f"stopped: {result.stop_reason}, {time.perf_counter() - started:.1f} s", file=sys.stderr)
 
     summary = report.build_summary(cluster=cluster, trace=args.trace, jobs=len(jobs), metrics=metrics,
-                                   bounds=ttd_bounds(jobs, cluster, throughput, first_start_s=options.first_start_s),
+                                   bounds=ttd_bounds(jobs, cluster, throughput, first_start_s=options.first_start_s,
+                                                     round_s=options.round_s),
                                    gangs_only={name: r.gangs_only for name, r in zip(names, results)},
                                    queue_config=queues, fairness=per_queue if queues is not None else None,
                                    charged=options.charges().describe())

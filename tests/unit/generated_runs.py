@@ -18,4 +18,4 @@ def run_generated(policy: str, cluster: str, *, jobs: int, seed: int, multi_gpu:
                        throughput=throughput)
     result = simulate(policy=make_policy(policy, **options), cluster=parse_cluster(cluster), jobs=trace,
                       throughput=throughput, options=SimOptions(round_s=360.0))
-    return compute_results(result, throughput), ttd_bounds(trace, parse_cluster(cluster), throughput)
+    return compute_results(result, throughput), ttd_bounds(trace, parse_cluster(cluster), throughput, round_s=360.0)

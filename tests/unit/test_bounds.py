@@ -135,6 +135,28 @@ def test_every_jobs_first_start_holds_its_gpus_before_it_trains() -> None:
     assert started.ttd_nofork_s == pytest.approx(plain.ttd_nofork_s + 150.0)   # (2 + 1) x 100 GPU-s on 2 GPUs
 
 
+def test_a_gang_holds_its_gpus_until_the_round_ends() -> None:
+    # Three 4-GPU gangs of half a round each on one 4-GPU node: every policy runs them one a
+    # round (a gang's GPUs are freed only at the round's end), so the last ends at 2.5 rounds.
+    # By work alone the bound is 1.5 rounds; with whole rounds each gang holds 4 GPU-rounds,
+    # of which at most one round of the cluster may fall past the end: 2 rounds.
+    model = ThroughputModel(rates={("A", "v100", 4): 4.0, ("A", "v100", 1): 1.0}, cross_node=False)
+    gangs = [job(name, 0, 720, workers=4) for name in "abc"]
+    cluster = parse_cluster("v100:1x4")
+    assert ttd_bounds(gangs, cluster, model).ttd_nofork_s == pytest.approx(540.0)
+    rounds = ttd_bounds(gangs, cluster, model, round_s=360.0)
+    assert rounds.ttd_nofork_s == pytest.approx(720.0)
+    assert rounds.ttd_fork_s == ttd_bounds(gangs, cluster, model).ttd_fork_s   # copies may be any size
+    for name in ("gavel", "hadar"):
+        result = simulate(policy=make_policy(name), cluster=cluster, jobs=gangs, throughput=model,
+                          options=SimOptions(round_s=360.0, check=True))
+        assert compute_results(result, model).ttd_s == pytest.approx(900.0)
+    # A job of several rounds holds its GPUs only past its last round's work: 1.5 rounds of
+    # work is 2 rounds held, one of them possibly past the end, so nothing is added.
+    assert ttd_bounds([job("d", 0, 2160, workers=4)], cluster, model, round_s=360.0).ttd_nofork_s == \
+        pytest.approx(540.0)
+
+
 def test_a_forked_job_gets_one_copy_per_node_not_its_best_per_gpu_rate_on_every_gpu() -> None:
     # A 2-worker job steps 1.0/s on one V100 and 0.6/s on two: per GPU a lone worker is the
     # more efficient (1.0 x 1/2 credited against 0.6 x 2/2 / 2), but a node takes one copy,
@@ -196,7 +218,7 @@ def cases(draw) -> tuple[Cluster, list[TraceJob], float]:
 def test_no_policy_beats_its_bound(case: tuple[Cluster, list[TraceJob], float]) -> None:
     cluster, jobs, restart_s = case
     options = SimOptions(restart_s=restart_s, check=True, stall_rounds=3)
-    bounds = ttd_bounds(jobs, cluster, TABLE, first_start_s=options.first_start_s)
+    bounds = ttd_bounds(jobs, cluster, TABLE, first_start_s=options.first_start_s, round_s=options.round_s)
     if bounds.ttd_fork_s is None:
         return
     # a gang of W is a plan of one copy: the fork bound is never above the no-fork one

@@ -76,6 +76,9 @@ each job once: its work is done in ``[a_0 + s_j + d_j, a_0 + T]`` (``s_j + d_j``
 g_j d_j`` (``g_j`` = W_j for a gang, 1 for the fork bound, whose least copy is one GPU) join
 the capacity rows of every offset ``s <= s_j``. Restarts after the first, waits for a round
 boundary, consolidation and upload are not charged: a policy may avoid them.
+
+*Whole rounds* (``round_s``, no-fork only): a gang holds its GPUs until the round ends, so
+each job holds at least its rounds' worth (``bound_rounds``).
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ from scipy.sparse import coo_matrix, csr_matrix
 from services.scheduler.core.cluster import Cluster
 from services.scheduler.core.throughput import ThroughputModel
 from services.scheduler.policies.lp.highs import solve as solve_lp
-from services.scheduler.sim import bound_gangs
+from services.scheduler.sim import bound_gangs, bound_rounds
 from services.scheduler.sim.bound_forks import best_slowest, node_classes, node_columns
 from services.scheduler.sim.traces import TraceJob
 
@@ -199,9 +202,11 @@ def _best_rates(jobs: Sequence[TraceJob], cluster: Cluster, throughput: Throughp
 
 
 def ttd_lower_bound(jobs: Sequence[TraceJob], cluster: Cluster, throughput: ThroughputModel, *,
-                    fork: bool, first_start_s: Callable[[str], float] | None = None) -> float | None:
+                    fork: bool, first_start_s: Callable[[str], float] | None = None,
+                    round_s: float | None = None) -> float | None:
     """The LP bound of the module docstring, seconds from the first arrival (None: unbounded);
-    ``first_start_s``: seconds a job of a type loses at its first placement (None: nothing).
+    ``first_start_s``: seconds a job of a type loses at its first placement (None: nothing);
+    ``round_s``: the run's round length, for the no-fork bound's whole rounds (None: not charged).
 
     The capacity rows ``sum_{j: s_j >= s} X[j,r] <= n_r (T - s)`` are written with a
     cumulative variable per (distinct arrival offset s_k, type r), ``C[k,r] >= C[k+1,r] +
@@ -241,9 +246,12 @@ def ttd_lower_bound(jobs: Sequence[TraceJob], cluster: Cluster, throughput: Thro
     t_col = n_x                              # y[c] (share of its job's work), then T
     c_base = t_col + 1                       # C[k, r] at c_base + k * n_types + r
     e_base = c_base + n_levels * n_types     # E[k, r]: first starts of the jobs arriving at level k, if any
-    n_base = e_base + (n_levels * n_types if starts else 0)   # then D[k] of each (type set, width) row in force
+    z_base = e_base + (n_levels * n_types if starts else 0)   # Z[i]: held past T by the i-th job held whole rounds
     coef = work[col_job] / columns.rate      # units (GPU- or node-seconds) all of its job's work takes there
     gpu_coef = coef * columns.gpus           # and GPU-seconds of its type
+    chosen, least = (bound_rounds.held_at_least(work / best, start, widths, gpu_coef, col_job, round_s)
+                     if round_s and not fork else (np.zeros(0, dtype=int), np.zeros(0)))
+    n_base = z_base + chosen.size            # then D[k] of each (type set, width) row in force
     counts = np.array([cluster.gpus_by_type[t] for t in types], dtype=float)
     by_workers = {j.workers: _total_cap(j.workers, cluster, fork=fork) for j in jobs}
     total = np.array([by_workers[job.workers] for job in jobs], dtype=float)
@@ -268,6 +276,11 @@ def ttd_lower_bound(jobs: Sequence[TraceJob], cluster: Cluster, throughput: Thro
         # first starts: -sum_r E[k,r] <= -(GPU-seconds the first starts of the jobs arriving at level k hold)
         held = np.bincount(start_group, weights=start * (1.0 if fork else widths), minlength=n_levels)
         fixed.add(k_of, e_base + kr, -np.ones(len(kr)), -held)
+    upper = np.full(n_base, np.inf)          # Z[i] <= W round_s; the rest unbounded above
+    if chosen.size and round_s:
+        fixed.add(*bound_rounds.rows(chosen, least, n_jobs=n_jobs, col_job=col_job, gpu_coef=gpu_coef,
+                                     z_base=z_base, gpus=float(counts.sum()), round_s=round_s))
+        upper[z_base + np.arange(chosen.size)] = widths[chosen] * round_s
 
     n_slots = slot_cap.shape[1]
     pairs, pair_of = np.unique(col_job * n_slots + columns.slot, return_inverse=True)
@@ -306,7 +319,8 @@ def ttd_lower_bound(jobs: Sequence[TraceJob], cluster: Cluster, throughput: Thro
         lower[t_col] = float(np.max(offsets + work / best))
         cost = np.zeros(n_cols)
         cost[t_col] = 1.0
-        res = solve_lp(cost, cuts.matrix(n_cols), cuts.bounds(), np.column_stack([lower, np.full(n_cols, np.inf)]))
+        res = solve_lp(cost, cuts.matrix(n_cols), cuts.bounds(),
+                       np.column_stack([lower, np.concatenate([upper, np.full(n_cols - n_base, np.inf)])]))
         if not res.ok:
             raise RuntimeError(f"TTD bound LP failed: {res.message}")
         t_end = float(res.x[t_col])
@@ -396,11 +410,12 @@ class _Rows:
 
 
 def ttd_bounds(jobs: Sequence[TraceJob], cluster: Cluster, throughput: ThroughputModel, *,
-               first_start_s: Callable[[str], float] | None = None) -> TtdBounds:
-    """Both bounds; ``first_start_s``: the run's ``SimOptions.first_start_s`` (None: no charge)."""
+               first_start_s: Callable[[str], float] | None = None, round_s: float | None = None) -> TtdBounds:
+    """Both bounds; ``first_start_s``: the run's ``SimOptions.first_start_s`` (None: no charge);
+    ``round_s``: its round length (None: whole rounds not charged)."""
     return TtdBounds(ttd_fork_s=ttd_lower_bound(jobs, cluster, throughput, fork=True, first_start_s=first_start_s),
                      ttd_nofork_s=ttd_lower_bound(jobs, cluster, throughput, fork=False,
-                                                  first_start_s=first_start_s))
+                                                  first_start_s=first_start_s, round_s=round_s))
 
 
 def bound_for(policy: str, bounds: TtdBounds, *, gangs_only: bool) -> tuple[str, float | None]:
