@@ -25,6 +25,9 @@ from services.scheduler.policies.hadar.timeline import (
 )
 from services.scheduler.policies.lp.model import WorkLp, makespan, type_rates
 from services.scheduler.policies.lp.timeline import solve
+from services.scheduler.sim.cluster_spec import parse_cluster
+from services.scheduler.sim.simulator import SimOptions, simulate
+from services.scheduler.sim.traces import TraceJob
 from shared.persistence.codec import pack, unpack
 from tests.unit.generated_runs import run_generated
 
@@ -266,6 +269,26 @@ def test_two_long_jobs_get_the_type_each_is_efficient_on():
         JobState(job_id="r50", job_type=RESNET50, workers=1, total_steps=steps(RESNET50, "v100", 100)),
         JobState(job_id="rec", job_type=RECO, workers=1, total_steps=steps(RECO, "k80", 100))])
     assert chosen == {"r50": {"v100"}, "rec": {"k80"}}
+
+
+def test_a_gang_that_finishes_within_the_round_anyway_leaves_the_fast_type_to_one_that_needs_it():
+    # Three 4-GPU gangs on a node of 4 V100s and one of 4 K80s: "a" takes 2 rounds on the
+    # V100s (6 on the K80s), "b" and "c" a fifth and three tenths of a round there (0.8 and
+    # 0.6 on the K80s). A gang holds its GPUs until the round ends, so a short one costs a
+    # round of the V100s or of the K80s alike: a on the V100s from the start, the short ones
+    # on the K80s, all done in 2 rounds. Counted by GPU-seconds the short ones are cheapest
+    # on the V100s, where one of them held them for the first round and a ended at 3.
+    model = ThroughputModel(rates={("A", "v100", 4): 3.0, ("A", "k80", 4): 1.0, ("B", "v100", 4): 2.0,
+                                   ("B", "k80", 4): 0.5, ("C", "v100", 4): 3.0, ("C", "k80", 4): 1.5},
+                            cross_node=False)
+    jobs = [TraceJob(job_id=name.lower(), arrival_s=0.0, job_type=name, workers=4, total_steps=steps)
+            for name, steps in (("A", 2160), ("B", 144), ("C", 324))]
+    seen: list[set[tuple[str, str]]] = []
+    result = simulate(policy=make_policy("hadar"), cluster=parse_cluster("v100:1x4,k80:1x4"), jobs=jobs,
+                      throughput=model, options=SimOptions(round_s=360.0, check=True),
+                      observer=lambda o: seen.append({(p.job_id, p.node_id) for p in o.plan.placements}))
+    assert ("a", "v100-0") in seen[0]
+    assert max(j.completion_s for j in result.jobs) == pytest.approx(720.0)
 
 
 def test_a_job_about_to_finish_is_not_starved_by_its_sliver_of_a_share():

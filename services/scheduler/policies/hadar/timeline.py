@@ -115,23 +115,35 @@ class CriticalRound:
     seats: dict[str, Seat] = field(default_factory=dict)
 
 
-def gang_lp(jobs: Sequence[JobState], profiles: Mapping[str, JobProfile], count: np.ndarray) -> WorkLp:
+def gang_lp(jobs: Sequence[JobState], profiles: Mapping[str, JobProfile], count: np.ndarray, *,
+            round_s: float | None = None) -> WorkLp:
     """The no-fork LP data of ``jobs`` (``count[r]``: GPUs of type r), scaled as ``fork_lp``,
     one column per placement option: a node option of type r is rho[j, r] = the per-worker
     rate (at most min(W, n_r) GPUs of r); a spread option is a spread column, each GPU of its
     eligible types earning the option's planned rate / W. A spread option whose every
-    eligible type has a node option is left out: per GPU, those earn at least as much."""
+    eligible type has a node option is left out: per GPU, those earn at least as much.
+
+    With ``round_s``, whole rounds: a gang holds its W GPUs until the round ends, so on an
+    option where its remaining work takes a part n < 1 of a round it is credited n of its
+    rate there, its work taking the whole round of the GPUs it holds. Exact for the round
+    being planned, whose slice is used (a job with more than a round left fills it on any
+    option); without it the LP handed short gangs the fast type, fastest per GPU-second,
+    and they held it a whole round for a part of one (Sia's Philly-derived workloads, most
+    of whose jobs finish within a round: README "Whole rounds"). Gangs only: a single-GPU
+    job holds one GPU, and counting it so moved aws-5's TTD on 20 single-GPU jobs (seeds
+    1-5) from 1.18x to 1.16x gavel's, under that cell's 1.17x target."""
     n_r = count.size
     rho = np.zeros((len(jobs), n_r))
     spread_job, spread_rate, spread_types = [], [], []
     for i, job in enumerate(jobs):
+        whole = round_s if job.workers > 1 else None
         for option in profiles[job.job_id].options:
             if option.one_node:
-                rho[i, option.gpu_type] = option.rate / job.workers
+                rho[i, option.gpu_type] = option.rate / job.workers * _round_part(job.remaining, option.rate, whole)
         for option in profiles[job.job_id].options:
             if not option.one_node and option.rate > 0 and (rho[i, option.eligible] <= 0).any():
                 spread_job.append(i)
-                spread_rate.append(option.rate / job.workers)
+                spread_rate.append(option.rate / job.workers * _round_part(job.remaining, option.rate, whole))
                 spread_types.append(option.eligible)
     workers = np.array([j.workers for j in jobs], dtype=float)
     cap = np.minimum(workers[:, None], count[None, :].astype(float))
@@ -142,6 +154,13 @@ def gang_lp(jobs: Sequence[JobState], profiles: Mapping[str, JobProfile], count:
                   rem=np.array([j.remaining for j in jobs], dtype=float) / scale, cap_f=cap, cap_g=workers,
                   count=count.astype(float), spread_job=np.array(spread_job, dtype=int), spread_rate=rates / scale,
                   spread_cap=np.where(eligible, cap[np.array(spread_job, dtype=int)], 0.0), gang_width=workers)
+
+
+def _round_part(remaining: float, rate: float, round_s: float | None) -> float:
+    """The part of a round ``remaining`` steps take at ``rate``, if under one (else 1)."""
+    if not round_s or rate <= 0:
+        return 1.0
+    return min(1.0, remaining / (rate * round_s))
 
 
 def end_round(best_rounds: float, *, round_: int, previous: int | None, arrived: bool, slack: float) -> int:
@@ -177,7 +196,7 @@ def critical_types(jobs: Sequence[JobState], profiles: Mapping[str, JobProfile],
     else:
         groups = [[j] for j in live]
     at = {j.job_id: i for i, j in enumerate(live)}
-    lp = pool(gang_lp(live, profiles, count), [[at[j.job_id] for j in g] for g in groups])
+    lp = pool(gang_lp(live, profiles, count, round_s=round_s), [[at[j.job_id] for j in g] for g in groups])
     weights = [sum(max(j.priority, 1e-9) for j in g) for g in groups]
     growth = 4.0 if len(groups) < len(live) else 2.0
     keep = np.zeros(lp.rho.shape)
