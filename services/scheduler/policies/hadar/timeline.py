@@ -14,8 +14,9 @@ the time-indexed LP of ``lp/timeline`` without forking, over intervals of one ro
 then 1, 2, 4... rounds up to E, with one column per placement option (``gang_lp``): a GPU
 of type r held on one node earns the job its per-worker rate there; a gang that must span
 nodes holds GPUs of its option's eligible types, each earning the option's planned rate /
-W (its slowest worker and the cross-node factor, not the sum of its GPUs); each job holds
-at most W_j GPUs at a time, and ``gang_cuts`` ties a gang's time to what the others can
+W (its slowest worker and the cross-node factor, not the sum of its GPUs), and a gang that
+finishes within the round on an option is counted the whole round it holds there; each job
+holds at most W_j GPUs at a time, and ``gang_cuts`` ties a gang's time to what the others can
 use (gangs too wide to run side by side do not overlap; narrow jobs that are done do not
 fill a gang's off-time). E is the target end round: round + ceil((1 + slack) T*) the
 first round, T* the LP's optimal makespan on the remaining work, raised when jobs arrive,
