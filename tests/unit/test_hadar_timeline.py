@@ -368,7 +368,6 @@ def test_a_critical_gang_runs_only_on_the_types_the_rule_counted_it_on():
     # idle GPU.
     from importlib import resources
 
-    from services.scheduler.sim.cluster_spec import parse_cluster
     from services.scheduler.sim.sia_table import build_sia_throughput
     from services.scheduler.sim.sia_traces import restart_s_by_job_type
     from services.scheduler.sim.simulator import SimOptions, simulate

@@ -246,7 +246,7 @@ def ttd_lower_bound(jobs: Sequence[TraceJob], cluster: Cluster, throughput: Thro
     t_col = n_x                              # y[c] (share of its job's work), then T
     c_base = t_col + 1                       # C[k, r] at c_base + k * n_types + r
     e_base = c_base + n_levels * n_types     # E[k, r]: first starts of the jobs arriving at level k, if any
-    z_base = e_base + (n_levels * n_types if starts else 0)   # Z[i]: held past T by the i-th job held whole rounds
+    z_base = e_base + (n_levels * n_types if starts else 0)   # Z[i]: GPU-seconds past T, i-th whole-rounds row
     coef = work[col_job] / columns.rate      # units (GPU- or node-seconds) all of its job's work takes there
     gpu_coef = coef * columns.gpus           # and GPU-seconds of its type
     chosen, least = (bound_rounds.held_at_least(work / best, start, widths, gpu_coef, col_job, round_s)
