@@ -18,8 +18,9 @@ at most one seat (run_g); GPUs of each row at most C_h; GPUs of each type at mos
 the GPU of the job that sets E); sum_g W_g run_g at most the rounding's budget plus half
 the widest gang (as ``gangs.whole_gangs``); kept_g only on the gang's seat of last round
 (the same GPUs on every row: anything else restarts it); d_r >= GPUs of type r seated
-beyond those the LP leaves after its single-GPU jobs. Two objectives, in turn (lexicographic, as the one-at-a-
-time rounding decides: which gangs run, by their dues alone, then where):
+beyond those the LP leaves after its single-GPU jobs. Two objectives, in turn
+(lexicographic, as the one-at-a-time rounding decides: which gangs run, by their dues
+alone, then where):
 
     1. max  sum_g W_g due_g (1 + TIE (1 - rank_g)) run_g
     2. max  sum_go W_g due_g (PREFER fit_go + RATE rate_o / best_g) seat_go
